@@ -1,0 +1,150 @@
+"""Geometry presets of the DeepSeek-V4 family and tensor-parallel slicing.
+
+A preset is data (one `MoEConfig`); a sweep over TP degrees is a sweep over one
+rank's shape (`RankShape`): every rank holds all experts at intermediate I/tp,
+zero-padded up to a multiple of 128.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+#: Multiple the per-rank intermediate size is padded to (zeros).
+INTERMEDIATE_ALIGN = 128
+#: MX block size along K (OCP MX v1.0).
+MX_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Full (unsliced) routed-expert geometry of one MoE layer.
+
+    Attributes: hidden H, moe intermediate I, routed experts E, top_k, shared
+    experts, routed_scaling_factor (folded into the router weights), and the
+    SwiGLU clamp limit.
+    """
+
+    name: str
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    shared_experts: int = 1
+    routed_scaling_factor: float = 1.0
+    swiglu_limit: float = 10.0
+
+    def __post_init__(self) -> None:
+        for field in ("hidden", "intermediate", "experts", "top_k"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{field} must be a positive int, got {value!r}")
+        if self.hidden % 128:
+            raise ValueError(f"hidden must be a multiple of 128, got {self.hidden}")
+        if self.intermediate % MX_BLOCK:
+            raise ValueError(
+                f"intermediate must be a multiple of {MX_BLOCK}, got {self.intermediate}"
+            )
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k ({self.top_k}) exceeds experts ({self.experts})")
+        if not self.routed_scaling_factor > 0:
+            raise ValueError("routed_scaling_factor must be > 0")
+        if not self.swiglu_limit > 0:
+            raise ValueError("swiglu_limit must be > 0")
+
+    def shard(self, tp: int) -> RankShape:
+        """One rank's shape at tensor-parallel degree `tp`.
+
+        Raises ValueError when `tp` is not a positive int, or I/tp is not a whole
+        multiple of the MX block (32).
+        """
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0:
+            raise ValueError(f"tp must be a positive int, got {tp!r}")
+        if self.intermediate % tp or (self.intermediate // tp) % MX_BLOCK:
+            raise ValueError(
+                f"tp={tp}: intermediate {self.intermediate} does not split into "
+                f"multiples of {MX_BLOCK}"
+            )
+        sliced = self.intermediate // tp
+        padded = -(-sliced // INTERMEDIATE_ALIGN) * INTERMEDIATE_ALIGN
+        return RankShape(self, tp, sliced, padded)
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """One rank's routed-expert shape: all E experts at `intermediate` = I/tp,
+    stored padded with zeros to `padded_intermediate` (a multiple of 128)."""
+
+    config: MoEConfig
+    tp: int
+    intermediate: int
+    padded_intermediate: int
+
+    @property
+    def hidden(self) -> int:
+        return self.config.hidden
+
+    @property
+    def experts(self) -> int:
+        return self.config.experts
+
+    @property
+    def top_k(self) -> int:
+        return self.config.top_k
+
+    @property
+    def swiglu_limit(self) -> float:
+        return self.config.swiglu_limit
+
+    @property
+    def routed_scaling_factor(self) -> float:
+        return self.config.routed_scaling_factor
+
+    def expert_bytes(self) -> int:
+        """Logical (unpadded) bytes of one expert: MXFP4 w13 + w2 and their
+        E8M0 scales."""
+        h, i = self.hidden, self.intermediate
+        return 2 * i * h // 2 + 2 * i * h // MX_BLOCK + h * i // 2 + h * i // MX_BLOCK
+
+    def describe(self) -> str:
+        return (
+            f"{self.config.name} TP{self.tp}: H={self.hidden} I={self.intermediate}"
+            f" (padded {self.padded_intermediate}) E={self.experts} top_k={self.top_k}"
+        )
+
+
+PRESETS: dict[str, MoEConfig] = {
+    c.name: c
+    for c in (
+        MoEConfig("dsv41-flash", 5120, 2304, 384, 6, 1, 1.5, 10.0),
+        MoEConfig("dsv4-flash", 4096, 2048, 256, 6, 1, 1.5, 10.0),
+        MoEConfig("dsv4-pro", 7168, 3072, 384, 6, 1, 2.5, 10.0),
+    )
+}
+
+
+def get_preset(
+    name: str,
+    *,
+    hidden: int | None = None,
+    intermediate: int | None = None,
+    experts: int | None = None,
+    top_k: int | None = None,
+) -> MoEConfig:
+    """The preset `name`, with any of hidden / intermediate / experts / top_k
+    overridden (the overridden config is renamed `name+custom`).
+
+    Raises ValueError for an unknown preset or an invalid override.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+    overrides = {
+        k: v
+        for k, v in dict(
+            hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k
+        ).items()
+        if v is not None
+    }
+    config = PRESETS[name]
+    if not overrides:
+        return config
+    return replace(config, name=f"{name}+custom", **overrides)
