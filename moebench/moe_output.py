@@ -1,0 +1,231 @@
+"""The MoE output contract: a layer's routed output with its reductions open.
+
+A producer that stops after GEMM2 hands back `UnfinalizedMoEOutput`: the
+permuted, unweighted BF16 rows, the routing weights and the permute map, so the
+top-k reduction can be fused with what follows (the shared-expert add, the
+tensor-parallel all-reduce, the next RMSNorm). `MoEOutput` carries the routed
+part (finalized or not) together with the shared-expert output and the
+runner-side routed scale. `finalize` is the plain torch consumer:
+
+    out[t] = scale * sum_k w[t, k] * rows[permuted[t, k]]  (k with permuted -1 skipped)
+             + shared[t]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class UnfinalizedMoEOutput:
+    """Routed output before the top-k reduction.
+
+    gemm2_permuted: [permuted_rows, hidden], densely packed (row stride = hidden);
+        its row count is never relied on beyond the rows the map points to.
+    expert_weights: [tokens, top_k] routing weights (routed scale folded in where
+        the router folds it).
+    expanded_idx_to_permuted_idx: int32 [tokens, top_k]; -1 = route not local.
+    route_major: row t*top_k+k holds route (t, k) (the map is the identity but for -1).
+    """
+
+    gemm2_permuted: torch.Tensor
+    expert_weights: torch.Tensor
+    expanded_idx_to_permuted_idx: torch.Tensor
+    route_major: bool = False
+
+    def __post_init__(self) -> None:
+        rows, w, idx = self.gemm2_permuted, self.expert_weights, self.expanded_idx_to_permuted_idx
+        for name, t in (("gemm2_permuted", rows), ("expert_weights", w),
+                        ("expanded_idx_to_permuted_idx", idx)):  # fmt: skip
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if rows.dim() != 2:
+            raise ValueError(f"gemm2_permuted must be [permuted_rows, hidden], got {tuple(rows.shape)}")
+        if rows.stride() != (rows.shape[1], 1) and rows.numel():
+            raise ValueError("gemm2_permuted must be densely packed at hidden (row-major contiguous)")
+        if idx.dtype != torch.int32:
+            raise ValueError(f"expanded_idx_to_permuted_idx must be int32, got {idx.dtype}")
+        if w.dim() != 2 or idx.shape != w.shape:
+            raise ValueError(
+                f"expert_weights {tuple(w.shape)} and expanded_idx_to_permuted_idx "
+                f"{tuple(idx.shape)} must both be [tokens, top_k]"
+            )
+        if not (rows.device == w.device == idx.device):
+            raise ValueError("gemm2_permuted, expert_weights and the permute map must share a device")
+
+    @property
+    def num_tokens(self) -> int:
+        return self.expert_weights.shape[0]
+
+    @property
+    def top_k(self) -> int:
+        return self.expert_weights.shape[1]
+
+    @property
+    def hidden(self) -> int:
+        return self.gemm2_permuted.shape[1]
+
+
+@dataclass
+class MoEOutput:
+    """A MoE layer's un-reduced output: routed part (finalized [tokens, hidden]
+    or unfinalized), the shared-expert output to add, and the runner-side scale
+    applied to the routed sum (1.0 when the router folded it into the weights)."""
+
+    routed: torch.Tensor | UnfinalizedMoEOutput
+    shared_output: torch.Tensor | None = None
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.routed, (torch.Tensor, UnfinalizedMoEOutput)):
+            raise TypeError(
+                f"routed must be a Tensor or UnfinalizedMoEOutput, got {type(self.routed).__name__}"
+            )
+        if self.shared_output is not None:
+            tokens, hidden = _routed_shape(self.routed)
+            if tuple(self.shared_output.shape) != (tokens, hidden):
+                raise ValueError(
+                    f"shared_output must be [{tokens}, {hidden}], got {tuple(self.shared_output.shape)}"
+                )
+
+    def finalize(self, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The finalized [tokens, hidden] output (see module docstring)."""
+        return finalize(
+            self.routed, scale=self.routed_scaling_factor, shared=self.shared_output,
+            out_dtype=out_dtype,
+        )  # fmt: skip
+
+
+def _routed_shape(routed: torch.Tensor | UnfinalizedMoEOutput) -> tuple[int, int]:
+    if isinstance(routed, UnfinalizedMoEOutput):
+        return routed.num_tokens, routed.hidden
+    if routed.dim() != 2:
+        raise ValueError(f"a finalized routed output must be [tokens, hidden], got {tuple(routed.shape)}")
+    return tuple(routed.shape)  # type: ignore[return-value]
+
+
+def finalize(
+    routed: torch.Tensor | UnfinalizedMoEOutput,
+    *,
+    scale: float = 1.0,
+    shared: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """out = scale * sum_k w[t,k] * rows[permuted[t,k]] (-1 skipped) + shared.
+
+    Accumulates in fp32 (fp64 when the rows are fp64) in top-k order and
+    returns `out_dtype` (default: the rows' dtype). A finalized tensor is just
+    scaled and added to. Raises ValueError when a permute index lies outside
+    the rows, or `shared` has the wrong shape.
+    """
+    tokens, hidden = _routed_shape(routed)
+    if shared is not None and tuple(shared.shape) != (tokens, hidden):
+        raise ValueError(f"shared must be [{tokens}, {hidden}], got {tuple(shared.shape)}")
+    if isinstance(routed, torch.Tensor):
+        acc_dtype = torch.float64 if routed.dtype == torch.float64 else torch.float32
+        acc = routed.to(acc_dtype) * scale
+        dtype = out_dtype or routed.dtype
+    else:
+        rows = routed.gemm2_permuted
+        idx = routed.expanded_idx_to_permuted_idx.to(torch.int64)
+        if idx.numel() and int(idx.max()) >= rows.shape[0]:
+            raise ValueError(
+                f"permute map points at row {int(idx.max())}, gemm2_permuted has {rows.shape[0]} rows"
+            )
+        acc_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
+        w = routed.expert_weights.to(acc_dtype)
+        acc = torch.zeros(tokens, hidden, dtype=acc_dtype, device=rows.device)
+        for k in range(routed.top_k):
+            local = idx[:, k] >= 0
+            gathered = rows[idx[:, k].clamp_min(0)].to(acc_dtype)
+            acc = acc + torch.where(local.unsqueeze(1), w[:, k : k + 1] * gathered, 0.0)
+        acc = acc * scale
+        dtype = out_dtype or rows.dtype
+    if shared is not None:
+        acc = acc + shared.to(acc.dtype)
+    return acc.to(dtype)
+
+
+def convert_flashinfer_moe_output(
+    flashinfer_output: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...],
+    *,
+    do_finalize: bool,
+    num_tokens: int,
+    top_k: int,
+    finalized_output: torch.Tensor | None = None,
+) -> torch.Tensor | UnfinalizedMoEOutput:
+    """Normalize FlashInfer's MoE return layouts.
+
+    Finalized (`do_finalize`): a tensor or a one-tensor list, which must alias
+    `finalized_output` when one was passed. Deferred: a list (gemm2 rows
+    [permuted, hidden], weights [num_tokens*top_k], int32 permute map
+    [num_tokens*top_k]) -> UnfinalizedMoEOutput. Raises ValueError for any
+    other layout, naming what is wrong.
+    """
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if top_k <= 0:
+        raise ValueError(f"top_k must be > 0, got {top_k}")
+    if do_finalize:
+        if isinstance(flashinfer_output, torch.Tensor):
+            out = flashinfer_output
+        elif len(flashinfer_output) == 1 and isinstance(flashinfer_output[0], torch.Tensor):
+            out = flashinfer_output[0]
+        else:
+            raise ValueError("a finalized FlashInfer output must be one tensor")
+        if finalized_output is not None and (
+            out.shape != finalized_output.shape
+            or out.dtype != finalized_output.dtype
+            or out.device != finalized_output.device
+            or out.data_ptr() != finalized_output.data_ptr()
+        ):
+            raise ValueError("the finalized FlashInfer output does not alias finalized_output")
+        return out
+    if finalized_output is not None:
+        raise ValueError("a deferred FlashInfer output cannot take finalized_output")
+    if isinstance(flashinfer_output, torch.Tensor) or len(flashinfer_output) != 3:
+        raise ValueError("a deferred FlashInfer output must be [gemm2 rows, weights, permute map]")
+    rows, weights, idx = flashinfer_output
+    routes = num_tokens * top_k
+    if rows.dim() != 2:
+        raise ValueError(f"deferred gemm2 rows must be 2-D, got {tuple(rows.shape)}")
+    if idx.dtype != torch.int32:
+        raise ValueError(f"the permute map must be int32, got {idx.dtype}")
+    for name, t in (("routing weights", weights), ("permute map", idx)):
+        if t.numel() != routes:
+            raise ValueError(f"{name} must hold num_tokens*top_k = {routes} elements, got {t.numel()}")
+    if not (rows.device == weights.device == idx.device):
+        raise ValueError("deferred FlashInfer outputs must share a device")
+    if not all(t.is_contiguous() for t in (rows, weights, idx)):
+        raise ValueError("deferred FlashInfer outputs must be contiguous")
+    return UnfinalizedMoEOutput(rows, weights.view(num_tokens, top_k), idx.view(num_tokens, top_k))
+
+
+def route_major_moe_output(
+    routes: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+) -> UnfinalizedMoEOutput:
+    """Wrap GEMM2 output with one row per route (row t*top_k+k = route (t, k)).
+
+    routes: [tokens, top_k, hidden] or [tokens*top_k, hidden]; expert_map: int
+    [global experts] -> local id or -1; routes to experts mapped to -1 get
+    permute index -1. Raises ValueError on mismatched shapes.
+    """
+    if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)}"
+            " must both be [tokens, top_k]"
+        )
+    tokens, top_k = topk_ids.shape
+    if routes.numel() % max(1, tokens * top_k) or routes.shape[0] not in (tokens, tokens * top_k):
+        raise ValueError(f"routes must hold tokens*top_k = {tokens * top_k} rows, got {tuple(routes.shape)}")
+    idx = torch.arange(tokens * top_k, dtype=torch.int32, device=routes.device).view(tokens, top_k)
+    if expert_map is not None:
+        idx = idx.masked_fill(expert_map[topk_ids.long()] < 0, -1)
+    return UnfinalizedMoEOutput(
+        routes.reshape(tokens * top_k, routes.shape[-1]), topk_weights, idx, route_major=True
+    )
