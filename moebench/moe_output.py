@@ -115,10 +115,9 @@ def finalize(
 ) -> torch.Tensor:
     """out = scale * sum_k w[t,k] * rows[permuted[t,k]] (-1 skipped) + shared.
 
-    Accumulates in fp32 (fp64 when the rows are fp64) in top-k order and
-    returns `out_dtype` (default: the rows' dtype). A finalized tensor is just
+    Accumulates in fp32 (fp64 when the rows are fp64) and returns `out_dtype` (default: the rows' dtype). A finalized tensor is just
     scaled and added to. Raises ValueError when a permute index lies outside
-    the rows, or `shared` has the wrong shape.
+    the rows (checked for CPU tensors), or `shared` has the wrong shape.
     """
     tokens, hidden = _routed_shape(routed)
     if shared is not None and tuple(shared.shape) != (tokens, hidden):
@@ -130,18 +129,16 @@ def finalize(
     else:
         rows = routed.gemm2_permuted
         idx = routed.expanded_idx_to_permuted_idx.to(torch.int64)
-        if idx.numel() and int(idx.max()) >= rows.shape[0]:
+        # Checked on the CPU only: on a GPU it would cost a host sync (graph capture).
+        if rows.device.type == "cpu" and idx.numel() and int(idx.max()) >= rows.shape[0]:
             raise ValueError(
                 f"permute map points at row {int(idx.max())}, gemm2_permuted has {rows.shape[0]} rows"
             )
         acc_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
-        w = routed.expert_weights.to(acc_dtype)
-        acc = torch.zeros(tokens, hidden, dtype=acc_dtype, device=rows.device)
-        for k in range(routed.top_k):
-            local = idx[:, k] >= 0
-            gathered = rows[idx[:, k].clamp_min(0)].to(acc_dtype)
-            acc = acc + torch.where(local.unsqueeze(1), w[:, k : k + 1] * gathered, 0.0)
-        acc = acc * scale
+        # Vectorized over k (a handful of launches, graph-friendly, no host sync).
+        w = torch.where(idx >= 0, routed.expert_weights.to(acc_dtype), 0.0)
+        gathered = rows[idx.clamp_min(0)].to(acc_dtype)  # [tokens, top_k, hidden]
+        acc = torch.bmm(w.unsqueeze(1), gathered).squeeze(1) * scale
         dtype = out_dtype or rows.dtype
     if shared is not None:
         acc = acc + shared.to(acc.dtype)

@@ -1,0 +1,51 @@
+"""The moebench backend: our CuTe DSL kernels (quantize + route, GEMM1, GEMM2)
+through `kernels.binding.RoutedExpertGemm`, then the torch finalize.
+
+Oracle "mxfp8" (MXFP8 x and H). Needs nvidia-cutlass-dsl and an sm_90 GPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights
+from moebench.formats import ExpertWeights
+from moebench.models import RankShape
+from moebench.moe_output import finalize
+
+
+class MoebenchBackend(Backend):
+    """Our kernels: prepare binds a RoutedExpertGemm (weights converted and
+    kernels compiled once); forward = route -> GEMM1 -> GEMM2 -> finalize."""
+
+    name = "moebench"
+    oracle = "mxfp8"
+    capturable = True
+
+    def unavailable_reason(self, device: torch.device | str) -> str | None:
+        if importlib.util.find_spec("cutlass") is None:
+            return "needs nvidia-cutlass-dsl (pip install 'moebench[kernels]')"
+        dev = torch.device(device)
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            return "needs a CUDA GPU"
+        major, minor = torch.cuda.get_device_capability(dev)
+        if major != 9:
+            return f"kernels are built for sm_90a; this GPU is sm_{major}{minor}"
+        return None
+
+    def prepare(self, weights: ExpertWeights, shape: RankShape, tactic: str = DEFAULT_TACTIC):
+        """A RoutedExpertGemm bound to `weights` (raises ValueError for a bad
+        tactic, shape or weight layout)."""
+        from moebench.kernels.binding import RoutedExpertGemm
+
+        self.check_tactic(shape, tactic)
+        check_weights(weights, shape)
+        return RoutedExpertGemm(weights, shape.top_k)
+
+    def forward(self, prepared, x, topk_ids, topk_weights):
+        """bf16 [rows, H]: route (MXFP8 x + record), the GEMM pair, finalize."""
+        check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.kw.device)
+        routed = prepared.gemms(prepared.route(x, topk_ids, topk_weights))
+        return finalize(routed, out_dtype=torch.bfloat16)

@@ -1,0 +1,231 @@
+"""RoutedExpertGemm: the quantize + route kernels and the GEMM pair bound to
+one MoE layer's routed-expert weights.
+
+    x (BF16) ──► quantize (MXFP8 x) ─┐
+    top-k ids ──► route (record, permute map) ─► GEMM1 (SwiGLU, MXFP8 H) ─► GEMM2
+                                                          ─► UnfinalizedMoEOutput
+
+The weights are converted once from the canonical layout (`formats.ExpertWeights`)
+to the kernels' layout; every kernel is compiled when the layer is bound (never
+inside a CUDA-graph capture) and cached per process and shape class. Calls
+launch on torch's current stream with programmatic dependent launch between the
+kernels and no host synchronization, so a CUDA graph captures them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass
+
+import torch
+
+from moebench.formats import ExpertWeights
+from moebench.kernels import gemm as _gemm
+from moebench.kernels import quantize as _quantize
+from moebench.kernels import route as _route
+from moebench.kernels.layout import KernelWeights, to_kernel_layout
+from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
+from moebench.moe_output import UnfinalizedMoEOutput
+from moebench.record import MAX_EXPERTS, MAX_ROWS, MAX_TOP_K, TILE, cta_words, max_ctas, route_words
+
+__all__ = [
+    "Routing", "RoutedExpertGemm", "build_routed_expert_gemms", "check_weights",
+    "cta_words", "max_ctas", "route_words",
+]  # fmt: skip
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Routing:
+    """What GEMM1 and GEMM2 read, from `RoutedExpertGemm.route`.
+
+    x_quant uint8 (e4m3) [rows, H], x_scale uint8 (E8M0) [rows, H/32],
+    topk_ids int32 [rows, top_k], topk_weights fp32 [rows, top_k],
+    permuted int32 [rows, top_k] (slot -> permuted row, -1 non-local),
+    record int32 [route_words(ctas)], ctas: token tiles the record allows for.
+    """
+
+    x_quant: torch.Tensor
+    x_scale: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    permuted: torch.Tensor
+    record: torch.Tensor
+    ctas: int
+
+
+def check_weights(weights: ExpertWeights, top_k: int) -> None:
+    """Raise ValueError (TypeError for a wrong type) unless `weights` can take
+    the kernels: CUDA tensors, contiguous and 16-byte aligned; hidden and the
+    padded intermediate multiples of 128, the logical intermediate a multiple
+    of 32; experts a multiple of 32 in [32, 512]; top_k in [1, 8]; the
+    intermediate padding zero. Each message names what is wrong."""
+    if not isinstance(weights, ExpertWeights):
+        raise TypeError(f"weights must be an ExpertWeights, got {type(weights).__name__}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= MAX_TOP_K:
+        raise ValueError(f"top_k must be an int in [1, {MAX_TOP_K}], got {top_k!r}")
+    e, h = weights.experts, weights.hidden
+    i, ip = weights.intermediate, weights.padded_intermediate
+    if e % 32 or not 32 <= e <= MAX_EXPERTS:
+        raise ValueError(f"experts must be a multiple of 32 in [32, {MAX_EXPERTS}], got {e}")
+    if h % 128:
+        raise ValueError(f"hidden must be a multiple of 128, got {h}")
+    if ip % 128 or i % 32:
+        raise ValueError(
+            f"padded intermediate must be a multiple of 128 and the logical one of 32, got {ip} / {i}"
+        )
+    for name in ("w13", "w13_scale", "w2", "w2_scale", "clamp"):
+        t = getattr(weights, name)
+        if t.device.type != "cuda":
+            raise ValueError(f"{name} must be on a CUDA device, got {t.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+        if t.data_ptr() % 16:
+            raise ValueError(f"{name} must be 16-byte aligned")
+    if not weights.padding_is_zero():
+        raise ValueError(f"the intermediate padding ({i}..{ip}) of w13/w2 or their scales is not zero")
+
+
+class RoutedExpertGemm:
+    """The quantize + route kernels and GEMM pair bound to one layer's weights.
+
+    weights: canonical ExpertWeights on a CUDA device (validated by
+    `check_weights`); top_k: experts per row; tactics: optional GEMM tactics
+    {1: GemmTactic, 2: GemmTactic} (default per shape class otherwise).
+    Raises ValueError / TypeError from `check_weights` or an invalid tactic.
+    """
+
+    def __init__(
+        self,
+        weights: ExpertWeights,
+        top_k: int,
+        tactics: dict[int, GemmTactic] | None = None,
+    ) -> None:
+        check_weights(weights, top_k)
+        self.source = weights
+        self.top_k = top_k
+        self.kw: KernelWeights = to_kernel_layout(weights)
+        shape = GemmShape.of(self.kw)
+        tactics = dict(tactics or {})
+        self.tactics = {s: tactics.get(s) or default_tactic(shape, s) for s in (1, 2)}
+        for stage, tactic in self.tactics.items():
+            reason = tactic.valid_for(shape, stage)
+            if reason:
+                raise ValueError(f"tactics[{stage}] ({tactic.name}) cannot run GEMM{stage}: {reason}")
+        # Compile now, not inside a CUDA-graph capture.
+        _quantize.compile_quantize_kernel()
+        _route.compile_route_kernel()
+        for stage, tactic in self.tactics.items():
+            _gemm.compile_gemm(shape, tactic, stage, self.kw.wide_scales)
+
+    @property
+    def experts(self) -> int:
+        return self.kw.experts
+
+    @property
+    def hidden(self) -> int:
+        return self.kw.hidden
+
+    def accepts(self, x: torch.Tensor, weights: ExpertWeights | None = None) -> bool:
+        """Whether a call with router input `x` can take these kernels: 1-8
+        contiguous, 16-byte aligned BF16 rows of the bound hidden size on the
+        weights' device, and (when `weights` is given, e.g. the runner's
+        current ones) the very tensors bound here (a weight reload replaces them)."""
+        ok = (
+            isinstance(x, torch.Tensor)
+            and x.dim() == 2
+            and 1 <= x.shape[0] <= MAX_ROWS
+            and x.shape[1] == self.hidden
+            and x.dtype == torch.bfloat16
+            and x.device == self.kw.device
+            and x.is_contiguous()
+            and x.data_ptr() % 16 == 0
+        )
+        if ok and weights is not None:
+            ok = weights.w13.data_ptr() == self.source.w13.data_ptr() and (
+                weights.w2.data_ptr() == self.source.w2.data_ptr()
+            )
+        return bool(ok)
+
+    def route(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Routing:
+        """Quantize `x` (BF16 [rows, H]) to MXFP8 and build the route record of
+        `topk_ids` (int32 [rows, top_k]; ids outside [0, E) are non-local);
+        `topk_weights` fp32 [rows, top_k] is carried to the output. Two launches,
+        no host sync. Raises ValueError unless `accepts(x)` and the top-k
+        tensors match."""
+        if not self.accepts(x):
+            raise ValueError(
+                f"x must be contiguous bfloat16 [1..{MAX_ROWS}, {self.hidden}] on {self.kw.device},"
+                f" got {getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}"
+            )
+        rows = x.shape[0]
+        if tuple(topk_ids.shape) != (rows, self.top_k) or topk_ids.dtype != torch.int32:
+            raise ValueError(
+                f"topk_ids must be int32 [{rows}, {self.top_k}], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
+            )
+        if tuple(topk_weights.shape) != (rows, self.top_k) or topk_weights.dtype != torch.float32:
+            raise ValueError(
+                f"topk_weights must be float32 [{rows}, {self.top_k}], got"
+                f" {topk_weights.dtype} {tuple(topk_weights.shape)}"
+            )
+        device = x.device
+        x_quant = torch.empty(rows, self.hidden, dtype=torch.uint8, device=device)
+        x_scale = torch.empty(rows, self.hidden // 32, dtype=torch.uint8, device=device)
+        _quantize.launch_quantize_mxfp8(x, x_quant, x_scale)
+        ids = topk_ids.contiguous()
+        ctas = max_ctas(rows, self.top_k, self.experts)
+        record = torch.empty(route_words(ctas), dtype=torch.int32, device=device)
+        permuted = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
+        _route.launch_route(ids, record, permuted, self.experts)
+        return Routing(x_quant, x_scale, ids, topk_weights, permuted, record, ctas)
+
+    def gemm1(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """Launch GEMM1; returns H (uint8 e4m3 [8*ctas, I]) and its E8M0
+        scales (uint8 [8*ctas, I/32]), by permuted row."""
+        device = routing.x_quant.device
+        rows = TILE * routing.ctas
+        h_q = torch.empty(rows, self.kw.intermediate, dtype=torch.uint8, device=device)
+        h_scale = torch.empty(rows, self.kw.intermediate // 32, dtype=torch.uint8, device=device)
+        _gemm.gemm1(self.kw, routing.x_quant, routing.x_scale, routing.record, routing.ctas,
+                    h_q, h_scale, tactic=self.tactics[1])  # fmt: skip
+        return h_q, h_scale
+
+    def gemm2(self, routing: Routing, h_q: torch.Tensor, h_scale: torch.Tensor) -> UnfinalizedMoEOutput:
+        """Launch GEMM2 on GEMM1's outputs; returns the unweighted BF16 rows
+        [8*ctas, H] with the routing weights and permute map."""
+        out = torch.empty(TILE * routing.ctas, self.hidden, dtype=torch.bfloat16, device=h_q.device)
+        _gemm.gemm2(self.kw, h_q, h_scale, routing.record, routing.ctas, out, tactic=self.tactics[2])
+        return UnfinalizedMoEOutput(out, routing.topk_weights, routing.permuted)
+
+    def gemms(self, routing: Routing) -> UnfinalizedMoEOutput:
+        """GEMM1 then GEMM2, right after the kernel that built `routing`."""
+        return self.gemm2(routing, *self.gemm1(routing))
+
+
+def build_routed_expert_gemms(
+    layers: list[tuple[ExpertWeights, int]],
+    tactics: dict[int, GemmTactic] | None = None,
+) -> list[RoutedExpertGemm | None]:
+    """A RoutedExpertGemm for each (weights, top_k) layer that can take the
+    kernels, None for the others; logs one line counting the layers that got
+    the kernels and, per reason, those that did not."""
+    reasons: Counter[str] = Counter()
+    gemms: list[RoutedExpertGemm | None] = []
+    for weights, top_k in layers:
+        try:
+            gemms.append(RoutedExpertGemm(weights, top_k, tactics))
+        except (ValueError, TypeError) as error:
+            reasons[str(error)] += 1
+            gemms.append(None)
+    bound = sum(g is not None for g in gemms)
+    (logger.warning if reasons else logger.info)(
+        "moebench routed-expert kernels on %d of %d MoE layers%s",
+        bound,
+        len(gemms),
+        "; the others keep their path: " + "; ".join(f"{r} ({n})" for r, n in reasons.items())
+        if reasons
+        else "",
+    )
+    return gemms
