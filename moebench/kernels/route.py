@@ -1,0 +1,362 @@
+"""The route kernel: top-k ids -> route record + permute map, on the GPU.
+
+One CTA builds, from top-k ids int32 [rows, top_k] (0 <= rows <= 8,
+1 <= top_k <= 8) and the number of local experts (1..512), the route record
+int32 [route_words(max_ctas(rows, top_k, experts))] and the permute map int32
+[rows, top_k] that GEMM1 and GEMM2 read. Both are bit-exact with
+`moebench.record.build_route_record`, every word included (unused tiles:
+tile_expert -1, tile_valid_rows 0, tile_slots -1). rows, top_k and experts
+are runtime values: one compiled kernel serves every shape.
+
+Method (slots s = t*top_k + k, at most 64): slot s of a local expert e gets
+the key e*64 + s, a non-local slot a sentinel above every key. Keys are
+distinct and order the slots as the record does (expert first, then slot),
+so with one thread per slot and the keys in shared memory:
+  * rank of s within its expert  r = #{keys < e*64 + s} - #{keys < e*64},
+    the expert's slot count       n = #{keys < (e+1)*64} - #{keys < e*64};
+  * s starts a tile iff r % 8 == 0; its tile index is the number of tile
+    starters whose key is <= s's key, minus one (tiles ascend by expert, then
+    by chunk, exactly the order of the starters' keys);
+  * s sits in permuted row tile*8 + r%8; a starter writes its tile's expert
+    and min(8, n - r) valid rows.
+All threads first fill the unused-word defaults; two barriers later the used
+words are scattered over them.
+
+Programmatic dependent launch (`pdl=True`): the kernel lets its dependents
+launch on entry (the GEMM that follows may prefetch weights; it waits on
+griddepcontrol before reading the record, i.e. for this grid to complete and
+flush) and waits on griddepcontrol before touching global memory (the ids
+come from the previous kernel, and the record buffer may still be read by an
+earlier kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moebench.record import (
+    MAX_EXPERTS,
+    MAX_ROWS,
+    MAX_TOP_K,
+    TILE,
+    RouteRecord,
+    check_topk_ids,
+    max_ctas,
+    route_words,
+)
+
+#: Most (row, k) slots the kernel routes: one thread each.
+MAX_SLOTS = MAX_ROWS * MAX_TOP_K
+#: Slot bits of a sort key (key = expert * 64 + slot).
+_SLOT_BITS = 6
+#: Key of a non-local slot: above every local key (at most 512 * 64 - 1).
+_SENTINEL = 1 << 30
+
+assert MAX_SLOTS <= 1 << _SLOT_BITS and MAX_EXPERTS << _SLOT_BITS < _SENTINEL
+#: Allowed keys per scan step (tactic) and the default.
+KEYS_PER_STEP = (4, 8, 16, 32)
+DEFAULT_KEYS_PER_STEP = 16
+
+
+def _check_keys_per_step(keys_per_step) -> None:
+    if (not isinstance(keys_per_step, int) or isinstance(keys_per_step, bool)
+            or keys_per_step not in KEYS_PER_STEP):
+        raise ValueError(f"keys_per_step must be one of {KEYS_PER_STEP}, got {keys_per_step!r}")
+
+
+try:  # the kernel class needs the DSL's decorators at definition time
+    import cuda.bindings.driver as _cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32
+
+    _HAVE_DSL = True
+except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
+    _HAVE_DSL = False
+
+
+if _HAVE_DSL:
+
+    class RouteKernel:
+        """One-CTA route kernel (CuTe DSL, sm_90a).
+
+        Static configuration: `pdl` (bool, launch with programmatic dependent
+        launch: trigger dependents on entry, griddepcontrol.wait before the
+        first global access), `threads` (CTA size, a multiple of 32 with at
+        least MAX_SLOTS = 64 threads: one per slot; all of them fill the
+        record's unused words) and `keys_per_step` (keys each thread compares
+        per step of its two scans over the shared keys, one of KEYS_PER_STEP:
+        a step's loads go out together; the scans stop at the step holding
+        the last slot). Runtime: the ids / record / permuted int32 pointers
+        and rows, top_k, experts (Int32).
+        """
+
+        def __init__(self, pdl: bool = True, threads: int = 128,
+                     keys_per_step: int = DEFAULT_KEYS_PER_STEP):
+            if not isinstance(pdl, bool):
+                raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
+            if (not isinstance(threads, int) or isinstance(threads, bool)
+                    or threads < MAX_SLOTS or threads % 32 or threads > 1024):
+                raise ValueError(
+                    f"threads must be a multiple of 32 in [{MAX_SLOTS}, 1024], got {threads!r}")
+            _check_keys_per_step(keys_per_step)
+            self.pdl = pdl
+            self.threads = threads
+            self.keys_per_step = keys_per_step
+
+        @staticmethod
+        def can_implement(rows: int, top_k: int, experts: int) -> tuple[bool, str]:
+            """Whether the kernel can route `rows` x `top_k` slots over `experts`
+            local experts: (True, "") or (False, the reason)."""
+            for name, v, lo, hi in (("rows", rows, 0, MAX_ROWS), ("top_k", top_k, 1, MAX_TOP_K),
+                                    ("experts", experts, 1, MAX_EXPERTS)):
+                if not isinstance(v, int) or isinstance(v, bool):
+                    return False, f"{name} must be an int, got {type(v).__name__}"
+                if not lo <= v <= hi:
+                    return False, f"{name} must be in [{lo}, {hi}], got {v}"
+            return True, ""
+
+        @cute.jit
+        def __call__(
+            self,
+            ids: cute.Pointer,
+            record: cute.Pointer,
+            permuted: cute.Pointer,
+            rows: Int32,
+            top_k: Int32,
+            experts: Int32,
+            stream: _cuda.CUstream,
+        ):
+            """Launch one CTA of `threads` threads on `stream`."""
+            self.kernel(ids, record, permuted, rows, top_k, experts).launch(
+                grid=[1, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(
+            self,
+            ids: cute.Pointer,
+            record: cute.Pointer,
+            permuted: cute.Pointer,
+            rows: Int32,
+            top_k: Int32,
+            experts: Int32,
+        ):
+            tid = cute.arch.thread_idx()[0]
+            smem = cutlass.memory.SmemAllocator()
+            s_key = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS), byte_alignment=16)
+            s_start = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS), byte_alignment=16)
+            s_count = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS // 16), byte_alignment=16)
+
+            # record geometry (record.max_ctas / cta_words / route_words)
+            slots = rows * top_k
+            filled = cutlass.min(experts, slots)
+            ctas = filled + (slots - filled) // TILE
+            w = (ctas + 3) // 4 * 4
+            body = 2 * w + TILE * ctas                  # words after the 4-word header
+            g_ids = cute.make_tensor(ids, cute.make_layout(MAX_SLOTS))
+            g_rec = cute.make_tensor(record, cute.make_layout(4 + 2 * MAX_SLOTS + TILE * MAX_SLOTS))
+            g_perm = cute.make_tensor(permuted, cute.make_layout(MAX_SLOTS))
+
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+                cute.arch.griddepcontrol_wait()
+
+            e = Int32(-1)
+            if tid < slots:
+                e = g_ids[tid]                          # issued before the fill's stores
+            # defaults of every body word: tile_expert -1, tile_valid_rows 0, tile_slots -1
+            for i in cutlass.range(tid, body, self.threads, unroll=1):
+                g_rec[4 + i] = Int32(0) if (i >= w and i < 2 * w) else Int32(-1)
+
+            key = Int32(_SENTINEL)
+            if tid < slots and e >= 0 and e < experts:
+                key = (e << _SLOT_BITS) + tid
+            if tid < MAX_SLOTS:
+                s_key[tid] = key                        # slots .. 63 hold the sentinel
+            cute.arch.sync_threads()
+
+            # pass 1 (keys_per_step keys a step, up to the step holding the
+            # last slot): rank within the expert and the expert's slot count
+            step = self.keys_per_step
+            steps = (slots + step - 1) // step
+            local = key != _SENTINEL
+            lo = (key >> _SLOT_BITS) << _SLOT_BITS
+            hi = lo + (1 << _SLOT_BITS)
+            c_lo, c_me, c_hi = Int32(0), Int32(0), Int32(0)
+            for g in cutlass.range(steps, unroll=1):
+                for q in cutlass.range_constexpr(step):
+                    kj = s_key[g * step + q]
+                    c_lo = c_lo + Int32(kj < lo)
+                    c_me = c_me + Int32(kj < key)
+                    c_hi = c_hi + Int32(kj < hi)
+            rank = c_me - c_lo
+            count = c_hi - c_lo
+            pos = rank % TILE
+            starts = local and pos == 0
+            if tid < MAX_SLOTS:
+                s_start[tid] = key if starts else Int32(_SENTINEL)
+            # per-warp counts of local slots and of tile starters, for the header
+            warp = tid // 32
+            n_local = cute.arch.popc(cute.arch.vote_ballot_sync(local))
+            n_starts = cute.arch.popc(cute.arch.vote_ballot_sync(starts))
+            if tid % 32 == 0 and warp < MAX_SLOTS // 32:
+                s_count[warp] = n_local
+                s_count[MAX_SLOTS // 32 + warp] = n_starts
+            cute.arch.sync_threads()
+
+            # pass 2: tile index = tile starters with a key <= mine, minus one
+            c_tile = Int32(0)
+            for g in cutlass.range(steps, unroll=1):
+                for q in cutlass.range_constexpr(step):
+                    c_tile = c_tile + Int32(s_start[g * step + q] <= key)
+
+            if tid < slots:
+                if local:
+                    tile = c_tile - 1
+                    row = tile * TILE + pos
+                    g_perm[tid] = row
+                    g_rec[4 + 2 * w + row] = tid
+                    if starts:
+                        g_rec[4 + tile] = e
+                        g_rec[4 + w + tile] = cutlass.min(count - rank, TILE)
+                else:
+                    g_perm[tid] = Int32(-1)
+            if tid == 0:
+                tiles, valid = Int32(0), Int32(0)
+                for w_ in cutlass.range_constexpr(MAX_SLOTS // 32):
+                    valid = valid + s_count[w_]
+                    tiles = tiles + s_count[MAX_SLOTS // 32 + w_]
+                g_rec[0] = tiles
+                g_rec[1] = valid
+                g_rec[2] = rows
+                g_rec[3] = top_k
+
+
+def _require_dsl() -> None:
+    if not _HAVE_DSL:
+        raise RuntimeError("the route kernel needs nvidia-cutlass-dsl (pip install moebench[kernels])")
+
+
+@functools.lru_cache(maxsize=None)
+def compile_route_kernel(pdl: bool = True, keys_per_step: int = DEFAULT_KEYS_PER_STEP):
+    """Compile the route kernel once per process, PDL setting and
+    keys_per_step (cached; see RouteKernel).
+
+    Without a GPU set CUTE_DSL_ARCH=sm_90a to cross-compile for the H200.
+    Returns the compiled function, called as
+    `f(ids_ptr, record_ptr, permuted_ptr, rows, top_k, experts, stream)` with
+    int32 global-memory pointers (cutlass.cute.runtime.make_ptr), Int32
+    counts and a cuda.bindings CUstream; `launch_route` does this for torch
+    tensors. Raises RuntimeError without nvidia-cutlass-dsl, TypeError for a
+    non-bool `pdl`, ValueError for a `keys_per_step` not in KEYS_PER_STEP."""
+    _require_dsl()
+    from cutlass.cute.runtime import make_ptr
+
+    def fake():
+        return make_ptr(Int32, 16, cute.AddressSpace.gmem, assumed_align=4)
+
+    return cute.compile(RouteKernel(pdl=pdl, keys_per_step=keys_per_step), fake(), fake(), fake(),
+                        Int32(1), Int32(1), Int32(1), _cuda.CUstream(0))
+
+
+def _check_out(name: str, t, shape: tuple[int, ...], device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of topk_ids), got {t.device}")
+
+
+def _cu_stream(stream, device: torch.device):
+    if stream is None:
+        return _cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    if isinstance(stream, torch.cuda.Stream):
+        return _cuda.CUstream(stream.cuda_stream)
+    if isinstance(stream, _cuda.CUstream):
+        return stream
+    raise TypeError(f"stream must be None, a torch.cuda.Stream or a CUstream, got {type(stream).__name__}")
+
+
+def launch_route(
+    topk_ids: torch.Tensor,
+    record_out: torch.Tensor,
+    permuted_out: torch.Tensor,
+    experts: int,
+    *,
+    stream=None,
+    pdl: bool = True,
+    keys_per_step: int = DEFAULT_KEYS_PER_STEP,
+) -> None:
+    """Launch the route kernel: write the route record and permute map of
+    `topk_ids` into the given buffers, on `stream` (torch's current stream
+    when None). No host sync, no allocation: CUDA-graph capturable (call it
+    once before capture: the first call loads the kernel).
+
+    topk_ids: int32 [rows, top_k], contiguous, CUDA; 0 <= rows <= 8,
+      1 <= top_k <= 8; ids outside [0, experts) are non-local.
+    record_out: int32 [route_words(max_ctas(rows, top_k, experts))], contiguous,
+      on topk_ids' device; every word is written.
+    permuted_out: int32 [rows, top_k], contiguous, same device; every entry
+      is written (-1 for non-local slots).
+    experts: local experts, int in [1, 512].
+    stream: None, a torch.cuda.Stream or a cuda.bindings CUstream.
+    pdl: launch with programmatic dependent launch (see the module docstring).
+    keys_per_step: scan step of the kernel, one of KEYS_PER_STEP (a tactic;
+      every value gives the same bits).
+
+    Raises TypeError for a wrong type or dtype, ValueError for a wrong shape,
+    range, layout or device (each naming the argument), RuntimeError without
+    nvidia-cutlass-dsl.
+    """
+    check_topk_ids(topk_ids, experts)
+    if topk_ids.dtype != torch.int32:
+        raise TypeError(f"topk_ids must be int32, got {topk_ids.dtype}")
+    if not topk_ids.is_contiguous():
+        raise ValueError("topk_ids must be contiguous")
+    rows, top_k = topk_ids.shape
+    device = topk_ids.device
+    _check_out("record_out", record_out, (route_words(max_ctas(rows, top_k, experts)),), device)
+    _check_out("permuted_out", permuted_out, (rows, top_k), device)
+    if not isinstance(pdl, bool):
+        raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
+    _check_keys_per_step(keys_per_step)
+    if device.type != "cuda":
+        raise ValueError(f"topk_ids, record_out and permuted_out must be CUDA tensors, got {device}")
+    _require_dsl()
+    from cutlass.cute.runtime import make_ptr
+
+    def ptr(t: torch.Tensor):
+        return make_ptr(Int32, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=4)
+
+    compiled = compile_route_kernel(pdl, keys_per_step)
+    compiled(ptr(topk_ids), ptr(record_out), ptr(permuted_out),
+             Int32(rows), Int32(top_k), Int32(experts), _cu_stream(stream, device))
+
+
+def route(topk_ids: torch.Tensor, experts: int, *, stream=None, pdl: bool = True) -> RouteRecord:
+    """Allocate the record and permute map on topk_ids' device and launch the
+    route kernel (see `launch_route`); returns a RouteRecord equal, bit for
+    bit, to `record.build_route_record(topk_ids, experts)` once the stream
+    has run the kernel.
+
+    topk_ids: int32 or int64 [rows, top_k] on a CUDA device (int64 ids are
+      mapped to int32 with every non-local id as -1; that costs two small
+      kernels). Raises as `launch_route`."""
+    check_topk_ids(topk_ids, experts)
+    if topk_ids.dtype == torch.int64:
+        local = (topk_ids >= 0) & (topk_ids < experts)
+        topk_ids = torch.where(local, topk_ids, -1).to(torch.int32)
+    topk_ids = topk_ids.contiguous()
+    rows, top_k = topk_ids.shape
+    ctas = max_ctas(rows, top_k, experts)
+    record = torch.empty(route_words(ctas), dtype=torch.int32, device=topk_ids.device)
+    permuted = torch.empty(rows, top_k, dtype=torch.int32, device=topk_ids.device)
+    launch_route(topk_ids, record, permuted, experts, stream=stream, pdl=pdl)
+    return RouteRecord(record, permuted, ctas)

@@ -1,0 +1,330 @@
+"""The route kernel (moebench/kernels/route.py): sm_90a compile checks and
+host validation on the CPU; on the GPU, bit-exactness against the torch
+builder record.build_route_record over many routings, and CUDA-graph capture."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import tempfile
+
+import pytest
+import torch
+
+from moebench.kernels.route import launch_route, route
+from moebench.record import build_route_record, max_ctas, route_words
+
+POISON = 0x7FFFFFFF
+GUARD = 8  # poisoned guard words on each side of every output buffer
+
+# --------------------------------------------------------------------------- CPU: compile
+
+
+def _compile_sass(pdl: bool, threads: int = 128, keys_per_step: int = 16) -> str:
+    import cuda.bindings.driver as cuda
+    import cutlass.cute as cute
+    from cutlass import Int32
+    from cutlass.cute.runtime import make_ptr
+
+    from moebench.kernels.route import RouteKernel
+
+    def fake():
+        return make_ptr(Int32, 16, cute.AddressSpace.gmem, assumed_align=4)
+
+    with tempfile.TemporaryDirectory() as d:
+        kernel = RouteKernel(pdl=pdl, threads=threads, keys_per_step=keys_per_step)
+        f = cute.compile(kernel, fake(), fake(), fake(),
+                         Int32(1), Int32(1), Int32(1), cuda.CUstream(0),
+                         options=f"--gpu-arch sm_90a --keep-sass --dump-dir {d}")
+        return f.artifacts.SASS
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize(
+    "pdl, threads, keys_per_step",
+    [(True, 128, 16), (False, 128, 16), (True, 64, 16), (True, 128, 4), (True, 128, 32)],
+)
+def test_compiles_for_sm90a_without_spills(pdl, threads, keys_per_step):
+    sass = _compile_sass(pdl, threads, keys_per_step)
+    instr = [s.strip() for s in re.findall(r"/\*[0-9a-f]{4}\*/\s+([^;]+);", sass)]
+    assert len(instr) > 50, "no SASS came back"
+    text = "\n".join(instr)
+    # local memory = register spills (or a stack frame)
+    assert not re.search(r"\b(STL|LDL)\b", text), "register spills in the route kernel"
+    assert len(re.findall(r"\bBAR\.SYNC", text)) == 2
+    # PDL: trigger dependents (PREEXIT) and wait on the previous grid (ACQBULK)
+    assert ("PREEXIT" in text) == pdl
+    assert ("ACQBULK" in text) == pdl
+    if pdl:  # the wait comes before any global access
+        first_global = min(i for i, s in enumerate(instr) if re.match(r"(@!?P\d+ )?(LDG|STG)", s))
+        assert instr.index("ACQBULK") < first_global
+
+
+@pytest.mark.compile
+def test_compile_route_kernel_is_cached():
+    from moebench.kernels.route import compile_route_kernel
+
+    assert compile_route_kernel(True) is compile_route_kernel(True)
+    assert compile_route_kernel(False) is not compile_route_kernel(True)
+    with pytest.raises(TypeError, match="pdl"):
+        compile_route_kernel(1)
+    with pytest.raises(ValueError, match="keys_per_step"):
+        compile_route_kernel(True, 12)
+
+
+@pytest.mark.compile
+def test_route_kernel_config_and_can_implement():
+    from moebench.kernels.route import RouteKernel
+
+    for bad in (32, 48, 96 + 1, 2048, True):
+        with pytest.raises(ValueError, match="threads"):
+            RouteKernel(threads=bad)
+    with pytest.raises(TypeError, match="pdl"):
+        RouteKernel(pdl="yes")
+    for bad in (0, 3, 12, 64, True, 16.0):
+        with pytest.raises(ValueError, match="keys_per_step"):
+            RouteKernel(keys_per_step=bad)
+    assert RouteKernel.can_implement(8, 8, 512) == (True, "")
+    assert RouteKernel.can_implement(0, 1, 1) == (True, "")
+    for args, name in (((9, 6, 384), "rows"), ((6, 0, 384), "top_k"), ((6, 9, 384), "top_k"),
+                       ((6, 6, 0), "experts"), ((6, 6, 513), "experts"), ((6.0, 6, 384), "rows")):
+        ok, why = RouteKernel.can_implement(*args)
+        assert not ok and name in why
+
+
+# --------------------------------------------------------------------------- CPU: validation
+
+
+def _bufs(rows, top_k, experts, device="cpu"):
+    ids = torch.zeros(rows, top_k, dtype=torch.int32, device=device)
+    rec = torch.empty(route_words(max_ctas(rows, top_k, experts)), dtype=torch.int32, device=device)
+    perm = torch.empty(rows, top_k, dtype=torch.int32, device=device)
+    return ids, rec, perm
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, name",
+    [
+        (lambda a: a.update(topk_ids=[[0]]), TypeError, "topk_ids"),
+        (lambda a: a.update(topk_ids=a["topk_ids"].long()), TypeError, "topk_ids"),
+        (lambda a: a.update(topk_ids=a["topk_ids"].float()), TypeError, "topk_ids"),
+        (lambda a: a.update(topk_ids=a["topk_ids"][None]), ValueError, "topk_ids"),
+        (lambda a: a.update(topk_ids=torch.zeros(9, 6, dtype=torch.int32)), ValueError, "rows"),
+        (lambda a: a.update(topk_ids=torch.zeros(6, 9, dtype=torch.int32)), ValueError, "top_k"),
+        (lambda a: a.update(topk_ids=torch.zeros(6, 12, dtype=torch.int32)[:, ::2]), ValueError,
+         "topk_ids must be contiguous"),
+        (lambda a: a.update(experts=0), ValueError, "experts"),
+        (lambda a: a.update(experts=513), ValueError, "experts"),
+        (lambda a: a.update(experts=384.0), ValueError, "experts"),
+        (lambda a: a.update(record_out=None), TypeError, "record_out"),
+        (lambda a: a.update(record_out=a["record_out"].long()), TypeError, "record_out"),
+        (lambda a: a.update(record_out=a["record_out"][1:]), ValueError, "record_out"),
+        (lambda a: a.update(record_out=a["record_out"].view(2, -1)), ValueError, "record_out"),
+        (lambda a: a.update(record_out=torch.empty(2 * a["record_out"].numel(), dtype=torch.int32)[::2]),
+         ValueError, "record_out must be contiguous"),
+        (lambda a: a.update(permuted_out=a["permuted_out"].t()), ValueError, "permuted_out"),
+        (lambda a: a.update(permuted_out=a["permuted_out"].short()), TypeError, "permuted_out"),
+        (lambda a: a.update(permuted_out=a["permuted_out"][:5]), ValueError, "permuted_out"),
+        (lambda a: a.update(pdl=1), TypeError, "pdl"),
+        (lambda a: a.update(keys_per_step=5), ValueError, "keys_per_step"),
+        (lambda a: None, ValueError, "CUDA"),  # everything right, but on the CPU
+    ],
+)
+def test_launch_route_validates(mutate, exc, name):
+    ids, rec, perm = _bufs(6, 6, 384)
+    args = dict(topk_ids=ids, record_out=rec, permuted_out=perm, experts=384)
+    mutate(args)
+    with pytest.raises(exc, match=name):
+        launch_route(**args)
+
+
+def test_route_validates():
+    with pytest.raises(TypeError, match="topk_ids"):
+        route(torch.zeros(2, 2), 8)
+    with pytest.raises(ValueError, match="experts"):
+        route(torch.zeros(2, 2, dtype=torch.int32), 1000)
+    with pytest.raises(ValueError, match="CUDA"):
+        route(torch.zeros(2, 2, dtype=torch.int32), 8)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def _routings(rows, top_k, experts, gen):
+    """(name, int32 [rows, top_k]) routings of one shape, on the CPU."""
+
+    def distinct(n):  # n distinct local ids (n <= experts)
+        return torch.randperm(experts, generator=gen)[:n]
+
+    def ints(lo, hi, shape):
+        return torch.randint(lo, hi, shape, generator=gen)
+
+    out = []
+    if top_k <= experts:
+        out.append(("uniform", torch.stack([distinct(top_k) for _ in range(rows)])
+                    if rows else torch.empty(0, top_k, dtype=torch.int64)))
+        hot = ints(0, experts, ()).item()
+        rows_h = []
+        for _ in range(rows):
+            others = [e for e in distinct(min(top_k + 1, experts)).tolist() if e != hot][: top_k - 1]
+            row = [hot] + others
+            perm = torch.randperm(top_k, generator=gen).tolist()
+            rows_h.append([row[p] for p in perm])
+        out.append(("hot", torch.tensor(rows_h, dtype=torch.int64).view(rows, top_k)))
+    out.append(("one-expert", torch.full((rows, top_k), ints(0, experts, ()).item())))
+    out.append(("replacement", ints(0, experts, (rows, top_k))))
+    pool = distinct(min(3, experts))
+    out.append(("pool-of-3", pool[ints(0, len(pool), (rows, top_k))]))
+    # non-local ids mixed in: -1, other negatives, >= experts, int32 extremes
+    nonlocal_ids = torch.tensor([-1, -1, -2, experts, experts + 1, 4096, 2**31 - 1, -(2**31)])
+    mixed = ints(0, experts, (rows, top_k))
+    mask = ints(0, 3, (rows, top_k)) == 0
+    mixed[mask] = nonlocal_ids[ints(0, len(nonlocal_ids), (int(mask.sum()),))]
+    out.append(("mixed-nonlocal", mixed))
+    out.append(("all-nonlocal", torch.full((rows, top_k), -1)))
+    out.append(("edges", torch.tensor([0, experts - 1])[ints(0, 2, (rows, top_k))]))
+    return [(n, t.to(torch.int32).view(rows, top_k)) for n, t in out]
+
+
+def _guarded(n, device):
+    """A poisoned int32 buffer with GUARD words before and after a view of n words."""
+    buf = torch.full((n + 2 * GUARD,), POISON, dtype=torch.int32, device=device)
+    return buf, buf[GUARD : GUARD + n]
+
+
+def _check(ids_cpu, experts, *, pdl=True, keys_per_step=16, what=""):
+    """Launch on poisoned, guarded buffers and compare every word with the builder."""
+    rows, top_k = ids_cpu.shape
+    dev = torch.device("cuda")
+    want = build_route_record(ids_cpu, experts)
+    ids_buf, ids = _guarded(rows * top_k, dev)
+    ids.copy_(ids_cpu.flatten())
+    rec_buf, rec = _guarded(route_words(want.ctas), dev)
+    perm_buf, perm = _guarded(rows * top_k, dev)
+    launch_route(ids.view(rows, top_k), rec, perm.view(rows, top_k), experts, pdl=pdl,
+                 keys_per_step=keys_per_step)
+    torch.cuda.synchronize()
+    ctx = f"{what} rows={rows} top_k={top_k} experts={experts} ids={ids_cpu.tolist()}"
+    assert torch.equal(rec.cpu(), want.record), (
+        f"record differs: {ctx}\n got {rec.cpu().tolist()}\nwant {want.record.tolist()}")
+    assert torch.equal(perm.cpu().view(rows, top_k), want.permuted), f"permuted differs: {ctx}"
+    for name, buf, n in (("record", rec_buf, rec.numel()), ("permuted", perm_buf, perm.numel())):
+        b = buf.cpu()
+        assert (b[:GUARD] == POISON).all() and (b[GUARD + n :] == POISON).all(), (
+            f"{name} written out of bounds: {ctx}")
+    assert torch.equal(ids.cpu(), ids_cpu.flatten()), f"ids modified: {ctx}"
+    return want
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", [1, 5, 32, 33, 256, 384, 512])
+def test_route_bit_exact(experts):
+    gen = torch.Generator().manual_seed(1000 + experts)
+    checked = 0
+    for rows, top_k in itertools.product(range(0, 9), range(1, 9)):
+        for seed in range(2):
+            for name, ids in _routings(rows, top_k, experts, gen):
+                _check(ids, experts, what=f"{name}#{seed}")
+                checked += 1
+    assert checked > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("keys_per_step", [4, 8, 32])
+def test_route_bit_exact_other_steps(keys_per_step):
+    gen = torch.Generator().manual_seed(2000 + keys_per_step)
+    for experts in (33, 384):
+        for rows, top_k in itertools.product(range(0, 9), range(1, 9)):
+            for name, ids in _routings(rows, top_k, experts, gen):
+                _check(ids, experts, keys_per_step=keys_per_step, what=name)
+
+
+@pytest.mark.gpu
+def test_route_tiles_of_one_expert_and_full_table():
+    # 64 slots of one expert: 8 full tiles; 64 distinct experts: 64 one-row tiles
+    want = _check(torch.full((8, 8), 7, dtype=torch.int32), 384, what="8 tiles of expert 7")
+    assert want.tiles_used == 8 and (want.tile_valid_rows[:8] == 8).all()
+    want = _check(torch.arange(64, dtype=torch.int32).flip(0).view(8, 8) * 8, 512,
+                  what="64 experts")
+    assert want.tiles_used == 64 == want.ctas
+    # 9 slots of one expert: a full tile and a tile of one row
+    ids = torch.full((3, 3), -1, dtype=torch.int32)
+    ids.view(-1)[:] = 3
+    want = _check(ids, 4, what="9 slots of expert 3")
+    assert want.tile_valid_rows[:2].tolist() == [8, 1]
+
+
+@pytest.mark.gpu
+def test_route_without_pdl_and_on_a_stream():
+    gen = torch.Generator().manual_seed(7)
+    for rows, top_k in ((1, 6), (6, 6), (8, 8)):
+        for name, ids in _routings(rows, top_k, 384, gen):
+            _check(ids, 384, pdl=False, what=f"no-PDL {name}")
+    ids = torch.randint(-1, 256, (6, 6), generator=gen, dtype=torch.int32)
+    want = build_route_record(ids, 256)
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        ids_d = ids.cuda()
+        rec = torch.full((route_words(want.ctas),), POISON, dtype=torch.int32, device="cuda")
+        perm = torch.full((6, 6), POISON, dtype=torch.int32, device="cuda")
+    launch_route(ids_d, rec, perm, 256, stream=s)
+    s.synchronize()
+    assert torch.equal(rec.cpu(), want.record) and torch.equal(perm.cpu(), want.permuted)
+    with pytest.raises(TypeError, match="stream"):
+        launch_route(ids_d, rec, perm, 256, stream=0)
+
+
+@pytest.mark.gpu
+def test_route_convenience_int64():
+    ids = torch.tensor([[3, 2**40 + 3, -5, 383], [3, 384, -(2**40), 0]], dtype=torch.int64)
+    got = route(ids.cuda(), 384)
+    torch.cuda.synchronize()
+    want = build_route_record(ids, 384)  # 2**40 + 3 is non-local, not expert 3
+    assert got.ctas == want.ctas
+    assert torch.equal(got.record.cpu(), want.record)
+    assert torch.equal(got.permuted.cpu(), want.permuted)
+
+
+@pytest.mark.gpu
+def test_route_cuda_graph_capture_and_replay():
+    rows, top_k, experts = 6, 6, 384
+    gen = torch.Generator().manual_seed(11)
+    first = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(rows)])
+    second = torch.full((rows, top_k), 5)
+    second[::2, 1] = -1
+    first, second = first.to(torch.int32), second.to(torch.int32)
+    ctas = max_ctas(rows, top_k, experts)
+    src = torch.empty(rows, top_k, dtype=torch.int32, device="cuda")   # graph input
+    ids = torch.empty_like(src)
+    rec = torch.empty(route_words(ctas), dtype=torch.int32, device="cuda")
+    perm = torch.empty(rows, top_k, dtype=torch.int32, device="cuda")
+
+    def step():  # a producer kernel, then the route kernel (PDL) reading its output
+        torch.add(src, 0, out=ids)
+        launch_route(ids, rec, perm, experts)
+
+    src.copy_(first)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # eager warm-up: loads the kernel before capture
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    eager_rec, eager_perm = rec.clone(), perm.clone()
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for ids_cpu in (first, second, first):
+        src.copy_(ids_cpu)
+        rec.fill_(POISON)
+        perm.fill_(POISON)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = build_route_record(ids_cpu, experts)
+        assert torch.equal(rec.cpu(), want.record)
+        assert torch.equal(perm.cpu(), want.permuted)
+        if ids_cpu is first:
+            assert torch.equal(rec, eager_rec) and torch.equal(perm, eager_perm)
+        else:
+            assert not torch.equal(rec, eager_rec)
