@@ -1,0 +1,347 @@
+"""The MXFP8 activation quantization kernel: bf16 x -> e4m3 bytes + E8M0 scales.
+
+One launch quantizes x bf16 [rows, H] (1 <= rows <= 8, H % 128 == 0) into
+x_q uint8 [rows, H] (e4m3 bytes) and x_scale uint8 [rows, H/32] (E8M0 codes),
+bit-exact with `moebench.formats.quantize_mxfp8` (DESIGN.md, "Formats"):
+
+    amax = max |x| over a 32-element block (exact: a bf16 value)
+    s    = amax / 448                      fp32, IEEE round-to-nearest (div.rn.f32)
+    code = biased_exponent(s) + (mantissa(s) != 0), clamped to [0, 254]
+    elem = e4m3 RNE of x * 2^(127 - code)  fp32 multiply (mul.rn.f32, no flush),
+           saturated at +-448              (cvt.rn.satfinite.e4m3x2.f32)
+    amax == 0 (all +-0.0)  -> code 0, bytes 0x00 (also for -0.0: the
+                              reference zeroes such a block)
+    amax non-finite (a NaN or an Inf in the block; the reference's amax
+    propagates NaN)         -> code 255, bytes 0x7F; other blocks unaffected.
+
+Method: x and x_scale are contiguous, so block b of the flattened input sits
+at bytes [64 b, 64 b + 64) of x, [32 b, 32 b + 32) of x_q and byte b of
+x_scale, whatever the row. One thread per block: four 16-byte loads, the
+amax as an integer max over the magnitude bits (|x| bits = bits & 0x7FFF
+order like the values; NaN and Inf are the patterns >= 0x7F80, so the
+integer max also detects a non-finite block, where a float max would drop a
+NaN), one IEEE division, 32 fp32 multiplies by 2^(127 - code) built from
+bits (code 254 -> the subnormal 2^-127), 16 paired conversions, two 16-byte
+stores and one scale byte. The block count rows*H/32 is a runtime value:
+one compiled kernel serves every shape; the grid is ceil(blocks / threads)
+CTAs (rows 8, H 7168: 1792 blocks, 28 CTAs of 64 threads).
+
+Programmatic dependent launch (`pdl=True`): the kernel lets its dependents
+launch on entry (the route kernel / GEMMs that follow may start their
+prologue; they must griddepcontrol.wait before reading x_q / x_scale, which
+waits for this grid to complete and flush) and waits on griddepcontrol
+before its first global access (x comes from the previous kernel, and the
+output buffers may still be read by an earlier kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moebench.models import MX_BLOCK
+
+#: Most token rows the kernel takes, and the granularity of H.
+MAX_ROWS = 8
+H_MULTIPLE = 128
+#: Default CTA size (threads = 32-element blocks per CTA).
+DEFAULT_THREADS = 64
+#: Constants of the rule.
+_E4M3_MAX_BITS = 0x43E00000       # 448.0f
+_ONE_NAN_WORD = 0x7F7F7F7F        # four e4m3 NaN bytes
+_E8M0_NAN = 255
+
+try:  # the kernel class needs the DSL's decorators at definition time
+    import cuda.bindings.driver as _cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Int32, Uint8, Uint32
+    from cutlass._mlir import ir
+    from cutlass._mlir.dialects import llvm, vector
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    _HAVE_DSL = True
+except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
+    _HAVE_DSL = False
+
+
+if _HAVE_DSL:
+
+    def _asm(text: str, constraints: str, *args, loc=None, ip=None) -> Uint32:
+        """One pure (side-effect free) inline-PTX instruction group -> Uint32."""
+        return Uint32(llvm.inline_asm(
+            T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip) for a in args], text, constraints,
+            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    @dsl_user_op
+    def _max_u16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+        """Per-halfword unsigned max (sm_90: VIMNMX.U16x2)."""
+        return _asm("max.u16x2 $0, $1, $2;", "=r,r,r", a, b, loc=loc, ip=ip)
+
+    @dsl_user_op
+    def _div_rn_448(a: Uint32, *, loc=None, ip=None) -> Uint32:
+        """fp32 bits of a / 448 (a: fp32 bits), IEEE round-to-nearest, subnormals kept."""
+        return _asm(f"div.rn.f32 $0, $1, 0f{_E4M3_MAX_BITS:08X};", "=r,r", a, loc=loc, ip=ip)
+
+    @dsl_user_op
+    def _mul_rn(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+        """fp32 bits of a * b (fp32 bits in), round-to-nearest, no flush to zero."""
+        return _asm("mul.rn.f32 $0, $1, $2;", "=r,r,r", a, b, loc=loc, ip=ip)
+
+    @dsl_user_op
+    def _cvt_e4m3x4(f0: Uint32, f1: Uint32, f2: Uint32, f3: Uint32, *, loc=None, ip=None) -> Uint32:
+        """Four fp32 values (bits) -> e4m3 bytes (RNE, saturated at +-448), f0 in byte 0."""
+        return _asm(
+            "{ .reg .b16 lo, hi;\n"
+            " cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"   # first source -> upper byte
+            " cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+            " mov.b32 $0, {lo, hi}; }",
+            "=r,r,r,r,r", f0, f1, f2, f3, loc=loc, ip=ip)
+
+    @dsl_user_op
+    def _ld_v4(ptr, *, loc=None, ip=None):
+        """One 128-bit global load (LDG.E.128) -> 4 x Uint32."""
+        vec = cute.arch.load(ptr, ir.VectorType.get([4], Uint32.mlir_type), loc=loc, ip=ip)
+        return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4)]
+
+    @dsl_user_op
+    def _st_v4(ptr, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None, ip=None):
+        """One 128-bit global store (STG.E.128) of 4 x Uint32."""
+        vec = vector.from_elements(
+            ir.VectorType.get([4], Uint32.mlir_type),
+            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)], loc=loc, ip=ip)
+        cute.arch.store(ptr, vec, loc=loc, ip=ip)
+
+    class QuantizeKernel:
+        """MXFP8 quantization of bf16 rows, one thread per 32-element block
+        (CuTe DSL, sm_90a).
+
+        Static configuration: `pdl` (bool, launch with programmatic dependent
+        launch: trigger dependents on entry, griddepcontrol.wait before the
+        first global access) and `threads` (CTA size = blocks per CTA, a
+        multiple of 32 in [32, 1024]). Runtime: x (bf16), x_q and x_scale
+        (uint8) global pointers, 16-byte aligned, and the number of
+        32-element blocks rows*H/32 (Int32).
+        """
+
+        def __init__(self, pdl: bool = True, threads: int = DEFAULT_THREADS):
+            if not isinstance(pdl, bool):
+                raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
+            if (not isinstance(threads, int) or isinstance(threads, bool)
+                    or threads < 32 or threads % 32 or threads > 1024):
+                raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
+            self.pdl = pdl
+            self.threads = threads
+
+        @cute.jit
+        def __call__(
+            self,
+            x: cute.Pointer,
+            x_q: cute.Pointer,
+            x_scale: cute.Pointer,
+            blocks: Int32,
+            stream: _cuda.CUstream,
+        ):
+            """Launch ceil(blocks / threads) CTAs of `threads` threads on `stream`."""
+            ctas = (blocks + (self.threads - 1)) // self.threads
+            self.kernel(x, x_q, x_scale, blocks).launch(
+                grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
+
+        @cute.kernel
+        def kernel(self, x: cute.Pointer, x_q: cute.Pointer, x_scale: cute.Pointer, blocks: Int32):
+            tid = cute.arch.thread_idx()[0]
+            cta = cute.arch.block_idx()[0]
+            b = cta * self.threads + tid
+            px = cute.recast_ptr(x, dtype=Uint32)      # 16 words (32 bf16) per block
+            pq = cute.recast_ptr(x_q, dtype=Uint32)    # 8 words (32 e4m3) per block
+
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+                cute.arch.griddepcontrol_wait()
+
+            if b < blocks:
+                w = []
+                for j in cutlass.range_constexpr(4):
+                    w.extend(_ld_v4(px + (b * 16 + j * 4)))
+                # amax bits (bf16 magnitude): integer max over both halves of every word
+                m = w[0] & Uint32(0x7FFF7FFF)
+                for i in cutlass.range_constexpr(1, 16):
+                    m = _max_u16x2(m, w[i] & Uint32(0x7FFF7FFF))
+                amax = cutlass.max(m & Uint32(0xFFFF), m >> Uint32(16))
+                finite = amax < Uint32(0x7F80)
+                # code = biased exponent of s = amax/448 (+1 if its mantissa is non-zero)
+                s = _div_rn_448(amax << Uint32(16))
+                code = (s >> Uint32(23)) + Uint32((s & Uint32(0x7FFFFF)) != Uint32(0))
+                code = cutlass.min(code, Uint32(254))
+                # 2^(127 - code) from bits: exponent field 254 - code; 0 -> 2^-127 (subnormal)
+                e = Uint32(254) - code
+                mult = Uint32(0x00400000) if e == Uint32(0) else e << Uint32(23)
+                out = []
+                for i in cutlass.range_constexpr(8):
+                    a, c = w[2 * i], w[2 * i + 1]
+                    q = _cvt_e4m3x4(_mul_rn(a << Uint32(16), mult),
+                                    _mul_rn(a & Uint32(0xFFFF0000), mult),
+                                    _mul_rn(c << Uint32(16), mult),
+                                    _mul_rn(c & Uint32(0xFFFF0000), mult))
+                    if amax == Uint32(0):            # all +-0.0: zero bytes (no -0 0x80)
+                        q = Uint32(0)
+                    if not finite:
+                        q = Uint32(_ONE_NAN_WORD)
+                    out.append(q)
+                if not finite:
+                    code = Uint32(_E8M0_NAN)
+                _st_v4(pq + b * 8, out[0], out[1], out[2], out[3])
+                _st_v4(pq + (b * 8 + 4), out[4], out[5], out[6], out[7])
+                cute.arch.store(x_scale + b, Uint8(code))
+
+
+def _require_dsl() -> None:
+    if not _HAVE_DSL:
+        raise RuntimeError("the quantize kernel needs nvidia-cutlass-dsl (pip install moebench[kernels])")
+
+
+def _check_threads(threads) -> None:
+    if (not isinstance(threads, int) or isinstance(threads, bool)
+            or threads < 32 or threads % 32 or threads > 1024):
+        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
+
+
+def compile_quantize_kernel(pdl: bool = True, threads: int = DEFAULT_THREADS):
+    """Compile the MXFP8 quantization kernel once per process, PDL setting
+    and CTA size (cached; see QuantizeKernel).
+
+    Without a GPU set CUTE_DSL_ARCH=sm_90a to cross-compile for the H200.
+    Returns the compiled function, called as
+    `f(x_ptr, x_q_ptr, x_scale_ptr, blocks, stream)` with 16-byte aligned
+    global pointers (bf16 / uint8 / uint8, cutlass.cute.runtime.make_ptr),
+    blocks = rows*H/32 (Int32) and a cuda.bindings CUstream;
+    `launch_quantize_mxfp8` does this for torch tensors. Raises RuntimeError
+    without nvidia-cutlass-dsl, TypeError for a non-bool `pdl`, ValueError
+    for a bad `threads`."""
+    if not isinstance(pdl, bool):
+        raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
+    _check_threads(threads)
+    return _compile(pdl, threads)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(pdl: bool, threads: int):
+    _require_dsl()
+    from cutlass.cute.runtime import make_ptr
+
+    def fake(dtype):
+        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
+
+    return cute.compile(QuantizeKernel(pdl=pdl, threads=threads), fake(BFloat16), fake(Uint8),
+                        fake(Uint8), Int32(MX_BLOCK), _cuda.CUstream(0))
+
+
+def _check_tensor(name: str, t, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...],
+                  device: torch.device | None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"{name} must be {want}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of x), got {t.device}")
+    if t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x})")
+
+
+def _check_x(x) -> tuple[int, int]:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"x must be bfloat16, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, H], got shape {tuple(x.shape)}")
+    rows, h = x.shape
+    if not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"x: rows must be in [1, {MAX_ROWS}], got {rows} (shape {tuple(x.shape)})")
+    if h <= 0 or h % H_MULTIPLE:
+        raise ValueError(f"x: H must be a positive multiple of {H_MULTIPLE}, got {h}")
+    _check_tensor("x", x, (torch.bfloat16,), (rows, h), None)
+    return rows, h
+
+
+def _cu_stream(stream, device: torch.device):
+    if stream is None:
+        return _cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    if isinstance(stream, torch.cuda.Stream):
+        return _cuda.CUstream(stream.cuda_stream)
+    if isinstance(stream, _cuda.CUstream):
+        return stream
+    raise TypeError(f"stream must be None, a torch.cuda.Stream or a CUstream, got {type(stream).__name__}")
+
+
+def launch_quantize_mxfp8(
+    x: torch.Tensor,
+    x_q_out: torch.Tensor,
+    x_scale_out: torch.Tensor,
+    *,
+    stream=None,
+    pdl: bool = True,
+    threads: int = DEFAULT_THREADS,
+) -> None:
+    """Launch the MXFP8 quantization kernel: write the e4m3 bytes and E8M0
+    scales of `x` into the given buffers, on `stream` (torch's current stream
+    when None). No host sync, no allocation: CUDA-graph capturable (call it
+    once before capture: the first call loads the kernel). The bytes equal
+    `moebench.formats.quantize_mxfp8(x)` bit for bit.
+
+    x: bfloat16 [rows, H], contiguous, CUDA, 16-byte aligned; 1 <= rows <= 8,
+      H a positive multiple of 128.
+    x_q_out: uint8 (or float8_e4m3fn) [rows, H], contiguous, 16-byte aligned,
+      on x's device; every byte is written.
+    x_scale_out: uint8 [rows, H/32], contiguous, 16-byte aligned, on x's
+      device; every byte is written.
+    stream: None, a torch.cuda.Stream or a cuda.bindings CUstream.
+    pdl: launch with programmatic dependent launch (see the module docstring).
+    threads: CTA size, a multiple of 32 in [32, 1024] (a tactic; every value
+      gives the same bits).
+
+    Raises TypeError for a wrong type or dtype, ValueError for a wrong shape,
+    range, layout, alignment or device (each naming the argument),
+    RuntimeError without nvidia-cutlass-dsl.
+    """
+    rows, h = _check_x(x)
+    device = x.device
+    _check_tensor("x_q_out", x_q_out, (torch.uint8, torch.float8_e4m3fn), (rows, h), device)
+    _check_tensor("x_scale_out", x_scale_out, (torch.uint8,), (rows, h // MX_BLOCK), device)
+    if not isinstance(pdl, bool):
+        raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
+    _check_threads(threads)
+    if device.type != "cuda":
+        raise ValueError(f"x, x_q_out and x_scale_out must be CUDA tensors, got {device}")
+    _require_dsl()
+    from cutlass.cute.runtime import make_ptr
+
+    def ptr(t: torch.Tensor, dtype):
+        return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
+
+    compiled = compile_quantize_kernel(pdl, threads)
+    compiled(ptr(x, BFloat16), ptr(x_q_out, Uint8), ptr(x_scale_out, Uint8),
+             Int32(rows * h // MX_BLOCK), _cu_stream(stream, device))
+
+
+def quantize_mxfp8(x: torch.Tensor, *, stream=None, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the outputs on x's device and launch the kernel (see
+    `launch_quantize_mxfp8`). x: bfloat16 [rows, H] CUDA (copied if it is
+    not contiguous or not 16-byte aligned; 1 <= rows <= 8, H % 128 == 0). Returns (x_q uint8 [rows, H]
+    e4m3 bytes, x_scale uint8 [rows, H/32] E8M0 codes), equal bit for bit to
+    `moebench.formats.quantize_mxfp8(x)` (viewed as uint8) once the stream
+    has run the kernel. Raises as `launch_quantize_mxfp8`."""
+    if isinstance(x, torch.Tensor) and (not x.is_contiguous() or x.data_ptr() % 16):
+        x = x.clone(memory_format=torch.contiguous_format)  # fresh allocations are aligned
+    _check_x(x)
+    rows, h = x.shape
+    x_q = torch.empty(rows, h, dtype=torch.uint8, device=x.device)
+    x_scale = torch.empty(rows, h // MX_BLOCK, dtype=torch.uint8, device=x.device)
+    launch_quantize_mxfp8(x, x_q, x_scale, stream=stream, pdl=pdl)
+    return x_q, x_scale
