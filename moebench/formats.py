@@ -134,7 +134,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = w.to(torch.float32).reshape(*shape[:-1], shape[-1] // MX_BLOCK, MX_BLOCK)
     code = _block_scale_codes(blocks, E2M1_MAX)
     scaled = _scaled(blocks, code, E2M1_MAX)
-    nib = _round_e2m1(scaled.abs()) | ((scaled < 0).to(torch.int32) << 3)
+    nib = _round_e2m1(scaled.abs()) | ((blocks < 0).to(torch.int32) << 3)
     nib = torch.where((code == E8M0_NAN).unsqueeze(-1), torch.full_like(nib, 0x7), nib)
     zero = (blocks.abs().amax(-1, keepdim=True) == 0)
     nib = torch.where(zero, torch.zeros_like(nib), nib)

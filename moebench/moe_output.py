@@ -136,8 +136,12 @@ def finalize(
             )
         acc_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
         # Vectorized over k (a handful of launches, graph-friendly, no host sync).
-        w = torch.where(idx >= 0, routed.expert_weights.to(acc_dtype), 0.0)
-        gathered = rows[idx.clamp_min(0)].to(acc_dtype)  # [tokens, top_k, hidden]
+        local = idx >= 0
+        w = torch.where(local, routed.expert_weights.to(acc_dtype), 0.0)
+        # -1 slots are never read: mask the gathered row too (0 * NaN would leak).
+        gathered = torch.where(
+            local.unsqueeze(-1), rows[idx.clamp_min(0)].to(acc_dtype), 0.0
+        )  # [tokens, top_k, hidden]
         acc = torch.bmm(w.unsqueeze(1), gathered).squeeze(1) * scale
         dtype = out_dtype or rows.dtype
     if shared is not None:
@@ -218,7 +222,10 @@ def route_major_moe_output(
             " must both be [tokens, top_k]"
         )
     tokens, top_k = topk_ids.shape
-    if routes.numel() % max(1, tokens * top_k) or routes.shape[0] not in (tokens, tokens * top_k):
+    if not (
+        (routes.dim() == 3 and tuple(routes.shape[:2]) == (tokens, top_k))
+        or (routes.dim() == 2 and routes.shape[0] == tokens * top_k)
+    ):
         raise ValueError(f"routes must hold tokens*top_k = {tokens * top_k} rows, got {tuple(routes.shape)}")
     idx = torch.arange(tokens * top_k, dtype=torch.int32, device=routes.device).view(tokens, top_k)
     if expert_map is not None:

@@ -21,6 +21,7 @@ or NaN:
 
 from __future__ import annotations
 
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,7 +231,7 @@ def _replay(trace: str | Path | None, rows: int, top_k: int, seed: int) -> torch
     try:
         with np.load(path) as data:
             ids = np.asarray(data["topk_ids"])
-    except (OSError, ValueError, KeyError) as error:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
         raise ValueError(f"cannot read topk_ids from trace {path}: {error}") from error
     if ids.ndim != 3 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"trace {path}: topk_ids must be integer [steps, rows, top_k], got {ids.shape} {ids.dtype}")

@@ -1,0 +1,286 @@
+"""The MoE output contract and finalize (moebench.moe_output), against a naive
+per-token loop."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moebench.moe_output import (
+    MoEOutput,
+    UnfinalizedMoEOutput,
+    convert_flashinfer_moe_output,
+    finalize,
+    route_major_moe_output,
+)
+
+
+def naive_finalize(rows, weights, idx, scale=1.0, shared=None):
+    """out[t] = scale * sum_k w[t,k] * rows[idx[t,k]] (skip -1) + shared[t], in fp64."""
+    tokens, top_k = weights.shape
+    out = torch.zeros(tokens, rows.shape[1], dtype=torch.float64)
+    for t in range(tokens):
+        for k in range(top_k):
+            p = int(idx[t, k])
+            if p < 0:
+                continue
+            out[t] += float(weights[t, k]) * rows[p].double()
+    out *= scale
+    if shared is not None:
+        out += shared.double()
+    return out
+
+
+def make_case(tokens=5, top_k=4, hidden=64, seed=0, dtype=torch.bfloat16, nonlocal_frac=0.25):
+    g = torch.Generator().manual_seed(seed)
+    permuted_rows = 8 * (tokens * top_k // 8 + 2)
+    rows = torch.randn(permuted_rows, hidden, generator=g).to(dtype)
+    idx = torch.randperm(permuted_rows, generator=g)[: tokens * top_k].view(tokens, top_k).to(torch.int32)
+    drop = torch.rand(tokens, top_k, generator=g) < nonlocal_frac
+    idx = torch.where(drop, torch.full_like(idx, -1), idx)
+    weights = torch.rand(tokens, top_k, generator=g)
+    shared = torch.randn(tokens, hidden, generator=g).to(dtype)
+    return rows, weights, idx, shared
+
+
+# ----------------------------------------------------------------------------- UnfinalizedMoEOutput
+
+
+def test_unfinalized_properties():
+    rows, w, idx, _ = make_case()
+    u = UnfinalizedMoEOutput(rows, w, idx)
+    assert (u.num_tokens, u.top_k, u.hidden) == (5, 4, 64)
+    assert u.route_major is False
+
+
+def test_unfinalized_checks():
+    rows, w, idx, _ = make_case()
+    with pytest.raises(ValueError, match="int32"):
+        UnfinalizedMoEOutput(rows, w, idx.long())
+    with pytest.raises(ValueError, match="expert_weights"):
+        UnfinalizedMoEOutput(rows, w[:, :3], idx)
+    with pytest.raises(ValueError, match="expert_weights"):
+        UnfinalizedMoEOutput(rows, w.flatten(), idx.flatten())
+    with pytest.raises(ValueError, match="gemm2_permuted"):
+        UnfinalizedMoEOutput(rows.flatten(), w, idx)
+    wide = torch.zeros(rows.shape[0], 128, dtype=rows.dtype)
+    with pytest.raises(ValueError, match="dense"):
+        UnfinalizedMoEOutput(wide[:, :64], w, idx)  # row stride 128 != hidden 64
+    with pytest.raises(ValueError, match="dense"):
+        UnfinalizedMoEOutput(torch.zeros(64, rows.shape[0], dtype=rows.dtype).t(), w, idx)
+    with pytest.raises(ValueError, match="device"):
+        UnfinalizedMoEOutput(rows.to("meta"), w, idx)
+    with pytest.raises(ValueError, match="device"):
+        UnfinalizedMoEOutput(rows, w, idx.to("meta"))
+    with pytest.raises(TypeError, match="gemm2_permuted"):
+        UnfinalizedMoEOutput(rows.tolist(), w, idx)
+    with pytest.raises(TypeError, match="expert_weights"):
+        UnfinalizedMoEOutput(rows, w.tolist(), idx)
+
+
+# ----------------------------------------------------------------------------- finalize
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_finalize_vs_naive(dtype, seed):
+    rows, w, idx, shared = make_case(seed=seed, dtype=dtype)
+    shared = shared if seed != 2 else None
+    u = UnfinalizedMoEOutput(rows, w, idx)
+    out = finalize(u, scale=1.5, shared=shared)
+    assert out.dtype == dtype and out.shape == (5, 64)
+    want = naive_finalize(rows, w, idx, 1.5, shared)
+    tol = {torch.bfloat16: 1e-2, torch.float32: 1e-6, torch.float64: 1e-13}[dtype]
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+    # out_dtype
+    out32 = finalize(u, scale=1.5, shared=shared, out_dtype=torch.float32)
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32.double(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_finalize_skips_nonlocal_and_unreferenced_rows():
+    rows, w, idx, _ = make_case(seed=3, dtype=torch.float32, nonlocal_frac=0.4)
+    assert bool((idx == -1).any())
+    referenced = set(idx[idx >= 0].tolist())
+    rows = rows.clone()
+    for r in range(rows.shape[0]):
+        if r not in referenced:
+            rows[r] = float("nan")
+    w = torch.where(idx < 0, torch.full_like(w, float("inf")), w)  # never read
+    out = finalize(UnfinalizedMoEOutput(rows, w, idx))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), naive_finalize(rows, w, idx), rtol=1e-6, atol=1e-6)
+    # row 0 is what a -1 slot would gather if it were read: it must not leak
+    rows = torch.randn(16, 8)
+    idx = torch.tensor([[1, -1], [-1, -1], [2, 3]], dtype=torch.int32)
+    w = torch.rand(3, 2)
+    rows[0] = float("nan")
+    rows[4:] = float("inf")
+    out = finalize(UnfinalizedMoEOutput(rows, w, idx))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), naive_finalize(rows, w, idx), rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[1], torch.zeros(8))
+    # a referenced non-finite row stays with its own token
+    rows[3] = float("inf")
+    out = finalize(UnfinalizedMoEOutput(rows, w, idx))
+    assert torch.isfinite(out[:2]).all() and torch.isinf(out[2]).all()
+    rows, w, idx, _ = make_case(seed=3, dtype=torch.float32, nonlocal_frac=0.4)
+    # a token whose routes are all non-local gets exactly its shared part
+    idx2 = idx.clone()
+    idx2[1] = -1
+    shared = torch.randn(5, 64)
+    out = finalize(UnfinalizedMoEOutput(rows, w, idx2), shared=shared, scale=2.0)
+    assert torch.equal(out[1], shared[1])
+
+
+def test_finalize_errors():
+    rows, w, idx, shared = make_case()
+    idx_bad = idx.clone()
+    idx_bad[0, 0] = rows.shape[0]
+    with pytest.raises(ValueError, match="row"):
+        finalize(UnfinalizedMoEOutput(rows, w, idx_bad))
+    with pytest.raises(ValueError, match="shared"):
+        finalize(UnfinalizedMoEOutput(rows, w, idx), shared=shared[:, :32])
+    with pytest.raises(ValueError):
+        finalize(torch.zeros(5))
+
+
+def test_finalize_of_a_finalized_tensor():
+    g = torch.Generator().manual_seed(4)
+    routed = torch.randn(3, 32, generator=g)
+    shared = torch.randn(3, 32, generator=g)
+    out = finalize(routed, scale=2.5, shared=shared)
+    torch.testing.assert_close(out, routed * 2.5 + shared)
+    assert torch.equal(finalize(routed), routed)
+
+
+# ----------------------------------------------------------------------------- MoEOutput
+
+
+def test_moe_output_finalize():
+    rows, w, idx, shared = make_case(seed=5, dtype=torch.float32)
+    u = UnfinalizedMoEOutput(rows, w, idx)
+    m = MoEOutput(u, shared, routed_scaling_factor=2.5)
+    torch.testing.assert_close(m.finalize().double(), naive_finalize(rows, w, idx, 2.5, shared), rtol=1e-6, atol=1e-6)
+    assert m.finalize(torch.bfloat16).dtype == torch.bfloat16
+    dense = naive_finalize(rows, w, idx).float()
+    m2 = MoEOutput(dense, shared)
+    torch.testing.assert_close(m2.finalize(), dense + shared)
+    assert torch.equal(MoEOutput(dense).finalize(), dense)
+
+
+def test_moe_output_checks():
+    rows, w, idx, shared = make_case()
+    u = UnfinalizedMoEOutput(rows, w, idx)
+    with pytest.raises(ValueError, match="shared_output"):
+        MoEOutput(u, shared[:4])
+    with pytest.raises(ValueError, match="shared_output"):
+        MoEOutput(torch.zeros(5, 64), torch.zeros(5, 63))
+    with pytest.raises(TypeError, match="routed"):
+        MoEOutput([[0.0]])
+    with pytest.raises(ValueError):
+        MoEOutput(torch.zeros(5, 4, 64), torch.zeros(5, 64))
+
+
+# ----------------------------------------------------------------------------- FlashInfer outputs
+
+
+def test_convert_flashinfer_finalized():
+    out = torch.randn(4, 64)
+    assert convert_flashinfer_moe_output(out, do_finalize=True, num_tokens=4, top_k=6) is out
+    assert convert_flashinfer_moe_output([out], do_finalize=True, num_tokens=4, top_k=6) is out
+    assert convert_flashinfer_moe_output((out,), do_finalize=True, num_tokens=4, top_k=6) is out
+    got = convert_flashinfer_moe_output([out], do_finalize=True, num_tokens=4, top_k=6, finalized_output=out)
+    assert got is out
+    with pytest.raises(ValueError, match="one tensor"):
+        convert_flashinfer_moe_output([out, out], do_finalize=True, num_tokens=4, top_k=6)
+    with pytest.raises(ValueError, match="one tensor"):
+        convert_flashinfer_moe_output([], do_finalize=True, num_tokens=4, top_k=6)
+    with pytest.raises(ValueError, match="alias"):
+        convert_flashinfer_moe_output(out, do_finalize=True, num_tokens=4, top_k=6,
+                                      finalized_output=out.clone())  # fmt: skip
+    with pytest.raises(ValueError, match="alias"):
+        convert_flashinfer_moe_output(out, do_finalize=True, num_tokens=4, top_k=6,
+                                      finalized_output=out.view(8, 32))  # fmt: skip
+    with pytest.raises(ValueError, match="alias"):
+        convert_flashinfer_moe_output(out, do_finalize=True, num_tokens=4, top_k=6,
+                                      finalized_output=out.view(torch.int32))  # fmt: skip
+
+
+def test_convert_flashinfer_deferred():
+    rows, w, idx, shared = make_case(seed=6, dtype=torch.float32)
+    u = convert_flashinfer_moe_output([rows, w.flatten(), idx.flatten()], do_finalize=False,
+                                      num_tokens=5, top_k=4)  # fmt: skip
+    assert isinstance(u, UnfinalizedMoEOutput)
+    assert u.expert_weights.shape == (5, 4) and u.expanded_idx_to_permuted_idx.shape == (5, 4)
+    assert u.gemm2_permuted is rows
+    torch.testing.assert_close(finalize(u, shared=shared).double(), naive_finalize(rows, w, idx, 1.0, shared),
+                               rtol=1e-6, atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "mutate, kwargs, match",
+    [
+        (lambda r, w, i: r, {}, "deferred"),  # a bare tensor
+        (lambda r, w, i: [r, w], {}, "deferred"),
+        (lambda r, w, i: [r, w, i], dict(finalized_output=torch.zeros(5, 64)), "finalized_output"),
+        (lambda r, w, i: [r.view(-1, 8, 8), w, i], {}, "2-D"),
+        (lambda r, w, i: [r, w, i.long()], {}, "int32"),
+        (lambda r, w, i: [r, w[:-1], i], {}, "routing weights"),
+        (lambda r, w, i: [r, w, i[:-1]], {}, "permute map"),
+        (lambda r, w, i: [r, w.to("meta"), i], {}, "device"),
+        (lambda r, w, i: [r, torch.stack([w, w], 1)[:, 0], i], {}, "contiguous"),
+        (lambda r, w, i: [r, w, i], dict(num_tokens=-1), "num_tokens"),
+        (lambda r, w, i: [r, w, i], dict(top_k=0), "top_k"),
+    ],
+)
+def test_convert_flashinfer_deferred_errors(mutate, kwargs, match):
+    rows, w, idx, _ = make_case(seed=7)
+    args = dict(do_finalize=False, num_tokens=5, top_k=4) | kwargs
+    with pytest.raises(ValueError, match=match):
+        convert_flashinfer_moe_output(mutate(rows, w.flatten(), idx.flatten()), **args)
+
+
+# ----------------------------------------------------------------------------- route-major
+
+
+@pytest.mark.parametrize("three_d", [True, False])
+def test_route_major_with_expert_map(three_d):
+    g = torch.Generator().manual_seed(8)
+    tokens, top_k, hidden, experts = 4, 3, 32, 16
+    topk_ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(torch.int32)
+    topk_w = torch.rand(tokens, top_k, generator=g)
+    routes = torch.randn(tokens, top_k, hidden, generator=g)
+    expert_map = torch.full((experts,), -1, dtype=torch.int32)
+    expert_map[::2] = torch.arange(experts // 2, dtype=torch.int32)  # even experts are local
+    u = route_major_moe_output(routes if three_d else routes.view(-1, hidden), topk_w, topk_ids, expert_map)
+    assert u.route_major and u.gemm2_permuted.shape == (tokens * top_k, hidden)
+    want_idx = [[t * top_k + k if int(topk_ids[t, k]) % 2 == 0 else -1 for k in range(top_k)]
+                for t in range(tokens)]  # fmt: skip
+    assert u.expanded_idx_to_permuted_idx.tolist() == want_idx
+    want = torch.zeros(tokens, hidden, dtype=torch.float64)
+    for t in range(tokens):
+        for k in range(top_k):
+            if int(topk_ids[t, k]) % 2 == 0:
+                want[t] += float(topk_w[t, k]) * routes[t, k].double()
+    torch.testing.assert_close(finalize(u, scale=1.0).double(), want, rtol=1e-6, atol=1e-6)
+    # without a map every route is local
+    u = route_major_moe_output(routes, topk_w, topk_ids)
+    assert u.expanded_idx_to_permuted_idx.view(-1).tolist() == list(range(tokens * top_k))
+
+
+def test_route_major_errors():
+    routes = torch.zeros(4, 3, 32)
+    ids = torch.zeros(4, 3, dtype=torch.int32)
+    w = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match="topk"):
+        route_major_moe_output(routes, w[:, :2], ids)
+    with pytest.raises(ValueError, match="topk"):
+        route_major_moe_output(routes, w.flatten(), ids.flatten())
+    with pytest.raises(ValueError, match="routes"):
+        route_major_moe_output(torch.zeros(11, 32), w, ids)
+    with pytest.raises(ValueError, match="routes"):
+        route_major_moe_output(torch.zeros(4, 2, 32), w, ids)
+    # [tokens, hidden]: tokens rows only, not tokens*top_k
+    with pytest.raises(ValueError, match="routes"):
+        route_major_moe_output(torch.zeros(4, 96), w, ids)
