@@ -1,0 +1,127 @@
+"""The backend interface: one adapter per MoE path, prepare -> experts -> finalize.
+
+A backend converts the canonical MXFP4 weights once (`prepare`) and then runs
+the routed-expert MoE of a few token rows (`forward`: route/quantize, the
+experts' GEMMs, the top-k weighted finalize) returning the finalized BF16
+output. The bench times `forward` without knowing which backend it holds.
+
+Contract of `forward` (what makes it timeable):
+- no host synchronization and no host work that depends on the values of
+  device tensors (topk_ids live on the device), so a `capturable` backend can
+  be captured in a CUDA graph; buffers may be cached inside the prepared
+  object per row count;
+- inputs: x bf16 [rows, H], topk_ids int32 [rows, top_k] (ids outside [0, E)
+  are non-local and contribute nothing), topk_weights fp32 [rows, top_k]
+  (routed scale already folded in), all on the prepared weights' device;
+- output: bf16 [rows, H].
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import ClassVar
+
+import torch
+
+from moebench.formats import ExpertWeights
+from moebench.models import RankShape
+
+#: Oracle families (reference.py `activation`): which fp64 oracle a backend's
+#: numerics are held to.
+ORACLES = ("mxfp8", "bf16", "fp8_token")
+DEFAULT_TACTIC = "default"
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend cannot run here; `reason` says why (missing package, wrong GPU)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"backend {name!r} is unavailable: {reason}")
+        self.name = name
+        self.reason = reason
+
+
+class Backend(abc.ABC):
+    """One MoE path behind the common interface.
+
+    Class attributes: `name` (registry name), `oracle` (one of ORACLES),
+    `capturable` (whether `forward` may be captured in a CUDA graph; False
+    makes the bench time eager calls between device events instead).
+    """
+
+    name: ClassVar[str]
+    oracle: ClassVar[str]
+    capturable: ClassVar[bool] = True
+
+    def unavailable_reason(self, device: torch.device | str) -> str | None:
+        """Why this backend cannot run on `device` (a missing package, a GPU
+        that is not sm_90), or None when it can. Never raises ImportError."""
+        return None
+
+    def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
+        """Tactic names `prepare` accepts for `shape`; "default" is always one."""
+        return (DEFAULT_TACTIC,)
+
+    def prepared_bytes(self, shape: RankShape) -> int:
+        """Device bytes `prepare` adds per weight set (for the sweep's memory
+        budget); default: none beyond the canonical weights it keeps."""
+        return 0
+
+    @abc.abstractmethod
+    def prepare(self, weights: ExpertWeights, shape: RankShape, tactic: str = DEFAULT_TACTIC) -> object:
+        """One-time conversion of the canonical `weights` (on the target device)
+        into whatever `forward` reads. Raises ValueError for an unknown tactic
+        or weights that do not match `shape`."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        prepared: object,
+        x: torch.Tensor,
+        topk_ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """Finalized routed-expert output bf16 [rows, H] (module docstring)."""
+
+    def check_tactic(self, shape: RankShape, tactic: str) -> None:
+        """Raise ValueError unless `tactic` is one of `valid_tactics(shape)`."""
+        valid = self.valid_tactics(shape)
+        if tactic not in valid:
+            raise ValueError(f"tactic {tactic!r} is not valid for backend {self.name!r}; expected one of {valid}")
+
+
+def check_weights(weights: ExpertWeights, shape: RankShape) -> None:
+    """Raise TypeError/ValueError unless `weights` hold `shape`'s experts."""
+    if not isinstance(weights, ExpertWeights):
+        raise TypeError(f"weights must be ExpertWeights, got {type(weights).__name__}")
+    got = (weights.experts, weights.hidden, weights.intermediate, weights.padded_intermediate)
+    want = (shape.experts, shape.hidden, shape.intermediate, shape.padded_intermediate)
+    if got != want:
+        raise ValueError(
+            f"weights (E, H, I, Ip) = {got} do not match shape {shape.describe()} {want}"
+        )
+
+
+def check_forward_inputs(
+    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, hidden: int, device: torch.device
+) -> None:
+    """Raise TypeError/ValueError naming the argument unless x is bf16 [rows,
+    hidden], topk_ids int32 [rows, k], topk_weights fp32 [rows, k], all on
+    `device`. Checks metadata only (no host sync)."""
+    for name, t, dtype in (("x", x, torch.bfloat16), ("topk_ids", topk_ids, torch.int32),
+                           ("topk_weights", topk_weights, torch.float32)):  # fmt: skip
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}; the prepared weights are on {device}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
+    if x.shape[1] != hidden:
+        raise ValueError(f"x must be [rows, {hidden}], got {tuple(x.shape)}")
+    if topk_ids.shape[0] != x.shape[0] or topk_weights.shape != topk_ids.shape:
+        raise ValueError(
+            f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)}"
+            f" must both be [rows={x.shape[0]}, top_k]"
+        )

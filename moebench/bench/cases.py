@@ -1,0 +1,187 @@
+"""The case grid of a sweep and the bytes a case moves.
+
+A case is (preset config, tp, rows, scenario, backend, tactic, seed). The
+grid is the product of `SweepConfig`'s axes. `unique_bytes` counts what any
+backend must move at least once: the logical (unpadded) MXFP4 weights and
+E8M0 scales of the touched local experts plus the BF16 activations in and
+out; the same count for every backend, so GB/s compare directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from moebench.models import PRESETS, MoEConfig, RankShape, get_preset
+from moebench.record import MAX_ROWS
+from moebench.routing import SCENARIOS
+
+#: Reduced geometry of a CPU-only run (overridable per axis).
+CPU_REDUCED = {"hidden": 512, "intermediate": 256, "experts": 32}
+#: Backends a CPU-only run uses.
+CPU_BACKENDS = ("reference", "torch-bf16")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured point: a rank shape, a routing and a backend tactic."""
+
+    config: MoEConfig
+    tp: int
+    rows: int
+    scenario: str
+    backend: str
+    tactic: str = "default"
+    seed: int = 0
+
+    @property
+    def shape(self) -> RankShape:
+        return self.config.shard(self.tp)
+
+    def label(self) -> str:
+        return (
+            f"{self.config.name} tp{self.tp} rows={self.rows} {self.scenario} "
+            f"{self.backend}[{self.tactic}]"
+        )
+
+
+def _tuple_of(name: str, values, kind) -> tuple:
+    if isinstance(values, (str, int)):
+        values = (values,)
+    try:
+        out = tuple(values)
+    except TypeError as error:
+        raise TypeError(f"{name} must be a sequence, got {type(values).__name__}") from error
+    if not out:
+        raise ValueError(f"{name} must not be empty")
+    for v in out:
+        if not isinstance(v, kind) or isinstance(v, bool):
+            raise TypeError(f"{name}: expected {kind.__name__} values, got {v!r}")
+    if len(set(out)) != len(out):
+        raise ValueError(f"{name} has duplicates: {out}")
+    return out
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """What a sweep measures.
+
+    presets: preset names (models.PRESETS); hidden / intermediate / experts /
+    top_k: overrides applied to every preset; tp: tensor-parallel degrees (one
+    rank's shape each); rows: token rows, 1..8; scenarios: routing.SCENARIOS
+    ("replay" needs `trace`, an .npz path); backends: registry names, None =
+    every registered backend; tactics: tactic names tried per backend (those a
+    backend does not offer for a shape are skipped with a reason); seed: of
+    weights, routing and activations; warm_l2: time one weight set over and
+    over (else rotate >= 4 x L2 of distinct layers); layers: force the
+    rotation count; device: "cpu" / "cuda[:N]", None = the GPU if any, else
+    the CPU; reduced: run a reduced geometry (CPU_REDUCED, per-axis overrides
+    win), None = only on a CPU; warmup / replays: timing counts; use_graph:
+    CUDA-graph replay for capturable backends; memory_fraction: share of free
+    device memory the weight sets may take. Eager timing (a backend that is not
+    capturable, or any CPU run) caps warmup / replays at 2 / 20.
+
+    Raises ValueError / TypeError naming the field for a bad value.
+    """
+
+    presets: tuple[str, ...] = ("dsv41-flash",)
+    hidden: int | None = None
+    intermediate: int | None = None
+    experts: int | None = None
+    top_k: int | None = None
+    tp: tuple[int, ...] = (1,)
+    rows: tuple[int, ...] = tuple(range(1, MAX_ROWS + 1))
+    scenarios: tuple[str, ...] = ("correlated",)
+    backends: tuple[str, ...] | None = None
+    tactics: tuple[str, ...] = ("default",)
+    seed: int = 0
+    warm_l2: bool = False
+    layers: int | None = None
+    device: str | None = None
+    reduced: bool | None = None
+    warmup: int = 10
+    replays: int = 100
+    use_graph: bool = True
+    memory_fraction: float = 0.6
+    trace: Path | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
+        set_("presets", _tuple_of("presets", self.presets, str))
+        for p in self.presets:
+            if p not in PRESETS:
+                raise ValueError(f"presets: unknown preset {p!r}; expected one of {sorted(PRESETS)}")
+        set_("tp", _tuple_of("tp", self.tp, int))
+        if any(t <= 0 for t in self.tp):
+            raise ValueError(f"tp must be positive, got {self.tp}")
+        set_("rows", _tuple_of("rows", self.rows, int))
+        if any(not 1 <= r <= MAX_ROWS for r in self.rows):
+            raise ValueError(f"rows must lie in [1, {MAX_ROWS}], got {self.rows}")
+        set_("scenarios", _tuple_of("scenarios", self.scenarios, str))
+        for s in self.scenarios:
+            if s not in SCENARIOS:
+                raise ValueError(f"scenarios: unknown scenario {s!r}; expected one of {SCENARIOS}")
+        if "replay" in self.scenarios and self.trace is None:
+            raise ValueError("scenarios: 'replay' needs trace=<.npz path with topk_ids>")
+        if self.backends is not None:
+            set_("backends", _tuple_of("backends", self.backends, str))
+        set_("tactics", _tuple_of("tactics", self.tactics, str))
+        for name in ("seed", "warmup"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if not isinstance(self.replays, int) or self.replays < 1:
+            raise ValueError(f"replays must be an int >= 1, got {self.replays!r}")
+        if self.layers is not None and (not isinstance(self.layers, int) or self.layers < 1):
+            raise ValueError(f"layers must be an int >= 1, got {self.layers!r}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        # Validate the geometry now (bad overrides / tp fail here, not mid-run).
+        for p in self.presets:
+            for tp in self.tp:
+                self.config_for(p, reduced=bool(self.reduced)).shard(tp)
+
+    def config_for(self, preset: str, *, reduced: bool) -> MoEConfig:
+        """The preset with this sweep's overrides (and the reduced CPU geometry
+        when `reduced`, explicit overrides winning)."""
+        over = {k: getattr(self, k) for k in ("hidden", "intermediate", "experts", "top_k")}
+        if reduced:
+            for k, v in CPU_REDUCED.items():
+                if over[k] is None:
+                    over[k] = v
+        return get_preset(preset, **over)
+
+
+def expand_cases(config: SweepConfig, backends: tuple[str, ...], *, reduced: bool) -> list[Case]:
+    """Every case of `config` for `backends`, grouped by (preset, tp) then
+    (rows, scenario) then backend and tactic."""
+    cases = []
+    for preset, tp in itertools.product(config.presets, config.tp):
+        cfg = config.config_for(preset, reduced=reduced)
+        for rows, scenario, backend, tactic in itertools.product(
+            config.rows, config.scenarios, backends, config.tactics
+        ):
+            cases.append(Case(cfg, tp, rows, scenario, backend, tactic, config.seed))
+    return cases
+
+
+def unique_experts(topk_ids: torch.Tensor, experts: int) -> int:
+    """Distinct ids of `topk_ids` (any int tensor) that lie in [0, experts)."""
+    ids = topk_ids.detach().reshape(-1).to("cpu", torch.int64)
+    ids = ids[(ids >= 0) & (ids < experts)]
+    return int(torch.unique(ids).numel())
+
+
+def unique_bytes(shape: RankShape, topk_ids: torch.Tensor) -> int:
+    """Bytes a case moves at least once: shape.expert_bytes() x distinct local
+    experts of `topk_ids` [rows, top_k] + x in (bf16 rows*H*2) + out (rows*H*2).
+    Raises ValueError unless topk_ids is 2-D with top_k columns."""
+    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.shape[1] != shape.top_k:
+        raise ValueError(
+            f"topk_ids must be a [rows, {shape.top_k}] tensor, got {getattr(topk_ids, 'shape', topk_ids)!r}"
+        )
+    rows = topk_ids.shape[0]
+    return unique_experts(topk_ids, shape.experts) * shape.expert_bytes() + 2 * rows * shape.hidden * 2

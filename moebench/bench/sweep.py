@@ -1,0 +1,395 @@
+"""The sweep: every case of a SweepConfig, gated for correctness, then timed.
+
+Per (preset, tp) group: `layers` distinct seeded weight sets are generated on
+the device (enough that one replay's working set is >= 4 x L2, capped by a
+memory budget; 1 with warm_l2), each backend is prepared once per weight set,
+then per (rows, scenario) the routing, weights and activations are drawn and
+each (backend, tactic):
+
+1. is skipped with a reason when unavailable or the tactic is not offered;
+2. runs layer 0 once and is compared with the fp64 oracle of its family
+   (reference_moe(activation=backend.oracle)); an error above
+   ORACLE_TOLERANCE (or NaN/Inf) marks the case failed and it is not timed;
+3. is timed as one closure calling forward for every layer in turn on static
+   input buffers (per-call time = replay / layers).
+
+Any exception inside a backend marks that case failed with the message; the
+sweep goes on. Without a GPU the sweep runs on the CPU at a reduced geometry
+(cases.CPU_REDUCED) with the CPU backends and says so in the manifest.
+
+This module composes backends (through the registry) with the timing
+harness; the harness itself (timing.py, bandwidth.py) knows only callables.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+
+import pandas as pd
+import torch
+
+from moebench.backends.base import Backend, BackendUnavailable
+from moebench.backends.registry import backend_names, load_backend
+from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
+from moebench.bench.cases import CPU_BACKENDS, Case, SweepConfig, expand_cases, unique_bytes, unique_experts
+from moebench.bench.timing import time_graph
+from moebench.env import environment, resolve_device
+from moebench.formats import generate_activations, generate_expert_weights
+from moebench.models import MX_BLOCK, RankShape
+from moebench.reference import ORACLE_TOLERANCE, reference_moe, relative_error
+from moebench.routing import scenario_topk_ids, scenario_weights
+
+#: Result columns, in order (DESIGN.md "Store" plus timing/provenance extras).
+COLUMNS = (
+    "preset", "hidden", "intermediate", "padded_intermediate", "experts", "top_k", "tp", "rows",
+    "scenario", "backend", "tactic", "status", "error", "median_us", "p10_us", "p90_us",
+    "unique_experts", "bytes", "gbps", "pct_copy_bw", "ceiling_gbps", "pct_size_ceiling",
+    "max_rel_err", "oracle", "device", "sm_count", "commit", "timing_method", "layers",
+    "l2_multiple", "seed",
+)  # fmt: skip
+STATUSES = ("ok", "failed", "skipped")
+#: Working set of one replay, in L2 sizes, for cold-cache timing.
+L2_MULTIPLE = 4
+#: Seed stride between rotation layers' weight sets.
+LAYER_SEED_STRIDE = 1_000_003
+#: Timing counts cap for eager timing (backends that cannot be graph-captured, or the CPU).
+EAGER_REPLAYS_CAP = 20
+EAGER_WARMUP_CAP = 2
+
+ProgressFn = Callable[[int, int, Case, str], None]
+
+
+@dataclass
+class SweepResult:
+    """frame: one row per case (COLUMNS); manifest: JSON-ready provenance."""
+
+    frame: pd.DataFrame
+    manifest: dict
+
+
+def canonical_bytes(shape: RankShape) -> int:
+    """Device bytes of one canonical (padded) weight set of `shape`."""
+    e, h, ip = shape.experts, shape.hidden, shape.padded_intermediate
+    per_expert = 2 * ip * h // 2 + 2 * ip * h // MX_BLOCK + h * ip // 2 + h * ip // MX_BLOCK
+    return e * per_expert + 4 * e
+
+
+def layer_count(
+    min_touched_bytes: int, l2_bytes: int | None, per_layer_bytes: int, budget_bytes: int | None
+) -> tuple[int, bool]:
+    """(layers, capped): max(1, ceil(4 * L2 / min_touched_bytes)) weight sets,
+    at most what `budget_bytes` holds at `per_layer_bytes` each (never below
+    1). Without a known L2 (CPU) one layer. `capped` when the budget cut it."""
+    if min_touched_bytes <= 0 or per_layer_bytes <= 0:
+        raise ValueError("min_touched_bytes and per_layer_bytes must be positive")
+    want = 1 if not l2_bytes else max(1, math.ceil(L2_MULTIPLE * l2_bytes / min_touched_bytes))
+    if budget_bytes is None:
+        return want, False
+    fit = max(1, budget_bytes // per_layer_bytes)
+    return min(want, fit), fit < want
+
+
+@contextlib.contextmanager
+def _nvtx_range(message: str):
+    try:
+        import nvtx
+    except ImportError:
+        yield
+        return
+    with nvtx.annotate(message):
+        yield
+
+
+def _error_text(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}".strip()
+    return text.splitlines()[0][:500] if text else type(error).__name__
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepResult:
+    """Run every case of `config`; see the module docstring.
+
+    progress(done, total, case, status) is called after each case.
+    Raises TypeError for a bad config, ValueError for unknown backend names
+    or an unusable device; failures inside cases never raise.
+    """
+    if not isinstance(config, SweepConfig):
+        raise TypeError(f"config must be a SweepConfig, got {type(config).__name__}")
+    dev = resolve_device(config.device)
+    reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
+    if config.backends is not None:
+        names = config.backends
+    elif dev.type == "cpu":
+        names = CPU_BACKENDS
+    else:
+        names = tuple(n for n in backend_names() if n != "reference")
+    known = backend_names()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"backends: unknown {unknown}; expected names from {list(known)}")
+
+    env = environment(dev)
+    dinfo = env["device"]
+    if dev.type == "cuda":
+        copy_bytes, copy_repeats = 1 << 30, 20
+    else:
+        copy_bytes, copy_repeats = 64 << 20, 5
+    copy_bw = copy_bandwidth_gbps(dev, copy_bytes, copy_repeats)
+
+    backends: dict[str, Backend] = {}
+    reasons: dict[str, str | None] = {}
+    for name in names:
+        try:
+            backends[name] = load_backend(name)
+            reasons[name] = backends[name].unavailable_reason(dev)
+        except BackendUnavailable as error:
+            reasons[name] = error.reason
+        except Exception as error:  # noqa: BLE001
+            reasons[name] = f"availability check failed: {_error_text(error)}"
+
+    cases = expand_cases(config, names, reduced=reduced)
+    total = len(cases)
+    rows_out: list[dict] = []
+    groups_info: list[dict] = []
+    base = {"device": dinfo["name"], "sm_count": dinfo["sm_count"], "commit": env["commit"], "seed": config.seed}
+
+    def emit(case: Case, row: dict) -> None:
+        rows_out.append(row)
+        if progress is not None:
+            progress(len(rows_out), total, case, row["status"])
+
+    group_keys = list(dict.fromkeys((c.config, c.tp) for c in cases))
+    for cfg, tp in group_keys:
+        group = [c for c in cases if c.config == cfg and c.tp == tp]
+        info = _run_group(config, cfg.shard(tp), group, backends, reasons, dev, dinfo, copy_bw, base, emit)
+        groups_info.append({"preset": cfg.name, "tp": tp, **info})
+        _release(dev)
+
+    frame = _typed(pd.DataFrame(rows_out, columns=list(COLUMNS)))
+    manifest = {
+        "schema": 1,
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "reduced": reduced,
+        "seed": config.seed,
+        "warm_l2": config.warm_l2,
+        "copy_bw_gbps": copy_bw,
+        "copy_bw_bytes": copy_bytes,
+        "size_ceiling": "triton" if (dev.type == "cuda" and triton_available()) else None,
+        "oracle_tolerance": ORACLE_TOLERANCE,
+        "backends": reasons,
+        "groups": groups_info,
+        "config": _jsonable(asdict(config)),
+        **env,
+    }
+    return SweepResult(frame, manifest)
+
+
+FLOAT_COLUMNS = (
+    "median_us", "p10_us", "p90_us", "gbps", "pct_copy_bw", "ceiling_gbps", "pct_size_ceiling",
+    "max_rel_err", "l2_multiple",
+)  # fmt: skip
+STRING_COLUMNS = ("error", "oracle", "timing_method", "commit", "device")
+INT_COLUMNS = ("unique_experts", "bytes", "layers", "sm_count")
+
+
+def _typed(frame: pd.DataFrame) -> pd.DataFrame:
+    """Fixed dtypes whatever the mix of cases: floats (NaN for missing),
+    strings ("" for missing), so the parquet schema is stable."""
+    for col in FLOAT_COLUMNS:
+        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("float64")
+    for col in STRING_COLUMNS:
+        frame[col] = frame[col].fillna("").astype(str)
+    for col in INT_COLUMNS:
+        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
+    return frame
+
+
+def _jsonable(value):
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def _row(case: Case, shape: RankShape, base: dict, **values) -> dict:
+    row = dict.fromkeys(COLUMNS)
+    row.update(base)
+    row.update(
+        preset=case.config.name, hidden=shape.hidden, intermediate=shape.intermediate,
+        padded_intermediate=shape.padded_intermediate, experts=shape.experts, top_k=shape.top_k,
+        tp=case.tp, rows=case.rows, scenario=case.scenario, backend=case.backend, tactic=case.tactic,
+        error="",
+    )  # fmt: skip
+    row.update(values)
+    return row
+
+
+def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, base, emit) -> dict:
+    """Measure one (preset, tp) group; returns what the manifest records of it."""
+    # Routing first (CPU, cheap): the smallest touched set sizes the rotation.
+    routings = {}
+    for case in group:
+        key = (case.rows, case.scenario)
+        if key not in routings:
+            ids = scenario_topk_ids(case.scenario, case.rows, shape.top_k, shape.experts, config.seed, config.trace)
+            routings[key] = ids
+    min_touched = min(unique_bytes(shape, ids) for ids in routings.values())
+
+    # Which (backend, tactic) pairs run here, and why the others do not.
+    skip: dict[tuple[str, str], str] = {}
+    for case in group:
+        key = (case.backend, case.tactic)
+        if key in skip:
+            continue
+        reason = reasons.get(case.backend)
+        if reason is None:
+            valid = backends[case.backend].valid_tactics(shape)
+            if case.tactic not in valid:
+                reason = f"tactic {case.tactic!r} not offered for this shape (valid: {', '.join(valid)})"
+        if reason is not None:
+            skip[key] = reason
+    active = list(dict.fromkeys((c.backend, c.tactic) for c in group if (c.backend, c.tactic) not in skip))
+    if not active:  # nothing runs here: no weights to generate
+        for case in group:
+            ids = routings[(case.rows, case.scenario)]
+            emit(case, _row(case, shape, base, status="skipped", error=skip[(case.backend, case.tactic)],
+                            unique_experts=unique_experts(ids, shape.experts), bytes=unique_bytes(shape, ids)))
+        return {"layers": 0, "layers_capped": False, "min_touched_bytes": min_touched}
+
+    per_layer = canonical_bytes(shape) + sum(backends[b].prepared_bytes(shape) for b, _ in active)
+    budget = None
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        budget = int(free * config.memory_fraction)
+    if config.warm_l2:
+        layers, capped = 1, False
+    elif config.layers is not None:
+        layers, capped = config.layers, False
+    else:
+        layers, capped = layer_count(min_touched, dinfo["l2_bytes"], per_layer, budget)
+    info = {"layers": layers, "layers_capped": capped, "min_touched_bytes": min_touched}
+
+    failed_prepare: dict[tuple[str, str], str] = {}
+    prepared: dict[tuple[str, str], list] = {}
+    weights = []
+    try:
+        for layer in range(layers):
+            weights.append(generate_expert_weights(shape, config.seed + LAYER_SEED_STRIDE * layer, dev))
+    except Exception as error:  # noqa: BLE001 - e.g. out of memory: the whole group fails
+        message = f"weight generation failed ({layers} layers): {_error_text(error)}"
+        weights.clear()
+        _release(dev)
+        for case in group:
+            key = (case.backend, case.tactic)
+            status, text = ("skipped", skip[key]) if key in skip else ("failed", message)
+            emit(case, _row(case, shape, base, status=status, error=text, layers=layers))
+        return {**info, "error": message}
+    for key in active:
+        name, tactic = key
+        try:
+            prepared[key] = [backends[name].prepare(w, shape, tactic) for w in weights]
+        except Exception as error:  # noqa: BLE001
+            failed_prepare[key] = f"prepare failed: {_error_text(error)}"
+            prepared.pop(key, None)
+            _release(dev)
+
+    l2 = dinfo["l2_bytes"]
+    for (rows, scenario), ids_cpu in routings.items():
+        ids = ids_cpu.to(dev)
+        topk_w = scenario_weights(rows, shape.top_k, config.seed, scale=shape.routed_scaling_factor).to(dev)
+        x = generate_activations(rows, shape.hidden, config.seed, dev)
+        nbytes = unique_bytes(shape, ids_cpu)
+        n_experts = unique_experts(ids_cpu, shape.experts)
+        ceiling = None
+        if dev.type == "cuda":
+            try:
+                ceiling = size_matched_ceiling_gbps(nbytes, dev)
+            except Exception:  # noqa: BLE001 - the ceiling is optional
+                ceiling = None
+        oracles: dict[str, torch.Tensor] = {}
+        common = {
+            "unique_experts": n_experts, "bytes": nbytes, "ceiling_gbps": ceiling, "layers": layers,
+            "l2_multiple": (layers * (nbytes - 4 * rows * shape.hidden) / l2) if l2 else None,
+        }  # fmt: skip
+        for case in (c for c in group if (c.rows, c.scenario) == (rows, scenario)):
+            key = (case.backend, case.tactic)
+            if key in skip:
+                emit(case, _row(case, shape, base, status="skipped", error=skip[key], **common))
+                continue
+            if key in failed_prepare:
+                emit(case, _row(case, shape, base, status="failed", error=failed_prepare[key], **common))
+                continue
+            backend = backends[case.backend]
+            row = _run_case(config, case, backend, prepared[key], weights[0], x, ids, topk_w, oracles, dev)
+            if row.get("median_us") is not None:
+                gbps = nbytes / (row["median_us"] * 1e-6) / 1e9
+                row["gbps"] = gbps
+                row["pct_copy_bw"] = 100.0 * gbps / copy_bw if copy_bw else None
+                row["pct_size_ceiling"] = 100.0 * gbps / ceiling if ceiling else None
+            emit(case, _row(case, shape, base, **common, **row))
+    del prepared, weights
+    return info
+
+
+def _run_case(config, case, backend, prepared, weights0, x, ids, topk_w, oracles, dev) -> dict:
+    """Gate then time one case; returns the case's own columns."""
+    row: dict = {"oracle": backend.oracle}
+    try:
+        with _nvtx_range(case.label()):
+            if backend.oracle not in oracles:
+                oracles[backend.oracle] = reference_moe(
+                    x, ids, topk_w, weights0, activation=backend.oracle, dtype=torch.float64
+                ).output
+            out = backend.forward(prepared[0], x, ids, topk_w)
+            if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape):
+                raise ValueError(
+                    f"forward returned {getattr(out, 'shape', type(out).__name__)}, expected {tuple(x.shape)}"
+                )
+            err = relative_error(out, oracles[backend.oracle])
+            row["max_rel_err"] = err
+            if not err <= ORACLE_TOLERANCE:
+                row.update(status="failed", error=(
+                    f"rel. error {err:.3g} vs the {backend.oracle} oracle exceeds {ORACLE_TOLERANCE:g}"))  # fmt: skip
+                return row
+
+            def call_all_layers() -> None:
+                for p in prepared:
+                    backend.forward(p, x, ids, topk_w)
+
+            graph = config.use_graph and backend.capturable
+            # Slow eager paths (the reference, anything on the CPU) get capped counts.
+            full = graph and dev.type == "cuda"
+            timing = time_graph(
+                call_all_layers,
+                warmup=config.warmup if full else min(config.warmup, EAGER_WARMUP_CAP),
+                replays=config.replays if full else min(config.replays, EAGER_REPLAYS_CAP),
+                calls_per_replay=len(prepared),
+                use_graph=graph,
+                device=dev,
+            )
+    except Exception as error:  # noqa: BLE001 - a backend failure fails its case only
+        if dev.type == "cuda":
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(dev)
+                torch.cuda.empty_cache()
+        row.update(status="failed", error=_error_text(error))
+        return row
+    row.update(
+        status="ok", median_us=timing.median_us, p10_us=timing.p10_us, p90_us=timing.p90_us,
+        timing_method=timing.method,
+    )  # fmt: skip
+    return row

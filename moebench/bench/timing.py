@@ -1,0 +1,147 @@
+"""Timing of callables: CUDA-graph replay with device events, or CPU wall clock.
+
+Knows callables, not kernels. On CUDA, `fn` is warmed up eagerly on a side
+stream (as torch requires before capture), captured once into a CUDA graph and
+the graph is replayed `replays` times, each replay between two device events;
+one sample = replay time / calls_per_replay (so a `fn` that runs several
+layers' calls reports the time of one call). Without a GPU the eager calls are
+timed with the wall clock, and `Timing.method` says so.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+METHODS = ("cuda-graph", "cuda-events", "cpu-wallclock")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Per-call latency statistics in µs.
+
+    samples_us: one value per replay (replay time / calls_per_replay);
+    method: "cuda-graph" (graph replay, device events), "cuda-events" (eager
+    calls between device events) or "cpu-wallclock" (eager calls, host clock).
+    """
+
+    median_us: float
+    p10_us: float
+    p90_us: float
+    samples_us: tuple[float, ...]
+    method: str
+    calls_per_replay: int = 1
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if not self.samples_us:
+            raise ValueError("samples_us must not be empty")
+
+    @classmethod
+    def from_samples(cls, samples_us, method: str, calls_per_replay: int = 1) -> Timing:
+        """Median, p10 and p90 (linear interpolation) of `samples_us` (µs)."""
+        s = np.asarray(list(samples_us), dtype=np.float64)
+        if s.size == 0:
+            raise ValueError("samples_us must not be empty")
+        p10, med, p90 = np.percentile(s, [10, 50, 90])
+        return cls(float(med), float(p10), float(p90), tuple(float(v) for v in s), method, calls_per_replay)
+
+
+def _check_count(name: str, value: int, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def time_graph(
+    fn: Callable[[], object],
+    *,
+    warmup: int = 10,
+    replays: int = 100,
+    calls_per_replay: int = 1,
+    use_graph: bool = True,
+    device: torch.device | str | None = None,
+) -> Timing:
+    """Time `fn` (no arguments; it may launch many calls) and return per-call µs.
+
+    device: where `fn` runs; None = the current CUDA device if there is one,
+    else the CPU. On CUDA with `use_graph`, `fn` must be capturable (no host
+    sync, static buffers); a capture failure raises RuntimeError naming the
+    cause rather than silently timing something else. With use_graph=False
+    each replay is one eager `fn()` between device events ("cuda-events").
+    Raises ValueError for non-positive counts, TypeError if `fn` is not callable.
+    """
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    _check_count("warmup", warmup, 0)
+    _check_count("replays", replays, 1)
+    _check_count("calls_per_replay", calls_per_replay, 1)
+    if device is None:
+        dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    else:
+        dev = torch.device(device)
+    if dev.type == "cuda":
+        with torch.cuda.device(dev):
+            if use_graph:
+                return _time_cuda_graph(fn, warmup, replays, calls_per_replay)
+            return _time_cuda_events(fn, warmup, replays, calls_per_replay)
+    if dev.type != "cpu":
+        raise ValueError(f"device must be cpu or cuda, got {dev}")
+    return _time_wallclock(fn, warmup, replays, calls_per_replay)
+
+
+def _time_wallclock(fn, warmup: int, replays: int, calls: int) -> Timing:
+    for _ in range(warmup):
+        fn()
+    samples = []
+    for _ in range(replays):
+        start = time.perf_counter_ns()
+        fn()
+        samples.append((time.perf_counter_ns() - start) / 1e3 / calls)
+    return Timing.from_samples(samples, "cpu-wallclock", calls)
+
+
+def _replay_with_events(launch, replays: int, calls: int, method: str) -> Timing:
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for start, end in zip(starts, ends):
+        start.record()
+        launch()
+        end.record()
+    torch.cuda.synchronize()
+    samples = [s.elapsed_time(e) * 1e3 / calls for s, e in zip(starts, ends)]
+    return Timing.from_samples(samples, method, calls)
+
+
+def _time_cuda_events(fn, warmup: int, replays: int, calls: int) -> Timing:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    return _replay_with_events(fn, replays, calls, "cuda-events")
+
+
+def _time_cuda_graph(fn, warmup: int, replays: int, calls: int) -> Timing:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(max(1, warmup)):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception as error:  # noqa: BLE001 - re-raised with the cause attached
+        torch.cuda.synchronize()
+        raise RuntimeError(f"fn is not CUDA-graph capturable: {type(error).__name__}: {error}") from error
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    timing = _replay_with_events(graph.replay, replays, calls, "cuda-graph")
+    del graph
+    return timing

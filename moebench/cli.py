@@ -1,0 +1,340 @@
+"""The moebench command line: a thin Typer layer over the library.
+
+    moebench sweep    measure backends over presets / TP / rows / scenarios
+    moebench report   summarize a stored run (table + summary.md)
+    moebench check    quick self-check (codecs, record, oracle, backends)
+    moebench env      device, driver, versions, available backends
+    moebench presets  geometry presets and their per-TP shapes
+
+User errors print one red line and exit 2; failed checks exit 1.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+app = typer.Typer(
+    name="moebench",
+    help="Microbenchmarks and tuning for low-batch MXFP4 routed-expert MoE decode on Hopper.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+USAGE_ERROR = 2
+
+
+def _fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:
+    err_console.print(f"[red]error: {message}[/red]", soft_wrap=True)
+    return typer.Exit(code)
+
+
+def parse_int_list(text: str, option: str, lo: int, hi: int) -> tuple[int, ...]:
+    """'1-8', '1,2,4', '6' or '1-4,8' -> sorted distinct ints in [lo, hi].
+    Raises ValueError naming `option`."""
+    values: set[int] = set()
+    for part in (p.strip() for p in str(text).split(",")):
+        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
+        if not match or (match[2] is not None and int(match[1]) > int(match[2])):
+            raise ValueError(f"{option}: cannot parse {part!r} (expected e.g. '1-8', '1,2,4' or '6')")
+        start = int(match[1])
+        values.update(range(start, int(match[2] or start) + 1))
+    bad = sorted(v for v in values if not lo <= v <= hi)
+    if bad:
+        raise ValueError(f"{option}: {bad} outside [{lo}, {hi}]")
+    return tuple(sorted(values))
+
+
+def parse_names(text: str, option: str) -> tuple[str, ...]:
+    """'a,b' -> ('a', 'b') (order kept, duplicates dropped). Raises ValueError
+    naming `option` when empty."""
+    names = tuple(dict.fromkeys(p.strip() for p in str(text).split(",") if p.strip()))
+    if not names:
+        raise ValueError(f"{option}: expected a comma-separated list, got {text!r}")
+    return names
+
+
+def _fmt(value, digits: int = 1) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+@app.command()
+def sweep(
+    preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated (see `moebench presets`)."),
+    hidden: int = typer.Option(None, help="Override hidden size H."),
+    intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
+    experts: int = typer.Option(None, help="Override routed experts E."),
+    top_k: int = typer.Option(None, "--top-k", help="Override top_k."),
+    rows: str = typer.Option("1-8", help="Token rows: '1-8', '1,2,4' or '6' (1..8)."),
+    tp: str = typer.Option("1,2,4,8", help="Tensor-parallel degrees (one rank's shape each)."),
+    backends: str = typer.Option(
+        "default", help="'default' (GPU: all but reference; CPU: reference,torch-bf16), 'all', or a list."
+    ),
+    scenario: str = typer.Option("correlated", help="Routing scenarios: uniform,zipf,hot,correlated,replay."),
+    tactics: str = typer.Option("default", help="Tactics per backend, comma-separated."),
+    seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
+    warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
+    layers: int = typer.Option(None, help="Force the number of rotated weight sets (default: >= 4x L2)."),
+    replays: int = typer.Option(100, help="Timed replays per case."),
+    warmup: int = typer.Option(10, help="Warm-up calls per case."),
+    graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
+    device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
+    trace: Path = typer.Option(None, help="Top-k trace (.npz with topk_ids) for the replay scenario."),
+    label: str = typer.Option("sweep", help="Run label: the run goes to OUT/<UTC date>-<label>."),
+    out: Path = typer.Option(Path("reports/runs"), help="Root directory of stored runs."),
+) -> None:
+    """Measure backends over presets x TP x rows x scenarios; store the run."""
+    from moebench.backends.registry import backend_names
+    from moebench.bench.cases import CPU_BACKENDS, CPU_REDUCED, SweepConfig
+    from moebench.bench.sweep import run_sweep
+    from moebench.env import resolve_device
+    from moebench.record import MAX_ROWS
+    from moebench.reports.store import run_dir_name, write_run
+    from moebench.reports.summary import summary_table
+
+    try:
+        run_dir_name(label)
+        backend_list = None
+        if backends == "all":
+            backend_list = backend_names()
+        elif backends != "default":
+            backend_list = parse_names(backends, "--backends")
+        dev = resolve_device(device)
+        reduced = dev.type == "cpu"
+        config = SweepConfig(
+            presets=parse_names(preset, "--preset"), hidden=hidden, intermediate=intermediate,
+            experts=experts, top_k=top_k, tp=parse_int_list(tp, "--tp", 1, 64),
+            rows=parse_int_list(rows, "--rows", 1, MAX_ROWS), scenarios=parse_names(scenario, "--scenario"),
+            backends=backend_list, tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
+            layers=layers, device=str(dev), reduced=reduced, warmup=warmup, replays=replays,
+            use_graph=graph, trace=trace,
+        )  # fmt: skip
+    except (ValueError, TypeError) as error:
+        raise _fail(str(error)) from None
+
+    if reduced:
+        sizes = {k: v for k, v in CPU_REDUCED.items() if getattr(config, k) is None}
+        shown = ", ".join(f"{k}={v}" for k, v in sizes.items()) or "as overridden"
+        which = ", ".join(backend_list or CPU_BACKENDS)
+        console.print(
+            f"[yellow]No GPU: running {which} on the CPU at a reduced size ({shown}); "
+            "CPU latencies say nothing about a GPU.[/yellow]"
+        )
+    try:
+        with Progress(
+            TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=console, transient=True,
+        ) as bar:  # fmt: skip
+            task = bar.add_task("sweep", total=None)
+
+            def progress(done: int, total: int, case, status: str) -> None:
+                bar.update(task, completed=done, total=total, description=f"{case.label()}: {status}")
+
+            result = run_sweep(config, progress=progress)
+    except (ValueError, TypeError) as error:
+        raise _fail(str(error)) from None
+
+    manifest = {**result.manifest, "command": shlex.join(["moebench", *sys.argv[1:]])}
+    try:
+        path = write_run(result.frame, manifest, root=out, label=label)
+    except OSError as error:
+        raise _fail(f"cannot write the run under {out}: {error}", 1) from None
+    _print_summary(summary_table(result.frame))
+    counts = result.frame["status"].value_counts().to_dict()
+    console.print(
+        f"{counts.get('ok', 0)} ok, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped; "
+        f"copy bandwidth {result.manifest['copy_bw_gbps']:.1f} GB/s"
+    )
+    console.print(f"run stored in [bold]{path}[/bold]")
+
+
+def _print_summary(table_df) -> None:
+    """Render summary_table(df) with rich; columns that hold one value for
+    every row (preset, tp, scenario, tactic) move into the title."""
+    columns = {"preset": "preset", "tp": "tp", "rows": "rows", "scenario": "scenario",
+               "backend": "backend", "tactic": "tactic", "status": "status", "median_us": "µs",
+               "gbps": "GB/s", "pct_copy_bw": "%copy", "pct_size_ceiling": "%ceil",
+               "vs_torch_bf16": "×torch", "max_rel_err": "err", "note": "note"}  # fmt: skip
+    constant = [c for c in ("preset", "tp", "scenario", "tactic")
+                if len(table_df) and table_df[c].nunique(dropna=False) == 1]  # fmt: skip
+    title = ", ".join(f"{c} {table_df[c].iloc[0]}" for c in constant) or None
+    table = Table(title=title)
+    empty = [c for c in ("pct_size_ceiling", "vs_torch_bf16", "note")
+             if not table_df[c].replace("", None).notna().any()]  # fmt: skip
+    shown = [c for c in columns if c not in constant and c not in empty]
+    for col in shown:
+        table.add_column(columns[col], overflow="fold", no_wrap=col != "note")
+    colors = {"ok": "green", "failed": "red", "skipped": "yellow"}
+    for rec in table_df.to_dict("records"):
+        cells = []
+        for col in shown:
+            v = rec[col]
+            if col == "max_rel_err":
+                cells.append("-" if v is None or v != v else f"{v:.1e}")
+            elif col == "vs_torch_bf16":
+                cells.append(_fmt(v, 2))
+            elif col == "status":
+                cells.append(f"[{colors.get(v, 'white')}]{v}[/]")
+            elif col == "note":
+                cells.append(str(v)[:80])
+            else:
+                cells.append(_fmt(v))
+        table.add_row(*cells)
+    # Wide enough for the table even when stdout is not a terminal (logs, CI).
+    Console(highlight=False, width=max(console.width, 150)).print(table)
+
+
+@app.command()
+def presets() -> None:
+    """Geometry presets and one rank's shape per TP degree."""
+    from moebench.models import PRESETS
+
+    table = Table(title="presets")
+    for head in ("preset", "H", "I", "E", "top_k", "shared", "scale", "swiglu limit"):
+        table.add_column(head)
+    for cfg in PRESETS.values():
+        table.add_row(
+            cfg.name, str(cfg.hidden), str(cfg.intermediate), str(cfg.experts), str(cfg.top_k),
+            str(cfg.shared_experts), f"{cfg.routed_scaling_factor:g}", f"{cfg.swiglu_limit:g}",
+        )  # fmt: skip
+    console.print(table)
+    shapes = Table(title="one rank's shape (MXFP4 weights + scales, logical bytes)")
+    for head in ("preset", "TP", "I/tp", "padded", "MB / expert", "MB / top_k experts", "GB / rank"):
+        shapes.add_column(head)
+    for cfg in PRESETS.values():
+        for t in (1, 2, 4, 8):
+            try:
+                s = cfg.shard(t)
+            except ValueError as error:
+                shapes.add_row(cfg.name, str(t), "-", "-", str(error), "", "")
+                continue
+            eb = s.expert_bytes()
+            shapes.add_row(
+                cfg.name, str(t), str(s.intermediate), str(s.padded_intermediate), f"{eb / 1e6:.2f}",
+                f"{eb * s.top_k / 1e6:.1f}", f"{eb * s.experts / 1e9:.2f}",
+            )  # fmt: skip
+    console.print(shapes)
+
+
+@app.command()
+def env(
+    device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
+    bandwidth: bool = typer.Option(True, "--bandwidth/--no-bandwidth", help="Measure copy bandwidth on a GPU."),
+) -> None:
+    """Device, driver, package versions, commit and available backends."""
+    from moebench.backends.registry import available_backends
+    from moebench.bench.bandwidth import copy_bandwidth_gbps
+    from moebench.env import environment, resolve_device
+
+    try:
+        dev = resolve_device(device)
+    except ValueError as error:
+        raise _fail(str(error)) from None
+    info = environment(dev)
+    d = info["device"]
+    table = Table(show_header=False, title="environment")
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    table.add_row("device", f"{d['name']} ({d['kind']})")
+    if d["kind"] == "cuda":
+        table.add_row("compute capability", str(d["capability"]))
+        table.add_row("SMs", str(d["sm_count"]))
+        table.add_row("L2", f"{(d['l2_bytes'] or 0) / 2**20:.0f} MiB")
+        table.add_row("memory", f"{(d['memory_bytes'] or 0) / 2**30:.1f} GiB")
+        table.add_row("driver", str(d["driver"] or "-"))
+        table.add_row("CUDA runtime (torch)", str(info["cuda_runtime"] or "-"))
+    else:
+        table.add_row("cores", str(d["sm_count"]))
+    table.add_row("python", info["python"])
+    for name, version in info["packages"].items():
+        table.add_row(name, version or "[dim]not installed[/dim]")
+    table.add_row("commit", info["commit"] or "-")
+    if dev.type == "cuda" and bandwidth:
+        table.add_row("copy bandwidth", f"{copy_bandwidth_gbps(dev):.1f} GB/s (1 GiB D2D, read + write)")
+    console.print(table)
+    backends = Table(title="backends")
+    backends.add_column("backend")
+    backends.add_column("status")
+    for name, reason in available_backends(dev).items():
+        backends.add_row(name, "[green]available[/green]" if reason is None else f"[yellow]{reason}[/yellow]")
+    console.print(backends)
+
+
+@app.command()
+def check(
+    device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
+) -> None:
+    """Quick self-check; exits 1 when any item fails."""
+    from moebench.bench.selfcheck import run_checks, skipped_backends
+    from moebench.env import resolve_device
+
+    try:
+        dev = resolve_device(device)
+    except ValueError as error:
+        raise _fail(str(error)) from None
+    with console.status("checking ..."):
+        results = run_checks(dev)
+    table = Table(title=f"moebench check ({dev})")
+    table.add_column("item")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for r in results:
+        table.add_row(r.name, "[green]pass[/green]" if r.ok else "[red]FAIL[/red]", r.detail)
+    for name, reason in skipped_backends(dev).items():
+        table.add_row(f"backend {name}", "[yellow]skipped[/yellow]", reason)
+    console.print(table)
+    failed = [r.name for r in results if not r.ok]
+    if failed:
+        raise _fail(f"{len(failed)} check(s) failed: {', '.join(failed)}", 1)
+    console.print(f"[green]all {len(results)} checks passed[/green]")
+
+
+@app.command()
+def report(
+    run_dir: Path = typer.Argument(..., help="A run directory (results.parquet + manifest.json)."),
+    out: Path = typer.Option(None, help="Where summary.md goes (default: the run directory)."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing summary.md."),
+) -> None:
+    """Print a run's summary table and write summary.md."""
+    from moebench.reports.store import read_run
+    from moebench.reports.summary import summary_table, to_markdown
+
+    try:
+        df, manifest = read_run(run_dir)
+    except (FileNotFoundError, ValueError) as error:
+        raise _fail(str(error)) from None
+    target = (out or run_dir) / "summary.md"
+    if target.exists() and not force:
+        raise _fail(f"{target} exists; pass --force to replace it")
+    if manifest.get("reduced"):
+        console.print("[yellow]This run used a reduced geometry on the CPU.[/yellow]")
+    _print_summary(summary_table(df))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(to_markdown(df, manifest), encoding="utf-8")
+    except OSError as error:
+        raise _fail(f"cannot write {target}: {error}", 1) from None
+    console.print(f"wrote [bold]{target}[/bold]")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The result store: one directory per run, `results.parquet` + `manifest.json`.
+
+    <root>/<UTC date YYYY-MM-DD>-<label>/results.parquet   one row per case
+    <root>/<UTC date YYYY-MM-DD>-<label>/manifest.json     provenance
+
+Writes are atomic (a hidden temporary directory beside the run, renamed into
+place once both files are complete) and never replace an existing run: a
+taken name gets -2, -3, ... appended, unless overwrite=True.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pandas as pd
+
+RESULTS = "results.parquet"
+MANIFEST = "manifest.json"
+#: Columns every stored run has (DESIGN.md "Store").
+REQUIRED_COLUMNS = (
+    "preset", "hidden", "intermediate", "experts", "top_k", "tp", "rows", "scenario", "backend",
+    "tactic", "status", "error", "median_us", "p10_us", "p90_us", "unique_experts", "bytes", "gbps",
+    "pct_copy_bw", "pct_size_ceiling", "max_rel_err", "device", "sm_count", "commit",
+)  # fmt: skip
+_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+
+
+def _json_default(value):
+    if isinstance(value, Path):
+        return str(value)
+    if hasattr(value, "item"):  # numpy scalars
+        return value.item()
+    return str(value)
+
+
+def _clean(value):
+    """NaN/inf -> None so manifest.json stays strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def run_dir_name(label: str, when: datetime | None = None) -> str:
+    """'<UTC date>-<label>'; raises ValueError for a label that is not
+    1-100 characters of letters, digits, '.', '_' or '-' (starting with a
+    letter or digit)."""
+    if not isinstance(label, str) or not _LABEL.match(label):
+        raise ValueError(
+            f"label must be 1-100 characters of letters, digits, '.', '_' or '-', got {label!r}"
+        )
+    when = when or datetime.now(timezone.utc)
+    return f"{when.astimezone(timezone.utc):%Y-%m-%d}-{label}"
+
+
+def write_run(
+    df: pd.DataFrame,
+    manifest: dict,
+    root: str | Path = "reports/runs",
+    label: str = "sweep",
+    *,
+    overwrite: bool = False,
+    when: datetime | None = None,
+) -> Path:
+    """Store a run; returns its directory.
+
+    df: one row per case with at least REQUIRED_COLUMNS; manifest: a
+    JSON-serializable dict (Paths and numpy scalars are converted, NaN -> null).
+    The directory is <root>/<UTC date>-<label>, or with -2, -3, ... appended
+    when taken; overwrite=True replaces the existing run of that exact name
+    instead. Raises TypeError/ValueError for a bad frame, manifest or label;
+    OSError from the file system (no partial run directory is left behind).
+    """
+    if not isinstance(df, pd.DataFrame):
+        raise TypeError(f"df must be a pandas DataFrame, got {type(df).__name__}")
+    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"df lacks required columns {missing}")
+    if not isinstance(manifest, dict):
+        raise TypeError(f"manifest must be a dict, got {type(manifest).__name__}")
+    try:
+        manifest_text = json.dumps(_clean(manifest), indent=2, sort_keys=True, default=_json_default,
+                                   allow_nan=False)  # fmt: skip
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"manifest is not JSON-serializable: {error}") from error
+    name = run_dir_name(label, when)
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+    try:
+        df.to_parquet(tmp / RESULTS, index=False)
+        (tmp / MANIFEST).write_text(manifest_text + "\n", encoding="utf-8")
+        return _move_into_place(tmp, root, name, overwrite)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _move_into_place(tmp: Path, root: Path, name: str, overwrite: bool) -> Path:
+    target = root / name
+    if overwrite and target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".old-{name}-", dir=root))
+        os.rename(target, old / "run")
+        os.rename(tmp, target)
+        shutil.rmtree(old, ignore_errors=True)
+        return target
+    n = 1
+    while True:
+        candidate = target if n == 1 else root / f"{name}-{n}"
+        if not candidate.exists():
+            try:
+                os.mkdir(candidate)  # claim the name (fails if another writer took it)
+            except FileExistsError:
+                n += 1
+                continue
+            os.rmdir(candidate)
+            os.rename(tmp, candidate)
+            return candidate
+        n += 1
+
+
+def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
+    """(results, manifest) of the run directory `path`.
+
+    Raises FileNotFoundError naming the missing directory or file; ValueError
+    naming the file when it is corrupt or lacks REQUIRED_COLUMNS.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"run directory {path} does not exist")
+    results, manifest_path = path / RESULTS, path / MANIFEST
+    for f in (results, manifest_path):
+        if not f.is_file():
+            raise FileNotFoundError(f"{f} is missing (not a moebench run directory?)")
+    try:
+        df = pd.read_parquet(results)
+    except Exception as error:  # noqa: BLE001 - pyarrow raises several kinds
+        raise ValueError(f"{results} is not a readable parquet file: {error}") from error
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{manifest_path} is not valid JSON: {error}") from error
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{manifest_path} must hold a JSON object, got {type(manifest).__name__}")
+    missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
+    if missing:
+        raise ValueError(f"{results} lacks required columns {missing}")
+    return df, manifest

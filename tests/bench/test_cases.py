@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from moebench.bench.cases import SweepConfig, expand_cases, unique_bytes, unique_experts
+from moebench.models import get_preset
+
+
+def test_unique_bytes_counts_distinct_local_experts_and_activations():
+    shape = get_preset("dsv41-flash").shard(4)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, -1, 384]], dtype=torch.int32)
+    assert unique_experts(ids, shape.experts) == 7
+    expected = 7 * shape.expert_bytes() + 2 * 2 * shape.hidden * 2
+    assert unique_bytes(shape, ids) == expected
+    # Logical bytes: the TP4 padding (576 -> 640) is not counted.
+    i, h = 576, 5120
+    assert shape.expert_bytes() == 3 * i * h // 2 + 3 * i * h // 32
+
+
+def test_unique_bytes_rejects_wrong_top_k():
+    shape = get_preset("dsv4-flash").shard(1)
+    with pytest.raises(ValueError, match="topk_ids"):
+        unique_bytes(shape, torch.zeros(2, 5, dtype=torch.int32))
+
+
+def test_grid_and_reduced_geometry():
+    cfg = SweepConfig(tp=(1, 8), rows=(1, 2), scenarios=("uniform", "hot"), tactics=("default",))
+    cases = expand_cases(cfg, ("torch-bf16", "reference"), reduced=True)
+    assert len(cases) == 2 * 2 * 2 * 2
+    c = cases[0]
+    assert (c.config.hidden, c.config.intermediate, c.config.experts) == (512, 256, 32)
+    full = expand_cases(cfg, ("torch-bf16",), reduced=False)[0]
+    assert full.config.hidden == 5120
+    over = SweepConfig(hidden=1024).config_for("dsv41-flash", reduced=True)
+    assert over.hidden == 1024 and over.experts == 32
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rows=(0,)), "rows"),
+        (dict(rows=(9,)), "rows"),
+        (dict(presets=("nope",)), "presets"),
+        (dict(scenarios=("weird",)), "scenario"),
+        (dict(scenarios=("replay",)), "replay"),
+        (dict(tp=(5,)), "tp=5"),
+        (dict(replays=0), "replays"),
+        (dict(rows=(1, 1)), "duplicates"),
+    ],
+)
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SweepConfig(**kwargs)

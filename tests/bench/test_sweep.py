@@ -1,0 +1,119 @@
+import math
+
+import pytest
+import torch
+
+from moebench.backends.registry import register_backend, unregister_backend
+from moebench.backends.torch_bf16 import TorchBF16Backend
+from moebench.bench.cases import SweepConfig
+from moebench.bench.sweep import COLUMNS, layer_count, run_sweep
+from moebench.reports.store import REQUIRED_COLUMNS
+
+TINY = dict(
+    presets=("dsv4-flash",), hidden=128, intermediate=64, experts=8, top_k=2, tp=(1,), rows=(1, 3),
+    scenarios=("uniform",), replays=3, warmup=1, device="cpu",
+)
+
+
+class WrongBackend(TorchBF16Backend):
+    """Correct shape, wrong numbers: must fail the gate and never be timed."""
+
+    name = "test-wrong"
+    calls = 0
+
+    def forward(self, prepared, x, topk_ids, topk_weights):
+        type(self).calls += 1
+        return super().forward(prepared, x, topk_ids, topk_weights) * 2
+
+
+class RaisingBackend(TorchBF16Backend):
+    name = "test-raising"
+
+    def forward(self, prepared, x, topk_ids, topk_weights):
+        raise RuntimeError("boom in forward")
+
+
+class UnavailableBackend(TorchBF16Backend):
+    name = "test-unavailable"
+
+    def unavailable_reason(self, device):
+        return "needs a unicorn"
+
+
+@pytest.fixture
+def injected():
+    backends = {"test-wrong": WrongBackend, "test-raising": RaisingBackend, "test-unavailable": UnavailableBackend}
+    for name, cls in backends.items():
+        register_backend(name, cls)
+    WrongBackend.calls = 0
+    yield tuple(backends)
+    for name in backends:
+        unregister_backend(name)
+
+
+def test_cpu_sweep_rows_columns_and_failures(injected):
+    seen = []
+    cfg = SweepConfig(backends=("torch-bf16", "reference", *injected), **TINY)
+    result = run_sweep(cfg, progress=lambda done, total, case, status: seen.append((done, total, status)))
+    df = result.frame
+    assert list(df.columns) == list(COLUMNS)
+    assert set(REQUIRED_COLUMNS) <= set(df.columns)
+    assert len(df) == 2 * 5 and [s[0] for s in seen] == list(range(1, 11)) and seen[-1][1] == 10
+    by = {(r.backend, r.rows): r for r in df.itertuples()}
+
+    for backend in ("torch-bf16", "reference"):
+        for rows in (1, 3):
+            r = by[(backend, rows)]
+            assert r.status == "ok", r.error
+            assert r.median_us > 0 and r.p10_us <= r.median_us <= r.p90_us
+            assert r.max_rel_err <= 1e-2
+            assert r.timing_method == "cpu-wallclock" and r.layers == 1
+            assert math.isclose(r.gbps, r.bytes / (r.median_us * 1e-6) / 1e9)
+            assert r.pct_copy_bw > 0 and math.isnan(r.pct_size_ceiling)
+    assert by[("torch-bf16", 1)].oracle == "bf16" and by[("reference", 1)].oracle == "mxfp8"
+
+    wrong = by[("test-wrong", 3)]
+    assert wrong.status == "failed" and "oracle" in wrong.error and wrong.max_rel_err > 0.5
+    assert math.isnan(wrong.median_us) and wrong.timing_method == ""
+    assert WrongBackend.calls == 2  # one gate call per case, never timed
+
+    raising = by[("test-raising", 1)]
+    assert raising.status == "failed" and "boom in forward" in raising.error and math.isnan(raising.median_us)
+
+    skipped = by[("test-unavailable", 1)]
+    assert skipped.status == "skipped" and skipped.error == "needs a unicorn"
+
+    m = result.manifest
+    assert m["reduced"] is True and m["copy_bw_gbps"] > 0 and m["seed"] == 0
+    assert m["backends"]["test-unavailable"] == "needs a unicorn"
+    assert m["device"]["kind"] == "cpu" and "torch" in m["packages"]
+
+
+def test_sweep_rejects_unknown_backend():
+    with pytest.raises(ValueError, match="backends"):
+        run_sweep(SweepConfig(backends=("no-such-backend",), **TINY))
+
+
+def test_unoffered_tactic_is_skipped():
+    cfg = SweepConfig(backends=("reference",), tactics=("gather",), **{**TINY, "rows": (1,)})
+    df = run_sweep(cfg).frame
+    assert df["status"].tolist() == ["skipped"] and "gather" in df["error"][0]
+
+
+def test_layer_count():
+    mb = 1 << 20
+    assert layer_count(14 * mb, 60 * mb, 900 * mb, None) == (18, False)
+    assert layer_count(14 * mb, 60 * mb, 900 * mb, 4500 * mb) == (5, True)
+    assert layer_count(14 * mb, None, 900 * mb, None) == (1, False)
+    assert layer_count(500 * mb, 60 * mb, 900 * mb, 100 * mb) == (1, False)
+    with pytest.raises(ValueError):
+        layer_count(0, 60 * mb, 1, None)
+
+
+@pytest.mark.gpu
+def test_gpu_sweep_torch_bf16_small():
+    cfg = SweepConfig(**{**TINY, "device": "cuda", "backends": ("torch-bf16",), "replays": 10})
+    df = run_sweep(cfg).frame
+    assert (df["status"] == "ok").all(), df["error"].tolist()
+    assert (df["timing_method"] == "cuda-graph").all()
+    assert torch.cuda.is_available()

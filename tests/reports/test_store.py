@@ -1,0 +1,82 @@
+import json
+from datetime import datetime, timezone
+
+import pandas as pd
+import pytest
+
+from moebench.reports.store import REQUIRED_COLUMNS, read_run, run_dir_name, write_run
+
+WHEN = datetime(2026, 11, 29, 23, 30, tzinfo=timezone.utc)
+
+
+def frame(n=2):
+    rows = []
+    for i in range(n):
+        row = dict.fromkeys(REQUIRED_COLUMNS, None)
+        row.update(preset="dsv41-flash", hidden=5120, intermediate=288, experts=384, top_k=6, tp=8, rows=i + 1,
+                   scenario="uniform", backend="torch-bf16", tactic="default", status="ok", error="",
+                   median_us=10.0 + i, p10_us=9.0, p90_us=12.0, unique_experts=6, bytes=1000, gbps=1.5,
+                   pct_copy_bw=30.0, pct_size_ceiling=float("nan"), max_rel_err=1e-3, device="cpu",
+                   sm_count=2, commit="abc")
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def test_round_trip(tmp_path):
+    manifest = {"seed": 0, "copy_bw_gbps": 4215.0, "nan": float("nan"), "path": tmp_path}
+    path = write_run(frame(), manifest, root=tmp_path, label="smoke", when=WHEN)
+    assert path == tmp_path / "2026-11-29-smoke"
+    df, m = read_run(path)
+    pd.testing.assert_frame_equal(df, frame())
+    assert m["seed"] == 0 and m["copy_bw_gbps"] == 4215.0 and m["nan"] is None and m["path"] == str(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2026-11-29-smoke"]
+
+
+def test_never_overwrites_unless_asked(tmp_path):
+    first = write_run(frame(1), {"n": 1}, root=tmp_path, label="x", when=WHEN)
+    second = write_run(frame(2), {"n": 2}, root=tmp_path, label="x", when=WHEN)
+    third = write_run(frame(2), {"n": 3}, root=tmp_path, label="x", when=WHEN)
+    assert (second.name, third.name) == ("2026-11-29-x-2", "2026-11-29-x-3")
+    assert read_run(first)[1] == {"n": 1} and len(read_run(first)[0]) == 1
+    replaced = write_run(frame(2), {"n": 4}, root=tmp_path, label="x", overwrite=True, when=WHEN)
+    assert replaced == first and read_run(first)[1] == {"n": 4}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2026-11-29-x", "2026-11-29-x-2", "2026-11-29-x-3"]
+
+
+def test_failure_mid_write_leaves_no_run_dir(tmp_path, monkeypatch):
+    def explode(self, path, *args, **kwargs):
+        open(path, "wb").write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", explode)
+    with pytest.raises(OSError, match="disk full"):
+        write_run(frame(), {}, root=tmp_path, label="broken", when=WHEN)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_inputs(tmp_path):
+    with pytest.raises(ValueError, match="label"):
+        write_run(frame(), {}, root=tmp_path, label="../escape")
+    with pytest.raises(ValueError, match="columns"):
+        write_run(frame().drop(columns=["gbps"]), {}, root=tmp_path)
+    with pytest.raises(TypeError, match="manifest"):
+        write_run(frame(), [], root=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+    assert run_dir_name("a.b_c-1", WHEN) == "2026-11-29-a.b_c-1"
+
+
+def test_read_errors_name_the_path(tmp_path):
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match=str(missing)):
+        read_run(missing)
+    path = write_run(frame(), {}, root=tmp_path, label="r", when=WHEN)
+    (path / "manifest.json").write_text("{not json")
+    with pytest.raises(ValueError, match="manifest.json"):
+        read_run(path)
+    (path / "manifest.json").write_text(json.dumps({}))
+    (path / "results.parquet").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match="results.parquet"):
+        read_run(path)
+    (path / "results.parquet").unlink()
+    with pytest.raises(FileNotFoundError, match="results.parquet"):
+        read_run(path)

@@ -1,0 +1,38 @@
+import math
+
+import pandas as pd
+
+from moebench.reports.summary import markdown_table, summary_table, to_markdown
+
+
+def results():
+    base = dict(preset="p", tp=8, rows=1, scenario="uniform", unique_experts=6, pct_copy_bw=1.0,
+                pct_size_ceiling=float("nan"), max_rel_err=1e-3, error="")  # fmt: skip
+    return pd.DataFrame([
+        {**base, "backend": "torch-bf16", "tactic": "default", "status": "ok", "median_us": 40.0, "gbps": 1.0},
+        {**base, "backend": "torch-bf16", "tactic": "gather", "status": "ok", "median_us": 80.0, "gbps": 0.5},
+        {**base, "backend": "moebench", "tactic": "default", "status": "ok", "median_us": 10.0, "gbps": 4.0},
+        {**base, "backend": "flashinfer-w4a16", "tactic": "default", "status": "failed",
+         "median_us": float("nan"), "gbps": float("nan"), "error": "rel. error 0.5 | bad"},
+        {**base, "rows": 2, "backend": "moebench", "tactic": "default", "status": "ok", "median_us": 12.0,
+         "gbps": 3.0},
+    ])  # fmt: skip
+
+
+def test_summary_ratio_vs_best_torch_bf16():
+    s = summary_table(results())
+    first = s[s["rows"] == 1]
+    assert first["backend"].tolist() == ["moebench", "torch-bf16", "torch-bf16", "flashinfer-w4a16"]
+    ratio = dict(zip(first["backend"] + "/" + first["tactic"], first["vs_torch_bf16"]))
+    assert ratio["moebench/default"] == 4.0 and ratio["torch-bf16/gather"] == 0.5
+    assert math.isnan(ratio["flashinfer-w4a16/default"])
+    assert math.isnan(s[s["rows"] == 2]["vs_torch_bf16"].iloc[0])  # no baseline at 2 rows
+
+
+def test_markdown():
+    text = to_markdown(results(), {"device": {"name": "NVIDIA H200"}, "copy_bw_gbps": 4215.0, "reduced": True,
+                                   "commit": "abc"})  # fmt: skip
+    assert "NVIDIA H200" in text and "4215.0 GB/s" in text and "reduced" in text and "commit abc" in text
+    assert "rel. error 0.5 \\| bad" in text
+    table = markdown_table(pd.DataFrame({"a": [1.0, float("nan")], "b": ["x", "y"]}))
+    assert table.splitlines() == ["| a | b |", "|---|---|", "| 1.00 | x |", "|  | y |"]
