@@ -76,6 +76,8 @@ def check_weights(weights: ExpertWeights, top_k: int) -> None:
         raise ValueError(
             f"padded intermediate must be a multiple of 128 and the logical one of 32, got {ip} / {i}"
         )
+    if not weights.padding_is_zero():
+        raise ValueError(f"the intermediate padding ({i}..{ip}) of w13/w2 or their scales is not zero")
     for name in ("w13", "w13_scale", "w2", "w2_scale", "clamp"):
         t = getattr(weights, name)
         if t.device.type != "cuda":
@@ -84,8 +86,6 @@ def check_weights(weights: ExpertWeights, top_k: int) -> None:
             raise ValueError(f"{name} must be contiguous")
         if t.data_ptr() % 16:
             raise ValueError(f"{name} must be 16-byte aligned")
-    if not weights.padding_is_zero():
-        raise ValueError(f"the intermediate padding ({i}..{ip}) of w13/w2 or their scales is not zero")
 
 
 class RoutedExpertGemm:
@@ -108,16 +108,24 @@ class RoutedExpertGemm:
         self.top_k = top_k
         self.kw: KernelWeights = to_kernel_layout(weights)
         shape = GemmShape.of(self.kw)
-        tactics = dict(tactics or {})
-        self.tactics = {s: tactics.get(s) or default_tactic(shape, s) for s in (1, 2)}
-        for stage, tactic in self.tactics.items():
-            reason = tactic.valid_for(shape, stage)
-            if reason:
-                raise ValueError(f"tactics[{stage}] ({tactic.name}) cannot run GEMM{stage}: {reason}")
+        sms = torch.cuda.get_device_properties(self.kw.device).multi_processor_count
+        # One tactic per (stage, rows): the caller's, else the default for the
+        # token tiles that row count allows for (the launch would pick the same).
+        self.tactics: dict[tuple[int, int], GemmTactic] = {}
+        for rows in range(1, MAX_ROWS + 1):
+            ctas = max_ctas(rows, top_k, self.experts)
+            for stage in (1, 2):
+                tactic = (tactics or {}).get(stage) or default_tactic(
+                    shape, stage, ctas, sms, self.kw.wide_scales
+                )
+                reason = tactic.valid_for(shape, stage)
+                if reason:
+                    raise ValueError(f"tactics[{stage}] ({tactic.name}) cannot run GEMM{stage}: {reason}")
+                self.tactics[stage, rows] = tactic
         # Compile now, not inside a CUDA-graph capture.
         _quantize.compile_quantize_kernel()
         _route.compile_route_kernel()
-        for stage, tactic in self.tactics.items():
+        for (stage, _), tactic in self.tactics.items():
             _gemm.compile_gemm(shape, tactic, stage, self.kw.wide_scales)
 
     @property
@@ -189,14 +197,15 @@ class RoutedExpertGemm:
         h_q = torch.empty(rows, self.kw.intermediate, dtype=torch.uint8, device=device)
         h_scale = torch.empty(rows, self.kw.intermediate // 32, dtype=torch.uint8, device=device)
         _gemm.gemm1(self.kw, routing.x_quant, routing.x_scale, routing.record, routing.ctas,
-                    h_q, h_scale, tactic=self.tactics[1])  # fmt: skip
+                    h_q, h_scale, tactic=self.tactics[1, routing.x_quant.shape[0]])  # fmt: skip
         return h_q, h_scale
 
     def gemm2(self, routing: Routing, h_q: torch.Tensor, h_scale: torch.Tensor) -> UnfinalizedMoEOutput:
         """Launch GEMM2 on GEMM1's outputs; returns the unweighted BF16 rows
         [8*ctas, H] with the routing weights and permute map."""
         out = torch.empty(TILE * routing.ctas, self.hidden, dtype=torch.bfloat16, device=h_q.device)
-        _gemm.gemm2(self.kw, h_q, h_scale, routing.record, routing.ctas, out, tactic=self.tactics[2])
+        _gemm.gemm2(self.kw, h_q, h_scale, routing.record, routing.ctas, out,
+                    tactic=self.tactics[2, routing.x_quant.shape[0]])
         return UnfinalizedMoEOutput(out, routing.topk_weights, routing.permuted)
 
     def gemms(self, routing: Routing) -> UnfinalizedMoEOutput:

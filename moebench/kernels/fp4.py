@@ -1,0 +1,155 @@
+"""Device helpers of the GEMMs (CuTe DSL, sm_90a): streaming loads, MX decode
+to BF16 in registers, and the MXFP8 quantization of H.
+
+All decodes are exact (bit operations and multiplies by powers of two):
+  * e2m1 word -> four bf16x2 A registers, value x 2^-126 (`decode_e2m1_word`,
+    bit layout in `layout.py`), then x 2^(s-1) per row (E8M0 s) gives
+    e2m1 * 2^(s-127). A bf16 2^(s-1) exists for s <= 128; larger codes take
+    a second multiply (`wide=True`).
+  * four e4m3 bytes -> two bf16x2 B registers, value x 2^-120
+    (`e4m3x4_to_bf16x2`), then x 2^(min(s,134)-7) x 2^(max(s,134)-134): both
+    multipliers are normal bf16 for every code (255 gives NaN, as E8M0 does).
+Requires nvidia-cutlass-dsl; import only where it is installed.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Uint32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm, vector
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+from moebench.kernels.layout import decode_terms
+
+
+def _asm(ret, args, text: str, constraints: str):
+    return llvm.inline_asm(ret, args, text, constraints, has_side_effects=False,
+                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def load_u32x4(ptr, priority: str, *, loc=None, ip=None):
+    """One 16-byte global load (LDG.E.128 with the L1 `priority`) -> 4 x Uint32."""
+    vec = cute.arch.load(ptr, ir.VectorType.get([4], Uint32.mlir_type),
+                         level1_eviction_priority=priority, loc=loc, ip=ip)
+    return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def load_u32x2(ptr, priority: str, *, loc=None, ip=None):
+    """One 8-byte global load (LDG.E.64) -> 2 x Uint32."""
+    vec = cute.arch.load(ptr, ir.VectorType.get([2], Uint32.mlir_type),
+                         level1_eviction_priority=priority, loc=loc, ip=ip)
+    return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(2)]
+
+
+@dsl_user_op
+def prmt(a: Uint32, sel: int, *, loc=None, ip=None) -> Uint32:
+    """prmt.b32 d, a, 0, sel (byte permute with zero bytes), free of side effects."""
+    return Uint32(_asm(T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip)],
+                       f"prmt.b32 $0, $1, 0, {sel:#x};", "=r,r"))
+
+
+@dsl_user_op
+def mul_bf16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Packed bf16x2 multiply, round to nearest (exact for our powers of two)."""
+    return Uint32(_asm(T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+                       "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r"))
+
+
+@dsl_user_op
+def pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """Two fp32 -> bf16x2 (round to nearest even); `lo` in bits 15:0."""
+    return Uint32(_asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+                       "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f"))
+
+
+@dsl_user_op
+def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
+    """IEEE fp32 division, round to nearest (div.rn.f32)."""
+    return Float32(_asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+                        "div.rn.f32 $0, $1, $2;", "=f,f,f"))
+
+
+@dsl_user_op
+def to_e4m3(a: Float32, *, loc=None, ip=None) -> Uint32:
+    """fp32 -> e4m3 byte (low 8 bits), round to nearest even, saturating at
+    +-448; NaN -> 0x7F."""
+    return Uint32(_asm(
+        T.i32(), [Float32(a).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b16 t; .reg .f32 z; mov.f32 z, 0f00000000;\n"
+        " cvt.rn.satfinite.e4m3x2.f32 t, z, $1; cvt.u32.u16 $0, t; }", "=r,f"))
+
+
+@cute.jit
+def decode_e2m1_word(q: Uint32):
+    """A word of eight e2m1 codes -> A registers R0..R3 (bf16x2), values x 2^-126."""
+    out = []
+    for i in cutlass.range_constexpr(4):
+        r = None
+        for d, mask in decode_terms(i):
+            v = q if d == 0 else (q << Uint32(d)) | (q >> Uint32(32 - d))
+            r = (v & Uint32(mask)) if r is None else r | (v & Uint32(mask))
+        out.append(r)
+    return out[0], out[1], out[2], out[3]
+
+
+@cute.jit
+def e4m3x4_to_bf16x2(q: Uint32):
+    """Four e4m3 bytes (k0..k0+3, k0 in the low byte) -> (bf16x2 of k0,k0+1;
+    bf16x2 of k0+2,k0+3), values x 2^-120 (e4m3 subnormals land on bf16
+    subnormals; the NaN byte decodes to a finite value: its E8M0 scale is 255)."""
+    lo = prmt(q, 0x1404)  # bytes k0, k0+1 to bits 15:8, 31:24
+    hi = prmt(q, 0x3424)  # bytes k0+2, k0+3
+    sign = Uint32(0x80008000)
+    body = Uint32(0x07F007F0)
+    return ((lo & sign) | ((lo >> Uint32(4)) & body)), ((hi & sign) | ((hi >> Uint32(4)) & body))
+
+
+@cute.jit
+def act_multipliers(s: Uint32):
+    """E8M0 activation scale byte s -> bf16x2 multipliers (m1, m2) with
+    m1 * m2 = 2^(s-7) (undoes the 2^-120 placement); NaN for s = 255."""
+    lo = cutlass.min(s, Uint32(134))
+    hi = cutlass.max(s, Uint32(134))
+    m1 = (lo + Uint32(120)) << Uint32(7)  # 2^(lo - 7): exponent field lo + 120
+    m2 = (hi - Uint32(7)) << Uint32(7)  # 2^(hi - 134): exponent field hi - 7
+    m2 = Uint32(cutlass.select_(s == Uint32(255), Uint32(0x7FC0), m2))
+    return m1 | (m1 << Uint32(16)), m2 | (m2 << Uint32(16))
+
+
+@cute.jit
+def weight_multiplier(word: Uint32, byte: cutlass.Constexpr[int]):
+    """bf16x2 2^(s-1) (both halves) of E8M0 byte `byte` of `word`, for s <= 128."""
+    return (prmt(word, 0x4040 | (byte << 8) | byte) << Uint32(7)) + Uint32(0x3F003F00)
+
+
+@cute.jit
+def weight_multipliers_wide(word: Uint32, byte: cutlass.Constexpr[int]):
+    """(m1, m2) bf16x2 with m1 * m2 = 2^(s-1) for any E8M0 s in [0, 254]."""
+    s = (word >> Uint32(8 * byte)) & Uint32(0xFF)
+    lo = cutlass.min(s, Uint32(128))
+    hi = cutlass.max(s, Uint32(128))
+    m1 = (lo + Uint32(126)) << Uint32(7)  # 2^(lo - 1)
+    m2 = (hi - Uint32(1)) << Uint32(7)  # 2^(hi - 128)
+    return m1 | (m1 << Uint32(16)), m2 | (m2 << Uint32(16))
+
+
+@dsl_user_op
+def f32_bits(a: Float32, *, loc=None, ip=None) -> Uint32:
+    """Bits of an fp32 value."""
+    return Uint32(_asm(T.i32(), [Float32(a).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=r,f"))
+
+
+@dsl_user_op
+def bits_f32(a: Uint32, *, loc=None, ip=None) -> Float32:
+    """fp32 value of 32 bits."""
+    return Float32(_asm(T.f32(), [Uint32(a).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;", "=f,r"))
+
+
+@cute.jit
+def not_finite(a: Float32):
+    """Whether `a` is an Inf or NaN (exponent bits all ones)."""
+    return (f32_bits(a) & Uint32(0x7F800000)) == Uint32(0x7F800000)

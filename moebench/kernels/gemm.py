@@ -1,0 +1,523 @@
+"""GEMM1 and GEMM2 of the routed experts (CuTe DSL, sm_90a): one
+weight-streaming core, two epilogues.
+
+At <= 8 token rows both GEMMs stream weights: each weight byte meets at most
+8 rows. The core (`StreamingGemmKernel`) is ONE persistent grid over the work
+items of all used token tiles: item = (token tile, block of
+warps_m * tile_rows weight rows of the tile's expert), items ascending by
+tile then block, CTA b taking items b, b + grid, ... Inside a CTA, warp
+(wm, wk) owns tile_rows rows and 1/warps_k of K; each lane keeps
+unroll * tile_rows/32 16-byte evict-first weight loads in flight
+(double-buffered register stages, the next item's loads issued before the
+current one's reduction). Weights are decoded to BF16 in registers (exact,
+E8M0 folded in), activations (MXFP8: e4m3 + E8M0) likewise, and fed to
+mma.sync m16n8k16 (weights = the 16-row A operand, the <= 8 token rows = N).
+Partial sums of the warps_k warps meet in shared memory; then
+  * stage 1 (GEMM1, K = H): h = silu(min(gate, L)) * clamp(up, -L, L) per
+    column, L = clamp[e], quantized MXFP8 per 32 columns by formats'
+    round-up rule (one warp per (token, 32-column block)); output h_q
+    uint8 [8*ctas, I], h_scale uint8 [8*ctas, I/32] indexed by permuted row;
+  * stage 2 (GEMM2, K = I): BF16 rows [8*ctas, H], one per permuted row,
+    unweighted.
+Padding rows of used tiles are written as zeros (h scale 0); rows of unused
+tiles are not written.
+
+Programmatic dependent launch (tactic.pdl): GEMM2 reads the route record and
+requests its first weights BEFORE griddepcontrol.wait; this needs the record
+to be complete before the previous kernel released its dependents, which
+holds for route -> GEMM1 -> GEMM2 because GEMM1 releases them only after its
+own wait. GEMM1 reads everything after its wait (the route kernel runs just
+before it). Both release their dependents right after the wait. Launches
+take a stream and do no host sync or allocation: CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from moebench.kernels.layout import KernelWeights
+from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
+from moebench.record import TILE, route_words
+
+try:
+    import cuda.bindings.driver as _cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
+
+    from moebench.kernels import fp4
+
+    _HAVE_DSL = True
+except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
+    _HAVE_DSL = False
+
+#: Shared memory + L1 of one H100/H200 SM that the carveout divides (bytes).
+_SMEM_PER_SM = 228 * 1024
+#: fp32 bits of 2^-127 (the E8M0 code 254 multiplier, a subnormal).
+_F32_2_M127 = 0x00400000
+
+
+if _HAVE_DSL:
+
+    class StreamingGemmKernel:
+        """The weight-streaming core with the GEMM1 (`stage=1`) or GEMM2
+        (`stage=2`) epilogue for one shape class.
+
+        Constructor (all compile-time): tactic (GemmTactic), shape
+        (GemmShape), stage, wide_scales (two multiplies per weight decode:
+        needed when a weight E8M0 code exceeds 128). Host side `__call__`
+        launches `grid` CTAs on `stream`; `can_implement` says whether the
+        tactic fits the shape.
+        """
+
+        def __init__(self, tactic: GemmTactic, shape: GemmShape, stage: int, wide_scales: bool = False):
+            reason = tactic.valid_for(shape, stage)
+            if reason:
+                raise ValueError(f"tactic {tactic.name} cannot run GEMM{stage} of {shape}: {reason}")
+            self.tactic, self.shape, self.stage, self.wide = tactic, shape, stage, bool(wide_scales)
+            self._setup_attributes()
+
+        @staticmethod
+        def can_implement(tactic: GemmTactic, shape: GemmShape, stage: int) -> tuple[bool, str]:
+            reason = tactic.valid_for(shape, stage)
+            return (reason is None, reason or "")
+
+        def _setup_attributes(self) -> None:
+            t, s = self.tactic, self.shape
+            self.tm = t.tile_rows // 16  # m-tiles per warp
+            self.pairs = t.tile_rows // 32  # 32-row pairs per warp (one 16-byte load each)
+            self.wm, self.wk, self.u = t.warps_m, t.warps_k, t.unroll
+            self.nw = t.warps
+            self.threads = 32 * self.nw
+            self.rm = t.item_rows
+            if self.stage == 1:
+                self.k, self.m = s.hidden, 2 * s.intermediate
+            else:
+                self.k, self.m = s.intermediate, s.hidden
+            self.nch = self.k // 32  # 32-K chunks (MX blocks)
+            self.blocks = self.m // self.rm  # items per token tile
+            self.per = -(-self.nch // self.wk)  # chunks per warp
+            self.nb = -(-self.per // self.u)  # load batches per item
+            npairs = self.m // 32
+            self.w_expert = npairs * self.nch * 128  # u32 words of one expert's weights
+            self.s_expert = npairs * self.nch * 8  # u32 words of its scales
+            # shared memory: fp32 partials [tm*128][warps][2 parities]; the rest stays L1
+            self.smem_bytes = self.tm * 128 * self.nw * 2 * 4
+            per_sm = (self.smem_bytes + 1024) * t.ctas_per_sm
+            self.smem_carveout = min(100, -(-100 * per_sm // _SMEM_PER_SM))
+
+        def grid(self, ctas: int, num_sms: int) -> int:
+            """Grid for `ctas` token tiles: one CTA per possible item, at most
+            SMs * ctas_per_sm when persistent."""
+            if not self.tactic.persistent:
+                return max(1, ctas * self.blocks)
+            return max(1, min(ctas * self.blocks, num_sms * self.tactic.ctas_per_sm))
+
+        @cute.jit
+        def __call__(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
+                     record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
+                     ctas: Int32, grid: Int32, stream: _cuda.CUstream):
+            self.kernel(w, ws, act, act_s, record, clamp, out, out_s, ctas).launch(
+                grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
+                use_pdl=self.tactic.pdl, min_blocks_per_mp=self.tactic.ctas_per_sm,
+                preferred_smem_carveout=self.smem_carveout)
+
+        # ------------------------------------------------------------------ loads
+        @cute.jit
+        def issue_weights(self, st_w, st_s, p_w, p_s, rec, item, batch, n_mine, c_beg, wm, lane, g):
+            """Weight + weight-scale loads of (item, batch) into a register stage."""
+            tile = item // self.blocks
+            blk = item % self.blocks
+            e = cute.arch.load(rec + (4 + tile), Int32)
+            pair0 = blk * (self.wm * self.pairs) + wm * self.pairs
+            ch0 = c_beg + batch * self.u
+            pw = p_w + Int64(e) * self.w_expert + ((pair0 * self.nch + ch0) * 128 + lane * 4)
+            ps = p_s + Int64(e) * self.s_expert + ((pair0 * self.nch + ch0) * 8 + g)
+            for j in cutlass.range_constexpr(self.u):
+                if batch * self.u + j < n_mine:
+                    for t2 in cutlass.range_constexpr(self.pairs):
+                        q = fp4.load_u32x4(pw + (t2 * self.nch + j) * 128, "evict_first")
+                        for x in cutlass.range_constexpr(4):
+                            st_w[(j * self.pairs + t2) * 4 + x] = q[x]
+                        st_s[j * self.pairs + t2] = cute.arch.load(
+                            ps + (t2 * self.nch + j) * 8, Uint32, level1_eviction_priority="evict_first")
+
+        @cute.jit
+        def issue_acts(self, st_a, st_as, p_a, p_as, rec, slots_at, top_k, item, batch, n_mine, c_beg, g, c):
+            """Activation (e4m3 bytes + E8M0 byte) loads of (item, batch): token row
+            of lane group g, its 8 K elements [32*chunk + 8c, +8) per chunk."""
+            tile = item // self.blocks
+            row = TILE * tile + g
+            if cutlass.const_expr(self.stage == 1):
+                slot = cute.arch.load(rec + (slots_at + row), Int32)
+                row = cutlass.max(slot, Int32(0)) // top_k  # padding slots read token row 0
+            ch0 = c_beg + batch * self.u
+            pa = p_a + (row * (self.k // 4) + ch0 * 8 + c * 2)
+            pas = p_as + (row * self.nch + ch0)
+            for j in cutlass.range_constexpr(self.u):
+                if batch * self.u + j < n_mine:
+                    v = fp4.load_u32x2(pa + j * 8, "evict_last")
+                    st_a[2 * j] = v[0]
+                    st_a[2 * j + 1] = v[1]
+                    st_as[j] = Uint32(cute.arch.load(pas + j, Uint8)) & Uint32(0xFF)
+
+        # ------------------------------------------------------------------ math
+        @cute.jit
+        def compute(self, tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, batch, n_mine):
+            for j in cutlass.range_constexpr(self.u):
+                if batch * self.u + j < n_mine:
+                    m1, m2 = fp4.act_multipliers(st_as[j])
+                    b = []
+                    for kk in cutlass.range_constexpr(2):
+                        lo, hi = fp4.e4m3x4_to_bf16x2(st_a[2 * j + kk])
+                        b.append(fp4.mul_bf16x2(fp4.mul_bf16x2(lo, m1), m2))
+                        b.append(fp4.mul_bf16x2(fp4.mul_bf16x2(hi, m1), m2))
+                    for t2 in cutlass.range_constexpr(self.pairs):
+                        sv = st_s[j * self.pairs + t2]
+                        for tt in cutlass.range_constexpr(2):
+                            if cutlass.const_expr(self.wide):
+                                a1, a2 = fp4.weight_multipliers_wide(sv, 2 * tt)
+                                c1, c2 = fp4.weight_multipliers_wide(sv, 2 * tt + 1)
+                            else:
+                                a1 = fp4.weight_multiplier(sv, 2 * tt)
+                                c1 = fp4.weight_multiplier(sv, 2 * tt + 1)
+                            for kk in cutlass.range_constexpr(2):
+                                r0, r1, r2, r3 = fp4.decode_e2m1_word(st_w[(j * self.pairs + t2) * 4 + 2 * tt + kk])
+                                if cutlass.const_expr(self.wide):
+                                    rA[0] = fp4.mul_bf16x2(fp4.mul_bf16x2(r0, a1), a2)
+                                    rA[1] = fp4.mul_bf16x2(fp4.mul_bf16x2(r1, c1), c2)
+                                    rA[2] = fp4.mul_bf16x2(fp4.mul_bf16x2(r2, a1), a2)
+                                    rA[3] = fp4.mul_bf16x2(fp4.mul_bf16x2(r3, c1), c2)
+                                else:
+                                    rA[0] = fp4.mul_bf16x2(r0, a1)  # row g
+                                    rA[1] = fp4.mul_bf16x2(r1, c1)  # row g + 8
+                                    rA[2] = fp4.mul_bf16x2(r2, a1)
+                                    rA[3] = fp4.mul_bf16x2(r3, c1)
+                                rB[0] = b[2 * kk]
+                                rB[1] = b[2 * kk + 1]
+                                cute.gemm(tiled_mma, acc[2 * t2 + tt], tCrA, tCrB, acc[2 * t2 + tt])
+
+        @cute.jit
+        def partial(self, sP, parity, r, n):
+            """Sum over the warps_k partials of item row r (0..rm), token n."""
+            rr = r % self.tactic.tile_rows
+            r16 = rr % 16
+            src = (rr // 16) * 128 + ((r16 % 8) * 4 + n // 2) * 4 + (r16 // 8) * 2 + n % 2
+            base = (r // self.tactic.tile_rows) * self.wk
+            tot = sP[src, base, parity]
+            for k in cutlass.range_constexpr(1, self.wk):
+                tot = tot + sP[src, base + k, parity]
+            return tot
+
+        # ------------------------------------------------------------------ epilogues
+        @cute.jit
+        def epilogue_gemm1(self, sP, parity, rec, clamp, out, out_s, item, valid_at, warp, lane):
+            """SwiGLU + MXFP8 quantization of one item: one warp per (token, 32 columns)."""
+            tile = item // self.blocks
+            blk = item % self.blocks
+            valid = cute.arch.load(rec + (valid_at + tile), Int32)
+            e = cute.arch.load(rec + (4 + tile), Int32)
+            lim = cute.arch.load(clamp + e, Float32)
+            qblocks = self.rm // 64
+            i_cols = self.shape.intermediate
+            for sl in cutlass.range_constexpr(0, 8 * qblocks, self.nw):
+                slot = warp + sl
+                if slot < 8 * qblocks:
+                    n = slot % 8
+                    qb = slot // 8
+                    gate = self.partial(sP, parity, qb * 64 + lane, n)
+                    up = self.partial(sP, parity, qb * 64 + 32 + lane, n)
+                    gc = cutlass.min(gate, lim)
+                    uc = cutlass.min(cutlass.max(up, -lim), lim)
+                    h = fp4.div_rn(gc, Float32(1.0) + cute.math.exp(-gc, fastmath=True)) * uc
+                    # E8M0 scale by the round-up rule: s = amax/448 (RN), +1 binade if inexact
+                    amax = cute.math.absf(h)
+                    for sh in cutlass.range_constexpr(5):
+                        amax = cutlass.max(amax, cute.arch.shuffle_sync_bfly(amax, 1 << sh))
+                    bad = cute.arch.vote_any_sync(fp4.not_finite(h))
+                    s = fp4.div_rn(amax, Float32(448.0))
+                    sb = fp4.f32_bits(s)
+                    code = ((sb >> Uint32(23)) & Uint32(0xFF)) + Uint32((sb & Uint32(0x7FFFFF)) != Uint32(0))
+                    code = cutlass.min(code, Uint32(254))
+                    ex = Uint32(254) - code
+                    mb = Uint32(cutlass.select_(ex == Uint32(0), Uint32(_F32_2_M127), ex << Uint32(23)))
+                    q = fp4.to_e4m3(h * fp4.bits_f32(mb))
+                    zero = amax == Float32(0.0)
+                    q = Uint32(cutlass.select_(zero, Uint32(0), q))
+                    code = Uint32(cutlass.select_(zero, Uint32(0), code))
+                    q = Uint32(cutlass.select_(bad, Uint32(0x7F), q))
+                    code = Uint32(cutlass.select_(bad, Uint32(255), code))
+                    pad = n >= valid
+                    q = Uint32(cutlass.select_(pad, Uint32(0), q))
+                    code = Uint32(cutlass.select_(pad, Uint32(0), code))
+                    row = TILE * tile + n
+                    col = blk * (self.rm // 2) + qb * 32 + lane
+                    cute.arch.store(out + (row * i_cols + col), Uint8(q))
+                    if lane == 0:
+                        cute.arch.store(out_s + (row * (i_cols // 32) + blk * qblocks + qb), Uint8(code))
+
+        @cute.jit
+        def epilogue_gemm2(self, sP, parity, rec, out, item, valid_at, tid):
+            """BF16 rows of one item: pairs of adjacent output columns per thread."""
+            tile = item // self.blocks
+            blk = item % self.blocks
+            valid = cute.arch.load(rec + (valid_at + tile), Int32)
+            half = self.rm // 2
+            out32 = cute.recast_ptr(out, dtype=Uint32)
+            for p in cutlass.range_constexpr(0, 8 * half, self.threads):
+                f = tid + p
+                if f < 8 * half:
+                    n = f // half
+                    r = 2 * (f % half)
+                    v0 = self.partial(sP, parity, r, n)
+                    v1 = self.partial(sP, parity, r + 1, n)
+                    word = fp4.pack_bf16x2(v0, v1)
+                    word = Uint32(cutlass.select_(n >= valid, Uint32(0), word))
+                    row = TILE * tile + n
+                    cute.arch.store(out32 + ((row * self.shape.hidden + blk * self.rm + r) // 2), word)
+
+        # ------------------------------------------------------------------ kernel
+        @cute.kernel
+        def kernel(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
+                   record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
+                   ctas: Int32):
+            U, NB = self.u, self.nb
+            tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+            warp, lane = tid // 32, tid % 32
+            g, c = lane // 4, lane % 4
+            wm, wk = warp // self.wk, warp % self.wk
+            c_beg = wk * self.per
+            n_mine = cutlass.min(Int32(self.per), self.nch - c_beg)  # chunks of this warp (>= 1)
+            words = (ctas + 3) // 4 * 4
+            valid_at = 4 + words
+            slots_at = 4 + 2 * words
+
+            p_w = cute.recast_ptr(w, dtype=Uint32)
+            p_s = cute.recast_ptr(ws, dtype=Uint32)
+            p_a = cute.recast_ptr(act, dtype=Uint32)
+            p_as = cute.recast_ptr(act_s, dtype=Uint8)
+
+            tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+            tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 16)))
+            tCrB = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 16)))
+            rA, rB = cute.recast_tensor(tCrA, Uint32), cute.recast_tensor(tCrB, Uint32)
+            acc = [tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8))) for _ in range(self.tm)]
+            for a in acc:
+                a.fill(0.0)
+            pw_n, ps_n = self.pairs * U * 4, self.pairs * U
+            st_w = [cute.make_rmem_tensor((pw_n,), Uint32) for _ in range(2)]
+            st_s = [cute.make_rmem_tensor((ps_n,), Uint32) for _ in range(2)]
+            st_a = [cute.make_rmem_tensor((2 * U,), Uint32) for _ in range(2)]
+            st_as = [cute.make_rmem_tensor((U,), Uint32) for _ in range(2)]
+            smem = cutlass.memory.SmemAllocator()
+            sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
+
+            # ---- prologue
+            n_items = Int32(0)
+            if cutlass.const_expr(self.stage == 2 and self.tactic.pdl):
+                # the record predates the previous kernel (module docstring): weights first
+                n_items = cute.arch.load(record, Int32) * self.blocks
+                if bid < n_items:
+                    self.issue_weights(st_w[0], st_s[0], p_w, p_s, record, bid, Int32(0), n_mine, c_beg, wm, lane, g)
+            if cutlass.const_expr(self.tactic.pdl):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+            if cutlass.const_expr(not (self.stage == 2 and self.tactic.pdl)):
+                n_items = cute.arch.load(record, Int32) * self.blocks
+                if bid < n_items:
+                    self.issue_weights(st_w[0], st_s[0], p_w, p_s, record, bid, Int32(0), n_mine, c_beg, wm, lane, g)
+            top_k = cute.arch.load(record + 3, Int32)
+            my_items = (n_items + nblk - 1 - bid) // nblk
+            n_steps = my_items * NB
+            if n_steps > 0:
+                self.issue_acts(st_a[0], st_as[0], p_a, p_as, record, slots_at, top_k, bid, Int32(0),
+                                n_mine, c_beg, g, c)
+
+            l_item, l_b = bid, Int32(1)  # load cursor: step 1
+            wrap = Int32(l_b == NB)
+            l_b, l_item = l_b - wrap * NB, l_item + wrap * nblk
+            c_item, c_b, parity = bid, Int32(0), Int32(0)  # compute cursor
+            for i in cutlass.range(0, n_steps, 2, unroll=1):
+                for s in cutlass.range_constexpr(2):
+                    if i + s < n_steps:
+                        if i + s + 1 < n_steps:  # next step's loads go out first
+                            self.issue_weights(st_w[1 - s], st_s[1 - s], p_w, p_s, record, l_item, l_b,
+                                               n_mine, c_beg, wm, lane, g)
+                            self.issue_acts(st_a[1 - s], st_as[1 - s], p_a, p_as, record, slots_at, top_k,
+                                            l_item, l_b, n_mine, c_beg, g, c)
+                            l_b = l_b + 1
+                            wrap = Int32(l_b == NB)
+                            l_b, l_item = l_b - wrap * NB, l_item + wrap * nblk
+                        self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w[s], st_s[s], st_a[s], st_as[s],
+                                     c_b, n_mine)
+                        if c_b == NB - 1:  # item done: partials to smem, one barrier, epilogue
+                            for t in cutlass.range_constexpr(self.tm):
+                                for x in cutlass.range_constexpr(4):
+                                    sP[t * 128 + lane * 4 + x, warp, parity] = acc[t][x]
+                                acc[t].fill(0.0)
+                            cute.arch.sync_threads()
+                            if cutlass.const_expr(self.stage == 1):
+                                self.epilogue_gemm1(sP, parity, record, clamp, out, out_s, c_item, valid_at,
+                                                    warp, lane)
+                            else:
+                                self.epilogue_gemm2(sP, parity, record, out, c_item, valid_at, tid)
+                        last = Int32(c_b == NB - 1)
+                        parity = parity ^ last
+                        c_b = c_b + 1 - last * NB
+                        c_item = c_item + last * nblk
+
+
+# ---------------------------------------------------------------------- host side
+def _require_dsl() -> None:
+    if not _HAVE_DSL:
+        raise RuntimeError("the GEMM kernels need nvidia-cutlass-dsl (pip install moebench[kernels])")
+
+
+@functools.lru_cache(maxsize=None)
+def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: bool = False):
+    """Compile GEMM`stage` for one shape class and tactic (cached per process).
+
+    Works without a GPU when CUTE_DSL_ARCH=sm_90a is set (cross-compile).
+    Returns (kernel, compiled): `kernel.grid(ctas, num_sms)` sizes the
+    launch; `compiled(w, ws, act, act_s, record, clamp, out, out_s, ctas,
+    grid, stream)` takes cute global pointers (make_ptr), Int32 and a
+    CUstream (use `gemm1` / `gemm2` for torch tensors). Raises ValueError
+    when the tactic cannot run the shape, RuntimeError without the DSL.
+    """
+    _require_dsl()
+    from cutlass.cute.runtime import make_ptr
+
+    kernel = StreamingGemmKernel(tactic, shape, stage, wide_scales)
+
+    def fake(dtype, align):
+        return make_ptr(dtype, 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
+
+    out_dtype = Uint8 if stage == 1 else BFloat16
+    compiled = cute.compile(
+        kernel, fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 4),
+        fake(Int32, 16), fake(Float32, 4), fake(out_dtype, 16), fake(Uint8, 4),
+        Int32(1), Int32(1), _cuda.CUstream(0),
+    )  # fmt: skip
+    return kernel, compiled
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _check_tensor(name: str, t, dtypes: tuple, shape: tuple[int, ...], device: torch.device, align: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if t.data_ptr() % align:
+        raise ValueError(f"{name} must be {align}-byte aligned")
+
+
+def _check_common(kw, record, ctas: int):
+    if not isinstance(kw, KernelWeights):
+        raise TypeError(f"kw must be a KernelWeights, got {type(kw).__name__}")
+    device = kw.device
+    if device.type != "cuda":
+        raise ValueError(f"kw must be on a CUDA device, got {device}")
+    if not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 0:
+        raise ValueError(f"ctas must be a non-negative int, got {ctas!r}")
+    _check_tensor("record", record, (torch.int32,), (route_words(ctas),), device, 16)
+    return device
+
+
+def _stream(stream, device: torch.device):
+    if stream is None:
+        return _cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    if isinstance(stream, torch.cuda.Stream):
+        return _cuda.CUstream(stream.cuda_stream)
+    if isinstance(stream, _cuda.CUstream):
+        return stream
+    raise TypeError(f"stream must be None, a torch.cuda.Stream or a CUstream, got {type(stream).__name__}")
+
+
+def _ptr(dtype, t: torch.Tensor, align: int):
+    from cutlass.cute.runtime import make_ptr
+
+    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _launch(kw: KernelWeights, stage: int, tactic, args, ctas: int, device, stream) -> None:
+    shape = GemmShape.of(kw)
+    sms = _num_sms(device.index if device.index is not None else 0)
+    tactic = default_tactic(shape, stage, ctas, sms, kw.wide_scales) if tactic is None else tactic
+    if not isinstance(tactic, GemmTactic):
+        raise TypeError(f"tactic must be a GemmTactic or None, got {type(tactic).__name__}")
+    reason = tactic.valid_for(shape, stage)
+    if reason:
+        raise ValueError(f"tactic {tactic.name} cannot run GEMM{stage}: {reason}")
+    if ctas == 0:
+        return
+    kernel, compiled = compile_gemm(shape, tactic, stage, kw.wide_scales)
+    grid = kernel.grid(ctas, sms)
+    compiled(*args, Int32(ctas), Int32(grid), _stream(stream, device))
+
+
+def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: torch.Tensor, ctas: int,
+          h_q_out: torch.Tensor, h_scale_out: torch.Tensor, *, tactic: GemmTactic | None = None,
+          stream=None) -> None:
+    """Launch GEMM1 (x . w13^T, SwiGLU with clamp, MXFP8 H) on `stream`
+    (torch's current stream when None); no host sync, no allocation.
+
+    kw: KernelWeights on a CUDA device (H, I, E). x_q: float8_e4m3fn/uint8
+    [rows, H] (1 <= rows <= 8), x_scale: uint8 [rows, H/32] (E8M0);
+    record: int32 [route_words(ctas)] (moebench.record), ctas: token tiles it
+    allows for. h_q_out: float8_e4m3fn/uint8 [8*ctas, I] and h_scale_out:
+    uint8 [8*ctas, I/32], by permuted row: rows of used tiles are all written
+    (padding rows zero), rows of unused tiles untouched. tactic: GemmTactic
+    (default_tactic(shape, 1, ctas, SMs) when None). stream: None, torch.cuda.Stream or
+    CUstream. Raises TypeError / ValueError naming the argument; RuntimeError
+    without nvidia-cutlass-dsl.
+    """
+    device = _check_common(kw, record, ctas)
+    h, i = kw.hidden, kw.intermediate
+    if not isinstance(x_q, torch.Tensor) or x_q.dim() != 2 or not 1 <= x_q.shape[0] <= 8:
+        raise ValueError(f"x_q must be [rows, {h}] with 1 <= rows <= 8, got {getattr(x_q, 'shape', x_q)}")
+    rows = x_q.shape[0]
+    u8 = (torch.uint8, torch.float8_e4m3fn)
+    _check_tensor("x_q", x_q, u8, (rows, h), device, 16)
+    _check_tensor("x_scale", x_scale, (torch.uint8,), (rows, h // 32), device, 4)
+    _check_tensor("h_q_out", h_q_out, u8, (TILE * ctas, i), device, 16)
+    _check_tensor("h_scale_out", h_scale_out, (torch.uint8,), (TILE * ctas, i // 32), device, 4)
+    _require_dsl()
+    args = (_ptr(Uint8, kw.w13, 16), _ptr(Uint8, kw.w13_scale, 16), _ptr(Uint8, x_q, 16),
+            _ptr(Uint8, x_scale, 4), _ptr(Int32, record, 16), _ptr(Float32, kw.clamp, 4),
+            _ptr(Uint8, h_q_out, 16), _ptr(Uint8, h_scale_out, 4))  # fmt: skip
+    _launch(kw, 1, tactic, args, ctas, device, stream)
+
+
+def gemm2(kw: KernelWeights, h_q: torch.Tensor, h_scale: torch.Tensor, record: torch.Tensor, ctas: int,
+          out: torch.Tensor, *, tactic: GemmTactic | None = None, stream=None) -> None:
+    """Launch GEMM2 (dequant(H) . w2^T -> BF16 rows, unweighted) on `stream`.
+
+    h_q: float8_e4m3fn/uint8 [8*ctas, I], h_scale: uint8 [8*ctas, I/32]
+    (GEMM1's outputs, by permuted row); out: bfloat16 [8*ctas, H]: rows of
+    used tiles all written (padding rows zero), unused tiles untouched. Other
+    arguments as `gemm1`. With tactic.pdl the record is read before
+    griddepcontrol.wait (see the module docstring).
+    """
+    device = _check_common(kw, record, ctas)
+    h, i = kw.hidden, kw.intermediate
+    u8 = (torch.uint8, torch.float8_e4m3fn)
+    _check_tensor("h_q", h_q, u8, (TILE * ctas, i), device, 16)
+    _check_tensor("h_scale", h_scale, (torch.uint8,), (TILE * ctas, i // 32), device, 4)
+    _check_tensor("out", out, (torch.bfloat16,), (TILE * ctas, h), device, 16)
+    _require_dsl()
+    args = (_ptr(Uint8, kw.w2, 16), _ptr(Uint8, kw.w2_scale, 16), _ptr(Uint8, h_q, 16),
+            _ptr(Uint8, h_scale, 4), _ptr(Int32, record, 16), _ptr(Float32, kw.clamp, 4),
+            _ptr(BFloat16, out, 16), _ptr(Uint8, h_scale, 4))  # fmt: skip
+    _launch(kw, 2, tactic, args, ctas, device, stream)

@@ -1,0 +1,189 @@
+"""Tactics (the tuning space) of the routed-expert GEMMs, and the shape class
+a compiled kernel serves.
+
+A tactic is a frozen dataclass handed to the kernel's constructor; every field
+is a compile-time parameter, none a code fork. `valid_for` says whether a
+tactic can run a shape and why not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Most warps of one CTA (512 threads).
+MAX_WARPS = 16
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    """The shape class one compiled GEMM serves: hidden H, logical
+    intermediate I (both per rank) and local experts E. Rows and token tiles
+    are launch arguments."""
+
+    hidden: int
+    intermediate: int
+    experts: int
+
+    def __post_init__(self) -> None:
+        for name in ("hidden", "intermediate", "experts"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+
+    @classmethod
+    def of(cls, obj) -> GemmShape:
+        """From anything with hidden / intermediate / experts attributes
+        (RankShape, ExpertWeights, KernelWeights)."""
+        if isinstance(obj, GemmShape):
+            return obj
+        try:
+            return cls(int(obj.hidden), int(obj.intermediate), int(obj.experts))
+        except AttributeError as err:
+            raise TypeError(
+                f"shape must have hidden, intermediate and experts, got {type(obj).__name__}"
+            ) from err
+
+
+def _check_int(name: str, v, lo: int, hi: int) -> None:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
+
+
+@dataclass(frozen=True)
+class GemmTactic:
+    """One configuration of the weight-streaming GEMM core.
+
+    tile_rows: weight rows per warp (multiple of 32: 32, 64 or 128; two
+      16-row m-tiles per 16-byte load).
+    warps_m: warps of a CTA side by side on different rows (a CTA work item
+      covers warps_m * tile_rows weight rows of one token tile).
+    warps_k: warps of a CTA splitting K of the same rows (partial sums reduced
+      through shared memory).
+    unroll: 32-K chunks per load batch; each lane keeps
+      unroll * tile_rows / 32 16-byte weight loads in flight, double-buffered.
+    ctas_per_sm: resident CTAs per SM the registers are allocated for.
+    persistent: grid of SMs * ctas_per_sm CTAs looping over the items (the
+      next item's loads overlap the current reduction); else one CTA per
+      possible item (the hardware balances; CTAs of unused tiles exit).
+    pdl: programmatic dependent launch.
+    """
+
+    tile_rows: int = 64
+    warps_m: int = 1
+    warps_k: int = 8
+    unroll: int = 2
+    ctas_per_sm: int = 2
+    persistent: bool = True
+    pdl: bool = True
+
+    def __post_init__(self) -> None:
+        if self.tile_rows not in (32, 64, 128):
+            raise ValueError(f"tile_rows must be 32, 64 or 128, got {self.tile_rows!r}")
+        _check_int("warps_m", self.warps_m, 1, MAX_WARPS)
+        _check_int("warps_k", self.warps_k, 1, MAX_WARPS)
+        _check_int("unroll", self.unroll, 1, 8)
+        _check_int("ctas_per_sm", self.ctas_per_sm, 1, 8)
+        if self.warps_m * self.warps_k > MAX_WARPS:
+            raise ValueError(
+                f"warps_m * warps_k must be at most {MAX_WARPS}, got {self.warps_m * self.warps_k}"
+            )
+        for flag in ("persistent", "pdl"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
+
+    @property
+    def warps(self) -> int:
+        return self.warps_m * self.warps_k
+
+    @property
+    def item_rows(self) -> int:
+        """Weight rows of one CTA work item."""
+        return self.warps_m * self.tile_rows
+
+    @property
+    def name(self) -> str:
+        return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
+                f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
+                + ("" if self.pdl else "_nopdl"))
+
+    def valid_for(self, shape, stage: int) -> str | None:
+        """None if this tactic can run GEMM`stage` (1 or 2) of `shape`
+        (GemmShape or anything with hidden / intermediate / experts), else the
+        reason."""
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        s = GemmShape.of(shape)
+        if s.hidden % 128:
+            return f"hidden {s.hidden} is not a multiple of 128"
+        if s.intermediate % 32:
+            return f"intermediate {s.intermediate} is not a multiple of 32"
+        if stage == 1:
+            if self.item_rows % 64:
+                return f"GEMM1 work items must cover whole 64-row gate/up blocks, got {self.item_rows} rows"
+            if (2 * s.intermediate) % self.item_rows:
+                return f"2*intermediate {2 * s.intermediate} is not a multiple of {self.item_rows} rows"
+            k = s.hidden
+        else:
+            if s.hidden % self.item_rows:
+                return f"hidden {s.hidden} is not a multiple of {self.item_rows} rows"
+            k = s.intermediate
+        if self.warps_k > k // 32:
+            return f"warps_k {self.warps_k} exceeds the {k // 32} K chunks"
+        return None
+
+
+#: Distinct experts per routed slot the defaults plan for (correlated draft
+#: rows: ~22 experts for 36 slots at rows 6, top-6).
+EXPECTED_TILE_FRACTION = 0.55
+
+
+def default_tactic(
+    shape, stage: int, ctas: int | None = None, num_sms: int = 132, wide_scales: bool = False
+) -> GemmTactic:
+    """A sensible tactic for GEMM`stage` of `shape` when `ctas` token tiles
+    are allowed for (the tuner may do better; measured on the H200 at
+    dsv41-flash TP4/TP8, docs/perf-notes.md).
+
+    The work items are expected tiles (EXPECTED_TILE_FRACTION * ctas, all of
+    them when ctas is None) times the weight blocks of a tile. GEMM1 (K = H):
+    one 64-row gate/up block per item, the persistent grid with the fewest
+    CTAs per SM that still holds every item (8 warps x unroll 4 at 1 CTA/SM,
+    8 x 2 at 2, 4 x 4 at 3). GEMM2 (K = I/tp): for K <= 576, 64-row warps
+    side by side (512-row items, no K split) unless that leaves most SMs
+    idle, then 128-row items of 4 warps at 4 CTAs/SM; for longer K, 32-row
+    warps with K split over 2 or 4 warps. `wide_scales` (the two-multiply
+    decode) takes unroll 3 at 3 CTAs/SM (unroll 4 spills there). Raises
+    ValueError if none fits.
+    """
+    s = GemmShape.of(shape)
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    if ctas is not None and (not isinstance(ctas, int) or ctas < 0):
+        raise ValueError(f"ctas must be a non-negative int or None, got {ctas!r}")
+    tiles = 10**6 if ctas is None else max(1, round(EXPECTED_TILE_FRACTION * ctas))
+    if stage == 1:
+        items = tiles * (2 * s.intermediate // 64)
+        if items <= num_sms:
+            tactic = GemmTactic(tile_rows=64, warps_m=1, warps_k=8, unroll=4, ctas_per_sm=1)
+        elif items <= 2 * num_sms:
+            tactic = GemmTactic(tile_rows=64, warps_m=1, warps_k=8, unroll=2, ctas_per_sm=2)
+        else:
+            tactic = GemmTactic(tile_rows=64, warps_m=1, warps_k=4, unroll=3 if wide_scales else 4,
+                                ctas_per_sm=3)
+    else:
+        nch = s.intermediate // 32
+        if nch <= 18 and s.hidden % 512 == 0:
+            if tiles * (s.hidden // 512) < num_sms // 2:
+                tactic = GemmTactic(tile_rows=32, warps_m=4, warps_k=1, unroll=4, ctas_per_sm=4,
+                                    persistent=False)
+            else:
+                tactic = GemmTactic(tile_rows=64, warps_m=8, warps_k=1, unroll=2, ctas_per_sm=2)
+        else:
+            wk = 1 if nch <= 12 else 2 if nch <= 36 else 4
+            tactic = GemmTactic(tile_rows=32, warps_m=8 // wk, warps_k=wk, unroll=2, ctas_per_sm=2)
+    reason = tactic.valid_for(s, stage)
+    if reason:
+        raise ValueError(f"no default GEMM{stage} tactic for {s}: {reason}")
+    return tactic

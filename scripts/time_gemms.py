@@ -1,0 +1,175 @@
+"""Time GEMM1, GEMM2 and both under CUDA graphs on the GPU (cold L2).
+
+For dsv41-flash (real E = 384) at TP4 and TP8, correlated routing, rows
+1, 2, 4, 6, 8: one graph replays the kernels over enough distinct weight sets
+(random kernel-layout bytes, realistic E8M0 scales) that the weights touched
+per replay are >= 4x the 60 MB L2. Reports the median per call (p10/p90 over
+replays), GB/s over the unique bytes (logical weights + scales of the touched
+experts + activations in and out) and % of the 4215 GB/s copy bandwidth.
+
+    source .bundles/unpack.sh && PYTHONPATH=$PWD python3 scripts/time_gemms.py [--out F.json]
+        [--tp 4,8] [--rows 1,2,4,6,8] [--variants]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+
+import torch
+
+from moebench.formats import generate_activations, quantize_mxfp8
+from moebench.kernels.gemm import gemm1, gemm2
+from moebench.kernels.layout import KernelWeights
+from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
+from moebench.models import get_preset
+from moebench.record import TILE, build_route_record
+from moebench.routing import scenario_topk_ids
+
+COPY_GBPS = 4215.0
+L2_BYTES = 60e6
+TOP_K = 6
+
+
+def random_kernel_weights(shape, seed: int) -> KernelWeights:
+    """Random MXFP4 bytes in the kernel layout (codes are arbitrary nibbles), E8M0 in 116..124."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h, i, e = shape.hidden, shape.intermediate, shape.experts
+
+    def codes(*s):
+        return torch.randint(0, 256, s, generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
+
+    def scales(*s):
+        return torch.randint(116, 125, s, generator=g, device="cuda", dtype=torch.int32).to(torch.uint8)
+
+    return KernelWeights(
+        codes(e, 2 * i // 32, h // 32, 32, 16), scales(e, 2 * i // 32, h // 32, 8, 4),
+        codes(e, h // 32, i // 32, 32, 16), scales(e, h // 32, i // 32, 8, 4),
+        torch.full((e,), shape.swiglu_limit, device="cuda"), h, i, shape.padded_intermediate, 124,
+    )  # fmt: skip
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 1 GiB device copy (read + write), median of 10."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    ts = []
+    for _ in range(12):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e-3)
+    return 2 * a.numel() / sorted(ts[2:])[len(ts[2:]) // 2] / 1e9
+
+
+def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float]:
+    """(median, p10, p90) microseconds per call of a graph of `fn` (n_calls calls)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e) * 1e3 / n_calls)
+    ts.sort()
+    return ts[len(ts) // 2], ts[len(ts) // 10], ts[(9 * len(ts)) // 10]
+
+
+def bench_shape(tp: int, rows_list, variants: bool, results: list) -> None:
+    shape = get_preset("dsv41-flash").shard(tp)
+    gs = GemmShape.of(shape)
+    h, i = shape.hidden, shape.intermediate
+    per_expert_1 = 2 * i * h // 2 + 2 * i * h // 32
+    per_expert_2 = h * i // 2 + h * i // 32
+    ids_by_rows = {r: scenario_topk_ids("correlated", r, TOP_K, shape.experts, seed=r) for r in rows_list}
+    min_touched = min(len(set(v.flatten().tolist())) for v in ids_by_rows.values())
+    n_sets = max(2, math.ceil(4 * L2_BYTES / (min_touched * (per_expert_1 + per_expert_2))))
+    n_sets = min(n_sets, int(40e9 // (shape.experts * (per_expert_1 + per_expert_2))))
+    sets = [random_kernel_weights(shape, seed=s) for s in range(n_sets)]
+    extra1, extra2 = [], []
+    if variants:
+        np_ = dict(persistent=False)
+        extra1 += [GemmTactic(64, 1, 4, 4, 3, **np_), GemmTactic(64, 1, 4, 4, 4, **np_),
+                GemmTactic(64, 1, 8, 2, 2, **np_), GemmTactic(64, 1, 8, 4, 1, **np_),
+                GemmTactic(64, 1, 4, 4, 3), GemmTactic(64, 1, 4, 2, 4, **np_)]  # fmt: skip
+        extra2 += [GemmTactic(64, 8, 1, 2, 2, **np_), GemmTactic(32, 8, 1, 4, 2, **np_),
+                GemmTactic(64, 4, 2, 2, 2, **np_), GemmTactic(64, 8, 1, 2, 2),
+                GemmTactic(32, 4, 1, 4, 4, **np_), GemmTactic(64, 4, 1, 3, 4, **np_)]  # fmt: skip
+    for rows in rows_list:
+        ids = ids_by_rows[rows]
+        touched = len(set(ids.flatten().tolist()))
+        route = build_route_record(ids.cuda(), shape.experts)
+        t1s = [default_tactic(gs, 1, route.ctas)] + [t for t in extra1 if t != default_tactic(gs, 1, route.ctas)]
+        t2s = [default_tactic(gs, 2, route.ctas)] + [t for t in extra2 if t != default_tactic(gs, 2, route.ctas)]
+        x_q, x_s = quantize_mxfp8(generate_activations(rows, h, seed=rows, device="cuda"))
+        n = TILE * route.ctas
+        used = TILE * route.tiles_used
+        h_q = torch.zeros(n, i, dtype=torch.uint8, device="cuda")
+        h_s = torch.zeros(n, i // 32, dtype=torch.uint8, device="cuda")
+        out = torch.zeros(n, h, dtype=torch.bfloat16, device="cuda")
+        act1 = rows * (h + h // 32) + used * (i + i // 32)
+        act2 = used * (i + i // 32) + used * h * 2
+        bytes1 = touched * per_expert_1 + act1
+        bytes2 = touched * per_expert_2 + act2
+        for t1 in t1s:
+            for t2 in t2s:
+                first_t2, first_t1 = t2 is t2s[0], t1 is t1s[0]
+                cases = []
+                if first_t2:
+                    cases.append(("gemm1", t1.name, bytes1, lambda t1=t1: [
+                        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1) for kw in sets]))
+                if first_t1:
+                    cases.append(("gemm2", t2.name, bytes2, lambda t2=t2: [
+                        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2) for kw in sets]))
+                if first_t1 or first_t2:
+                    cases.append(("both", f"{t1.name}+{t2.name}", bytes1 + bytes2, lambda t1=t1, t2=t2: [
+                        (gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1),
+                         gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)) for kw in sets]))
+                for kernel, tactic, nbytes, fn in cases:
+                    med, p10, p90 = time_graph(fn, n_sets)
+                    gbps = nbytes / (med * 1e-6) / 1e9
+                    rec = dict(preset="dsv41-flash", tp=tp, rows=rows, experts_touched=touched,
+                               tiles=route.tiles_used, kernel=kernel, tactic=tactic, weight_sets=n_sets,
+                               median_us=med, p10_us=p10, p90_us=p90, bytes=nbytes, gbps=gbps,
+                               pct_copy_bw=100 * gbps / COPY_GBPS)  # fmt: skip
+                    results.append(rec)
+                    print(f"TP{tp} rows {rows} ({touched:2d} experts) {kernel:5s} {tactic:40s} "
+                          f"{med:7.2f} us [{p10:6.2f},{p90:6.2f}] {nbytes / 1e6:7.1f} MB {gbps:7.0f} GB/s "
+                          f"{rec['pct_copy_bw']:5.1f}%", flush=True)
+    del sets
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", default="4,8")
+    ap.add_argument("--rows", default="1,2,4,6,8")
+    ap.add_argument("--variants", action="store_true", help="also time alternative tactics")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    t0 = time.time()
+    bw = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s (reference {COPY_GBPS:.0f})")
+    results: list = []
+    for tp in (int(t) for t in args.tp.split(",")):
+        bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, results)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(copy_gbps=bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)
+    print(f"done in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

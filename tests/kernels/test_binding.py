@@ -1,0 +1,138 @@
+"""RoutedExpertGemm: weight checks (CPU) and the whole route -> GEMM1 -> GEMM2
+path against the fp64 oracle, eager and under a CUDA graph (GPU)."""
+
+import pytest
+import torch
+
+from moebench.formats import generate_activations, generate_expert_weights
+from moebench.models import get_preset
+from moebench.moe_output import finalize
+from moebench.record import build_route_record
+from moebench.reference import ORACLE_TOLERANCE, reference_moe, relative_error
+from moebench.routing import scenario_topk_ids, scenario_weights
+
+binding = pytest.importorskip("moebench.kernels.binding", reason="needs nvidia-cutlass-dsl")
+
+
+def _small(tp=4, experts=64, device="cpu"):
+    shape = get_preset("dsv41-flash", hidden=512, intermediate=1152, experts=experts).shard(tp)
+    return shape, generate_expert_weights(shape, seed=3, device=device)
+
+
+@pytest.mark.parametrize("top_k", [0, 9, True])
+def test_check_weights_rejects_top_k(top_k):
+    _, w = _small()
+    with pytest.raises(ValueError, match="top_k"):
+        binding.check_weights(w, top_k)
+
+
+def test_check_weights_rejects_experts_not_multiple_of_32():
+    shape = get_preset("dsv41-flash", hidden=256, intermediate=256, experts=48).shard(2)
+    w = generate_expert_weights(shape, seed=0)
+    with pytest.raises(ValueError, match="experts must be a multiple of 32"):
+        binding.check_weights(w, 6)
+
+
+def test_check_weights_rejects_nonzero_padding():
+    _, w = _small()  # I/tp = 288, padded 384
+    w.w13[0, w.intermediate] = 1
+    with pytest.raises(ValueError, match="padding"):
+        binding.check_weights(w, 6)
+
+
+def test_check_weights_rejects_cpu_tensors():
+    _, w = _small()
+    with pytest.raises(ValueError, match="w13 must be on a CUDA device"):
+        binding.check_weights(w, 6)
+
+
+def test_check_weights_rejects_non_weights():
+    with pytest.raises(TypeError, match="ExpertWeights"):
+        binding.check_weights(object(), 6)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.fixture(scope="module")
+def bound():
+    shape = get_preset("dsv41-flash", experts=64).shard(4)
+    w = generate_expert_weights(shape, seed=11, device="cuda")
+    return shape, w, binding.RoutedExpertGemm(w, shape.top_k)
+
+
+def _run(gemm, x, ids, tw):
+    routing = gemm.route(x, ids, tw)
+    return routing, gemm.gemms(routing)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("scenario", ["correlated", "uniform", "hot"])
+def test_route_and_gemms_match_the_oracle(bound, rows, scenario):
+    shape, w, gemm = bound
+    ids = scenario_topk_ids(scenario, rows, shape.top_k, shape.experts, seed=rows).cuda()
+    tw = scenario_weights(rows, shape.top_k, seed=rows, scale=1.5).cuda()
+    x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
+    routing, out = _run(gemm, x, ids, tw)
+    want = build_route_record(ids, shape.experts)
+    assert torch.equal(routing.record, want.record) and torch.equal(routing.permuted, want.permuted)
+    ref = reference_moe(x, ids, tw, w, activation="mxfp8")
+    valid = torch.arange(routing.ctas * 8, device="cuda") < want.tiles_used * 8
+    rows_err = relative_error(out.gemm2_permuted[valid], ref.unfinalized.gemm2_permuted[valid])
+    final_err = relative_error(finalize(out), ref.output)
+    assert rows_err <= ORACLE_TOLERANCE and final_err <= ORACLE_TOLERANCE, (rows_err, final_err)
+
+
+@pytest.mark.gpu
+def test_non_local_ids_are_skipped(bound):
+    shape, w, gemm = bound
+    ids = scenario_topk_ids("uniform", 4, shape.top_k, shape.experts, seed=5)
+    ids[0, 0], ids[2, 3] = -1, shape.experts + 7
+    ids = ids.cuda()
+    tw = scenario_weights(4, shape.top_k, seed=5).cuda()
+    x = generate_activations(4, shape.hidden, seed=5, device="cuda")
+    routing, out = _run(gemm, x, ids, tw)
+    assert int(routing.permuted[0, 0]) == -1 and int(routing.permuted[2, 3]) == -1
+    ref = reference_moe(x, ids, tw, w, activation="mxfp8")
+    assert relative_error(finalize(out), ref.output) <= ORACLE_TOLERANCE
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_matches_eager_and_follows_inputs(bound):
+    shape, w, gemm = bound
+    rows = 6
+    ids = scenario_topk_ids("correlated", rows, shape.top_k, shape.experts, seed=1).cuda()
+    tw = scenario_weights(rows, shape.top_k, seed=1).cuda()
+    x = generate_activations(rows, shape.hidden, seed=1, device="cuda")
+    eager = finalize(_run(gemm, x, ids, tw)[1]).clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _run(gemm, x, ids, tw)  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = finalize(_run(gemm, x, ids, tw)[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, eager)
+    x.copy_(generate_activations(rows, shape.hidden, seed=2, device="cuda"))
+    ids.copy_(scenario_topk_ids("correlated", rows, shape.top_k, shape.experts, seed=2).cuda())
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(captured, eager)
+    ref = reference_moe(x, ids, tw, w, activation="mxfp8")
+    assert relative_error(captured, ref.output) <= ORACLE_TOLERANCE
+
+
+@pytest.mark.gpu
+def test_accepts(bound):
+    shape, w, gemm = bound
+    x = generate_activations(4, shape.hidden, seed=0, device="cuda")
+    assert gemm.accepts(x, w)
+    assert not gemm.accepts(x.float())
+    assert not gemm.accepts(torch.zeros(9, shape.hidden, dtype=torch.bfloat16, device="cuda"))
+    assert not gemm.accepts(x[:, :-128])
+    reloaded = generate_expert_weights(shape, seed=11, device="cuda")
+    assert not gemm.accepts(x, reloaded)
