@@ -80,8 +80,12 @@ def sweep(
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
     experts: int = typer.Option(None, help="Override routed experts E."),
     top_k: int = typer.Option(None, "--top-k", help="Override top_k."),
-    rows: str = typer.Option("1-8", help="Token rows: '1-8', '1,2,4' or '6' (1..8)."),
-    tp: str = typer.Option("1,2,4,8", help="Tensor-parallel degrees (one rank's shape each)."),
+    rows: str = typer.Option(
+        None, help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU)."
+    ),
+    tp: str = typer.Option(
+        None, help="Tensor-parallel degrees (one rank's shape each); default 1,2,4,8 (1,8 on the CPU)."
+    ),
     backends: str = typer.Option(
         "default", help="'default' (GPU: all but reference; CPU: reference,torch-bf16), 'all', or a list."
     ),
@@ -116,6 +120,9 @@ def sweep(
             backend_list = parse_names(backends, "--backends")
         dev = resolve_device(device)
         reduced = dev.type == "cpu"
+        # A CPU run is a smoke run of the reference: a smaller default grid.
+        rows = rows or ("1,4,8" if reduced else "1-8")
+        tp = tp or ("1,8" if reduced else "1,2,4,8")
         config = SweepConfig(
             presets=parse_names(preset, "--preset"), hidden=hidden, intermediate=intermediate,
             experts=experts, top_k=top_k, tp=parse_int_list(tp, "--tp", 1, 64),

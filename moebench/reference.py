@@ -112,10 +112,12 @@ def reference_gemm2(
     i = weights.intermediate
     out = torch.zeros(route.permuted_rows, weights.hidden, dtype=dtype, device=h_values.device)
     hv = h_values.to(dtype)
+    cache: tuple[int, torch.Tensor] | None = None
     for tile, e, _ in _tiles(route):
-        w2 = dequantize_mxfp4(weights.w2[e, :, : i // 2], weights.w2_scale[e, :, : i // 32], dtype)
+        if cache is None or cache[0] != e:  # an expert's tiles are consecutive
+            cache = (e, dequantize_mxfp4(weights.w2[e, :, : i // 2], weights.w2_scale[e, :, : i // 32], dtype))
         rows = slice(tile * TILE, (tile + 1) * TILE)
-        out[rows] = hv[rows] @ w2.T
+        out[rows] = hv[rows] @ cache[1].T
     return out
 
 
