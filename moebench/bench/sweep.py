@@ -55,6 +55,8 @@ COLUMNS = (
 STATUSES = ("ok", "failed", "skipped")
 #: Working set of one replay, in L2 sizes, for cold-cache timing.
 L2_MULTIPLE = 4
+#: Most distinct weight sets one group rotates through (a real model has ~60 layers).
+MAX_LAYERS = 64
 #: Seed stride between rotation layers' weight sets.
 LAYER_SEED_STRIDE = 1_000_003
 #: Timing counts cap for eager timing (backends that cannot be graph-captured, or the CPU).
@@ -83,14 +85,13 @@ def layer_count(
     min_touched_bytes: int, l2_bytes: int | None, per_layer_bytes: int, budget_bytes: int | None
 ) -> tuple[int, bool]:
     """(layers, capped): max(1, ceil(4 * L2 / min_touched_bytes)) weight sets,
-    at most what `budget_bytes` holds at `per_layer_bytes` each (never below
-    1). Without a known L2 (CPU) one layer. `capped` when the budget cut it."""
+    at most MAX_LAYERS and what `budget_bytes` holds at `per_layer_bytes` each
+    (never below 1). Without a known L2 (CPU) one layer. `capped` when the
+    budget or MAX_LAYERS cut it (tiny shapes cannot reach 4x L2 sensibly)."""
     if min_touched_bytes <= 0 or per_layer_bytes <= 0:
         raise ValueError("min_touched_bytes and per_layer_bytes must be positive")
     want = 1 if not l2_bytes else max(1, math.ceil(L2_MULTIPLE * l2_bytes / min_touched_bytes))
-    if budget_bytes is None:
-        return want, False
-    fit = max(1, budget_bytes // per_layer_bytes)
+    fit = MAX_LAYERS if budget_bytes is None else max(1, min(MAX_LAYERS, budget_bytes // per_layer_bytes))
     return min(want, fit), fit < want
 
 
