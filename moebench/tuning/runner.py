@@ -94,11 +94,14 @@ class TuneConfig:
 
 class GemmStageRunner:
     """One (shape, stage) on the GPU: weights, routings and buffers are made
-    once; `check` and `time` take a tactic (see the module docstring)."""
+    once; `check` and `time` take a tactic (see the module docstring).
+    `weight_sets` ([canonical layer-0 weights, kernel layouts of every
+    rotated layer], e.g. another stage's runner's) skips generating them."""
 
     def __init__(self, shape: RankShape, stage: int, device: torch.device, *, scenario: str = "correlated",
                  seed: int = 0, layers: int | None = None, warm_l2: bool = False, warmup: int = 10,
-                 replays: int = 50, space: TacticSpace = DEFAULT_SPACE) -> None:  # fmt: skip
+                 replays: int = 50, space: TacticSpace = DEFAULT_SPACE,
+                 weight_sets: list | None = None) -> None:  # fmt: skip
         from moebench.bench.cases import unique_bytes
         from moebench.bench.sweep import canonical_bytes, layer_count
         from moebench.env import device_info
@@ -114,22 +117,26 @@ class GemmStageRunner:
         info = device_info(device)
         self.num_sms = info.sm_count
         self.ids = {r: scenario_topk_ids(scenario, r, shape.top_k, shape.experts, seed) for r in range(1, MAX_ROWS + 1)}
-        if warm_l2:
-            n = 1
-        elif layers is not None:
-            n = layers
-        else:
-            free, _ = torch.cuda.mem_get_info(device)
-            min_touched = min(unique_bytes(shape, ids) for ids in self.ids.values())
-            n, _ = layer_count(min_touched, info.l2_bytes, 2 * canonical_bytes(shape),
-                               int(free * MEMORY_FRACTION))  # fmt: skip
-        self.layers = n
-        self.weights0 = generate_expert_weights(shape, seed, device)
-        self.kws = [to_kernel_layout(self.weights0)]
-        for layer in range(1, n):
-            w = generate_expert_weights(shape, seed + LAYER_SEED_STRIDE * layer, device)
-            self.kws.append(to_kernel_layout(w))
-            del w
+        if weight_sets is None:  # [canonical weights of layer 0, kernel layouts of every layer]
+            if warm_l2:
+                n = 1
+            elif layers is not None:
+                n = layers
+            else:
+                free, _ = torch.cuda.mem_get_info(device)
+                min_touched = min(unique_bytes(shape, ids) for ids in self.ids.values())
+                n, _ = layer_count(min_touched, info.l2_bytes, 2 * canonical_bytes(shape),
+                                   int(free * MEMORY_FRACTION))  # fmt: skip
+            weights0 = generate_expert_weights(shape, seed, device)
+            kws = [to_kernel_layout(weights0)]
+            for layer in range(1, n):
+                w = generate_expert_weights(shape, seed + LAYER_SEED_STRIDE * layer, device)
+                kws.append(to_kernel_layout(w))
+                del w
+            weight_sets = [weights0, kws]
+        self.weight_sets = weight_sets
+        self.weights0, self.kws = weight_sets
+        self.layers = len(self.kws)
         self.wide = any(kw.wide_scales for kw in self.kws)
         self.seed = seed
         self._inputs: dict[int, dict] = {}
@@ -170,6 +177,10 @@ class GemmStageRunner:
         self._inputs[rows] = case
         return case
 
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _launch(self, kw, case: dict, tactic: GemmTactic) -> None:
         from moebench.kernels.gemm import gemm1, gemm2
 
@@ -187,13 +198,13 @@ class GemmStageRunner:
             case["h_q"].fill_(0xFF)
             case["h_s"].fill_(0xFE)
             self._launch(self.kws[0], case, tactic)
-            torch.cuda.synchronize(self.device)
+            self._sync()
             return h_mismatch(case["h_q"][:used], case["h_s"][:used], case["ref_q"][:used], case["ref_s"][:used])
         from moebench.reference import ORACLE_TOLERANCE, relative_error
 
         case["out"].fill_(float("nan"))
         self._launch(self.kws[0], case, tactic)
-        torch.cuda.synchronize(self.device)
+        self._sync()
         out = case["out"][:used]
         if torch.isnan(out).any():
             return "rows of used tiles not written (NaN)"
@@ -279,11 +290,14 @@ def run_tune(config: TuneConfig, progress: Callable[[str], None] | None = None) 
     for shape in config.shapes():
         sclass = ShapeClass.of(shape)
         entries = {}
+        weight_sets = None
         for stage in config.stages:
             say(f"{shape.describe()} GEMM{stage}: preparing weights")
             runner = GemmStageRunner(shape, stage, dev, scenario=config.scenario, seed=config.seed,
                                      layers=config.layers, warm_l2=config.warm_l2, warmup=config.warmup,
-                                     replays=config.replays, space=config.space)  # fmt: skip
+                                     replays=config.replays, space=config.space,
+                                     weight_sets=weight_sets)  # fmt: skip
+            weight_sets = runner.weight_sets
             prov = {**base, "timing": {
                 "method": "cuda-graph", "warmup": config.warmup, "replays": config.replays,
                 "layers": runner.layers, "warm_l2": config.warm_l2, "scenario": config.scenario,
@@ -304,6 +318,8 @@ def run_tune(config: TuneConfig, progress: Callable[[str], None] | None = None) 
             for rows, entry in result.entries.items():
                 entries[stage, rows] = entry
             del runner
+        del weight_sets
+        if dev.type == "cuda":
             torch.cuda.empty_cache()
         d = base
         table = TuningTable(sclass, {"name": d["device"], "sm_count": d["sm_count"], "capability": d["capability"]},

@@ -63,3 +63,54 @@ def test_runner_checks_times_and_tunes_a_small_shape():
     assert set(table.entries) == {(1, 1), (1, 6), (2, 1), (2, 6)}
     e = table.entry(2, 6)
     assert e.provenance["device"] == torch.cuda.get_device_name(0) and e.provenance["timing"]["layers"] == 2
+
+
+def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
+    """The runner's plumbing (routing, oracle, poisoned buffers, checks,
+    timing, tuner, table) with stand-in GEMMs that copy the oracle's output;
+    tactics with unroll 4 corrupt it and must never be picked."""
+    import types
+
+    from moebench.tuning import runner as rn
+    from moebench.tuning.space import TacticSpace
+
+    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic):
+        case = next(c for c in live if c["route"].record is record)
+        h_q.copy_(case["ref_q"])
+        h_s.copy_(case["ref_s"])
+        if tactic.unroll == 4:
+            h_q[: case["used"], :8] ^= 0x0F
+
+    def gemm2(kw, h_q, h_s, record, ctas, out, *, tactic):
+        case = next(c for c in live if c["route"].record is record)
+        out.copy_(case["oracle"].to(out.dtype))
+        if tactic.unroll == 4:
+            out[: case["used"]] *= 1.5
+
+    live = []
+    original = rn.GemmStageRunner._case
+
+    def tracking_case(self, rows):
+        case = original(self, rows)
+        if all(case is not c for c in live):
+            live.append(case)
+        return case
+
+    monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.gemm",
+                        types.SimpleNamespace(gemm1=gemm1, gemm2=gemm2))  # fmt: skip
+    monkeypatch.setattr(rn.GemmStageRunner, "_case", tracking_case)
+    monkeypatch.setattr(rn, "require_tuning_device", lambda device=None: torch.device("cpu"))
+    space = TacticSpace(tile_rows=(32, 64), warps=((1, 4), (4, 1)), unroll=(2, 4), ctas_per_sm=(2,),
+                        persistent=(True,))  # fmt: skip
+    cfg = TuneConfig(preset="dsv41-flash", hidden=256, intermediate=512, experts=8, tp=(4,), rows=(1, 6),
+                     space=space, repeats=1, top=2, replays=3, warmup=0, layers=2)  # fmt: skip
+    outcome = rn.run_tune(cfg)
+    (table,) = outcome.tables
+    assert set(table.entries) == {(1, 1), (1, 6), (2, 1), (2, 6)}
+    for (stage, rows), e in table.entries.items():
+        assert e.tactic.unroll != 4 and e.rejected >= 1
+        assert e.provenance["timing"]["layers"] == 2 and e.provenance["moebench_version"]
+        res = outcome.results[4, stage].results[rows]
+        assert all("incorrect" in why for why in res.rejected.values())
+        assert any(name.endswith("_u4_c2") for name in res.rejected)
+    assert table.shape.intermediate == 128 and table.file_name.startswith("E=8,H=256,I=128,top_k=6,")
