@@ -1,12 +1,15 @@
 """The moebench command line: a thin Typer layer over the library.
 
     moebench sweep    measure backends over presets / TP / rows / scenarios
-    moebench report   summarize a stored run (table + summary.md)
+    moebench tune     tune the GEMM tactics per rows on this GPU, write tuning tables
+    moebench report   summarize a stored run (table, summary.md, report.html);
+                      --baseline RUN compares, --fail-above 5% gates CI
     moebench check    quick self-check (codecs, record, oracle, backends)
     moebench env      device, driver, versions, available backends
     moebench presets  geometry presets and their per-TP shapes
 
-User errors print one red line and exit 2; failed checks exit 1.
+User errors print one red line and exit 2; failed checks, regressions
+beyond --fail-above and unwritable outputs exit 1.
 """
 
 from __future__ import annotations
@@ -90,7 +93,10 @@ def sweep(
         "default", help="'default' (GPU: all but reference; CPU: reference,torch-bf16), 'all', or a list."
     ),
     scenario: str = typer.Option("correlated", help="Routing scenarios: uniform,zipf,hot,correlated,replay."),
-    tactics: str = typer.Option("default", help="Tactics per backend, comma-separated."),
+    tactics: str = typer.Option(
+        "default", help="Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list"
+        " (moebench: default = tuned table else built-in, builtin = built-in defaults)."
+    ),
     seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
     layers: int = typer.Option(None, help="Force the number of rotated weight sets (default: >= 4x L2)."),
@@ -314,29 +320,197 @@ def check(
 @app.command()
 def report(
     run_dir: Path = typer.Argument(..., help="A run directory (results.parquet + manifest.json)."),
-    out: Path = typer.Option(None, help="Where summary.md goes (default: the run directory)."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing summary.md."),
+    baseline: Path = typer.Option(None, help="A baseline run directory to compare with (per-case verdicts)."),
+    fail_above: str = typer.Option(
+        None, "--fail-above", help="Exit 1 when a case is slower than the baseline by more than this (e.g. '5%'),"
+        " or failed."
+    ),
+    out: Path = typer.Option(None, help="Where summary.md (and report.html + plots) go (default: the run directory)."),
+    html: bool = typer.Option(True, "--html/--no-html", help="Also write report.html with PNG plots."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing summary.md / report.html."),
 ) -> None:
-    """Print a run's summary table and write summary.md."""
+    """Summarize a run (table, summary.md, report.html); with --baseline,
+    compare per case and, with --fail-above, exit 1 on a regression."""
+    from moebench.reports.compare import DEFAULT_THRESHOLD_PCT, compare_runs, comparison_markdown, parse_threshold
     from moebench.reports.store import read_run
     from moebench.reports.summary import summary_table, to_markdown
 
     try:
+        threshold = parse_threshold(fail_above) if fail_above is not None else DEFAULT_THRESHOLD_PCT
+        if fail_above is not None and baseline is None:
+            raise ValueError("--fail-above needs --baseline RUN")
         df, manifest = read_run(run_dir)
+        base = read_run(baseline) if baseline is not None else None
     except (FileNotFoundError, ValueError) as error:
         raise _fail(str(error)) from None
     target = (out or run_dir) / "summary.md"
-    if target.exists() and not force:
-        raise _fail(f"{target} exists; pass --force to replace it")
+    html_target = target.parent / "report.html"
+    for path in (target, html_target) if html else (target,):
+        if path.exists() and not force:
+            raise _fail(f"{path} exists; pass --force to replace it")
     if manifest.get("reduced"):
         console.print("[yellow]This run used a reduced geometry on the CPU.[/yellow]")
     _print_summary(summary_table(df))
+    comparison = None
+    if base is not None:
+        try:
+            comparison = compare_runs(df, manifest, base[0], base[1], threshold_pct=threshold,
+                                      current_label=str(run_dir), baseline_label=str(baseline))  # fmt: skip
+        except ValueError as error:
+            raise _fail(str(error)) from None
+        _print_comparison(comparison)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(to_markdown(df, manifest), encoding="utf-8")
+        text = to_markdown(df, manifest)
+        if comparison is not None:
+            text += "\n" + comparison_markdown(comparison)
+        target.write_text(text, encoding="utf-8")
+        console.print(f"wrote [bold]{target}[/bold]")
+        if html:
+            from moebench.reports.html import write_html_report
+
+            paths = write_html_report(df, manifest, target.parent, comparison=comparison,
+                                      title=f"moebench run {run_dir.name}")  # fmt: skip
+            console.print(f"wrote [bold]{paths[0]}[/bold] ({len(paths) - 1} plots)")
     except OSError as error:
-        raise _fail(f"cannot write {target}: {error}", 1) from None
-    console.print(f"wrote [bold]{target}[/bold]")
+        raise _fail(f"cannot write the report under {target.parent}: {error}", 1) from None
+    if comparison is None:
+        return
+    if comparison.device_mismatch:
+        raise _fail("the baseline is of another device / geometry: cases were not compared (see the report)")
+    if fail_above is not None and len(comparison.regressions):
+        raise _fail(f"{len(comparison.regressions)} case(s) slower than the baseline by more than {threshold:g} %"
+                    " or failed", 1)  # fmt: skip
+
+
+def _print_comparison(comp) -> None:
+    """Render a Comparison: mismatches / notes, then one row per case."""
+    for m in comp.mismatches:
+        console.print(f"[yellow]mismatch: {m}[/yellow]", soft_wrap=True)
+    for n in comp.notes:
+        console.print(f"[dim]note: {n}[/dim]", soft_wrap=True)
+    colors = {"faster": "green", "slower": "red", "failed": "red", "same": "white", "unclear": "yellow",
+              "mismatch": "yellow", "fixed": "cyan"}  # fmt: skip
+    table = Table(title=f"vs baseline (threshold {comp.threshold_pct:g} %)")
+    for head in ("preset", "tp", "rows", "scenario", "backend", "tactic", "base µs", "µs", "ratio", "Δ%",
+                 "noise%", "verdict", "note"):  # fmt: skip
+        table.add_column(head, overflow="fold", no_wrap=head != "note")
+    for r in comp.frame.to_dict("records"):
+        color = colors.get(r["verdict"], "dim")
+        table.add_row(
+            str(r["preset"]), str(r["tp"]), str(r["rows"]), str(r["scenario"]), str(r["backend"]), str(r["tactic"]),
+            _fmt(r["base_median_us"]), _fmt(r["median_us"]), _fmt(r["ratio"], 3), _fmt(r["delta_pct"]),
+            _fmt(r["noise_pct"]), f"[{color}]{r['verdict']}[/]", str(r["note"])[:80],
+        )  # fmt: skip
+    Console(highlight=False, width=max(console.width, 150)).print(table)
+    console.print("verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
+
+
+@app.command()
+def tune(
+    preset: str = typer.Option("dsv41-flash", help="Preset name (see `moebench presets`)."),
+    hidden: int = typer.Option(None, help="Override hidden size H."),
+    intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
+    experts: int = typer.Option(None, help="Override routed experts E."),
+    top_k: int = typer.Option(None, "--top-k", help="Override top_k."),
+    tp: str = typer.Option("4", help="Tensor-parallel degrees: one table per rank shape."),
+    rows: str = typer.Option("1-8", help="Token rows to tune (1..8)."),
+    stages: str = typer.Option("1,2", help="GEMM stages to tune (1, 2)."),
+    space: str = typer.Option("quick", help="Tactic space: 'quick' (default) or 'full'."),
+    scenario: str = typer.Option("correlated", help="Routing scenario of the timed cases."),
+    repeats: int = typer.Option(3, help="Extra timings of each finalist."),
+    top: int = typer.Option(3, help="Finalists re-timed per row count."),
+    replays: int = typer.Option(50, help="Timed CUDA-graph replays per timing."),
+    warmup: int = typer.Option(10, help="Warm-up calls per timing."),
+    layers: int = typer.Option(None, help="Force the number of rotated weight sets (default: >= 4x L2)."),
+    warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
+    seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
+    device: str = typer.Option(None, help="'cuda[:N]' (default: the current GPU)."),
+    out: Path = typer.Option(
+        None, help="Directory of the tables (default: $MOEBENCH_TUNING_DIR, else ./tuning-tables;"
+        " moebench/tuning/tables ships them with the package)."
+    ),
+    force: bool = typer.Option(False, "--force", help="Replace a table of another device or a newer version."),
+) -> None:
+    """Tune the GEMM tactics per rows on this GPU; write one table per shape class."""
+    import os
+
+    from moebench.models import get_preset
+    from moebench.record import MAX_ROWS
+    from moebench.routing import SCENARIOS
+    from moebench.tuning.space import SPACES
+
+    try:
+        if space not in SPACES:
+            raise ValueError(f"--space: expected one of {sorted(SPACES)}, got {space!r}")
+        if scenario not in SCENARIOS or scenario == "replay":
+            raise ValueError(f"--scenario: expected one of {[s for s in SCENARIOS if s != 'replay']}, got {scenario!r}")
+        tps = parse_int_list(tp, "--tp", 1, 64)
+        cfg = get_preset(preset, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k)
+        for t in tps:
+            cfg.shard(t)
+        row_list = parse_int_list(rows, "--rows", 1, MAX_ROWS)
+        stage_list = parse_int_list(stages, "--stages", 1, 2)
+        for name, v, lo in (("--repeats", repeats, 1), ("--top", top, 2), ("--replays", replays, 1),
+                            ("--warmup", warmup, 0)):  # fmt: skip
+            if v < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {v}")
+    except (ValueError, TypeError) as error:
+        raise _fail(str(error)) from None
+    from moebench.tuning.runner import TuneConfig, require_tuning_device, run_tune
+
+    try:
+        require_tuning_device(device)
+    except RuntimeError as error:
+        raise _fail(str(error)) from None
+    target = out or Path(os.environ.get("MOEBENCH_TUNING_DIR", "").split(os.pathsep)[0] or "tuning-tables")
+    config = TuneConfig(
+        preset=preset, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=tps,
+        rows=row_list, stages=stage_list, scenario=scenario, seed=seed, space=SPACES[space], repeats=repeats,
+        top=top, warmup=warmup, replays=replays, layers=layers, warm_l2=warm_l2, device=device,
+    )  # fmt: skip
+    with console.status("tuning ...") as status:
+        outcome = run_tune(config, progress=lambda text: status.update(f"tuning: {text}"))
+    _write_tables(outcome, target, force)
+
+
+def _write_tables(outcome, target: Path, force: bool) -> None:
+    """Print each table's picks and write it (merged over an older table of
+    the same device); exits 1 when a table cannot be written or a row count
+    found no correct tactic."""
+    from moebench.tuning.table import TableError, read_table, write_table
+
+    failed = []
+    for (tp, stage), result in outcome.results.items():
+        table = Table(title=f"TP{tp} GEMM{stage} ({outcome.layers.get((tp, stage), '?')} weight sets)")
+        for head in ("rows", "tactic", "µs", "p10-p90", "runner-up", "margin", "separated", "rejected", "note"):
+            table.add_column(head)
+        for rows, res in result.results.items():
+            e = res.entry
+            if e is None:
+                failed.append(f"TP{tp} GEMM{stage} rows={rows}")
+                table.add_row(str(rows), "[red]none correct[/red]", "", "", "", "", "", str(len(res.rejected)), "")
+                continue
+            table.add_row(
+                str(rows), e.tactic.name, _fmt(e.median_us, 2), f"{e.p10_us:.2f}-{e.p90_us:.2f}",
+                e.runner_up.name if e.runner_up else "-", _fmt(e.margin_pct) + "%" if e.margin_pct is not None else "-",
+                "yes" if e.separated else "[yellow]no[/yellow]", str(len(res.rejected)), res.note,
+            )  # fmt: skip
+        console.print(table)
+    for t in outcome.tables:
+        path = target / t.file_name
+        try:
+            if path.exists():
+                try:
+                    t = t.merged_over(read_table(path))
+                except (TableError, OSError):
+                    pass  # write_table refuses (or --force replaces) it with the reason
+            written = write_table(t, target, force=force)
+        except (TableError, OSError) as error:
+            raise _fail(str(error), 1) from None
+        console.print(f"wrote [bold]{written}[/bold] ({len(t.entries)} entries)")
+    if failed:
+        raise _fail(f"no correct tactic for {', '.join(failed)}", 1)
 
 
 def main() -> None:

@@ -91,3 +91,105 @@ def test_check_exits_1_on_a_failing_item(monkeypatch):
     monkeypatch.setattr(selfcheck, "_record_invariants", lambda: (_ for _ in ()).throw(AssertionError("bad")))
     result = runner.invoke(app, ["check", "--device", "cpu"])
     assert result.exit_code == 1 and "FAIL" in result.output
+
+
+# ----------------------------------------------------------------------------- tune / report --baseline
+
+
+def _stored_run(root, label, medians, *, device="NVIDIA H200", failed_rows=()):
+    """A stored run with one moebench case per rows (tight 1 % spread)."""
+    import math
+
+    import pandas as pd
+
+    from moebench.reports.store import REQUIRED_COLUMNS, write_run
+
+    rows = []
+    for r, us in medians.items():
+        failed = r in failed_rows
+        row = dict.fromkeys(REQUIRED_COLUMNS)
+        row.update(preset="dsv41-flash", hidden=5120, intermediate=576, experts=384, top_k=6, tp=4, rows=r,
+                   scenario="correlated", backend="moebench", tactic="default",
+                   status="failed" if failed else "ok", error="rel. error 0.4 exceeds 0.01" if failed else "",
+                   median_us=math.nan if failed else us, p10_us=math.nan if failed else us * 0.99,
+                   p90_us=math.nan if failed else us * 1.01, unique_experts=6 * r, bytes=28_000_000 * r,
+                   gbps=1000.0, pct_copy_bw=25.0, pct_size_ceiling=math.nan, max_rel_err=1e-3, device=device,
+                   sm_count=132, commit="abc")  # fmt: skip
+        rows.append(row)
+    manifest = {"device": {"name": device, "sm_count": 132}, "copy_bw_gbps": 4000.0, "reduced": False}
+    return write_run(pd.DataFrame(rows), manifest, root=root, label=label)
+
+
+def test_tune_without_a_gpu_fails_with_one_red_line(tmp_path):
+    result = runner.invoke(app, ["tune", "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "needs an sm_90 GPU" in lines[0] and "Traceback" not in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args, needle", [(["--space", "huge"], "--space"), (["--rows", "0"], "--rows"),
+                                          (["--tp", "5"], "tp=5"), (["--stages", "3"], "--stages")])  # fmt: skip
+def test_tune_user_errors_exit_2(tmp_path, args, needle):
+    result = runner.invoke(app, ["tune", *args, "--out", str(tmp_path)])
+    assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output
+
+
+def test_report_baseline_fail_above_exit_codes(tmp_path):
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0})
+    same = _stored_run(tmp_path / "runs", "same", {1: 20.1, 6: 39.0})
+    slow = _stored_run(tmp_path / "runs", "slow", {1: 20.0, 6: 46.0})
+    ok = runner.invoke(app, ["report", str(same), "--baseline", str(base), "--fail-above", "5%",
+                             "--out", str(tmp_path / "r1")])  # fmt: skip
+    assert ok.exit_code == 0, ok.output
+    assert "faster" in ok.output and (tmp_path / "r1" / "report.html").is_file()
+    assert (tmp_path / "r1" / "compare.png").read_bytes().startswith(b"\x89PNG")
+    assert "Comparison" in (tmp_path / "r1" / "summary.md").read_text()
+
+    bad = runner.invoke(app, ["report", str(slow), "--baseline", str(base), "--fail-above", "5%",
+                              "--out", str(tmp_path / "r2")])  # fmt: skip
+    assert bad.exit_code == 1 and "slower than the baseline by more than 5 %" in bad.output
+    assert "### Regressions (1)" in (tmp_path / "r2" / "summary.md").read_text()
+    lenient = runner.invoke(app, ["report", str(slow), "--baseline", str(base), "--fail-above", "20%",
+                                  "--out", str(tmp_path / "r3")])  # fmt: skip
+    assert lenient.exit_code == 0, lenient.output
+    no_gate = runner.invoke(app, ["report", str(slow), "--baseline", str(base), "--out", str(tmp_path / "r4")])
+    assert no_gate.exit_code == 0 and "slower" in no_gate.output
+
+
+def test_report_failed_case_is_a_regression(tmp_path):
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0})
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 20.0, 6: 40.0}, failed_rows=(6,))
+    result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--fail-above", "5%",
+                                 "--out", str(tmp_path / "r"), "--no-html"])  # fmt: skip
+    assert result.exit_code == 1 and "failed" in result.output
+    assert not (tmp_path / "r" / "report.html").exists()
+
+
+def test_report_other_device_is_reported_not_compared(tmp_path):
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0}, device="NVIDIA H100 80GB HBM3")
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 40.0})
+    result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--fail-above", "5%",
+                                 "--out", str(tmp_path / "r")])  # fmt: skip
+    assert result.exit_code == 2 and "another device" in result.output and "H100" in result.output
+    assert "mismatch" in (tmp_path / "r" / "summary.md").read_text()
+
+
+def test_report_option_errors(tmp_path):
+    run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
+    assert runner.invoke(app, ["report", str(run), "--fail-above", "5%"]).exit_code == 2
+    bad = runner.invoke(app, ["report", str(run), "--baseline", str(run), "--fail-above", "lots"])
+    assert bad.exit_code == 2 and "threshold" in bad.output
+    gone = runner.invoke(app, ["report", str(run), "--baseline", str(tmp_path / "nope")])
+    assert gone.exit_code == 2 and "does not exist" in gone.output
+
+
+def test_sweep_tactics_all_expands_per_backend(tmp_path):
+    args = [a for a in TINY if a not in ("--rows", "1,2")] + ["--rows", "1"]
+    result = runner.invoke(app, ["sweep", *args, "--backends", "torch-bf16", "--tactics", "all",
+                                 "--out", str(tmp_path)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    import pandas as pd
+
+    df = pd.read_parquet(next(tmp_path.iterdir()) / "results.parquet")
+    assert len(df) >= 2 and "default" in set(df["tactic"]) and "all" not in set(df["tactic"])

@@ -2,6 +2,11 @@
 through `kernels.binding.RoutedExpertGemm`, then the torch finalize.
 
 Oracle "mxfp8" (MXFP8 x and H). Needs nvidia-cutlass-dsl and an sm_90 GPU.
+
+Tactics: "default" = what the runtime runs (the tuning table of this device
+and shape class when there is one, else the built-in defaults); "builtin" =
+the built-in defaults, tables ignored (`sweep --tactics default,builtin`
+measures what tuning buys).
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ class MoebenchBackend(Backend):
     name = "moebench"
     oracle = "mxfp8"
     capturable = True
+    BUILTIN = "builtin"
+
+    def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
+        return (DEFAULT_TACTIC, self.BUILTIN)
 
     def unavailable_reason(self, device: torch.device | str) -> str | None:
         if importlib.util.find_spec("cutlass") is None:
@@ -42,7 +51,7 @@ class MoebenchBackend(Backend):
 
         self.check_tactic(shape, tactic)
         check_weights(weights, shape)
-        return RoutedExpertGemm(weights, shape.top_k)
+        return RoutedExpertGemm(weights, shape.top_k, {} if tactic == self.BUILTIN else None)
 
     def forward(self, prepared, x, topk_ids, topk_weights):
         """bf16 [rows, H]: route (MXFP8 x + record), the GEMM pair, finalize."""

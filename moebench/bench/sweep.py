@@ -27,13 +27,13 @@ import contextlib
 import gc
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
 import pandas as pd
 import torch
 
-from moebench.backends.base import Backend, BackendUnavailable
+from moebench.backends.base import DEFAULT_TACTIC, Backend, BackendUnavailable
 from moebench.backends.registry import backend_names, load_backend
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
 from moebench.bench.cases import CPU_BACKENDS, Case, SweepConfig, expand_cases, unique_bytes, unique_experts
@@ -53,6 +53,8 @@ COLUMNS = (
     "l2_multiple", "seed",
 )  # fmt: skip
 STATUSES = ("ok", "failed", "skipped")
+#: The tactic name that stands for every tactic a backend offers for a shape.
+ALL_TACTICS = "all"
 #: Working set of one replay, in L2 sizes, for cold-cache timing.
 L2_MULTIPLE = 4
 #: Most distinct weight sets one group rotates through (a real model has ~60 layers).
@@ -160,6 +162,8 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
             reasons[name] = f"availability check failed: {_error_text(error)}"
 
     cases = expand_cases(config, names, reduced=reduced)
+    if ALL_TACTICS in config.tactics:
+        cases = expand_all_tactics(cases, backends, reasons)
     total = len(cases)
     rows_out: list[dict] = []
     groups_info: list[dict] = []
@@ -202,6 +206,27 @@ FLOAT_COLUMNS = (
 )  # fmt: skip
 STRING_COLUMNS = ("error", "oracle", "timing_method", "commit", "device")
 INT_COLUMNS = ("unique_experts", "bytes", "layers", "sm_count")
+
+
+def expand_all_tactics(cases: list[Case], backends: dict[str, Backend], reasons: dict[str, str | None]) -> list[Case]:
+    """Replace each case of tactic "all" by one case per tactic its backend
+    offers for the case's shape (just "default" for an unavailable backend,
+    which is then skipped with its reason); explicit tactics of the same case
+    are not repeated. Order is kept."""
+    out: list[Case] = []
+    seen: set[Case] = set()
+    for case in cases:
+        if case.tactic != ALL_TACTICS:
+            expanded = [case]
+        elif reasons.get(case.backend) is None and case.backend in backends:
+            expanded = [replace(case, tactic=t) for t in backends[case.backend].valid_tactics(case.shape)]
+        else:
+            expanded = [replace(case, tactic=DEFAULT_TACTIC)]
+        for c in expanded:
+            if c not in seen:
+                seen.add(c)
+                out.append(c)
+    return out
 
 
 def _typed(frame: pd.DataFrame) -> pd.DataFrame:

@@ -28,6 +28,7 @@ from moebench.kernels.layout import KernelWeights, to_kernel_layout
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
 from moebench.moe_output import UnfinalizedMoEOutput
 from moebench.record import MAX_EXPERTS, MAX_ROWS, MAX_TOP_K, TILE, cta_words, max_ctas, route_words
+from moebench.tuning.table import ShapeClass, load_tactic
 
 __all__ = [
     "Routing", "RoutedExpertGemm", "build_routed_expert_gemms", "check_weights",
@@ -92,8 +93,12 @@ class RoutedExpertGemm:
     """The quantize + route kernels and GEMM pair bound to one layer's weights.
 
     weights: canonical ExpertWeights on a CUDA device (validated by
-    `check_weights`); top_k: experts per row; tactics: optional GEMM tactics
-    {1: GemmTactic, 2: GemmTactic} (default per shape class otherwise).
+    `check_weights`); top_k: experts per row; tactics: None = per (stage,
+    rows) from the tuning table of this device and shape class, else the
+    built-in default (`moebench.tuning.table.load_tactic`); or explicit GEMM
+    tactics {1: GemmTactic, 2: GemmTactic} (a missing stage: the built-in
+    default; `{}` = the built-in defaults, no table). `tactic_sources`
+    records where each (stage, rows) tactic came from.
     Raises ValueError / TypeError from `check_weights` or an invalid tactic.
     """
 
@@ -108,20 +113,33 @@ class RoutedExpertGemm:
         self.top_k = top_k
         self.kw: KernelWeights = to_kernel_layout(weights)
         shape = GemmShape.of(self.kw)
-        sms = torch.cuda.get_device_properties(self.kw.device).multi_processor_count
-        # One tactic per (stage, rows): the caller's, else the default for the
-        # token tiles that row count allows for (the launch would pick the same).
+        props = torch.cuda.get_device_properties(self.kw.device)
+        sms = props.multi_processor_count
+        # One tactic per (stage, rows). No `tactics`: the tuning table of this
+        # device and shape class ($MOEBENCH_TUNING_DIR, then the package's),
+        # else the built-in default (load_tactic warns and falls back, never
+        # raises for a table). With `tactics`: the caller's per stage, else the
+        # built-in default for the token tiles that row count allows for.
         self.tactics: dict[tuple[int, int], GemmTactic] = {}
+        self.tactic_sources: dict[tuple[int, int], str] = {}
         for rows in range(1, MAX_ROWS + 1):
             ctas = max_ctas(rows, top_k, self.experts)
             for stage in (1, 2):
-                tactic = (tactics or {}).get(stage) or default_tactic(
-                    shape, stage, ctas, sms, self.kw.wide_scales
-                )
+                if tactics is None:
+                    tactic, source = load_tactic(
+                        props.name, ShapeClass.of(shape, top_k), rows, stage, num_sms=sms,
+                        wide_scales=self.kw.wide_scales,
+                    )
+                elif tactics.get(stage) is not None:
+                    tactic, source = tactics[stage], "explicit"
+                else:
+                    tactic = default_tactic(shape, stage, ctas, sms, self.kw.wide_scales)
+                    source = "default"
                 reason = tactic.valid_for(shape, stage)
                 if reason:
                     raise ValueError(f"tactics[{stage}] ({tactic.name}) cannot run GEMM{stage}: {reason}")
                 self.tactics[stage, rows] = tactic
+                self.tactic_sources[stage, rows] = source
         # Compile now, not inside a CUDA-graph capture.
         _quantize.compile_quantize_kernel()
         _route.compile_route_kernel()

@@ -136,3 +136,28 @@ def test_accepts(bound):
     assert not gemm.accepts(x[:, :-128])
     reloaded = generate_expert_weights(shape, seed=11, device="cuda")
     assert not gemm.accepts(x, reloaded)
+
+
+@pytest.mark.gpu
+def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypatch):
+    from moebench.kernels.tactic import GemmTactic
+    from moebench.tuning import table as tb
+
+    shape = get_preset("dsv41-flash", experts=64).shard(4)
+    w = generate_expert_weights(shape, seed=5, device="cuda")
+    monkeypatch.setenv(tb.ENV_DIR, str(tmp_path))
+    tb.reset_log_once()
+    plain = binding.RoutedExpertGemm(w, shape.top_k)  # no table: the built-in defaults
+    assert all(s.startswith("default") for s in plain.tactic_sources.values())
+    tuned = GemmTactic(tile_rows=64, warps_m=1, warps_k=4, unroll=2, ctas_per_sm=2)
+    entry = tb.TableEntry(tuned, 10.0, 9.0, 11.0)
+    name = torch.cuda.get_device_name(0)
+    table = tb.TuningTable(tb.ShapeClass.of(shape), {"name": name, "sm_count": 132}, {(1, 6): entry})
+    path = tb.write_table(table, tmp_path)
+    tb.reset_log_once()
+    gemm = binding.RoutedExpertGemm(w, shape.top_k)
+    assert gemm.tactics[1, 6] == tuned and str(path) in gemm.tactic_sources[1, 6]
+    assert gemm.tactics[1, 5] == plain.tactics[1, 5] and gemm.tactic_sources[1, 5].startswith("default")
+    builtin = binding.RoutedExpertGemm(w, shape.top_k, {})  # explicit: tables ignored
+    assert builtin.tactics == plain.tactics
+    tb.reset_log_once()

@@ -1,0 +1,250 @@
+"""Regression comparison of two stored runs: per case, the ratio of medians
+and a verdict that respects the noise.
+
+Cases are matched on (preset, tp, rows, scenario, backend, tactic). For a
+case ok in both runs:
+
+    ratio     = median(current) / median(baseline)        (> 1: slower)
+    delta_pct = 100 * (ratio - 1)
+    noise_pct = half the wider relative p10-p90 spread of the two runs
+                = 50 * max((p90 - p10) / median)
+    verdict   = "slower" / "faster"  when |delta_pct| > noise_pct
+                "same"               when |delta_pct| <= noise_pct <= threshold_pct
+                "unclear"            when the noise exceeds the threshold and
+                                     the change hides in it
+
+Other verdicts: "failed" (the current case failed its correctness gate or
+did not run: shown as failed, never as a time), "fixed" (failed in the
+baseline, ok now), "skipped" (skipped in either run), "new" / "missing"
+(only in one run), "mismatch" (the case's shape H/I/E/top_k, seed or
+touched experts differ between the runs, or the runs are of different
+devices: reported, not compared). A regression is a "slower" case with
+delta_pct > threshold_pct, or a "failed" case.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from moebench.reports.summary import markdown_table
+
+MATCH_KEYS = ("preset", "tp", "rows", "scenario", "backend", "tactic")
+SHAPE_KEYS = ("hidden", "intermediate", "experts", "top_k")
+VERDICTS = ("faster", "slower", "same", "unclear", "failed", "fixed", "skipped", "new", "missing", "mismatch")
+COLUMNS = (
+    *MATCH_KEYS, "verdict", "ratio", "delta_pct", "noise_pct", "median_us", "p10_us", "p90_us",
+    "base_median_us", "base_p10_us", "base_p90_us", "status", "base_status", "note",
+)  # fmt: skip
+DEFAULT_THRESHOLD_PCT = 5.0
+
+
+@dataclass
+class Comparison:
+    """frame: one row per matched case (COLUMNS); mismatches: run-level
+    differences (device, geometry mode, timing), one line each; notes:
+    differences worth knowing that do not stop the comparison (driver,
+    versions); threshold_pct: the regression threshold."""
+
+    frame: pd.DataFrame
+    threshold_pct: float
+    mismatches: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    current_label: str = "current"
+    baseline_label: str = "baseline"
+
+    @property
+    def regressions(self) -> pd.DataFrame:
+        f = self.frame
+        slower = (f["verdict"] == "slower") & (f["delta_pct"] > self.threshold_pct)
+        return f[slower | (f["verdict"] == "failed")]
+
+    @property
+    def counts(self) -> dict[str, int]:
+        vc = self.frame["verdict"].value_counts().to_dict()
+        return {v: int(vc.get(v, 0)) for v in VERDICTS if vc.get(v, 0)}
+
+    @property
+    def device_mismatch(self) -> bool:
+        return any(m.startswith("device") for m in self.mismatches)
+
+
+def parse_threshold(text: str | float | int) -> float:
+    """'5%', '5' or 5 -> 5.0 (percent); '0.5%' -> 0.5. Raises ValueError for
+    anything else or a negative / non-finite value."""
+    if isinstance(text, bool):
+        raise ValueError(f"threshold must be a percentage like '5%', got {text!r}")
+    raw = str(text).strip()
+    number = raw[:-1].strip() if raw.endswith("%") else raw
+    try:
+        value = float(number)
+    except ValueError:
+        raise ValueError(f"threshold must be a percentage like '5%', got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"threshold must be a finite percentage >= 0, got {text!r}")
+    return value
+
+
+def _device(manifest: dict) -> dict:
+    dev = manifest.get("device")
+    return dev if isinstance(dev, dict) else {}
+
+
+def run_mismatches(current: dict, baseline: dict) -> tuple[list[str], list[str]]:
+    """(mismatches, notes) between two manifests: device name / SM count /
+    reduced CPU geometry / warm-L2 mode are mismatches; driver, CUDA, package
+    versions and the copy bandwidth (beyond 5 %) are notes."""
+    mism, notes = [], []
+    dc, db = _device(current), _device(baseline)
+    if dc.get("name") != db.get("name"):
+        mism.append(f"device: {dc.get('name')!r} vs baseline {db.get('name')!r}")
+    elif dc.get("sm_count") != db.get("sm_count"):
+        mism.append(f"device SM count: {dc.get('sm_count')} vs baseline {db.get('sm_count')}")
+    if bool(current.get("reduced")) != bool(baseline.get("reduced")):
+        mism.append(f"geometry: reduced={bool(current.get('reduced'))} vs baseline {bool(baseline.get('reduced'))}")
+    if bool(current.get("warm_l2")) != bool(baseline.get("warm_l2")):
+        mism.append(f"L2 mode: warm_l2={bool(current.get('warm_l2'))} vs baseline {bool(baseline.get('warm_l2'))}")
+    if dc.get("driver") != db.get("driver"):
+        notes.append(f"driver {dc.get('driver')} vs baseline {db.get('driver')}")
+    if current.get("cuda_runtime") != baseline.get("cuda_runtime"):
+        notes.append(f"CUDA runtime {current.get('cuda_runtime')} vs baseline {baseline.get('cuda_runtime')}")
+    pc, pb = current.get("packages") or {}, baseline.get("packages") or {}
+    for name in sorted(set(pc) | set(pb)):
+        if pc.get(name) != pb.get(name):
+            notes.append(f"{name} {pc.get(name)} vs baseline {pb.get(name)}")
+    bc, bb = current.get("copy_bw_gbps"), baseline.get("copy_bw_gbps")
+    if isinstance(bc, (int, float)) and isinstance(bb, (int, float)) and bb > 0 and abs(bc / bb - 1) > 0.05:
+        notes.append(f"copy bandwidth {bc:.0f} vs baseline {bb:.0f} GB/s")
+    return mism, notes
+
+
+def _num(value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        return math.nan
+    return v
+
+
+def classify(
+    median: float, p10: float, p90: float, base_median: float, base_p10: float, base_p90: float,
+    threshold_pct: float = DEFAULT_THRESHOLD_PCT,
+) -> tuple[str, float, float, float]:
+    """(verdict, ratio, delta_pct, noise_pct) of two ok timings (module
+    docstring). A non-positive or missing time gives "unclear"."""
+    vals = (median, p10, p90, base_median, base_p10, base_p90)
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in vals) or median <= 0 or base_median <= 0:
+        return "unclear", math.nan, math.nan, math.nan
+    ratio = median / base_median
+    delta = 100.0 * (ratio - 1.0)
+    noise = 50.0 * max(max(p90 - p10, 0.0) / median, max(base_p90 - base_p10, 0.0) / base_median)
+    if abs(delta) > noise:
+        verdict = "slower" if delta > 0 else "faster"
+    elif noise <= threshold_pct:
+        verdict = "same"
+    else:
+        verdict = "unclear"
+    return verdict, ratio, delta, noise
+
+
+def _index(df: pd.DataFrame, which: str) -> dict[tuple, dict]:
+    missing = [c for c in (*MATCH_KEYS, "status", "median_us", "p10_us", "p90_us") if c not in df.columns]
+    if missing:
+        raise ValueError(f"{which} run lacks columns {missing}")
+    out: dict[tuple, dict] = {}
+    for rec in df.to_dict("records"):
+        key = tuple(rec[k] for k in MATCH_KEYS)
+        if key in out:
+            raise ValueError(f"{which} run has two rows for case {dict(zip(MATCH_KEYS, key))}")
+        out[key] = rec
+    return out
+
+
+def _case_mismatch(cur: dict, base: dict) -> str | None:
+    diffs = []
+    for k in SHAPE_KEYS:
+        if k in cur and k in base and cur[k] != base[k]:
+            diffs.append(f"{k} {cur[k]} vs {base[k]}")
+    for k in ("seed", "unique_experts"):
+        a, b = cur.get(k), base.get(k)
+        if a is not None and b is not None and not (pd.isna(a) or pd.isna(b)) and a != b:
+            diffs.append(f"{k} {a} vs {b}")
+    return ("differs from the baseline: " + ", ".join(diffs)) if diffs else None
+
+
+def compare_runs(
+    current: pd.DataFrame,
+    current_manifest: dict,
+    baseline: pd.DataFrame,
+    baseline_manifest: dict,
+    *,
+    threshold_pct: float = DEFAULT_THRESHOLD_PCT,
+    current_label: str = "current",
+    baseline_label: str = "baseline",
+) -> Comparison:
+    """Compare `current` with `baseline` (results frames with manifests, as
+    `read_run` returns them). Raises ValueError naming the run for missing
+    columns or duplicate cases, or for a bad threshold."""
+    if not isinstance(threshold_pct, (int, float)) or not math.isfinite(threshold_pct) or threshold_pct < 0:
+        raise ValueError(f"threshold_pct must be a finite number >= 0, got {threshold_pct!r}")
+    cur_ix, base_ix = _index(current, current_label), _index(baseline, baseline_label)
+    mismatches, notes = run_mismatches(current_manifest, baseline_manifest)
+    device_differs = any(m.startswith(("device", "geometry")) for m in mismatches)
+    rows = []
+    for key in list(cur_ix) + [k for k in base_ix if k not in cur_ix]:
+        cur, base = cur_ix.get(key), base_ix.get(key)
+        row = dict(zip(MATCH_KEYS, key))
+        row.update(ratio=math.nan, delta_pct=math.nan, noise_pct=math.nan, note="")
+        for prefix, rec in (("", cur), ("base_", base)):
+            for k in ("median_us", "p10_us", "p90_us"):
+                row[prefix + k] = _num(rec[k]) if rec is not None else math.nan
+        row["status"] = cur["status"] if cur is not None else ""
+        row["base_status"] = base["status"] if base is not None else ""
+        if cur is None:
+            row["verdict"], row["note"] = "missing", "only in the baseline"
+        elif base is None:
+            row["verdict"], row["note"] = ("failed", str(cur.get("error") or "")) if cur["status"] == "failed" else (
+                "new", "not in the baseline")  # fmt: skip
+        elif cur["status"] == "failed":
+            row["verdict"], row["note"] = "failed", str(cur.get("error") or "")
+        elif cur["status"] != "ok" or base["status"] == "skipped":
+            row["verdict"] = "skipped"
+            row["note"] = str((cur.get("error") if cur["status"] != "ok" else base.get("error")) or "")
+        elif base["status"] != "ok":
+            row["verdict"], row["note"] = "fixed", f"failed in the baseline: {base.get('error') or ''}".strip()
+        else:
+            verdict, ratio, delta, noise = classify(
+                row["median_us"], row["p10_us"], row["p90_us"], row["base_median_us"], row["base_p10_us"],
+                row["base_p90_us"], threshold_pct,
+            )  # fmt: skip
+            row.update(verdict=verdict, ratio=ratio, delta_pct=delta, noise_pct=noise)
+            why = _case_mismatch(cur, base)
+            if device_differs or why:
+                row["verdict"] = "mismatch"
+                row["note"] = why or "runs of different devices / geometry: not compared"
+        rows.append(row)
+    frame = pd.DataFrame(rows, columns=list(COLUMNS))
+    return Comparison(frame, float(threshold_pct), mismatches, notes, current_label, baseline_label)
+
+
+def comparison_markdown(comp: Comparison) -> str:
+    """Markdown section: verdict counts, mismatches / notes, regressions,
+    then every case."""
+    lines = [f"## Comparison: {comp.current_label} vs {comp.baseline_label}", ""]
+    lines.append(f"- threshold: {comp.threshold_pct:g} % (slower beyond it, or failed, is a regression)")
+    lines.append("- verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
+    for m in comp.mismatches:
+        lines.append(f"- **mismatch**: {m}")
+    for n in comp.notes:
+        lines.append(f"- note: {n}")
+    reg = comp.regressions
+    shown = ["preset", "tp", "rows", "scenario", "backend", "tactic", "verdict", "base_median_us", "median_us",
+             "ratio", "delta_pct", "noise_pct", "note"]  # fmt: skip
+    if len(reg):
+        lines += ["", f"### Regressions ({len(reg)})", "", markdown_table(reg[shown])]
+    else:
+        lines += ["", "No regressions."]
+    lines += ["", "### All cases", "", markdown_table(comp.frame[shown]), ""]
+    return "\n".join(lines)

@@ -1,0 +1,247 @@
+"""The tactic space of the routed-expert GEMMs, as data.
+
+A `TacticSpace` lists the values each `GemmTactic` field may take; its
+product, filtered by the validity rules below, is what the tuner tries for
+one shape class and stage. The rules:
+
+1. `GemmTactic.valid_for(shape, stage)`: the kernel's own shape rules (GEMM1
+   items cover whole 64-row gate/up blocks and divide 2*I; GEMM2 items divide
+   H; no more K-splitting warps than 32-K chunks).
+2. Occupancy: `ctas_per_sm` CTAs of `warps` warps must fit one SM (at most
+   MAX_WARPS_PER_SM resident warps).
+3. Shared memory: the fp32 partial sums of a CTA (tile_rows/16 * 128 *
+   warps * 2 parities * 4 bytes, plus 1 KiB of reserve) times `ctas_per_sm`
+   fit SMEM_PER_SM; one CTA at most SMEM_PER_CTA.
+4. Registers (pruning, not a hard limit: the compiler spills instead of
+   failing): `estimated_registers` must fit the per-thread share of the
+   register file at `ctas_per_sm` CTAs (min_blocks_per_mp), capped at 255.
+5. With `ctas` token tiles known (rows fixed), a non-persistent tactic whose
+   grid equals its persistent twin's (every item fits the persistent grid)
+   is dropped as a duplicate.
+
+`TACTICS_VERSION` names the meaning of the tactic fields; bump it when the
+kernel changes what a field does, so tuning tables written before are stale.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, fields
+
+from moebench.kernels.tactic import MAX_WARPS, GemmShape, GemmTactic, default_tactic
+
+#: Version of the tactic fields' meaning (tuning tables record it).
+TACTICS_VERSION = 1
+#: Resident warps per SM on Hopper.
+MAX_WARPS_PER_SM = 64
+#: Shared memory of one SM and the most one CTA may take (bytes, sm_90).
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_CTA = 227 * 1024
+#: 32-bit registers per SM and per thread (sm_90).
+REGISTERS_PER_SM = 65536
+MAX_REGISTERS_PER_THREAD = 255
+#: Registers a lane needs besides its load buffers and accumulators
+#: (addresses, loop state, the decode and the activation fragments).
+REGISTER_OVERHEAD = 40
+
+_NAME = re.compile(r"^r(\d+)_m(\d+)_k(\d+)_u(\d+)_c(\d+)((?:_np)?)((?:_nopdl)?)$")
+
+
+@dataclass(frozen=True)
+class TacticSpace:
+    """The values each GemmTactic field may take (the product is filtered by
+    the module's rules). `warps` lists (warps_m, warps_k) pairs."""
+
+    tile_rows: tuple[int, ...] = (32, 64, 128)
+    warps: tuple[tuple[int, int], ...] = (
+        (1, 4), (2, 2), (4, 1),
+        (1, 8), (2, 4), (4, 2), (8, 1),
+        (1, 16), (2, 8), (4, 4), (8, 2), (16, 1),
+    )  # fmt: skip
+    unroll: tuple[int, ...] = (2, 3, 4)
+    ctas_per_sm: tuple[int, ...] = (1, 2, 3, 4)
+    persistent: tuple[bool, ...] = (True, False)
+    pdl: tuple[bool, ...] = (True,)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            values = getattr(self, f.name)
+            if not isinstance(values, tuple) or not values:
+                raise ValueError(f"{f.name} must be a non-empty tuple, got {values!r}")
+            if len(set(values)) != len(values):
+                raise ValueError(f"{f.name} has duplicates: {values}")
+        for pair in self.warps:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise ValueError(f"warps must hold (warps_m, warps_k) pairs, got {pair!r}")
+        # Every value must make a GemmTactic (raises ValueError/TypeError naming the field).
+        self.tactics()
+
+    def size(self) -> int:
+        """Points of the product before the validity rules."""
+        return (len(self.tile_rows) * len(self.warps) * len(self.unroll) * len(self.ctas_per_sm)
+                * len(self.persistent) * len(self.pdl))  # fmt: skip
+
+    def tactics(self) -> list[GemmTactic]:
+        """Every GemmTactic of the product that the dataclass accepts
+        (warps_m * warps_k <= MAX_WARPS), in product order."""
+        out = []
+        for t, (wm, wk), u, c, p, d in itertools.product(
+            self.tile_rows, self.warps, self.unroll, self.ctas_per_sm, self.persistent, self.pdl
+        ):
+            if wm * wk > MAX_WARPS:
+                continue
+            out.append(GemmTactic(tile_rows=t, warps_m=wm, warps_k=wk, unroll=u, ctas_per_sm=c,
+                                  persistent=p, pdl=d))  # fmt: skip
+        return out
+
+
+#: Every combination worth trying (~200-400 valid per shape class and stage).
+FULL_SPACE = TacticSpace()
+#: What `moebench tune` tries by default (~30-90 valid per stage: the
+#: compile time of each candidate dominates a tuning run).
+QUICK_SPACE = TacticSpace(
+    tile_rows=(32, 64),
+    warps=((1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2), (8, 1)),
+    unroll=(2, 4),
+    ctas_per_sm=(1, 2, 3, 4),
+    persistent=(True,),
+)
+DEFAULT_SPACE = QUICK_SPACE
+SPACES = {"quick": QUICK_SPACE, "full": FULL_SPACE}
+
+
+def smem_bytes(tactic: GemmTactic) -> int:
+    """Shared memory of one CTA: fp32 partials [tile_rows/16 * 128][warps][2]."""
+    return (tactic.tile_rows // 16) * 128 * tactic.warps * 2 * 4
+
+
+def estimated_registers(tactic: GemmTactic) -> int:
+    """Registers a lane needs, estimated: two stages of unroll * tile_rows/32
+    16-byte weight loads (4 registers each), tile_rows/16 m-tiles of fp32
+    accumulators (4 each), plus REGISTER_OVERHEAD."""
+    loads = 2 * tactic.unroll * (tactic.tile_rows // 32) * 4
+    return loads + 4 * (tactic.tile_rows // 16) + REGISTER_OVERHEAD
+
+
+def register_budget(tactic: GemmTactic) -> int:
+    """Registers per thread when `ctas_per_sm` CTAs share an SM (8-register
+    allocation granularity), at most 255."""
+    per_thread = REGISTERS_PER_SM // (32 * tactic.warps * tactic.ctas_per_sm)
+    return min(MAX_REGISTERS_PER_THREAD, per_thread // 8 * 8)
+
+
+def items_per_tile(shape, stage: int, tactic: GemmTactic) -> int:
+    """Work items of one token tile: GEMM1 2*I / item rows, GEMM2 H / item rows."""
+    s = GemmShape.of(shape)
+    rows = 2 * s.intermediate if stage == 1 else s.hidden
+    return rows // tactic.item_rows
+
+
+def grid_size(shape, stage: int, tactic: GemmTactic, ctas: int, num_sms: int) -> int:
+    """CTAs launched for `ctas` token tiles (as the kernel's `grid`)."""
+    items = ctas * items_per_tile(shape, stage, tactic)
+    if not tactic.persistent:
+        return max(1, items)
+    return max(1, min(items, num_sms * tactic.ctas_per_sm))
+
+
+def why_invalid(
+    tactic: GemmTactic, shape, stage: int, ctas: int | None = None, num_sms: int = 132, prune: bool = True
+) -> str | None:
+    """None when `tactic` belongs to the space for GEMM`stage` of `shape`
+    (rules 1-5 of the module docstring; rules 4-5 only with `prune`), else
+    the reason. Raises ValueError for a bad stage, ctas or num_sms."""
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1):
+        raise ValueError(f"ctas must be a positive int or None, got {ctas!r}")
+    if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1:
+        raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
+    reason = tactic.valid_for(shape, stage)
+    if reason:
+        return reason
+    if tactic.warps * tactic.ctas_per_sm > MAX_WARPS_PER_SM:
+        return (f"{tactic.ctas_per_sm} CTAs of {tactic.warps} warps exceed {MAX_WARPS_PER_SM}"
+                " resident warps per SM")  # fmt: skip
+    smem = smem_bytes(tactic)
+    if smem > SMEM_PER_CTA:
+        return f"{smem} bytes of shared memory per CTA exceed {SMEM_PER_CTA}"
+    if (smem + 1024) * tactic.ctas_per_sm > SMEM_PER_SM:
+        return f"{tactic.ctas_per_sm} CTAs of {smem + 1024} shared-memory bytes exceed {SMEM_PER_SM} per SM"
+    if not prune:
+        return None
+    need, have = estimated_registers(tactic), register_budget(tactic)
+    if need > have:
+        return f"needs ~{need} registers per thread, {have} fit at {tactic.ctas_per_sm} CTAs/SM (would spill)"
+    if ctas is not None and not tactic.persistent:
+        items = ctas * items_per_tile(shape, stage, tactic)
+        if items <= num_sms * tactic.ctas_per_sm:
+            return f"same grid as the persistent tactic ({items} items fit {num_sms} x {tactic.ctas_per_sm} CTAs)"
+    return None
+
+
+def valid_tactics(
+    shape,
+    stage: int,
+    ctas: int | None = None,
+    *,
+    num_sms: int = 132,
+    space: TacticSpace = DEFAULT_SPACE,
+    wide_scales: bool = False,
+    prune: bool = True,
+) -> tuple[GemmTactic, ...]:
+    """The tactics of `space` that can run GEMM`stage` (1 or 2) of `shape`
+    (GemmShape or anything with hidden / intermediate / experts) when `ctas`
+    token tiles are allowed for (None: any), on `num_sms` SMs. The built-in
+    `default_tactic` for the same arguments is always included, first.
+    Raises ValueError for a bad stage / ctas / num_sms, TypeError for a bad
+    shape or space."""
+    if not isinstance(space, TacticSpace):
+        raise TypeError(f"space must be a TacticSpace, got {type(space).__name__}")
+    s = GemmShape.of(shape)
+    out: list[GemmTactic] = []
+    try:
+        default = default_tactic(s, stage, ctas, num_sms, wide_scales)
+    except ValueError:
+        default = None
+    if default is not None and why_invalid(default, s, stage, ctas, num_sms, prune=False) is None:
+        out.append(default)
+    for tactic in space.tactics():
+        if tactic != default and why_invalid(tactic, s, stage, ctas, num_sms, prune) is None:
+            out.append(tactic)
+    return tuple(out)
+
+
+def rejected_tactics(
+    shape, stage: int, ctas: int | None = None, *, num_sms: int = 132, space: TacticSpace = DEFAULT_SPACE,
+    prune: bool = True,
+) -> dict[str, str]:
+    """Tactic name -> why it is not in `valid_tactics` (for reports)."""
+    s = GemmShape.of(shape)
+    out = {}
+    for tactic in space.tactics():
+        reason = why_invalid(tactic, s, stage, ctas, num_sms, prune)
+        if reason:
+            out[tactic.name] = reason
+    return out
+
+
+def tactic_from_name(name: str) -> GemmTactic:
+    """The GemmTactic whose `.name` is `name` (e.g. 'r64_m1_k8_u4_c1',
+    'r32_m4_k1_u4_c4_np', '..._nopdl'). Raises ValueError naming the text when
+    it does not parse or makes an invalid tactic."""
+    if not isinstance(name, str):
+        raise TypeError(f"tactic name must be a str, got {type(name).__name__}")
+    match = _NAME.match(name.strip())
+    if not match:
+        raise ValueError(
+            f"cannot parse tactic name {name!r} (expected r<tile_rows>_m<warps_m>_k<warps_k>_u<unroll>"
+            "_c<ctas_per_sm>[_np][_nopdl], e.g. r64_m1_k8_u4_c1)"
+        )
+    t, m, k, u, c = (int(match[i]) for i in range(1, 6))
+    try:
+        return GemmTactic(tile_rows=t, warps_m=m, warps_k=k, unroll=u, ctas_per_sm=c,
+                          persistent=not match[6], pdl=not match[7])  # fmt: skip
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"tactic {name!r}: {error}") from error

@@ -1,0 +1,133 @@
+"""Regression comparison on synthetic runs with known ratios and noise."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from moebench.reports.compare import classify, compare_runs, comparison_markdown, parse_threshold
+
+MANIFEST = {"device": {"name": "NVIDIA H200", "sm_count": 132, "driver": "570.1"}, "reduced": False,
+            "warm_l2": False, "packages": {"torch": "2.9"}, "cuda_runtime": "12.8", "copy_bw_gbps": 4200.0}
+
+
+def case(rows, backend="moebench", median=10.0, spread=0.02, status="ok", error="", **kw):
+    row = dict(preset="dsv41-flash", hidden=5120, intermediate=576, experts=384, top_k=6, tp=4, rows=rows,
+               scenario="correlated", backend=backend, tactic="default", status=status, error=error,
+               median_us=median if status == "ok" else math.nan,
+               p10_us=median * (1 - spread) if status == "ok" else math.nan,
+               p90_us=median * (1 + spread) if status == "ok" else math.nan, unique_experts=6 * rows, seed=0)
+    row.update(kw)
+    return row
+
+
+def runs():
+    base = pd.DataFrame([
+        case(1, median=10.0), case(2, median=10.0), case(3, median=10.0), case(4, median=10.0),
+        case(5, median=10.0), case(6, median=10.0), case(7, median=10.0, status="failed", error="rel. error 0.2"),
+        case(8, median=10.0), case(1, backend="torch-bf16", median=50.0), case(2, backend="gone", median=9.0),
+        case(3, backend="torch-bf16", median=50.0),
+    ])  # fmt: skip
+    cur = pd.DataFrame([
+        case(1, median=12.0),  # +20 %, tight: slower
+        case(2, median=9.0),  # -10 %: faster
+        case(3, median=10.05),  # +0.5 % within 2 % noise: same
+        case(4, median=10.3, spread=0.3),  # +3 % in 30 % noise: unclear
+        case(5, median=10.3),  # +3 %, beyond the 2 % noise but under a 5 % threshold
+        case(6, status="failed", error="rel. error 0.5 exceeds 0.01"),
+        case(7, median=11.0),  # failed before: fixed
+        case(8, median=10.0, unique_experts=99),  # another routing: mismatch
+        case(1, backend="torch-bf16", median=50.0, spread=0.0),
+        case(1, backend="new-one", median=5.0),
+        case(3, backend="torch-bf16", status="skipped", error="no grouped_mm"),
+    ])  # fmt: skip
+    return cur, base
+
+
+def verdicts(comp):
+    return {(r["backend"], r["rows"]): r["verdict"] for r in comp.frame.to_dict("records")}
+
+
+def test_verdicts_from_known_ratios_and_noise():
+    cur, base = runs()
+    comp = compare_runs(cur, MANIFEST, base, MANIFEST, threshold_pct=5.0)
+    v = verdicts(comp)
+    assert v == {
+        ("moebench", 1): "slower", ("moebench", 2): "faster", ("moebench", 3): "same", ("moebench", 4): "unclear",
+        ("moebench", 5): "slower", ("moebench", 6): "failed", ("moebench", 7): "fixed",
+        ("moebench", 8): "mismatch", ("torch-bf16", 1): "same", ("new-one", 1): "new", ("gone", 2): "missing",
+        ("torch-bf16", 3): "skipped",
+    }  # fmt: skip
+    f = comp.frame.set_index(["backend", "rows"])
+    assert f.loc[("moebench", 1), "ratio"] == pytest.approx(1.2)
+    assert f.loc[("moebench", 1), "delta_pct"] == pytest.approx(20.0)
+    assert f.loc[("moebench", 4), "noise_pct"] == pytest.approx(30.0)
+    assert "rel. error 0.5" in f.loc[("moebench", 6), "note"]
+    assert "unique_experts 99 vs 48" in f.loc[("moebench", 8), "note"]
+    # regressions: slower beyond 5 % (rows 1, not rows 5 at +3 %) and the failed case
+    assert sorted(comp.regressions["rows"].tolist()) == [1, 6]
+    assert comp.mismatches == [] and not comp.device_mismatch
+    strict = compare_runs(cur, MANIFEST, base, MANIFEST, threshold_pct=1.0)
+    assert sorted(strict.regressions["rows"].tolist()) == [1, 5, 6]
+    assert verdicts(strict)[("moebench", 4)] == "unclear"
+
+
+def test_mismatched_devices_are_reported_not_compared():
+    cur, base = runs()
+    other = {**MANIFEST, "device": {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "driver": "570.1"}}
+    comp = compare_runs(cur, other, base, MANIFEST)
+    assert comp.device_mismatch and "H100" in comp.mismatches[0]
+    v = verdicts(comp)
+    assert v[("moebench", 1)] == "mismatch" and v[("moebench", 2)] == "mismatch"
+    assert v[("moebench", 6)] == "failed"  # a failed case is still shown as failed
+    reduced = compare_runs(cur, {**MANIFEST, "reduced": True}, base, MANIFEST)
+    assert any("geometry" in m for m in reduced.mismatches)
+
+
+def test_shape_mismatch_per_case():
+    cur, base = runs()
+    cur.loc[0, "hidden"] = 4096
+    comp = compare_runs(cur, MANIFEST, base, MANIFEST)
+    row = comp.frame.iloc[0]
+    assert row["verdict"] == "mismatch" and "hidden 4096 vs 5120" in row["note"]
+
+
+def test_notes_for_driver_and_versions():
+    cur, base = runs()
+    m2 = {**MANIFEST, "device": {**MANIFEST["device"], "driver": "575.0"}, "packages": {"torch": "2.10"}}
+    comp = compare_runs(cur, m2, base, MANIFEST)
+    assert any("driver 575.0" in n for n in comp.notes) and any("torch 2.10" in n for n in comp.notes)
+    assert comp.mismatches == []
+
+
+def test_classify_edges():
+    assert classify(10, 9.9, 10.1, 10, 9.9, 10.1)[0] == "same"
+    assert classify(10, 10, 10, 10, 10, 10)[0] == "same"
+    assert classify(10.01, 10.01, 10.01, 10, 10, 10)[0] == "slower"  # zero noise: any change shows
+    assert classify(math.nan, 1, 1, 10, 9, 11)[0] == "unclear"
+    verdict, ratio, delta, noise = classify(20, 18, 22, 10, 9.5, 10.5, threshold_pct=5)
+    assert verdict == "slower" and ratio == 2 and delta == pytest.approx(100) and noise == pytest.approx(10)
+
+
+def test_parse_threshold():
+    assert parse_threshold("5%") == 5.0 and parse_threshold("0.5 %") == 0.5 and parse_threshold(3) == 3.0
+    for bad in ("x", "-1%", "nan", "", True):
+        with pytest.raises(ValueError, match="threshold"):
+            parse_threshold(bad)
+
+
+def test_bad_inputs():
+    cur, base = runs()
+    with pytest.raises(ValueError, match="baseline run lacks columns"):
+        compare_runs(cur, MANIFEST, base.drop(columns=["p10_us"]), MANIFEST)
+    with pytest.raises(ValueError, match="two rows"):
+        compare_runs(pd.concat([cur, cur.iloc[:1]]), MANIFEST, base, MANIFEST)
+    with pytest.raises(ValueError, match="threshold"):
+        compare_runs(cur, MANIFEST, base, MANIFEST, threshold_pct=-1)
+
+
+def test_markdown_lists_regressions_and_mismatches():
+    cur, base = runs()
+    text = comparison_markdown(compare_runs(cur, MANIFEST, base, MANIFEST, baseline_label="runs/base"))
+    assert "vs runs/base" in text and "### Regressions (2)" in text and "1 failed" in text
+    assert "slower" in text and "unclear" in text

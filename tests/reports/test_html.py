@@ -1,0 +1,66 @@
+"""HTML report and PNG plots (matplotlib Agg)."""
+
+import math
+
+import pandas as pd
+
+from moebench.reports.compare import compare_runs
+from moebench.reports.html import kernel_columns, speedup_frame, write_html_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+MANIFEST = {"device": {"name": "NVIDIA H200", "sm_count": 132}, "copy_bw_gbps": 4000.0, "commit": "abc<def>"}
+
+
+def frame(with_flashinfer=True, with_kernels=True):
+    rows = []
+    for r in (1, 2, 4, 8):
+        nbytes = 4_700_000 * 6 * r
+        for backend, us in (("moebench", 20.0 + 3 * r), ("flashinfer-w4a16", 50.0 + 8 * r), ("torch-bf16", 300.0)):
+            if backend.startswith("flashinfer") and not with_flashinfer:
+                continue
+            failed = backend == "torch-bf16" and r == 8
+            row = dict(preset="dsv41-flash", tp=4, rows=r, scenario="correlated", backend=backend, tactic="default",
+                       status="failed" if failed else "ok", error="rel. error 1 exceeds 0.01" if failed else "",
+                       median_us=math.nan if failed else us, p10_us=math.nan if failed else us * 0.97,
+                       p90_us=math.nan if failed else us * 1.04, unique_experts=6 * r, bytes=nbytes,
+                       gbps=math.nan if failed else nbytes / us / 1e3,
+                       pct_copy_bw=math.nan if failed else nbytes / us / 1e3 / 40.0, ceiling_gbps=3500.0,
+                       pct_size_ceiling=math.nan, max_rel_err=1e-3)  # fmt: skip
+            if with_kernels and backend == "moebench":
+                row.update(kernel_route_us=1.5, kernel_gemm1_us=0.6 * us, kernel_gemm2_us=0.35 * us)
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def test_report_and_plots_are_written(tmp_path):
+    df = frame()
+    base = df.assign(median_us=df["median_us"] * 0.9, p10_us=df["p10_us"] * 0.9, p90_us=df["p90_us"] * 0.9)
+    comp = compare_runs(df, MANIFEST, base, MANIFEST, threshold_pct=5)
+    paths = write_html_report(df, MANIFEST, tmp_path, comparison=comp)
+    names = [p.name for p in paths]
+    assert names == ["report.html", "latency.png", "bandwidth.png", "speedup.png", "kernels.png", "compare.png"]
+    for p in paths[1:]:
+        data = p.read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000, p
+    text = paths[0].read_text()
+    for name in names[1:]:
+        assert f"src='{name}'" in text
+    assert "NVIDIA H200" in text and "abc&lt;def&gt;" in text  # escaped
+    assert "Regressions (" in text and "class=\"slower\"" in text
+    assert "class=\"failed\"" in text and "rel. error 1 exceeds 0.01" in text  # failed shown as failed
+
+
+def test_optional_plots_are_left_out(tmp_path):
+    paths = write_html_report(frame(with_flashinfer=False, with_kernels=False), {}, tmp_path)
+    assert [p.name for p in paths] == ["report.html", "latency.png", "bandwidth.png"]
+    assert "copy bandwidth: not measured" in paths[0].read_text()
+
+
+def test_speedup_and_kernel_columns():
+    df = frame()
+    sp = speedup_frame(df)
+    assert set(sp["backend"]) == {"moebench", "torch-bf16"}
+    one = sp[(sp["backend"] == "moebench") & (sp["rows"] == 1)]["speedup"].iloc[0]
+    assert one == (50.0 + 8) / (20.0 + 3)
+    assert speedup_frame(frame(with_flashinfer=False)).empty
+    assert kernel_columns(df) == ["kernel_route_us", "kernel_gemm1_us", "kernel_gemm2_us"]
