@@ -1,5 +1,6 @@
 """The moebench backend: our CuTe DSL kernels (quantize + route, GEMM1, GEMM2)
-through `kernels.binding.RoutedExpertGemm`, then the torch finalize.
+through `kernels.binding.RoutedExpertGemm`, then the finalize kernel
+(`kernels.finalize`: top-k weighted sum in fp32, top-k order, bf16 out).
 
 Oracle "mxfp8" (MXFP8 x and H). Needs nvidia-cutlass-dsl and an sm_90 GPU.
 
@@ -18,7 +19,6 @@ import torch
 from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
-from moebench.moe_output import finalize
 
 
 class MoebenchBackend(Backend):
@@ -48,13 +48,17 @@ class MoebenchBackend(Backend):
         """A RoutedExpertGemm bound to `weights` (raises ValueError for a bad
         tactic, shape or weight layout)."""
         from moebench.kernels.binding import RoutedExpertGemm
+        from moebench.kernels.finalize import compile_finalize_kernel
 
         self.check_tactic(shape, tactic)
         check_weights(weights, shape)
+        compile_finalize_kernel(False)  # compile now, not inside a graph capture
         return RoutedExpertGemm(weights, shape.top_k, {} if tactic == self.BUILTIN else None)
 
     def forward(self, prepared, x, topk_ids, topk_weights):
-        """bf16 [rows, H]: route (MXFP8 x + record), the GEMM pair, finalize."""
+        """bf16 [rows, H]: route (MXFP8 x + record), the GEMM pair, the finalize kernel."""
+        from moebench.kernels.finalize import finalize
+
         check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.kw.device)
         routed = prepared.gemms(prepared.route(x, topk_ids, topk_weights))
-        return finalize(routed, out_dtype=torch.bfloat16)
+        return finalize(routed)

@@ -1,0 +1,488 @@
+"""The finalize kernel: GEMM2's unweighted rows -> the layer's routed output.
+
+One launch computes, for tokens 1..8 and top_k 1..8 (DESIGN.md, "The
+routed-expert path", Finalize; `moebench.moe_output.finalize` is the torch
+form of the same contract):
+
+    out[t] = bf16_rne( scale * sum_k w[t, k] * rows[permuted[t, k]]  + shared[t] )
+
+from rows bf16 [permuted_rows, H] (GEMM2's output, densely packed, H a
+multiple of 128), weights fp32 [tokens, top_k], the permute map int32
+[tokens, top_k] and, optionally, shared bf16 [tokens, H]. A slot whose
+permuted index lies outside [0, permuted_rows) (-1: the route is not local)
+is skipped: its row is never read and its weight never used, so a NaN in an
+unused row or weight cannot leak (no 0 * NaN).
+
+Numerics, defined so that a plain fp32 torch loop gives the same bits:
+
+    acc = +0.0                                   fp32
+    for k = 0, 1, ..., top_k - 1 (local k only):
+        acc = acc + (w[t, k] * float(rows[p, :]))    mul.rn.f32 then add.rn.f32
+    acc = acc * scale                            mul.rn.f32 (scale rounded to fp32)
+    acc = acc + float(shared[t])                 add.rn.f32 (with shared only)
+    out = bf16(acc)                              cvt.rn.bf16x2.f32 (RNE)
+
+Every step is a separately rounded IEEE operation without flush to zero: the
+arithmetic is inline PTX, so the compiler cannot contract a multiply and an
+add into an FMA (ptxas keeps .rn multiplies and adds apart). A NaN result
+is written as a bf16 NaN whose payload may differ from torch's (0x7FC0).
+
+Method: the grid is (ceil(H/8 / threads), tokens); each thread owns 8
+consecutive bf16 (16 bytes) of one token's output. Unrolled over
+MAX_TOP_K = 8 slots, it loads the token's permuted indices and weights
+(scalar loads, the same addresses for the whole CTA; slot k >= top_k
+re-reads slot top_k - 1 and is skipped), then issues the 16-byte loads of
+every local row's chunk together (each predicated inside one inline-PTX
+group: a skipped slot touches no memory and yields zeros with weight +0,
+and acc + (+0 * +0) == acc exactly, see the kernel), accumulates in top-k
+order, scales, adds the 16-byte shared chunk, converts and writes one
+16-byte store. tokens, top_k, H and permuted_rows are runtime values: one
+compiled kernel per (has_shared, pdl, threads) serves every shape (tokens
+8, H 7168: 14 x 8 CTAs of 64 threads).
+
+Programmatic dependent launch (`pdl=True`): the kernel lets its dependents
+launch on entry (what follows may start its prologue; it must
+griddepcontrol.wait before reading `out`, which waits for this grid to
+complete and flush) and waits on griddepcontrol before its first global
+access (rows, weights, the permute map and shared come from earlier kernels,
+and `out` may still be read by an earlier kernel).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import torch
+
+from moebench.moe_output import UnfinalizedMoEOutput
+
+#: Most token rows and routes per token the kernel takes, and the granularity of H.
+MAX_TOKENS = 8
+MAX_TOP_K = 8
+H_MULTIPLE = 128
+#: bf16 elements per thread (one 16-byte load / store).
+_CHUNK = 8
+#: Default CTA size (threads = 8-element chunks of one token per CTA).
+DEFAULT_THREADS = 64
+
+try:  # the kernel class needs the DSL's decorators at definition time
+    import cuda.bindings.driver as _cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Uint32
+    from cutlass._mlir import ir
+    from cutlass._mlir.dialects import llvm, vector
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    _HAVE_DSL = True
+except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
+    _HAVE_DSL = False
+
+
+if _HAVE_DSL:
+
+    def _asm(text: str, constraints: str, *args, loc=None, ip=None) -> Uint32:
+        """One pure (side-effect free) inline-PTX instruction group -> Uint32."""
+        return Uint32(llvm.inline_asm(
+            T.i32(), [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
+            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+    @dsl_user_op
+    def _mul_add_rn(acc: Uint32, w: Uint32, x: Uint32, *, loc=None, ip=None) -> Uint32:
+        """fp32 bits of acc + (w * x) (fp32 bits in): two IEEE round-to-nearest
+        operations, no FMA contraction, no flush to zero."""
+        return _asm("{ .reg .f32 p;\n mul.rn.f32 p, $2, $3;\n add.rn.f32 $0, $1, p; }",
+                    "=r,r,r,r", Uint32(acc), Uint32(w), Uint32(x), loc=loc, ip=ip)
+
+    @dsl_user_op
+    def _mul_rn(a: Uint32, s: Float32, *, loc=None, ip=None) -> Uint32:
+        """fp32 bits of a * s (a: fp32 bits), round-to-nearest, no flush to zero."""
+        return _asm("mul.rn.f32 $0, $1, $2;", "=r,r,f", Uint32(a), Float32(s), loc=loc, ip=ip)
+
+    @dsl_user_op
+    def _add_rn(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+        """fp32 bits of a + b (fp32 bits in), round-to-nearest, no flush to zero."""
+        return _asm("add.rn.f32 $0, $1, $2;", "=r,r,r", Uint32(a), Uint32(b), loc=loc, ip=ip)
+
+    @dsl_user_op
+    def _cvt_bf16x2(lo: Uint32, hi: Uint32, *, loc=None, ip=None) -> Uint32:
+        """Two fp32 values (bits) -> a bf16x2 word (RNE), `lo` in the low half."""
+        return _asm("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", Uint32(lo), Uint32(hi),
+                    loc=loc, ip=ip)
+
+    @dsl_user_op
+    def _ld_v4(ptr, *, loc=None, ip=None):
+        """One 128-bit global load (LDG.E.128) -> 4 x Uint32."""
+        vec = cute.arch.load(ptr, ir.VectorType.get([4], Uint32.mlir_type), loc=loc, ip=ip)
+        return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4)]
+
+    @dsl_user_op
+    def _ld_v4_if(ptr, flag: Int32, *, loc=None, ip=None):
+        """One 128-bit global load (LDG.E.128) of 4 x Uint32 when `flag` != 0,
+        four zeros (and no memory access) otherwise. The predicate lives inside
+        the asm (sm_90 has 7 predicate registers: predicates held across eight
+        loads would serialize them); volatile, so it stays after
+        griddepcontrol.wait."""
+        res = llvm.inline_asm(
+            llvm.StructType.get_literal([T.i32()] * 4),
+            [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
+             Int32(flag).ir_value(loc=loc, ip=ip)],
+            "{ .reg .pred q;\n"
+            " setp.ne.b32 q, $5, 0;\n"
+            " mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;\n"
+            " @q ld.global.v4.b32 {$0, $1, $2, $3}, [$4]; }",
+            "=r,=r,=r,=r,l,r", has_side_effects=True, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+        return [Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+    @dsl_user_op
+    def _st_v4(ptr, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None, ip=None):
+        """One 128-bit global store (STG.E.128) of 4 x Uint32."""
+        vec = vector.from_elements(
+            ir.VectorType.get([4], Uint32.mlir_type),
+            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)], loc=loc, ip=ip)
+        cute.arch.store(ptr, vec, loc=loc, ip=ip)
+
+    class FinalizeKernel:
+        """Top-k weighted sum (+ shared add) of GEMM2's rows, one thread per
+        8 bf16 of one token's output (CuTe DSL, sm_90a).
+
+        Static configuration: `has_shared` (bool, add the bf16 shared-expert
+        output), `pdl` (bool, launch with programmatic dependent launch:
+        trigger dependents on entry, griddepcontrol.wait before the first
+        global access) and `threads` (CTA size, a multiple of 32 in
+        [32, 1024]). Runtime: rows (bf16), weights (fp32), permuted (int32),
+        shared (bf16; unused without has_shared) and out (bf16) global
+        pointers, rows / shared / out 16-byte aligned; tokens, top_k, hidden
+        and permuted_rows (Int32) and scale (Float32).
+        """
+
+        def __init__(self, has_shared: bool, pdl: bool = True, threads: int = DEFAULT_THREADS):
+            if not isinstance(has_shared, bool):
+                raise TypeError(f"has_shared must be a bool, got {type(has_shared).__name__}")
+            if not isinstance(pdl, bool):
+                raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
+            _check_threads(threads)
+            self.has_shared = has_shared
+            self.pdl = pdl
+            self.threads = threads
+
+        @cute.jit
+        def __call__(
+            self,
+            rows: cute.Pointer,
+            weights: cute.Pointer,
+            permuted: cute.Pointer,
+            shared: cute.Pointer,
+            out: cute.Pointer,
+            tokens: Int32,
+            top_k: Int32,
+            hidden: Int32,
+            permuted_rows: Int32,
+            scale: Float32,
+            stream: _cuda.CUstream,
+        ):
+            """Launch (ceil(hidden/8 / threads), tokens) CTAs of `threads` threads on `stream`."""
+            chunks = hidden // _CHUNK
+            ctas = (chunks + (self.threads - 1)) // self.threads
+            # min_blocks_per_mp=1 (.minnctapersm 1): without it ptxas schedules for
+            # occupancy and sinks the row loads between the adds (serial L2 trips)
+            self.kernel(rows, weights, permuted, shared, out, top_k, hidden, permuted_rows,
+                        scale).launch(grid=[ctas, tokens, 1], block=[self.threads, 1, 1],
+                                      stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+
+        @cute.kernel
+        def kernel(
+            self,
+            rows: cute.Pointer,
+            weights: cute.Pointer,
+            permuted: cute.Pointer,
+            shared: cute.Pointer,
+            out: cute.Pointer,
+            top_k: Int32,
+            hidden: Int32,
+            permuted_rows: Int32,
+            scale: Float32,
+        ):
+            tid = cute.arch.thread_idx()[0]
+            cx, t, _ = cute.arch.block_idx()
+            c = cx * self.threads + tid                  # this thread's 8-element chunk
+            words = hidden // 2                          # 32-bit words per row
+            col = c * 4                                  # word offset of the chunk
+            p_rows = cute.recast_ptr(rows, dtype=Uint32)
+            p_w = cute.recast_ptr(weights, dtype=Uint32)     # fp32 bits
+            p_out = cute.recast_ptr(out, dtype=Uint32)
+
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+                cute.arch.griddepcontrol_wait()
+
+            if c < hidden // _CHUNK:
+                base = t * top_k
+                # the token's permuted indices and weights: unconditional loads
+                # (slot k >= top_k re-reads slot top_k - 1, inside the tensors)
+                flags, ws, offs = [], [], []
+                for k in cutlass.range_constexpr(MAX_TOP_K):
+                    kk = cutlass.min(Int32(k), top_k - 1)
+                    p = cute.arch.load(permuted + (base + kk), Int32)
+                    w = cute.arch.load(p_w + (base + kk), Uint32)
+                    ok = k < top_k and p >= 0 and p < permuted_rows
+                    flags.append(Int32(ok))
+                    # a skipped slot adds w * x = +0 * +0 (acc + +0 == acc: see below)
+                    ws.append(w if ok else Uint32(0))
+                    offs.append((p if ok else Int32(0)) * words + col)
+                # every local row's chunk, all loads issued before the first add;
+                # a skipped slot reads nothing (its predicated load gives zeros)
+                xs = [_ld_v4_if(p_rows + offs[k], flags[k]) for k in range(MAX_TOP_K)]
+                sh = []
+                if cutlass.const_expr(self.has_shared):
+                    p_sh = cute.recast_ptr(shared, dtype=Uint32)
+                    sh = _ld_v4(p_sh + (t * words + col))
+                # fp32 accumulation in top-k order (acc + w*x, two roundings). acc
+                # starts at +0.0 and an RN sum is -0.0 only when both addends are,
+                # so acc is never -0.0 and adding a skipped slot's +0.0 leaves it
+                # unchanged, bit for bit (NaN and Inf included): the same as
+                # skipping the slot.
+                acc = [Uint32(0)] * _CHUNK
+                for k in cutlass.range_constexpr(MAX_TOP_K):
+                    for i in cutlass.range_constexpr(_CHUNK):
+                        word = xs[k][i // 2]
+                        x = word << Uint32(16) if i % 2 == 0 else word & Uint32(0xFFFF0000)
+                        acc[i] = _mul_add_rn(acc[i], ws[k], x)
+                res = []
+                for i in cutlass.range_constexpr(_CHUNK):
+                    a = _mul_rn(acc[i], scale)
+                    if cutlass.const_expr(self.has_shared):
+                        word = sh[i // 2]
+                        a = _add_rn(a, word << Uint32(16) if i % 2 == 0
+                                    else word & Uint32(0xFFFF0000))
+                    res.append(a)
+                _st_v4(p_out + (t * words + col),
+                       _cvt_bf16x2(res[0], res[1]), _cvt_bf16x2(res[2], res[3]),
+                       _cvt_bf16x2(res[4], res[5]), _cvt_bf16x2(res[6], res[7]))
+
+
+def _require_dsl() -> None:
+    if not _HAVE_DSL:
+        raise RuntimeError("the finalize kernel needs nvidia-cutlass-dsl (pip install moebench[kernels])")
+
+
+def _check_threads(threads) -> None:
+    if (not isinstance(threads, int) or isinstance(threads, bool)
+            or threads < 32 or threads % 32 or threads > 1024):
+        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
+
+
+def _check_bool(name: str, v) -> None:
+    if not isinstance(v, bool):
+        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+
+
+def compile_finalize_kernel(has_shared: bool, pdl: bool = True, threads: int = DEFAULT_THREADS):
+    """Compile the finalize kernel once per process, shared variant, PDL
+    setting and CTA size (cached; see FinalizeKernel).
+
+    Without a GPU set CUTE_DSL_ARCH=sm_90a to cross-compile for the H200.
+    Returns the compiled function, called as
+    `f(rows_ptr, weights_ptr, permuted_ptr, shared_ptr, out_ptr, tokens,
+    top_k, hidden, permuted_rows, scale, stream)` with global pointers
+    (bf16 / fp32 / int32 / bf16 / bf16, cutlass.cute.runtime.make_ptr;
+    rows, shared and out 16-byte aligned; shared is not read without
+    `has_shared`), Int32 counts, a Float32 scale and a cuda.bindings
+    CUstream; `launch_finalize` does this for torch tensors. Raises
+    RuntimeError without nvidia-cutlass-dsl, TypeError for a non-bool
+    `has_shared` or `pdl`, ValueError for a bad `threads`."""
+    _check_bool("has_shared", has_shared)
+    _check_bool("pdl", pdl)
+    _check_threads(threads)
+    return _compile(has_shared, pdl, threads)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(has_shared: bool, pdl: bool, threads: int):
+    _require_dsl()
+    from cutlass.cute.runtime import make_ptr
+
+    def fake(dtype, align=16):
+        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
+
+    kernel = FinalizeKernel(has_shared=has_shared, pdl=pdl, threads=threads)
+    return cute.compile(kernel, fake(BFloat16), fake(Float32, 4), fake(Int32, 4), fake(BFloat16),
+                        fake(BFloat16), Int32(1), Int32(1), Int32(H_MULTIPLE), Int32(1),
+                        Float32(1.0), _cuda.CUstream(0))
+
+
+def _check_tensor(name: str, t, dtype: torch.dtype, shape: tuple[int, ...],
+                  device: torch.device | None, align16: bool) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} (the device of rows), got {t.device}")
+    if align16 and t.data_ptr() % 16:
+        raise ValueError(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x})")
+
+
+def _check_rows(rows) -> tuple[int, int]:
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
+    if rows.dtype != torch.bfloat16:
+        raise TypeError(f"rows must be torch.bfloat16, got {rows.dtype}")
+    if rows.dim() != 2:
+        raise ValueError(f"rows must be 2-D [permuted_rows, H], got shape {tuple(rows.shape)}")
+    n, h = rows.shape
+    if h <= 0 or h % H_MULTIPLE:
+        raise ValueError(f"rows: H must be a positive multiple of {H_MULTIPLE}, got {h}")
+    _check_tensor("rows", rows, torch.bfloat16, (n, h), None, True)
+    return n, h
+
+
+def _check_top_k_tensor(name: str, t, dtype: torch.dtype) -> tuple[int, int]:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [tokens, top_k], got shape {tuple(t.shape)}")
+    tokens, top_k = t.shape
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"{name}: tokens must be in [1, {MAX_TOKENS}], got {tokens}")
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise ValueError(f"{name}: top_k must be in [1, {MAX_TOP_K}], got {top_k}")
+    return tokens, top_k
+
+
+def _check_scale(scale) -> float:
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or isinstance(
+            scale, torch.Tensor):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    return float(scale)
+
+
+def _cu_stream(stream, device: torch.device):
+    if stream is None:
+        return _cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+    if isinstance(stream, torch.cuda.Stream):
+        return _cuda.CUstream(stream.cuda_stream)
+    if isinstance(stream, _cuda.CUstream):
+        return stream
+    raise TypeError(f"stream must be None, a torch.cuda.Stream or a CUstream, got {type(stream).__name__}")
+
+
+def launch_finalize(
+    rows: torch.Tensor,
+    weights: torch.Tensor,
+    permuted: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    shared: torch.Tensor | None = None,
+    stream=None,
+    pdl: bool = True,
+    threads: int = DEFAULT_THREADS,
+) -> None:
+    """Launch the finalize kernel: write
+    out[t] = bf16(scale * sum_k weights[t, k] * rows[permuted[t, k]] + shared[t])
+    (fp32, top-k order, see the module docstring) on `stream` (torch's
+    current stream when None). No host sync, no allocation: CUDA-graph
+    capturable (call it once before capture: the first call loads the kernel).
+
+    rows: bfloat16 [permuted_rows, H], contiguous, CUDA, 16-byte aligned; H a
+      positive multiple of 128. Only the rows the map points to are read.
+    weights: float32 [tokens, top_k], contiguous, on rows' device;
+      1 <= tokens <= 8, 1 <= top_k <= 8.
+    permuted: int32 [tokens, top_k], contiguous, same device; an entry
+      outside [0, permuted_rows) (-1: not local) skips its slot (never read;
+      the GPU cannot check the range without a host sync, so an index past
+      the rows is skipped rather than raised).
+    out: bfloat16 [tokens, H], contiguous, 16-byte aligned, same device;
+      every element is written. It may be `shared` itself (in place).
+    scale: the runner-side routed factor (a real number, rounded to fp32).
+    shared: None or bfloat16 [tokens, H], contiguous, 16-byte aligned, same
+      device: the shared-expert output, added after the scale.
+    stream: None, a torch.cuda.Stream or a cuda.bindings CUstream.
+    pdl: launch with programmatic dependent launch (see the module docstring).
+    threads: CTA size, a multiple of 32 in [32, 1024] (a tactic; every value
+      gives the same bits).
+
+    Raises TypeError for a wrong type or dtype, ValueError for a wrong shape,
+    range, layout, alignment or device (each naming the argument),
+    RuntimeError without nvidia-cutlass-dsl.
+    """
+    n_rows, h = _check_rows(rows)
+    device = rows.device
+    tokens, top_k = _check_top_k_tensor("weights", weights, torch.float32)
+    _check_tensor("weights", weights, torch.float32, (tokens, top_k), device, False)
+    _check_tensor("permuted", permuted, torch.int32, (tokens, top_k), device, False)
+    _check_tensor("out", out, torch.bfloat16, (tokens, h), device, True)
+    if shared is not None:
+        _check_tensor("shared", shared, torch.bfloat16, (tokens, h), device, True)
+    scale = _check_scale(scale)
+    _check_bool("pdl", pdl)
+    _check_threads(threads)
+    if device.type != "cuda":
+        raise ValueError(f"rows, weights, permuted and out must be CUDA tensors, got {device}")
+    if n_rows >= 2**31 // max(h, 1):
+        raise ValueError(f"rows: {n_rows} rows of {h} exceed the kernel's int32 indexing")
+    _require_dsl()
+    from cutlass.cute.runtime import make_ptr
+
+    def ptr(t: torch.Tensor, dtype, align: int):
+        return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
+
+    compiled = compile_finalize_kernel(shared is not None, pdl, threads)
+    compiled(ptr(rows, BFloat16, 16), ptr(weights, Float32, 4), ptr(permuted, Int32, 4),
+             ptr(shared if shared is not None else out, BFloat16, 16), ptr(out, BFloat16, 16),
+             Int32(tokens), Int32(top_k), Int32(h), Int32(n_rows), Float32(scale),
+             _cu_stream(stream, device))
+
+
+def finalize(
+    unfinalized: UnfinalizedMoEOutput,
+    *,
+    scale: float = 1.0,
+    shared: torch.Tensor | None = None,
+    stream=None,
+    pdl: bool = True,
+) -> torch.Tensor:
+    """Allocate out bfloat16 [tokens, H] on the rows' device and launch the
+    kernel (see `launch_finalize`): the GPU form of
+    `moebench.moe_output.finalize(unfinalized, scale=scale, shared=shared)`
+    with bf16 rows and output, the sum in top-k order.
+
+    unfinalized: an UnfinalizedMoEOutput with gemm2_permuted bfloat16
+      [permuted_rows, H] (H % 128 == 0, CUDA, 16-byte aligned),
+      expert_weights [tokens, top_k] of a floating dtype (converted to
+      float32 / made contiguous when it is not already: a small copy) and an
+      int32 permute map (made contiguous). shared: None or bfloat16
+      [tokens, H] on the same device. Returns out once launched (ready when
+      the stream has run the kernel). Raises TypeError for a wrong type,
+      otherwise as `launch_finalize`.
+    """
+    if not isinstance(unfinalized, UnfinalizedMoEOutput):
+        raise TypeError(f"unfinalized must be an UnfinalizedMoEOutput, got {type(unfinalized).__name__}")
+    rows = unfinalized.gemm2_permuted
+    weights = unfinalized.expert_weights
+    permuted = unfinalized.expanded_idx_to_permuted_idx.contiguous()
+    if not weights.is_floating_point():
+        raise TypeError(f"expert_weights must be a floating dtype, got {weights.dtype}")
+    weights = weights.to(torch.float32).contiguous()
+    _, h = _check_rows(rows)
+    tokens, _ = _check_top_k_tensor("weights", weights, torch.float32)
+    out = torch.empty(tokens, h, dtype=torch.bfloat16, device=rows.device)
+    launch_finalize(rows, weights, permuted, out, scale=scale, shared=shared, stream=stream, pdl=pdl)
+    return out
+
+
+__all__ = [
+    "DEFAULT_THREADS", "H_MULTIPLE", "MAX_TOKENS", "MAX_TOP_K", "compile_finalize_kernel",
+    "finalize", "launch_finalize",
+]  # fmt: skip
+if _HAVE_DSL:
+    __all__.append("FinalizeKernel")
