@@ -8,7 +8,12 @@ replays), GB/s over the unique bytes (logical weights + scales of the touched
 experts + activations in and out) and % of the 4215 GB/s copy bandwidth.
 
     source .bundles/unpack.sh && PYTHONPATH=$PWD python3 scripts/time_gemms.py [--out F.json]
-        [--tp 4,8] [--rows 1,2,4,6,8] [--variants]
+        [--tp 4,8] [--rows 1,2,4,6,8] [--variants] [--split-k]
+
+--variants adds alternative tactics (split-K ones included); --split-k adds
+only the split-K variants (SPLIT_K_1 / SPLIT_K_2 below, those valid for the
+shape). Split-K launches share one zeroed workspace per shape, allocated
+once before any graph is captured.
 """
 
 from __future__ import annotations
@@ -21,13 +26,22 @@ import time
 import torch
 
 from moebench.formats import generate_activations, quantize_mxfp8
-from moebench.kernels.gemm import gemm1, gemm2
+from moebench.kernels.gemm import alloc_workspace, gemm1, gemm2
 from moebench.kernels.layout import KernelWeights
-from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
+from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
 from moebench.models import get_preset
 from moebench.record import TILE, build_route_record
 from moebench.routing import scenario_topk_ids
 
+#: Split-K variants (v3, docs/perf-notes.md): GEMM1 at 3 CTAs/SM x 4 warps (the
+#: rows 6/8 default, K split 2 / 4 ways) and 1 x 8 warps split 4 (the rows 1-2
+#: default; 2 x 8 warps x unroll 2 split 4 spills at 128 registers, left out);
+#: GEMM2 512-row items split 2 / 3 (TP8: 9 K chunks, only 3 divides) and
+#: 128-row items split 2.
+SPLIT_K_1 = [GemmTactic(64, 1, 4, 4, 3, split_k=2), GemmTactic(64, 1, 4, 4, 3, split_k=4),
+             GemmTactic(64, 1, 8, 4, 1, split_k=4)]  # fmt: skip
+SPLIT_K_2 = [GemmTactic(64, 8, 1, 2, 2, split_k=2), GemmTactic(64, 8, 1, 2, 2, split_k=3),
+             GemmTactic(32, 4, 1, 4, 4, split_k=2, persistent=False)]  # fmt: skip
 COPY_GBPS = 4215.0
 L2_BYTES = 60e6
 TOP_K = 6
@@ -87,7 +101,7 @@ def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float
     return ts[len(ts) // 2], ts[len(ts) // 10], ts[(9 * len(ts)) // 10]
 
 
-def bench_shape(tp: int, rows_list, variants: bool, results: list) -> None:
+def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list) -> None:
     shape = get_preset("dsv41-flash").shard(tp)
     gs = GemmShape.of(shape)
     h, i = shape.hidden, shape.intermediate
@@ -107,6 +121,14 @@ def bench_shape(tp: int, rows_list, variants: bool, results: list) -> None:
         extra2 += [GemmTactic(64, 8, 1, 2, 2, **np_), GemmTactic(32, 8, 1, 4, 2, **np_),
                 GemmTactic(64, 4, 2, 2, 2, **np_), GemmTactic(64, 8, 1, 2, 2),
                 GemmTactic(32, 4, 1, 4, 4, **np_), GemmTactic(64, 4, 1, 3, 4, **np_)]  # fmt: skip
+    if variants or split_k:
+        extra1 += [t for t in SPLIT_K_1 if t.valid_for(gs, 1) is None]
+        extra2 += [t for t in SPLIT_K_2 if t.valid_for(gs, 2) is None]
+    # one zeroed workspace for every split-K launch of this shape (allocated
+    # once, outside any capture; the kernels leave its counters at zero)
+    ctas_max = max(build_route_record(v.cuda(), shape.experts).ctas for v in ids_by_rows.values())
+    need = workspace_bytes_for(gs, [(1, t, ctas_max) for t in extra1] + [(2, t, ctas_max) for t in extra2])
+    ws = alloc_workspace(need, "cuda") if need else None
     for rows in rows_list:
         ids = ids_by_rows[rows]
         touched = len(set(ids.flatten().tolist()))
@@ -129,14 +151,14 @@ def bench_shape(tp: int, rows_list, variants: bool, results: list) -> None:
                 cases = []
                 if first_t2:
                     cases.append(("gemm1", t1.name, bytes1, lambda t1=t1: [
-                        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1) for kw in sets]))
+                        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, workspace=ws) for kw in sets]))
                 if first_t1:
                     cases.append(("gemm2", t2.name, bytes2, lambda t2=t2: [
-                        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2) for kw in sets]))
+                        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, workspace=ws) for kw in sets]))
                 if first_t1 or first_t2:
                     cases.append(("both", f"{t1.name}+{t2.name}", bytes1 + bytes2, lambda t1=t1, t2=t2: [
-                        (gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1),
-                         gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)) for kw in sets]))
+                        (gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, workspace=ws),
+                         gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, workspace=ws)) for kw in sets]))
                 for kernel, tactic, nbytes, fn in cases:
                     med, p10, p90 = time_graph(fn, n_sets)
                     gbps = nbytes / (med * 1e-6) / 1e9
@@ -148,7 +170,7 @@ def bench_shape(tp: int, rows_list, variants: bool, results: list) -> None:
                     print(f"TP{tp} rows {rows} ({touched:2d} experts) {kernel:5s} {tactic:40s} "
                           f"{med:7.2f} us [{p10:6.2f},{p90:6.2f}] {nbytes / 1e6:7.1f} MB {gbps:7.0f} GB/s "
                           f"{rec['pct_copy_bw']:5.1f}%", flush=True)
-    del sets
+    del sets, ws
     torch.cuda.empty_cache()
 
 
@@ -156,7 +178,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", default="4,8")
     ap.add_argument("--rows", default="1,2,4,6,8")
-    ap.add_argument("--variants", action="store_true", help="also time alternative tactics")
+    ap.add_argument("--variants", action="store_true", help="also time alternative tactics (split-K included)")
+    ap.add_argument("--split-k", action="store_true", help="also time the split-K variants (only those)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     t0 = time.time()
@@ -164,7 +187,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s (reference {COPY_GBPS:.0f})")
     results: list = []
     for tp in (int(t) for t in args.tp.split(",")):
-        bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, results)
+        bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, args.split_k, results)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(copy_gbps=bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)

@@ -25,7 +25,7 @@ from moebench.kernels import gemm as _gemm
 from moebench.kernels import quantize as _quantize
 from moebench.kernels import route as _route
 from moebench.kernels.layout import KernelWeights, to_kernel_layout
-from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
+from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
 from moebench.moe_output import UnfinalizedMoEOutput
 from moebench.record import MAX_EXPERTS, MAX_ROWS, MAX_TOP_K, TILE, cta_words, max_ctas, route_words
 from moebench.tuning.table import ShapeClass, load_tactic
@@ -99,7 +99,13 @@ class RoutedExpertGemm:
     tactics {1: GemmTactic, 2: GemmTactic} (a missing stage: the built-in
     default; `{}` = the built-in defaults, no table). `tactic_sources`
     records where each (stage, rows) tactic came from.
-    Raises ValueError / TypeError from `check_weights` or an invalid tactic.
+    When a chosen tactic splits K (split_k > 1) the layer owns one zeroed
+    split-K workspace (`self.workspace`, sized for every row count and both
+    GEMMs by `workspace_bytes_for`, allocated here once, None otherwise);
+    `workspace=` passes a caller's buffer instead (e.g. one shared by layers
+    that always run one after the other on one stream; never share it between
+    layers that may run concurrently). Raises ValueError / TypeError from
+    `check_weights`, an invalid tactic or a too small workspace.
     """
 
     def __init__(
@@ -107,6 +113,7 @@ class RoutedExpertGemm:
         weights: ExpertWeights,
         top_k: int,
         tactics: dict[int, GemmTactic] | None = None,
+        workspace: torch.Tensor | None = None,
     ) -> None:
         check_weights(weights, top_k)
         self.source = weights
@@ -140,6 +147,27 @@ class RoutedExpertGemm:
                     raise ValueError(f"tactics[{stage}] ({tactic.name}) cannot run GEMM{stage}: {reason}")
                 self.tactics[stage, rows] = tactic
                 self.tactic_sources[stage, rows] = source
+        need = workspace_bytes_for(
+            shape, ((stage, t, max_ctas(rows, top_k, self.experts)) for (stage, rows), t in self.tactics.items())
+        )
+        self.workspace: torch.Tensor | None = None
+        if need:
+            if workspace is None:
+                self.workspace = _gemm.alloc_workspace(need, self.kw.device)
+            else:
+                if not isinstance(workspace, torch.Tensor):
+                    raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
+                have = workspace.numel() * workspace.element_size()
+                if (workspace.dim() != 1 or workspace.dtype not in (torch.uint8, torch.int32)
+                        or workspace.device != self.kw.device or have < need or have % 16
+                        or not workspace.is_contiguous() or workspace.data_ptr() % 16):
+                    raise ValueError(
+                        f"workspace must be a contiguous, 16-byte aligned 1-D uint8/int32 tensor of"
+                        f" >= {need} bytes (a multiple of 16) on {self.kw.device}, zeroed once"
+                        f" (gemm.alloc_workspace), got {tuple(workspace.shape)} {workspace.dtype}"
+                        f" on {workspace.device}"
+                    )
+                self.workspace = workspace
         # Compile now, not inside a CUDA-graph capture.
         _quantize.compile_quantize_kernel()
         _route.compile_route_kernel()
@@ -215,7 +243,8 @@ class RoutedExpertGemm:
         h_q = torch.empty(rows, self.kw.intermediate, dtype=torch.uint8, device=device)
         h_scale = torch.empty(rows, self.kw.intermediate // 32, dtype=torch.uint8, device=device)
         _gemm.gemm1(self.kw, routing.x_quant, routing.x_scale, routing.record, routing.ctas,
-                    h_q, h_scale, tactic=self.tactics[1, routing.x_quant.shape[0]])  # fmt: skip
+                    h_q, h_scale, tactic=self.tactics[1, routing.x_quant.shape[0]],
+                    workspace=self.workspace)  # fmt: skip
         return h_q, h_scale
 
     def gemm2(self, routing: Routing, h_q: torch.Tensor, h_scale: torch.Tensor) -> UnfinalizedMoEOutput:
@@ -223,7 +252,7 @@ class RoutedExpertGemm:
         [8*ctas, H] with the routing weights and permute map."""
         out = torch.empty(TILE * routing.ctas, self.hidden, dtype=torch.bfloat16, device=h_q.device)
         _gemm.gemm2(self.kw, h_q, h_scale, routing.record, routing.ctas, out,
-                    tactic=self.tactics[2, routing.x_quant.shape[0]])
+                    tactic=self.tactics[2, routing.x_quant.shape[0]], workspace=self.workspace)
         return UnfinalizedMoEOutput(out, routing.topk_weights, routing.permuted)
 
     def gemms(self, routing: Routing) -> UnfinalizedMoEOutput:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Uint32
+from cutlass import Float32, Int64, Uint32
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -153,3 +153,26 @@ def bits_f32(a: Uint32, *, loc=None, ip=None) -> Float32:
 def not_finite(a: Float32):
     """Whether `a` is an Inf or NaN (exponent bits all ones)."""
     return (f32_bits(a) & Uint32(0x7F800000)) == Uint32(0x7F800000)
+
+
+# ---------------------------------------------------------------------- split-K
+@dsl_user_op
+def arrive_inc(ptr, bound: int, *, loc=None, ip=None) -> Uint32:
+    """`atom.acq_rel.gpu.global.inc.u32` on the int32 counter at `ptr` (a gmem
+    pointer) with wrap value `bound`: stores (old >= bound ? 0 : old + 1) and
+    returns old. With bound = n - 1, the n-th arrival sees old = n - 1 and
+    leaves the counter at 0 (self-cleaning). acq_rel at GPU scope: the
+    caller's earlier writes (fenced) are visible to whoever sees a later old
+    value, and the caller sees the writes of earlier arrivals."""
+    addr = Int64(ptr.toint(loc=loc, ip=ip))
+    return Uint32(llvm.inline_asm(
+        T.i32(), [addr.ir_value(loc=loc, ip=ip), Uint32(bound).ir_value(loc=loc, ip=ip)],
+        "atom.acq_rel.gpu.global.inc.u32 $0, [$1], $2;", "=r,l,r,~{memory}",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def load_partial(ptr) -> Float32:
+    """fp32 load of a split-K partial written by another CTA: ld.relaxed.gpu
+    (coherent at GPU scope, never a stale L1 line)."""
+    return cute.arch.load(ptr, Float32, sem="relaxed", scope="gpu")

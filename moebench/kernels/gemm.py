@@ -22,6 +22,20 @@ Partial sums of the warps_k warps meet in shared memory; then
 Padding rows of used tiles are written as zeros (h scale 0); rows of unused
 tiles are not written.
 
+Split-K across CTAs (tactic.split_k = S > 1): each item becomes S units
+(unit = item * S + slice, slice s covering K chunks [s, s+1) * nch/S); the
+grid loops over units instead of items, the warps_k warps splitting the
+slice's chunks. A finished unit writes its fp32 sums [8 tokens][item rows]
+to the caller's workspace (`workspace_parts`: counters at the front,
+partials at the back), then thread 0 fences (gpu scope) and arrives on the
+item's int32 counter with `atom.acq_rel.gpu.inc` (wrap S - 1). The unit that
+sees S - 1 is the last: it sums the S partials in slice order (ld.relaxed.gpu,
+deterministic: the same bits whatever the arrival order) and runs the
+epilogue; its arrival has wrapped the counter back to 0, so the workspace is
+clean for the next launch or CUDA-graph replay with no memset. Every
+workspace access follows griddepcontrol.wait, so GEMM1 and GEMM2 (and
+successive calls) may share one workspace on one stream.
+
 Programmatic dependent launch (tactic.pdl): GEMM2 reads the route record and
 requests its first weights BEFORE griddepcontrol.wait; this needs the record
 to be complete before the previous kernel released its dependents, which
@@ -38,7 +52,9 @@ import functools
 import torch
 
 from moebench.kernels.layout import KernelWeights
-from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
+from moebench.kernels.tactic import (
+    GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
+)  # fmt: skip
 from moebench.record import TILE, route_words
 
 try:
@@ -97,8 +113,10 @@ if _HAVE_DSL:
             else:
                 self.k, self.m = s.intermediate, s.hidden
             self.nch = self.k // 32  # 32-K chunks (MX blocks)
+            self.sk = t.split_k  # K slices (units) per item
+            self.nch_s = self.nch // self.sk  # chunks per slice
             self.blocks = self.m // self.rm  # items per token tile
-            self.per = -(-self.nch // self.wk)  # chunks per warp
+            self.per = -(-self.nch_s // self.wk)  # chunks per warp (of one slice)
             self.nb = -(-self.per // self.u)  # load batches per item
             npairs = self.m // 32
             self.w_expert = npairs * self.nch * 128  # u32 words of one expert's weights
@@ -109,30 +127,42 @@ if _HAVE_DSL:
             self.smem_carveout = min(100, -(-100 * per_sm // _SMEM_PER_SM))
 
         def grid(self, ctas: int, num_sms: int) -> int:
-            """Grid for `ctas` token tiles: one CTA per possible item, at most
-            SMs * ctas_per_sm when persistent."""
+            """Grid for `ctas` token tiles: one CTA per possible unit (item x
+            K slice), at most SMs * ctas_per_sm when persistent."""
+            units = ctas * self.blocks * self.sk
             if not self.tactic.persistent:
-                return max(1, ctas * self.blocks)
-            return max(1, min(ctas * self.blocks, num_sms * self.tactic.ctas_per_sm))
+                return max(1, units)
+            return max(1, min(units, num_sms * self.tactic.ctas_per_sm))
 
         @cute.jit
         def __call__(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
                      record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
-                     ctas: Int32, grid: Int32, stream: _cuda.CUstream):
-            self.kernel(w, ws, act, act_s, record, clamp, out, out_s, ctas).launch(
+                     cnt: cute.Pointer, part: cute.Pointer, ctas: Int32, grid: Int32, stream: _cuda.CUstream):
+            self.kernel(w, ws, act, act_s, record, clamp, out, out_s, cnt, part, ctas).launch(
                 grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
                 use_pdl=self.tactic.pdl, min_blocks_per_mp=self.tactic.ctas_per_sm,
                 preferred_smem_carveout=self.smem_carveout)
 
         # ------------------------------------------------------------------ loads
         @cute.jit
-        def issue_weights(self, st_w, st_s, p_w, p_s, rec, item, batch, n_mine, c_beg, wm, lane, g):
-            """Weight + weight-scale loads of (item, batch) into a register stage."""
+        def unit_item(self, unit, ch):
+            """(item, first K chunk) of `unit` whose chunk offset within its
+            slice is `ch`: units are item * split_k + slice."""
+            item = unit
+            ch0 = ch
+            if cutlass.const_expr(self.sk > 1):
+                item = unit // self.sk
+                ch0 = ch + (unit % self.sk) * self.nch_s
+            return item, ch0
+
+        @cute.jit
+        def issue_weights(self, st_w, st_s, p_w, p_s, rec, unit, batch, n_mine, c_beg, wm, lane, g):
+            """Weight + weight-scale loads of (unit, batch) into a register stage."""
+            item, ch0 = self.unit_item(unit, c_beg + batch * self.u)
             tile = item // self.blocks
             blk = item % self.blocks
             e = cute.arch.load(rec + (4 + tile), Int32)
             pair0 = blk * (self.wm * self.pairs) + wm * self.pairs
-            ch0 = c_beg + batch * self.u
             pw = p_w + Int64(e) * self.w_expert + ((pair0 * self.nch + ch0) * 128 + lane * 4)
             ps = p_s + Int64(e) * self.s_expert + ((pair0 * self.nch + ch0) * 8 + g)
             for j in cutlass.range_constexpr(self.u):
@@ -145,15 +175,15 @@ if _HAVE_DSL:
                             ps + (t2 * self.nch + j) * 8, Uint32, level1_eviction_priority="evict_first")
 
         @cute.jit
-        def issue_acts(self, st_a, st_as, p_a, p_as, rec, slots_at, top_k, item, batch, n_mine, c_beg, g, c):
-            """Activation (e4m3 bytes + E8M0 byte) loads of (item, batch): token row
+        def issue_acts(self, st_a, st_as, p_a, p_as, rec, slots_at, top_k, unit, batch, n_mine, c_beg, g, c):
+            """Activation (e4m3 bytes + E8M0 byte) loads of (unit, batch): token row
             of lane group g, its 8 K elements [32*chunk + 8c, +8) per chunk."""
+            item, ch0 = self.unit_item(unit, c_beg + batch * self.u)
             tile = item // self.blocks
             row = TILE * tile + g
             if cutlass.const_expr(self.stage == 1):
                 slot = cute.arch.load(rec + (slots_at + row), Int32)
                 row = cutlass.max(slot, Int32(0)) // top_k  # padding slots read token row 0
-            ch0 = c_beg + batch * self.u
             pa = p_a + (row * (self.k // 4) + ch0 * 8 + c * 2)
             pas = p_as + (row * self.nch + ch0)
             for j in cutlass.range_constexpr(self.u):
@@ -211,9 +241,41 @@ if _HAVE_DSL:
                 tot = tot + sP[src, base + k, parity]
             return tot
 
+        @cute.jit
+        def value(self, sP, parity, part, item, r, n):
+            """The item's fp32 sum for item row r, token n: from the warps_k
+            partials in shared memory, or (split-K) the sum of the split_k slice
+            partials in the workspace, in slice order (deterministic)."""
+            if cutlass.const_expr(self.sk == 1):
+                tot = self.partial(sP, parity, r, n)
+            else:
+                base = part + (item * (self.sk * TILE * self.rm) + n * self.rm + r)
+                tot = fp4.load_partial(base)
+                for k in cutlass.range_constexpr(1, self.sk):
+                    tot = tot + fp4.load_partial(base + k * (TILE * self.rm))
+            return tot
+
+        @cute.jit
+        def store_partials(self, sP, parity, part, unit, tid):
+            """Split-K: this unit's [8 tokens][item_rows] fp32 sums (over its
+            warps_k partials) to the workspace at unit * 8 * item_rows."""
+            n_vals = TILE * self.rm
+            base = part + unit * n_vals
+            for p in cutlass.range_constexpr(0, n_vals, self.threads):
+                f = tid + p
+                if f < n_vals:
+                    cute.arch.store(base + f, self.partial(sP, parity, f % self.rm, f // self.rm))
+
         # ------------------------------------------------------------------ epilogues
         @cute.jit
-        def epilogue_gemm1(self, sP, parity, rec, clamp, out, out_s, item, valid_at, warp, lane):
+        def epilogue(self, sP, parity, part, rec, clamp, out, out_s, item, valid_at, warp, lane, tid):
+            if cutlass.const_expr(self.stage == 1):
+                self.epilogue_gemm1(sP, parity, part, rec, clamp, out, out_s, item, valid_at, warp, lane)
+            else:
+                self.epilogue_gemm2(sP, parity, part, rec, out, item, valid_at, tid)
+
+        @cute.jit
+        def epilogue_gemm1(self, sP, parity, part, rec, clamp, out, out_s, item, valid_at, warp, lane):
             """SwiGLU + MXFP8 quantization of one item: one warp per (token, 32 columns)."""
             tile = item // self.blocks
             blk = item % self.blocks
@@ -227,8 +289,8 @@ if _HAVE_DSL:
                 if slot < 8 * qblocks:
                     n = slot % 8
                     qb = slot // 8
-                    gate = self.partial(sP, parity, qb * 64 + lane, n)
-                    up = self.partial(sP, parity, qb * 64 + 32 + lane, n)
+                    gate = self.value(sP, parity, part, item, qb * 64 + lane, n)
+                    up = self.value(sP, parity, part, item, qb * 64 + 32 + lane, n)
                     gc = cutlass.min(gate, lim)
                     uc = cutlass.min(cutlass.max(up, -lim), lim)
                     h = fp4.div_rn(gc, Float32(1.0) + cute.math.exp(-gc, fastmath=True)) * uc
@@ -259,7 +321,7 @@ if _HAVE_DSL:
                         cute.arch.store(out_s + (row * (i_cols // 32) + blk * qblocks + qb), Uint8(code))
 
         @cute.jit
-        def epilogue_gemm2(self, sP, parity, rec, out, item, valid_at, tid):
+        def epilogue_gemm2(self, sP, parity, part, rec, out, item, valid_at, tid):
             """BF16 rows of one item: pairs of adjacent output columns per thread."""
             tile = item // self.blocks
             blk = item % self.blocks
@@ -271,8 +333,8 @@ if _HAVE_DSL:
                 if f < 8 * half:
                     n = f // half
                     r = 2 * (f % half)
-                    v0 = self.partial(sP, parity, r, n)
-                    v1 = self.partial(sP, parity, r + 1, n)
+                    v0 = self.value(sP, parity, part, item, r, n)
+                    v1 = self.value(sP, parity, part, item, r + 1, n)
                     word = fp4.pack_bf16x2(v0, v1)
                     word = Uint32(cutlass.select_(n >= valid, Uint32(0), word))
                     row = TILE * tile + n
@@ -282,14 +344,14 @@ if _HAVE_DSL:
         @cute.kernel
         def kernel(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
                    record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
-                   ctas: Int32):
-            U, NB = self.u, self.nb
+                   cnt: cute.Pointer, part: cute.Pointer, ctas: Int32):
+            U, NB, SK = self.u, self.nb, self.sk
             tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
             warp, lane = tid // 32, tid % 32
             g, c = lane // 4, lane % 4
             wm, wk = warp // self.wk, warp % self.wk
-            c_beg = wk * self.per
-            n_mine = cutlass.min(Int32(self.per), self.nch - c_beg)  # chunks of this warp (>= 1)
+            c_beg = wk * self.per  # first chunk of this warp within a K slice
+            n_mine = cutlass.min(Int32(self.per), self.nch_s - c_beg)  # chunks of this warp per unit
             words = (ctas + 3) // 4 * 4
             valid_at = 4 + words
             slots_at = 4 + 2 * words
@@ -313,60 +375,81 @@ if _HAVE_DSL:
             st_as = [cute.make_rmem_tensor((U,), Uint32) for _ in range(2)]
             smem = cutlass.memory.SmemAllocator()
             sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
+            sLast = None
+            if cutlass.const_expr(SK > 1):
+                sLast = smem.allocate_tensor(Int32, cute.make_layout((1,)), byte_alignment=4)
 
             # ---- prologue
-            n_items = Int32(0)
+            n_units = Int32(0)
             if cutlass.const_expr(self.stage == 2 and self.tactic.pdl):
                 # the record predates the previous kernel (module docstring): weights first
-                n_items = cute.arch.load(record, Int32) * self.blocks
-                if bid < n_items:
+                n_units = cute.arch.load(record, Int32) * (self.blocks * SK)  # units
+                if bid < n_units:
                     self.issue_weights(st_w[0], st_s[0], p_w, p_s, record, bid, Int32(0), n_mine, c_beg, wm, lane, g)
             if cutlass.const_expr(self.tactic.pdl):
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
             if cutlass.const_expr(not (self.stage == 2 and self.tactic.pdl)):
-                n_items = cute.arch.load(record, Int32) * self.blocks
-                if bid < n_items:
+                n_units = cute.arch.load(record, Int32) * (self.blocks * SK)  # units
+                if bid < n_units:
                     self.issue_weights(st_w[0], st_s[0], p_w, p_s, record, bid, Int32(0), n_mine, c_beg, wm, lane, g)
             top_k = cute.arch.load(record + 3, Int32)
-            my_items = (n_items + nblk - 1 - bid) // nblk
-            n_steps = my_items * NB
+            my_units = (n_units + nblk - 1 - bid) // nblk
+            n_steps = my_units * NB
             if n_steps > 0:
                 self.issue_acts(st_a[0], st_as[0], p_a, p_as, record, slots_at, top_k, bid, Int32(0),
                                 n_mine, c_beg, g, c)
 
-            l_item, l_b = bid, Int32(1)  # load cursor: step 1
+            l_unit, l_b = bid, Int32(1)  # load cursor: step 1
             wrap = Int32(l_b == NB)
-            l_b, l_item = l_b - wrap * NB, l_item + wrap * nblk
-            c_item, c_b, parity = bid, Int32(0), Int32(0)  # compute cursor
+            l_b, l_unit = l_b - wrap * NB, l_unit + wrap * nblk
+            c_unit, c_b, parity = bid, Int32(0), Int32(0)  # compute cursor
             for i in cutlass.range(0, n_steps, 2, unroll=1):
                 for s in cutlass.range_constexpr(2):
                     if i + s < n_steps:
                         if i + s + 1 < n_steps:  # next step's loads go out first
-                            self.issue_weights(st_w[1 - s], st_s[1 - s], p_w, p_s, record, l_item, l_b,
+                            self.issue_weights(st_w[1 - s], st_s[1 - s], p_w, p_s, record, l_unit, l_b,
                                                n_mine, c_beg, wm, lane, g)
                             self.issue_acts(st_a[1 - s], st_as[1 - s], p_a, p_as, record, slots_at, top_k,
-                                            l_item, l_b, n_mine, c_beg, g, c)
+                                            l_unit, l_b, n_mine, c_beg, g, c)
                             l_b = l_b + 1
                             wrap = Int32(l_b == NB)
-                            l_b, l_item = l_b - wrap * NB, l_item + wrap * nblk
+                            l_b, l_unit = l_b - wrap * NB, l_unit + wrap * nblk
                         self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w[s], st_s[s], st_a[s], st_as[s],
                                      c_b, n_mine)
-                        if c_b == NB - 1:  # item done: partials to smem, one barrier, epilogue
+                        if c_b == NB - 1:  # unit done: partials to smem, one barrier, epilogue
                             for t in cutlass.range_constexpr(self.tm):
                                 for x in cutlass.range_constexpr(4):
                                     sP[t * 128 + lane * 4 + x, warp, parity] = acc[t][x]
                                 acc[t].fill(0.0)
                             cute.arch.sync_threads()
-                            if cutlass.const_expr(self.stage == 1):
-                                self.epilogue_gemm1(sP, parity, record, clamp, out, out_s, c_item, valid_at,
-                                                    warp, lane)
+                            if cutlass.const_expr(SK == 1):
+                                self.epilogue(sP, parity, part, record, clamp, out, out_s, c_unit, valid_at,
+                                              warp, lane, tid)
                             else:
-                                self.epilogue_gemm2(sP, parity, record, out, c_item, valid_at, tid)
+                                # split-K: partial sums to the workspace, then arrive on the item's
+                                # counter; the last of its SK units reduces and runs the epilogue.
+                                # The counter wraps to 0 on the last arrival (self-cleaning).
+                                # Ordering (CUTLASS's barrier pattern): the CTA's stores, bar.sync,
+                                # thread 0's gpu-scope fence (cumulative: releases every thread's
+                                # stores) and acq_rel atomic; bar.sync; the readers use ld.relaxed.gpu
+                                # (L2, never a stale L1 line). Only warp 0 waits on the fence, the
+                                # other warps' next loads stay in flight.
+                                item = c_unit // SK
+                                self.store_partials(sP, parity, part, c_unit, tid)
+                                cute.arch.sync_threads()
+                                if tid == 0:
+                                    cute.arch.fence_acq_rel_gpu()
+                                    old = fp4.arrive_inc(cnt + item, SK - 1)
+                                    sLast[0] = Int32(old == Uint32(SK - 1))
+                                cute.arch.sync_threads()
+                                if sLast[0] != 0:  # uniform over the CTA: the last unit of the item
+                                    self.epilogue(sP, parity, part, record, clamp, out, out_s, item, valid_at,
+                                                  warp, lane, tid)
                         last = Int32(c_b == NB - 1)
                         parity = parity ^ last
                         c_b = c_b + 1 - last * NB
-                        c_item = c_item + last * nblk
+                        c_unit = c_unit + last * nblk
 
 
 # ---------------------------------------------------------------------- host side
@@ -381,9 +464,10 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
 
     Works without a GPU when CUTE_DSL_ARCH=sm_90a is set (cross-compile).
     Returns (kernel, compiled): `kernel.grid(ctas, num_sms)` sizes the
-    launch; `compiled(w, ws, act, act_s, record, clamp, out, out_s, ctas,
-    grid, stream)` takes cute global pointers (make_ptr), Int32 and a
-    CUstream (use `gemm1` / `gemm2` for torch tensors). Raises ValueError
+    launch; `compiled(w, ws, act, act_s, record, clamp, out, out_s, cnt,
+    part, ctas, grid, stream)` takes cute global pointers (make_ptr; cnt /
+    part: the split-K counters and partials, see `workspace_parts`), Int32
+    and a CUstream (use `gemm1` / `gemm2` for torch tensors). Raises ValueError
     when the tactic cannot run the shape, RuntimeError without the DSL.
     """
     _require_dsl()
@@ -398,7 +482,7 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
     compiled = cute.compile(
         kernel, fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 4),
         fake(Int32, 16), fake(Float32, 4), fake(out_dtype, 16), fake(Uint8, 4),
-        Int32(1), Int32(1), _cuda.CUstream(0),
+        fake(Int32, 16), fake(Float32, 16), Int32(1), Int32(1), _cuda.CUstream(0),
     )  # fmt: skip
     return kernel, compiled
 
@@ -451,7 +535,51 @@ def _ptr(dtype, t: torch.Tensor, align: int):
     return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
-def _launch(kw: KernelWeights, stage: int, tactic, args, ctas: int, device, stream) -> None:
+def alloc_workspace(nbytes: int, device) -> torch.Tensor:
+    """A zeroed split-K workspace of at least `nbytes` (uint8, a multiple of
+    16 bytes, at least 16). Allocate it ONCE (never per launch, never inside a
+    CUDA-graph capture) with `workspace_bytes` / `workspace_bytes_for`; the
+    kernels keep its counters at zero from then on."""
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        raise ValueError(f"nbytes must be a non-negative int, got {nbytes!r}")
+    return torch.zeros(max(16, -(-nbytes // 16) * 16), dtype=torch.uint8, device=device)
+
+
+def _split_k_ptrs(workspace, shape: GemmShape, tactic: GemmTactic, stage: int, ctas: int, device, record):
+    """(counters, partials) pointers of the split-K workspace for this
+    launch (workspace_parts: counters at the front, partials at the back), or
+    placeholders (never read) when the tactic does not split K."""
+    if tactic.split_k == 1:
+        # the kernel ignores them; any 16-byte aligned device pointer will do
+        return _ptr(Int32, record, 16), _ptr(Float32, record, 16)
+    if workspace is None:
+        raise ValueError(
+            f"workspace is required: tactic {tactic.name} splits K {tactic.split_k} ways; allocate one"
+            f" once with alloc_workspace(workspace_bytes(shape, tactic, ctas, {stage})) and pass it"
+        )
+    if not isinstance(workspace, torch.Tensor):
+        raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
+    if workspace.dtype not in (torch.uint8, torch.int32) or workspace.dim() != 1:
+        raise TypeError(f"workspace must be a 1-D uint8 or int32 tensor, got {workspace.dtype} {tuple(workspace.shape)}")
+    if workspace.device != device:
+        raise ValueError(f"workspace must be on {device}, got {workspace.device}")
+    if not workspace.is_contiguous() or workspace.data_ptr() % 16:
+        raise ValueError("workspace must be contiguous and 16-byte aligned")
+    nbytes = workspace.numel() * workspace.element_size()
+    counters, partials = workspace_parts(shape, tactic, ctas, stage)
+    if nbytes % 16 or nbytes < counters + partials:
+        raise ValueError(
+            f"workspace must hold a multiple of 16 bytes and at least {counters + partials}"
+            f" (workspace_bytes for {tactic.name}, GEMM{stage}, ctas {ctas}), got {nbytes}"
+        )
+    from cutlass.cute.runtime import make_ptr
+
+    base = workspace.data_ptr()
+    return (make_ptr(Int32, base, cute.AddressSpace.gmem, assumed_align=16),
+            make_ptr(Float32, base + nbytes - partials, cute.AddressSpace.gmem, assumed_align=16))  # fmt: skip
+
+
+def _launch(kw: KernelWeights, stage: int, tactic, args, ctas: int, device, stream, record, workspace) -> None:
     shape = GemmShape.of(kw)
     sms = _num_sms(device.index if device.index is not None else 0)
     tactic = default_tactic(shape, stage, ctas, sms, kw.wide_scales) if tactic is None else tactic
@@ -460,16 +588,17 @@ def _launch(kw: KernelWeights, stage: int, tactic, args, ctas: int, device, stre
     reason = tactic.valid_for(shape, stage)
     if reason:
         raise ValueError(f"tactic {tactic.name} cannot run GEMM{stage}: {reason}")
+    split = _split_k_ptrs(workspace, shape, tactic, stage, ctas, device, record)
     if ctas == 0:
         return
     kernel, compiled = compile_gemm(shape, tactic, stage, kw.wide_scales)
     grid = kernel.grid(ctas, sms)
-    compiled(*args, Int32(ctas), Int32(grid), _stream(stream, device))
+    compiled(*args, *split, Int32(ctas), Int32(grid), _stream(stream, device))
 
 
 def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: torch.Tensor, ctas: int,
           h_q_out: torch.Tensor, h_scale_out: torch.Tensor, *, tactic: GemmTactic | None = None,
-          stream=None) -> None:
+          stream=None, workspace: torch.Tensor | None = None) -> None:
     """Launch GEMM1 (x . w13^T, SwiGLU with clamp, MXFP8 H) on `stream`
     (torch's current stream when None); no host sync, no allocation.
 
@@ -480,8 +609,12 @@ def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: t
     uint8 [8*ctas, I/32], by permuted row: rows of used tiles are all written
     (padding rows zero), rows of unused tiles untouched. tactic: GemmTactic
     (default_tactic(shape, 1, ctas, SMs) when None). stream: None, torch.cuda.Stream or
-    CUstream. Raises TypeError / ValueError naming the argument; RuntimeError
-    without nvidia-cutlass-dsl.
+    CUstream. workspace: required when tactic.split_k > 1 (ignored otherwise):
+    a zeroed buffer of >= workspace_bytes(shape, tactic, ctas, 1) bytes from
+    `alloc_workspace`, allocated once and reused (the kernel leaves its
+    counters at zero); launches sharing one must run one after the other.
+    Raises TypeError / ValueError naming the argument; RuntimeError without
+    nvidia-cutlass-dsl.
     """
     device = _check_common(kw, record, ctas)
     h, i = kw.hidden, kw.intermediate
@@ -497,17 +630,19 @@ def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: t
     args = (_ptr(Uint8, kw.w13, 16), _ptr(Uint8, kw.w13_scale, 16), _ptr(Uint8, x_q, 16),
             _ptr(Uint8, x_scale, 4), _ptr(Int32, record, 16), _ptr(Float32, kw.clamp, 4),
             _ptr(Uint8, h_q_out, 16), _ptr(Uint8, h_scale_out, 4))  # fmt: skip
-    _launch(kw, 1, tactic, args, ctas, device, stream)
+    _launch(kw, 1, tactic, args, ctas, device, stream, record, workspace)
 
 
 def gemm2(kw: KernelWeights, h_q: torch.Tensor, h_scale: torch.Tensor, record: torch.Tensor, ctas: int,
-          out: torch.Tensor, *, tactic: GemmTactic | None = None, stream=None) -> None:
+          out: torch.Tensor, *, tactic: GemmTactic | None = None, stream=None,
+          workspace: torch.Tensor | None = None) -> None:
     """Launch GEMM2 (dequant(H) . w2^T -> BF16 rows, unweighted) on `stream`.
 
     h_q: float8_e4m3fn/uint8 [8*ctas, I], h_scale: uint8 [8*ctas, I/32]
     (GEMM1's outputs, by permuted row); out: bfloat16 [8*ctas, H]: rows of
     used tiles all written (padding rows zero), unused tiles untouched. Other
-    arguments as `gemm1`. With tactic.pdl the record is read before
+    arguments as `gemm1` (workspace: >= workspace_bytes(shape, tactic, ctas, 2)
+    when tactic.split_k > 1). With tactic.pdl the record is read before
     griddepcontrol.wait (see the module docstring).
     """
     device = _check_common(kw, record, ctas)
@@ -520,4 +655,4 @@ def gemm2(kw: KernelWeights, h_q: torch.Tensor, h_scale: torch.Tensor, record: t
     args = (_ptr(Uint8, kw.w2, 16), _ptr(Uint8, kw.w2_scale, 16), _ptr(Uint8, h_q, 16),
             _ptr(Uint8, h_scale, 4), _ptr(Int32, record, 16), _ptr(Float32, kw.clamp, 4),
             _ptr(BFloat16, out, 16), _ptr(Uint8, h_scale, 4))  # fmt: skip
-    _launch(kw, 2, tactic, args, ctas, device, stream)
+    _launch(kw, 2, tactic, args, ctas, device, stream, record, workspace)

@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moebench.record import TILE
+
 #: Most warps of one CTA (512 threads).
 MAX_WARPS = 16
+#: Most K slices of one item (split-K across CTAs).
+MAX_SPLIT_K = 16
 
 
 @dataclass(frozen=True)
@@ -68,6 +72,11 @@ class GemmTactic:
       next item's loads overlap the current reduction); else one CTA per
       possible item (the hardware balances; CTAs of unused tiles exit).
     pdl: programmatic dependent launch.
+    split_k: K slices per item across CTAs (1 = off). Each item becomes
+      split_k units over equal K slices (the K chunks must divide evenly);
+      a unit stores its fp32 partial sums in a caller-owned workspace and the
+      last unit of an item to arrive (per-item arrival counter) sums the
+      partials in slice order and runs the epilogue (deterministic).
     """
 
     tile_rows: int = 64
@@ -77,6 +86,7 @@ class GemmTactic:
     ctas_per_sm: int = 2
     persistent: bool = True
     pdl: bool = True
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         if self.tile_rows not in (32, 64, 128):
@@ -85,6 +95,7 @@ class GemmTactic:
         _check_int("warps_k", self.warps_k, 1, MAX_WARPS)
         _check_int("unroll", self.unroll, 1, 8)
         _check_int("ctas_per_sm", self.ctas_per_sm, 1, 8)
+        _check_int("split_k", self.split_k, 1, MAX_SPLIT_K)
         if self.warps_m * self.warps_k > MAX_WARPS:
             raise ValueError(
                 f"warps_m * warps_k must be at most {MAX_WARPS}, got {self.warps_m * self.warps_k}"
@@ -106,7 +117,7 @@ class GemmTactic:
     def name(self) -> str:
         return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
-                + ("" if self.pdl else "_nopdl"))
+                + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}"))
 
     def valid_for(self, shape, stage: int) -> str | None:
         """None if this tactic can run GEMM`stage` (1 or 2) of `shape`
@@ -129,9 +140,73 @@ class GemmTactic:
             if s.hidden % self.item_rows:
                 return f"hidden {s.hidden} is not a multiple of {self.item_rows} rows"
             k = s.intermediate
-        if self.warps_k > k // 32:
-            return f"warps_k {self.warps_k} exceeds the {k // 32} K chunks"
+        nch = k // 32
+        if nch % self.split_k:
+            return f"split_k {self.split_k} does not divide the {nch} K chunks (K = {k}) evenly"
+        per_slice = nch // self.split_k
+        if self.warps_k > per_slice:
+            what = f"the {nch} K chunks" if self.split_k == 1 else f"the {per_slice} K chunks of a slice"
+            return f"warps_k {self.warps_k} exceeds {what}"
         return None
+
+
+def _stage_rows(shape: GemmShape, stage: int) -> int:
+    """Weight rows M of GEMM`stage` (2I for GEMM1, H for GEMM2)."""
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    return 2 * shape.intermediate if stage == 1 else shape.hidden
+
+
+def workspace_parts(shape, tactic: GemmTactic, ctas: int, stage: int) -> tuple[int, int]:
+    """(counter bytes, partial bytes) of the split-K workspace GEMM`stage`
+    with `tactic` needs for `ctas` token tiles; (0, 0) when
+    tactic.split_k == 1.
+
+    Layout (one caller-owned buffer of >= sum bytes, 16-byte aligned, size a
+    multiple of 16, ZEROED ONCE at allocation): int32 arrival counters, one
+    per item (ctas * M / item_rows of them), at the FRONT; fp32 partials
+    [items][split_k][8 tokens][item_rows] at the BACK (ending at the end of
+    the buffer). Every launch returns its counters to zero (the last unit of
+    an item resets its counter), so the buffer needs no memset between
+    launches or CUDA-graph replays. Because counters sit at the front and
+    partials at the back, ONE buffer serves launches of several (stage,
+    tactic, ctas) if its size is at least the largest counter bytes plus the
+    largest partial bytes among them (`workspace_bytes_for`), as long as
+    those launches run one after the other (same stream; with PDL every
+    workspace access follows griddepcontrol.wait)."""
+    if not isinstance(tactic, GemmTactic):
+        raise TypeError(f"tactic must be a GemmTactic, got {type(tactic).__name__}")
+    if not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 0:
+        raise ValueError(f"ctas must be a non-negative int, got {ctas!r}")
+    s = GemmShape.of(shape)
+    m = _stage_rows(s, stage)
+    if tactic.split_k == 1:
+        return 0, 0
+    reason = tactic.valid_for(s, stage)
+    if reason:
+        raise ValueError(f"tactic {tactic.name} cannot run GEMM{stage} of {s}: {reason}")
+    items = ctas * (m // tactic.item_rows)
+    counters = -(-4 * items // 16) * 16
+    partials = items * tactic.split_k * TILE * tactic.item_rows * 4
+    return counters, partials
+
+
+def workspace_bytes(shape, tactic: GemmTactic, ctas: int, stage: int) -> int:
+    """Bytes of the split-K workspace of one GEMM`stage` launch with
+    `tactic` for `ctas` token tiles (0 when tactic.split_k == 1); see
+    `workspace_parts` for the layout."""
+    return sum(workspace_parts(shape, tactic, ctas, stage))
+
+
+def workspace_bytes_for(shape, launches) -> int:
+    """Bytes of one workspace shared by `launches`, an iterable of
+    (stage, tactic, ctas) run one after the other: the largest counter bytes
+    plus the largest partial bytes (0 when none splits K)."""
+    c = p = 0
+    for stage, tactic, ctas in launches:
+        ci, pi = workspace_parts(shape, tactic, ctas, stage)
+        c, p = max(c, ci), max(p, pi)
+    return c + p
 
 
 #: Distinct experts per routed slot the defaults plan for (correlated draft

@@ -161,3 +161,26 @@ def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypat
     builtin = binding.RoutedExpertGemm(w, shape.top_k, {})  # explicit: tables ignored
     assert builtin.tactics == plain.tactics
     tb.reset_log_once()
+
+
+@pytest.mark.gpu
+def test_split_k_tactics_get_one_workspace_and_match_the_oracle(bound):
+    from moebench.kernels.tactic import GemmTactic
+
+    shape, w, plain = bound
+    assert plain.workspace is None  # the defaults do not split K
+    tactics = {1: GemmTactic(64, 1, 4, 4, 3, split_k=4), 2: GemmTactic(64, 8, 1, 2, 2, split_k=2)}
+    gemm = binding.RoutedExpertGemm(w, shape.top_k, tactics)
+    ws = gemm.workspace
+    assert ws is not None and ws.dtype == torch.uint8 and int(torch.count_nonzero(ws)) == 0
+    for rows in (1, 6, 8):
+        ids = scenario_topk_ids("correlated", rows, shape.top_k, shape.experts, seed=rows).cuda()
+        tw = scenario_weights(rows, shape.top_k, seed=rows).cuda()
+        x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
+        routing, out = _run(gemm, x, ids, tw)
+        ref = reference_moe(x, ids, tw, w, activation="mxfp8")
+        assert relative_error(finalize(out), ref.output) <= ORACLE_TOLERANCE, rows
+    with pytest.raises(ValueError, match="workspace must be"):
+        binding.RoutedExpertGemm(w, shape.top_k, tactics, workspace=ws[:-16])
+    shared = binding.RoutedExpertGemm(w, shape.top_k, tactics, workspace=ws)
+    assert shared.workspace is ws

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from moebench.formats import dequantize_mxfp8, generate_activations, generate_expert_weights, quantize_mxfp8
-from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
+from moebench.kernels.tactic import (
+    GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
+)  # fmt: skip
 from moebench.models import PRESETS, get_preset
 from moebench.record import TILE, build_route_record
 
@@ -19,7 +21,9 @@ TPS = (1, 2, 4, 8)
 ALL_SHAPES = [(p, tp) for p in sorted(PRESETS) for tp in TPS]
 
 # Compiles in a child process: the DSL reads CUTE_DSL_KEEP / _DUMP_DIR /
-# _COMPILER_OPT once per process. Prints one JSON line per kernel.
+# _COMPILER_OPT once per process. Prints one JSON line per kernel. A spec is
+# (preset, tp, stage, wide, ctas[, tactic fields]): the default tactic for
+# ctas, or GemmTactic(**fields) when given.
 _CHILD = textwrap.dedent(
     """
     import glob, json, os, re, sys, tempfile
@@ -31,15 +35,16 @@ _CHILD = textwrap.dedent(
     from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
     from moebench.models import get_preset
     for spec in json.loads(sys.argv[1]):
-        preset, tp, stage, wide, ctas = spec
+        preset, tp, stage, wide, ctas, *fields = spec
         shape = GemmShape.of(get_preset(preset).shard(tp))
+        tactic = GemmTactic(**fields[0]) if fields else default_tactic(shape, stage, ctas, 132, wide)
         for f in glob.glob(os.path.join(dump, "*")):
             os.remove(f)
         r, w = os.pipe()
         saved = os.dup(2), os.dup(1)
         os.dup2(w, 2); os.dup2(w, 1)
         try:
-            compile_gemm(shape, default_tactic(shape, stage, ctas, 132, wide), stage, wide)
+            compile_gemm(shape, tactic, stage, wide)
         finally:
             sys.stdout.flush(); sys.stderr.flush()
             os.dup2(saved[0], 2); os.dup2(saved[1], 1); os.close(w)
@@ -49,6 +54,8 @@ _CHILD = textwrap.dedent(
         regs = [int(x) for x in re.findall(r"Used (\\d+) registers", log)]
         print(json.dumps(dict(spec=spec, regs=regs, spills=spills, have_sass=bool(sass),
             hmma=len(re.findall(r"HMMA\\.16816\\.F32\\.BF16", sass)),
+            atom_inc=len(re.findall(r"ATOMG\\.E\\.INC\\.STRONG\\.GPU", sass)),
+            ldg_strong=len(re.findall(r"LDG\\.E(?:\\.64|\\.128)?\\.STRONG\\.GPU", sass)),
             ldg_ef128=len(re.findall(r"LDG\\.E\\.EF\\.128", sass)),
             local=len(re.findall(r"\\b(?:LDL|STL)\\b", sass)))), flush=True)
     """
@@ -93,6 +100,106 @@ def test_default_tactics_compile_for_sm90a_without_spills():
         assert rep["local"] == 0, f"{rep['spec']}: local memory traffic in SASS"
         assert rep["hmma"] > 0, f"{rep['spec']}: no HMMA.16816.F32.BF16"
         assert rep["ldg_ef128"] > 0, f"{rep['spec']}: no 16-byte evict-first loads"
+
+
+#: Split-K tactics the next GPU run measures (scripts/time_gemms.py SPLIT_K_1 /
+#: SPLIT_K_2; GEMM1 shapes are the same at TP4 and TP8): (preset, tp, stage, tactic).
+SPLIT_K_TACTICS = [
+    ("dsv41-flash", 4, 1, GemmTactic(64, 1, 4, 4, 3, split_k=2)),
+    ("dsv41-flash", 4, 1, GemmTactic(64, 1, 4, 4, 3, split_k=4)),
+    ("dsv41-flash", 4, 1, GemmTactic(64, 1, 8, 4, 1, split_k=4)),
+    ("dsv41-flash", 4, 2, GemmTactic(64, 8, 1, 2, 2, split_k=2)),
+    ("dsv41-flash", 4, 2, GemmTactic(64, 8, 1, 2, 2, split_k=3)),
+    ("dsv41-flash", 4, 2, GemmTactic(32, 4, 1, 4, 4, split_k=2, persistent=False)),
+    ("dsv41-flash", 8, 2, GemmTactic(64, 8, 1, 2, 2, split_k=3)),
+]
+
+
+def _fields(t: GemmTactic) -> dict:
+    return {f: getattr(t, f) for f in t.__dataclass_fields__}
+
+
+@pytest.mark.compile
+def test_split_k_tactics_compile_for_sm90a_without_spills():
+    specs = []
+    for preset, tp, stage, t in SPLIT_K_TACTICS:
+        assert t.valid_for(get_preset(preset).shard(tp), stage) is None, (t.name, stage)
+        specs.append((preset, tp, stage, False, None, _fields(t)))
+    # the two-multiply decode (E8M0 codes > 128) with split 4
+    specs.append(("dsv41-flash", 4, 1, True, None, _fields(GemmTactic(64, 1, 4, 3, 3, split_k=4))))
+    reports = _compile_reports(specs)
+    assert len(reports) == len(specs)
+    for rep in reports:
+        assert rep["regs"], f"{rep['spec']}: no ptxas report"
+        assert all(s == 0 for s in rep["spills"]), f"{rep['spec']}: spills {rep['spills']}"
+        if not rep["have_sass"]:
+            pytest.skip("nvdisasm not available: SASS not checked")
+        assert rep["local"] == 0, f"{rep['spec']}: local memory traffic in SASS"
+        assert rep["hmma"] > 0 and rep["ldg_ef128"] > 0, f"{rep['spec']}: no HMMA / evict-first loads"
+        # the arrival (self-cleaning atomic increment) and the gpu-scope reads of the partials
+        assert rep["atom_inc"] > 0, f"{rep['spec']}: no ATOMG.E.INC.STRONG.GPU"
+        assert rep["ldg_strong"] > 0, f"{rep['spec']}: partials not read with gpu-scope loads"
+
+
+def test_split_k_validation():
+    with pytest.raises(ValueError, match="split_k"):
+        GemmTactic(split_k=0)
+    with pytest.raises(ValueError, match="split_k"):
+        GemmTactic(split_k=17)
+    with pytest.raises(TypeError, match="split_k"):
+        GemmTactic(split_k=2.0)
+    assert GemmTactic().split_k == 1 and GemmTactic().name == "r64_m1_k8_u2_c2"  # names unchanged
+    assert GemmTactic(split_k=4).name == "r64_m1_k8_u2_c2_s4"
+    tp4 = GemmShape(5120, 576, 384)  # GEMM1: 160 K chunks; GEMM2: 18
+    tp8 = GemmShape(5120, 288, 384)  # GEMM2: 9 K chunks
+    assert GemmTactic(64, 1, 4, 4, 3, split_k=4).valid_for(tp4, 1) is None
+    assert GemmTactic(64, 1, 4, 4, 3, split_k=5).valid_for(tp4, 1) is None
+    why = GemmTactic(64, 1, 4, 4, 3, split_k=3).valid_for(tp4, 1)
+    assert why is not None and "split_k 3 does not divide the 160 K chunks" in why
+    why = GemmTactic(64, 8, 1, 2, 2, split_k=2).valid_for(tp8, 2)
+    assert why is not None and "does not divide the 9 K chunks" in why
+    assert GemmTactic(64, 8, 1, 2, 2, split_k=3).valid_for(tp8, 2) is None
+    # every warp of a unit needs a chunk of its slice: 18 / 6 = 3 chunks < 4 warps
+    why = GemmTactic(32, 4, 4, 2, 2, split_k=6).valid_for(tp4, 2)
+    assert why is not None and "warps_k 4 exceeds the 3 K chunks of a slice" in why
+    assert GemmTactic(32, 4, 3, 2, 2, split_k=6).valid_for(tp4, 2) is None
+    for p, tp in ALL_SHAPES:  # the defaults never split K (that choice waits for a GPU measurement)
+        sh = GemmShape.of(get_preset(p).shard(tp))
+        for stage in (1, 2):
+            for ctas in (None, 1, 6, 24, 48):
+                assert default_tactic(sh, stage, ctas).split_k == 1
+
+
+def test_workspace_bytes():
+    tp4 = GemmShape(5120, 576, 384)
+    t1 = GemmTactic(64, 1, 4, 4, 3, split_k=4)
+    t2 = GemmTactic(64, 8, 1, 2, 2, split_k=2)
+    assert workspace_bytes(tp4, GemmTactic(), 48, 1) == 0
+    assert workspace_parts(tp4, GemmTactic(), 48, 2) == (0, 0)
+    # GEMM1, 48 tiles: 48 x 18 items; a 4-byte counter each (rounded up to 16 bytes in all),
+    # partials [split 4][8 tokens][64 rows] fp32 each
+    items1 = 48 * (2 * 576 // 64)
+    assert workspace_parts(tp4, t1, 48, 1) == (-(-4 * items1 // 16) * 16, items1 * 4 * 8 * 64 * 4)
+    assert workspace_bytes(tp4, t1, 48, 1) == sum(workspace_parts(tp4, t1, 48, 1))
+    # GEMM2: 512-row items, 10 per tile
+    items2 = 48 * (5120 // 512)
+    assert workspace_parts(tp4, t2, 48, 2) == (items2 * 4, items2 * 2 * 8 * 512 * 4)
+    assert workspace_bytes(tp4, t1, 0, 1) == 0
+    assert workspace_bytes(tp4, t1, 7, 1) % 16 == 0
+    # one buffer for several launches: the largest counters + the largest partials
+    c1, p1 = workspace_parts(tp4, t1, 48, 1)
+    c2, p2 = workspace_parts(tp4, t2, 48, 2)
+    launches = [(1, t1, 48), (2, t2, 48), (1, GemmTactic(), 48), (1, t1, 6)]
+    assert workspace_bytes_for(tp4, launches) == max(c1, c2) + max(p1, p2)
+    assert workspace_bytes_for(tp4, [(1, GemmTactic(), 48)]) == 0
+    with pytest.raises(ValueError, match="cannot run"):
+        workspace_bytes(GemmShape(5120, 288, 384), t2, 6, 2)  # 9 chunks, split 2
+    with pytest.raises(ValueError, match="ctas"):
+        workspace_bytes(tp4, t1, -1, 1)
+    with pytest.raises(ValueError, match="stage"):
+        workspace_bytes(tp4, t1, 6, 3)
+    with pytest.raises(TypeError, match="tactic"):
+        workspace_bytes(tp4, "s4", 6, 1)
 
 
 def test_tactic_validation():
@@ -142,21 +249,21 @@ def _routings(experts, rows_list=(1, 3, 6, 8), top_k=6):
     return out
 
 
-def _run_gemm1(kw, x_q, x_s, route, tactic=None):
+def _run_gemm1(kw, x_q, x_s, route, tactic=None, workspace=None):
     from moebench.kernels.gemm import gemm1
 
     n = TILE * route.ctas
     h_q = torch.full((n, kw.intermediate), 0xFF, dtype=torch.uint8, device="cuda")  # poison
     h_s = torch.full((n, kw.intermediate // 32), 0xFE, dtype=torch.uint8, device="cuda")
-    gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=tactic)
+    gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=tactic, workspace=workspace)
     return h_q, h_s
 
 
-def _run_gemm2(kw, h_q, h_s, route, tactic=None):
+def _run_gemm2(kw, h_q, h_s, route, tactic=None, workspace=None):
     from moebench.kernels.gemm import gemm2
 
     out = torch.full((TILE * route.ctas, kw.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-    gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=tactic)
+    gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=tactic, workspace=workspace)
     return out
 
 
@@ -337,3 +444,158 @@ def test_launch_rejects_bad_arguments():
         gemm1(kw, x_q, x_s, route.record[:-1], route.ctas, h_q, h_s)
     with pytest.raises(TypeError, match="out"):
         gemm2(kw, h_q, h_s, route.record, route.ctas, torch.empty(n, kw.hidden, device="cuda"))
+
+
+# ---------------------------------------------------------------------- GPU: split-K
+#: (GEMM1 tactic, GEMM2 tactic) pairs the split-K GPU tests run at dsv41-flash TP4
+#: (GEMM1 K = 5120: 160 chunks; GEMM2 K = 576: 18 chunks, so GEMM2 splits 2 or 3).
+def _split_k_pairs(split_k: int):
+    s2 = split_k if 18 % split_k == 0 else 3
+    return [
+        (GemmTactic(64, 1, 4, 4, 3, split_k=split_k), GemmTactic(64, 8, 1, 2, 2, split_k=s2)),
+        (GemmTactic(64, 1, 8, 4, 1, split_k=split_k, persistent=False),
+         GemmTactic(32, 4, 1, 4, 4, split_k=s2, persistent=False)),
+        (GemmTactic(128, 1, 8, 1, 1, split_k=split_k, pdl=False), GemmTactic(64, 4, 2, 2, 2, split_k=s2, pdl=False)),
+    ]  # fmt: skip
+
+
+def _split_k_workspace(kw, pairs, ctas=48):
+    """One zeroed workspace for every launch of `pairs` up to `ctas` tiles, and
+    the size of its counter region (front)."""
+    from moebench.kernels.gemm import alloc_workspace
+
+    launches = [(1, t1, ctas) for t1, _ in pairs] + [(2, t2, ctas) for _, t2 in pairs]
+    counters = max(workspace_parts(kw, t, c, st)[0] for st, t, c in launches)
+    return alloc_workspace(workspace_bytes_for(kw, launches), kw.device), counters
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_matches_the_oracle_and_leaves_the_workspace_clean(split_k):
+    """Split-K GEMM1 / GEMM2 (persistent, one CTA per unit, without PDL) on
+    poisoned outputs, every routing of `_routings` (rows 1-8, one expert,
+    non-local ids) against the oracle; the same launch twice gives the same
+    bits (fixed reduction order); the counters are all zero afterwards."""
+    from moebench.kernels.layout import to_kernel_layout
+    from moebench.reference import reference_gemm1, reference_gemm2
+
+    experts = 64
+    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=13)
+    kw = to_kernel_layout(weights)
+    pairs = _split_k_pairs(split_k)
+    for t1, t2 in pairs:
+        assert t1.valid_for(kw, 1) is None and t2.valid_for(kw, 2) is None, (t1.name, t2.name)
+    ws, counter_bytes = _split_k_workspace(kw, pairs)
+    for label, ids in _routings(experts):
+        rows = ids.shape[0]
+        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 40, device="cuda"))
+        route = build_route_record(ids.cuda(), experts)
+        used = TILE * route.tiles_used
+        ref_q, ref_s = reference_gemm1(dequantize_mxfp8(x_q, x_s, torch.float64), weights, route)
+        oracle = reference_gemm2(dequantize_mxfp8(ref_q, ref_s, torch.float64), weights, route)
+        for t1, t2 in pairs:
+            tag = f"{label} {t1.name} / {t2.name}"
+            h_q, h_s = _run_gemm1(kw, x_q, x_s, route, tactic=t1, workspace=ws)
+            _check_h(h_q, h_s, ref_q, ref_s, used, tag)
+            h_q2, h_s2 = _run_gemm1(kw, x_q, x_s, route, tactic=t1, workspace=ws)
+            assert torch.equal(h_q[:used], h_q2[:used]) and torch.equal(h_s[:used], h_s2[:used]), tag
+            out = _run_gemm2(kw, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route, tactic=t2,
+                             workspace=ws)
+            _check_rows(out, oracle, route, tag)
+            out2 = _run_gemm2(kw, h_q, h_s, route, tactic=t2, workspace=ws)
+            _check_rows(out2, oracle, route, tag + " (chained)")
+            out3 = _run_gemm2(kw, h_q, h_s, route, tactic=t2, workspace=ws)
+            assert torch.equal(out2[:used].view(torch.int16), out3[:used].view(torch.int16)), tag
+            torch.cuda.synchronize()
+            assert int(torch.count_nonzero(ws[:counter_bytes])) == 0, f"{tag}: arrival counters not reset"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_cuda_graph_replays_self_clean(split_k):
+    """GEMM1 + GEMM2 with split-K (PDL between them) under a CUDA graph,
+    sharing one workspace: outputs poisoned before each replay, two replays in
+    a row equal the eager bits (a counter left non-zero by a replay would
+    make the next one skip or double an epilogue and leave poison), then a
+    replay on new activations matches the oracle."""
+    from moebench.kernels.gemm import gemm1, gemm2
+    from moebench.kernels.layout import to_kernel_layout
+    from moebench.reference import reference_gemm1, reference_gemm2
+    from moebench.routing import scenario_topk_ids
+
+    experts = 64
+    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=17)
+    kw = to_kernel_layout(weights)
+    t1, t2 = _split_k_pairs(split_k)[0]
+    ws, counter_bytes = _split_k_workspace(kw, [(t1, t2)])
+    ids = scenario_topk_ids("correlated", 8, 6, experts, seed=3)
+    route = build_route_record(ids.cuda(), experts)
+    x_q, x_s = quantize_mxfp8(generate_activations(8, shape.hidden, seed=5, device="cuda"))
+    n = TILE * route.ctas
+    used = TILE * route.tiles_used
+    h_q = torch.zeros(n, kw.intermediate, dtype=torch.uint8, device="cuda")
+    h_s = torch.zeros(n, kw.intermediate // 32, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(n, kw.hidden, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, workspace=ws)
+        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, workspace=ws)
+
+    def poison():
+        h_q.fill_(0xFF)
+        h_s.fill_(0xFE)
+        out.fill_(float("nan"))
+
+    step()
+    torch.cuda.synchronize()
+    eager = (h_q.clone(), h_s.clone(), out.clone())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(2):
+        poison()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(h_q[:used], eager[0][:used]) and torch.equal(h_s[:used], eager[1][:used]), replay
+        assert torch.equal(out[:used].view(torch.int16), eager[2][:used].view(torch.int16)), replay
+        assert int(torch.count_nonzero(ws[:counter_bytes])) == 0, f"replay {replay}: counters not reset"
+    x_new = quantize_mxfp8(generate_activations(8, shape.hidden, seed=6, device="cuda"))
+    x_q.copy_(x_new[0])
+    x_s.copy_(x_new[1])
+    poison()
+    graph.replay()
+    torch.cuda.synchronize()
+    ref_q, ref_s = reference_gemm1(dequantize_mxfp8(x_q, x_s, torch.float64), weights, route)
+    _check_h(h_q, h_s, ref_q, ref_s, used, "graph, new x")
+    oracle = reference_gemm2(dequantize_mxfp8(ref_q, ref_s, torch.float64), weights, route)
+    _check_rows(out, oracle, route, "graph, new x")
+
+
+@pytest.mark.gpu
+def test_split_k_launch_needs_a_large_enough_workspace():
+    from moebench.kernels.gemm import alloc_workspace, gemm1, gemm2
+    from moebench.kernels.layout import to_kernel_layout
+    from moebench.routing import scenario_topk_ids
+
+    experts = 32
+    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=1)
+    kw = to_kernel_layout(weights)
+    route = build_route_record(scenario_topk_ids("uniform", 2, 6, experts, seed=1).cuda(), experts)
+    x_q, x_s = quantize_mxfp8(generate_activations(2, shape.hidden, device="cuda"))
+    n = TILE * route.ctas
+    h_q = torch.empty(n, kw.intermediate, dtype=torch.uint8, device="cuda")
+    h_s = torch.empty(n, kw.intermediate // 32, dtype=torch.uint8, device="cuda")
+    out = torch.empty(n, kw.hidden, dtype=torch.bfloat16, device="cuda")
+    t1, t2 = GemmTactic(64, 1, 4, 4, 3, split_k=4), GemmTactic(64, 8, 1, 2, 2, split_k=2)
+    with pytest.raises(ValueError, match="workspace is required"):
+        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1)
+    with pytest.raises(ValueError, match="workspace is required"):
+        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)
+    small = alloc_workspace(workspace_bytes(kw, t1, route.ctas, 1) - 16, "cuda")
+    with pytest.raises(ValueError, match="workspace must hold"):
+        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, workspace=small)
+    with pytest.raises(TypeError, match="workspace"):
+        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, workspace=small.float())
+    # a tactic without split-K ignores the workspace argument
+    gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, workspace=None)
+    torch.cuda.synchronize()
