@@ -1,0 +1,274 @@
+"""humming-kernels baselines: availability and the routing alignment on the
+CPU; numerics vs the matching fp64 oracle on the H200 (`gpu`).
+
+Tolerances as in test_flashinfer.py: 1e-2 for w4a16 (oracle "bf16"); 3e-2
+for w4a8 (oracle "fp8_token": per-token e4m3 x and H; humming also clamps each
+expert's E8M0 range to 11 binades - the scheme FlashInfer ported - and its
+finalize multiplies by BF16-rounded top-k weights, 2^-9 relative at most).
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moebench.backends import humming as hm
+from moebench.formats import generate_activations, generate_expert_weights
+from moebench.models import PRESETS, get_preset
+from moebench.reference import reference_moe, relative_error
+
+TOLERANCE = {"bf16": 1e-2, "fp8_token": 3e-2}
+EXPERTS = 16
+HOT, TINY = 0, 5
+TINY_SHIFT = 20
+
+
+# --- CPU -------------------------------------------------------------------------------------
+
+
+def test_import_never_needs_humming():
+    code = (
+        "import sys; sys.modules['humming'] = None\n"
+        "import moebench.backends.humming as m\n"
+        "print(m.HummingW4A16Backend.oracle, m.HummingW4A8Backend.oracle)\n"
+        "print(m.HummingW4A16Backend().unavailable_reason('cpu'))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0] == "bf16 fp8_token"
+
+
+@pytest.mark.parametrize("cls", [hm.HummingW4A16Backend, hm.HummingW4A8Backend])
+def test_unavailable_without_gpu_or_package(cls, monkeypatch):
+    backend = cls()
+    assert "CUDA" in backend.unavailable_reason("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert "humming-kernels" in backend.unavailable_reason("cuda:0")
+
+
+def test_unavailable_on_other_gpus(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "A100")
+    assert "sm_80" in hm.HummingW4A16Backend().unavailable_reason("cuda:0")
+
+
+def test_swiglu_expression():
+    assert hm.swiglu_expression(10.0) == (
+        "fminf(a, 10.0f) / (1.0f + expf(-fminf(a, 10.0f))) * fminf(fmaxf(b, -10.0f), 10.0f)"
+    )
+    assert "7.5f" in hm.swiglu_expression(7.5)
+
+
+@pytest.mark.parametrize("block", [8, 16, 32, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_align_matches_humming_reference(block, rows):
+    g = torch.Generator().manual_seed(rows * 100 + block)
+    for experts in (6, 17, 384):
+        ids = torch.stack([torch.randperm(experts, generator=g)[:6] for _ in range(rows)]).to(torch.int32)
+        ids[0, 1] = ids[-1, 0] if rows > 1 else ids[0, 1]  # a shared expert across rows
+        sorted_ids, expert_ids, padded = hm.align_block_size(ids, experts, block)
+        ref_ids, ref_experts, ref_padded = hm.align_block_size_reference(ids, experts, block)
+        n = int(padded)
+        assert n == int(ref_padded) and n % block == 0
+        assert torch.equal(sorted_ids[:n], ref_ids)
+        assert torch.equal(expert_ids[: n // block], ref_experts)
+        assert sorted_ids.numel() == hm.align_capacity(ids.numel(), experts, block)
+        assert bool((sorted_ids[n:] == ids.numel()).all())
+        assert expert_ids.numel() == sorted_ids.numel() // block
+
+
+def test_align_hot_expert_spans_blocks():
+    ids = torch.zeros(8, 1, dtype=torch.int32)  # 8 slots on expert 0, block 4 -> 2 full blocks
+    s, e, n = hm.align_block_size(ids, 4, 4)
+    assert int(n) == 8 and s[:8].tolist() == list(range(8)) and e[:2].tolist() == [0, 0]
+
+
+def test_triton_align_in_the_interpreter():
+    """The single-kernel align equals the torch ops (Triton's CPU interpreter,
+    in a fresh process: TRITON_INTERPRET must be set before triton is imported)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed")
+    code = (
+        "import torch\n"
+        "from moebench.backends import humming as hm\n"
+        "g = torch.Generator().manual_seed(1)\n"
+        "for rows, experts, block in ((1, 6, 16), (3, 40, 8), (8, 384, 16), (8, 16, 64)):\n"
+        "    ids = torch.stack([torch.randperm(experts, generator=g)[:6] for _ in range(rows)]).to(torch.int32)\n"
+        "    a = hm.align_block_size(ids, experts, block)\n"
+        "    b = hm.align_block_size_triton(ids, experts, block)\n"
+        "    assert all(torch.equal(x, y) for x, y in zip(a, b)), (rows, experts, block)\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_prepare_rejects_per_expert_clamps(monkeypatch):
+    backend = hm.HummingW4A16Backend()
+    shape = get_preset("dsv4-flash", experts=8, hidden=256, intermediate=128).shard(1)
+    w = generate_expert_weights(shape)
+    w.clamp[1] = 7.0
+    monkeypatch.setattr(backend, "unavailable_reason", lambda device: None)
+    with pytest.raises(ValueError, match="clamp"):
+        backend.prepare(w, shape)
+
+
+# --- GPU -------------------------------------------------------------------------------------
+
+#: every preset at TP 1 and 4; MOEBENCH_BASELINE_CASES="dsv41-flash:4,dsv4-pro:1" narrows it
+#: (each case costs tuning / NVRTC compiles on the device).
+CASES = [(p, tp) for p in PRESETS for tp in (1, 4)]
+if os.environ.get("MOEBENCH_BASELINE_CASES"):
+    CASES = [(c.split(":")[0], int(c.split(":")[1])) for c in os.environ["MOEBENCH_BASELINE_CASES"].split(",")]
+
+
+def _weights(preset: str, tp: int):
+    shape = get_preset(preset, experts=EXPERTS).shard(tp)
+    w = generate_expert_weights(shape, seed=11, device="cuda")
+    for scale in (w.w13_scale, w.w2_scale):
+        t = scale[TINY].to(torch.int32)
+        scale[TINY] = torch.where(t > 0, (t - TINY_SHIFT).clamp_min(1), t).to(torch.uint8)
+    return shape, w
+
+
+def _routing(rows: int, top_k: int, scale: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = []
+    for r in range(rows):
+        others = [e for e in torch.randperm(EXPERTS, generator=g).tolist() if e not in (HOT, TINY)]
+        ids.append(([HOT] + ([TINY] if r == 0 else []) + others)[:top_k])
+    w = torch.rand(rows, top_k, generator=g) + 0.1
+    w = w / w.sum(1, keepdim=True) * scale
+    return torch.tensor(ids, dtype=torch.int32).cuda(), w.to(torch.float32).cuda()
+
+
+def _backend(cls):
+    backend = cls()
+    reason = backend.unavailable_reason("cuda")
+    if reason is not None:
+        pytest.skip(reason)
+    return backend
+
+
+@pytest.fixture(scope="module")
+def prepared_cache():
+    cache = {}
+    yield cache
+    cache.clear()
+    torch.cuda.empty_cache()
+
+
+def _prepared(cache, cls, preset, tp):
+    key = (cls.name, preset, tp)
+    if key not in cache:
+        cache.clear()
+        torch.cuda.empty_cache()
+        backend = _backend(cls)
+        shape, w = _weights(preset, tp)
+        cache[key] = (backend, shape, w, backend.prepare(w, shape))
+    return cache[key]
+
+
+@pytest.mark.gpu
+def test_align_on_the_device_matches_reference():
+    ids = torch.stack([torch.randperm(384)[:6] for _ in range(8)]).to(torch.int32).cuda()
+    s, e, n = hm.align_block_size(ids, 384, 16)
+    rs, re, rn = hm.align_block_size_reference(ids.cpu(), 384, 16)
+    k = int(n)
+    assert k == int(rn) and torch.equal(s[:k].cpu(), rs) and torch.equal(e[: k // 16].cpu(), re)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [8, 16, 64])
+def test_triton_align_matches_torch_on_the_device(block):
+    if hm._triton_align_kernel() is None:
+        pytest.skip("Triton is not installed")
+    for rows, experts in ((1, 384), (5, 16), (8, 384), (8, 256)):
+        ids = torch.stack([torch.randperm(experts)[:6] for _ in range(rows)]).to(torch.int32).cuda()
+        a = hm.align_block_size(ids, experts, block)
+        b = hm.align_block_size_triton(ids, experts, block)
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [hm.HummingW4A16Backend, hm.HummingW4A8Backend])
+@pytest.mark.parametrize("preset,tp", CASES)
+def test_matches_oracle(prepared_cache, cls, preset, tp):
+    backend, shape, w, prepared = _prepared(prepared_cache, cls, preset, tp)
+    tol = TOLERANCE[backend.oracle]
+    for rows in (1, 4, 8):
+        x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
+        ids, wts = _routing(rows, shape.top_k, shape.routed_scaling_factor, seed=rows)
+        out = backend.forward(prepared, x, ids, wts).clone()
+        ref = reference_moe(x, ids, wts, w, activation=backend.oracle).output
+        err = relative_error(out, ref)
+        print(f"{backend.name} {shape.describe()} rows={rows}: rel err {err:.3e} ({backend.last_tactic})")
+        assert err <= tol, f"{backend.name} {shape.describe()} rows={rows}: rel err {err:.3e} > {tol}"
+        assert backend.last_tactic.startswith("w13=")
+        if rows != 4:
+            continue
+        # the tiny-scale expert alone (relative error is scale-free), once per case
+        only = torch.full((rows, 1), TINY, dtype=torch.int32, device="cuda")
+        ones = torch.ones(rows, 1, dtype=torch.float32, device="cuda")
+        out = backend.forward(prepared, x, only, ones).clone()
+        ref = reference_moe(x, only, ones, w, activation=backend.oracle).output
+        assert ref.abs().max() > 0
+        err = relative_error(out, ref)
+        print(f"{backend.name} {shape.describe()} rows={rows} tiny expert alone: rel err {err:.3e}")
+        assert err <= tol, f"{backend.name} {shape.describe()} rows={rows} tiny expert: rel err {err:.3e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [hm.HummingW4A16Backend, hm.HummingW4A8Backend])
+def test_non_local_ids_contribute_nothing(prepared_cache, cls):
+    backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
+    x = generate_activations(4, shape.hidden, seed=3, device="cuda")
+    ids, wts = _routing(4, shape.top_k, 1.5, seed=3)
+    masked = ids.clone()
+    masked[:, -2:] = torch.tensor([-1, EXPERTS + 3], dtype=torch.int32)
+    out = backend.forward(prepared, x, masked, wts).clone()
+    kept = wts.clone()
+    kept[:, -2:] = 0
+    ref = reference_moe(x, ids, kept, w, activation=backend.oracle).output
+    assert relative_error(out, ref) <= TOLERANCE[backend.oracle]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [hm.HummingW4A16Backend, hm.HummingW4A8Backend])
+def test_graph_capture_replays_the_eager_result(prepared_cache, cls):
+    backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
+    x = generate_activations(6, shape.hidden, seed=5, device="cuda")
+    ids, wts = _routing(6, shape.top_k, 1.5, seed=5)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # first calls compile humming's kernels: before capture
+        for _ in range(2):
+            eager = backend.forward(prepared, x, ids, wts).clone()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(prepared, x, ids, wts)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+def test_tuning_config_lookup():
+    configs = [[0, 16, {"block_shape": [16, 256, 64], "mma_type": "wgmma"}],
+               [16, 48, {"block_shape": [32, 128, 64]}]]  # fmt: skip
+    prepared = hm.HummingPrepared(layer=None, tuning={"w13": (configs, "")}, activation="", hidden=0,
+                                  intermediate=0, experts=0, top_k=6, mode="w4a16")  # fmt: skip
+    assert prepared.block_m("w13", 6) == 16 and prepared.block_m("w13", 16) == 16
+    assert prepared.block_m("w13", 17) == 32 and prepared.config_name("w13", 48) == "? [32, 128, 64]"
+    assert prepared.config_name("w13", 1) == "wgmma [16, 256, 64]"
+    with pytest.raises(ValueError, match="M=49"):
+        prepared.block_m("w13", 49)
