@@ -55,6 +55,9 @@ import numbers
 
 import torch
 
+from moebench.kernels.host import (
+    HAVE_DSL, check_bool, check_tensor, check_threads, cu_stream, gmem_ptr, require_dsl,
+)  # fmt: skip
 from moebench.moe_output import UnfinalizedMoEOutput
 
 #: Most token rows and routes per token the kernel takes, and the granularity of H.
@@ -66,7 +69,7 @@ _CHUNK = 8
 #: Default CTA size (threads = 8-element chunks of one token per CTA).
 DEFAULT_THREADS = 64
 
-try:  # the kernel class needs the DSL's decorators at definition time
+if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     import cuda.bindings.driver as _cuda
     import cutlass
     import cutlass.cute as cute
@@ -75,18 +78,7 @@ try:  # the kernel class needs the DSL's decorators at definition time
     from cutlass._mlir.dialects import llvm, vector
     from cutlass.cutlass_dsl import T, dsl_user_op
 
-    _HAVE_DSL = True
-except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
-    _HAVE_DSL = False
-
-
-if _HAVE_DSL:
-
-    def _asm(text: str, constraints: str, *args, loc=None, ip=None) -> Uint32:
-        """One pure (side-effect free) inline-PTX instruction group -> Uint32."""
-        return Uint32(llvm.inline_asm(
-            T.i32(), [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
-            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+    from moebench.kernels.ptx import asm_u32 as _asm
 
     @dsl_user_op
     def _mul_add_rn(acc: Uint32, w: Uint32, x: Uint32, *, loc=None, ip=None) -> Uint32:
@@ -159,11 +151,9 @@ if _HAVE_DSL:
         """
 
         def __init__(self, has_shared: bool, pdl: bool = True, threads: int = DEFAULT_THREADS):
-            if not isinstance(has_shared, bool):
-                raise TypeError(f"has_shared must be a bool, got {type(has_shared).__name__}")
-            if not isinstance(pdl, bool):
-                raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
-            _check_threads(threads)
+            check_bool("has_shared", has_shared)
+            check_bool("pdl", pdl)
+            check_threads(threads)
             self.has_shared = has_shared
             self.pdl = pdl
             self.threads = threads
@@ -263,20 +253,7 @@ if _HAVE_DSL:
                        _cvt_bf16x2(res[4], res[5]), _cvt_bf16x2(res[6], res[7]))
 
 
-def _require_dsl() -> None:
-    if not _HAVE_DSL:
-        raise RuntimeError("the finalize kernel needs nvidia-cutlass-dsl (pip install moebench[kernels])")
-
-
-def _check_threads(threads) -> None:
-    if (not isinstance(threads, int) or isinstance(threads, bool)
-            or threads < 32 or threads % 32 or threads > 1024):
-        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
-
-
-def _check_bool(name: str, v) -> None:
-    if not isinstance(v, bool):
-        raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
+_KERNEL = "the finalize kernel"
 
 
 def compile_finalize_kernel(has_shared: bool, pdl: bool = True, threads: int = DEFAULT_THREADS):
@@ -293,40 +270,23 @@ def compile_finalize_kernel(has_shared: bool, pdl: bool = True, threads: int = D
     CUstream; `launch_finalize` does this for torch tensors. Raises
     RuntimeError without nvidia-cutlass-dsl, TypeError for a non-bool
     `has_shared` or `pdl`, ValueError for a bad `threads`."""
-    _check_bool("has_shared", has_shared)
-    _check_bool("pdl", pdl)
-    _check_threads(threads)
+    check_bool("has_shared", has_shared)
+    check_bool("pdl", pdl)
+    check_threads(threads)
     return _compile(has_shared, pdl, threads)
 
 
 @functools.lru_cache(maxsize=None)
 def _compile(has_shared: bool, pdl: bool, threads: int):
-    _require_dsl()
-    from cutlass.cute.runtime import make_ptr
+    require_dsl(_KERNEL)
 
     def fake(dtype, align=16):
-        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
+        return gmem_ptr(dtype, 16, align)
 
     kernel = FinalizeKernel(has_shared=has_shared, pdl=pdl, threads=threads)
     return cute.compile(kernel, fake(BFloat16), fake(Float32, 4), fake(Int32, 4), fake(BFloat16),
                         fake(BFloat16), Int32(1), Int32(1), Int32(H_MULTIPLE), Int32(1),
                         Float32(1.0), _cuda.CUstream(0))
-
-
-def _check_tensor(name: str, t, dtype: torch.dtype, shape: tuple[int, ...],
-                  device: torch.device | None, align16: bool) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device} (the device of rows), got {t.device}")
-    if align16 and t.data_ptr() % 16:
-        raise ValueError(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x})")
 
 
 def _check_rows(rows) -> tuple[int, int]:
@@ -339,7 +299,7 @@ def _check_rows(rows) -> tuple[int, int]:
     n, h = rows.shape
     if h <= 0 or h % H_MULTIPLE:
         raise ValueError(f"rows: H must be a positive multiple of {H_MULTIPLE}, got {h}")
-    _check_tensor("rows", rows, torch.bfloat16, (n, h), None, True)
+    check_tensor("rows", rows, torch.bfloat16, (n, h), align=16)
     return n, h
 
 
@@ -363,16 +323,6 @@ def _check_scale(scale) -> float:
             scale, torch.Tensor):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     return float(scale)
-
-
-def _cu_stream(stream, device: torch.device):
-    if stream is None:
-        return _cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    if isinstance(stream, torch.cuda.Stream):
-        return _cuda.CUstream(stream.cuda_stream)
-    if isinstance(stream, _cuda.CUstream):
-        return stream
-    raise TypeError(f"stream must be None, a torch.cuda.Stream or a CUstream, got {type(stream).__name__}")
 
 
 def launch_finalize(
@@ -418,29 +368,24 @@ def launch_finalize(
     n_rows, h = _check_rows(rows)
     device = rows.device
     tokens, top_k = _check_top_k_tensor("weights", weights, torch.float32)
-    _check_tensor("weights", weights, torch.float32, (tokens, top_k), device, False)
-    _check_tensor("permuted", permuted, torch.int32, (tokens, top_k), device, False)
-    _check_tensor("out", out, torch.bfloat16, (tokens, h), device, True)
+    check_tensor("weights", weights, torch.float32, (tokens, top_k), device, device_of="rows")
+    check_tensor("permuted", permuted, torch.int32, (tokens, top_k), device, device_of="rows")
+    check_tensor("out", out, torch.bfloat16, (tokens, h), device, device_of="rows", align=16)
     if shared is not None:
-        _check_tensor("shared", shared, torch.bfloat16, (tokens, h), device, True)
+        check_tensor("shared", shared, torch.bfloat16, (tokens, h), device, device_of="rows", align=16)
     scale = _check_scale(scale)
-    _check_bool("pdl", pdl)
-    _check_threads(threads)
+    check_bool("pdl", pdl)
+    check_threads(threads)
     if device.type != "cuda":
         raise ValueError(f"rows, weights, permuted and out must be CUDA tensors, got {device}")
     if n_rows >= 2**31 // max(h, 1):
         raise ValueError(f"rows: {n_rows} rows of {h} exceed the kernel's int32 indexing")
-    _require_dsl()
-    from cutlass.cute.runtime import make_ptr
-
-    def ptr(t: torch.Tensor, dtype, align: int):
-        return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
-
+    require_dsl(_KERNEL)
     compiled = compile_finalize_kernel(shared is not None, pdl, threads)
-    compiled(ptr(rows, BFloat16, 16), ptr(weights, Float32, 4), ptr(permuted, Int32, 4),
-             ptr(shared if shared is not None else out, BFloat16, 16), ptr(out, BFloat16, 16),
+    compiled(gmem_ptr(BFloat16, rows, 16), gmem_ptr(Float32, weights, 4), gmem_ptr(Int32, permuted, 4),
+             gmem_ptr(BFloat16, shared if shared is not None else out, 16), gmem_ptr(BFloat16, out, 16),
              Int32(tokens), Int32(top_k), Int32(h), Int32(n_rows), Float32(scale),
-             _cu_stream(stream, device))
+             cu_stream(stream, device))
 
 
 def finalize(
@@ -484,5 +429,5 @@ __all__ = [
     "DEFAULT_THREADS", "H_MULTIPLE", "MAX_TOKENS", "MAX_TOP_K", "compile_finalize_kernel",
     "finalize", "launch_finalize",
 ]  # fmt: skip
-if _HAVE_DSL:
+if HAVE_DSL:
     __all__.append("FinalizeKernel")

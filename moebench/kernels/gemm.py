@@ -51,13 +51,14 @@ import functools
 
 import torch
 
+from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.tactic import (
     GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
 )  # fmt: skip
 from moebench.record import TILE, route_words
 
-try:
+if HAVE_DSL:
     import cuda.bindings.driver as _cuda
     import cutlass
     import cutlass.cute as cute
@@ -65,17 +66,13 @@ try:
 
     from moebench.kernels import fp4
 
-    _HAVE_DSL = True
-except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
-    _HAVE_DSL = False
-
 #: Shared memory + L1 of one H100/H200 SM that the carveout divides (bytes).
 _SMEM_PER_SM = 228 * 1024
 #: fp32 bits of 2^-127 (the E8M0 code 254 multiplier, a subnormal).
 _F32_2_M127 = 0x00400000
 
 
-if _HAVE_DSL:
+if HAVE_DSL:
 
     class StreamingGemmKernel:
         """The weight-streaming core with the GEMM1 (`stage=1`) or GEMM2
@@ -453,9 +450,7 @@ if _HAVE_DSL:
 
 
 # ---------------------------------------------------------------------- host side
-def _require_dsl() -> None:
-    if not _HAVE_DSL:
-        raise RuntimeError("the GEMM kernels need nvidia-cutlass-dsl (pip install moebench[kernels])")
+_KERNEL = "the GEMM kernels"
 
 
 @functools.lru_cache(maxsize=None)
@@ -470,13 +465,11 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
     and a CUstream (use `gemm1` / `gemm2` for torch tensors). Raises ValueError
     when the tactic cannot run the shape, RuntimeError without the DSL.
     """
-    _require_dsl()
-    from cutlass.cute.runtime import make_ptr
-
+    require_dsl(_KERNEL)
     kernel = StreamingGemmKernel(tactic, shape, stage, wide_scales)
 
     def fake(dtype, align):
-        return make_ptr(dtype, 1 << 20, cute.AddressSpace.gmem, assumed_align=align)
+        return gmem_ptr(dtype, 1 << 20, align)
 
     out_dtype = Uint8 if stage == 1 else BFloat16
     compiled = cute.compile(
@@ -492,21 +485,6 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _check_tensor(name: str, t, dtypes: tuple, shape: tuple[int, ...], device: torch.device, align: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if t.data_ptr() % align:
-        raise ValueError(f"{name} must be {align}-byte aligned")
-
-
 def _check_common(kw, record, ctas: int):
     if not isinstance(kw, KernelWeights):
         raise TypeError(f"kw must be a KernelWeights, got {type(kw).__name__}")
@@ -515,24 +493,8 @@ def _check_common(kw, record, ctas: int):
         raise ValueError(f"kw must be on a CUDA device, got {device}")
     if not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 0:
         raise ValueError(f"ctas must be a non-negative int, got {ctas!r}")
-    _check_tensor("record", record, (torch.int32,), (route_words(ctas),), device, 16)
+    check_tensor("record", record, (torch.int32,), (route_words(ctas),), device, align=16)
     return device
-
-
-def _stream(stream, device: torch.device):
-    if stream is None:
-        return _cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    if isinstance(stream, torch.cuda.Stream):
-        return _cuda.CUstream(stream.cuda_stream)
-    if isinstance(stream, _cuda.CUstream):
-        return stream
-    raise TypeError(f"stream must be None, a torch.cuda.Stream or a CUstream, got {type(stream).__name__}")
-
-
-def _ptr(dtype, t: torch.Tensor, align: int):
-    from cutlass.cute.runtime import make_ptr
-
-    return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=align)
 
 
 def alloc_workspace(nbytes: int, device) -> torch.Tensor:
@@ -551,7 +513,7 @@ def _split_k_ptrs(workspace, shape: GemmShape, tactic: GemmTactic, stage: int, c
     placeholders (never read) when the tactic does not split K."""
     if tactic.split_k == 1:
         # the kernel ignores them; any 16-byte aligned device pointer will do
-        return _ptr(Int32, record, 16), _ptr(Float32, record, 16)
+        return gmem_ptr(Int32, record, 16), gmem_ptr(Float32, record, 16)
     if workspace is None:
         raise ValueError(
             f"workspace is required: tactic {tactic.name} splits K {tactic.split_k} ways; allocate one"
@@ -572,11 +534,8 @@ def _split_k_ptrs(workspace, shape: GemmShape, tactic: GemmTactic, stage: int, c
             f"workspace must hold a multiple of 16 bytes and at least {counters + partials}"
             f" (workspace_bytes for {tactic.name}, GEMM{stage}, ctas {ctas}), got {nbytes}"
         )
-    from cutlass.cute.runtime import make_ptr
-
     base = workspace.data_ptr()
-    return (make_ptr(Int32, base, cute.AddressSpace.gmem, assumed_align=16),
-            make_ptr(Float32, base + nbytes - partials, cute.AddressSpace.gmem, assumed_align=16))  # fmt: skip
+    return gmem_ptr(Int32, base, 16), gmem_ptr(Float32, base + nbytes - partials, 16)
 
 
 def _launch(kw: KernelWeights, stage: int, tactic, args, ctas: int, device, stream, record, workspace) -> None:
@@ -593,7 +552,7 @@ def _launch(kw: KernelWeights, stage: int, tactic, args, ctas: int, device, stre
         return
     kernel, compiled = compile_gemm(shape, tactic, stage, kw.wide_scales)
     grid = kernel.grid(ctas, sms)
-    compiled(*args, *split, Int32(ctas), Int32(grid), _stream(stream, device))
+    compiled(*args, *split, Int32(ctas), Int32(grid), cu_stream(stream, device))
 
 
 def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: torch.Tensor, ctas: int,
@@ -622,14 +581,14 @@ def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: t
         raise ValueError(f"x_q must be [rows, {h}] with 1 <= rows <= 8, got {getattr(x_q, 'shape', x_q)}")
     rows = x_q.shape[0]
     u8 = (torch.uint8, torch.float8_e4m3fn)
-    _check_tensor("x_q", x_q, u8, (rows, h), device, 16)
-    _check_tensor("x_scale", x_scale, (torch.uint8,), (rows, h // 32), device, 4)
-    _check_tensor("h_q_out", h_q_out, u8, (TILE * ctas, i), device, 16)
-    _check_tensor("h_scale_out", h_scale_out, (torch.uint8,), (TILE * ctas, i // 32), device, 4)
-    _require_dsl()
-    args = (_ptr(Uint8, kw.w13, 16), _ptr(Uint8, kw.w13_scale, 16), _ptr(Uint8, x_q, 16),
-            _ptr(Uint8, x_scale, 4), _ptr(Int32, record, 16), _ptr(Float32, kw.clamp, 4),
-            _ptr(Uint8, h_q_out, 16), _ptr(Uint8, h_scale_out, 4))  # fmt: skip
+    check_tensor("x_q", x_q, u8, (rows, h), device, align=16)
+    check_tensor("x_scale", x_scale, (torch.uint8,), (rows, h // 32), device, align=4)
+    check_tensor("h_q_out", h_q_out, u8, (TILE * ctas, i), device, align=16)
+    check_tensor("h_scale_out", h_scale_out, (torch.uint8,), (TILE * ctas, i // 32), device, align=4)
+    require_dsl(_KERNEL)
+    args = (gmem_ptr(Uint8, kw.w13, 16), gmem_ptr(Uint8, kw.w13_scale, 16), gmem_ptr(Uint8, x_q, 16),
+            gmem_ptr(Uint8, x_scale, 4), gmem_ptr(Int32, record, 16), gmem_ptr(Float32, kw.clamp, 4),
+            gmem_ptr(Uint8, h_q_out, 16), gmem_ptr(Uint8, h_scale_out, 4))  # fmt: skip
     _launch(kw, 1, tactic, args, ctas, device, stream, record, workspace)
 
 
@@ -648,11 +607,11 @@ def gemm2(kw: KernelWeights, h_q: torch.Tensor, h_scale: torch.Tensor, record: t
     device = _check_common(kw, record, ctas)
     h, i = kw.hidden, kw.intermediate
     u8 = (torch.uint8, torch.float8_e4m3fn)
-    _check_tensor("h_q", h_q, u8, (TILE * ctas, i), device, 16)
-    _check_tensor("h_scale", h_scale, (torch.uint8,), (TILE * ctas, i // 32), device, 4)
-    _check_tensor("out", out, (torch.bfloat16,), (TILE * ctas, h), device, 16)
-    _require_dsl()
-    args = (_ptr(Uint8, kw.w2, 16), _ptr(Uint8, kw.w2_scale, 16), _ptr(Uint8, h_q, 16),
-            _ptr(Uint8, h_scale, 4), _ptr(Int32, record, 16), _ptr(Float32, kw.clamp, 4),
-            _ptr(BFloat16, out, 16), _ptr(Uint8, h_scale, 4))  # fmt: skip
+    check_tensor("h_q", h_q, u8, (TILE * ctas, i), device, align=16)
+    check_tensor("h_scale", h_scale, (torch.uint8,), (TILE * ctas, i // 32), device, align=4)
+    check_tensor("out", out, (torch.bfloat16,), (TILE * ctas, h), device, align=16)
+    require_dsl(_KERNEL)
+    args = (gmem_ptr(Uint8, kw.w2, 16), gmem_ptr(Uint8, kw.w2_scale, 16), gmem_ptr(Uint8, h_q, 16),
+            gmem_ptr(Uint8, h_scale, 4), gmem_ptr(Int32, record, 16), gmem_ptr(Float32, kw.clamp, 4),
+            gmem_ptr(BFloat16, out, 16), gmem_ptr(Uint8, h_scale, 4))  # fmt: skip
     _launch(kw, 2, tactic, args, ctas, device, stream, record, workspace)

@@ -40,6 +40,9 @@ import functools
 
 import torch
 
+from moebench.kernels.host import (
+    HAVE_DSL, check_bool, check_tensor, check_threads, cu_stream, gmem_ptr, require_dsl,
+)  # fmt: skip
 from moebench.models import MX_BLOCK
 
 #: Most token rows the kernel takes, and the granularity of H.
@@ -52,42 +55,31 @@ _E4M3_MAX_BITS = 0x43E00000       # 448.0f
 _ONE_NAN_WORD = 0x7F7F7F7F        # four e4m3 NaN bytes
 _E8M0_NAN = 255
 
-try:  # the kernel class needs the DSL's decorators at definition time
+if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     import cuda.bindings.driver as _cuda
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Int32, Uint8, Uint32
     from cutlass._mlir import ir
-    from cutlass._mlir.dialects import llvm, vector
-    from cutlass.cutlass_dsl import T, dsl_user_op
+    from cutlass._mlir.dialects import vector
+    from cutlass.cutlass_dsl import dsl_user_op
 
-    _HAVE_DSL = True
-except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
-    _HAVE_DSL = False
-
-
-if _HAVE_DSL:
-
-    def _asm(text: str, constraints: str, *args, loc=None, ip=None) -> Uint32:
-        """One pure (side-effect free) inline-PTX instruction group -> Uint32."""
-        return Uint32(llvm.inline_asm(
-            T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip) for a in args], text, constraints,
-            has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+    from moebench.kernels.ptx import asm_u32 as _asm
 
     @dsl_user_op
     def _max_u16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
         """Per-halfword unsigned max (sm_90: VIMNMX.U16x2)."""
-        return _asm("max.u16x2 $0, $1, $2;", "=r,r,r", a, b, loc=loc, ip=ip)
+        return _asm("max.u16x2 $0, $1, $2;", "=r,r,r", Uint32(a), Uint32(b), loc=loc, ip=ip)
 
     @dsl_user_op
     def _div_rn_448(a: Uint32, *, loc=None, ip=None) -> Uint32:
         """fp32 bits of a / 448 (a: fp32 bits), IEEE round-to-nearest, subnormals kept."""
-        return _asm(f"div.rn.f32 $0, $1, 0f{_E4M3_MAX_BITS:08X};", "=r,r", a, loc=loc, ip=ip)
+        return _asm(f"div.rn.f32 $0, $1, 0f{_E4M3_MAX_BITS:08X};", "=r,r", Uint32(a), loc=loc, ip=ip)
 
     @dsl_user_op
     def _mul_rn(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
         """fp32 bits of a * b (fp32 bits in), round-to-nearest, no flush to zero."""
-        return _asm("mul.rn.f32 $0, $1, $2;", "=r,r,r", a, b, loc=loc, ip=ip)
+        return _asm("mul.rn.f32 $0, $1, $2;", "=r,r,r", Uint32(a), Uint32(b), loc=loc, ip=ip)
 
     @dsl_user_op
     def _cvt_e4m3x4(f0: Uint32, f1: Uint32, f2: Uint32, f3: Uint32, *, loc=None, ip=None) -> Uint32:
@@ -97,7 +89,7 @@ if _HAVE_DSL:
             " cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"   # first source -> upper byte
             " cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
             " mov.b32 $0, {lo, hi}; }",
-            "=r,r,r,r,r", f0, f1, f2, f3, loc=loc, ip=ip)
+            "=r,r,r,r,r", Uint32(f0), Uint32(f1), Uint32(f2), Uint32(f3), loc=loc, ip=ip)
 
     @dsl_user_op
     def _ld_v4(ptr, *, loc=None, ip=None):
@@ -126,11 +118,8 @@ if _HAVE_DSL:
         """
 
         def __init__(self, pdl: bool = True, threads: int = DEFAULT_THREADS):
-            if not isinstance(pdl, bool):
-                raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
-            if (not isinstance(threads, int) or isinstance(threads, bool)
-                    or threads < 32 or threads % 32 or threads > 1024):
-                raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
+            check_bool("pdl", pdl)
+            check_threads(threads)
             self.pdl = pdl
             self.threads = threads
 
@@ -196,15 +185,7 @@ if _HAVE_DSL:
                 cute.arch.store(x_scale + b, Uint8(code))
 
 
-def _require_dsl() -> None:
-    if not _HAVE_DSL:
-        raise RuntimeError("the quantize kernel needs nvidia-cutlass-dsl (pip install moebench[kernels])")
-
-
-def _check_threads(threads) -> None:
-    if (not isinstance(threads, int) or isinstance(threads, bool)
-            or threads < 32 or threads % 32 or threads > 1024):
-        raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
+_KERNEL = "the quantize kernel"
 
 
 def compile_quantize_kernel(pdl: bool = True, threads: int = DEFAULT_THREADS):
@@ -219,39 +200,20 @@ def compile_quantize_kernel(pdl: bool = True, threads: int = DEFAULT_THREADS):
     `launch_quantize_mxfp8` does this for torch tensors. Raises RuntimeError
     without nvidia-cutlass-dsl, TypeError for a non-bool `pdl`, ValueError
     for a bad `threads`."""
-    if not isinstance(pdl, bool):
-        raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
-    _check_threads(threads)
+    check_bool("pdl", pdl)
+    check_threads(threads)
     return _compile(pdl, threads)
 
 
 @functools.lru_cache(maxsize=None)
 def _compile(pdl: bool, threads: int):
-    _require_dsl()
-    from cutlass.cute.runtime import make_ptr
+    require_dsl(_KERNEL)
 
     def fake(dtype):
-        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
+        return gmem_ptr(dtype, 16, 16)
 
     return cute.compile(QuantizeKernel(pdl=pdl, threads=threads), fake(BFloat16), fake(Uint8),
                         fake(Uint8), Int32(MX_BLOCK), _cuda.CUstream(0))
-
-
-def _check_tensor(name: str, t, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...],
-                  device: torch.device | None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name} must be {want}, got {t.dtype}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device} (the device of x), got {t.device}")
-    if t.data_ptr() % 16:
-        raise ValueError(f"{name} must be 16-byte aligned (data_ptr {t.data_ptr():#x})")
 
 
 def _check_x(x) -> tuple[int, int]:
@@ -266,18 +228,8 @@ def _check_x(x) -> tuple[int, int]:
         raise ValueError(f"x: rows must be in [1, {MAX_ROWS}], got {rows} (shape {tuple(x.shape)})")
     if h <= 0 or h % H_MULTIPLE:
         raise ValueError(f"x: H must be a positive multiple of {H_MULTIPLE}, got {h}")
-    _check_tensor("x", x, (torch.bfloat16,), (rows, h), None)
+    check_tensor("x", x, torch.bfloat16, (rows, h), align=16)
     return rows, h
-
-
-def _cu_stream(stream, device: torch.device):
-    if stream is None:
-        return _cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    if isinstance(stream, torch.cuda.Stream):
-        return _cuda.CUstream(stream.cuda_stream)
-    if isinstance(stream, _cuda.CUstream):
-        return stream
-    raise TypeError(f"stream must be None, a torch.cuda.Stream or a CUstream, got {type(stream).__name__}")
 
 
 def launch_quantize_mxfp8(
@@ -312,22 +264,18 @@ def launch_quantize_mxfp8(
     """
     rows, h = _check_x(x)
     device = x.device
-    _check_tensor("x_q_out", x_q_out, (torch.uint8, torch.float8_e4m3fn), (rows, h), device)
-    _check_tensor("x_scale_out", x_scale_out, (torch.uint8,), (rows, h // MX_BLOCK), device)
-    if not isinstance(pdl, bool):
-        raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
-    _check_threads(threads)
+    check_tensor("x_q_out", x_q_out, (torch.uint8, torch.float8_e4m3fn), (rows, h), device,
+                 device_of="x", align=16)
+    check_tensor("x_scale_out", x_scale_out, torch.uint8, (rows, h // MX_BLOCK), device,
+                 device_of="x", align=16)
+    check_bool("pdl", pdl)
+    check_threads(threads)
     if device.type != "cuda":
         raise ValueError(f"x, x_q_out and x_scale_out must be CUDA tensors, got {device}")
-    _require_dsl()
-    from cutlass.cute.runtime import make_ptr
-
-    def ptr(t: torch.Tensor, dtype):
-        return make_ptr(dtype, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=16)
-
+    require_dsl(_KERNEL)
     compiled = compile_quantize_kernel(pdl, threads)
-    compiled(ptr(x, BFloat16), ptr(x_q_out, Uint8), ptr(x_scale_out, Uint8),
-             Int32(rows * h // MX_BLOCK), _cu_stream(stream, device))
+    compiled(gmem_ptr(BFloat16, x, 16), gmem_ptr(Uint8, x_q_out, 16), gmem_ptr(Uint8, x_scale_out, 16),
+             Int32(rows * h // MX_BLOCK), cu_stream(stream, device))
 
 
 def quantize_mxfp8(x: torch.Tensor, *, stream=None, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

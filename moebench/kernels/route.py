@@ -36,6 +36,7 @@ import functools
 
 import torch
 
+from moebench.kernels.host import HAVE_DSL, check_bool, check_tensor, cu_stream, gmem_ptr, require_dsl
 from moebench.record import (
     MAX_EXPERTS,
     MAX_ROWS,
@@ -66,18 +67,11 @@ def _check_keys_per_step(keys_per_step) -> None:
         raise ValueError(f"keys_per_step must be one of {KEYS_PER_STEP}, got {keys_per_step!r}")
 
 
-try:  # the kernel class needs the DSL's decorators at definition time
+if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     import cuda.bindings.driver as _cuda
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
-
-    _HAVE_DSL = True
-except ImportError:  # pragma: no cover - exercised only without nvidia-cutlass-dsl
-    _HAVE_DSL = False
-
-
-if _HAVE_DSL:
 
     class RouteKernel:
         """One-CTA route kernel (CuTe DSL, sm_90a).
@@ -95,8 +89,7 @@ if _HAVE_DSL:
 
         def __init__(self, pdl: bool = True, threads: int = 128,
                      keys_per_step: int = DEFAULT_KEYS_PER_STEP):
-            if not isinstance(pdl, bool):
-                raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
+            check_bool("pdl", pdl)
             if (not isinstance(threads, int) or isinstance(threads, bool)
                     or threads < MAX_SLOTS or threads % 32 or threads > 1024):
                 raise ValueError(
@@ -234,9 +227,7 @@ if _HAVE_DSL:
                 g_rec[3] = top_k
 
 
-def _require_dsl() -> None:
-    if not _HAVE_DSL:
-        raise RuntimeError("the route kernel needs nvidia-cutlass-dsl (pip install moebench[kernels])")
+_KERNEL = "the route kernel"
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,37 +242,17 @@ def compile_route_kernel(pdl: bool = True, keys_per_step: int = DEFAULT_KEYS_PER
     counts and a cuda.bindings CUstream; `launch_route` does this for torch
     tensors. Raises RuntimeError without nvidia-cutlass-dsl, TypeError for a
     non-bool `pdl`, ValueError for a `keys_per_step` not in KEYS_PER_STEP."""
-    _require_dsl()
-    from cutlass.cute.runtime import make_ptr
+    require_dsl(_KERNEL)
 
     def fake():
-        return make_ptr(Int32, 16, cute.AddressSpace.gmem, assumed_align=4)
+        return gmem_ptr(Int32, 16, 4)
 
     return cute.compile(RouteKernel(pdl=pdl, keys_per_step=keys_per_step), fake(), fake(), fake(),
                         Int32(1), Int32(1), Int32(1), _cuda.CUstream(0))
 
 
 def _check_out(name: str, t, shape: tuple[int, ...], device: torch.device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {t.dtype}")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} (the device of topk_ids), got {t.device}")
-
-
-def _cu_stream(stream, device: torch.device):
-    if stream is None:
-        return _cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
-    if isinstance(stream, torch.cuda.Stream):
-        return _cuda.CUstream(stream.cuda_stream)
-    if isinstance(stream, _cuda.CUstream):
-        return stream
-    raise TypeError(f"stream must be None, a torch.cuda.Stream or a CUstream, got {type(stream).__name__}")
+    check_tensor(name, t, torch.int32, shape, device, device_of="topk_ids")
 
 
 def launch_route(
@@ -324,20 +295,14 @@ def launch_route(
     device = topk_ids.device
     _check_out("record_out", record_out, (route_words(max_ctas(rows, top_k, experts)),), device)
     _check_out("permuted_out", permuted_out, (rows, top_k), device)
-    if not isinstance(pdl, bool):
-        raise TypeError(f"pdl must be a bool, got {type(pdl).__name__}")
+    check_bool("pdl", pdl)
     _check_keys_per_step(keys_per_step)
     if device.type != "cuda":
         raise ValueError(f"topk_ids, record_out and permuted_out must be CUDA tensors, got {device}")
-    _require_dsl()
-    from cutlass.cute.runtime import make_ptr
-
-    def ptr(t: torch.Tensor):
-        return make_ptr(Int32, t.data_ptr(), cute.AddressSpace.gmem, assumed_align=4)
-
+    require_dsl(_KERNEL)
     compiled = compile_route_kernel(pdl, keys_per_step)
-    compiled(ptr(topk_ids), ptr(record_out), ptr(permuted_out),
-             Int32(rows), Int32(top_k), Int32(experts), _cu_stream(stream, device))
+    compiled(gmem_ptr(Int32, topk_ids, 4), gmem_ptr(Int32, record_out, 4), gmem_ptr(Int32, permuted_out, 4),
+             Int32(rows), Int32(top_k), Int32(experts), cu_stream(stream, device))
 
 
 def route(topk_ids: torch.Tensor, experts: int, *, stream=None, pdl: bool = True) -> RouteRecord:
