@@ -90,6 +90,19 @@ class Backend(abc.ABC):
             raise ValueError(f"tactic {tactic!r} is not valid for backend {self.name!r}; expected one of {valid}")
 
 
+def sm90_reason(device: torch.device | str) -> str | None:
+    """Why `device` is not an sm_90 (Hopper) CUDA GPU, or None when it is."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return f"needs a CUDA device, got {dev}"
+    if not torch.cuda.is_available():
+        return "CUDA is not available"
+    major, minor = torch.cuda.get_device_capability(dev)
+    if major != 9:
+        return f"needs an sm_90 (Hopper) GPU; {torch.cuda.get_device_name(dev)} is sm_{major}{minor}"
+    return None
+
+
 def check_weights(weights: ExpertWeights, shape: RankShape) -> None:
     """Raise TypeError/ValueError unless `weights` hold `shape`'s experts."""
     if not isinstance(weights, ExpertWeights):

@@ -44,7 +44,7 @@ from typing import ClassVar
 
 import torch
 
-from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights
+from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
 from moebench.backends.layouts import swap_halves
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
@@ -129,14 +129,9 @@ class _FlashInferBackend(Backend):
 
     # -- availability ---------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device | str) -> str | None:
-        dev = torch.device(device)
-        if dev.type != "cuda":
-            return f"needs a CUDA device, got {dev}"
-        if not torch.cuda.is_available():
-            return "CUDA is not available"
-        major, minor = torch.cuda.get_device_capability(dev)
-        if major != 9:
-            return f"needs an sm_90 (Hopper) GPU; {torch.cuda.get_device_name(dev)} is sm_{major}{minor}"
+        reason = sm90_reason(device)
+        if reason:
+            return reason
         if importlib.util.find_spec("flashinfer") is None:
             return "package flashinfer-python is not installed (see docs/baselines.md: .bundles/flashinfer.tar.xz)"
         try:

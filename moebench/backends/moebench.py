@@ -16,7 +16,7 @@ import importlib.util
 
 import torch
 
-from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights
+from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
 
@@ -36,13 +36,7 @@ class MoebenchBackend(Backend):
     def unavailable_reason(self, device: torch.device | str) -> str | None:
         if importlib.util.find_spec("cutlass") is None:
             return "needs nvidia-cutlass-dsl (pip install 'moebench[kernels]')"
-        dev = torch.device(device)
-        if dev.type != "cuda" or not torch.cuda.is_available():
-            return "needs a CUDA GPU"
-        major, minor = torch.cuda.get_device_capability(dev)
-        if major != 9:
-            return f"kernels are built for sm_90a; this GPU is sm_{major}{minor}"
-        return None
+        return sm90_reason(device)
 
     def prepare(self, weights: ExpertWeights, shape: RankShape, tactic: str = DEFAULT_TACTIC):
         """A RoutedExpertGemm bound to `weights` (raises ValueError for a bad
