@@ -39,7 +39,10 @@ USAGE_ERROR = 2
 
 
 def _fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:
-    err_console.print(f"[red]error: {message}[/red]", soft_wrap=True)
+    from rich.markup import escape
+
+    # Escaped: messages quote shapes like [steps, rows, top_k] that rich would eat.
+    err_console.print(f"[red]error: {escape(message)}[/red]", soft_wrap=True)
     return typer.Exit(code)
 
 
@@ -127,8 +130,10 @@ def sweep(
         dev = resolve_device(device)
         reduced = dev.type == "cpu"
         # A CPU run is a smoke run of the reference: a smaller default grid.
-        rows = rows or ("1,4,8" if reduced else "1-8")
-        tp = tp or ("1,8" if reduced else "1,2,4,8")
+        rows = ("1,4,8" if reduced else "1-8") if rows is None else rows
+        tp = ("1,8" if reduced else "1,2,4,8") if tp is None else tp
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out: {out} exists and is not a directory")
         config = SweepConfig(
             presets=parse_names(preset, "--preset"), hidden=hidden, intermediate=intermediate,
             experts=experts, top_k=top_k, tp=parse_int_list(tp, "--tp", 1, 64),
@@ -174,6 +179,9 @@ def sweep(
         f"copy bandwidth {result.manifest['copy_bw_gbps']:.1f} GB/s"
     )
     console.print(f"run stored in [bold]{path}[/bold]")
+    if counts.get("ok", 0) + counts.get("failed", 0) == 0:
+        reasons = sorted(set(result.frame["error"].dropna().astype(str)))[:3]
+        raise _fail("no case ran (every case was skipped): " + "; ".join(reasons), 1)
 
 
 def _print_summary(table_df) -> None:

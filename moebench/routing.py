@@ -187,7 +187,8 @@ def scenario_topk_ids(
       max(top_k, round(rows*top_k*22/36)) experts, each row picks top_k distinct
       from it (about 22 distinct experts at 6 rows x top-6);
     - replay: step (seed mod steps) of a recorded trace, an .npz file with
-      `topk_ids` [steps, rows_trace, top_k]; the first `rows` rows.
+      `topk_ids` [steps, rows_trace, top_k]; the first `rows` rows, which must
+      hold distinct ids in [0, experts) per row.
 
     Raises ValueError for an unknown scenario, bad sizes, a missing/corrupt trace.
     """
@@ -198,7 +199,7 @@ def scenario_topk_ids(
     if not isinstance(top_k, int) or not 1 <= top_k <= experts:
         raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k!r}")
     if scenario == "replay":
-        return _replay(trace, rows, top_k, seed)
+        return _replay(trace, rows, top_k, experts, seed)
     gen = torch.Generator().manual_seed(seed)
     everyone = torch.arange(experts)
     out = torch.empty(rows, top_k, dtype=torch.int64)
@@ -224,7 +225,7 @@ def scenario_topk_ids(
     return out.to(torch.int32)
 
 
-def _replay(trace: str | Path | None, rows: int, top_k: int, seed: int) -> torch.Tensor:
+def _replay(trace: str | Path | None, rows: int, top_k: int, experts: int, seed: int) -> torch.Tensor:
     if trace is None:
         raise ValueError("scenario 'replay' needs trace=<path to .npz with topk_ids>")
     path = Path(trace)
@@ -240,7 +241,15 @@ def _replay(trace: str | Path | None, rows: int, top_k: int, seed: int) -> torch
         raise ValueError(
             f"trace {path} holds [{steps}, {trace_rows}, {trace_k}]; asked for {rows} rows x top-{top_k}"
         )
-    return torch.from_numpy(ids[seed % steps, :rows].astype(np.int32))
+    step = ids[seed % steps, :rows].astype(np.int64)
+    if step.size and (step.min() < 0 or step.max() >= experts):
+        raise ValueError(
+            f"trace {path}: step {seed % steps} has expert ids in [{step.min()}, {step.max()}],"
+            f" outside [0, {experts}) (recorded for another expert count?)"
+        )
+    if any(len(set(row.tolist())) != top_k for row in step):
+        raise ValueError(f"trace {path}: step {seed % steps} repeats an expert within a row")
+    return torch.from_numpy(step.astype(np.int32))
 
 
 def scenario_weights(rows: int, top_k: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:

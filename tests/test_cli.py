@@ -193,3 +193,25 @@ def test_sweep_tactics_all_expands_per_backend(tmp_path):
 
     df = pd.read_parquet(next(tmp_path.iterdir()) / "results.parquet")
     assert len(df) >= 2 and "default" in set(df["tactic"]) and "all" not in set(df["tactic"])
+
+
+def test_error_text_in_brackets_survives(tmp_path):
+    result = runner.invoke(app, ["report", str(tmp_path / "[myrun]")])
+    assert result.exit_code != 0
+    assert "[myrun]" in result.output
+
+
+def test_sweep_out_pointing_at_a_file_fails_before_measuring(tmp_path):
+    target = tmp_path / "afile"
+    target.write_text("mine")
+    result = runner.invoke(app, ["sweep", "--rows", "1", "--tp", "1", "--out", str(target)])
+    assert result.exit_code == 2 and "--out" in result.output and "No GPU" not in result.output
+    assert target.read_text() == "mine"
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU the moebench backend runs")
+def test_sweep_where_every_case_is_skipped_exits_nonzero(tmp_path):
+    result = runner.invoke(
+        app, ["sweep", "--rows", "1", "--tp", "8", "--backends", "moebench", "--out", str(tmp_path)]
+    )
+    assert result.exit_code == 1 and "no case ran" in result.output

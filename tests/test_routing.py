@@ -442,3 +442,16 @@ def test_scenario_weights():
     torch.testing.assert_close(w.sum(1), torch.full((8,), 1.5), rtol=1e-6, atol=0)
     assert torch.equal(w, scenario_weights(8, 6, seed=3, scale=1.5))
     assert not torch.equal(w, scenario_weights(8, 6, seed=4, scale=1.5))
+
+
+def test_replay_rejects_ids_outside_the_experts_and_repeats(tmp_path):
+    import numpy as np
+
+    far = tmp_path / "far.npz"
+    np.savez(far, topk_ids=np.arange(2 * 3 * 2).reshape(2, 3, 2) + 380)
+    with pytest.raises(ValueError, match="far.npz.*outside \\[0, 32\\)"):
+        scenario_topk_ids("replay", 3, 2, 32, trace=far)
+    dup = tmp_path / "dup.npz"
+    np.savez(dup, topk_ids=np.zeros((1, 2, 2), dtype=np.int64))
+    with pytest.raises(ValueError, match="dup.npz.*repeats an expert"):
+        scenario_topk_ids("replay", 2, 2, 32, trace=dup)
