@@ -113,7 +113,7 @@ class SweepConfig:
         set_("presets", _tuple_of("presets", self.presets, str))
         for p in self.presets:
             if p not in PRESETS:
-                raise ValueError(f"presets: unknown preset {p!r}; expected one of {sorted(PRESETS)}")
+                raise ValueError(f"presets (--preset): unknown preset {p!r}; expected one of {sorted(PRESETS)}")
         set_("tp", _tuple_of("tp", self.tp, int))
         if any(t <= 0 for t in self.tp):
             raise ValueError(f"tp must be positive, got {self.tp}")
@@ -123,9 +123,9 @@ class SweepConfig:
         set_("scenarios", _tuple_of("scenarios", self.scenarios, str))
         for s in self.scenarios:
             if s not in SCENARIOS:
-                raise ValueError(f"scenarios: unknown scenario {s!r}; expected one of {SCENARIOS}")
+                raise ValueError(f"scenarios (--scenario): unknown scenario {s!r}; expected one of {SCENARIOS}")
         if "replay" in self.scenarios and self.trace is None:
-            raise ValueError("scenarios: 'replay' needs trace=<.npz path with topk_ids>")
+            raise ValueError("scenarios (--scenario): 'replay' needs trace (--trace) = an .npz with topk_ids")
         if self.backends is not None:
             set_("backends", _tuple_of("backends", self.backends, str))
         set_("tactics", _tuple_of("tactics", self.tactics, str))
