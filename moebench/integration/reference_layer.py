@@ -23,6 +23,7 @@ import torch
 from moebench.formats import ExpertWeights, generate_expert_weights
 from moebench.models import RankShape
 from moebench.moe_output import UnfinalizedMoEOutput, finalize
+from moebench.record import MAX_ROWS
 from moebench.reference import reference_moe, swiglu_clamped
 from moebench.routing import RouterConfig, route
 
@@ -172,13 +173,21 @@ class Mxfp4Experts:
     def forward_unfinalized(
         self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> UnfinalizedMoEOutput:
-        """Unweighted BF16 GEMM2 rows with the routing (`reference_moe`, MXFP8 x and H)."""
-        result = reference_moe(x, topk_ids, topk_weights, self.expert_weights(), activation="mxfp8")
-        u = result.unfinalized
+        """Unweighted BF16 GEMM2 rows with the routing (`reference_moe`, MXFP8 x
+        and H), for any number of rows: the route record takes `MAX_ROWS` rows,
+        so longer calls run in chunks whose rows and permute maps are joined."""
+        weights = self.expert_weights()
+        rows, maps, offset = [], [], 0
+        for start in range(0, x.shape[0], MAX_ROWS):
+            part = slice(start, start + MAX_ROWS)
+            u = reference_moe(x[part], topk_ids[part], topk_weights[part], weights).unfinalized
+            idx = u.expanded_idx_to_permuted_idx
+            maps.append(torch.where(idx >= 0, idx + offset, idx))
+            rows.append(u.gemm2_permuted.to(torch.bfloat16))
+            offset += u.gemm2_permuted.shape[0]
         return UnfinalizedMoEOutput(
-            u.gemm2_permuted.to(torch.bfloat16).contiguous(), u.expert_weights.float(),
-            u.expanded_idx_to_permuted_idx,
-        )  # fmt: skip
+            torch.cat(rows).contiguous(), topk_weights.float(), torch.cat(maps).to(torch.int32)
+        )
 
 
 class ReferenceMoELayer:

@@ -1,0 +1,72 @@
+"""Shared pieces of the integration tests (imported by name: tests/ has no
+__init__.py), the tiny shape and a CPU stand-in
+for `RoutedExpertGemm` (the real kernels need an H200)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moebench.formats import ExpertWeights
+from moebench.models import MoEConfig
+from moebench.moe_output import UnfinalizedMoEOutput
+from moebench.reference import reference_moe
+
+#: hidden 256, per-rank intermediate 64 (TP2 of 128), padded to 128; 32 experts, top-4;
+#: the router folds 1.5.
+TINY = MoEConfig("tiny", 256, 128, 32, 4, 1, 1.5, 10.0).shard(2)
+
+
+@dataclass
+class FakeRouting:
+    x: torch.Tensor
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+
+
+class FakeRoutedExpertGemm:
+    """`RoutedExpertGemm`'s interface (accepts / route / gemms) in torch, from
+    `reference.reference_moe` ("mxfp8", the kernels' numerics). `accepts`
+    mirrors the real rule, including the data_ptr check of the weights;
+    `calls` counts route / gemms calls."""
+
+    def __init__(self, weights: ExpertWeights, top_k: int) -> None:
+        self.source = weights
+        self.top_k = top_k
+        self.calls = {"route": 0, "gemms": 0}
+
+    @property
+    def hidden(self) -> int:
+        return self.source.hidden
+
+    def accepts(self, x: torch.Tensor, weights=None) -> bool:
+        ok = (
+            isinstance(x, torch.Tensor)
+            and x.dim() == 2
+            and 1 <= x.shape[0] <= 8
+            and x.shape[1] == self.hidden
+            and x.dtype == torch.bfloat16
+            and x.device == self.source.w13.device
+            and x.is_contiguous()
+        )
+        if ok and weights is not None:
+            ok = weights.w13.data_ptr() == self.source.w13.data_ptr() and (
+                weights.w2.data_ptr() == self.source.w2.data_ptr()
+            )
+        return bool(ok)
+
+    def route(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> FakeRouting:
+        assert self.accepts(x)
+        assert topk_ids.dtype == torch.int32 and tuple(topk_ids.shape) == (x.shape[0], self.top_k)
+        assert topk_weights.dtype == torch.float32 and topk_weights.shape == topk_ids.shape
+        self.calls["route"] += 1
+        return FakeRouting(x, topk_ids, topk_weights)
+
+    def gemms(self, routing: FakeRouting) -> UnfinalizedMoEOutput:
+        self.calls["gemms"] += 1
+        u = reference_moe(routing.x, routing.topk_ids, routing.topk_weights, self.source).unfinalized
+        return UnfinalizedMoEOutput(
+            u.gemm2_permuted.to(torch.bfloat16).contiguous(), u.expert_weights,
+            u.expanded_idx_to_permuted_idx,
+        )  # fmt: skip
