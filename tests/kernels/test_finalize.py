@@ -8,10 +8,18 @@ PDL off, CTA sizes, streams and CUDA-graph replay."""
 from __future__ import annotations
 
 import re
-import tempfile
 
 import pytest
 import torch
+from kernel_checks import (
+    assert_guards_intact,
+    assert_pdl_order,
+    assert_sass_without_spills,
+    compile_sm90a,
+    graph_launch_times,
+    misaligned,
+    sass_instructions,
+)
 
 from moebench import moe_output
 from moebench.kernels.finalize import finalize, launch_finalize
@@ -35,14 +43,11 @@ def _compile(has_shared: bool, pdl: bool = True, threads: int = 64) -> tuple[lis
     def fake(dtype, align=16):
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
 
-    with tempfile.TemporaryDirectory() as d:
-        f = cute.compile(FinalizeKernel(has_shared=has_shared, pdl=pdl, threads=threads),
-                         fake(BFloat16), fake(Float32, 4), fake(Int32, 4), fake(BFloat16),
-                         fake(BFloat16), Int32(1), Int32(1), Int32(128), Int32(1), Float32(1.0),
-                         cuda.CUstream(0),
-                         options=f"--gpu-arch sm_90a --keep-sass --keep-ptx --dump-dir {d}")
-        sass, ptx = f.artifacts.SASS, f.artifacts.PTX
-    return [s.strip() for s in re.findall(r"/\*[0-9a-f]{4}\*/\s+([^;]+);", sass)], ptx
+    sass, ptx = compile_sm90a(FinalizeKernel(has_shared=has_shared, pdl=pdl, threads=threads),
+                              fake(BFloat16), fake(Float32, 4), fake(Int32, 4), fake(BFloat16),
+                              fake(BFloat16), Int32(1), Int32(1), Int32(128), Int32(1),
+                              Float32(1.0), cuda.CUstream(0), ptx=True)
+    return sass_instructions(sass), ptx
 
 
 @pytest.mark.compile
@@ -52,10 +57,7 @@ def _compile(has_shared: bool, pdl: bool = True, threads: int = 64) -> tuple[lis
 )
 def test_compiles_for_sm90a_without_spills(has_shared, pdl, threads):
     instr, ptx = _compile(has_shared, pdl, threads)
-    assert len(instr) > 50, "no SASS came back"
-    text = "\n".join(instr)
-    # local memory = register spills (or a stack frame)
-    assert not re.search(r"\b(STL|LDL)\b", text), "register spills in the finalize kernel"
+    text = assert_sass_without_spills(instr, "finalize")
     # 16-byte row loads (top_k <= 8, + the shared chunk), one 16-byte store; the
     # indices and weights as 8 + 8 scalar loads; nothing narrower
     assert len(re.findall(r"\bLDG\.E\.128\b", text)) == 8 + has_shared
@@ -76,12 +78,7 @@ def test_compiles_for_sm90a_without_spills(has_shared, pdl, threads):
     row_loads = [i for i, s in enumerate(instr) if "LDG.E.128" in s]
     math = [i for i, s in enumerate(instr) if re.match(r"(@!?P\d+ )?(FMUL|FADD)\b", s)]
     assert max(row_loads) < min(math), (row_loads, min(math))
-    # PDL: trigger dependents (PREEXIT) and wait on the previous grid (ACQBULK)
-    assert ("PREEXIT" in text) == pdl
-    assert ("ACQBULK" in text) == pdl
-    if pdl:  # the wait comes before any global access
-        first_global = min(i for i, s in enumerate(instr) if re.match(r"(@!?P\d+ )?(LDG|STG)", s))
-        assert instr.index("ACQBULK") < first_global
+    assert_pdl_order(instr, pdl)
 
 
 @pytest.mark.compile
@@ -118,15 +115,6 @@ def _args(tokens=4, top_k=6, h=4096, n_rows=32):
                 out=torch.empty(tokens, h, dtype=torch.bfloat16))
 
 
-def _misaligned(shape, dtype):
-    n = 1
-    for s in shape:
-        n *= s
-    buf = torch.empty(n + 16, dtype=dtype)
-    off = next(i for i in range(1, 16) if (buf.data_ptr() + i * buf.element_size()) % 16)
-    return buf[off : off + n].view(shape)
-
-
 BF16 = torch.bfloat16
 
 
@@ -142,7 +130,7 @@ BF16 = torch.bfloat16
         (lambda a: a.update(rows=torch.zeros(32, 64, dtype=BF16)), ValueError, "rows: H"),
         (lambda a: a.update(rows=torch.zeros(32, 8192, dtype=BF16)[:, ::2]), ValueError,
          "rows must be contiguous"),
-        (lambda a: a.update(rows=_misaligned((32, 4096), BF16)), ValueError,
+        (lambda a: a.update(rows=misaligned((32, 4096), BF16)), ValueError,
          "rows must be 16-byte aligned"),
         (lambda a: a.update(weights=None), TypeError, "weights must be a torch.Tensor"),
         (lambda a: a.update(weights=a["weights"].double()), TypeError, "weights must be torch.float32"),
@@ -166,7 +154,7 @@ BF16 = torch.bfloat16
         (lambda a: a.update(out=torch.empty(4, 5120, dtype=BF16)), ValueError, "out must have shape"),
         (lambda a: a.update(out=torch.empty(4096, 4, dtype=BF16).t()), ValueError,
          "out must be contiguous"),
-        (lambda a: a.update(out=_misaligned((4, 4096), BF16)), ValueError,
+        (lambda a: a.update(out=misaligned((4, 4096), BF16)), ValueError,
          "out must be 16-byte aligned"),
         (lambda a: a.update(shared=[1.0]), TypeError, "shared must be a torch.Tensor"),
         (lambda a: a.update(shared=torch.zeros(4, 4096)), TypeError, "shared must be torch.bfloat16"),
@@ -174,7 +162,7 @@ BF16 = torch.bfloat16
          "shared must have shape"),
         (lambda a: a.update(shared=torch.zeros(4096, 4, dtype=BF16).t()), ValueError,
          "shared must be contiguous"),
-        (lambda a: a.update(shared=_misaligned((4, 4096), BF16)), ValueError,
+        (lambda a: a.update(shared=misaligned((4, 4096), BF16)), ValueError,
          "shared must be 16-byte aligned"),
         (lambda a: a.update(scale="2"), TypeError, "scale"),
         (lambda a: a.update(scale=None), TypeError, "scale"),
@@ -351,9 +339,8 @@ def _check(rows, weights, permuted, shared, *, scale=1.0, pdl=True, threads=64, 
     launch_finalize(r, w, p, out, scale=scale, shared=s, pdl=pdl, threads=threads)
     torch.cuda.synchronize()
     _assert_same_bits(out, want, ctx)
-    b = buf.cpu().view(torch.int16)
-    assert (b[:GUARD] == NAN_BITS).all() and (b[GUARD + tokens * h :] == NAN_BITS).all(), (
-        f"out written out of bounds: {ctx}")
+    assert_guards_intact(buf.view(torch.int16), GUARD, tokens * h, NAN_BITS,
+                         f"out written out of bounds: {ctx}")
     assert torch.equal(r.cpu().view(torch.int16), rows.view(torch.int16)), f"rows modified: {ctx}"
     if s is not None:
         assert torch.equal(s.cpu().view(torch.int16), shared.view(torch.int16)), f"shared modified: {ctx}"
@@ -512,22 +499,8 @@ def test_finalize_graph_timing(capsys):
     gen = torch.Generator().manual_seed(6)
     rows, w, perm, sh = (t.cuda() for t in _make_case(tokens, top_k, h, gen, shared=True))
     out = torch.empty(tokens, h, dtype=BF16, device="cuda")
-    launch_finalize(rows, w, perm, out, shared=sh)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            launch_finalize(rows, w, perm, out, shared=sh)
-    graph.replay()
-    times = []
-    for _ in range(20):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        graph.replay()
-        t1.record()
-        t1.synchronize()
-        times.append(t0.elapsed_time(t1) * 1000 / n)
-    med = sorted(times)[len(times) // 2]
+    med, times = graph_launch_times(lambda: launch_finalize(rows, w, perm, out, shared=sh),
+                                    n=n, replays=20)
     with capsys.disabled():
         print(f"\n[finalize] tokens={tokens} top_k={top_k} H={h} +shared: {med:.2f} us per launch "
               f"in a graph (median of 20 replays of {n}; min {min(times):.2f}, max {max(times):.2f})")

@@ -7,10 +7,19 @@ streams, and CUDA-graph replay."""
 from __future__ import annotations
 
 import re
-import tempfile
 
 import pytest
 import torch
+from kernel_checks import (
+    assert_guards_intact,
+    assert_pdl_order,
+    assert_sass_without_spills,
+    compile_sm90a,
+    graph_launch_times,
+    guarded,
+    misaligned,
+    sass_instructions,
+)
 
 from moebench import formats
 from moebench.kernels.quantize import launch_quantize_mxfp8, quantize_mxfp8
@@ -33,22 +42,16 @@ def _compile_sass(pdl: bool, threads: int = 64) -> tuple[str, str]:
     def fake(dtype):
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
 
-    with tempfile.TemporaryDirectory() as d:
-        f = cute.compile(QuantizeKernel(pdl=pdl, threads=threads), fake(BFloat16), fake(Uint8),
-                         fake(Uint8), Int32(32), cuda.CUstream(0),
-                         options=f"--gpu-arch sm_90a --keep-sass --keep-ptx --dump-dir {d}")
-        return f.artifacts.SASS, f.artifacts.PTX
+    return compile_sm90a(QuantizeKernel(pdl=pdl, threads=threads), fake(BFloat16), fake(Uint8),
+                         fake(Uint8), Int32(32), cuda.CUstream(0), ptx=True)
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize("pdl, threads", [(True, 64), (False, 64), (True, 32), (True, 1024)])
 def test_compiles_for_sm90a_without_spills(pdl, threads):
     sass, ptx = _compile_sass(pdl, threads)
-    instr = [s.strip() for s in re.findall(r"/\*[0-9a-f]{4}\*/\s+([^;]+);", sass)]
-    assert len(instr) > 50, "no SASS came back"
-    text = "\n".join(instr)
-    # local memory = register spills (or a stack frame)
-    assert not re.search(r"\b(STL|LDL)\b", text), "register spills in the quantize kernel"
+    instr = sass_instructions(sass)
+    text = assert_sass_without_spills(instr, "quantize")
     # 16-byte loads and stores, one scale byte, hardware e4m3 conversions
     assert len(re.findall(r"\bLDG\.E\.128\b", text)) == 4
     assert len(re.findall(r"\bSTG\.E\.128\b", text)) == 2
@@ -60,12 +63,7 @@ def test_compiles_for_sm90a_without_spills(pdl, threads):
     assert not re.search(r"\b(div|mul)\.(rn\.)?ftz\.f32|div\.approx", ptx)
     assert not re.search(r"\bFMUL\.FTZ\b", text)
     assert "BAR.SYNC" not in text
-    # PDL: trigger dependents (PREEXIT) and wait on the previous grid (ACQBULK)
-    assert ("PREEXIT" in text) == pdl
-    assert ("ACQBULK" in text) == pdl
-    if pdl:  # the wait comes before any global access
-        first_global = min(i for i, s in enumerate(instr) if re.match(r"(@!?P\d+ )?(LDG|STG)", s))
-        assert instr.index("ACQBULK") < first_global
+    assert_pdl_order(instr, pdl)
 
 
 @pytest.mark.compile
@@ -95,15 +93,6 @@ def _args(rows=4, h=4096):
                 x_scale_out=torch.empty(rows, h // 32, dtype=torch.uint8))
 
 
-def _misaligned(shape, dtype):
-    n = 1
-    for s in shape:
-        n *= s
-    buf = torch.empty(n + 16, dtype=dtype)
-    off = next(i for i in range(1, 16) if (buf.data_ptr() + i * buf.element_size()) % 16)
-    return buf[off : off + n].view(shape)
-
-
 @pytest.mark.parametrize(
     "mutate, exc, name",
     [
@@ -118,7 +107,7 @@ def _misaligned(shape, dtype):
         (lambda a: a.update(x=torch.zeros(4, 96, dtype=torch.bfloat16)), ValueError, "H"),
         (lambda a: a.update(x=torch.zeros(4, 8192, dtype=torch.bfloat16)[:, ::2]), ValueError,
          "x must be contiguous"),
-        (lambda a: a.update(x=_misaligned((4, 4096), torch.bfloat16)), ValueError,
+        (lambda a: a.update(x=misaligned((4, 4096), torch.bfloat16)), ValueError,
          "x must be 16-byte aligned"),
         (lambda a: a.update(x_q_out=None), TypeError, "x_q_out"),
         (lambda a: a.update(x_q_out=a["x_q_out"].to(torch.int8)), TypeError, "x_q_out"),
@@ -127,13 +116,13 @@ def _misaligned(shape, dtype):
         (lambda a: a.update(x_q_out=a["x_q_out"].view(-1)), ValueError, "x_q_out"),
         (lambda a: a.update(x_q_out=torch.empty(4096, 4, dtype=torch.uint8).t()), ValueError,
          "x_q_out must be contiguous"),
-        (lambda a: a.update(x_q_out=_misaligned((4, 4096), torch.uint8)), ValueError,
+        (lambda a: a.update(x_q_out=misaligned((4, 4096), torch.uint8)), ValueError,
          "x_q_out must be 16-byte aligned"),
         (lambda a: a.update(x_scale_out=a["x_scale_out"].view(torch.int8)), TypeError, "x_scale_out"),
         (lambda a: a.update(x_scale_out=a["x_scale_out"].float()), TypeError, "x_scale_out"),
         (lambda a: a.update(x_scale_out=torch.empty(4, 4096 // 16, dtype=torch.uint8)), ValueError,
          "x_scale_out"),
-        (lambda a: a.update(x_scale_out=_misaligned((4, 128), torch.uint8)), ValueError,
+        (lambda a: a.update(x_scale_out=misaligned((4, 128), torch.uint8)), ValueError,
          "x_scale_out must be 16-byte aligned"),
         (lambda a: a.update(pdl=1), TypeError, "pdl"),
         (lambda a: a.update(threads=48), ValueError, "threads"),
@@ -354,9 +343,8 @@ def test_kernel_method_model_on_every_bf16_pattern():
 
 def _guarded(shape, device):
     """A poisoned uint8 buffer with GUARD bytes before and after a [shape] view."""
-    n = shape[0] * shape[1]
-    buf = torch.full((n + 2 * GUARD,), POISON, dtype=torch.uint8, device=device)
-    return buf, buf[GUARD : GUARD + n].view(shape)
+    buf, view = guarded(shape[0] * shape[1], POISON, torch.uint8, GUARD, device)
+    return buf, view.view(shape)
 
 
 def _check(x_cpu: torch.Tensor, *, pdl=True, threads=64, what=""):
@@ -380,9 +368,7 @@ def _check(x_cpu: torch.Tensor, *, pdl=True, threads=64, what=""):
                    want_s[r, c // 32].item()) for r, c in bad]
         raise AssertionError(f"bytes differ: {ctx} (row, col, x, got, want, code): {detail}")
     for name, buf, n in (("x_q", q_buf, q.numel()), ("x_scale", s_buf, s.numel())):
-        b = buf.cpu()
-        assert (b[:GUARD] == POISON).all() and (b[GUARD + n :] == POISON).all(), (
-            f"{name} written out of bounds: {ctx}")
+        assert_guards_intact(buf, GUARD, n, POISON, f"{name} written out of bounds: {ctx}")
     assert torch.equal(x.cpu().view(torch.int16), x_cpu.view(torch.int16)), f"x modified: {ctx}"
 
 
@@ -490,22 +476,7 @@ def test_quantize_graph_timing(capsys):
     x = _make_input(rows, h, gen).cuda()
     q = torch.empty(rows, h, dtype=torch.uint8, device="cuda")
     s = torch.empty(rows, h // 32, dtype=torch.uint8, device="cuda")
-    launch_quantize_mxfp8(x, q, s)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n):
-            launch_quantize_mxfp8(x, q, s)
-    graph.replay()
-    times = []
-    for _ in range(20):
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0.record()
-        graph.replay()
-        t1.record()
-        t1.synchronize()
-        times.append(t0.elapsed_time(t1) * 1000 / n)
-    med = sorted(times)[len(times) // 2]
+    med, times = graph_launch_times(lambda: launch_quantize_mxfp8(x, q, s), n=n, replays=20)
     with capsys.disabled():
         print(f"\n[quantize] rows={rows} H={h}: {med:.2f} us per launch in a graph "
               f"(median of 20 replays of {n}; min {min(times):.2f}, max {max(times):.2f})")

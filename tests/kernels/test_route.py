@@ -6,10 +6,17 @@ from __future__ import annotations
 
 import itertools
 import re
-import tempfile
 
 import pytest
 import torch
+from kernel_checks import (
+    assert_guards_intact,
+    assert_pdl_order,
+    assert_sass_without_spills,
+    compile_sm90a,
+    guarded,
+    sass_instructions,
+)
 
 from moebench.kernels.route import launch_route, route
 from moebench.record import build_route_record, max_ctas, route_words
@@ -31,12 +38,10 @@ def _compile_sass(pdl: bool, threads: int = 128, keys_per_step: int = 16) -> str
     def fake():
         return make_ptr(Int32, 16, cute.AddressSpace.gmem, assumed_align=4)
 
-    with tempfile.TemporaryDirectory() as d:
-        kernel = RouteKernel(pdl=pdl, threads=threads, keys_per_step=keys_per_step)
-        f = cute.compile(kernel, fake(), fake(), fake(),
-                         Int32(1), Int32(1), Int32(1), cuda.CUstream(0),
-                         options=f"--gpu-arch sm_90a --keep-sass --dump-dir {d}")
-        return f.artifacts.SASS
+    kernel = RouteKernel(pdl=pdl, threads=threads, keys_per_step=keys_per_step)
+    sass, _ = compile_sm90a(kernel, fake(), fake(), fake(),
+                            Int32(1), Int32(1), Int32(1), cuda.CUstream(0))
+    return sass
 
 
 @pytest.mark.compile
@@ -46,18 +51,10 @@ def _compile_sass(pdl: bool, threads: int = 128, keys_per_step: int = 16) -> str
 )
 def test_compiles_for_sm90a_without_spills(pdl, threads, keys_per_step):
     sass = _compile_sass(pdl, threads, keys_per_step)
-    instr = [s.strip() for s in re.findall(r"/\*[0-9a-f]{4}\*/\s+([^;]+);", sass)]
-    assert len(instr) > 50, "no SASS came back"
-    text = "\n".join(instr)
-    # local memory = register spills (or a stack frame)
-    assert not re.search(r"\b(STL|LDL)\b", text), "register spills in the route kernel"
+    instr = sass_instructions(sass)
+    text = assert_sass_without_spills(instr, "route")
     assert len(re.findall(r"\bBAR\.SYNC", text)) == 2
-    # PDL: trigger dependents (PREEXIT) and wait on the previous grid (ACQBULK)
-    assert ("PREEXIT" in text) == pdl
-    assert ("ACQBULK" in text) == pdl
-    if pdl:  # the wait comes before any global access
-        first_global = min(i for i, s in enumerate(instr) if re.match(r"(@!?P\d+ )?(LDG|STG)", s))
-        assert instr.index("ACQBULK") < first_global
+    assert_pdl_order(instr, pdl)
 
 
 @pytest.mark.compile
@@ -188,8 +185,7 @@ def _routings(rows, top_k, experts, gen):
 
 def _guarded(n, device):
     """A poisoned int32 buffer with GUARD words before and after a view of n words."""
-    buf = torch.full((n + 2 * GUARD,), POISON, dtype=torch.int32, device=device)
-    return buf, buf[GUARD : GUARD + n]
+    return guarded(n, POISON, torch.int32, GUARD, device)
 
 
 def _check(ids_cpu, experts, *, pdl=True, keys_per_step=16, what=""):
@@ -209,9 +205,7 @@ def _check(ids_cpu, experts, *, pdl=True, keys_per_step=16, what=""):
         f"record differs: {ctx}\n got {rec.cpu().tolist()}\nwant {want.record.tolist()}")
     assert torch.equal(perm.cpu().view(rows, top_k), want.permuted), f"permuted differs: {ctx}"
     for name, buf, n in (("record", rec_buf, rec.numel()), ("permuted", perm_buf, perm.numel())):
-        b = buf.cpu()
-        assert (b[:GUARD] == POISON).all() and (b[GUARD + n :] == POISON).all(), (
-            f"{name} written out of bounds: {ctx}")
+        assert_guards_intact(buf, GUARD, n, POISON, f"{name} written out of bounds: {ctx}")
     assert torch.equal(ids.cpu(), ids_cpu.flatten()), f"ids modified: {ctx}"
     return want
 

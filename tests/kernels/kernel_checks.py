@@ -1,0 +1,105 @@
+"""Checks shared by the kernel tests (route, quantize, finalize): compiling a
+CuTe DSL kernel for sm_90a and reading its SASS, the spill and PDL-order
+checks on that SASS, misaligned views for host validation, poisoned guard
+buffers, and per-launch timing in a CUDA graph.
+
+Imported by name (`from kernel_checks import ...`): tests/ has no
+__init__.py files, so pytest's default (prepend) import mode puts
+tests/kernels on sys.path before it imports a test file from here."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+import torch
+
+_SASS_INSTR = re.compile(r"/\*[0-9a-f]{4}\*/\s+([^;]+);")
+_GLOBAL_ACCESS = re.compile(r"(@!?P\d+ )?(LDG|STG)")
+
+# --------------------------------------------------------------------------- compile and SASS
+
+
+def compile_sm90a(kernel, *args, ptx: bool = False) -> tuple[str, str | None]:
+    """(SASS, PTX) of cute.compile(kernel, *args) for sm_90a; PTX is None unless asked for."""
+    import cutlass.cute as cute
+
+    keep = "--keep-sass --keep-ptx" if ptx else "--keep-sass"
+    with tempfile.TemporaryDirectory() as d:
+        f = cute.compile(kernel, *args, options=f"--gpu-arch sm_90a {keep} --dump-dir {d}")
+        return f.artifacts.SASS, (f.artifacts.PTX if ptx else None)
+
+
+def sass_instructions(sass: str) -> list[str]:
+    """The instructions of a SASS listing, one per entry, without offsets or ';'."""
+    return [s.strip() for s in _SASS_INSTR.findall(sass)]
+
+
+def assert_sass_without_spills(instr: list[str], kernel: str) -> str:
+    """Some SASS came back and it uses no local memory; returns it as one text."""
+    assert len(instr) > 50, "no SASS came back"
+    text = "\n".join(instr)
+    # local memory = register spills (or a stack frame)
+    assert not re.search(r"\b(STL|LDL)\b", text), f"register spills in the {kernel} kernel"
+    return text
+
+
+def assert_pdl_order(instr: list[str], pdl: bool) -> None:
+    """PDL: trigger dependents (PREEXIT) and wait on the previous grid (ACQBULK)
+    exactly when pdl, and the wait comes before any global access."""
+    text = "\n".join(instr)
+    assert ("PREEXIT" in text) == pdl
+    assert ("ACQBULK" in text) == pdl
+    if pdl:
+        first_global = min(i for i, s in enumerate(instr) if _GLOBAL_ACCESS.match(s))
+        assert instr.index("ACQBULK") < first_global
+
+
+# --------------------------------------------------------------------------- host validation
+
+
+def misaligned(shape, dtype) -> torch.Tensor:
+    """A contiguous CPU tensor of shape and dtype whose data is not 16-byte aligned."""
+    n = 1
+    for s in shape:
+        n *= s
+    buf = torch.empty(n + 16, dtype=dtype)
+    off = next(i for i in range(1, 16) if (buf.data_ptr() + i * buf.element_size()) % 16)
+    return buf[off : off + n].view(shape)
+
+
+# --------------------------------------------------------------------------- GPU
+
+
+def guarded(n: int, poison: int, dtype: torch.dtype, guard: int, device):
+    """A buffer filled with poison, and a view of n elements with guard elements before and after."""
+    buf = torch.full((n + 2 * guard,), poison, dtype=dtype, device=device)
+    return buf, buf[guard : guard + n]
+
+
+def assert_guards_intact(buf: torch.Tensor, guard: int, n: int, poison: int, msg: str) -> None:
+    """The guard elements on each side of buf's n-element middle still hold poison."""
+    b = buf.cpu()
+    assert (b[:guard] == poison).all() and (b[guard + n :] == poison).all(), msg
+
+
+def graph_launch_times(launch, n: int = 100, replays: int = 20) -> tuple[float, list[float]]:
+    """(median, all) per-launch times in us of a CUDA graph of n back-to-back
+    launch() calls, over `replays` timed replays (after one eager launch and
+    one untimed replay)."""
+    launch()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(n):
+            launch()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0.record()
+        graph.replay()
+        t1.record()
+        t1.synchronize()
+        times.append(t0.elapsed_time(t1) * 1000 / n)
+    return sorted(times)[len(times) // 2], times
