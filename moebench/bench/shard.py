@@ -1,0 +1,510 @@
+"""Split a sweep's case grid across a host's GPUs (`moebench sweep --devices`).
+
+One worker process per GPU, started the way torchrun starts them (RANK,
+WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the
+environment, plus MOEBENCH_GPU_INDEX = the physical GPU the rank owns). Each
+case runs on exactly one GPU:
+
+1. `plan_shards` assigns cases to devices: cases of one (preset, tp) weight
+   group stay together where the balance allows it (weights are generated per
+   group), a group too large for one device's share is cut at `rows`
+   boundaries (each piece is still a full rows x scenarios x backends x
+   tactics product, so one SweepConfig runs it), then the pieces go to
+   devices by longest-processing-time-first greedy over `expected_cost`.
+2. `launch_workers` starts one process per shard (spawn, never fork: CUDA),
+   each writes its results piece by piece (atomic renames) into a scratch
+   directory; a worker that dies (exception, signal, timeout) is reported
+   with its exit code and whatever it had finished is kept.
+3. `merge_results` joins the workers' frames, adds `gpu_index` / `gpu_serial`,
+   and marks every case of a dead worker that has no row with status
+   "failed" and the worker's error, so the store is complete.
+4. `run_sharded_sweep` does 1-3 for a SweepConfig and writes one run with
+   `store.write_run` (atomic: no half-written result file ever).
+
+NVLink multicast stays off in every worker (`worker_env`): NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import pandas as pd
+
+from moebench.bench.cases import Case, SweepConfig
+
+#: Environment every worker gets: NVLink multicast off (DESIGN.md, device notes).
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+#: L2 of an H200 (bytes) the cost model sizes the rotation with.
+H200_L2_BYTES = 60 * 1024 * 1024
+#: Cost (in bytes-equivalent) of one case beyond its streamed bytes: launch,
+#: oracle gate, timing loop overhead.
+CASE_OVERHEAD_BYTES = 8 * 1024 * 1024
+#: Columns the merge adds.
+GPU_COLUMNS = ("gpu_index", "gpu_serial")
+#: Columns that identify a case in a result frame.
+CASE_KEY = ("preset", "tp", "rows", "scenario", "backend", "tactic")
+
+CaseRunner = Callable[[list[Case], str], pd.DataFrame]
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def expected_cost(case: Case, l2_bytes: int = H200_L2_BYTES) -> float:
+    """Relative run time of `case`: bytes one call streams (the most experts
+    rows x top_k routes can touch, x their logical bytes, + activations) times
+    the rotation layers a cold-L2 sweep uses (>= 4 x L2 working set, as in
+    sweep.layer_count), + a fixed per-case overhead. Only ratios matter."""
+    shape = case.shape
+    touched = min(case.rows * shape.top_k, shape.experts)
+    nbytes = touched * shape.expert_bytes() + 4 * case.rows * shape.hidden
+    layers = max(1, math.ceil(4 * l2_bytes / nbytes))
+    return float(min(layers, 64) * nbytes + CASE_OVERHEAD_BYTES)
+
+
+def _group_key(case: Case):
+    return (case.config, case.tp)
+
+
+def plan_shards(
+    cases: Sequence[Case], devices: int | Sequence[int], cost: Callable[[Case], float] = expected_cost
+) -> list[list[Case]]:
+    """Cases per device (one list per device, in `devices` order).
+
+    Every case lands exactly once; each list keeps the input order. A (preset,
+    tp) group stays on one device unless its cost exceeds total / n_devices;
+    then it is cut at `rows` boundaries into pieces of at most half that
+    share (a single rows value is never cut). Pieces are placed by LPT greedy
+    (most costly first, onto the least loaded device, ties to the lower
+    index), so the most loaded device carries at most total / n + the most
+    costly piece. Deterministic for the same input. Raises ValueError for no
+    devices or duplicate cases.
+    """
+    n = devices if isinstance(devices, int) else len(devices)
+    if n < 1:
+        raise ValueError(f"need at least one device, got {devices!r}")
+    cases = list(cases)
+    if len(set(cases)) != len(cases):
+        raise ValueError("cases has duplicates")
+    costs = [float(cost(c)) for c in cases]
+    if any(not math.isfinite(c) or c < 0 for c in costs):
+        raise ValueError("cost must be finite and >= 0 for every case")
+    total = sum(costs)
+    share = total / n
+
+    groups: dict = {}
+    for i, c in enumerate(cases):
+        groups.setdefault(_group_key(c), []).append(i)
+    pieces: list[list[int]] = []
+    for idx in groups.values():
+        gcost = sum(costs[i] for i in idx)
+        if n == 1 or gcost <= share:
+            pieces.append(idx)
+            continue
+        by_rows: dict[int, list[int]] = {}
+        for i in idx:
+            by_rows.setdefault(cases[i].rows, []).append(i)
+        limit = share / 2
+        piece: list[int] = []
+        pcost = 0.0
+        for ridx in by_rows.values():
+            rcost = sum(costs[i] for i in ridx)
+            if piece and pcost + rcost > limit:
+                pieces.append(piece)
+                piece, pcost = [], 0.0
+            piece = piece + ridx
+            pcost += rcost
+        if piece:
+            pieces.append(piece)
+
+    order = sorted(range(len(pieces)), key=lambda p: (-sum(costs[i] for i in pieces[p]), pieces[p][0]))
+    loads = [0.0] * n
+    assigned: list[list[int]] = [[] for _ in range(n)]
+    for p in order:
+        d = min(range(n), key=lambda k: (loads[k], k))
+        assigned[d].extend(pieces[p])
+        loads[d] += sum(costs[i] for i in pieces[p])
+    return [[cases[i] for i in sorted(a)] for a in assigned]
+
+
+def parse_devices(spec: str, available: int | None = None) -> list[int]:
+    """'all' -> every visible GPU (torch.cuda.device_count() unless
+    `available` is given); '0,2,3' -> [0, 2, 3]. Raises ValueError for an
+    empty, malformed, duplicate or out-of-range list."""
+    if available is None:
+        import torch
+
+        available = torch.cuda.device_count()
+    spec = spec.strip()
+    if spec == "all":
+        if available < 1:
+            raise ValueError("devices (--devices): 'all' but no GPU is visible")
+        return list(range(available))
+    try:
+        out = [int(p) for p in spec.split(",") if p.strip()]
+    except ValueError as error:
+        raise ValueError(f"devices (--devices): expected 'all' or e.g. 0,1, got {spec!r}") from error
+    if not out:
+        raise ValueError("devices (--devices): empty list")
+    if len(set(out)) != len(out):
+        raise ValueError(f"devices (--devices): duplicates in {spec!r}")
+    bad = [d for d in out if not 0 <= d < available]
+    if bad:
+        raise ValueError(f"devices (--devices): {bad} not in [0, {available}) visible GPUs")
+    return out
+
+
+def shard_configs(config: SweepConfig, cases: Sequence[Case]) -> list[SweepConfig]:
+    """SweepConfigs that together run exactly `cases` (a shard of
+    expand_cases(config)), one per (preset, tp) piece. Raises ValueError when
+    a piece is not a full rows x scenarios x backends x tactics product
+    (plan_shards never makes one)."""
+    out = []
+    groups: dict = {}
+    for c in cases:
+        groups.setdefault(_group_key(c), []).append(c)
+    for (cfg, tp), group in groups.items():
+        axes = [tuple(dict.fromkeys(getattr(c, a) for c in group)) for a in ("rows", "scenario", "backend", "tactic")]
+        if math.prod(len(a) for a in axes) != len(group):
+            raise ValueError(f"cases of {cfg.name} tp{tp} are not a full product; cannot run them as one sweep")
+        preset = cfg.name.split("+", 1)[0]
+        out.append(replace(config, presets=(preset,), tp=(tp,), rows=axes[0], scenarios=axes[1],
+                           backends=axes[2], tactics=axes[3]))  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------ environment
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def worker_env(
+    rank: int,
+    world: int,
+    *,
+    master_addr: str = "127.0.0.1",
+    master_port: int = 29500,
+    gpu_index: int | None = None,
+    base: dict | None = None,
+) -> dict[str, str]:
+    """The environment of worker `rank` of `world`: `base` (default
+    os.environ) + torchrun's variables + MOEBENCH_GPU_INDEX + MULTICAST_OFF
+    (always wins over `base`)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must lie in [0, {world}), got {rank}")
+    env = dict(os.environ if base is None else base)
+    env.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        GROUP_RANK="0", MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
+        MOEBENCH_GPU_INDEX=str(rank if gpu_index is None else gpu_index),
+    )  # fmt: skip
+    env.update(MULTICAST_OFF)
+    return env
+
+
+def gpu_serial(index: int) -> str:
+    """Board serial of GPU `index` (pynvml, else nvidia-smi); "" if unknown."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return str(pynvml.nvmlDeviceGetSerial(pynvml.nvmlDeviceGetHandleByIndex(index)))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "-i", str(index), "--query-gpu=serial", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        )  # fmt: skip
+        return out.stdout.strip()
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+# ----------------------------------------------------------------------- launch
+
+
+@dataclass
+class WorkerFrame:
+    """What one worker delivered: its rows (may be empty) and its GPU."""
+
+    rank: int
+    gpu_index: int
+    gpu_serial: str
+    frame: pd.DataFrame
+
+
+@dataclass
+class WorkerFailure:
+    """A worker that died: its GPU, the cases it owned, and why."""
+
+    rank: int
+    gpu_index: int
+    gpu_serial: str
+    cases: list[Case]
+    error: str
+
+
+@dataclass
+class LaunchResult:
+    frames: list[WorkerFrame]
+    failures: list[WorkerFailure]
+    workers: list[dict] = field(default_factory=list)  # per rank: exit code, error, counts
+
+
+def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def _worker_main(rank: int, env: dict, runner: CaseRunner, pieces: list[list[Case]], out_dir: str) -> None:
+    """Entry point of one worker process (spawned): env first, then the work."""
+    os.environ.clear()
+    os.environ.update(env)
+    out = Path(out_dir)
+    gpu = int(env["MOEBENCH_GPU_INDEX"])
+    info = {"rank": rank, "gpu_index": gpu, "gpu_serial": "", "pid": os.getpid()}
+    try:
+        info["gpu_serial"] = gpu_serial(gpu) if env.get("MOEBENCH_FAKE_GPU") != "1" else f"fake-{gpu}"
+        _write_atomic(out / f"worker-{rank}.json", lambda p: p.write_text(json.dumps(info)))
+        device = "cpu" if env.get("MOEBENCH_FAKE_GPU") == "1" else f"cuda:{gpu}"
+        for k, piece in enumerate(pieces):
+            frame = runner(piece, device)
+            _write_atomic(out / f"worker-{rank}-part-{k:04d}.parquet", lambda p: frame.to_parquet(p, index=False))
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit nonzero
+        text = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+        info["error"] = text
+        info["traceback"] = traceback.format_exc()[-4000:]
+        _write_atomic(out / f"worker-{rank}.json", lambda p: p.write_text(json.dumps(info)))
+        raise SystemExit(1) from None
+
+
+def _pieces(cases: list[Case]) -> list[list[Case]]:
+    """A shard's cases cut into its (preset, tp) pieces, in order."""
+    groups: dict = {}
+    for c in cases:
+        groups.setdefault(_group_key(c), []).append(c)
+    return list(groups.values())
+
+
+def launch_workers(
+    shards: Sequence[Sequence[Case]],
+    devices: Sequence[int],
+    runner: CaseRunner,
+    scratch: str | Path,
+    *,
+    timeout_s: float | None = None,
+    base_env: dict | None = None,
+) -> LaunchResult:
+    """Run shards[r] on devices[r] in worker process r (spawned; torchrun-style
+    env from `worker_env`). runner(cases, device) -> DataFrame is called once
+    per (preset, tp) piece of the shard; each piece's frame is saved as soon
+    as it is done. A worker that raises, dies or outlives `timeout_s` (then it
+    is terminated) becomes a WorkerFailure owning its cases that have no row.
+    `runner` must be picklable (a module-level function)."""
+    if len(shards) != len(devices):
+        raise ValueError(f"{len(shards)} shards for {len(devices)} devices")
+    scratch = Path(scratch)
+    scratch.mkdir(parents=True, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    world = len(devices)
+    procs = []
+    for rank, (shard, gpu) in enumerate(zip(shards, devices)):
+        env = worker_env(rank, world, master_port=port, gpu_index=gpu, base=base_env)
+        p = ctx.Process(target=_worker_main, args=(rank, env, runner, _pieces(list(shard)), str(scratch)),
+                        name=f"moebench-worker-{rank}")  # fmt: skip
+        p.start()
+        procs.append(p)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    timed_out = set()
+    for rank, p in enumerate(procs):
+        p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            timed_out.add(rank)
+            p.terminate()
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    frames, failures, workers = [], [], []
+    for rank, (p, gpu) in enumerate(zip(procs, devices)):
+        info_path = scratch / f"worker-{rank}.json"
+        info = json.loads(info_path.read_text()) if info_path.exists() else {}
+        serial = info.get("gpu_serial", "")
+        parts = sorted(scratch.glob(f"worker-{rank}-part-*.parquet"))
+        frame = pd.concat([pd.read_parquet(f) for f in parts], ignore_index=True) if parts else pd.DataFrame()
+        frames.append(WorkerFrame(rank, gpu, serial, frame))
+        error = None
+        if rank in timed_out:
+            error = f"worker {rank} (GPU {gpu}) timed out after {timeout_s:g} s and was terminated"
+        elif p.exitcode != 0:
+            why = info.get("error") or (
+                f"killed by signal {-p.exitcode}" if p.exitcode and p.exitcode < 0 else f"exit code {p.exitcode}"
+            )
+            error = f"worker {rank} (GPU {gpu}) died: {why}"
+        workers.append({"rank": rank, "gpu_index": gpu, "gpu_serial": serial, "exitcode": p.exitcode,
+                        "error": error, "cases": len(shards[rank]), "rows": len(frame)})  # fmt: skip
+        if error is not None:
+            failures.append(WorkerFailure(rank, gpu, serial, list(shards[rank]), error))
+    return LaunchResult(frames, failures, workers)
+
+
+# ------------------------------------------------------------------------ merge
+
+
+def _key_of_case(c: Case) -> tuple:
+    return (c.config.name, c.tp, c.rows, c.scenario, c.backend, c.tactic)
+
+
+def _failed_row(case: Case, error: str, columns: Sequence[str]) -> dict:
+    shape = case.shape
+    row = dict.fromkeys(columns)
+    row.update(
+        preset=case.config.name, hidden=shape.hidden, intermediate=shape.intermediate,
+        padded_intermediate=shape.padded_intermediate, experts=shape.experts, top_k=shape.top_k,
+        tp=case.tp, rows=case.rows, scenario=case.scenario, backend=case.backend, tactic=case.tactic,
+        status="failed", error=error, seed=case.seed,
+    )  # fmt: skip
+    return {k: v for k, v in row.items() if k in columns}
+
+
+def merge_results(frames: Sequence[WorkerFrame], failures: Sequence[WorkerFailure] = ()) -> pd.DataFrame:
+    """One frame of every worker's rows with `gpu_index` and `gpu_serial`
+    columns, plus one status="failed" row (error = the worker's error) for
+    every case of a failed worker that has no row yet. Columns are those of
+    the workers' frames (sweep.COLUMNS for real runs) + GPU_COLUMNS."""
+    from moebench.bench.sweep import COLUMNS, _typed
+
+    parts = []
+    for wf in frames:
+        if wf.frame is None or wf.frame.empty:
+            continue
+        f = wf.frame.copy()
+        f["gpu_index"] = wf.gpu_index
+        f["gpu_serial"] = wf.gpu_serial
+        parts.append(f)
+    columns = list(parts[0].columns) if parts else [*COLUMNS, *GPU_COLUMNS]
+    for c in GPU_COLUMNS:
+        if c not in columns:
+            columns.append(c)
+    have = set()
+    for f in parts:
+        have.update(zip(*(f[k].tolist() for k in CASE_KEY)))
+    extra = []
+    for fail in failures:
+        for case in fail.cases:
+            key = _key_of_case(case)
+            if case.tactic == "all":  # expanded inside the worker: any row of that backend counts
+                if any(k[:5] == key[:5] for k in have):
+                    continue
+            elif key in have:
+                continue
+            row = _failed_row(case, fail.error, columns)
+            row.update(gpu_index=fail.gpu_index, gpu_serial=fail.gpu_serial)
+            extra.append(row)
+            have.add(key)
+    if extra:
+        parts.append(pd.DataFrame(extra, columns=columns))
+    frame = pd.concat(parts, ignore_index=True) if parts else pd.DataFrame(columns=columns)
+    frame = frame.reindex(columns=columns)
+    if all(c in frame.columns for c in COLUMNS):
+        frame = _typed(frame)
+    frame["gpu_index"] = pd.to_numeric(frame["gpu_index"], errors="coerce").astype("Int64")
+    frame["gpu_serial"] = frame["gpu_serial"].fillna("").astype(str)
+    return frame
+
+
+# ---------------------------------------------------------------- the real thing
+
+_MANIFEST_DIR = "MOEBENCH_SHARD_MANIFESTS"
+
+
+def sweep_runner(config: SweepConfig) -> CaseRunner:
+    """A CaseRunner that runs a piece with run_sweep (config restricted to
+    the piece, device = the worker's GPU). Picklable."""
+    return _SweepRunner(config)
+
+
+@dataclass
+class _SweepRunner:
+    config: SweepConfig
+
+    def __call__(self, cases: list[Case], device: str) -> pd.DataFrame:
+        from moebench.bench.sweep import run_sweep
+
+        frames = []
+        for cfg in shard_configs(self.config, cases):
+            result = run_sweep(replace(cfg, device=device))
+            frames.append(result.frame)
+            out = os.environ.get(_MANIFEST_DIR)
+            if out:
+                path = Path(out) / f"manifest-{os.environ.get('RANK', '0')}-{os.getpid()}-{len(os.listdir(out))}.json"
+                _write_atomic(path, lambda p: p.write_text(json.dumps(result.manifest, default=str)))
+        return pd.concat(frames, ignore_index=True)
+
+
+def run_sharded_sweep(
+    config: SweepConfig,
+    devices: Sequence[int],
+    backends: tuple[str, ...],
+    root: str | Path,
+    label: str = "sweep",
+    *,
+    timeout_s: float | None = None,
+    runner: CaseRunner | None = None,
+) -> Path:
+    """Plan, launch, merge and store one multi-GPU sweep; returns the run
+    directory (written atomically by store.write_run). The manifest holds the
+    plan, each worker's GPU index / serial / exit code / error and the first
+    worker manifest's provenance."""
+    from moebench.bench.cases import expand_cases
+    from moebench.reports.store import write_run
+
+    cases = expand_cases(config, backends, reduced=bool(config.reduced))
+    shards = plan_shards(cases, devices)
+    scratch = Path(tempfile.mkdtemp(prefix="moebench-shard-"))
+    try:
+        mdir = scratch / "manifests"
+        mdir.mkdir()
+        base_env = dict(os.environ, **{_MANIFEST_DIR: str(mdir)})
+        launched = launch_workers(shards, devices, runner or sweep_runner(config), scratch / "parts",
+                                  timeout_s=timeout_s, base_env=base_env)  # fmt: skip
+        frame = merge_results(launched.frames, launched.failures)
+        manifests = [json.loads(p.read_text()) for p in sorted(mdir.glob("manifest-*.json"))]
+        manifest = dict(manifests[0]) if manifests else {}
+        manifest.update(
+            devices=list(devices), workers=launched.workers,
+            plan=[[c.label() for c in s] for s in shards],
+            worker_manifests=[{k: m.get(k) for k in ("device", "copy_bw_gbps", "groups")} for m in manifests],
+        )  # fmt: skip
+        return write_run(frame, manifest, root, label)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
