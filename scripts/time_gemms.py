@@ -8,10 +8,10 @@ replays), GB/s over the unique bytes (logical weights + scales of the touched
 experts + activations in and out) and % of the 4215 GB/s copy bandwidth.
 
     source .bundles/unpack.sh && PYTHONPATH=$PWD python3 scripts/time_gemms.py [--out F.json]
-        [--tp 4,8] [--rows 1,2,4,6,8] [--variants] [--split-k]
+        [--tp 4,8] [--rows 1,2,4,6,8] [--variants] [--bulk] [--split-k]
 
---variants adds alternative tactics (split-K ones included); --split-k adds
-only the split-K variants (SPLIT_K_1 / SPLIT_K_2 below, those valid for the
+--variants adds alternative tactics (split-K ones included); --bulk adds the
+bulk-copy load path variants (BULK_1 / BULK_2); --split-k adds only the split-K variants (SPLIT_K_1 / SPLIT_K_2 below, those valid for the
 shape). Split-K launches share one zeroed workspace per shape, allocated
 once before any graph is captured.
 """
@@ -42,6 +42,14 @@ SPLIT_K_1 = [GemmTactic(64, 1, 4, 4, 3, split_k=2), GemmTactic(64, 1, 4, 4, 3, s
              GemmTactic(64, 1, 8, 4, 1, split_k=4)]  # fmt: skip
 SPLIT_K_2 = [GemmTactic(64, 8, 1, 2, 2, split_k=2), GemmTactic(64, 8, 1, 2, 2, split_k=3),
              GemmTactic(32, 4, 1, 4, 4, split_k=2, persistent=False)]  # fmt: skip
+#: Bulk-copy load path variants (v4, docs/perf-notes.md): a producer warp
+#: streams each item's K slabs into a ring of shared-memory stages.
+BULK_1 = [GemmTactic(64, 1, 8, 2, 2, stages=4), GemmTactic(64, 1, 8, 2, 1, stages=8),
+          GemmTactic(64, 1, 4, 4, 2, stages=4), GemmTactic(64, 1, 4, 2, 3, stages=4),
+          GemmTactic(64, 1, 8, 1, 2, stages=6), GemmTactic(64, 2, 4, 2, 2, stages=3)]  # fmt: skip
+BULK_2 = [GemmTactic(64, 8, 1, 2, 2, stages=4), GemmTactic(64, 1, 8, 2, 2, stages=4),
+          GemmTactic(64, 4, 2, 2, 2, stages=4), GemmTactic(64, 8, 1, 1, 2, stages=6),
+          GemmTactic(32, 8, 1, 2, 3, stages=4), GemmTactic(64, 2, 4, 2, 2, stages=4)]  # fmt: skip
 COPY_GBPS = 4215.0
 L2_BYTES = 60e6
 TOP_K = 6
@@ -101,7 +109,7 @@ def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float
     return ts[len(ts) // 2], ts[len(ts) // 10], ts[(9 * len(ts)) // 10]
 
 
-def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list) -> None:
+def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list, bulk: bool = False) -> None:
     shape = get_preset("dsv41-flash").shard(tp)
     gs = GemmShape.of(shape)
     h, i = shape.hidden, shape.intermediate
@@ -121,6 +129,9 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
         extra2 += [GemmTactic(64, 8, 1, 2, 2, **np_), GemmTactic(32, 8, 1, 4, 2, **np_),
                 GemmTactic(64, 4, 2, 2, 2, **np_), GemmTactic(64, 8, 1, 2, 2),
                 GemmTactic(32, 4, 1, 4, 4, **np_), GemmTactic(64, 4, 1, 3, 4, **np_)]  # fmt: skip
+    if bulk:
+        extra1 += [t for t in BULK_1 if t.valid_for(gs, 1) is None]
+        extra2 += [t for t in BULK_2 if t.valid_for(gs, 2) is None]
     if variants or split_k:
         extra1 += [t for t in SPLIT_K_1 if t.valid_for(gs, 1) is None]
         extra2 += [t for t in SPLIT_K_2 if t.valid_for(gs, 2) is None]
@@ -155,7 +166,7 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                 if first_t1:
                     cases.append(("gemm2", t2.name, bytes2, lambda t2=t2: [
                         gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, workspace=ws) for kw in sets]))
-                if first_t1 or first_t2:
+                if first_t1 or first_t2 or (t1.bulk and t2.bulk):
                     cases.append(("both", f"{t1.name}+{t2.name}", bytes1 + bytes2, lambda t1=t1, t2=t2: [
                         (gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, workspace=ws),
                          gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, workspace=ws)) for kw in sets]))
@@ -180,6 +191,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,6,8")
     ap.add_argument("--variants", action="store_true", help="also time alternative tactics (split-K included)")
     ap.add_argument("--split-k", action="store_true", help="also time the split-K variants (only those)")
+    ap.add_argument("--bulk", action="store_true", help="also time the bulk-copy variants (all bulk pairs in 'both')")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     t0 = time.time()
@@ -187,7 +199,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s (reference {COPY_GBPS:.0f})")
     results: list = []
     for tp in (int(t) for t in args.tp.split(",")):
-        bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, args.split_k, results)
+        bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, args.split_k, results, args.bulk)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(copy_gbps=bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)

@@ -38,6 +38,13 @@ def load_u32x4(ptr, priority: str, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def load_u32x4_shared(ptr, *, loc=None, ip=None):
+    """One 16-byte shared-memory load (LDS.128) -> 4 x Uint32."""
+    vec = cute.arch.load(ptr, ir.VectorType.get([4], Uint32.mlir_type), loc=loc, ip=ip)
+    return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
 def load_u32x2(ptr, priority: str, *, loc=None, ip=None):
     """One 8-byte global load (LDG.E.64) -> 2 x Uint32."""
     vec = cute.arch.load(ptr, ir.VectorType.get([2], Uint32.mlir_type),

@@ -64,12 +64,16 @@ if HAVE_DSL:
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
 
+    from cutlass.experimental import primitives as prims
+
     from moebench.kernels import fp4
 
 #: Shared memory + L1 of one H100/H200 SM that the carveout divides (bytes).
 _SMEM_PER_SM = 228 * 1024
 #: fp32 bits of 2^-127 (the E8M0 code 254 multiplier, a subnormal).
 _F32_2_M127 = 0x00400000
+#: L2 cache policy "evict first" (CUTLASS CacheHintSm90::EVICT_FIRST) for the bulk copies.
+_EVICT_FIRST = 0x12F0000000000000
 
 
 if HAVE_DSL:
@@ -118,8 +122,18 @@ if HAVE_DSL:
             npairs = self.m // 32
             self.w_expert = npairs * self.nch * 128  # u32 words of one expert's weights
             self.s_expert = npairs * self.nch * 8  # u32 words of its scales
-            # shared memory: fp32 partials [tm*128][warps][2 parities]; the rest stays L1
+            # shared memory: fp32 partials [tm*128][warps][2 parities] (+ the bulk ring); the rest stays L1
             self.smem_bytes = self.tm * 128 * self.nw * 2 * 4
+            self.bulk = t.bulk
+            self.block_threads = self.threads
+            if self.bulk:
+                self.ks = self.u * self.wk  # K chunks per bulk stage
+                self.nb = -(-self.nch // self.ks)  # stages (steps) per item
+                self.np = self.wm * self.pairs  # 32-row pairs per item
+                self.sw_words = self.np * self.ks * 128  # weight words of one stage
+                self.stage_words = self.sw_words + self.np * self.ks * 8  # + scale words
+                self.smem_bytes += t.stages * (4 * self.stage_words + 16)
+                self.block_threads = self.threads + 32  # + the producer warp
             per_sm = (self.smem_bytes + 1024) * t.ctas_per_sm
             self.smem_carveout = min(100, -(-100 * per_sm // _SMEM_PER_SM))
 
@@ -136,7 +150,7 @@ if HAVE_DSL:
                      record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
                      cnt: cute.Pointer, part: cute.Pointer, ctas: Int32, grid: Int32, stream: _cuda.CUstream):
             self.kernel(w, ws, act, act_s, record, clamp, out, out_s, cnt, part, ctas).launch(
-                grid=[grid, 1, 1], block=[self.threads, 1, 1], stream=stream,
+                grid=[grid, 1, 1], block=[self.block_threads, 1, 1], stream=stream,
                 use_pdl=self.tactic.pdl, min_blocks_per_mp=self.tactic.ctas_per_sm,
                 preferred_smem_carveout=self.smem_carveout)
 
@@ -172,10 +186,12 @@ if HAVE_DSL:
                             ps + (t2 * self.nch + j) * 8, Uint32, level1_eviction_priority="evict_first")
 
         @cute.jit
-        def issue_acts(self, st_a, st_as, p_a, p_as, rec, slots_at, top_k, unit, batch, n_mine, c_beg, g, c):
-            """Activation (e4m3 bytes + E8M0 byte) loads of (unit, batch): token row
-            of lane group g, its 8 K elements [32*chunk + 8c, +8) per chunk."""
-            item, ch0 = self.unit_item(unit, c_beg + batch * self.u)
+        def issue_acts(self, st_a, st_as, p_a, p_as, rec, slots_at, top_k, unit, ch, n_valid, g, c):
+            """Activation (e4m3 bytes + E8M0 byte) loads of `unit`'s chunks
+            ch + j (j < min(unroll, n_valid); ch counts within the unit's K
+            slice): token row of lane group g, its 8 K elements
+            [32*chunk + 8c, +8) per chunk."""
+            item, ch0 = self.unit_item(unit, ch)
             tile = item // self.blocks
             row = TILE * tile + g
             if cutlass.const_expr(self.stage == 1):
@@ -184,7 +200,7 @@ if HAVE_DSL:
             pa = p_a + (row * (self.k // 4) + ch0 * 8 + c * 2)
             pas = p_as + (row * self.nch + ch0)
             for j in cutlass.range_constexpr(self.u):
-                if batch * self.u + j < n_mine:
+                if j < n_valid:
                     v = fp4.load_u32x2(pa + j * 8, "evict_last")
                     st_a[2 * j] = v[0]
                     st_a[2 * j + 1] = v[1]
@@ -192,9 +208,10 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ math
         @cute.jit
-        def compute(self, tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, batch, n_mine):
+        def compute(self, tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid):
+            """mma.sync of the first min(unroll, n_valid) chunks of a register stage."""
             for j in cutlass.range_constexpr(self.u):
-                if batch * self.u + j < n_mine:
+                if j < n_valid:
                     m1, m2 = fp4.act_multipliers(st_as[j])
                     b = []
                     for kk in cutlass.range_constexpr(2):
@@ -342,6 +359,14 @@ if HAVE_DSL:
         def kernel(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
                    record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
                    cnt: cute.Pointer, part: cute.Pointer, ctas: Int32):
+            if cutlass.const_expr(self.bulk):
+                self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, ctas)
+            else:
+                self.register_body(w, ws, act, act_s, record, clamp, out, out_s, cnt, part, ctas)
+
+        @cute.jit
+        def register_body(self, w, ws, act, act_s, record, clamp, out, out_s, cnt, part, ctas):
+            """Register load path (tactic.stages == 0): every lane streams its own words."""
             U, NB, SK = self.u, self.nb, self.sk
             tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
             warp, lane = tid // 32, tid % 32
@@ -394,8 +419,8 @@ if HAVE_DSL:
             my_units = (n_units + nblk - 1 - bid) // nblk
             n_steps = my_units * NB
             if n_steps > 0:
-                self.issue_acts(st_a[0], st_as[0], p_a, p_as, record, slots_at, top_k, bid, Int32(0),
-                                n_mine, c_beg, g, c)
+                self.issue_acts(st_a[0], st_as[0], p_a, p_as, record, slots_at, top_k, bid, c_beg,
+                                n_mine, g, c)
 
             l_unit, l_b = bid, Int32(1)  # load cursor: step 1
             wrap = Int32(l_b == NB)
@@ -408,12 +433,12 @@ if HAVE_DSL:
                             self.issue_weights(st_w[1 - s], st_s[1 - s], p_w, p_s, record, l_unit, l_b,
                                                n_mine, c_beg, wm, lane, g)
                             self.issue_acts(st_a[1 - s], st_as[1 - s], p_a, p_as, record, slots_at, top_k,
-                                            l_unit, l_b, n_mine, c_beg, g, c)
+                                            l_unit, c_beg + l_b * U, n_mine - l_b * U, g, c)
                             l_b = l_b + 1
                             wrap = Int32(l_b == NB)
                             l_b, l_unit = l_b - wrap * NB, l_unit + wrap * nblk
                         self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w[s], st_s[s], st_a[s], st_as[s],
-                                     c_b, n_mine)
+                                     n_mine - c_b * U)
                         if c_b == NB - 1:  # unit done: partials to smem, one barrier, epilogue
                             for t in cutlass.range_constexpr(self.tm):
                                 for x in cutlass.range_constexpr(4):
@@ -447,6 +472,142 @@ if HAVE_DSL:
                         parity = parity ^ last
                         c_b = c_b + 1 - last * NB
                         c_unit = c_unit + last * nblk
+
+        # ------------------------------------------------------------------ bulk-copy load path
+        @cute.jit
+        def bulk_body(self, w, ws, act, act_s, record, clamp, out, out_s, ctas):
+            """Bulk load path (tactic.stages = S >= 2). Warps 0..nw-1 compute as in
+            the register path; warp nw is the producer. Step i of a CTA (item
+            i // NB, K chunks [b*KS, (b+1)*KS), b = i % NB, KS = warps_k*unroll)
+            lives in ring stage i % S: per pair of the item one contiguous copy
+            of its KS chunks (512 B each) and one of their scales (32 B each),
+            completing full[s]; the nw compute warps arrive on empty[s] when done
+            with it. Warp (wm, wk) takes chunks b*KS + wk*unroll + j, so one
+            stage holds the whole CTA's next K slab (K interleaved over warps)."""
+            S, NB, KS, NP = self.tactic.stages, self.nb, self.ks, self.np
+            tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+            warp, lane = tid // 32, tid % 32
+            smem = cutlass.memory.SmemAllocator()
+            sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
+            ring = smem.allocate_array(Uint32, S * self.stage_words, byte_alignment=128)
+            bars = smem.allocate_array(Int64, 2 * S, byte_alignment=8)  # full[0, S), empty[S, 2S)
+            if tid == 0:
+                for s in cutlass.range_constexpr(S):
+                    cute.arch.mbarrier_init(bars + s, 1)
+                    cute.arch.mbarrier_init(bars + (S + s), self.nw)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            if warp == self.nw:
+                self.bulk_produce(w, ws, record, ring, bars, bid, nblk, lane)
+            else:
+                self.bulk_consume(act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars,
+                                  tid, bid, nblk, warp, lane)
+
+        @cute.jit
+        def bulk_produce(self, w, ws, record, ring, bars, bid, nblk, lane):
+            """The producer warp: for each step, wait until its stage is free,
+            arm full[s] with the step's bytes (lane 0), then lanes issue one
+            weight and one scale bulk copy per pair (L2 evict-first)."""
+            S, NB, KS, NP = self.tactic.stages, self.nb, self.ks, self.np
+            p_w = cute.recast_ptr(w, dtype=Uint32)
+            p_s = cute.recast_ptr(ws, dtype=Uint32)
+            if cutlass.const_expr(self.tactic.pdl and self.stage == 1):
+                cute.arch.griddepcontrol_wait()  # GEMM1's record comes from the previous kernel
+            n_units = cute.arch.load(record, Int32) * self.blocks
+            n_steps = (n_units + nblk - 1 - bid) // nblk * NB
+            unit, b = bid, Int32(0)
+            for i in cutlass.range(0, n_steps, 1, unroll=1):
+                s = i % S
+                if i >= S:
+                    cute.arch.mbarrier_wait(bars + (S + s), (i // S - 1) % 2)
+                tile = unit // self.blocks
+                blk = unit % self.blocks
+                e = cute.arch.load(record + (4 + tile), Int32)
+                ch0 = b * KS
+                nck = cutlass.min(Int32(KS), self.nch - ch0)
+                if lane == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(bars + s, nck * (NP * 544))
+                cute.arch.sync_warp()
+                stage = ring + s * self.stage_words
+                for q in cutlass.range_constexpr(0, NP, 32):
+                    p = lane + q
+                    if p < NP:
+                        pair = blk * NP + p
+                        src_w = p_w + (Int64(e) * self.w_expert + (pair * self.nch + ch0) * 128)
+                        src_s = p_s + (Int64(e) * self.s_expert + (pair * self.nch + ch0) * 8)
+                        prims.cp_async_bulk_shared_cluster_global(
+                            stage + p * (KS * 128), src_w, bars + s, nck * 512, l2_cache_hint=_EVICT_FIRST)
+                        prims.cp_async_bulk_shared_cluster_global(
+                            stage + (self.sw_words + p * (KS * 8)), src_s, bars + s, nck * 32,
+                            l2_cache_hint=_EVICT_FIRST)
+                b = b + 1
+                wrap = Int32(b == NB)
+                b, unit = b - wrap * NB, unit + wrap * nblk
+
+        @cute.jit
+        def bulk_consume(self, act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars,
+                         tid, bid, nblk, warp, lane):
+            """The compute warps: per step, activation loads (global, L1), wait
+            full[s], weight words and scales from the stage into registers,
+            mma.sync, release the stage; per item the partials meet in shared
+            memory (named barrier 1 over the compute warps) and the epilogue runs."""
+            S, NB, KS, NP, U = self.tactic.stages, self.nb, self.ks, self.np, self.u
+            g, c = lane // 4, lane % 4
+            wm, wk = warp // self.wk, warp % self.wk
+            words = (ctas + 3) // 4 * 4
+            valid_at = 4 + words
+            slots_at = 4 + 2 * words
+            p_a = cute.recast_ptr(act, dtype=Uint32)
+            p_as = cute.recast_ptr(act_s, dtype=Uint8)
+            tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+            tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 16)))
+            tCrB = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 16)))
+            rA, rB = cute.recast_tensor(tCrA, Uint32), cute.recast_tensor(tCrB, Uint32)
+            acc = [tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8))) for _ in range(self.tm)]
+            for a in acc:
+                a.fill(0.0)
+            st_w = cute.make_rmem_tensor((self.pairs * U * 4,), Uint32)
+            st_s = cute.make_rmem_tensor((self.pairs * U,), Uint32)
+            st_a = cute.make_rmem_tensor((2 * U,), Uint32)
+            st_as = cute.make_rmem_tensor((U,), Uint32)
+            if cutlass.const_expr(self.tactic.pdl):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+            n_units = cute.arch.load(record, Int32) * self.blocks
+            top_k = cute.arch.load(record + 3, Int32)
+            n_steps = (n_units + nblk - 1 - bid) // nblk * NB
+            unit, b, parity = bid, Int32(0), Int32(0)
+            for i in cutlass.range(0, n_steps, 1, unroll=1):
+                s = i % S
+                ch = b * KS + wk * U
+                n_valid = self.nch - ch
+                self.issue_acts(st_a, st_as, p_a, p_as, record, slots_at, top_k, unit, ch, n_valid, g, c)
+                cute.arch.mbarrier_wait(bars + s, (i // S) % 2)
+                stage = ring + s * self.stage_words
+                for j in cutlass.range_constexpr(U):
+                    if j < n_valid:
+                        for t2 in cutlass.range_constexpr(self.pairs):
+                            entry = (wm * self.pairs + t2) * KS + wk * U + j
+                            q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
+                            for x in cutlass.range_constexpr(4):
+                                st_w[(j * self.pairs + t2) * 4 + x] = q[x]
+                            st_s[j * self.pairs + t2] = cute.arch.load(stage + (self.sw_words + entry * 8 + g),
+                                                                       Uint32)
+                self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid)
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(bars + (S + s))
+                if b == NB - 1:  # item done: partials to smem, one barrier, epilogue
+                    for t in cutlass.range_constexpr(self.tm):
+                        for x in cutlass.range_constexpr(4):
+                            sP[t * 128 + lane * 4 + x, warp, parity] = acc[t][x]
+                        acc[t].fill(0.0)
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                    self.epilogue(sP, parity, sP, record, clamp, out, out_s, unit, valid_at, warp, lane, tid)
+                    parity = parity ^ 1
+                b = b + 1
+                wrap = Int32(b == NB)
+                b, unit = b - wrap * NB, unit + wrap * nblk
 
 
 # ---------------------------------------------------------------------- host side

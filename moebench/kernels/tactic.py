@@ -16,6 +16,10 @@ from moebench.record import TILE
 MAX_WARPS = 16
 #: Most K slices of one item (split-K across CTAs).
 MAX_SPLIT_K = 16
+#: Most shared-memory stages of the bulk-copy load path.
+MAX_STAGES = 8
+#: Shared memory one CTA may use (bytes; 227 KB on sm_90).
+SMEM_PER_CTA = 227 * 1024
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,12 @@ class GemmTactic:
       a unit stores its fp32 partial sums in a caller-owned workspace and the
       last unit of an item to arrive (per-item arrival counter) sums the
       partials in slice order and runs the epilogue (deterministic).
+    stages: load path. 0 = registers (each lane's own 16-byte evict-first
+      loads, double-buffered); >= 2 = bulk copies: one extra producer warp
+      streams each item's weights and scales with cp.async.bulk (L2
+      evict-first) into a ring of `stages` shared-memory stages completed on
+      mbarriers, one stage = warps_k * unroll K chunks of all the item's rows;
+      the warps read their words from shared memory (split_k must be 1).
     """
 
     tile_rows: int = 64
@@ -87,6 +97,7 @@ class GemmTactic:
     persistent: bool = True
     pdl: bool = True
     split_k: int = 1
+    stages: int = 0
 
     def __post_init__(self) -> None:
         if self.tile_rows not in (32, 64, 128):
@@ -96,6 +107,11 @@ class GemmTactic:
         _check_int("unroll", self.unroll, 1, 8)
         _check_int("ctas_per_sm", self.ctas_per_sm, 1, 8)
         _check_int("split_k", self.split_k, 1, MAX_SPLIT_K)
+        _check_int("stages", self.stages, 0, MAX_STAGES)
+        if self.stages == 1:
+            raise ValueError("stages must be 0 (register loads) or >= 2 (bulk-copy ring), got 1")
+        if self.stages and self.split_k != 1:
+            raise ValueError(f"the bulk-copy load path (stages {self.stages}) needs split_k 1, got {self.split_k}")
         if self.warps_m * self.warps_k > MAX_WARPS:
             raise ValueError(
                 f"warps_m * warps_k must be at most {MAX_WARPS}, got {self.warps_m * self.warps_k}"
@@ -114,10 +130,16 @@ class GemmTactic:
         return self.warps_m * self.tile_rows
 
     @property
+    def bulk(self) -> bool:
+        """Whether weights stream through the bulk-copy shared-memory ring."""
+        return self.stages > 0
+
+    @property
     def name(self) -> str:
         return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
-                + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}"))
+                + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
+                + ("" if self.stages == 0 else f"_b{self.stages}"))
 
     def valid_for(self, shape, stage: int) -> str | None:
         """None if this tactic can run GEMM`stage` (1 or 2) of `shape`
@@ -147,7 +169,32 @@ class GemmTactic:
         if self.warps_k > per_slice:
             what = f"the {nch} K chunks" if self.split_k == 1 else f"the {per_slice} K chunks of a slice"
             return f"warps_k {self.warps_k} exceeds {what}"
+        if self.bulk:
+            need = self.stages * bulk_stage_bytes(self) + partial_smem_bytes(self) + 16 * self.stages
+            if need * self.ctas_per_sm > SMEM_PER_SM or need > SMEM_PER_CTA:
+                return (f"{self.stages} bulk stages need {need} bytes of shared memory per CTA,"
+                        f" more than {min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm)} at"
+                        f" {self.ctas_per_sm} CTAs per SM")
         return None
+
+
+#: Shared memory of one SM (bytes; 228 KB on sm_90, 1 KB of it reserved per CTA).
+SMEM_PER_SM = 228 * 1024
+
+
+def partial_smem_bytes(tactic: GemmTactic) -> int:
+    """Shared memory of the fp32 partial sums (two parities) of one CTA."""
+    return (tactic.tile_rows // 16) * 128 * tactic.warps * 2 * 4
+
+
+def bulk_stage_bytes(tactic: GemmTactic) -> int:
+    """Bytes of one bulk-copy stage: warps_k * unroll K chunks (512 bytes of
+    e2m1 words + 32 bytes of E8M0 scales per 32-row pair and chunk) of the
+    item's warps_m * tile_rows / 32 pairs; 0 for the register load path."""
+    if not tactic.bulk:
+        return 0
+    pairs = tactic.warps_m * tactic.tile_rows // 32
+    return pairs * tactic.warps_k * tactic.unroll * (512 + 32)
 
 
 def _stage_rows(shape: GemmShape, stage: int) -> int:

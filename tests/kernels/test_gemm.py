@@ -57,6 +57,7 @@ _CHILD = textwrap.dedent(
             atom_inc=len(re.findall(r"ATOMG\\.E\\.INC\\.STRONG\\.GPU", sass)),
             ldg_strong=len(re.findall(r"LDG\\.E(?:\\.64|\\.128)?\\.STRONG\\.GPU", sass)),
             ldg_ef128=len(re.findall(r"LDG\\.E\\.EF\\.128", sass)),
+            ublkcp=len(re.findall(r"UBLKCP", sass)),
             local=len(re.findall(r"\\b(?:LDL|STL)\\b", sass)))), flush=True)
     """
 )
@@ -599,3 +600,110 @@ def test_split_k_launch_needs_a_large_enough_workspace():
     # a tactic without split-K ignores the workspace argument
     gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, workspace=None)
     torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- bulk-copy load path (tactic.stages > 0)
+#: Bulk tactics under test: 1 / 2 / 8 compute warps, K interleaved over warps,
+#: 2-4 stages; at every preset the K chunks are not all multiples of a stage
+#: (partial last stage) for some of them.
+BULK_1 = [GemmTactic(64, 1, 8, 2, 2, stages=4), GemmTactic(64, 2, 4, 2, 2, stages=3),
+          GemmTactic(64, 1, 4, 2, 3, stages=2)]  # fmt: skip
+BULK_2 = [GemmTactic(64, 8, 1, 2, 2, stages=4), GemmTactic(64, 1, 8, 2, 2, stages=4),
+          GemmTactic(32, 8, 1, 2, 3, stages=4)]  # fmt: skip
+
+
+def test_bulk_tactic_validation():
+    assert GemmTactic(stages=4).name == "r64_m1_k8_u2_c2_b4" and GemmTactic(stages=4).bulk
+    assert not GemmTactic().bulk
+    with pytest.raises(ValueError, match="stages must be 0"):
+        GemmTactic(stages=1)
+    with pytest.raises(ValueError, match="stages"):
+        GemmTactic(stages=9)
+    with pytest.raises(ValueError, match="split_k 1"):
+        GemmTactic(stages=4, split_k=2)
+    why = GemmTactic(64, 1, 8, 4, 2, stages=4).valid_for(GemmShape(7168, 512, 384), 1)
+    assert why is not None and "shared memory" in why
+    from moebench.tuning.space import tactic_from_name
+
+    assert tactic_from_name("r64_m1_k8_u2_c2_b4") == GemmTactic(stages=4)
+
+
+@pytest.mark.compile
+def test_bulk_tactics_compile_for_sm90a_without_spills():
+    specs = [("dsv41-flash", 4, 1, False, None, _fields(t)) for t in BULK_1]
+    specs += [("dsv41-flash", 4, 2, False, None, _fields(t)) for t in BULK_2]
+    specs.append(("dsv4-pro", 8, 1, True, None, _fields(BULK_1[0])))  # two-multiply decode
+    reports = _compile_reports(specs)
+    assert len(reports) == len(specs)
+    for rep in reports:
+        assert rep["regs"], f"{rep['spec']}: no ptxas report"
+        assert all(s == 0 for s in rep["spills"]), f"{rep['spec']}: spills {rep['spills']}"
+        if not rep["have_sass"]:
+            pytest.skip("nvdisasm not available: SASS not checked")
+        assert rep["local"] == 0, f"{rep['spec']}: local memory traffic in SASS"
+        assert rep["hmma"] > 0, f"{rep['spec']}: no HMMA.16816.F32.BF16"
+        assert rep["ublkcp"] > 0, f"{rep['spec']}: no bulk copy (UBLKCP)"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,tp", ALL_SHAPES)
+def test_bulk_load_path_matches_the_oracle(preset, tp):
+    from moebench.kernels.layout import to_kernel_layout
+    from moebench.reference import reference_gemm1, reference_gemm2
+
+    experts = 64
+    shape, weights = _gpu_case(preset, tp, experts, seed=tp + 11)
+    kw = to_kernel_layout(weights)
+    for label, ids in _routings(experts, rows_list=(1, 6, 8)):
+        label = f"{preset} TP{tp} {label}"
+        rows = ids.shape[0]
+        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows, device="cuda"))
+        route = build_route_record(ids.cuda(), experts)
+        ref_q, ref_s = reference_gemm1(dequantize_mxfp8(x_q, x_s, torch.float64), weights, route)
+        oracle = reference_gemm2(dequantize_mxfp8(ref_q, ref_s, torch.float64), weights, route)
+        for t1 in BULK_1:
+            if t1.valid_for(kw, 1) is None:
+                h_q, h_s = _run_gemm1(kw, x_q, x_s, route, tactic=t1)
+                _check_h(h_q, h_s, ref_q, ref_s, TILE * route.tiles_used, f"{label} {t1.name}")
+        for t2 in BULK_2:
+            if t2.valid_for(kw, 2) is None:
+                out = _run_gemm2(kw, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route, tactic=t2)
+                _check_rows(out, oracle, route, f"{label} {t2.name}")
+
+
+@pytest.mark.gpu
+def test_bulk_graph_replay_matches_eager_and_is_repeatable():
+    from moebench.kernels.gemm import gemm1, gemm2
+    from moebench.kernels.layout import to_kernel_layout
+    from moebench.routing import scenario_topk_ids
+
+    experts = 64
+    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=5)
+    kw = to_kernel_layout(weights)
+    ids = scenario_topk_ids("correlated", 8, 6, experts, seed=3)
+    route = build_route_record(ids.cuda(), experts)
+    x_q, x_s = quantize_mxfp8(generate_activations(8, shape.hidden, seed=1, device="cuda"))
+    n = TILE * route.ctas
+    h_q = torch.zeros(n, kw.intermediate, dtype=torch.uint8, device="cuda")
+    h_s = torch.zeros(n, kw.intermediate // 32, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(n, kw.hidden, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=BULK_1[0])
+        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=BULK_2[0])
+
+    step()
+    torch.cuda.synchronize()
+    eager = (h_q.clone(), h_s.clone(), out.clone())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    used = TILE * route.tiles_used
+    for _ in range(3):  # the mbarrier ring starts afresh in every launch
+        h_q.fill_(0xFF)
+        h_s.fill_(0xFF)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(h_q[:used], eager[0][:used]) and torch.equal(h_s[:used], eager[1][:used])
+        assert torch.equal(out[:used].view(torch.int16), eager[2][:used].view(torch.int16))
