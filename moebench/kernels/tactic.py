@@ -272,9 +272,10 @@ def default_tactic(
     them when ctas is None) times the weight blocks of a tile. GEMM1 (K = H):
     one 64-row gate/up block per item, the persistent grid with the fewest
     CTAs per SM that still holds every item (8 warps x unroll 4 at 1 CTA/SM,
-    8 x 2 at 2, 4 x 4 at 3). GEMM2 (K = I/tp): for K <= 576, 64-row warps
-    side by side (512-row items, no K split) unless that leaves most SMs
-    idle, then 128-row items of 4 warps at 4 CTAs/SM; for longer K, 32-row
+    8 x 2 at 2, 4 x 4 at 3) but, for 3-4 CTAs' worth of items per SM, the
+    bulk-copy ring (4 x 4 at 2, 4 stages: measured faster with GEMM2 after it). GEMM2 (K = I/tp): for K <= 576, 256-row items of
+    4 x 2 warps through the bulk ring when they fit one pass at 2 CTAs/SM,
+    else 64-row warps side by side (512-row items, no K split); for longer K, 32-row
     warps with K split over 2 or 4 warps. `wide_scales` (the two-multiply
     decode) takes unroll 3 at 3 CTAs/SM (unroll 4 spills there). Raises
     ValueError if none fits.
@@ -291,13 +292,19 @@ def default_tactic(
             tactic = GemmTactic(tile_rows=64, warps_m=1, warps_k=8, unroll=4, ctas_per_sm=1)
         elif items <= 2 * num_sms:
             tactic = GemmTactic(tile_rows=64, warps_m=1, warps_k=8, unroll=2, ctas_per_sm=2)
-        else:
+        elif items <= 3 * num_sms or items > 4 * num_sms or wide_scales:
             tactic = GemmTactic(tile_rows=64, warps_m=1, warps_k=4, unroll=3 if wide_scales else 4,
                                 ctas_per_sm=3)
+        else:  # just past one pass at 3 CTAs/SM: the bulk ring overlaps GEMM2's start better (v4)
+            tactic = GemmTactic(tile_rows=64, warps_m=1, warps_k=4, unroll=4, ctas_per_sm=2, stages=4)
     else:
         nch = s.intermediate // 32
         if nch <= 18 and s.hidden % 512 == 0:
-            if tiles * (s.hidden // 512) < num_sms // 2:
+            if tiles * (s.hidden // 256) <= 2 * num_sms:
+                # one pass of 256-row items through the bulk ring: its producer prefetches
+                # weights before griddepcontrol.wait, so GEMM2 starts while GEMM1 drains (v4)
+                tactic = GemmTactic(tile_rows=64, warps_m=4, warps_k=2, unroll=2, ctas_per_sm=2, stages=4)
+            elif tiles * (s.hidden // 512) < num_sms // 2:
                 tactic = GemmTactic(tile_rows=32, warps_m=4, warps_k=1, unroll=4, ctas_per_sm=4,
                                     persistent=False)
             else:
