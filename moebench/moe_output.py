@@ -9,13 +9,25 @@ runner-side routed scale. `finalize` is the plain torch consumer:
 
     out[t] = scale * sum_k w[t, k] * rows[permuted[t, k]]  (k with permuted -1 skipped)
              + shared[t]
+
+and, given the residual stream and an RMSNorm weight, it also applies the
+next layer's residual add and RMSNorm to that output (`add_rms_norm`, the
+numerics of vLLM's fused_add_rms_norm):
+
+    new_residual = round(residual + out)
+    normed       = round(round(new_residual / sqrt(mean(new_residual^2) + eps)) * weight)
 """
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
+
+#: Default RMSNorm epsilon (DeepSeek-V4's rms_norm_eps).
+DEFAULT_EPS = 1e-6
 
 
 @dataclass
@@ -90,11 +102,21 @@ class MoEOutput:
                     f"shared_output must be [{tokens}, {hidden}], got {tuple(self.shared_output.shape)}"
                 )
 
-    def finalize(self, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The finalized [tokens, hidden] output (see module docstring)."""
+    def finalize(
+        self,
+        out_dtype: torch.dtype | None = None,
+        *,
+        residual: torch.Tensor | None = None,
+        norm_weight: torch.Tensor | None = None,
+        eps: float = DEFAULT_EPS,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The finalized [tokens, hidden] output (see module docstring); with
+        `residual` [tokens, hidden] and `norm_weight` [hidden], the fused
+        residual add + RMSNorm of it: (normed, new_residual), both in
+        residual's dtype. Raises as `finalize`."""
         return finalize(
             self.routed, scale=self.routed_scaling_factor, shared=self.shared_output,
-            out_dtype=out_dtype,
+            out_dtype=out_dtype, residual=residual, norm_weight=norm_weight, eps=eps,
         )  # fmt: skip
 
 
@@ -106,22 +128,121 @@ def _routed_shape(routed: torch.Tensor | UnfinalizedMoEOutput) -> tuple[int, int
     return tuple(routed.shape)  # type: ignore[return-value]
 
 
+def check_norm_pair(residual, norm_weight) -> bool:
+    """Whether the residual add + RMSNorm is asked for: True when both
+    `residual` and `norm_weight` are given, False when neither is. Raises
+    ValueError naming the missing one when only one is given."""
+    if residual is None and norm_weight is None:
+        return False
+    if norm_weight is None:
+        raise ValueError("norm_weight is required with residual (the residual add comes with the RMSNorm)")
+    if residual is None:
+        raise ValueError("residual is required with norm_weight (the RMSNorm comes with the residual add)")
+    return True
+
+
+def check_eps(eps) -> float:
+    """The RMSNorm epsilon as a float: a real number (TypeError otherwise:
+    not a bool or a tensor), finite and >= 0 (ValueError otherwise)."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or isinstance(eps, torch.Tensor):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
+    return eps
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add and RMSNorm of vLLM's fused_add_rms_norm, in torch
+    (out of place): returns (normed, new_residual), both [tokens, hidden] in
+    residual's dtype, with, per token row and in fp32 (fp64 when residual is
+    fp64):
+
+        new_residual = round(x + residual)          the sum rounded to residual's dtype
+        r            = float(new_residual)
+        inv          = 1 / sqrt(sum(r * r) / hidden + eps)
+        normed       = round(float(round(r * inv)) * float(norm_weight))
+
+    Each step is one IEEE round-to-nearest operation (the square is exact
+    for bf16 r barring under/overflow; 1/sqrt is a correctly rounded sqrt
+    then a correctly rounded reciprocal, where vLLM's kernel uses rsqrtf,
+    ~2 ulp). The normalized value is rounded to residual's dtype before the
+    weight multiply, as vLLM does. The sum of squares is torch's reduction
+    (its order unspecified): a kernel that sums in another order gets the
+    same new_residual bits and a normed within the tolerance its tests
+    state.
+
+    x: [tokens, hidden] floating tensor (the finalized MoE output);
+    residual: [tokens, hidden] floating tensor; norm_weight: [hidden]
+    floating tensor; all on one device; eps: a finite real >= 0.
+    Raises TypeError for a non-tensor, a non-floating dtype or a non-real
+    eps, ValueError for a wrong shape, a device mismatch or a negative /
+    non-finite eps (each naming the argument).
+    """
+    for name, t in (("x", x), ("residual", residual), ("norm_weight", norm_weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, hidden], got {tuple(x.shape)}")
+    tokens, hidden = x.shape
+    if tuple(residual.shape) != (tokens, hidden):
+        raise ValueError(f"residual must be [{tokens}, {hidden}], got {tuple(residual.shape)}")
+    if tuple(norm_weight.shape) != (hidden,):
+        raise ValueError(f"norm_weight must be [{hidden}], got {tuple(norm_weight.shape)}")
+    if not (x.device == residual.device == norm_weight.device):
+        raise ValueError(
+            f"x, residual and norm_weight must share a device, got {x.device}, {residual.device}, "
+            f"{norm_weight.device}"
+        )
+    eps = check_eps(eps)
+    dtype = residual.dtype
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    new_residual = (x.to(acc) + residual.to(acc)).to(dtype)
+    r = new_residual.to(acc)
+    sum_sq = (r * r).sum(dim=-1, keepdim=True)
+    # a tensor divisor: torch's CUDA division by a Python scalar multiplies by its reciprocal
+    mean_sq = sum_sq / torch.full_like(sum_sq, hidden)
+    inv = torch.reciprocal(torch.sqrt(mean_sq + eps))
+    normed = ((r * inv).to(dtype).to(acc) * norm_weight.to(acc)).to(dtype)
+    return normed, new_residual
+
+
 def finalize(
     routed: torch.Tensor | UnfinalizedMoEOutput,
     *,
     scale: float = 1.0,
     shared: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """out = scale * sum_k w[t,k] * rows[permuted[t,k]] (-1 skipped) + shared.
 
-    Accumulates in fp32 (fp64 when the rows are fp64) and returns `out_dtype` (default: the rows' dtype). A finalized tensor is just
-    scaled and added to. Raises ValueError when a permute index lies outside
-    the rows (checked for CPU tensors), or `shared` has the wrong shape.
+    Accumulates in fp32 (fp64 when the rows are fp64) and returns `out_dtype`
+    (default: the rows' dtype). A finalized tensor is just scaled and added
+    to. With `residual` ([tokens, hidden]) and `norm_weight` ([hidden]),
+    given together, returns `add_rms_norm(out, residual, norm_weight, eps)`
+    instead: (normed, new_residual) in residual's dtype, `out` rounded to
+    `out_dtype` first (what a separate finalize would hand the norm).
+    Raises ValueError when a permute index lies outside the rows (checked
+    for CPU tensors), `shared` has the wrong shape, or only one of residual
+    / norm_weight is given; otherwise as `add_rms_norm`.
     """
     tokens, hidden = _routed_shape(routed)
     if shared is not None and tuple(shared.shape) != (tokens, hidden):
         raise ValueError(f"shared must be [{tokens}, {hidden}], got {tuple(shared.shape)}")
+    if check_norm_pair(residual, norm_weight):
+        check_eps(eps)
+        out = finalize(routed, scale=scale, shared=shared, out_dtype=out_dtype)
+        return add_rms_norm(out, residual, norm_weight, eps)
     if isinstance(routed, torch.Tensor):
         acc_dtype = torch.float64 if routed.dtype == torch.float64 else torch.float32
         acc = routed.to(acc_dtype) * scale

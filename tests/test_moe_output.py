@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from moebench.moe_output import (
+    DEFAULT_EPS,
     MoEOutput,
     UnfinalizedMoEOutput,
+    add_rms_norm,
     convert_flashinfer_moe_output,
     finalize,
     route_major_moe_output,
@@ -180,6 +182,153 @@ def test_moe_output_checks():
         MoEOutput([[0.0]])
     with pytest.raises(ValueError):
         MoEOutput(torch.zeros(5, 4, 64), torch.zeros(5, 64))
+
+
+# ----------------------------------------------------------------------------- residual add + RMSNorm
+
+
+def naive_add_rms_norm(x, residual, weight, eps):
+    """Per token and element, in Python floats (fp64): new = round(x + res)
+    to residual's dtype; inv = 1 / sqrt(sum(new^2) / H + eps); normed =
+    round(round(new * inv) * w), each rounding through fp32 to the dtype."""
+    dtype = residual.dtype
+    tokens, h = x.shape
+
+    def rnd(v: float) -> float:
+        return float(torch.tensor(v, dtype=torch.float64).to(torch.float32).to(dtype))
+
+    normed = torch.empty(tokens, h, dtype=dtype)
+    new = torch.empty(tokens, h, dtype=dtype)
+    for t in range(tokens):
+        r = [rnd(float(x[t, j]) + float(residual[t, j])) for j in range(h)]
+        inv = 1.0 / (sum(v * v for v in r) / h + eps) ** 0.5
+        for j in range(h):
+            new[t, j] = r[j]
+            normed[t, j] = rnd(rnd(r[j] * inv) * float(weight[j]))
+    return normed, new
+
+
+def norm_case(tokens=3, hidden=256, seed=0, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(tokens, hidden, generator=g) * 0.5).to(dtype)
+    scales = 2.0 ** torch.randint(-6, 6, (tokens, 1), generator=g)
+    residual = (torch.randn(tokens, hidden, generator=g) * scales).to(dtype)
+    weight = (torch.randn(hidden, generator=g) * 0.3 + 1).to(dtype)
+    return x, residual, weight
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("eps", [1e-6, 1e-3, 0.0])
+def test_add_rms_norm_vs_naive(seed, eps):
+    x, residual, weight = norm_case(seed=seed)
+    normed, new = add_rms_norm(x, residual, weight, eps)
+    assert normed.dtype == new.dtype == torch.bfloat16 and normed.shape == new.shape == (3, 256)
+    want_normed, want_new = naive_add_rms_norm(x, residual, weight, eps)
+    # the new residual is one rounding of an exact sum: the same bits
+    assert torch.equal(new.view(torch.int16), want_new.view(torch.int16))
+    # fp32 vs fp64 sum of squares: equal but for the rare element whose bf16
+    # rounding moves, and then by at most 2^-6 relative (1 ulp of y times w)
+    got, want = normed.double(), want_normed.double()
+    diff = got != want
+    assert int(diff.sum()) <= 4
+    assert ((got - want).abs() <= 2.0**-6 * torch.maximum(got.abs(), want.abs())).all()
+    # the inputs are not modified (out of place)
+    assert torch.equal(residual, norm_case(seed=seed)[1])
+
+
+def test_add_rms_norm_dtypes_and_special_values():
+    x, residual, weight = norm_case(seed=4, dtype=torch.float64)
+    normed, new = add_rms_norm(x, residual, weight)
+    assert normed.dtype == new.dtype == torch.float64
+    torch.testing.assert_close(new, x + residual, rtol=0, atol=0)
+    rms = (new.pow(2).mean(-1, keepdim=True) + DEFAULT_EPS).sqrt()
+    torch.testing.assert_close(normed, new / rms * weight, rtol=1e-14, atol=1e-14)
+    # fp32 residual with bf16 x and weight: fp32 results
+    x, residual, weight = norm_case(seed=5)
+    normed, new = add_rms_norm(x, residual.float(), weight)
+    assert normed.dtype == new.dtype == torch.float32
+    # an all-zero row: zeros with eps > 0, NaN with eps 0 (0 * 1/sqrt(0))
+    z = torch.zeros(2, 128, dtype=torch.bfloat16)
+    w = torch.ones(128, dtype=torch.bfloat16)
+    assert (add_rms_norm(z, z, w, 1e-6)[0] == 0).all()
+    assert add_rms_norm(z, z, w, 0.0)[0].isnan().all()
+
+
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        (dict(x=[[0.0]]), TypeError, "x must be a torch.Tensor"),
+        (dict(residual=None), TypeError, "residual must be a torch.Tensor"),
+        (dict(norm_weight=(1.0,)), TypeError, "norm_weight must be a torch.Tensor"),
+        (dict(x=torch.zeros(3, 256, dtype=torch.int32)), TypeError, "x must be a floating"),
+        (dict(residual=torch.zeros(3, 256, dtype=torch.int16)), TypeError, "residual must be a floating"),
+        (dict(x=torch.zeros(3, 1, 256)), ValueError, "x must be"),
+        (dict(residual=torch.zeros(2, 256)), ValueError, "residual must be"),
+        (dict(residual=torch.zeros(256, 3).t()[:, :255]), ValueError, "residual must be"),
+        (dict(norm_weight=torch.zeros(255)), ValueError, "norm_weight must be"),
+        (dict(norm_weight=torch.zeros(1, 256)), ValueError, "norm_weight must be"),
+        (dict(norm_weight=torch.zeros(256, device="meta")), ValueError, "device"),
+        (dict(eps="1e-6"), TypeError, "eps"),
+        (dict(eps=True), TypeError, "eps"),
+        (dict(eps=-1.0), ValueError, "eps"),
+        (dict(eps=float("inf")), ValueError, "eps"),
+    ],
+)
+def test_add_rms_norm_errors(args, exc, match):
+    x, residual, weight = norm_case()
+    kw = dict(x=x, residual=residual, norm_weight=weight, eps=1e-6)
+    kw.update(args)
+    with pytest.raises(exc, match=match):
+        add_rms_norm(**kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_finalize_with_residual_and_norm(dtype):
+    rows, w, idx, shared = make_case(seed=6, dtype=dtype)
+    _, residual, weight = norm_case(tokens=5, hidden=64, seed=6, dtype=dtype)
+    u = UnfinalizedMoEOutput(rows, w, idx)
+    normed, new = finalize(u, scale=1.5, shared=shared, residual=residual, norm_weight=weight, eps=1e-5)
+    # exactly the composition: finalize (rounded to its dtype), then add_rms_norm
+    want = add_rms_norm(finalize(u, scale=1.5, shared=shared), residual, weight, 1e-5)
+    assert torch.equal(normed, want[0]) and torch.equal(new, want[1])
+    # out_dtype rounds the MoE output before the residual add
+    n32, r32 = finalize(u, shared=shared, out_dtype=torch.bfloat16, residual=residual.float(),
+                        norm_weight=weight)
+    assert n32.dtype == r32.dtype == torch.float32
+    moe16 = finalize(u, shared=shared, out_dtype=torch.bfloat16)
+    assert torch.equal(r32, moe16.float() + residual.float())
+    # MoEOutput.finalize takes the same optional arguments
+    m = MoEOutput(u, shared, routed_scaling_factor=1.5)
+    mn, mr = m.finalize(residual=residual, norm_weight=weight, eps=1e-5)
+    assert torch.equal(mn, normed) and torch.equal(mr, new)
+    assert isinstance(m.finalize(), torch.Tensor)
+    # a finalized routed tensor takes it too
+    dense = finalize(u, scale=1.5)
+    dn, dr = MoEOutput(dense, shared).finalize(residual=residual, norm_weight=weight, eps=1e-5)
+    dwant = add_rms_norm(finalize(dense, shared=shared), residual, weight, 1e-5)
+    assert torch.equal(dn, dwant[0]) and torch.equal(dr, dwant[1])
+
+
+def test_finalize_norm_argument_errors():
+    rows, w, idx, shared = make_case()
+    _, residual, weight = norm_case(tokens=5, hidden=64)
+    u = UnfinalizedMoEOutput(rows, w, idx)
+    m = MoEOutput(u, shared)
+    for f in (lambda **kw: finalize(u, **kw), m.finalize):
+        with pytest.raises(ValueError, match="norm_weight is required"):
+            f(residual=residual)
+        with pytest.raises(ValueError, match="residual is required"):
+            f(norm_weight=weight)
+        with pytest.raises(ValueError, match="residual must be"):
+            f(residual=residual[:4], norm_weight=weight)
+        with pytest.raises(ValueError, match="norm_weight must be"):
+            f(residual=residual, norm_weight=weight[:32])
+        with pytest.raises(TypeError, match="residual must be a torch.Tensor"):
+            f(residual=residual.tolist(), norm_weight=weight)
+        with pytest.raises(ValueError, match="eps"):
+            f(residual=residual, norm_weight=weight, eps=-1e-6)
+        with pytest.raises(TypeError, match="eps"):
+            f(residual=residual, norm_weight=weight, eps=None)
 
 
 # ----------------------------------------------------------------------------- FlashInfer outputs
