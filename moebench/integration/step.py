@@ -6,8 +6,10 @@ shared-expert add (and, in a serving stack, the all-reduce and the next
 RMSNorm) run as one fused kernel:
 
 - low-batch calls (1-8 rows) that the bound `RoutedExpertGemm` accepts run
-  the gate, the shared expert and the router as the runner does, then the
-  low-batch routed-expert kernels (`route` + `gemms`);
+  the gate and the shared expert as the runner does, then the low-batch
+  routed-expert kernels: the fused front (top-k + MXFP8 x + route record in
+  one launch) where `front_applies` (bound by `bind_front`), else the
+  runner's router and `route`; then `gemms`;
 - other calls run the runner's own `_forward_impl` with the deferral raised
   to the call's rows (`deferred_finalize`); a runner that still finalizes
   gets its two parts added here;
@@ -26,13 +28,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moebench.integration.reference_layer import Mxfp4Experts
+from moebench.kernels.front import FrontConfig, to_fp32
 from moebench.moe_output import MoEOutput, UnfinalizedMoEOutput
 
 if TYPE_CHECKING:
     from moebench.kernels.binding import RoutedExpertGemm
 
 __all__ = [
-    "DEFERRABLE_EXPERTS", "MoEStep", "deferred_finalize", "defers_finalize", "front_applies",
+    "DEFERRABLE_EXPERTS", "MoEStep", "bind_front", "deferred_finalize", "defers_finalize",
+    "front_applies", "front_config", "front_refusal",
 ]  # fmt: skip
 
 #: Experts classes (`routed_experts.quant_method.experts_cls`) whose calls the
@@ -83,17 +87,112 @@ def defers_finalize(
         return bool(config.should_defer_moe_finalize(max_num_tokens))
 
 
-def front_applies(gemm: Any, runner: Any) -> bool:
-    """Whether a fused front (router top-k + MXFP8 quantize + route record in
-    one kernel) may replace `router.select_experts` + `gemm.route` this call.
+def _router_routing_refusal(router: Any) -> str | None:
+    """Why the router's routing is not the plain DeepSeek-V4 top-k the fused
+    front computes, or None."""
+    if getattr(router, "_hash_indices_table", None) is not None:
+        return "hash routing (the experts come from a token table, not a top-k)"
+    if getattr(router, "scoring_func", None) != "sqrtsoftplus" or not getattr(router, "renormalize", False):
+        return "the routing is not renormalized sqrtsoftplus"
+    if getattr(router, "e_score_correction_bias", None) is None:
+        return "the router has no score-correction bias"
+    return None
 
-    Always False for now: the fused front is issue 5 item 1 and is not built.
-    When it is, this must also refuse while `runner.router.capture_fn` is set
-    (only `select_experts` feeds that hook) and unless the router's bias
-    tensors (`e_score_correction_bias`, `bias_vl`) are the very tensors the
-    front was bound to (a reload replaces them).
+
+def _router_image(router: Any) -> bool:
+    """Whether the router applies image routing (bias_vl with a sentinel), as
+    `routing.route` decides."""
+    return getattr(router, "bias_vl", None) is not None and getattr(router, "image_sentinel_lo", 0) > 0
+
+
+def front_config(runner: Any) -> FrontConfig | str:
+    """The FrontConfig of the runner's router (`protocol.Router`), binding its
+    bias tensors (bias_vl only where the router does image routing), or why
+    its routing is not the DeepSeek-V4 top-k the fused front computes: hash
+    routing, another scoring function or no renormalization, no bias, or
+    biases / scale the front cannot take (not fp32 [E] contiguous and
+    16-byte aligned, E not a multiple of 32 up to 512)."""
+    router = runner.router
+    reason = _router_routing_refusal(router)
+    if reason:
+        return reason
+    image = _router_image(router)
+    try:
+        return FrontConfig(
+            bias=router.e_score_correction_bias,
+            bias_vl=router.bias_vl if image else None,
+            image_sentinel_lo=int(router.image_sentinel_lo) if image else 0,
+            scale=float(router.routed_scaling_factor),
+        )
+    except (TypeError, ValueError) as error:
+        return f"the router's parameters do not fit the front: {error}"
+
+
+def bind_front(gemm: Any, runner: Any) -> str | None:
+    """Bind the fused front of `gemm` (a `RoutedExpertGemm`) to the runner's
+    router (`gemm.set_front(front_config(runner))`) where the router allows
+    it and the geometry matches; returns None when bound, else why not (the
+    gemm is left as it was)."""
+    config = front_config(runner)
+    if isinstance(config, str):
+        return config
+    router = runner.router
+    if router.top_k != gemm.top_k or router.global_num_experts != gemm.experts:
+        return (f"the router's top-{router.top_k} of {router.global_num_experts} experts is not"
+                f" the gemm's top-{gemm.top_k} of {gemm.experts}")
+    try:
+        gemm.set_front(config)
+    except (TypeError, ValueError) as error:
+        return f"set_front refused: {error}"
+    return None
+
+
+def front_refusal(gemm: Any, runner: Any) -> str | None:
+    """Why the fused front may not replace `router.select_experts` +
+    `gemm.route` this call, or None when it may (`front_applies`):
+
+    - no front is bound (`gemm.front_config` None: see `bind_front`);
+    - a routed-expert capture hook is set (`router.capture_fn`: only
+      `select_experts` feeds it) or routing replay is recording
+      (`router._routing_replay_out`, vLLM's);
+    - the router's routing is not the front's (hash routing, another scoring
+      function, no renormalization, no bias);
+    - the router's top_k / experts differ from the gemm's;
+    - its biases are not the very tensors the front was bound to (a reload
+      replaces them), or image routing / its sentinel / the scale changed.
     """
-    return False
+    config = getattr(gemm, "front_config", None)
+    if config is None:
+        return "no fused front is bound (bind_front / set_front)"
+    router = runner.router
+    if getattr(router, "capture_fn", None) is not None:
+        return "a routed-expert capture hook is set (only select_experts feeds it)"
+    if getattr(router, "_routing_replay_out", None) is not None:
+        return "routing replay is recording (only select_experts feeds it)"
+    reason = _router_routing_refusal(router)
+    if reason:
+        return reason
+    if router.top_k != gemm.top_k or router.global_num_experts != config.experts:
+        return f"the router's top-{router.top_k} of {router.global_num_experts} experts is not the front's"
+    if router.e_score_correction_bias.data_ptr() != config.bias.data_ptr():
+        return "the router's bias is not the tensor the front was bound to"
+    if _router_image(router) != config.image:
+        return "the router's image routing does not match the front's"
+    if config.image and (
+        router.bias_vl.data_ptr() != config.bias_vl.data_ptr()
+        or int(router.image_sentinel_lo) != config.image_sentinel_lo
+    ):
+        return "the router's bias_vl or image sentinel is not the one the front was bound to"
+    if to_fp32(router.routed_scaling_factor) != config.scale_f32:
+        return "the router's routed_scaling_factor is not the front's"
+    return None
+
+
+def front_applies(gemm: Any, runner: Any) -> bool:
+    """Whether the fused front (router top-k + MXFP8 quantize + route record
+    in one kernel) may replace `router.select_experts` + `gemm.route` this
+    call: `front_refusal(gemm, runner)` is None (it says why not)."""
+    return front_refusal(gemm, runner) is None
 
 
 @dataclass(frozen=True)
@@ -115,7 +214,8 @@ class MoEStep:
     """One MoE layer of the decode step.
 
     layer: a `protocol.MoERunner`; gemm: the `RoutedExpertGemm` bound to the
-    layer's routed-expert weights, or None (then no low-batch kernels);
+    layer's routed-expert weights, or None (then no low-batch kernels); it
+    runs the fused front where `front_applies` (bind it with `bind_front`);
     max_rows: the most rows a call of this step has (the deferral bound).
     `deferrable` = `defers_finalize(layer, max_rows)`; a non-deferrable layer
     never uses `gemm` (its output must be finalized anyway).
@@ -175,7 +275,7 @@ class MoEStep:
         assert gemm is not None
         router_logits, _ = layer.gate(x)
         shared_output = layer._shared_experts(x)
-        if front_applies(gemm, layer):  # pragma: no cover - not built yet (issue 5 item 1)
+        if front_applies(gemm, layer):
             routing = gemm.front(x, router_logits, input_ids)
         else:
             topk_weights, topk_ids = layer.router.select_experts(

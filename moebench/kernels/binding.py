@@ -1,9 +1,10 @@
-"""RoutedExpertGemm: the quantize + route kernels and the GEMM pair bound to
-one MoE layer's routed-expert weights.
+"""RoutedExpertGemm: the quantize + route kernels (or the fused front) and
+the GEMM pair bound to one MoE layer's routed-expert weights.
 
     x (BF16) ──► quantize (MXFP8 x) ─┐
     top-k ids ──► route (record, permute map) ─► GEMM1 (SwiGLU, MXFP8 H) ─► GEMM2
                                                           ─► UnfinalizedMoEOutput
+    router logits + x ──► front (top-k, MXFP8 x, record) ─┘   (after set_front)
 
 The weights are converted once from the canonical layout (`formats.ExpertWeights`)
 to the kernels' layout; every kernel is compiled when the layer is bound (never
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from moebench.formats import ExpertWeights
+from moebench.kernels import front as _front
 from moebench.kernels import gemm as _gemm
 from moebench.kernels import quantize as _quantize
 from moebench.kernels import route as _route
@@ -31,16 +33,18 @@ from moebench.record import MAX_EXPERTS, MAX_ROWS, MAX_TOP_K, TILE, cta_words, m
 from moebench.tuning.table import ShapeClass, load_tactic
 
 __all__ = [
-    "Routing", "RoutedExpertGemm", "build_routed_expert_gemms", "check_weights",
+    "FrontConfig", "Routing", "RoutedExpertGemm", "build_routed_expert_gemms", "check_weights",
     "cta_words", "max_ctas", "route_words",
 ]  # fmt: skip
+
+FrontConfig = _front.FrontConfig
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class Routing:
-    """What GEMM1 and GEMM2 read, from `RoutedExpertGemm.route`.
+    """What GEMM1 and GEMM2 read, from `RoutedExpertGemm.route` or `.front`.
 
     x_quant uint8 (e4m3) [rows, H], x_scale uint8 (E8M0) [rows, H/32],
     topk_ids int32 [rows, top_k], topk_weights fp32 [rows, top_k],
@@ -106,6 +110,7 @@ class RoutedExpertGemm:
     that always run one after the other on one stream; never share it between
     layers that may run concurrently). Raises ValueError / TypeError from
     `check_weights`, an invalid tactic or a too small workspace.
+    `front_config` is the FrontConfig bound by `set_front` (None: no fused front).
     """
 
     def __init__(
@@ -168,6 +173,7 @@ class RoutedExpertGemm:
                         f" on {workspace.device}"
                     )
                 self.workspace = workspace
+        self.front_config: FrontConfig | None = None
         # Compile now, not inside a CUDA-graph capture.
         _quantize.compile_quantize_kernel()
         _route.compile_route_kernel()
@@ -234,6 +240,60 @@ class RoutedExpertGemm:
         permuted = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
         _route.launch_route(ids, record, permuted, self.experts)
         return Routing(x_quant, x_scale, ids, topk_weights, permuted, record, ctas)
+
+    def set_front(self, config: FrontConfig) -> None:
+        """Use the fused front with the router's `config` (its bias tensors are
+        bound: the kernel reads them at every call). Compiles the front for
+        (experts, top_k, image routing) now, not inside a graph capture.
+        Raises TypeError for a non-FrontConfig, ValueError when config's
+        experts or device differ from the bound weights'."""
+        if not isinstance(config, FrontConfig):
+            raise TypeError(f"config must be a FrontConfig, got {type(config).__name__}")
+        if config.experts != self.experts:
+            raise ValueError(f"config: the bias has {config.experts} experts, the weights {self.experts}")
+        if config.bias.device != self.kw.device:
+            raise ValueError(f"config: the bias is on {config.bias.device}, the weights on {self.kw.device}")
+        _front.compile_front_kernel(self.experts, self.top_k, config.image)
+        self.front_config = config
+
+    def front(
+        self, x: torch.Tensor, router_logits: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> Routing:
+        """Top-k, MXFP8 quantization and route record in one launch (the fused
+        front bound by `set_front`); equal bit for bit to routing the router's
+        reference top-k of the same logits through `route`. No host sync.
+
+        x: BF16 [rows, H] as `accepts` wants; router_logits: float32 [rows, E]
+        (copied if it is not contiguous or 16-byte aligned); input_ids: int32 /
+        int64 [rows] token ids, required with image routing (else unused).
+        Returns the Routing (topk_ids int32, topk_weights fp32 included).
+        Raises RuntimeError before `set_front`, ValueError / TypeError for
+        bad inputs (naming the argument)."""
+        config = self.front_config
+        if config is None:
+            raise RuntimeError("no fused front is bound: call set_front(FrontConfig) first")
+        if not self.accepts(x):
+            raise ValueError(
+                f"x must be contiguous bfloat16 [1..{MAX_ROWS}, {self.hidden}] on {self.kw.device},"
+                f" got {getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}"
+            )
+        if isinstance(router_logits, torch.Tensor) and (
+            not router_logits.is_contiguous() or router_logits.data_ptr() % 16
+        ):
+            router_logits = router_logits.clone(memory_format=torch.contiguous_format)
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.contiguous()
+        rows, device = x.shape[0], x.device
+        ctas = max_ctas(rows, self.top_k, self.experts)
+        topk_ids = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
+        topk_weights = torch.empty(rows, self.top_k, dtype=torch.float32, device=device)
+        x_quant = torch.empty(rows, self.hidden, dtype=torch.uint8, device=device)
+        x_scale = torch.empty(rows, self.hidden // 32, dtype=torch.uint8, device=device)
+        record = torch.empty(route_words(ctas), dtype=torch.int32, device=device)
+        permuted = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
+        _front.launch_front(x, router_logits, config, self.top_k, input_ids, topk_ids, topk_weights,
+                            x_quant, x_scale, record, permuted)
+        return Routing(x_quant, x_scale, topk_ids, topk_weights, permuted, record, ctas)
 
     def gemm1(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch GEMM1; returns H (uint8 e4m3 [8*ctas, I]) and its E8M0

@@ -22,7 +22,8 @@ order like the values; NaN and Inf are the patterns >= 0x7F80, so the
 integer max also detects a non-finite block, where a float max would drop a
 NaN), one IEEE division, 32 fp32 multiplies by 2^(127 - code) built from
 bits (code 254 -> the subnormal 2^-127), 16 paired conversions, two 16-byte
-stores and one scale byte. The block count rows*H/32 is a runtime value:
+stores and one scale byte (the device function `quantize_block`, which the
+fused front, `front.py`, shares). The block count rows*H/32 is a runtime value:
 one compiled kernel serves every shape; the grid is ceil(blocks / threads)
 CTAs (rows 8, H 7168: 1792 blocks, 28 CTAs of 64 threads).
 
@@ -105,6 +106,47 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)], loc=loc, ip=ip)
         cute.arch.store(ptr, vec, loc=loc, ip=ip)
 
+    @cute.jit
+    def quantize_block(px: cute.Pointer, pq: cute.Pointer, x_scale: cute.Pointer, b: Int32):
+        """Quantize 32-element block `b` of the flattened input (device code,
+        shared by QuantizeKernel and the fused front): px / pq are Uint32
+        views of x (16 words a block) and x_q (8 words a block), x_scale the
+        Uint8 scale pointer. Four 16-byte loads, two 16-byte stores and one
+        scale byte; the rule and its method are in the module docstring."""
+        w = []
+        for j in cutlass.range_constexpr(4):
+            w.extend(_ld_v4(px + (b * 16 + j * 4)))
+        # amax bits (bf16 magnitude): integer max over both halves of every word
+        m = w[0] & Uint32(0x7FFF7FFF)
+        for i in cutlass.range_constexpr(1, 16):
+            m = _max_u16x2(m, w[i] & Uint32(0x7FFF7FFF))
+        amax = cutlass.max(m & Uint32(0xFFFF), m >> Uint32(16))
+        finite = amax < Uint32(0x7F80)
+        # code = biased exponent of s = amax/448 (+1 if its mantissa is non-zero)
+        s = _div_rn_448(amax << Uint32(16))
+        code = (s >> Uint32(23)) + Uint32((s & Uint32(0x7FFFFF)) != Uint32(0))
+        code = cutlass.min(code, Uint32(254))
+        # 2^(127 - code) from bits: exponent field 254 - code; 0 -> 2^-127 (subnormal)
+        e = Uint32(254) - code
+        mult = Uint32(0x00400000) if e == Uint32(0) else e << Uint32(23)
+        out = []
+        for i in cutlass.range_constexpr(8):
+            a, c = w[2 * i], w[2 * i + 1]
+            q = _cvt_e4m3x4(_mul_rn(a << Uint32(16), mult),
+                            _mul_rn(a & Uint32(0xFFFF0000), mult),
+                            _mul_rn(c << Uint32(16), mult),
+                            _mul_rn(c & Uint32(0xFFFF0000), mult))
+            if amax == Uint32(0):            # all +-0.0: zero bytes (no -0 0x80)
+                q = Uint32(0)
+            if not finite:
+                q = Uint32(_ONE_NAN_WORD)
+            out.append(q)
+        if not finite:
+            code = Uint32(_E8M0_NAN)
+        _st_v4(pq + b * 8, out[0], out[1], out[2], out[3])
+        _st_v4(pq + (b * 8 + 4), out[4], out[5], out[6], out[7])
+        cute.arch.store(x_scale + b, Uint8(code))
+
     class QuantizeKernel:
         """MXFP8 quantization of bf16 rows, one thread per 32-element block
         (CuTe DSL, sm_90a).
@@ -150,39 +192,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                 cute.arch.griddepcontrol_wait()
 
             if b < blocks:
-                w = []
-                for j in cutlass.range_constexpr(4):
-                    w.extend(_ld_v4(px + (b * 16 + j * 4)))
-                # amax bits (bf16 magnitude): integer max over both halves of every word
-                m = w[0] & Uint32(0x7FFF7FFF)
-                for i in cutlass.range_constexpr(1, 16):
-                    m = _max_u16x2(m, w[i] & Uint32(0x7FFF7FFF))
-                amax = cutlass.max(m & Uint32(0xFFFF), m >> Uint32(16))
-                finite = amax < Uint32(0x7F80)
-                # code = biased exponent of s = amax/448 (+1 if its mantissa is non-zero)
-                s = _div_rn_448(amax << Uint32(16))
-                code = (s >> Uint32(23)) + Uint32((s & Uint32(0x7FFFFF)) != Uint32(0))
-                code = cutlass.min(code, Uint32(254))
-                # 2^(127 - code) from bits: exponent field 254 - code; 0 -> 2^-127 (subnormal)
-                e = Uint32(254) - code
-                mult = Uint32(0x00400000) if e == Uint32(0) else e << Uint32(23)
-                out = []
-                for i in cutlass.range_constexpr(8):
-                    a, c = w[2 * i], w[2 * i + 1]
-                    q = _cvt_e4m3x4(_mul_rn(a << Uint32(16), mult),
-                                    _mul_rn(a & Uint32(0xFFFF0000), mult),
-                                    _mul_rn(c << Uint32(16), mult),
-                                    _mul_rn(c & Uint32(0xFFFF0000), mult))
-                    if amax == Uint32(0):            # all +-0.0: zero bytes (no -0 0x80)
-                        q = Uint32(0)
-                    if not finite:
-                        q = Uint32(_ONE_NAN_WORD)
-                    out.append(q)
-                if not finite:
-                    code = Uint32(_E8M0_NAN)
-                _st_v4(pq + b * 8, out[0], out[1], out[2], out[3])
-                _st_v4(pq + (b * 8 + 4), out[4], out[5], out[6], out[7])
-                cute.arch.store(x_scale + b, Uint8(code))
+                quantize_block(px, pq, x_scale, b)
 
 
 _KERNEL = "the quantize kernel"

@@ -20,7 +20,8 @@ so with one thread per slot and the keys in shared memory:
   * s sits in permuted row tile*8 + r%8; a starter writes its tile's expert
     and min(8, n - r) valid rows.
 All threads first fill the unused-word defaults; two barriers later the used
-words are scattered over them.
+words are scattered over them. That method is the device function
+`build_record`, which the fused front (`front.py`) shares.
 
 Programmatic dependent launch (`pdl=True`): the kernel lets its dependents
 launch on entry (the GEMM that follows may prefetch weights; it waits on
@@ -72,6 +73,115 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     import cutlass
     import cutlass.cute as cute
     from cutlass import Int32
+
+    def record_smem(smem):
+        """The shared memory `build_record` works in, from a SmemAllocator:
+        (keys int32 [64], tile starters int32 [64], per-warp counts int32 [4])."""
+        s_key = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS), byte_alignment=16)
+        s_start = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS), byte_alignment=16)
+        s_count = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS // 16), byte_alignment=16)
+        return s_key, s_start, s_count
+
+    @cute.jit
+    def build_record(
+        tid: Int32,
+        e: Int32,
+        s_key: cute.Tensor,
+        s_start: cute.Tensor,
+        s_count: cute.Tensor,
+        record: cute.Pointer,
+        permuted: cute.Pointer,
+        rows: Int32,
+        top_k: Int32,
+        experts: Int32,
+        threads: cutlass.Constexpr[int],
+        keys_per_step: cutlass.Constexpr[int],
+    ):
+        """Write the route record and permute map (device code, shared by
+        RouteKernel and the fused front; method in the module docstring).
+
+        Called by every one of the CTA's `threads` threads (>= 64) with its
+        thread index `tid` and, for tid < rows*top_k, the expert id `e` of
+        slot tid (any value for the other threads); `s_key` / `s_start` /
+        `s_count` from `record_smem`; record / permuted: int32 global
+        pointers; rows / top_k / experts as in `RouteKernel`. Two CTA
+        barriers inside; the caller must have made `e` readable (no barrier
+        is needed before the call: the first shared store follows the fill)."""
+        # record geometry (record.max_ctas / cta_words / route_words)
+        slots = rows * top_k
+        filled = cutlass.min(experts, slots)
+        ctas = filled + (slots - filled) // TILE
+        w = (ctas + 3) // 4 * 4
+        body = 2 * w + TILE * ctas                  # words after the 4-word header
+        g_rec = cute.make_tensor(record, cute.make_layout(4 + 2 * MAX_SLOTS + TILE * MAX_SLOTS))
+        g_perm = cute.make_tensor(permuted, cute.make_layout(MAX_SLOTS))
+
+        # defaults of every body word: tile_expert -1, tile_valid_rows 0, tile_slots -1
+        for i in cutlass.range(tid, body, threads, unroll=1):
+            g_rec[4 + i] = Int32(0) if (i >= w and i < 2 * w) else Int32(-1)
+
+        key = Int32(_SENTINEL)
+        if tid < slots and e >= 0 and e < experts:
+            key = (e << _SLOT_BITS) + tid
+        if tid < MAX_SLOTS:
+            s_key[tid] = key                        # slots .. 63 hold the sentinel
+        cute.arch.sync_threads()
+
+        # pass 1 (keys_per_step keys a step, up to the step holding the
+        # last slot): rank within the expert and the expert's slot count
+        step = keys_per_step
+        steps = (slots + step - 1) // step
+        local = key != _SENTINEL
+        lo = (key >> _SLOT_BITS) << _SLOT_BITS
+        hi = lo + (1 << _SLOT_BITS)
+        c_lo, c_me, c_hi = Int32(0), Int32(0), Int32(0)
+        for g in cutlass.range(steps, unroll=1):
+            for q in cutlass.range_constexpr(step):
+                kj = s_key[g * step + q]
+                c_lo = c_lo + Int32(kj < lo)
+                c_me = c_me + Int32(kj < key)
+                c_hi = c_hi + Int32(kj < hi)
+        rank = c_me - c_lo
+        count = c_hi - c_lo
+        pos = rank % TILE
+        starts = local and pos == 0
+        if tid < MAX_SLOTS:
+            s_start[tid] = key if starts else Int32(_SENTINEL)
+        # per-warp counts of local slots and of tile starters, for the header
+        warp = tid // 32
+        n_local = cute.arch.popc(cute.arch.vote_ballot_sync(local))
+        n_starts = cute.arch.popc(cute.arch.vote_ballot_sync(starts))
+        if tid % 32 == 0 and warp < MAX_SLOTS // 32:
+            s_count[warp] = n_local
+            s_count[MAX_SLOTS // 32 + warp] = n_starts
+        cute.arch.sync_threads()
+
+        # pass 2: tile index = tile starters with a key <= mine, minus one
+        c_tile = Int32(0)
+        for g in cutlass.range(steps, unroll=1):
+            for q in cutlass.range_constexpr(step):
+                c_tile = c_tile + Int32(s_start[g * step + q] <= key)
+
+        if tid < slots:
+            if local:
+                tile = c_tile - 1
+                row = tile * TILE + pos
+                g_perm[tid] = row
+                g_rec[4 + 2 * w + row] = tid
+                if starts:
+                    g_rec[4 + tile] = e
+                    g_rec[4 + w + tile] = cutlass.min(count - rank, TILE)
+            else:
+                g_perm[tid] = Int32(-1)
+        if tid == 0:
+            tiles, valid = Int32(0), Int32(0)
+            for w_ in cutlass.range_constexpr(MAX_SLOTS // 32):
+                valid = valid + s_count[w_]
+                tiles = tiles + s_count[MAX_SLOTS // 32 + w_]
+            g_rec[0] = tiles
+            g_rec[1] = valid
+            g_rec[2] = rows
+            g_rec[3] = top_k
 
     class RouteKernel:
         """One-CTA route kernel (CuTe DSL, sm_90a).
@@ -137,94 +247,18 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             experts: Int32,
         ):
             tid = cute.arch.thread_idx()[0]
-            smem = cutlass.memory.SmemAllocator()
-            s_key = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS), byte_alignment=16)
-            s_start = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS), byte_alignment=16)
-            s_count = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS // 16), byte_alignment=16)
-
-            # record geometry (record.max_ctas / cta_words / route_words)
-            slots = rows * top_k
-            filled = cutlass.min(experts, slots)
-            ctas = filled + (slots - filled) // TILE
-            w = (ctas + 3) // 4 * 4
-            body = 2 * w + TILE * ctas                  # words after the 4-word header
+            s_key, s_start, s_count = record_smem(cutlass.memory.SmemAllocator())
             g_ids = cute.make_tensor(ids, cute.make_layout(MAX_SLOTS))
-            g_rec = cute.make_tensor(record, cute.make_layout(4 + 2 * MAX_SLOTS + TILE * MAX_SLOTS))
-            g_perm = cute.make_tensor(permuted, cute.make_layout(MAX_SLOTS))
 
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
                 cute.arch.griddepcontrol_wait()
 
             e = Int32(-1)
-            if tid < slots:
+            if tid < rows * top_k:
                 e = g_ids[tid]                          # issued before the fill's stores
-            # defaults of every body word: tile_expert -1, tile_valid_rows 0, tile_slots -1
-            for i in cutlass.range(tid, body, self.threads, unroll=1):
-                g_rec[4 + i] = Int32(0) if (i >= w and i < 2 * w) else Int32(-1)
-
-            key = Int32(_SENTINEL)
-            if tid < slots and e >= 0 and e < experts:
-                key = (e << _SLOT_BITS) + tid
-            if tid < MAX_SLOTS:
-                s_key[tid] = key                        # slots .. 63 hold the sentinel
-            cute.arch.sync_threads()
-
-            # pass 1 (keys_per_step keys a step, up to the step holding the
-            # last slot): rank within the expert and the expert's slot count
-            step = self.keys_per_step
-            steps = (slots + step - 1) // step
-            local = key != _SENTINEL
-            lo = (key >> _SLOT_BITS) << _SLOT_BITS
-            hi = lo + (1 << _SLOT_BITS)
-            c_lo, c_me, c_hi = Int32(0), Int32(0), Int32(0)
-            for g in cutlass.range(steps, unroll=1):
-                for q in cutlass.range_constexpr(step):
-                    kj = s_key[g * step + q]
-                    c_lo = c_lo + Int32(kj < lo)
-                    c_me = c_me + Int32(kj < key)
-                    c_hi = c_hi + Int32(kj < hi)
-            rank = c_me - c_lo
-            count = c_hi - c_lo
-            pos = rank % TILE
-            starts = local and pos == 0
-            if tid < MAX_SLOTS:
-                s_start[tid] = key if starts else Int32(_SENTINEL)
-            # per-warp counts of local slots and of tile starters, for the header
-            warp = tid // 32
-            n_local = cute.arch.popc(cute.arch.vote_ballot_sync(local))
-            n_starts = cute.arch.popc(cute.arch.vote_ballot_sync(starts))
-            if tid % 32 == 0 and warp < MAX_SLOTS // 32:
-                s_count[warp] = n_local
-                s_count[MAX_SLOTS // 32 + warp] = n_starts
-            cute.arch.sync_threads()
-
-            # pass 2: tile index = tile starters with a key <= mine, minus one
-            c_tile = Int32(0)
-            for g in cutlass.range(steps, unroll=1):
-                for q in cutlass.range_constexpr(step):
-                    c_tile = c_tile + Int32(s_start[g * step + q] <= key)
-
-            if tid < slots:
-                if local:
-                    tile = c_tile - 1
-                    row = tile * TILE + pos
-                    g_perm[tid] = row
-                    g_rec[4 + 2 * w + row] = tid
-                    if starts:
-                        g_rec[4 + tile] = e
-                        g_rec[4 + w + tile] = cutlass.min(count - rank, TILE)
-                else:
-                    g_perm[tid] = Int32(-1)
-            if tid == 0:
-                tiles, valid = Int32(0), Int32(0)
-                for w_ in cutlass.range_constexpr(MAX_SLOTS // 32):
-                    valid = valid + s_count[w_]
-                    tiles = tiles + s_count[MAX_SLOTS // 32 + w_]
-                g_rec[0] = tiles
-                g_rec[1] = valid
-                g_rec[2] = rows
-                g_rec[3] = top_k
+            build_record(tid, e, s_key, s_start, s_count, record, permuted, rows, top_k, experts,
+                         self.threads, self.keys_per_step)
 
 
 _KERNEL = "the route kernel"

@@ -9,9 +9,11 @@ from dataclasses import dataclass
 import torch
 
 from moebench.formats import ExpertWeights
+from moebench.kernels.front import FrontConfig
 from moebench.models import MoEConfig
 from moebench.moe_output import UnfinalizedMoEOutput
 from moebench.reference import reference_moe
+from moebench.routing import RouterConfig, route
 
 #: hidden 256, per-rank intermediate 64 (TP2 of 128), padded to 128; 32 experts, top-4;
 #: the router folds 1.5.
@@ -26,19 +28,39 @@ class FakeRouting:
 
 
 class FakeRoutedExpertGemm:
-    """`RoutedExpertGemm`'s interface (accepts / route / gemms) in torch, from
-    `reference.reference_moe` ("mxfp8", the kernels' numerics). `accepts`
-    mirrors the real rule, including the data_ptr check of the weights;
-    `calls` counts route / gemms calls."""
+    """`RoutedExpertGemm`'s interface (accepts / route / set_front / front /
+    gemms) in torch, from `reference.reference_moe` ("mxfp8", the kernels'
+    numerics); `front` is the router reference on the bound FrontConfig.
+    `accepts` mirrors the real rule, including the data_ptr check of the
+    weights; `calls` counts route / front / gemms calls."""
 
     def __init__(self, weights: ExpertWeights, top_k: int) -> None:
         self.source = weights
         self.top_k = top_k
-        self.calls = {"route": 0, "gemms": 0}
+        self.front_config: FrontConfig | None = None
+        self.calls = {"route": 0, "front": 0, "gemms": 0}
 
     @property
     def hidden(self) -> int:
         return self.source.hidden
+
+    @property
+    def experts(self) -> int:
+        return self.source.experts
+
+    def set_front(self, config: FrontConfig) -> None:
+        assert isinstance(config, FrontConfig) and config.experts == self.experts
+        self.front_config = config
+
+    def front(self, x: torch.Tensor, router_logits: torch.Tensor, input_ids=None) -> FakeRouting:
+        config = self.front_config
+        assert config is not None and self.accepts(x)
+        self.calls["front"] += 1
+        router = RouterConfig(
+            self.experts, self.top_k, config.scale, config.bias, config.bias_vl, config.image_sentinel_lo
+        )
+        weights, ids = route(router_logits, router, input_ids)
+        return FakeRouting(x, ids, weights)
 
     def accepts(self, x: torch.Tensor, weights=None) -> bool:
         ok = (

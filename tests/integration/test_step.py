@@ -13,8 +13,10 @@ from moebench.integration.protocol import (
 )  # fmt: skip
 from moebench.integration.reference_layer import ReferenceMoEConfig, build_reference_layer
 from moebench.integration.step import (
-    MoEStep, current_weights, deferred_finalize, defers_finalize, front_applies,
+    MoEStep, bind_front, current_weights, deferred_finalize, defers_finalize, front_applies,
+    front_config, front_refusal,
 )  # fmt: skip
+from moebench.kernels.front import FrontConfig
 from moebench.moe_output import MoEOutput, UnfinalizedMoEOutput
 from moebench.reference import relative_error
 
@@ -76,8 +78,95 @@ def test_defers_finalize_false_for_a_config_that_cannot_defer(layer):
     assert not defers_finalize(layer, 8)
 
 
-def test_front_applies_is_false_until_the_front_is_built(layer):
-    assert front_applies(FakeRoutedExpertGemm(layer.routed_experts.expert_weights(), 4), layer) is False
+def _fake(layer):
+    return FakeRoutedExpertGemm(layer.routed_experts.expert_weights(), TINY.top_k)
+
+
+def test_front_applies_is_false_until_a_front_is_bound(layer):
+    gemm = _fake(layer)
+    assert front_applies(gemm, layer) is False
+    assert "no fused front" in front_refusal(gemm, layer)
+
+
+def test_bind_front_binds_the_routers_tensors(layer):
+    gemm = _fake(layer)
+    assert bind_front(gemm, layer) is None
+    config = gemm.front_config
+    assert config.bias is layer.router.e_score_correction_bias and config.bias_vl is None
+    assert config.image_sentinel_lo == 0 and config.scale == TINY.routed_scaling_factor
+    assert front_applies(gemm, layer) and front_refusal(gemm, layer) is None
+
+
+def test_front_applies_false_while_a_capture_hook_is_set(layer):
+    gemm = _fake(layer)
+    bind_front(gemm, layer)
+    layer.router.capture_fn = lambda ids: None
+    assert not front_applies(gemm, layer)
+    assert "capture" in front_refusal(gemm, layer)
+    layer.router.capture_fn = None
+    layer.router._routing_replay_out = torch.zeros(1)  # vLLM's routing replay
+    assert "replay" in front_refusal(gemm, layer)
+
+
+def test_front_applies_false_once_the_bias_is_replaced(layer):
+    gemm = _fake(layer)
+    bind_front(gemm, layer)
+    layer.router.e_score_correction_bias = layer.router.e_score_correction_bias.clone()  # a reload
+    assert not front_applies(gemm, layer)
+    assert "bias is not the tensor" in front_refusal(gemm, layer)
+    layer.router.e_score_correction_bias = None
+    assert "no score-correction bias" in front_refusal(gemm, layer)
+
+
+def test_hash_layers_are_not_front_eligible():
+    layer = build_reference_layer(TINY, seed=12, hash_vocab=20)
+    gemm = _fake(layer)
+    assert "hash routing" in front_config(layer)
+    assert "hash routing" in bind_front(gemm, layer) and gemm.front_config is None
+    # A front bound before the router became hash-routed is refused too.
+    gemm.set_front(FrontConfig(layer.router.e_score_correction_bias, scale=TINY.routed_scaling_factor))
+    assert not front_applies(gemm, layer) and "hash routing" in front_refusal(gemm, layer)
+
+
+def test_image_routing_binds_bias_vl_and_follows_its_tensors():
+    layer = build_reference_layer(TINY, seed=12, image_sentinel_lo=500)
+    gemm = _fake(layer)
+    assert bind_front(gemm, layer) is None
+    assert gemm.front_config.bias_vl is layer.router.bias_vl
+    assert gemm.front_config.image_sentinel_lo == 500 and front_applies(gemm, layer)
+    layer.router.image_sentinel_lo = 600
+    assert "sentinel" in front_refusal(gemm, layer)
+    layer.router.image_sentinel_lo = 500
+    layer.router.bias_vl = layer.router.bias_vl.clone()
+    assert "bias_vl" in front_refusal(gemm, layer)
+    layer.router.bias_vl = None  # the router stopped image routing
+    assert "image routing" in front_refusal(gemm, layer)
+
+
+def test_front_refuses_other_routing_and_geometry(layer):
+    gemm = _fake(layer)
+    bind_front(gemm, layer)
+    layer.router.routed_scaling_factor = 2.5
+    assert "routed_scaling_factor" in front_refusal(gemm, layer)
+    layer.router.routed_scaling_factor = TINY.routed_scaling_factor
+    layer.router.top_k = 2
+    assert "top-2" in front_refusal(gemm, layer)
+    assert "top-2" in bind_front(_fake(layer), layer)
+    layer.router.top_k = TINY.top_k
+    layer.router.scoring_func = "softmax"
+    assert "sqrtsoftplus" in front_refusal(gemm, layer) and "sqrtsoftplus" in front_config(layer)
+    layer.router.scoring_func = "sqrtsoftplus"
+    assert front_applies(gemm, layer)
+
+
+def test_front_config_reports_biases_the_front_cannot_take(layer):
+    layer.router.e_score_correction_bias = layer.router.e_score_correction_bias.double()
+    assert "do not fit the front" in front_config(layer)
+
+
+def test_vllm_shaped_router_gets_a_front_config():
+    config = front_config(VllmLikeRunner())
+    assert isinstance(config, FrontConfig) and config.experts == 32 and config.scale == 1.5
 
 
 # ----------------------------------------------------------------------------- MoEStep paths
@@ -90,7 +179,7 @@ def test_low_batch_path_uses_the_gemm(layer, rows):
     x = generate_activations(rows, TINY.hidden, seed=rows)
     out = step.run(x, None, low_batch=True)
     assert isinstance(out, MoEOutput) and isinstance(out.routed, UnfinalizedMoEOutput)
-    assert gemm.calls == {"route": 1, "gemms": 1}
+    assert gemm.calls == {"route": 1, "front": 0, "gemms": 1}
     assert relative_error(out.finalize(torch.bfloat16), layer.forward(x)) < 1e-2
 
 
@@ -105,6 +194,36 @@ def test_low_batch_path_with_image_and_hash_routing():
         out = MoEStep(layer, gemm, 8).run(x, ids, low_batch=True)
         assert gemm.calls["gemms"] == 1
         assert relative_error(out.finalize(torch.bfloat16), layer.forward(x, ids)) < 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_low_batch_path_uses_the_bound_front(layer, rows):
+    x = generate_activations(rows, TINY.hidden, seed=rows)
+    plain = _fake(layer)
+    want = MoEStep(layer, plain, 8).run(x, None, low_batch=True)
+    gemm = _fake(layer)
+    assert bind_front(gemm, layer) is None
+    out = MoEStep(layer, gemm, 8).run(x, None, low_batch=True)
+    assert gemm.calls == {"route": 0, "front": 1, "gemms": 1}
+    assert plain.calls == {"route": 1, "front": 0, "gemms": 1}
+    # The same routing either way: the same bits.
+    assert torch.equal(out.finalize(torch.bfloat16), want.finalize(torch.bfloat16))
+
+
+def test_front_path_with_image_routing_and_the_capture_hook_fallback():
+    layer = build_reference_layer(TINY, seed=12, image_sentinel_lo=500)
+    ids = torch.tensor([3, 500, 504, 9])
+    x = generate_activations(4, TINY.hidden, seed=5)
+    gemm = _fake(layer)
+    bind_front(gemm, layer)
+    out = MoEStep(layer, gemm, 8).run(x, ids, low_batch=True)
+    assert gemm.calls["front"] == 1
+    assert relative_error(out.finalize(torch.bfloat16), layer.forward(x, ids)) < 1e-2
+    # With a capture hook the router runs (and feeds it), not the front.
+    seen = []
+    layer.router.capture_fn = seen.append
+    MoEStep(layer, gemm, 8).run(x, ids, low_batch=True)
+    assert gemm.calls == {"route": 1, "front": 1, "gemms": 2} and len(seen) == 1
 
 
 @pytest.mark.parametrize("rows", [2, 12])
@@ -315,3 +434,15 @@ def test_gpu_cuda_graph_captures_a_whole_step():
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(static_out, layer.forward(new_x)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 6, 8])
+def test_gpu_step_with_the_fused_front_gives_the_same_bits(rows):
+    layer, gemm, x = _gpu_setup(rows)
+    want = MoEStep(layer, gemm, max_rows=8).run(x, None, low_batch=True)
+    assert bind_front(gemm, layer) is None and front_applies(gemm, layer)
+    got = MoEStep(layer, gemm, max_rows=8).run(x, None, low_batch=True)
+    for name in ("gemm2_permuted", "expert_weights", "expanded_idx_to_permuted_idx"):
+        assert torch.equal(getattr(got.routed, name), getattr(want.routed, name)), name
+    assert torch.equal(got.finalize(torch.bfloat16), want.finalize(torch.bfloat16))

@@ -1,0 +1,470 @@
+"""The fused front kernel: router logits and x -> top-k, MXFP8 x, route record.
+
+One launch replaces the chain router top-k (`moebench.routing.route`) ->
+MXFP8 quantization (`quantize.py`) -> route kernel (`route.py`) for 1-8 token
+rows, with outputs equal to the chain's bit for bit:
+
+    logits fp32 [rows, E], x bf16 [rows, H]  (+ input ids [rows] for image routing)
+      -> topk_ids int32 [rows, top_k], topk_weights fp32 [rows, top_k]
+         x_q uint8 (e4m3) [rows, H], x_scale uint8 (E8M0) [rows, H/32]
+         record int32 [route_words(max_ctas(rows, top_k, E))], permuted int32 [rows, top_k]
+
+Roles by CTA index, 256 threads each:
+  * CTA 0: warp r < rows computes row r's DeepSeek-V4 top-k (`topk.row_topk`:
+    sqrtsoftplus, bias or, for an image row, bias_vl, ties to the lower id,
+    NaN last, renormalized with the 1e-20 floor, times the routed scale) and
+    writes its ids and weights; after one CTA barrier the ids, read back from
+    shared memory, feed the route kernel's record builder
+    (`route.build_record`, two more barriers).
+  * CTAs 1..: one thread per 32-element block of x, as the quantize kernel
+    (`quantize.quantize_block`): ceil(rows*H/32 / 256) CTAs.
+Every slot is local (the front routes over all E experts of the rank).
+
+E (a multiple of 32, at most 512) and top_k (1..8) are compile-time values
+(a lane holds E/32 scores in registers; the rounds of the top-k unroll),
+and image routing (reading bias_vl and the input ids) is a compile-time
+switch; rows and H are runtime values. Compiled once per (E, top_k, image,
+pdl) and cached.
+
+Programmatic dependent launch (`pdl=True`): the kernel lets its dependents
+launch on entry (GEMM1 may prefetch weights; it waits on griddepcontrol
+before reading what the front wrote, i.e. for this grid to complete and
+flush) and waits on griddepcontrol before any other global access than the
+bias loads (the logits, input ids and x come from earlier kernels, and the
+outputs may still be read by an earlier kernel; the biases are bound with
+the layer and no kernel of a step writes them, so the top-k warps issue
+their loads first and the wait hides their latency).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from moebench.kernels.host import HAVE_DSL, check_bool, check_tensor, cu_stream, gmem_ptr, require_dsl
+from moebench.kernels.topk import WARP, topk_reason
+from moebench.models import MX_BLOCK
+from moebench.record import MAX_ROWS, RouteRecord, max_ctas, route_words
+from moebench.routing import IMAGE_SENTINELS
+
+#: CTA size: one warp per row in CTA 0 (and 256 blocks of x per other CTA).
+THREADS = MAX_ROWS * WARP
+#: H granularity (the quantize kernel's).
+H_MULTIPLE = 128
+#: Largest image sentinel: the five ids must fit an int32.
+MAX_SENTINEL = 2**31 - 1 - IMAGE_SENTINELS
+
+
+def to_fp32(value: float) -> float:
+    """`value` rounded to fp32 (round to nearest even), as torch rounds a
+    Python float into a float32 tensor."""
+    return float(torch.tensor(float(value), dtype=torch.float32))
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    """The router's DeepSeek-V4 top-k parameters the fused front applies.
+
+    bias: fp32 [E] score-correction bias (selection only), contiguous, CUDA,
+      16-byte aligned; E a multiple of 32 in [32, 512].
+    bias_vl: fp32 [E] bias of image rows (same layout and device), or None
+      for a router without image routing.
+    image_sentinel_lo: first of the five image sentinel token ids, in
+      [1, 2^31 - 6] with bias_vl; 0 without.
+    scale: the routed scaling factor folded into the weights (finite, > 0;
+      applied rounded to fp32, as `routing.route` does).
+
+    The kernel reads the tensors themselves at every call: the config binds
+    them (a reload that replaces them must bind again; `front_applies` in
+    `moebench.integration.step` refuses until then). Raises TypeError /
+    ValueError naming the field.
+    """
+
+    bias: torch.Tensor
+    bias_vl: torch.Tensor | None = None
+    image_sentinel_lo: int = 0
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.bias, torch.Tensor):
+            raise TypeError(f"bias must be a torch.Tensor, got {type(self.bias).__name__}")
+        if self.bias.dim() != 1:
+            raise ValueError(f"bias must be 1-D [experts], got shape {tuple(self.bias.shape)}")
+        experts = self.bias.shape[0]
+        reason = topk_reason(experts, 1)
+        if reason:
+            raise ValueError(f"bias: {reason}")
+        check_tensor("bias", self.bias, torch.float32, (experts,), align=16)
+        if self.bias_vl is not None:
+            check_tensor("bias_vl", self.bias_vl, torch.float32, (experts,), self.bias.device,
+                         device_of="bias", align=16)
+        lo = self.image_sentinel_lo
+        if not isinstance(lo, int) or isinstance(lo, bool):
+            raise TypeError(f"image_sentinel_lo must be an int, got {type(lo).__name__}")
+        if self.bias_vl is None and lo != 0:
+            raise ValueError(f"image_sentinel_lo must be 0 without bias_vl, got {lo}")
+        if self.bias_vl is not None and not 1 <= lo <= MAX_SENTINEL:
+            raise ValueError(f"image_sentinel_lo must be in [1, {MAX_SENTINEL}] with bias_vl, got {lo}")
+        s = self.scale
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not 0 < float(s) < float("inf"):
+            raise ValueError(f"scale must be a finite number > 0, got {s!r}")
+        if not 0 < self.scale_f32 < float("inf"):
+            raise ValueError(f"scale must be a finite number > 0 in fp32, got {s!r}")
+
+    @property
+    def experts(self) -> int:
+        """E, the bias length."""
+        return int(self.bias.shape[0])
+
+    @property
+    def image(self) -> bool:
+        """Whether the front applies image routing (bias_vl is set)."""
+        return self.bias_vl is not None
+
+    @property
+    def scale_f32(self) -> float:
+        """`scale` rounded to fp32 (the multiplier the weights get)."""
+        return to_fp32(self.scale)
+
+
+def front_reason(experts, top_k, rows=1, hidden=H_MULTIPLE) -> str | None:
+    """Why the fused front cannot take this geometry, or None when it can:
+    `topk.topk_reason(experts, top_k)`, rows an int in [1, 8] (one warp per
+    row in one CTA), hidden a positive int multiple of 128 (the quantize
+    kernel's granularity)."""
+    reason = topk_reason(experts, top_k)
+    if reason:
+        return reason
+    for name, v in (("rows", rows), ("hidden", hidden)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            return f"{name} must be an int, got {type(v).__name__}"
+    if not 1 <= rows <= MAX_ROWS:
+        return f"rows must be in [1, {MAX_ROWS}] (one warp per row), got {rows}"
+    if hidden <= 0 or hidden % H_MULTIPLE:
+        return f"hidden must be a positive multiple of {H_MULTIPLE}, got {hidden}"
+    return None
+
+
+if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
+    import cuda.bindings.driver as _cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
+
+    from moebench.kernels.quantize import quantize_block
+    from moebench.kernels.route import DEFAULT_KEYS_PER_STEP, MAX_SLOTS, build_record, record_smem
+    from moebench.kernels.topk import row_topk
+
+    class FrontKernel:
+        """The fused front (CuTe DSL, sm_90a): top-k, MXFP8 x and route
+        record in one launch of 1 + ceil(rows*H/32 / 256) CTAs of 256 threads.
+
+        Static configuration: `experts` (E) and `top_k` (the shape class:
+        register arrays and unrolled rounds are sized by them), `image` (read
+        bias_vl and the input ids) and `pdl` (trigger dependents on entry,
+        griddepcontrol.wait before any global access but the bias loads).
+        E and top_k are static because a lane holds E/32 scores in registers
+        and the top_k rounds unroll. Runtime: the
+        global pointers (see `compile_front_kernel`), ids64 (input ids are
+        int64), sentinel_lo, scale (fp32), rows and blocks = rows*H/32.
+        """
+
+        def __init__(self, experts: int, top_k: int, image: bool = False, pdl: bool = True):
+            check_bool("image", image)
+            check_bool("pdl", pdl)
+            reason = topk_reason(experts, top_k)
+            if reason:
+                raise ValueError(reason)
+            self.experts = experts
+            self.top_k = top_k
+            self.image = image
+            self.pdl = pdl
+
+        @staticmethod
+        def can_implement(experts, top_k, rows=1, hidden=H_MULTIPLE) -> tuple[bool, str]:
+            """(True, "") or (False, why) for a geometry (`front_reason`)."""
+            reason = front_reason(experts, top_k, rows, hidden)
+            return (False, reason) if reason else (True, "")
+
+        @cute.jit
+        def __call__(
+            self,
+            logits: cute.Pointer,
+            bias: cute.Pointer,
+            bias_vl: cute.Pointer,
+            input_ids: cute.Pointer,
+            ids64: Int32,
+            sentinel_lo: Int32,
+            scale: Float32,
+            x: cute.Pointer,
+            topk_ids: cute.Pointer,
+            topk_weights: cute.Pointer,
+            x_q: cute.Pointer,
+            x_scale: cute.Pointer,
+            permuted: cute.Pointer,
+            record: cute.Pointer,
+            rows: Int32,
+            blocks: Int32,
+            stream: _cuda.CUstream,
+        ):
+            """Launch 1 + ceil(blocks / 256) CTAs of 256 threads on `stream`."""
+            ctas = 1 + (blocks + (THREADS - 1)) // THREADS
+            self.kernel(logits, bias, bias_vl, input_ids, ids64, sentinel_lo, scale, x, topk_ids,
+                        topk_weights, x_q, x_scale, permuted, record, rows, blocks).launch(
+                grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl,
+                # one CTA per SM is all it needs: lets ptxas keep every load
+                # in flight together rather than sink them to their first use
+                min_blocks_per_mp=1)
+
+        @cute.kernel
+        def kernel(
+            self,
+            logits: cute.Pointer,
+            bias: cute.Pointer,
+            bias_vl: cute.Pointer,
+            input_ids: cute.Pointer,
+            ids64: Int32,
+            sentinel_lo: Int32,
+            scale: Float32,
+            x: cute.Pointer,
+            topk_ids: cute.Pointer,
+            topk_weights: cute.Pointer,
+            x_q: cute.Pointer,
+            x_scale: cute.Pointer,
+            permuted: cute.Pointer,
+            record: cute.Pointer,
+            rows: Int32,
+            blocks: Int32,
+        ):
+            tid = cute.arch.thread_idx()[0]
+            cta = cute.arch.block_idx()[0]
+            smem = cutlass.memory.SmemAllocator()
+            s_ids = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS), byte_alignment=16)
+            s_key, s_start, s_count = record_smem(smem)
+            e, k = self.experts, self.top_k
+            s_scores = smem.allocate_tensor(Float32, cute.make_layout((MAX_ROWS, e), stride=(e, 1)),
+                                            byte_alignment=16)
+
+            if cutlass.const_expr(self.pdl):
+                cute.arch.griddepcontrol_launch_dependents()
+
+            if cta == 0:
+                warp = tid // WARP
+                lane = tid % WARP
+                if warp < rows:
+                    # waits on griddepcontrol inside, once the bias loads are out
+                    expert, weight = row_topk(
+                        cute.recast_ptr(logits, dtype=Uint32) + warp * e,
+                        cute.recast_ptr(bias, dtype=Uint32),
+                        cute.recast_ptr(bias_vl, dtype=Uint32),
+                        input_ids, ids64, sentinel_lo, s_scores, warp, lane, scale, e, k, self.image,
+                        self.pdl)
+                    if lane < k:
+                        slot = warp * k + lane
+                        cute.arch.store(topk_ids + slot, expert)
+                        cute.arch.store(topk_weights + slot, weight)
+                        s_ids[slot] = expert
+                else:
+                    if cutlass.const_expr(self.pdl):
+                        cute.arch.griddepcontrol_wait()
+                cute.arch.sync_threads()
+                expert_of_slot = Int32(-1)
+                if tid < rows * k:
+                    expert_of_slot = s_ids[tid]
+                build_record(tid, expert_of_slot, s_key, s_start, s_count, record, permuted,
+                             rows, Int32(k), Int32(e), THREADS, DEFAULT_KEYS_PER_STEP)
+            else:
+                if cutlass.const_expr(self.pdl):
+                    cute.arch.griddepcontrol_wait()
+                b = (cta - 1) * THREADS + tid
+                if b < blocks:
+                    quantize_block(cute.recast_ptr(x, dtype=Uint32), cute.recast_ptr(x_q, dtype=Uint32),
+                                   x_scale, b)
+
+
+_KERNEL = "the fused front kernel"
+
+
+def compile_front_kernel(experts: int, top_k: int, image: bool = False, pdl: bool = True):
+    """Compile the fused front once per process and (experts, top_k, image,
+    pdl) (cached; see FrontKernel).
+
+    Without a GPU set CUTE_DSL_ARCH=sm_90a to cross-compile for the H200.
+    Returns the compiled function, called as
+    `f(logits, bias, bias_vl, input_ids, ids64, sentinel_lo, scale, x,
+    topk_ids, topk_weights, x_q, x_scale, permuted, record, rows, blocks,
+    stream)` with 16-byte aligned global pointers (fp32 logits / bias /
+    bias_vl, int32 input ids (4-byte aligned), bf16 x, int32 topk_ids, fp32
+    topk_weights, uint8 x_q / x_scale, int32 permuted / record;
+    cutlass.cute.runtime.make_ptr), Int32 ids64 / sentinel_lo / rows /
+    blocks (= rows*H/32), Float32 scale and a cuda.bindings CUstream;
+    `launch_front` does this for torch tensors. Raises RuntimeError without
+    nvidia-cutlass-dsl, TypeError for a non-bool `image` / `pdl`, ValueError
+    for an experts / top_k the kernel cannot take (`topk.topk_reason`)."""
+    check_bool("image", image)
+    check_bool("pdl", pdl)
+    reason = topk_reason(experts, top_k)
+    if reason:
+        raise ValueError(reason)
+    return _compile(experts, top_k, image, pdl)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(experts: int, top_k: int, image: bool, pdl: bool):
+    require_dsl(_KERNEL)
+
+    def fake(dtype, align=16):
+        return gmem_ptr(dtype, 16, align)
+
+    return cute.compile(
+        FrontKernel(experts, top_k, image, pdl),
+        fake(Float32), fake(Float32), fake(Float32), fake(Int32, 4), Int32(0), Int32(0), Float32(1.0),
+        fake(BFloat16), fake(Int32), fake(Float32), fake(Uint8), fake(Uint8), fake(Int32), fake(Int32),
+        Int32(1), Int32(H_MULTIPLE // MX_BLOCK), _cuda.CUstream(0),
+    )  # fmt: skip
+
+
+def _check_inputs(x, logits, config, top_k, input_ids) -> tuple[int, int]:
+    """Validate the front's inputs; returns (rows, hidden)."""
+    if not isinstance(config, FrontConfig):
+        raise TypeError(f"config must be a FrontConfig, got {type(config).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, H], got shape {tuple(x.shape)}")
+    rows, hidden = x.shape
+    reason = front_reason(config.experts, top_k, rows, hidden)
+    if reason:
+        name = "x" if reason.startswith(("rows", "hidden")) else "config / top_k"
+        raise ValueError(f"{name}: {reason}")
+    device = x.device
+    check_tensor("x", x, torch.bfloat16, (rows, hidden), align=16)
+    check_tensor("logits", logits, torch.float32, (rows, config.experts), device, device_of="x", align=16)
+    if config.bias.device != device or (config.image and config.bias_vl.device != device):
+        raise ValueError(f"config.bias / bias_vl must be on {device} (the device of x), got {config.bias.device}")
+    if config.image:
+        if input_ids is None:
+            raise ValueError("input_ids is required with image routing (config.bias_vl is set)")
+        check_tensor("input_ids", input_ids, (torch.int32, torch.int64), (rows,), device,
+                     device_of="x", align=4)
+    return rows, hidden
+
+
+def launch_front(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    config: FrontConfig,
+    top_k: int,
+    input_ids: torch.Tensor | None,
+    topk_ids_out: torch.Tensor,
+    topk_weights_out: torch.Tensor,
+    x_q_out: torch.Tensor,
+    x_scale_out: torch.Tensor,
+    record_out: torch.Tensor,
+    permuted_out: torch.Tensor,
+    *,
+    stream=None,
+    pdl: bool = True,
+) -> None:
+    """Launch the fused front into the given buffers on `stream` (torch's
+    current stream when None). No host sync, no allocation: CUDA-graph
+    capturable (call it once before capture: the first call loads the
+    kernel). Once the stream has run it, the outputs equal the chain
+    `routing.route` (router reference on the same device) ->
+    `quantize.quantize_mxfp8` -> `route.route` bit for bit.
+
+    x: bfloat16 [rows, H], 1 <= rows <= 8, H a positive multiple of 128,
+      contiguous, CUDA, 16-byte aligned.
+    logits: float32 [rows, E] router logits, contiguous, 16-byte aligned, on x's device.
+    config: the router's FrontConfig (E = config.experts), tensors on x's device.
+    top_k: experts per row, int in [1, 8].
+    input_ids: int32 / int64 [rows] token ids on x's device, contiguous
+      (read only with image routing, where it is required; else may be None).
+    topk_ids_out: int32 [rows, top_k]; topk_weights_out: float32 [rows, top_k];
+    x_q_out: uint8 or float8_e4m3fn [rows, H]; x_scale_out: uint8 [rows, H/32];
+    record_out: int32 [route_words(max_ctas(rows, top_k, E))];
+    permuted_out: int32 [rows, top_k] — all contiguous, 16-byte aligned, on
+      x's device; every element is written.
+    stream: None, a torch.cuda.Stream or a cuda.bindings CUstream.
+    pdl: launch with programmatic dependent launch (see the module docstring).
+
+    Raises TypeError for a wrong type or dtype, ValueError for a wrong shape,
+    range, layout, alignment or device (each naming the argument),
+    RuntimeError without nvidia-cutlass-dsl.
+    """
+    rows, hidden = _check_inputs(x, logits, config, top_k, input_ids)
+    device = x.device
+    e = config.experts
+    for name, t, dtypes, shape in (
+        ("topk_ids_out", topk_ids_out, torch.int32, (rows, top_k)),
+        ("topk_weights_out", topk_weights_out, torch.float32, (rows, top_k)),
+        ("x_q_out", x_q_out, (torch.uint8, torch.float8_e4m3fn), (rows, hidden)),
+        ("x_scale_out", x_scale_out, torch.uint8, (rows, hidden // MX_BLOCK)),
+        ("record_out", record_out, torch.int32, (route_words(max_ctas(rows, top_k, e)),)),
+        ("permuted_out", permuted_out, torch.int32, (rows, top_k)),
+    ):
+        check_tensor(name, t, dtypes, shape, device, device_of="x", align=16)
+    check_bool("pdl", pdl)
+    if device.type != "cuda":
+        raise ValueError(f"x and every front tensor must be CUDA tensors, got {device}")
+    require_dsl(_KERNEL)
+    compiled = compile_front_kernel(e, top_k, config.image, pdl)
+    bias_vl = config.bias_vl if config.image else config.bias
+    ids = input_ids if config.image else topk_ids_out
+    compiled(
+        gmem_ptr(Float32, logits, 16), gmem_ptr(Float32, config.bias, 16), gmem_ptr(Float32, bias_vl, 16),
+        gmem_ptr(Int32, ids, 4), Int32(int(ids.dtype == torch.int64)), Int32(config.image_sentinel_lo),
+        Float32(config.scale_f32), gmem_ptr(BFloat16, x, 16), gmem_ptr(Int32, topk_ids_out, 16),
+        gmem_ptr(Float32, topk_weights_out, 16), gmem_ptr(Uint8, x_q_out, 16),
+        gmem_ptr(Uint8, x_scale_out, 16), gmem_ptr(Int32, permuted_out, 16),
+        gmem_ptr(Int32, record_out, 16), Int32(rows), Int32(rows * hidden // MX_BLOCK),
+        cu_stream(stream, device),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class FrontOutput:
+    """What the fused front writes: topk_ids int32 [rows, top_k],
+    topk_weights fp32 [rows, top_k], x_q uint8 (e4m3) [rows, H], x_scale
+    uint8 (E8M0) [rows, H/32] and the route record with its permute map."""
+
+    topk_ids: torch.Tensor
+    topk_weights: torch.Tensor
+    x_q: torch.Tensor
+    x_scale: torch.Tensor
+    route: RouteRecord
+
+
+def front(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    config: FrontConfig,
+    top_k: int,
+    input_ids: torch.Tensor | None = None,
+    *,
+    stream=None,
+    pdl: bool = True,
+) -> FrontOutput:
+    """Allocate the outputs on x's device and launch the fused front (see
+    `launch_front`, which says what the arguments must be and what is
+    raised). Returns a FrontOutput, equal bit for bit to the chain's once
+    the stream has run the kernel."""
+    _check_inputs(x, logits, config, top_k, input_ids)
+    rows, hidden = x.shape
+    device = x.device
+    ctas = max_ctas(rows, top_k, config.experts)
+
+    def empty(*shape, dtype):
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    out = FrontOutput(
+        empty(rows, top_k, dtype=torch.int32), empty(rows, top_k, dtype=torch.float32),
+        empty(rows, hidden, dtype=torch.uint8), empty(rows, hidden // MX_BLOCK, dtype=torch.uint8),
+        RouteRecord(empty(route_words(ctas), dtype=torch.int32), empty(rows, top_k, dtype=torch.int32), ctas),
+    )  # fmt: skip
+    launch_front(x, logits, config, top_k, input_ids, out.topk_ids, out.topk_weights, out.x_q,
+                 out.x_scale, out.route.record, out.route.permuted, stream=stream, pdl=pdl)
+    return out
+
