@@ -98,7 +98,8 @@ def sweep(
     scenario: str = typer.Option("correlated", help="Routing scenarios: uniform,zipf,hot,correlated,replay."),
     tactics: str = typer.Option(
         "default", help="Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list"
-        " (moebench: default = tuned table else built-in, builtin = built-in defaults)."
+        " (moebench: default = tuned table else built-in, builtin = built-in defaults, tuned = the tuning"
+        " table only, skipped without one; torch-bf16: grouped, gather)."
     ),
     seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
@@ -114,7 +115,7 @@ def sweep(
     """Measure backends over presets x TP x rows x scenarios; store the run."""
     from moebench.backends.registry import backend_names
     from moebench.bench.cases import CPU_BACKENDS, CPU_REDUCED, SweepConfig
-    from moebench.bench.sweep import run_sweep
+    from moebench.bench.sweep import run_sweep, validate_sweep
     from moebench.env import resolve_device
     from moebench.record import MAX_ROWS
     from moebench.reports.store import run_dir_name, write_run
@@ -142,6 +143,7 @@ def sweep(
             layers=layers, device=str(dev), reduced=reduced, warmup=warmup, replays=replays,
             use_graph=graph, trace=trace,
         )  # fmt: skip
+        validate_sweep(config)
     except (ValueError, TypeError) as error:
         raise _fail(str(error)) from None
 
@@ -386,13 +388,17 @@ def report(
         return
     if comparison.device_mismatch:
         raise _fail("the baseline is of another device / geometry: cases were not compared (see the report)")
+    if comparison.errors:
+        raise _fail("; ".join(comparison.errors))
     if fail_above is not None and len(comparison.regressions):
         raise _fail(f"{len(comparison.regressions)} case(s) slower than the baseline by more than {threshold:g} %"
                     " or failed", 1)  # fmt: skip
 
 
 def _print_comparison(comp) -> None:
-    """Render a Comparison: mismatches / notes, then one row per case."""
+    """Render a Comparison: errors / mismatches / notes, then one row per case."""
+    for e in comp.errors:
+        console.print(f"[red]error: {e}[/red]", soft_wrap=True)
     for m in comp.mismatches:
         console.print(f"[yellow]mismatch: {m}[/yellow]", soft_wrap=True)
     for n in comp.notes:
@@ -416,7 +422,9 @@ def _print_comparison(comp) -> None:
 
 @app.command()
 def tune(
-    preset: str = typer.Option("dsv41-flash", help="Preset name (see `moebench presets`)."),
+    preset: str = typer.Option(
+        "dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."
+    ),
     hidden: int = typer.Option(None, help="Override hidden size H."),
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
     experts: int = typer.Option(None, help="Override routed experts E."),
@@ -424,15 +432,32 @@ def tune(
     tp: str = typer.Option("4", help="Tensor-parallel degrees: one table per rank shape."),
     rows: str = typer.Option("1-8", help="Token rows to tune (1..8)."),
     stages: str = typer.Option("1,2", help="GEMM stages to tune (1, 2)."),
-    space: str = typer.Option("quick", help="Tactic space: 'quick' (default) or 'full'."),
+    space: str = typer.Option(
+        "quick", help="Tactic space: 'quick' (default), 'full', or 'ship' (the defaults and their neighbours,"
+        " <= 10 per stage: what the shipped tables are tuned over)."
+    ),
     scenario: str = typer.Option("correlated", help="Routing scenario of the timed cases."),
     repeats: int = typer.Option(3, help="Extra timings of each finalist."),
-    top: int = typer.Option(3, help="Finalists re-timed per row count."),
+    top: int = typer.Option(3, help="Finalists re-timed per row count (the default is always re-timed too)."),
     replays: int = typer.Option(50, help="Timed CUDA-graph replays per timing."),
     warmup: int = typer.Option(10, help="Warm-up calls per timing."),
     layers: int = typer.Option(None, help="Force the number of rotated weight sets (default: >= 4x L2)."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
+    distinct_layers: bool = typer.Option(
+        False, "--distinct-layers", help="Generate every rotated weight set (default: copies of the first)."
+    ),
     seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
+    budget: float = typer.Option(
+        None, help="Wall-time budget in seconds: no new step starts that would end past it; the tables keep"
+        " what was done (exit 1 lists what was left out)."
+    ),
+    jobs: int = typer.Option(
+        None, help="Worker processes compiling the kernels ahead of the timing (default: cores - 1; 0: compile"
+        " in this process)."
+    ),
+    summary: Path = typer.Option(
+        None, help="Also write the tuned-vs-default gains here (markdown; a .json beside it)."
+    ),
     device: str = typer.Option(None, help="'cuda[:N]' (default: the current GPU)."),
     out: Path = typer.Option(
         None, help="Directory of the tables (default: $MOEBENCH_TUNING_DIR, else ./tuning-tables;"
@@ -440,10 +465,11 @@ def tune(
     ),
     force: bool = typer.Option(False, "--force", help="Replace a table of another device or a newer version."),
 ) -> None:
-    """Tune the GEMM tactics per rows on this GPU; write one table per shape class."""
+    """Tune the GEMM tactics per rows on this GPU; write one table per shape
+    class and print what tuning buys over the defaults at rows 1, 4, 8."""
     import os
 
-    from moebench.models import get_preset
+    from moebench.models import PRESETS, get_preset
     from moebench.record import MAX_ROWS
     from moebench.routing import SCENARIOS
     from moebench.tuning.space import SPACES
@@ -453,59 +479,142 @@ def tune(
             raise ValueError(f"--space: expected one of {sorted(SPACES)}, got {space!r}")
         if scenario not in SCENARIOS or scenario == "replay":
             raise ValueError(f"--scenario: expected one of {[s for s in SCENARIOS if s != 'replay']}, got {scenario!r}")
+        names = tuple(PRESETS) if preset.strip() == "all" else parse_names(preset, "--preset")
         tps = parse_int_list(tp, "--tp", 1, 64)
-        cfg = get_preset(preset, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k)
-        for t in tps:
-            cfg.shard(t)
+        for name in names:
+            cfg = get_preset(name, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k)
+            for t in tps:
+                cfg.shard(t)
         row_list = parse_int_list(rows, "--rows", 1, MAX_ROWS)
         stage_list = parse_int_list(stages, "--stages", 1, 2)
         for name, v, lo in (("--repeats", repeats, 1), ("--top", top, 2), ("--replays", replays, 1),
                             ("--warmup", warmup, 0)):  # fmt: skip
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
+        if budget is not None and not budget > 0:
+            raise ValueError(f"--budget must be a positive number of seconds, got {budget}")
+        if jobs is not None and jobs < 0:
+            raise ValueError(f"--jobs must be >= 0, got {jobs}")
+        if summary is not None and summary.exists() and summary.is_dir():
+            raise ValueError(f"--summary: {summary} is a directory; give a file name, e.g. tune-gains.md")
     except (ValueError, TypeError) as error:
         raise _fail(str(error)) from None
-    from moebench.tuning.runner import TuneConfig, require_tuning_device, run_tune
+    from moebench.tuning import runner as tuning_runner
+    from moebench.tuning.precompile import default_jobs
 
     try:
-        require_tuning_device(device)
+        tuning_runner.require_tuning_device(device)
     except RuntimeError as error:
         raise _fail(str(error)) from None
     target = out or Path(os.environ.get("MOEBENCH_TUNING_DIR", "").split(os.pathsep)[0] or "tuning-tables")
-    config = TuneConfig(
-        preset=preset, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=tps,
-        rows=row_list, stages=stage_list, scenario=scenario, seed=seed, space=SPACES[space], repeats=repeats,
-        top=top, warmup=warmup, replays=replays, layers=layers, warm_l2=warm_l2, device=device,
-    )  # fmt: skip
-    with console.status("tuning ...") as status:
-        outcome = run_tune(config, progress=lambda text: status.update(f"tuning: {text}"))
-    _write_tables(outcome, target, force)
+    configs = [
+        tuning_runner.TuneConfig(
+            preset=name, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=(t,),
+            rows=row_list, stages=stage_list, scenario=scenario, seed=seed, space=SPACES[space], repeats=repeats,
+            top=top, warmup=warmup, replays=replays, layers=layers, warm_l2=warm_l2, device=device,
+            copy_layers=not distinct_layers,
+        )  # fmt: skip
+        for name in names for t in tps
+    ]
+    clock = tuning_runner.Budget(budget)
+    problems: list[str] = []
+
+    def say(text: str) -> None:
+        console.print(f"[dim][{clock.elapsed():6.1f} s][/dim] {text}", soft_wrap=True)
+
+    def finished(config, outcome) -> None:
+        for (t, stage), secs in outcome.seconds.items():
+            say(f"{config.preset} TP{t} GEMM{stage}: {len(outcome.results[t, stage].entries)} rows tuned"
+                f" in {secs:.1f} s ({outcome.layers[t, stage]} weight sets)")  # fmt: skip
+        problems.extend(_write_tables(outcome, target, force, label=config.preset))
+
+    n_jobs = default_jobs() if jobs is None else jobs
+    done = tuning_runner.tune_many(configs, budget=clock, jobs=n_jobs, progress=_progress_filter(say),
+                                   on_outcome=finished)  # fmt: skip
+    records = tuning_runner.gains(done, tuning_runner.GAIN_ROWS)
+    _print_gains(records)
+    if summary is not None:
+        import json
+
+        try:
+            summary.parent.mkdir(parents=True, exist_ok=True)
+            summary.write_text(tuning_runner.gains_markdown(records), encoding="utf-8")
+            summary.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
+            console.print(f"wrote [bold]{summary}[/bold] and [bold]{summary.with_suffix('.json')}[/bold]")
+        except OSError as error:
+            problems.append(f"cannot write {summary}: {error}")
+    stopped = [line for _, o in done for line in o.stopped]
+    say(f"done in {clock.elapsed():.0f} s")
+    if stopped:
+        problems.append(f"the --budget of {budget:g} s left out: " + "; ".join(stopped))
+    if problems:
+        raise _fail(" | ".join(problems), 1)
 
 
-def _write_tables(outcome, target: Path, force: bool) -> None:
+def _progress_filter(say):
+    """Progress lines of run_tune worth a log line (one per stage and shape),
+    not one per tactic."""
+
+    def progress(text: str) -> None:
+        if text.endswith("preparing weights") or text.startswith("compiling") or "kernels submitted" in text:
+            say(text)
+
+    return progress
+
+
+def _print_gains(records) -> None:
+    if not records:
+        return
+    table = Table(title="tuned vs built-in default (pooled µs per launch, timed side by side; gain > 0: tuned is"
+                        " faster)")  # fmt: skip
+    for head in ("preset", "TP", "rows", "GEMM1 default", "GEMM1 tuned", "gain", "GEMM2 default", "GEMM2 tuned",
+                 "gain", "both default", "both tuned", "gain µs", "gain %"):  # fmt: skip
+        table.add_column(head)
+
+    def pct(g) -> str:
+        return "-" if g.get("gain_pct") is None else f"{g['gain_pct']:+.1f}%"
+
+    for r in records:
+        g1, g2, b = r["gemm1"], r["gemm2"], r["both"]
+        table.add_row(
+            r["preset"], str(r["tp"]), str(r["rows"]), _fmt(g1["default_us"], 2), _fmt(g1["tuned_us"], 2), pct(g1),
+            _fmt(g2["default_us"], 2), _fmt(g2["tuned_us"], 2), pct(g2), _fmt(b["default_us"], 2),
+            _fmt(b["tuned_us"], 2), "-" if b["gain_us"] is None else f"{b['gain_us']:+.2f}", pct(b),
+        )  # fmt: skip
+    Console(highlight=False, width=max(console.width, 150)).print(table)
+
+
+def _write_tables(outcome, target: Path, force: bool, label: str = "") -> list[str]:
     """Print each table's picks and write it (merged over an older table of
-    the same device); exits 1 when a table cannot be written or a row count
-    found no correct tactic."""
+    the same device); returns the problems (a table that cannot be written,
+    a row count with no correct tactic)."""
     from moebench.tuning.table import TableError, read_table, write_table
 
-    failed = []
+    problems, failed = [], []
+    prefix = f"{label} " if label else ""
     for (tp, stage), result in outcome.results.items():
-        table = Table(title=f"TP{tp} GEMM{stage} ({outcome.layers.get((tp, stage), '?')} weight sets)")
-        for head in ("rows", "tactic", "µs", "p10-p90", "runner-up", "margin", "separated", "rejected", "note"):
+        table = Table(title=f"{prefix}TP{tp} GEMM{stage} ({outcome.layers.get((tp, stage), '?')} weight sets)")
+        for head in ("rows", "tactic", "µs", "p10-p90", "default µs", "runner-up", "margin", "separated", "rejected",
+                     "note"):  # fmt: skip
             table.add_column(head)
         for rows, res in result.results.items():
             e = res.entry
             if e is None:
-                failed.append(f"TP{tp} GEMM{stage} rows={rows}")
-                table.add_row(str(rows), "[red]none correct[/red]", "", "", "", "", "", str(len(res.rejected)), "")
+                failed.append(f"{prefix}TP{tp} GEMM{stage} rows={rows}")
+                table.add_row(str(rows), "[red]none correct[/red]", "", "", "", "", "", "", str(len(res.rejected)),
+                              "")  # fmt: skip
                 continue
+            base = res.baseline
             table.add_row(
                 str(rows), e.tactic.name, _fmt(e.median_us, 2), f"{e.p10_us:.2f}-{e.p90_us:.2f}",
+                "-" if base is None else _fmt(base.median_us, 2),
                 e.runner_up.name if e.runner_up else "-", _fmt(e.margin_pct) + "%" if e.margin_pct is not None else "-",
                 "yes" if e.separated else "[yellow]no[/yellow]", str(len(res.rejected)), res.note,
             )  # fmt: skip
-        console.print(table)
+        Console(highlight=False, width=max(console.width, 150)).print(table)
     for t in outcome.tables:
+        if not t.entries:
+            continue
         path = target / t.file_name
         try:
             if path.exists():
@@ -515,10 +624,12 @@ def _write_tables(outcome, target: Path, force: bool) -> None:
                     pass  # write_table refuses (or --force replaces) it with the reason
             written = write_table(t, target, force=force)
         except (TableError, OSError) as error:
-            raise _fail(str(error), 1) from None
+            problems.append(str(error))
+            continue
         console.print(f"wrote [bold]{written}[/bold] ({len(t.entries)} entries)")
     if failed:
-        raise _fail(f"no correct tactic for {', '.join(failed)}", 1)
+        problems.append(f"no correct tactic for {', '.join(failed)}")
+    return problems
 
 
 def main() -> None:

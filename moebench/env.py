@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import subprocess
 import sys
 from dataclasses import asdict, dataclass
@@ -55,6 +56,10 @@ class DeviceInfo:
         return self.kind == "cuda" and self.capability is not None and self.capability.startswith("9.")
 
 
+#: Device strings moebench takes: cpu, cuda, cuda:N.
+_DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")
+
+
 def resolve_device(device: torch.device | str | None = None) -> torch.device:
     """`device`, or the current CUDA device when one is present, else the CPU.
 
@@ -65,19 +70,24 @@ def resolve_device(device: torch.device | str | None = None) -> torch.device:
         if torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
+    expected = "expected 'cpu' or 'cuda[:N]' (e.g. 'cuda' for the current GPU, 'cuda:1' for the second)"
+    if isinstance(device, str) and not _DEVICE.match(device.strip()):
+        raise ValueError(f"device (--device): {expected}, got {device!r}")
     try:
-        dev = torch.device(device)
+        dev = torch.device(device.strip() if isinstance(device, str) else device)
     except (RuntimeError, TypeError) as error:
-        raise ValueError(f"device: cannot parse {device!r}: {error}") from error
+        raise ValueError(f"device (--device): {expected}, got {device!r} ({error})") from error
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device: {device!r} asked for, but CUDA is not available")
+            raise ValueError(f"device (--device): {device!r} asked for, but CUDA is not available here"
+                             " (use 'cpu', or leave --device out)")  # fmt: skip
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
         if dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device: {device!r} does not exist ({torch.cuda.device_count()} GPUs)")
+            raise ValueError(f"device (--device): {device!r} does not exist ({torch.cuda.device_count()} GPUs:"
+                             f" cuda:0..cuda:{torch.cuda.device_count() - 1})")  # fmt: skip
     elif dev.type != "cpu":
-        raise ValueError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
+        raise ValueError(f"device (--device): {expected}, got {device!r}")
     return dev
 
 

@@ -51,6 +51,9 @@ def test_sweep_then_report(tmp_path):
         (["--scenario", "nope"], "scenario"),
         (["--backends", "nope"], "backends"),
         (["--label", "../x"], "label"),
+        (["--tactics", "nope"], "--tactics"),
+        (["--device", "foo"], "'cuda[:N]'"),
+        (["--tp", "3"], "reduced geometry"),
     ],
 )
 def test_sweep_user_errors_exit_2_with_one_line(tmp_path, args, needle):
@@ -117,7 +120,7 @@ def _stored_run(root, label, medians, *, device="NVIDIA H200", failed_rows=()):
                    sm_count=132, commit="abc")  # fmt: skip
         rows.append(row)
     manifest = {"device": {"name": device, "sm_count": 132}, "copy_bw_gbps": 4000.0, "reduced": False}
-    return write_run(pd.DataFrame(rows), manifest, root=root, label=label)
+    return write_run(pd.DataFrame(rows, columns=list(REQUIRED_COLUMNS)), manifest, root=root, label=label)
 
 
 def test_tune_without_a_gpu_fails_with_one_red_line(tmp_path):
@@ -173,6 +176,27 @@ def test_report_other_device_is_reported_not_compared(tmp_path):
                                  "--out", str(tmp_path / "r")])  # fmt: skip
     assert result.exit_code == 2 and "another device" in result.output and "H100" in result.output
     assert "mismatch" in (tmp_path / "r" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("gate", [["--fail-above", "5%"], []])
+def test_report_against_an_empty_baseline_is_an_error_not_a_pass(tmp_path, gate):
+    base = _stored_run(tmp_path / "runs", "empty", {})
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 20.0, 6: 40.0})
+    result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), *gate, "--out", str(tmp_path / "r"),
+                                 "--no-html"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "holds no cases" in result.output and "Traceback" not in result.output
+    text = (tmp_path / "r" / "summary.md").read_text()
+    assert "**error**" in text and "not a pass" in text and "No regressions" not in text
+
+
+def test_report_with_nothing_in_common_is_an_error(tmp_path):
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0})
+    cur = _stored_run(tmp_path / "runs", "cur", {6: 40.0})
+    result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--fail-above", "5%",
+                                 "--out", str(tmp_path / "r"), "--no-html"])  # fmt: skip
+    assert result.exit_code == 2 and "no case could be compared" in result.output
+    assert "1 new" in result.output and "1 missing" in result.output
 
 
 def test_report_option_errors(tmp_path):

@@ -19,7 +19,13 @@ def test_missing_packages_read_as_none():
 
 
 def test_bad_device():
-    with pytest.raises(ValueError, match="device"):
-        resolve_device("tpu")
-    with pytest.raises(ValueError, match="device"):
-        resolve_device("not a device")
+    for bad in ("tpu", "not a device", "foo", "cuda:x", "cuda:-1", "mps", "gpu0", ""):
+        with pytest.raises(ValueError, match=r"--device.*expected 'cpu' or 'cuda\[:N\]'"):
+            resolve_device(bad)
+    assert resolve_device("cpu") == resolve_device(" cpu ") == __import__("torch").device("cpu")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message without a GPU")
+def test_cuda_without_cuda_says_so():
+    with pytest.raises(ValueError, match="CUDA is not available here"):
+        resolve_device("cuda:0")

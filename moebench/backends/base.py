@@ -62,6 +62,12 @@ class Backend(abc.ABC):
         """Tactic names `prepare` accepts for `shape`; "default" is always one."""
         return (DEFAULT_TACTIC,)
 
+    def tactic_unavailable_reason(self, shape: RankShape, tactic: str, device: torch.device | str) -> str | None:
+        """Why an offered `tactic` cannot run `shape` on `device` right now
+        (e.g. it needs a tuning table there is none of), or None. The sweep
+        skips such cases with the reason. Default: None."""
+        return None
+
     def prepared_bytes(self, shape: RankShape) -> int:
         """Device bytes `prepare` adds per weight set (for the sweep's memory
         budget); default: none beyond the canonical weights it keeps."""

@@ -6,8 +6,10 @@ Oracle "mxfp8" (MXFP8 x and H). Needs nvidia-cutlass-dsl and an sm_90 GPU.
 
 Tactics: "default" = what the runtime runs (the tuning table of this device
 and shape class when there is one, else the built-in defaults); "builtin" =
-the built-in defaults, tables ignored (`sweep --tactics default,builtin`
-measures what tuning buys).
+the built-in defaults, tables ignored; "tuned" = the tuning table's tactics,
+skipped (with the reason) when no usable table covers this device and shape
+class, so `sweep --tactics tuned,builtin` measures what tuning buys and
+never times the defaults twice under two names.
 """
 
 from __future__ import annotations
@@ -29,9 +31,27 @@ class MoebenchBackend(Backend):
     oracle = "mxfp8"
     capturable = True
     BUILTIN = "builtin"
+    TUNED = "tuned"
 
     def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
-        return (DEFAULT_TACTIC, self.BUILTIN)
+        return (DEFAULT_TACTIC, self.BUILTIN, self.TUNED)
+
+    def tactic_unavailable_reason(self, shape: RankShape, tactic: str, device: torch.device | str) -> str | None:
+        """For "tuned": why no tuning table covers `device` and `shape`
+        (naming the file and where it was looked for), else None."""
+        if tactic != self.TUNED:
+            return None
+        from moebench.tuning.table import ShapeClass, default_search_dirs, find_table, table_file_name
+
+        dev = torch.device(device)
+        name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+        sclass = ShapeClass.of(shape)
+        table, _, problems = find_table(name, sclass)
+        if table is not None:
+            return None
+        where = ", ".join(str(d) for d in default_search_dirs())
+        why = f"; {problems[0]}" if problems else ""
+        return f"no tuning table {table_file_name(sclass, name)} in {where}{why} (run `moebench tune`)"
 
     def unavailable_reason(self, device: torch.device | str) -> str | None:
         if importlib.util.find_spec("cutlass") is None:

@@ -142,7 +142,34 @@ class SweepConfig:
         # Validate the geometry now (bad overrides / tp fail here, not mid-run).
         for p in self.presets:
             for tp in self.tp:
-                self.config_for(p, reduced=bool(self.reduced)).shard(tp)
+                self._check_tp(p, tp)
+
+    def _check_tp(self, preset: str, tp: int) -> None:
+        """Raise ValueError (naming --tp and the TP degrees that would work)
+        when `preset` (with the overrides, and the reduced CPU geometry when
+        this sweep uses it) cannot be split `tp` ways."""
+        full = self.config_for(preset, reduced=False)
+        try:
+            full.shard(tp)
+        except ValueError:
+            raise ValueError(
+                f"tp={tp} (--tp): {full.name}'s intermediate size {full.intermediate} does not split into"
+                f" {tp} slices of whole 32-wide MX blocks; valid --tp values: {_fmt_tps(full.intermediate)}"
+            ) from None
+        if not self.reduced:
+            return
+        small = self.config_for(preset, reduced=True)
+        try:
+            small.shard(tp)
+        except ValueError:
+            fit = 32 * tp * -(-CPU_REDUCED["intermediate"] // (32 * tp))
+            raise ValueError(
+                f"tp={tp} (--tp): without a GPU the sweep runs a reduced geometry (intermediate"
+                f" {small.intermediate} instead of {full.name}'s {full.intermediate}, hidden {small.hidden},"
+                f" experts {small.experts}) and {small.intermediate} does not split into {tp} slices of whole"
+                f" 32-wide MX blocks; on the CPU use --tp {_fmt_tps(small.intermediate)}, or give"
+                f" --intermediate {fit} (a multiple of {32 * tp})"
+            ) from None
 
     def config_for(self, preset: str, *, reduced: bool) -> MoEConfig:
         """The preset with this sweep's overrides (and the reduced CPU geometry
@@ -153,6 +180,11 @@ class SweepConfig:
                 if over[k] is None:
                     over[k] = v
         return get_preset(preset, **over)
+
+
+def _fmt_tps(intermediate: int, limit: int = 64) -> str:
+    """The TP degrees (<= limit) that split `intermediate` into whole MX blocks."""
+    return ",".join(str(t) for t in range(1, limit + 1) if intermediate % t == 0 and (intermediate // t) % 32 == 0)
 
 
 def expand_cases(config: SweepConfig, backends: tuple[str, ...], *, reduced: bool) -> list[Case]:

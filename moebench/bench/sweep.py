@@ -131,24 +131,7 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
         raise TypeError(f"config must be a SweepConfig, got {type(config).__name__}")
     dev = resolve_device(config.device)
     reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
-    if config.backends is not None:
-        names = config.backends
-    elif dev.type == "cpu":
-        names = CPU_BACKENDS
-    else:
-        names = tuple(n for n in backend_names() if n != "reference")
-    known = backend_names()
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"backends: unknown {unknown}; expected names from {list(known)}")
-
-    env = environment(dev)
-    dinfo = env["device"]
-    if dev.type == "cuda":
-        copy_bytes, copy_repeats = 1 << 30, 20
-    else:
-        copy_bytes, copy_repeats = 64 << 20, 5
-    copy_bw = copy_bandwidth_gbps(dev, copy_bytes, copy_repeats)
+    names = _backend_selection(config, dev)
 
     backends: dict[str, Backend] = {}
     reasons: dict[str, str | None] = {}
@@ -160,6 +143,15 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
             reasons[name] = error.reason
         except Exception as error:  # noqa: BLE001
             reasons[name] = f"availability check failed: {_error_text(error)}"
+    check_tactic_names(config, names, backends, reduced=reduced)
+
+    env = environment(dev)
+    dinfo = env["device"]
+    if dev.type == "cuda":
+        copy_bytes, copy_repeats = 1 << 30, 20
+    else:
+        copy_bytes, copy_repeats = 64 << 20, 5
+    copy_bw = copy_bandwidth_gbps(dev, copy_bytes, copy_repeats)
 
     cases = expand_cases(config, names, reduced=reduced)
     if ALL_TACTICS in config.tactics:
@@ -206,6 +198,60 @@ FLOAT_COLUMNS = (
 )  # fmt: skip
 STRING_COLUMNS = ("error", "oracle", "timing_method", "commit", "device")
 INT_COLUMNS = ("unique_experts", "bytes", "layers", "sm_count")
+
+
+def _backend_selection(config: SweepConfig, dev: torch.device) -> tuple[str, ...]:
+    """The backend names `config` selects on `dev` (ValueError for unknown ones)."""
+    if config.backends is not None:
+        names = config.backends
+    elif dev.type == "cpu":
+        names = CPU_BACKENDS
+    else:
+        names = tuple(n for n in backend_names() if n != "reference")
+    known = backend_names()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"backends (--backends): unknown {unknown}; expected names from {list(known)}")
+    return tuple(names)
+
+
+def validate_sweep(config: SweepConfig) -> None:
+    """The checks `run_sweep` makes before measuring anything (device,
+    backend names, tactic names), for a caller that wants them up front.
+    Raises ValueError naming the option."""
+    dev = resolve_device(config.device)
+    reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
+    names = _backend_selection(config, dev)
+    backends = {}
+    for name in names:
+        with contextlib.suppress(Exception):
+            backends[name] = load_backend(name)
+    check_tactic_names(config, names, backends, reduced=reduced)
+
+
+def check_tactic_names(config: SweepConfig, names, backends: dict[str, Backend], *, reduced: bool) -> None:
+    """Raise ValueError (naming --tactics and the valid values) for a tactic
+    name that none of the selected backends offers for any shape of the
+    sweep, before anything is measured. "all" is always valid; a selected
+    backend that could not be loaded (its tactics unknown) disables the
+    check, its cases are then skipped with the reason."""
+    if any(name not in backends for name in names):
+        return
+    shapes = [config.config_for(p, reduced=reduced).shard(tp) for p in config.presets for tp in config.tp]
+    offered: dict[str, list[str]] = {}
+    for name in names:
+        tactics: list[str] = []
+        for shape in shapes:
+            tactics += [t for t in backends[name].valid_tactics(shape) if t not in tactics]
+        offered[name] = tactics
+    known = {t for ts in offered.values() for t in ts} | {ALL_TACTICS}
+    unknown = [t for t in config.tactics if t not in known]
+    if unknown:
+        per_backend = "; ".join(f"{name}: {', '.join(ts)}" for name, ts in offered.items())
+        raise ValueError(
+            f"tactics (--tactics): {', '.join(repr(t) for t in unknown)} not offered by the selected backends;"
+            f" expected 'all', 'default' or a comma-separated list of {per_backend}"
+        )
 
 
 def expand_all_tactics(cases: list[Case], backends: dict[str, Backend], reasons: dict[str, str | None]) -> list[Case]:
@@ -286,6 +332,11 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
             valid = backends[case.backend].valid_tactics(shape)
             if case.tactic not in valid:
                 reason = f"tactic {case.tactic!r} not offered for this shape (valid: {', '.join(valid)})"
+            else:
+                try:
+                    reason = backends[case.backend].tactic_unavailable_reason(shape, case.tactic, dev)
+                except Exception as error:  # noqa: BLE001
+                    reason = f"tactic {case.tactic!r} availability check failed: {_error_text(error)}"
         if reason is not None:
             skip[key] = reason
     active = list(dict.fromkeys((c.backend, c.tactic) for c in group if (c.backend, c.tactic) not in skip))

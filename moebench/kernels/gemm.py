@@ -614,6 +614,25 @@ if HAVE_DSL:
 _KERNEL = "the GEMM kernels"
 
 
+#: Where compile_gemm takes kernels compiled elsewhere (see set_compiled_provider).
+_provider = None
+
+
+def set_compiled_provider(provider) -> None:
+    """Install `provider(shape, tactic, stage, wide_scales) -> compiled | None`
+    (None: uninstall). compile_gemm asks it before compiling (kernels already
+    cached are not asked again); a None answer compiles in-process. Used by
+    `moebench.tuning.precompile` to load kernels compiled by worker processes."""
+    global _provider
+    if provider is not None and not callable(provider):
+        raise TypeError(f"provider must be callable or None, got {type(provider).__name__}")
+    _provider = provider
+
+
+def get_compiled_provider():
+    return _provider
+
+
 @functools.lru_cache(maxsize=None)
 def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: bool = False):
     """Compile GEMM`stage` for one shape class and tactic (cached per process).
@@ -624,10 +643,16 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
     part, ctas, grid, stream)` takes cute global pointers (make_ptr; cnt /
     part: the split-K counters and partials, see `workspace_parts`), Int32
     and a CUstream (use `gemm1` / `gemm2` for torch tensors). Raises ValueError
-    when the tactic cannot run the shape, RuntimeError without the DSL.
+    when the tactic cannot run the shape, RuntimeError without the DSL. A
+    provider installed with `set_compiled_provider` may supply the compiled
+    kernel instead (e.g. loaded from a worker process's export).
     """
     require_dsl(_KERNEL)
     kernel = StreamingGemmKernel(tactic, shape, stage, wide_scales)
+    if _provider is not None:
+        compiled = _provider(shape, tactic, stage, wide_scales)
+        if compiled is not None:
+            return kernel, compiled
 
     def fake(dtype, align):
         return gmem_ptr(dtype, 1 << 20, align)

@@ -20,6 +20,11 @@ baseline, ok now), "skipped" (skipped in either run), "new" / "missing"
 touched experts differ between the runs, or the runs are of different
 devices: reported, not compared). A regression is a "slower" case with
 delta_pct > threshold_pct, or a "failed" case.
+
+A comparison that compared nothing (an empty baseline or current run, or
+no case of one with a time, or a failure, in the other) is an error
+(`Comparison.errors`), never a pass: a gate that measured nothing must not
+say "no regressions".
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ COLUMNS = (
     "base_median_us", "base_p10_us", "base_p90_us", "status", "base_status", "note",
 )  # fmt: skip
 DEFAULT_THRESHOLD_PCT = 5.0
+#: Verdicts of cases that were actually compared (or failed: a regression either way).
+COMPARED = ("faster", "slower", "same", "unclear", "fixed", "failed")
 
 
 @dataclass
@@ -46,7 +53,8 @@ class Comparison:
     """frame: one row per matched case (COLUMNS); mismatches: run-level
     differences (device, geometry mode, timing), one line each; notes:
     differences worth knowing that do not stop the comparison (driver,
-    versions); threshold_pct: the regression threshold."""
+    versions); threshold_pct: the regression threshold; errors: why the
+    comparison cannot gate anything (module docstring), one line each."""
 
     frame: pd.DataFrame
     threshold_pct: float
@@ -54,6 +62,7 @@ class Comparison:
     notes: list[str] = field(default_factory=list)
     current_label: str = "current"
     baseline_label: str = "baseline"
+    errors: list[str] = field(default_factory=list)
 
     @property
     def regressions(self) -> pd.DataFrame:
@@ -226,7 +235,18 @@ def compare_runs(
                 row["note"] = why or "runs of different devices / geometry: not compared"
         rows.append(row)
     frame = pd.DataFrame(rows, columns=list(COLUMNS))
-    return Comparison(frame, float(threshold_pct), mismatches, notes, current_label, baseline_label)
+    errors = []
+    if len(baseline) == 0:
+        errors.append(f"the baseline run {baseline_label} holds no cases (an empty results.parquet): nothing to"
+                      " compare with; record the baseline again with `moebench sweep`")  # fmt: skip
+    if len(current) == 0:
+        errors.append(f"the run {current_label} holds no cases (an empty results.parquet): nothing was measured")
+    if not errors and not frame["verdict"].isin(COMPARED).any():
+        counts = frame["verdict"].value_counts().to_dict()
+        errors.append("no case could be compared with the baseline ("
+                      + ", ".join(f"{n} {v}" for v, n in counts.items())
+                      + "): the runs share no case that has a time in both")  # fmt: skip
+    return Comparison(frame, float(threshold_pct), mismatches, notes, current_label, baseline_label, errors)
 
 
 def comparison_markdown(comp: Comparison) -> str:
@@ -235,6 +255,8 @@ def comparison_markdown(comp: Comparison) -> str:
     lines = [f"## Comparison: {comp.current_label} vs {comp.baseline_label}", ""]
     lines.append(f"- threshold: {comp.threshold_pct:g} % (slower beyond it, or failed, is a regression)")
     lines.append("- verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
+    for e in comp.errors:
+        lines.append(f"- **error**: {e}")
     for m in comp.mismatches:
         lines.append(f"- **mismatch**: {m}")
     for n in comp.notes:
@@ -244,6 +266,8 @@ def comparison_markdown(comp: Comparison) -> str:
              "ratio", "delta_pct", "noise_pct", "note"]  # fmt: skip
     if len(reg):
         lines += ["", f"### Regressions ({len(reg)})", "", markdown_table(reg[shown])]
+    elif comp.errors:
+        lines += ["", "Nothing was compared (see the errors above): this is not a pass."]
     else:
         lines += ["", "No regressions."]
     lines += ["", "### All cases", "", markdown_table(comp.frame[shown]), ""]

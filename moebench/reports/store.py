@@ -51,6 +51,13 @@ def _clean(value):
     return value
 
 
+def current_umask() -> int:
+    """The process umask (read by setting and restoring it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def run_dir_name(label: str, when: datetime | None = None) -> str:
     """'<UTC date>-<label>'; raises ValueError for a label that is not
     1-100 characters of letters, digits, '.', '_' or '-' (starting with a
@@ -98,6 +105,8 @@ def write_run(
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
     try:
+        # mkdtemp makes it 0700; a run directory gets what mkdir would give (0777 less the umask)
+        os.chmod(tmp, 0o777 & ~current_umask())
         df.to_parquet(tmp / RESULTS, index=False)
         (tmp / MANIFEST).write_text(manifest_text + "\n", encoding="utf-8")
         return _move_into_place(tmp, root, name, overwrite)

@@ -7,6 +7,14 @@ a CUDA graph, cycling through enough distinct weight sets that the working
 set is >= 4 x L2, as the sweep does). `run_tune` tunes GEMM1 and GEMM2 for
 each TP degree and returns one `TuningTable` per shape class.
 
+Rotated weight sets: layer 0 is generated (and is what the checks use); by
+default the other layers are device copies of its kernel layout
+(`copy_layers`), which keeps the L2 cold exactly as distinct weights do (a
+replay reads every copy from its own addresses; the kernels' time does not
+depend on the weight values) and makes a shape's setup a few memcpys
+instead of generating and converting up to 64 weight sets.
+`copy_layers=False` generates each layer (as the sweep does).
+
 Checks (DESIGN.md numerics): GEMM1's H bytes equal the oracle's for
 >= 99.9 % of the elements of used tiles and its scales likewise, no byte more
 than one e4m3 code apart where the block scales agree; GEMM2's rows (on the
@@ -31,7 +39,7 @@ from moebench.env import environment, resolve_device
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
 from moebench.models import RankShape, get_preset
 from moebench.record import MAX_ROWS, TILE, max_ctas
-from moebench.tuning.space import DEFAULT_SPACE, TacticSpace, valid_tactics
+from moebench.tuning.space import DEFAULT_SPACE, NeighbourSpace, TacticSpace, valid_tactics
 from moebench.tuning.table import ShapeClass, TuningTable
 from moebench.tuning.tuner import TuneResult, tune
 
@@ -85,6 +93,7 @@ class TuneConfig:
     layers: int | None = None
     warm_l2: bool = False
     device: str | None = None
+    copy_layers: bool = True
 
     def shapes(self) -> list[RankShape]:
         cfg = get_preset(self.preset, hidden=self.hidden, intermediate=self.intermediate, experts=self.experts,
@@ -100,8 +109,8 @@ class GemmStageRunner:
 
     def __init__(self, shape: RankShape, stage: int, device: torch.device, *, scenario: str = "correlated",
                  seed: int = 0, layers: int | None = None, warm_l2: bool = False, warmup: int = 10,
-                 replays: int = 50, space: TacticSpace = DEFAULT_SPACE,
-                 weight_sets: list | None = None) -> None:  # fmt: skip
+                 replays: int = 50, space: TacticSpace | NeighbourSpace = DEFAULT_SPACE,
+                 weight_sets: list | None = None, copy_layers: bool = True) -> None:  # fmt: skip
         from moebench.bench.cases import unique_bytes
         from moebench.bench.sweep import canonical_bytes, layer_count
         from moebench.env import device_info
@@ -130,6 +139,9 @@ class GemmStageRunner:
             weights0 = generate_expert_weights(shape, seed, device)
             kws = [to_kernel_layout(weights0)]
             for layer in range(1, n):
+                if copy_layers:
+                    kws.append(copy_kernel_weights(kws[0]))
+                    continue
                 w = generate_expert_weights(shape, seed + LAYER_SEED_STRIDE * layer, device)
                 kws.append(to_kernel_layout(w))
                 del w
@@ -232,6 +244,14 @@ class GemmStageRunner:
                           use_graph=True, device=self.device)  # fmt: skip
 
 
+def copy_kernel_weights(kw):
+    """A device copy of KernelWeights `kw` (new allocations, same values)."""
+    import dataclasses
+
+    tensors = {name: getattr(kw, name).clone() for name in ("w13", "w13_scale", "w2", "w2_scale", "clamp")}
+    return dataclasses.replace(kw, **tensors)
+
+
 def h_mismatch(h_q: torch.Tensor, h_s: torch.Tensor, ref_q: torch.Tensor, ref_s: torch.Tensor) -> str | None:
     """None when GEMM1's H (uint8 e4m3 bytes, uint8 E8M0 scales, rows of used
     tiles) matches the oracle's: >= 99.9 % of bytes and of scales equal, and
@@ -260,11 +280,14 @@ def h_mismatch(h_q: torch.Tensor, h_s: torch.Tensor, ref_q: torch.Tensor, ref_s:
 @dataclass
 class TuneOutcome:
     """One table per shape class, and the tuner's per-stage results
-    (for display): {(tp, stage): TuneResult}."""
+    (for display): {(tp, stage): TuneResult}, weight sets and seconds per
+    (tp, stage); stopped: what a budget left out (one line each)."""
 
     tables: list[TuningTable] = field(default_factory=list)
     results: dict[tuple[int, int], TuneResult] = field(default_factory=dict)
     layers: dict[tuple[int, int], int] = field(default_factory=dict)
+    seconds: dict[tuple[int, int], float] = field(default_factory=dict)
+    stopped: list[str] = field(default_factory=list)
 
 
 def provenance(device: torch.device, extra: dict | None = None) -> dict:
@@ -279,12 +302,41 @@ def provenance(device: torch.device, extra: dict | None = None) -> dict:
     }  # fmt: skip
 
 
-def run_tune(config: TuneConfig, progress: Callable[[str], None] | None = None) -> TuneOutcome:
+def tuning_specs(config: TuneConfig, num_sms: int, wide_scales: bool = False) -> list:
+    """(GemmShape, stage, tactic, wide_scales) of every kernel `run_tune(config)`
+    will compile, in the order it needs them (for `precompile`)."""
+    out, seen = [], set()
+    for shape in config.shapes():
+        g = GemmShape.of(shape)
+        for stage in config.stages:
+            for rows in config.rows:
+                ctas = max_ctas(rows, shape.top_k, shape.experts)
+                for t in valid_tactics(g, stage, ctas, num_sms=num_sms, space=config.space, wide_scales=wide_scales):
+                    spec = (g, stage, t, wide_scales)
+                    if spec not in seen:
+                        seen.add(spec)
+                        out.append(spec)
+    return out
+
+
+def run_tune(
+    config: TuneConfig,
+    progress: Callable[[str], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    probe: Callable[[GemmStageRunner], None] | None = None,
+) -> TuneOutcome:
     """Tune every (TP degree, stage, rows) of `config` on its GPU; returns one
     TuningTable per shape class (not written: the caller writes them).
-    Raises RuntimeError (require_tuning_device) without an sm_90 GPU."""
+    `should_stop()` (e.g. a wall-time budget) is asked before each shape,
+    stage and row count; what it leaves out is listed in `outcome.stopped`
+    (a table then holds the entries done). `probe(runner)` is called with
+    each stage's runner before it tunes (tune_many: the precompiled-kernel
+    check). Raises RuntimeError (require_tuning_device) without an sm_90 GPU."""
+    import time
+
     dev = require_tuning_device(config.device)
     say = progress or (lambda text: None)
+    stop = should_stop or (lambda: False)
     outcome = TuneOutcome()
     base = provenance(dev)
     for shape in config.shapes():
@@ -292,17 +344,23 @@ def run_tune(config: TuneConfig, progress: Callable[[str], None] | None = None) 
         entries = {}
         weight_sets = None
         for stage in config.stages:
+            if stop():
+                outcome.stopped.append(f"{config.preset} TP{shape.tp} GEMM{stage} rows {list(config.rows)}")
+                continue
+            start = time.perf_counter()
             say(f"{shape.describe()} GEMM{stage}: preparing weights")
             runner = GemmStageRunner(shape, stage, dev, scenario=config.scenario, seed=config.seed,
                                      layers=config.layers, warm_l2=config.warm_l2, warmup=config.warmup,
                                      replays=config.replays, space=config.space,
-                                     weight_sets=weight_sets)  # fmt: skip
+                                     weight_sets=weight_sets, copy_layers=config.copy_layers)  # fmt: skip
             weight_sets = runner.weight_sets
+            if probe is not None:
+                probe(runner)
             prov = {**base, "timing": {
                 "method": "cuda-graph", "warmup": config.warmup, "replays": config.replays,
-                "layers": runner.layers, "warm_l2": config.warm_l2, "scenario": config.scenario,
-                "seed": config.seed, "repeats": config.repeats, "top": config.top,
-                "wide_scales": runner.wide,
+                "layers": runner.layers, "layer_copies": config.copy_layers and runner.layers > 1,
+                "warm_l2": config.warm_l2, "scenario": config.scenario, "seed": config.seed,
+                "repeats": config.repeats, "top": config.top, "wide_scales": runner.wide,
             }}  # fmt: skip
 
             def step(rows: int, name: str, status: str, _stage=stage) -> None:
@@ -311,10 +369,13 @@ def run_tune(config: TuneConfig, progress: Callable[[str], None] | None = None) 
             result = tune(
                 shape, list(config.rows), lambda _s, rows, r=runner: r.valid_tactics(rows),
                 runner.time, runner.check, repeats=config.repeats, top=config.top,
-                prefer=runner.default, provenance=prov, progress=step,
+                prefer=runner.default, provenance=prov, progress=step, should_stop=stop,
             )  # fmt: skip
+            if result.stopped:
+                outcome.stopped.append(f"{config.preset} TP{shape.tp} GEMM{stage} rows {result.stopped}")
             outcome.results[shape.tp, stage] = result
             outcome.layers[shape.tp, stage] = runner.layers
+            outcome.seconds[shape.tp, stage] = time.perf_counter() - start
             for rows, entry in result.entries.items():
                 entries[stage, rows] = entry
             del runner
@@ -328,5 +389,154 @@ def run_tune(config: TuneConfig, progress: Callable[[str], None] | None = None) 
     return outcome
 
 
-__all__ = ["GemmStageRunner", "TuneConfig", "TuneOutcome", "h_mismatch", "provenance", "require_tuning_device",
-           "run_tune"]  # fmt: skip
+class Budget:
+    """A wall-time budget for `should_stop`: True once the next step, taken
+    as long as the longest of the last `window` steps (the time between two
+    calls) times `safety`, would end past the deadline. `seconds` None: never
+    stops."""
+
+    def __init__(self, seconds: float | None, *, safety: float = 1.25, window: int = 8, clock=None) -> None:
+        import time
+
+        if seconds is not None and (isinstance(seconds, bool) or not seconds > 0):
+            raise ValueError(f"budget seconds must be positive or None, got {seconds!r}")
+        self.clock = clock or time.monotonic
+        self.start = self.clock()
+        self.deadline = None if seconds is None else self.start + float(seconds)
+        self.safety, self.window = safety, window
+        self._last: float | None = None
+        self._steps: list[float] = []
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def __call__(self) -> bool:
+        now = self.clock()
+        if self._last is not None:
+            self._steps = (self._steps + [now - self._last])[-self.window:]
+        self._last = now
+        if self.deadline is None:
+            return False
+        return now + self.safety * max(self._steps, default=0.0) > self.deadline
+
+
+def tune_many(
+    configs: list[TuneConfig],
+    *,
+    budget: Budget | None = None,
+    jobs: int = 0,
+    kernel_dir: str | None = None,
+    progress: Callable[[str], None] | None = None,
+    on_outcome: Callable[[TuneConfig, TuneOutcome], None] | None = None,
+) -> list[tuple[TuneConfig, TuneOutcome]]:
+    """`run_tune` over `configs` (e.g. one per preset x TP, in priority
+    order) under one wall-time `budget`; `on_outcome(config, outcome)` right
+    after each (e.g. write its table, so a cut-off run keeps what it did).
+    With `jobs` > 0 the kernels of every config are compiled up front by that
+    many worker processes (`precompile.KernelPrecompiler`, exports under
+    `kernel_dir`, default a temporary directory) while the GPU times.
+    Raises RuntimeError (require_tuning_device) without an sm_90 GPU."""
+    import contextlib
+    import tempfile
+
+    from moebench.env import device_info
+
+    if not configs:
+        raise ValueError("configs must not be empty")
+    dev = require_tuning_device(configs[0].device)
+    budget = budget or Budget(None)
+    say = progress or (lambda text: None)
+    done: list[tuple[TuneConfig, TuneOutcome]] = []
+    with contextlib.ExitStack() as stack:
+        if jobs > 0:
+            from moebench.tuning.precompile import KernelPrecompiler
+
+            sms = device_info(dev).sm_count
+            specs = [spec for c in configs for spec in tuning_specs(c, sms)]
+            directory = kernel_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="moebench-kernels-"))
+            pre = stack.enter_context(KernelPrecompiler(specs, directory, jobs))
+            say(f"compiling {len(pre.futures)} kernels in {jobs} worker processes")
+        probe = None
+        if jobs > 0:
+
+            def probe(runner: GemmStageRunner, rows: int = configs[0].rows[0]) -> None:
+                # the first kernel the run needs, checked once with the workers' build (else in-process)
+                pre.verify_with(lambda: runner.check(runner.default(rows), rows))
+
+        for config in configs:
+            outcome = run_tune(config, progress=progress, should_stop=budget, probe=probe)
+            done.append((config, outcome))
+            if on_outcome is not None:
+                on_outcome(config, outcome)
+        if jobs > 0:
+            say(pre.summary())
+    return done
+
+
+#: Row counts whose tuned-vs-default gains `gains` reports by default.
+GAIN_ROWS = (1, 4, 8)
+
+
+def gains(done: list[tuple[TuneConfig, TuneOutcome]], rows=GAIN_ROWS) -> list[dict]:
+    """What tuning buys over the built-in defaults, per (preset, tp, rows in
+    `rows`): for GEMM1, GEMM2 and both (their sum), the default's and the
+    tuned tactic's pooled µs (timed side by side: tuner.RowsResult.baseline),
+    the gain in µs and %, and the tactic names. A stage whose default failed
+    its check or was not timed has None times."""
+    out = []
+    for config, outcome in done:
+        for tp in sorted({tp for tp, _ in outcome.results}):
+            for r in rows:
+                rec: dict = {"preset": config.preset, "tp": tp, "rows": r}
+                both_default = both_tuned = 0.0
+                complete = True
+                for stage in (1, 2):
+                    res = outcome.results.get((tp, stage))
+                    rr = res.results.get(r) if res is not None else None
+                    base = rr.baseline if rr is not None else None
+                    entry = rr.entry if rr is not None else None
+                    d_us = base.median_us if base is not None else None
+                    t_us = entry.median_us if entry is not None else None
+                    rec[f"gemm{stage}"] = {
+                        "default": base.tactic.name if base is not None else None,
+                        "tuned": entry.tactic.name if entry is not None else None,
+                        "default_us": d_us, "tuned_us": t_us,
+                        "gain_us": None if d_us is None or t_us is None else d_us - t_us,
+                        "gain_pct": None if d_us is None or t_us is None else 100.0 * (d_us - t_us) / d_us,
+                    }  # fmt: skip
+                    if d_us is None or t_us is None:
+                        complete = False
+                    else:
+                        both_default += d_us
+                        both_tuned += t_us
+                if not any(rec[f"gemm{s}"]["tuned"] for s in (1, 2)):
+                    continue
+                rec["both"] = {
+                    "default_us": both_default if complete else None, "tuned_us": both_tuned if complete else None,
+                    "gain_us": both_default - both_tuned if complete else None,
+                    "gain_pct": 100.0 * (both_default - both_tuned) / both_default if complete else None,
+                }  # fmt: skip
+                out.append(rec)
+    return out
+
+
+def gains_markdown(records: list[dict]) -> str:
+    """`gains` as a markdown table (µs default -> tuned, gain in µs and %)."""
+
+    def cell(g: dict) -> str:
+        if g.get("default_us") is None or g.get("tuned_us") is None:
+            return "-"
+        return f"{g['default_us']:.1f} -> {g['tuned_us']:.1f} ({g['gain_us']:+.1f} µs, {g['gain_pct']:+.1f} %)"
+
+    lines = ["| preset | TP | rows | GEMM1 µs default -> tuned (gain) | GEMM2 µs | both µs | tuned GEMM1 / GEMM2 |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in records:
+        names = " / ".join(r[f"gemm{s}"]["tuned"] or "-" for s in (1, 2))
+        lines.append(f"| {r['preset']} | {r['tp']} | {r['rows']} | {cell(r['gemm1'])} | {cell(r['gemm2'])}"
+                     f" | {cell(r['both'])} | {names} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+__all__ = ["Budget", "GAIN_ROWS", "GemmStageRunner", "TuneConfig", "TuneOutcome", "copy_kernel_weights", "gains",
+           "gains_markdown", "h_mismatch", "provenance", "require_tuning_device", "run_tune", "tune_many",
+           "tuning_specs"]  # fmt: skip

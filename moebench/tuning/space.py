@@ -19,6 +19,10 @@ one shape class and stage. The rules:
    grid equals its persistent twin's (every item fits the persistent grid)
    is dropped as a duplicate.
 
+`NeighbourSpace` (`SPACES["ship"]`) is the other kind: the built-in defaults
+of a shape and their nearest neighbours, at most 10 per shape and stage,
+what the shipped tables are tuned over (its docstring says why those).
+
 `TACTICS_VERSION` names the meaning of the tactic fields; bump it when the
 kernel changes what a field does, so tuning tables written before are stale.
 """
@@ -27,9 +31,10 @@ from __future__ import annotations
 
 import itertools
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from moebench.kernels.tactic import MAX_WARPS, GemmShape, GemmTactic, default_tactic
+from moebench.record import MAX_ROWS, MAX_TOP_K, max_ctas
 
 #: Version of the tactic fields' meaning (tuning tables record it).
 TACTICS_VERSION = 1
@@ -108,7 +113,114 @@ QUICK_SPACE = TacticSpace(
     persistent=(True,),
 )
 DEFAULT_SPACE = QUICK_SPACE
-SPACES = {"quick": QUICK_SPACE, "full": FULL_SPACE}
+
+
+@dataclass(frozen=True)
+class NeighbourSpace:
+    """The built-in defaults of a shape and their nearest neighbours: the
+    small space the shipped tables are tuned over (`moebench tune --space
+    ship`), where the quick space (~1950 compiles and ~15600 timed
+    candidates for the 3 presets x TP 1/2/4/8 x rows 1-8 x both GEMMs) does
+    not fit a few minutes of GPU time.
+
+    Per (shape, stage) one set of at most `limit` tactics, the same for every
+    row count (so a tuning run compiles at most `limit` kernels per shape and
+    stage), built in this order:
+
+    1. every tactic `default_tactic` picks for this shape at any token-tile
+       count (GEMM1: 8 warps x unroll 4 at 1 CTA/SM, 8 x 2 at 2, 4 x 4 at 3;
+       GEMM2: 512-row items of 8 warps, or 128-row items at 4 CTAs/SM). The
+       defaults guess the touched tiles (EXPECTED_TILE_FRACTION of the
+       possible ones); the ladder lets the measured routing pick its rung.
+    2. one-field changes of each default, round-robin over the defaults, in
+       the order docs/perf-notes.md ranks the levers:
+       a. `ctas_per_sm` +-1: how many items one persistent pass holds is what
+          separated good from bad tactics in v1 -> v2 (rows 6: a second wave
+          of items on a third of the CTAs nearly doubled GEMM1's time;
+          "ctas-aware grid matters");
+       b. `unroll` +-1 (2..4): bytes in flight per warp, the lever for the
+          latency-bound small rows (open item 3);
+       c. `warps_k` x2 / /2: more or fewer warps streaming the same item;
+       d. `tile_rows` 32 <-> 64 at the same item rows (warps_m x2 / /2);
+       e. `persistent` flipped (v2: no better when the grid holds every
+          item, so last).
+    Every change must pass the space's rules (`why_invalid` with register
+    pruning), and `split_k` stays 1: cross-CTA split-K was measured slower
+    on its own at every row count (perf-notes v3).
+
+    `valid_tactics(space=SHIP_SPACE)` returns this set (the default for the
+    row count first) less the non-persistent duplicates of rule 5.
+    """
+
+    limit: int = 10
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.limit, int) or isinstance(self.limit, bool) or self.limit < 1:
+            raise ValueError(f"limit must be a positive int, got {self.limit!r}")
+
+    @staticmethod
+    def defaults(shape, stage: int, num_sms: int = 132, wide_scales: bool = False) -> list[GemmTactic]:
+        """The distinct default tactics of `shape` over every token-tile count
+        rows 1..8 at any top_k can need (and ctas unknown), in the order met."""
+        s = GemmShape.of(shape)
+        out: list[GemmTactic] = []
+        counts = sorted({max_ctas(r, k, s.experts) for r in range(1, MAX_ROWS + 1)
+                         for k in range(1, MAX_TOP_K + 1)})  # fmt: skip
+        for ctas in [*counts, None]:
+            try:
+                t = default_tactic(s, stage, ctas, num_sms, wide_scales)
+            except ValueError:
+                continue
+            if t not in out:
+                out.append(t)
+        return out
+
+    @staticmethod
+    def changes(t: GemmTactic) -> list[GemmTactic]:
+        """One-field changes of `t` in the class docstring's order (a-e);
+        not yet checked against any rule."""
+        out = []
+        for c in (t.ctas_per_sm + 1, t.ctas_per_sm - 1):
+            if 1 <= c <= 4:
+                out.append(replace(t, ctas_per_sm=c))
+        for u in (t.unroll + 1, t.unroll - 1):
+            if 2 <= u <= 4:
+                out.append(replace(t, unroll=u))
+        for wk in (t.warps_k * 2, t.warps_k // 2):
+            if 1 <= wk and t.warps_m * wk <= MAX_WARPS:
+                out.append(replace(t, warps_k=wk))
+        if t.tile_rows == 64 and t.warps_m * 2 * t.warps_k <= MAX_WARPS:
+            out.append(replace(t, tile_rows=32, warps_m=t.warps_m * 2))
+        if t.tile_rows == 32 and t.warps_m % 2 == 0:
+            out.append(replace(t, tile_rows=64, warps_m=t.warps_m // 2))
+        out.append(replace(t, persistent=not t.persistent))
+        return out
+
+    def tactics_for(self, shape, stage: int, num_sms: int = 132, wide_scales: bool = False) -> tuple[GemmTactic, ...]:
+        """The set for GEMM`stage` of `shape` (class docstring), at most
+        `limit` tactics, the defaults first."""
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        s = GemmShape.of(shape)
+        defaults = [d for d in self.defaults(s, stage, num_sms, wide_scales)
+                    if why_invalid(d, s, stage, None, num_sms, prune=False) is None]  # fmt: skip
+        out = list(defaults[: self.limit])
+        rings = [self.changes(d) for d in defaults]
+        for step in range(max((len(r) for r in rings), default=0)):
+            for ring in rings:
+                if len(out) >= self.limit:
+                    return tuple(out)
+                if step < len(ring):
+                    t = ring[step]
+                    if t not in out and why_invalid(t, s, stage, None, num_sms, prune=True) is None:
+                        out.append(t)
+        return tuple(out)
+
+
+#: What the shipped tables are tuned over (`moebench tune --space ship`,
+#: scripts/tune_all.sh): the defaults and their neighbours, <= 10 per stage.
+SHIP_SPACE = NeighbourSpace()
+SPACES = {"quick": QUICK_SPACE, "full": FULL_SPACE, "ship": SHIP_SPACE}
 
 
 def smem_bytes(tactic: GemmTactic) -> int:
@@ -187,7 +299,7 @@ def valid_tactics(
     ctas: int | None = None,
     *,
     num_sms: int = 132,
-    space: TacticSpace = DEFAULT_SPACE,
+    space: TacticSpace | NeighbourSpace = DEFAULT_SPACE,
     wide_scales: bool = False,
     prune: bool = True,
 ) -> tuple[GemmTactic, ...]:
@@ -197,8 +309,8 @@ def valid_tactics(
     `default_tactic` for the same arguments is always included, first.
     Raises ValueError for a bad stage / ctas / num_sms, TypeError for a bad
     shape or space."""
-    if not isinstance(space, TacticSpace):
-        raise TypeError(f"space must be a TacticSpace, got {type(space).__name__}")
+    if not isinstance(space, (TacticSpace, NeighbourSpace)):
+        raise TypeError(f"space must be a TacticSpace or NeighbourSpace, got {type(space).__name__}")
     s = GemmShape.of(shape)
     out: list[GemmTactic] = []
     try:
@@ -207,6 +319,14 @@ def valid_tactics(
         default = None
     if default is not None and why_invalid(default, s, stage, ctas, num_sms, prune=False) is None:
         out.append(default)
+    if isinstance(space, NeighbourSpace):
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        why_invalid(GemmTactic(), s, stage, ctas, num_sms)  # argument checks (ctas, num_sms)
+        for tactic in space.tactics_for(s, stage, num_sms, wide_scales):
+            if tactic != default and why_invalid(tactic, s, stage, ctas, num_sms, prune) is None:
+                out.append(tactic)
+        return tuple(out)
     for tactic in space.tactics():
         if tactic != default and why_invalid(tactic, s, stage, ctas, num_sms, prune) is None:
             out.append(tactic)

@@ -435,6 +435,10 @@ def write_table(table: TuningTable, directory: str | Path, *, force: bool = Fals
     directory.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{table.file_name}.", suffix=".tmp", dir=directory)
     try:
+        # mkstemp makes it 0600; a table is for every user of the GPU: 0666 less the umask
+        mask = os.umask(0o022)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -469,6 +473,46 @@ def _conflict(target: Path, new: TuningTable) -> str | None:
         return (f"it has a newer tactics version / schema ({old.tactics_version}/{old.schema} >"
                 f" {new.tactics_version}/{new.schema})")  # fmt: skip
     return None
+
+
+def verify_tables(directory: str | Path) -> list[str]:
+    """Problems with the tables in `directory` (e.g. the package's shipped
+    ones), one line each naming the file; [] when every file there is a
+    usable, current table (or the directory does not exist: nothing
+    shipped). Checks: each *.json reads (schema, name matches content), is
+    not stale, has entries, and the runtime (`load_tactic`, searching only
+    `directory`) returns each entry's tactic from it; no other files but
+    hidden ones and no leftover temporary files."""
+    directory = Path(directory)
+    if not directory.exists():
+        return []
+    if not directory.is_dir():
+        return [f"{directory} is not a directory"]
+    problems = []
+    for path in sorted(directory.iterdir()):
+        if path.name.startswith("."):
+            if path.name.endswith(".tmp"):
+                problems.append(f"{path}: a temporary file left by an interrupted write")
+            continue
+        if path.suffix != ".json":
+            problems.append(f"{path}: not a tuning table (*.json)")
+            continue
+        try:
+            table = read_table(path)
+        except (TableError, OSError) as error:
+            problems.append(str(error))
+            continue
+        stale = stale_reason(table)
+        if stale:
+            problems.append(f"{path}: stale: {stale}")
+            continue
+        if not table.entries:
+            problems.append(f"{path}: holds no entries")
+        for (stage, rows), entry in sorted(table.entries.items()):
+            tactic, source = load_tactic(table.device["name"], table.shape, rows, stage, search=[directory])
+            if tactic != entry.tactic or not source.startswith(f"table {path}"):
+                problems.append(f"{path}: the runtime does not take {STAGES[stage]}[{rows}] from it ({source})")
+    return problems
 
 
 # ----------------------------------------------------------------------------- runtime

@@ -17,6 +17,14 @@ None when the tactic's output is correct, else the error text. Per row count:
    runner-up's p10. With `prefer` (e.g. the built-in default), a preferred
    finalist that is not separated from the winner is kept instead: a table
    entry should not churn on noise.
+
+The preferred tactic, when correct, is always re-timed with the finalists
+(one more finalist when it is not among the `top` fastest), so what tuning
+buys over it (`RowsResult.baseline` vs the entry) compares pooled times
+taken side by side, not the winner's against one first-pass timing.
+
+`should_stop()` (e.g. a wall-time budget) is asked before each row count;
+once it says True the remaining row counts are left out (`TuneResult.stopped`).
 """
 
 from __future__ import annotations
@@ -53,7 +61,9 @@ class RowsResult:
     entry: the table entry (None when no candidate was correct); first_pass:
     every correct candidate's first timing, fastest first; finalists: the
     re-timed ones (pooled), fastest first; rejected: tactic name -> reason;
-    note: why the pick differs from the fastest, if it does.
+    note: why the pick differs from the fastest, if it does; baseline: the
+    preferred tactic's pooled time (None without `prefer`, or when it was
+    rejected).
     """
 
     rows: int
@@ -62,13 +72,16 @@ class RowsResult:
     finalists: tuple[Measurement, ...]
     rejected: dict[str, str]
     note: str = ""
+    baseline: Measurement | None = None
 
 
 @dataclass
 class TuneResult:
-    """Per row count results; `entries` keeps the rows that got a tactic."""
+    """Per row count results; `entries` keeps the rows that got a tactic;
+    `stopped`: row counts left out because `should_stop` said so."""
 
     results: dict[int, RowsResult] = field(default_factory=dict)
+    stopped: list[int] = field(default_factory=list)
 
     @property
     def entries(self) -> dict[int, TableEntry]:
@@ -119,6 +132,7 @@ def tune(
     prefer: GemmTactic | Callable[[int], GemmTactic | None] | None = None,
     provenance: dict | None = None,
     progress: ProgressFn | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> TuneResult:
     """Pick the fastest correct tactic for each row count in `rows_list`
     (module docstring).
@@ -128,7 +142,8 @@ def tune(
     callable; time_fn / check_fn: as the module docstring; repeats: extra
     timings of each finalist (>= 1); top: finalists (>= 2); prefer: a tactic
     (or rows -> tactic) kept when tied within noise; provenance: stored in
-    every entry; progress(rows, tactic name, status) after each step.
+    every entry; progress(rows, tactic name, status) after each step;
+    should_stop: asked before each row count (True: leave the rest out).
     Raises ValueError / TypeError for bad arguments; failures of a tactic
     never raise (they reject it).
     """
@@ -147,7 +162,11 @@ def tune(
     say = progress or (lambda rows, name, status: None)
 
     result = TuneResult()
-    for rows in rows_list:
+    for index, rows in enumerate(rows_list):
+        if should_stop is not None and should_stop():
+            result.stopped = rows_list[index:]
+            break
+        preferred = prefer(rows) if callable(prefer) else prefer
         cands = list(candidates(shape, rows) if callable(candidates) else candidates)
         if not cands:
             raise ValueError(f"no candidate tactics for rows={rows}")
@@ -179,6 +198,8 @@ def tune(
             continue
 
         finalists = first[:top]
+        if preferred is not None and all(m.tactic != preferred for m in finalists):
+            finalists += [m for m in first if m.tactic == preferred]
         runs: dict[str, list[Measurement]] = {_name(m.tactic): [m] for m in finalists}
         for _ in range(repeats):
             for m in finalists:
@@ -198,7 +219,7 @@ def tune(
             continue
 
         winner, note = pooled[0], ""
-        preferred = prefer(rows) if callable(prefer) else prefer
+        baseline = next((m for m in pooled if preferred is not None and m.tactic == preferred), None)
         if preferred is not None and preferred != winner.tactic:
             for m in pooled[1:]:
                 if m.tactic == preferred and m.p10_us <= winner.p90_us:
@@ -216,5 +237,5 @@ def tune(
             separated=runner is not None and winner.p90_us < runner.p10_us,
             candidates=len(cands), rejected=len(rejected), provenance=provenance,
         )  # fmt: skip
-        result.results[rows] = RowsResult(rows, entry, tuple(first), tuple(pooled), rejected, note)
+        result.results[rows] = RowsResult(rows, entry, tuple(first), tuple(pooled), rejected, note, baseline)
     return result

@@ -94,10 +94,51 @@ def test_sweep_rejects_unknown_backend():
         run_sweep(SweepConfig(backends=("no-such-backend",), **TINY))
 
 
-def test_unoffered_tactic_is_skipped():
-    cfg = SweepConfig(backends=("reference",), tactics=("gather",), **{**TINY, "rows": (1,)})
-    df = run_sweep(cfg).frame
-    assert df["status"].tolist() == ["skipped"] and "gather" in df["error"][0]
+def test_a_tactic_one_backend_lacks_is_skipped_for_it():
+    cfg = SweepConfig(backends=("reference", "torch-bf16"), tactics=("gather",), **{**TINY, "rows": (1,)})
+    df = run_sweep(cfg).frame.set_index("backend")
+    assert df.loc["reference", "status"] == "skipped" and "gather" in df.loc["reference", "error"]
+    assert df.loc["torch-bf16", "status"] == "ok"
+
+
+def test_a_tactic_no_selected_backend_offers_fails_up_front_naming_the_valid_ones(monkeypatch):
+    from moebench.bench import sweep as sw
+
+    measured = []
+    monkeypatch.setattr(sw, "copy_bandwidth_gbps", lambda *a, **k: measured.append(1) or 1.0)
+    cfg = SweepConfig(backends=("reference", "torch-bf16"), tactics=("default", "nope"), **TINY)
+    for check in (sw.validate_sweep, sw.run_sweep):
+        with pytest.raises(ValueError, match="--tactics") as info:
+            check(cfg)
+        text = str(info.value)
+        assert "'nope'" in text and "'all'" in text and "reference: default" in text and "gather" in text
+    assert measured == []  # nothing measured before the check
+
+
+def test_moebench_backend_offers_default_builtin_and_tuned(monkeypatch, tmp_path):
+    """"tuned" is skipped with the reason while no table covers the device
+    and shape class; a table in $MOEBENCH_TUNING_DIR makes it available."""
+    from moebench.backends.moebench import MoebenchBackend
+    from moebench.kernels.tactic import default_tactic
+    from moebench.models import get_preset
+    from moebench.tuning import table as tb
+
+    shape = get_preset("dsv41-flash").shard(4)
+    backend = MoebenchBackend()
+    assert backend.valid_tactics(shape) == ("default", "builtin", "tuned")
+    validate = SweepConfig(backends=("moebench",), tactics=("tuned", "builtin", "default"), **TINY)
+    from moebench.bench.sweep import validate_sweep
+
+    validate_sweep(validate)  # all three are moebench tactics: no error
+    monkeypatch.setenv("MOEBENCH_TUNING_DIR", str(tmp_path))
+    tb.reset_log_once()
+    assert backend.tactic_unavailable_reason(shape, "default", "cpu") is None
+    why = backend.tactic_unavailable_reason(shape, "tuned", "cpu")
+    assert "no tuning table E=384,H=5120,I=576,top_k=6,device_name=cpu" in why and str(tmp_path) in why
+    t = default_tactic(shape, 1, 6)
+    table = tb.TuningTable(tb.ShapeClass.of(shape), {"name": "cpu"}, {(1, 1): tb.TableEntry(t, 10.0, 9.0, 11.0)})
+    tb.write_table(table, tmp_path)
+    assert backend.tactic_unavailable_reason(shape, "tuned", "cpu") is None
 
 
 def test_layer_count():

@@ -131,3 +131,16 @@ def test_markdown_lists_regressions_and_mismatches():
     text = comparison_markdown(compare_runs(cur, MANIFEST, base, MANIFEST, baseline_label="runs/base"))
     assert "vs runs/base" in text and "### Regressions (2)" in text and "1 failed" in text
     assert "slower" in text and "unclear" in text
+
+
+def test_an_empty_baseline_or_nothing_in_common_is_an_error_not_a_pass():
+    cur = pd.DataFrame([case(1, median=10.0), case(2, median=11.0)])
+    empty = cur.iloc[0:0]
+    comp = compare_runs(cur, MANIFEST, empty, MANIFEST, current_label="cur", baseline_label="base")
+    assert any("baseline run base holds no cases" in e for e in comp.errors) and len(comp.regressions) == 0
+    assert "not a pass" in comparison_markdown(comp) and "No regressions" not in comparison_markdown(comp)
+    assert compare_runs(empty, MANIFEST, cur, MANIFEST).errors[0].startswith("the run current holds no cases")
+    apart = compare_runs(cur[cur["rows"] == 1], MANIFEST, cur[cur["rows"] == 2], MANIFEST)
+    assert "no case could be compared" in apart.errors[0] and "1 new, 1 missing" in apart.errors[0]
+    cur, base = runs()
+    assert compare_runs(cur, MANIFEST, base, MANIFEST).errors == []

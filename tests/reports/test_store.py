@@ -80,3 +80,21 @@ def test_read_errors_name_the_path(tmp_path):
     (path / "results.parquet").unlink()
     with pytest.raises(FileNotFoundError, match="results.parquet"):
         read_run(path)
+
+
+def test_run_directories_get_the_usual_permissions_not_0700(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        path = write_run(frame(), {"n": 1}, root=tmp_path, label="perm", when=WHEN)
+        again = write_run(frame(), {"n": 2}, root=tmp_path, label="perm", overwrite=True, when=WHEN)
+        os.umask(0o027)
+        group = write_run(frame(), {"n": 3}, root=tmp_path, label="group", when=WHEN)
+    finally:
+        os.umask(old)
+    assert again == path
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755  # 0777 less the umask, as mkdir makes it
+    assert stat.S_IMODE((path / "manifest.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE(group.stat().st_mode) == 0o750

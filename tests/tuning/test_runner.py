@@ -114,3 +114,134 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
         assert all("incorrect" in why for why in res.rejected.values())
         assert any(name.endswith("_u4_c2") for name in res.rejected)
     assert table.shape.intermediate == 128 and table.file_name.startswith("E=8,H=256,I=128,top_k=6,")
+
+
+def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
+    """Stand-in GEMMs copying the oracle's output (wrong for `wrong` tactics)
+    and a CPU 'tuning device': the runner's plumbing without a GPU."""
+    import types
+
+    from moebench.tuning import runner as rn
+
+    live = []
+
+    def case_of(record):
+        return next(c for c in live if c["route"].record is record)
+
+    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic):
+        case = case_of(record)
+        h_q.copy_(case["ref_q"])
+        h_s.copy_(case["ref_s"])
+        if wrong(tactic):
+            h_q[: case["used"], :8] ^= 0x0F
+
+    def gemm2(kw, h_q, h_s, record, ctas, out, *, tactic):
+        case = case_of(record)
+        out.copy_(case["oracle"].to(out.dtype))
+        if wrong(tactic):
+            out[: case["used"]] *= 1.5
+
+    original = rn.GemmStageRunner._case
+
+    def tracking_case(self, rows):
+        case = original(self, rows)
+        if all(case is not c for c in live):
+            live.append(case)
+        return case
+
+    monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.gemm",
+                        types.SimpleNamespace(gemm1=gemm1, gemm2=gemm2))  # fmt: skip
+    monkeypatch.setattr(rn.GemmStageRunner, "_case", tracking_case)
+    monkeypatch.setattr(rn, "require_tuning_device", lambda device=None: torch.device("cpu"))
+
+
+SMALL = ["--hidden", "256", "--intermediate", "512", "--experts", "8", "--tp", "4", "--rows", "1,4",
+         "--replays", "2", "--warmup", "0", "--repeats", "1", "--top", "2", "--layers", "2", "--jobs", "0"]  # fmt: skip
+
+
+def test_tune_command_writes_tables_and_prints_the_gains(monkeypatch, tmp_path):
+    """`moebench tune` over two presets and the ship space with stand-in
+    kernels: one table per shape class, gains at rows 1 and 4 (8 was not
+    tuned), the summary files, exit 0."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moebench.cli import app
+    from moebench.tuning.table import read_table
+
+    _stand_in_kernels(monkeypatch, wrong=lambda t: t.ctas_per_sm == 4)
+    summary = tmp_path / "gains" / "tune-gains.md"
+    result = CliRunner().invoke(app, ["tune", "--preset", "dsv41-flash,dsv4-pro", *SMALL, "--space", "ship",
+                                      "--out", str(tmp_path / "tables"), "--summary", str(summary)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    tables = sorted((tmp_path / "tables").iterdir())
+    assert len(tables) == 1  # both presets shrink to the same shape class here: merged into one table
+    table = read_table(tables[0])
+    assert set(table.entries) == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    assert all(e.tactic.ctas_per_sm != 4 for e in table.entries.values())
+    assert table.entry(1, 1).provenance["timing"]["layer_copies"] is True
+    assert "tuned vs built-in default" in result.output
+    records = json.loads(summary.with_suffix(".json").read_text())
+    assert [(r["preset"], r["rows"]) for r in records] == [("dsv41-flash", 1), ("dsv41-flash", 4),
+                                                            ("dsv4-pro", 1), ("dsv4-pro", 4)]  # fmt: skip
+    for r in records:
+        for key in ("gemm1", "gemm2", "both"):
+            g = r[key]
+            assert g["default_us"] > 0 and g["tuned_us"] > 0
+            assert g["gain_us"] == pytest.approx(g["default_us"] - g["tuned_us"])
+    assert "| dsv4-pro | 4 | 4 |" in summary.read_text()
+
+
+def test_tune_command_stops_at_the_budget_and_says_what_it_left_out(monkeypatch, tmp_path):
+    from typer.testing import CliRunner
+
+    from moebench.cli import app
+
+    _stand_in_kernels(monkeypatch)
+    result = CliRunner().invoke(app, ["tune", *SMALL, "--space", "ship", "--budget", "0.001",
+                                      "--out", str(tmp_path)])  # fmt: skip
+    assert result.exit_code == 1, result.output
+    assert "--budget" in result.output and "left out" in result.output and "GEMM1" in result.output
+    assert list(tmp_path.iterdir()) == []  # nothing tuned, no empty table written
+
+
+def test_budget_stops_when_the_next_step_would_overrun():
+    from moebench.tuning.runner import Budget
+
+    now = [0.0]
+    b = Budget(10.0, clock=lambda: now[0])
+    assert not b()  # no step measured yet
+    now[0] = 3.0
+    assert not b()  # steps of 3 s: 3 + 1.25 * 3 <= 10
+    now[0] = 7.0
+    assert b()  # the longest step is now 4 s: 7 + 1.25 * 4 > 10
+    assert not Budget(None, clock=lambda: now[0])()
+    with pytest.raises(ValueError, match="budget"):
+        Budget(0)
+
+
+def test_copies_of_the_first_layer_are_new_allocations_with_the_same_values():
+    from moebench.formats import generate_expert_weights
+    from moebench.kernels.layout import to_kernel_layout
+    from moebench.tuning.runner import copy_kernel_weights
+
+    shape = get_preset("dsv41-flash", hidden=256, intermediate=512, experts=8).shard(4)
+    kw = to_kernel_layout(generate_expert_weights(shape, 0, "cpu"))
+    copy = copy_kernel_weights(kw)
+    for name in ("w13", "w13_scale", "w2", "w2_scale", "clamp"):
+        a, b = getattr(kw, name), getattr(copy, name)
+        assert torch.equal(a, b) and a.data_ptr() != b.data_ptr()
+    assert copy.max_scale_code == kw.max_scale_code and copy.hidden == kw.hidden
+
+
+def test_tuning_specs_list_each_kernel_once_in_the_order_needed():
+    from moebench.kernels.tactic import default_tactic
+    from moebench.tuning.runner import tuning_specs
+    from moebench.tuning.space import SHIP_SPACE
+
+    cfg = TuneConfig(preset="dsv41-flash", tp=(4, 8), space=SHIP_SPACE)
+    specs = tuning_specs(cfg, 132)
+    assert len(specs) == len(set(specs)) <= 2 * 2 * SHIP_SPACE.limit
+    assert [s[1] for s in specs[:3]] == [1, 1, 1] and specs[0][0].intermediate == 576
+    assert specs[0][2] == default_tactic(specs[0][0], 1, 6, 132)  # rows 1: 6 token tiles

@@ -123,3 +123,59 @@ def test_valid_tactics_respect_the_hard_rules_for_any_shape(h, i, stage, ctas):
     shape = GemmShape(hidden=h, intermediate=i, experts=64)
     for t in valid_tactics(shape, stage, ctas):
         _hard_rules_hold(t, shape, stage)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("preset,tp", [(p, tp) for p in sorted(PRESETS) for tp in (1, 2, 4, 8)])
+def test_ship_space_is_the_defaults_and_few_neighbours(preset, tp, stage):
+    shape = GemmShape.of(get_preset(preset).shard(tp))
+    ship = sp.SHIP_SPACE.tactics_for(shape, stage)
+    assert 1 <= len(ship) <= sp.SHIP_SPACE.limit == 10 and len(set(ship)) == len(ship)
+    union = set()
+    for rows in range(1, 9):
+        ctas = max_ctas(rows, 6, shape.experts)
+        tactics = valid_tactics(shape, stage, ctas, space=sp.SHIP_SPACE)
+        default = default_tactic(shape, stage, ctas, 132)
+        assert tactics[0] == default and default in ship  # every row count's default is in the set
+        assert set(tactics) <= set(ship) and len(set(tactics)) == len(tactics)
+        union |= set(tactics)
+        for t in tactics:
+            _hard_rules_hold(t, shape, stage)
+            assert t.split_k == 1  # split-K measured slower on its own (perf-notes v3)
+            if t != default:
+                assert why_invalid(t, shape, stage, ctas) is None  # pruned like the other spaces
+    assert len(union) <= 10  # at most 10 compiles per shape and stage
+
+
+def test_ship_space_varies_the_grid_levers_of_the_default():
+    ship = set(sp.SHIP_SPACE.tactics_for(TP4, 1))
+    defaults = sp.NeighbourSpace.defaults(TP4, 1)
+    assert defaults == [GemmTactic(64, 1, 8, 4, 1), GemmTactic(64, 1, 8, 2, 2), GemmTactic(64, 1, 4, 4, 3)]
+    assert set(defaults) <= ship
+    assert GemmTactic(64, 1, 4, 4, 4) in ship  # ctas_per_sm + 1 of the rows 5-8 default
+    assert GemmTactic(64, 1, 8, 3, 2) in ship  # unroll + 1 of the rows 3-4 default
+    gemm2 = sp.SHIP_SPACE.tactics_for(TP4, 2)
+    assert gemm2[:2] == (GemmTactic(32, 4, 1, 4, 4, persistent=False), GemmTactic(64, 8, 1, 2, 2))
+    assert len(sp.NeighbourSpace(limit=3).tactics_for(TP4, 1)) == 3
+    assert sp.SPACES["ship"] is sp.SHIP_SPACE
+    with pytest.raises(ValueError, match="limit"):
+        sp.NeighbourSpace(limit=0)
+    with pytest.raises(ValueError, match="stage"):
+        valid_tactics(TP4, 3, space=sp.SHIP_SPACE)
+    with pytest.raises(ValueError, match="ctas"):
+        valid_tactics(TP4, 1, 0, space=sp.SHIP_SPACE)
+
+
+def test_ship_space_needs_far_fewer_compiles_than_the_quick_one():
+    def compiles(space):
+        n = 0
+        for p in PRESETS:
+            for tp in (1, 2, 4, 8):
+                shape = GemmShape.of(get_preset(p).shard(tp))
+                for stage in (1, 2):
+                    n += len({t for r in range(1, 9) for t in valid_tactics(shape, stage, max_ctas(r, 6, shape.experts),
+                                                                          space=space)})  # fmt: skip
+        return n
+
+    ship, quick = compiles(sp.SHIP_SPACE), compiles(QUICK_SPACE)
+    assert ship <= 240 and quick > 5 * ship

@@ -258,3 +258,15 @@ def test_bad_arguments_raise_but_tables_never_do(tmp_path):
     tactic, _ = load_tactic("NVIDIA H200", SHAPE, 1, 1, search=[tmp_path])
     assert tactic == default_for(1, 1)
 
+
+
+def test_written_tables_are_readable_by_others_under_the_umask(tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        path = write_table(make_table(), tmp_path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o644  # not mkstemp's 0600

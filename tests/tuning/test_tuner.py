@@ -151,3 +151,30 @@ def test_entries_make_a_table_that_round_trips(tmp_path):
                         {(1, r): e for r, e in res.entries.items()})  # fmt: skip
     back = read_table(write_table(table, tmp_path))
     assert back.entries == table.entries and back.entry(1, 8).tactic == B
+
+
+def test_the_preferred_tactic_is_re_timed_with_the_finalists_as_the_baseline():
+    # E (the default) is 4th fastest: it joins the three finalists, re-timed side by side
+    time_fn = fixed({A: 12.0, B: 10.0, C: 11.0, D: 13.0, E: 15.0})
+    r = tune(SHAPE, [1], [E, A, B, C, D], time_fn, correct, prefer=E).results[1]
+    assert [m.tactic for m in r.finalists] == [B, C, A, E] and all(m.passes == 4 for m in r.finalists)
+    assert r.entry.tactic == B and r.baseline.tactic == E and r.baseline.median_us == 15.0
+    assert sum(1 for t, _ in time_fn.calls if t == E) == 4 and sum(1 for t, _ in time_fn.calls if t == D) == 1
+    # the preferred tactic wins: the baseline is the entry's own measurement
+    kept = tune(SHAPE, [1], [B, C], fixed({B: 10.0, C: 11.0}), correct, prefer=B).results[1]
+    assert kept.baseline.median_us == kept.entry.median_us == 10.0
+    # a wrong preferred tactic has no baseline; without prefer there is none either
+    wrong = tune(SHAPE, [1], [A, B], fixed({A: 1.0, B: 2.0}), lambda t, rows: "bad" if t == A else None, prefer=A)
+    assert wrong.results[1].baseline is None and wrong.entries[1].tactic == B
+    assert tune(SHAPE, [1], [A, B], fixed({A: 1.0, B: 2.0}), correct).results[1].baseline is None
+
+
+def test_should_stop_leaves_the_remaining_rows_out():
+    asked = []
+
+    def stop():
+        asked.append(len(asked))
+        return len(asked) > 2
+
+    res = tune(SHAPE, [1, 2, 3, 4], [A, B], fixed({A: 1.0, B: 2.0}), correct, should_stop=stop)
+    assert list(res.entries) == [1, 2] and res.stopped == [3, 4] and len(asked) == 3
