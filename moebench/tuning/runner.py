@@ -2,9 +2,10 @@
 
 `GemmStageRunner` is the runner of FlashInfer's autotuner pattern for one
 (shape, stage): `valid_tactics(rows)` and, for one tactic, `check(tactic,
-rows)` (its output against the fp64 oracle) and `time(tactic, rows)` (under
-a CUDA graph, cycling through enough distinct weight sets that the working
-set is >= 4 x L2, as the sweep does). `run_tune` tunes GEMM1 and GEMM2 for
+rows)` (its output against the fp64 oracle) and `time(tactic, rows)` (the
+GEMM1 + GEMM2 pair with the other stage at its default, under a CUDA graph,
+cycling through enough distinct weight sets that the working set is >= 4 x L2,
+as the sweep does: table times are pair times). `run_tune` tunes GEMM1 and GEMM2 for
 each TP degree and returns one `TuningTable` per shape class.
 
 Rotated weight sets: layer 0 is generated (and is what the checks use); by
@@ -180,12 +181,12 @@ class GemmStageRunner:
                 "ref_q": ref_q.view(torch.uint8).contiguous(), "ref_s": ref_s.contiguous(),
                 "used": TILE * route.tiles_used}  # fmt: skip
         n = TILE * route.ctas
-        if self.stage == 1:
-            case["h_q"] = torch.empty(n, s.intermediate, dtype=torch.uint8, device=dev)
-            case["h_s"] = torch.empty(n, s.intermediate // 32, dtype=torch.uint8, device=dev)
-        else:
+        # both stages' buffers: `time` runs the GEMM1 + GEMM2 pair
+        case["h_q"] = torch.zeros(n, s.intermediate, dtype=torch.uint8, device=dev)
+        case["h_s"] = torch.zeros(n, s.intermediate // 32, dtype=torch.uint8, device=dev)
+        case["out"] = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=dev)
+        if self.stage == 2:
             case["oracle"] = reference_gemm2(dequantize_mxfp8(ref_q, ref_s, torch.float64), self.weights0, route)
-            case["out"] = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=dev)
         self._inputs[rows] = case
         return case
 
@@ -230,15 +231,27 @@ class GemmStageRunner:
         return None
 
     def time(self, tactic: GemmTactic, rows: int):
-        """Timing (µs per launch) of `tactic` at `rows` under a CUDA graph
-        that launches it once per rotated weight set."""
+        """Timing (µs per GEMM1 + GEMM2 pair) of `tactic` at `rows` in its
+        context: a CUDA graph that runs, per rotated weight set, GEMM1 then
+        GEMM2 as the binding does, this stage with `tactic` and the other
+        with its default. The pair, not the kernel alone, because programmatic
+        dependent launch overlaps GEMM2's start with GEMM1's tail and a tactic
+        changes that overlap (docs/perf-notes.md v4: a bulk-ring GEMM2 is slower
+        alone but faster after GEMM1). Candidates of one stage share the other
+        stage's tactic, so their differences are the tactic's own."""
         from moebench.bench.timing import time_graph
+        from moebench.kernels.gemm import gemm1, gemm2
 
         case = self._case(rows)
+        route = case["route"]
+        ctas = route.ctas
+        other = default_tactic(self.gshape, 3 - self.stage, ctas, self.num_sms, self.wide)
+        t1, t2 = (tactic, other) if self.stage == 1 else (other, tactic)
 
         def launch_all() -> None:
             for kw in self.kws:
-                self._launch(kw, case, tactic)
+                gemm1(kw, case["x_q"], case["x_s"], route.record, ctas, case["h_q"], case["h_s"], tactic=t1)
+                gemm2(kw, case["h_q"], case["h_s"], route.record, ctas, case["out"], tactic=t2)
 
         return time_graph(launch_all, warmup=self.warmup, replays=self.replays, calls_per_replay=len(self.kws),
                           use_graph=True, device=self.device)  # fmt: skip
