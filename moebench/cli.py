@@ -565,10 +565,10 @@ def _progress_filter(say):
 def _print_gains(records) -> None:
     if not records:
         return
-    table = Table(title="tuned vs built-in default (pooled µs per launch, timed side by side; gain > 0: tuned is"
-                        " faster)")  # fmt: skip
+    table = Table(title="tuned vs built-in default (µs per GEMM1+GEMM2 pair, the other stage at its default, timed"
+                        " side by side; both tuned: the pair minus both gains, estimated; gain > 0: tuned is faster)")
     for head in ("preset", "TP", "rows", "GEMM1 default", "GEMM1 tuned", "gain", "GEMM2 default", "GEMM2 tuned",
-                 "gain", "both default", "both tuned", "gain µs", "gain %"):  # fmt: skip
+                 "gain", "pair default", "both tuned (est.)", "gain µs", "gain %"):  # fmt: skip
         table.add_column(head)
 
     def pct(g) -> str:

@@ -63,6 +63,8 @@ ENV_DIR = "MOEBENCH_TUNING_DIR"
 PACKAGE_TABLES = Path(__file__).resolve().parent / "tables"
 STAGES = {1: "gemm1", 2: "gemm2"}
 _TACTIC_FIELDS = ("tile_rows", "warps_m", "warps_k", "unroll", "ctas_per_sm", "persistent", "pdl")
+#: Tactic fields a table may omit (older tables), with the value that means.
+_OPTIONAL_FIELDS = {"split_k": 1, "stages": 0}
 #: Tokens of a device name that name a board, memory size or slice, not the chip.
 _BOARD_TOKEN = re.compile(r"^(NVL|SXM\d*|PCIE|HBM\d*E?|\d+GB|NVLINK)$", re.IGNORECASE)
 
@@ -148,7 +150,7 @@ def table_file_name(shape, device_name: str, top_k: int | None = None) -> str:
 
 
 def tactic_to_dict(tactic: GemmTactic) -> dict:
-    return {"name": tactic.name, **{f: getattr(tactic, f) for f in _TACTIC_FIELDS}}
+    return {"name": tactic.name, **{f: getattr(tactic, f) for f in (*_TACTIC_FIELDS, *_OPTIONAL_FIELDS)}}
 
 
 def tactic_from_dict(data, where: str) -> GemmTactic:
@@ -159,7 +161,8 @@ def tactic_from_dict(data, where: str) -> GemmTactic:
     if missing:
         raise TableError(f"{where}: tactic lacks {missing}")
     try:
-        tactic = GemmTactic(**{f: data[f] for f in _TACTIC_FIELDS})
+        tactic = GemmTactic(**{f: data[f] for f in _TACTIC_FIELDS},
+                            **{f: data.get(f, d) for f, d in _OPTIONAL_FIELDS.items()})
     except (TypeError, ValueError) as error:
         raise TableError(f"{where}: invalid tactic: {error}") from error
     if "name" in data and data["name"] != tactic.name:

@@ -769,7 +769,9 @@ def test_routed_expert_gemm_front_equals_route():
         assert torch.equal(via_front.topk_weights.view(torch.int32), via_route.topk_weights.view(torch.int32))
         assert via_front.ctas == via_route.ctas
         a, b = gemm.gemms(via_front), gemm.gemms(via_route)
-        assert torch.equal(a.gemm2_permuted, b.gemm2_permuted)
+        idx = b.expanded_idx_to_permuted_idx.flatten()
+        idx = idx[idx >= 0].long()  # rows of unused tiles are never written (contract)
+        assert torch.equal(a.gemm2_permuted[idx], b.gemm2_permuted[idx])
 
 
 @pytest.mark.gpu

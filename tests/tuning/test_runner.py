@@ -83,6 +83,8 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
 
     def gemm2(kw, h_q, h_s, record, ctas, out, *, tactic):
         case = next(c for c in live if c["route"].record is record)
+        if "oracle" not in case:  # the pair of a GEMM1 timing (GEMM2 at its default): no output needed
+            return
         out.copy_(case["oracle"].to(out.dtype))
         if tactic.unroll == 4:
             out[: case["used"]] *= 1.5

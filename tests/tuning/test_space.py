@@ -150,12 +150,13 @@ def test_ship_space_is_the_defaults_and_few_neighbours(preset, tp, stage):
 def test_ship_space_varies_the_grid_levers_of_the_default():
     ship = set(sp.SHIP_SPACE.tactics_for(TP4, 1))
     defaults = sp.NeighbourSpace.defaults(TP4, 1)
-    assert defaults == [GemmTactic(64, 1, 8, 4, 1), GemmTactic(64, 1, 8, 2, 2), GemmTactic(64, 1, 4, 4, 3)]
+    assert defaults == [GemmTactic(64, 1, 8, 4, 1), GemmTactic(64, 1, 8, 2, 2), GemmTactic(64, 1, 4, 4, 3),
+                        GemmTactic(64, 1, 4, 4, 2, stages=4)]  # fmt: skip
     assert set(defaults) <= ship
     assert GemmTactic(64, 1, 4, 4, 4) in ship  # ctas_per_sm + 1 of the rows 5-8 default
     assert GemmTactic(64, 1, 8, 3, 2) in ship  # unroll + 1 of the rows 3-4 default
     gemm2 = sp.SHIP_SPACE.tactics_for(TP4, 2)
-    assert gemm2[:2] == (GemmTactic(32, 4, 1, 4, 4, persistent=False), GemmTactic(64, 8, 1, 2, 2))
+    assert gemm2[:2] == (GemmTactic(64, 4, 2, 2, 2, stages=4), GemmTactic(64, 8, 1, 2, 2))
     assert len(sp.NeighbourSpace(limit=3).tactics_for(TP4, 1)) == 3
     assert sp.SPACES["ship"] is sp.SHIP_SPACE
     with pytest.raises(ValueError, match="limit"):
