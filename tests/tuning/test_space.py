@@ -154,7 +154,7 @@ def test_ship_space_varies_the_grid_levers_of_the_default():
                         GemmTactic(64, 1, 4, 4, 2, stages=4)]  # fmt: skip
     assert set(defaults) <= ship
     assert GemmTactic(64, 1, 4, 4, 4) in ship  # ctas_per_sm + 1 of the rows 5-8 default
-    assert GemmTactic(64, 1, 8, 3, 2) in ship  # unroll + 1 of the rows 3-4 default
+    assert len(ship) <= 10  # the cap: with four defaults, lower-ranked neighbours (unroll +- 1) drop out
     gemm2 = sp.SHIP_SPACE.tactics_for(TP4, 2)
     assert gemm2[:2] == (GemmTactic(64, 4, 2, 2, 2, stages=4), GemmTactic(64, 8, 1, 2, 2))
     assert len(sp.NeighbourSpace(limit=3).tactics_for(TP4, 1)) == 3
