@@ -80,3 +80,21 @@ def test_read_errors_name_the_path(tmp_path):
     (path / "results.parquet").unlink()
     with pytest.raises(FileNotFoundError, match="results.parquet"):
         read_run(path)
+
+
+def test_extra_tables_travel_with_the_run(tmp_path):
+    from moebench.reports.store import read_table
+
+    ranks = pd.DataFrame({"rank": [0, 1], "median_us": [20.0, 21.0]})
+    path = write_run(frame(), {"kind": "step"}, root=tmp_path, label="t", when=WHEN, tables={"ranks": ranks})
+    pd.testing.assert_frame_equal(read_table(path, "ranks"), ranks)
+    assert read_table(path, "other") is None
+    for bad in ({"results": ranks}, {"../x": ranks}, {"Ranks": ranks}):
+        with pytest.raises(ValueError, match="tables"):
+            write_run(frame(), {}, root=tmp_path, label="u", when=WHEN, tables=bad)
+    with pytest.raises(TypeError, match="tables"):
+        write_run(frame(), {}, root=tmp_path, label="u", when=WHEN, tables={"ranks": [1, 2]})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2026-11-29-t"]  # refused runs leave nothing
+    (path / "ranks.parquet").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="ranks.parquet"):
+        read_table(path, "ranks")
