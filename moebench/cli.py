@@ -7,6 +7,8 @@
     moebench check    quick self-check (codecs, record, oracle, backends)
     moebench env      device, driver, versions, available backends
     moebench presets  geometry presets and their per-TP shapes
+    moebench step     time a whole decode-step MoE layer (gate, router, shared expert,
+                      routed experts, finalize; --tp N: N ranks with the all-reduce)
 
 User errors print one red line and exit 2; failed checks, regressions
 beyond --fail-above and unwritable outputs exit 1.
@@ -108,6 +110,14 @@ def sweep(
     warmup: int = typer.Option(10, help="Warm-up calls per case."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
     device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
+    devices: str = typer.Option(
+        None, help="Split the cases over GPUs: 'all' or a list like '0,1' (one worker process per GPU,"
+        " each case on one GPU, one merged run). Default: one process on --device."
+    ),
+    worker_timeout: float = typer.Option(
+        None, "--worker-timeout", help="With --devices: stop workers still running after this many seconds"
+        " (their unfinished cases are stored as failed)."
+    ),
     trace: Path = typer.Option(None, help="Top-k trace (.npz with topk_ids) for the replay scenario."),
     label: str = typer.Option("sweep", help="Run label: the run goes to OUT/<UTC date>-<label>."),
     out: Path = typer.Option(Path("reports/runs"), help="Root directory of stored runs."),
@@ -128,8 +138,19 @@ def sweep(
             backend_list = backend_names()
         elif backends != "default":
             backend_list = parse_names(backends, "--backends")
-        dev = resolve_device(device)
-        reduced = dev.type == "cpu"
+        gpus = None
+        if devices is not None:
+            from moebench.bench import shard
+
+            if device is not None:
+                raise ValueError("--device and --devices exclude each other (--devices picks the GPUs)")
+            gpus = shard.parse_devices(devices, shard.visible_gpu_count())
+            dev = resolve_device("cpu")  # the CLI process itself measures nothing
+        else:
+            dev = resolve_device(device)
+        if worker_timeout is not None and (gpus is None or not worker_timeout > 0):
+            raise ValueError("--worker-timeout: needs --devices and a positive number of seconds")
+        reduced = dev.type == "cpu" and gpus is None
         # A CPU run is a smoke run of the reference: a smaller default grid.
         rows = ("1,4,8" if reduced else "1-8") if rows is None else rows
         tp = ("1,8" if reduced else "1,2,4,8") if tp is None else tp
@@ -140,12 +161,20 @@ def sweep(
             experts=experts, top_k=top_k, tp=parse_int_list(tp, "--tp", 1, 64),
             rows=parse_int_list(rows, "--rows", 1, MAX_ROWS), scenarios=parse_names(scenario, "--scenario"),
             backends=backend_list, tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
-            layers=layers, device=str(dev), reduced=reduced, warmup=warmup, replays=replays,
-            use_graph=graph, trace=trace,
+            layers=layers, device=f"cuda:{gpus[0]}" if gpus else str(dev), reduced=reduced, warmup=warmup,
+            replays=replays, use_graph=graph, trace=trace,
         )  # fmt: skip
         validate_sweep(config)
+        if gpus is not None:
+            from moebench.bench.sweep import check_backend_names, default_backends
+
+            backend_list = backend_list or default_backends("cuda")
+            check_backend_names(backend_list)
     except (ValueError, TypeError) as error:
         raise _fail(str(error)) from None
+    if gpus is not None:
+        _sharded_sweep(config, gpus, backend_list, out, label, worker_timeout)
+        return
 
     if reduced:
         sizes = {k: v for k, v in CPU_REDUCED.items() if getattr(config, k) is None}
@@ -186,6 +215,55 @@ def sweep(
         raise _fail("no case ran (every case was skipped): " + "; ".join(reasons), 1)
 
 
+def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s) -> None:
+    """`sweep --devices`: one worker per GPU (bench/shard.py), one merged run."""
+    from moebench.bench.shard import run_sharded_sweep
+    from moebench.reports.store import read_run
+    from moebench.reports.summary import summary_table
+
+    console.print(f"sweep over GPUs {', '.join(map(str, gpus))}: one worker process each")
+    try:
+        with Progress(
+            TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=console, transient=True,
+        ) as bar:  # fmt: skip
+            task = bar.add_task(f"sweep on {len(gpus)} GPUs", total=None)
+            path = run_sharded_sweep(
+                config, gpus, tuple(backend_list), out, label, timeout_s=timeout_s,
+                manifest_extra={"command": shlex.join(["moebench", *sys.argv[1:]])},
+                progress=lambda done, total: bar.update(task, completed=min(done, total), total=total),
+            )  # fmt: skip
+    except (ValueError, TypeError) as error:
+        raise _fail(str(error)) from None
+    except OSError as error:
+        raise _fail(f"cannot write the run under {out}: {error}", 1) from None
+    frame, manifest = read_run(path)
+    _print_summary(summary_table(frame))
+    counts = frame["status"].value_counts().to_dict()
+    bw = manifest.get("copy_bw_gbps")
+    console.print(
+        f"{counts.get('ok', 0)} ok, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped"
+        + (f"; copy bandwidth {bw:.1f} GB/s (GPU {gpus[0]})" if isinstance(bw, (int, float)) else "")
+    )
+    for w in manifest.get("workers") or []:
+        console.print(f"  GPU {w['gpu_index']} ({w.get('gpu_serial') or 'serial unknown'}): {w['rows']} of"
+                      f" {w['cases']} cases" + (f" [red]{escape_markup(w['error'])}[/red]" if w.get("error") else ""))
+    console.print(f"run stored in [bold]{path}[/bold]")
+    dead = [w for w in manifest.get("workers") or [] if w.get("error")]
+    if dead:
+        raise _fail(f"{len(dead)} worker(s) died; their unfinished cases are stored as failed in {path}", 1)
+    if counts.get("ok", 0) + counts.get("failed", 0) == 0:
+        reasons = sorted(set(frame["error"].dropna().astype(str)))[:3]
+        raise _fail("no case ran (every case was skipped): " + "; ".join(reasons), 1)
+
+
+def escape_markup(text) -> str:
+    """`text` with rich markup escaped (error messages quote [shapes])."""
+    from rich.markup import escape
+
+    return escape(str(text))
+
+
 def _print_summary(table_df) -> None:
     """Render summary_table(df) with rich; columns that hold one value for
     every row (preset, tp, scenario, tactic) move into the title."""
@@ -220,6 +298,182 @@ def _print_summary(table_df) -> None:
         table.add_row(*cells)
     # Wide enough for the table even when stdout is not a terminal (logs, CI).
     Console(highlight=False, width=max(console.width, 150)).print(table)
+
+
+@app.command()
+def step(
+    preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated (see `moebench presets`)."),
+    hidden: int = typer.Option(None, help="Override hidden size H."),
+    intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
+    experts: int = typer.Option(None, help="Override routed experts E."),
+    top_k: int = typer.Option(None, "--top-k", help="Override top_k."),
+    tp: int = typer.Option(
+        1, help="Tensor-parallel degree N: N ranks, one process per GPU (gloo processes on the CPU), each"
+        " holding all experts at I/N, with the all-reduce of the layer output."
+    ),
+    one_rank: bool = typer.Option(
+        False, "--one-rank", help="Time one rank's I/tp shard on one device, without the all-reduce"
+        " (the shape `sweep --tp` times)."
+    ),
+    rows: str = typer.Option(None, help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU)."),
+    scenario: str = typer.Option("correlated", help="Routing scenarios: uniform,zipf,hot,correlated,replay."),
+    backends: str = typer.Option(
+        "default", help="'default' (GPU: moebench, torch-bf16, flashinfer-w4a16/-w4a8; CPU: reference,"
+        " torch-bf16), 'all', or a list."
+    ),
+    seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
+    warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one layer's weights over and over (warm L2)."),
+    layers: int = typer.Option(None, help="Force the number of rotated layers (default: >= 4x L2)."),
+    replays: int = typer.Option(100, help="Timed replays per quantity."),
+    warmup: int = typer.Option(10, help="Warm-up calls per quantity."),
+    graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
+    device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any; with --tp N > 1 only"
+                               " the kind counts, --devices picks the GPUs)."),
+    devices: str = typer.Option(None, help="With --tp N > 1: the N GPUs of the ranks, e.g. '0,1' or 'all'"
+                                " (default: the first N)."),
+    timeout: float = typer.Option(None, help="With --tp N > 1: stop the ranks after this many seconds."),
+    trace: Path = typer.Option(None, help="Top-k trace (.npz with topk_ids) for the replay scenario."),
+    label: str = typer.Option("step", help="Run label: the run goes to OUT/<UTC date>-<label>."),
+    out: Path = typer.Option(Path("reports/runs"), help="Root directory of stored runs."),
+) -> None:
+    """Time a whole decode-step MoE layer (gate -> router -> shared expert ->
+    routed experts -> finalize [-> all-reduce]) per rows and backend under CUDA
+    graphs, gated on the fp64 oracle of the layer; store the run."""
+    from moebench.backends.registry import backend_names
+    from moebench.bench.decode_step import StepConfig, rank_devices, run_step
+    from moebench.bench.shard import parse_devices, visible_gpu_count
+    from moebench.env import resolve_device
+    from moebench.record import MAX_ROWS
+    from moebench.reports.store import run_dir_name, write_run
+
+    try:
+        run_dir_name(label)
+        if not isinstance(tp, int) or not 1 <= tp <= 64:
+            raise ValueError(f"--tp: expected a TP degree in [1, 64], got {tp!r}")
+        ranks = 1 if (tp == 1 or one_rank) else tp
+        dev = resolve_device(None if device is None else device)
+        if ranks > 1 and device is not None and dev.type == "cuda" and ":" in device:
+            raise ValueError("--device: with --tp N > 1 give --devices (one GPU per rank), not an index")
+        gpu_list = None
+        if devices is not None:
+            if ranks == 1:
+                raise ValueError("--devices: only with --tp N > 1 (one GPU per rank); use --device for one rank")
+            if dev.type != "cuda":
+                raise ValueError("--devices: the ranks run on the CPU here (no GPU, or --device cpu)")
+            gpu_list = tuple(parse_devices(devices, visible_gpu_count()))
+            if len(gpu_list) != ranks:
+                raise ValueError(f"--devices: --tp {tp} needs {ranks} GPUs, got {len(gpu_list)} ({devices!r})")
+        if timeout is not None and (ranks == 1 or not timeout > 0):
+            raise ValueError("--timeout: needs --tp N > 1 and a positive number of seconds")
+        reduced = dev.type == "cpu"
+        rows = ("1,4,8" if reduced else "1-8") if rows is None else rows
+        backend_list = None
+        if backends == "all":
+            backend_list = backend_names()
+        elif backends != "default":
+            backend_list = parse_names(backends, "--backends")
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out: {out} exists and is not a directory")
+        config = StepConfig(
+            presets=parse_names(preset, "--preset"), hidden=hidden, intermediate=intermediate, experts=experts,
+            top_k=top_k, tp=(tp,), rows=parse_int_list(rows, "--rows", 1, MAX_ROWS),
+            scenarios=parse_names(scenario, "--scenario"), backends=backend_list, seed=seed, warm_l2=warm_l2,
+            layers=layers, device=str(dev) if ranks == 1 else dev.type, reduced=reduced, warmup=warmup,
+            replays=replays, use_graph=graph, trace=trace, ranks=ranks, devices=gpu_list,
+        )  # fmt: skip
+        if ranks > 1:
+            _, gpu_used = rank_devices(config)  # more ranks than GPUs: error naming both numbers
+        if config.backends is not None:
+            from moebench.bench.sweep import check_backend_names
+
+            check_backend_names(config.backends)
+    except (ValueError, TypeError) as error:
+        raise _fail(str(error)) from None
+
+    where = (f"{ranks} ranks on GPUs {', '.join(map(str, gpu_used))} (NCCL)" if ranks > 1 and dev.type == "cuda"
+             else f"{ranks} ranks on the CPU (gloo)" if ranks > 1 else f"one rank on {dev}")  # fmt: skip
+    console.print(f"decode step, TP{tp}: {where}")
+    if reduced:
+        console.print("[yellow]No GPU: the step runs at a reduced size on the CPU; CPU latencies say nothing"
+                      " about a GPU.[/yellow]")  # fmt: skip
+    try:
+        with Progress(
+            TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=console, transient=True,
+        ) as bar:  # fmt: skip
+            task = bar.add_task("step", total=None)
+
+            def progress(done: int, total: int, label_: str, status: str) -> None:
+                bar.update(task, completed=done, total=total, description=f"{label_}: {status}")
+
+            result = run_step(config, progress=progress, timeout_s=timeout)
+    except (ValueError, TypeError) as error:
+        raise _fail(str(error)) from None
+
+    manifest = {**result.manifest, "command": shlex.join(["moebench", *sys.argv[1:]])}
+    tables = {"ranks": result.ranks} if result.ranks is not None else None
+    try:
+        path = write_run(result.frame, manifest, root=out, label=label, tables=tables)
+    except OSError as error:
+        raise _fail(f"cannot write the run under {out}: {error}", 1) from None
+    _print_step(result.frame, result.ranks)
+    counts = result.frame["status"].value_counts().to_dict()
+    console.print(f"{counts.get('ok', 0)} ok, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped")
+    console.print(f"run stored in [bold]{path}[/bold]")
+    dead = [w for w in manifest.get("workers") or [] if w.get("error")]
+    if dead:
+        raise _fail("; ".join(w["error"] for w in dead) + f" (their cases are stored as failed in {path})", 1)
+    if counts.get("ok", 0) + counts.get("failed", 0) == 0:
+        reasons = sorted(set(result.frame["error"].dropna().astype(str)))[:3]
+        raise _fail("no case ran (every case was skipped): " + "; ".join(reasons), 1)
+
+
+_STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows", "scenario": "scenario",
+               "unique_experts": "experts", "backend": "backend", "status": "status", "median_us": "step µs",
+               "p10_us": "p10", "p90_us": "p90", "step_with_gate_us": "+gate µs", "gate_us": "gate",
+               "allreduce_us": "all-red.", "allreduce_share_pct": "AR %", "stage_sum_us": "Σ stages",
+               "gbps": "GB/s", "pct_copy_bw": "%copy", "vs_torch_bf16": "×torch", "max_rel_err": "err",
+               "note": "note", "rank": "rank", "gpu_index": "GPU"}  # fmt: skip
+
+
+def _print_frame(frame, title: str | None, constant_keys=("preset", "tp", "ranks", "scenario")) -> None:
+    """A rich table of `frame` (columns named by _STEP_HEADS or kernel_<s>_us ->
+    <s>); columns with one value everywhere move to the title, empty ones go."""
+    constant = [c for c in constant_keys if c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1]
+    head = ", ".join(f"{c} {frame[c].iloc[0]}" for c in constant)
+    table = Table(title=", ".join(p for p in (title, head) if p) or None)
+    shown = [c for c in frame.columns if c not in constant and frame[c].replace("", None).notna().any()]
+    for col in shown:
+        name = _STEP_HEADS.get(col) or str(col).removeprefix("kernel_").removesuffix("_us")
+        table.add_column(name, overflow="fold", no_wrap=col != "note")
+    colors = {"ok": "green", "failed": "red", "skipped": "yellow"}
+    for rec in frame.to_dict("records"):
+        cells = []
+        for col in shown:
+            v = rec[col]
+            if col == "max_rel_err":
+                cells.append("-" if v is None or v != v else f"{v:.1e}")
+            elif col == "vs_torch_bf16":
+                cells.append(_fmt(v, 2))
+            elif col == "status":
+                cells.append(f"[{colors.get(v, 'white')}]{v}[/]")
+            elif col == "note":
+                cells.append(escape_markup(str(v)[:80]))
+            else:
+                cells.append(_fmt(v))
+        table.add_row(*cells)
+    Console(highlight=False, width=max(console.width, 180)).print(table)
+
+
+def _print_step(frame, ranks=None) -> None:
+    """The step table (whole step, gate, all-reduce, per-stage split) and,
+    for a TP step, the per-rank table."""
+    from moebench.reports.summary import rank_table, step_summary_table
+
+    table = step_summary_table(frame).drop(columns=["p10_us", "p90_us"])  # in summary.md / report.html
+    _print_frame(table, "decode step (µs; the step excludes the gate)")
+    if ranks is not None and len(ranks):
+        _print_frame(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario"))
 
 
 @app.command()
@@ -342,17 +596,19 @@ def report(
     """Summarize a run (table, summary.md, report.html); with --baseline,
     compare per case and, with --fail-above, exit 1 on a regression."""
     from moebench.reports.compare import DEFAULT_THRESHOLD_PCT, compare_runs, comparison_markdown, parse_threshold
-    from moebench.reports.store import read_run
-    from moebench.reports.summary import summary_table, to_markdown
+    from moebench.reports.store import read_run, read_table
+    from moebench.reports.summary import is_step_run, rank_table, step_summary_table, summary_table, to_markdown
 
     try:
         threshold = parse_threshold(fail_above) if fail_above is not None else DEFAULT_THRESHOLD_PCT
         if fail_above is not None and baseline is None:
             raise ValueError("--fail-above needs --baseline RUN")
         df, manifest = read_run(run_dir)
+        ranks = read_table(run_dir, "ranks")
         base = read_run(baseline) if baseline is not None else None
     except (FileNotFoundError, ValueError) as error:
         raise _fail(str(error)) from None
+    step_run = is_step_run(df, manifest)
     target = (out or run_dir) / "summary.md"
     html_target = target.parent / "report.html"
     for path in (target, html_target) if html else (target,):
@@ -361,6 +617,8 @@ def report(
     if manifest.get("reduced"):
         console.print("[yellow]This run used a reduced geometry on the CPU.[/yellow]")
     _print_summary(summary_table(df))
+    if step_run:
+        _print_step(df, ranks)
     comparison = None
     if base is not None:
         try:
@@ -371,7 +629,7 @@ def report(
         _print_comparison(comparison)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        text = to_markdown(df, manifest)
+        text = to_markdown(df, manifest, ranks)
         if comparison is not None:
             text += "\n" + comparison_markdown(comparison)
         target.write_text(text, encoding="utf-8")
@@ -379,8 +637,13 @@ def report(
         if html:
             from moebench.reports.html import write_html_report
 
+            tables = {}
+            if step_run:
+                tables["Decode step (µs; the step excludes the gate)"] = step_summary_table(df)
+                if ranks is not None and len(ranks):
+                    tables["Per rank (µs)"] = rank_table(ranks)
             paths = write_html_report(df, manifest, target.parent, comparison=comparison,
-                                      title=f"moebench run {run_dir.name}")  # fmt: skip
+                                      title=f"moebench run {run_dir.name}", tables=tables)  # fmt: skip
             console.print(f"wrote [bold]{paths[0]}[/bold] ({len(paths) - 1} plots)")
     except OSError as error:
         raise _fail(f"cannot write the report under {target.parent}: {error}", 1) from None

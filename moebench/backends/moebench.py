@@ -53,6 +53,12 @@ class MoebenchBackend(Backend):
         why = f"; {problems[0]}" if problems else ""
         return f"no tuning table {table_file_name(sclass, name)} in {where}{why} (run `moebench tune`)"
 
+    def prepared_bytes(self, shape: RankShape) -> int:
+        """The kernel-layout copy of the weights and scales (padded), which
+        RoutedExpertGemm keeps beside the canonical ones."""
+        e, h, ip = shape.experts, shape.hidden, shape.padded_intermediate
+        return e * (3 * ip * h // 2 + 3 * ip * h // 32) + 4 * e
+
     def unavailable_reason(self, device: torch.device | str) -> str | None:
         if importlib.util.find_spec("cutlass") is None:
             return "needs nvidia-cutlass-dsl (pip install 'moebench[kernels]')"

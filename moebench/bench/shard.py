@@ -58,6 +58,9 @@ H200_L2_BYTES = 60 * 1024 * 1024
 CASE_OVERHEAD_BYTES = 8 * 1024 * 1024
 #: Columns the merge adds.
 GPU_COLUMNS = ("gpu_index", "gpu_serial")
+#: Environment variables a worker's runner reports its progress through.
+PROGRESS_ENV = "MOEBENCH_WORKER_PROGRESS"
+PROGRESS_OFFSET_ENV = "MOEBENCH_WORKER_PROGRESS_OFFSET"
 #: Columns that identify a case in a result frame.
 CASE_KEY = ("preset", "tp", "rows", "scenario", "backend", "tactic")
 
@@ -152,10 +155,10 @@ def parse_devices(spec: str, available: int | None = None) -> list[int]:
         import torch
 
         available = torch.cuda.device_count()
-    spec = spec.strip()
+    spec = str(spec).strip()
+    if available < 1:
+        raise ValueError(f"devices (--devices): {spec!r} but no GPU is visible")
     if spec == "all":
-        if available < 1:
-            raise ValueError("devices (--devices): 'all' but no GPU is visible")
         return list(range(available))
     try:
         out = [int(p) for p in spec.split(",") if p.strip()]
@@ -224,21 +227,51 @@ def worker_env(
     return env
 
 
+def visible_gpu_count() -> int:
+    """CUDA devices this process sees (torch.cuda.device_count(); honours
+    CUDA_VISIBLE_DEVICES); 0 without CUDA."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_uuid(index: int) -> str:
+    """"GPU-<uuid>" of the CUDA device `index` as this process numbers it
+    (CUDA_VISIBLE_DEVICES applied), or "" when torch cannot say."""
+    try:
+        import torch
+
+        uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    except Exception:  # noqa: BLE001
+        return ""
+    if not uuid:
+        return ""
+    text = str(uuid)
+    return text if text.startswith("GPU-") else f"GPU-{text}"
+
+
 def gpu_serial(index: int) -> str:
-    """Board serial of GPU `index` (pynvml, else nvidia-smi); "" if unknown."""
+    """Board serial of the CUDA device `index` (pynvml, else nvidia-smi); ""
+    if unknown. The device is looked up by its UUID where torch gives one, so
+    CUDA_VISIBLE_DEVICES and a CUDA order that differs from NVML's do not
+    mix up the boards; by index otherwise."""
+    uuid = gpu_uuid(index)
     try:
         import pynvml
 
         pynvml.nvmlInit()
         try:
-            return str(pynvml.nvmlDeviceGetSerial(pynvml.nvmlDeviceGetHandleByIndex(index)))
+            handle = (pynvml.nvmlDeviceGetHandleByUUID(uuid) if uuid
+                      else pynvml.nvmlDeviceGetHandleByIndex(index))  # fmt: skip
+            serial = pynvml.nvmlDeviceGetSerial(handle)
+            return serial.decode() if isinstance(serial, bytes) else str(serial)
         finally:
             pynvml.nvmlShutdown()
     except Exception:  # noqa: BLE001
         pass
     try:
         out = subprocess.run(
-            ["nvidia-smi", "-i", str(index), "--query-gpu=serial", "--format=csv,noheader"],
+            ["nvidia-smi", "-i", uuid or str(index), "--query-gpu=serial", "--format=csv,noheader"],
             capture_output=True, text=True, timeout=20, check=True,
         )  # fmt: skip
         return out.stdout.strip()
@@ -289,20 +322,59 @@ def _worker_main(rank: int, env: dict, runner: CaseRunner, pieces: list[list[Cas
     os.environ.update(env)
     out = Path(out_dir)
     gpu = int(env["MOEBENCH_GPU_INDEX"])
-    info = {"rank": rank, "gpu_index": gpu, "gpu_serial": "", "pid": os.getpid()}
+    fake = env.get("MOEBENCH_FAKE_GPU") == "1"
+    info = {"rank": rank, "gpu_index": gpu, "gpu_serial": "", "gpu_uuid": "", "pid": os.getpid()}
+    os.environ[PROGRESS_ENV] = str(out / f"worker-{rank}-progress.json")
     try:
-        info["gpu_serial"] = gpu_serial(gpu) if env.get("MOEBENCH_FAKE_GPU") != "1" else f"fake-{gpu}"
+        if fake:
+            info["gpu_serial"], info["gpu_uuid"] = f"fake-{gpu}", f"GPU-fake-{gpu}"
+        else:
+            import torch
+
+            # As under torchrun: this rank's GPU is the current device, so every
+            # allocation, kernel launch and stream of the worker lands on it.
+            torch.cuda.set_device(gpu)
+            info["gpu_serial"], info["gpu_uuid"] = gpu_serial(gpu), gpu_uuid(gpu)
         _write_atomic(out / f"worker-{rank}.json", lambda p: p.write_text(json.dumps(info)))
-        device = "cpu" if env.get("MOEBENCH_FAKE_GPU") == "1" else f"cuda:{gpu}"
+        device = "cpu" if fake else f"cuda:{gpu}"
+        done = 0
         for k, piece in enumerate(pieces):
+            os.environ[PROGRESS_OFFSET_ENV] = str(done)
             frame = runner(piece, device)
             _write_atomic(out / f"worker-{rank}-part-{k:04d}.parquet", lambda p: frame.to_parquet(p, index=False))
+            done += len(piece)
+            os.environ[PROGRESS_OFFSET_ENV] = str(done)
+            report_progress(0)
     except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit nonzero
         text = f"{type(error).__name__}: {error}".splitlines()[0][:500]
         info["error"] = text
         info["traceback"] = traceback.format_exc()[-4000:]
         _write_atomic(out / f"worker-{rank}.json", lambda p: p.write_text(json.dumps(info)))
         raise SystemExit(1) from None
+
+
+def report_progress(done: int) -> None:
+    """Inside a worker: record that `done` cases of the current piece are
+    finished (the parent's progress display polls it). A no-op outside a
+    worker; never raises."""
+    path = os.environ.get(PROGRESS_ENV)
+    if not path:
+        return
+    try:
+        total = int(os.environ.get(PROGRESS_OFFSET_ENV, "0")) + int(done)
+        _write_atomic(Path(path), lambda p: p.write_text(json.dumps({"done": total})))
+    except Exception:  # noqa: BLE001 - progress is best effort
+        pass
+
+
+def _progress_of(scratch: Path, world: int) -> int:
+    done = 0
+    for rank in range(world):
+        try:
+            done += int(json.loads((scratch / f"worker-{rank}-progress.json").read_text())["done"])
+        except Exception:  # noqa: BLE001 - not written yet, or mid-rename
+            pass
+    return done
 
 
 def _pieces(cases: list[Case]) -> list[list[Case]]:
@@ -321,13 +393,19 @@ def launch_workers(
     *,
     timeout_s: float | None = None,
     base_env: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    poll_s: float = 0.5,
 ) -> LaunchResult:
     """Run shards[r] on devices[r] in worker process r (spawned; torchrun-style
-    env from `worker_env`). runner(cases, device) -> DataFrame is called once
-    per (preset, tp) piece of the shard; each piece's frame is saved as soon
-    as it is done. A worker that raises, dies or outlives `timeout_s` (then it
-    is terminated) becomes a WorkerFailure owning its cases that have no row.
-    `runner` must be picklable (a module-level function)."""
+    env from `worker_env`; the worker makes its GPU the current device).
+    runner(cases, device) -> DataFrame is called once per (preset, tp) piece
+    of the shard; each piece's frame is saved as soon as it is done. A worker
+    that raises, dies or outlives `timeout_s` (then it is terminated) becomes
+    a WorkerFailure owning its cases that have no row. progress(done, total)
+    is called every `poll_s` seconds with the cases finished so far (from
+    `report_progress` in the workers and finished pieces). If the parent is
+    interrupted (KeyboardInterrupt, any exception) the workers are terminated
+    before it re-raises. `runner` must be picklable (a module-level function)."""
     if len(shards) != len(devices):
         raise ValueError(f"{len(shards)} shards for {len(devices)} devices")
     scratch = Path(scratch)
@@ -335,24 +413,33 @@ def launch_workers(
     ctx = mp.get_context("spawn")
     port = free_port()
     world = len(devices)
+    total = sum(len(s) for s in shards)
     procs = []
-    for rank, (shard, gpu) in enumerate(zip(shards, devices)):
-        env = worker_env(rank, world, master_port=port, gpu_index=gpu, base=base_env)
-        p = ctx.Process(target=_worker_main, args=(rank, env, runner, _pieces(list(shard)), str(scratch)),
-                        name=f"moebench-worker-{rank}")  # fmt: skip
-        p.start()
-        procs.append(p)
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     timed_out = set()
-    for rank, p in enumerate(procs):
-        p.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if p.is_alive():
-            timed_out.add(rank)
-            p.terminate()
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+    try:
+        for rank, (shard, gpu) in enumerate(zip(shards, devices)):
+            env = worker_env(rank, world, master_port=port, gpu_index=gpu, base=base_env)
+            p = ctx.Process(target=_worker_main, args=(rank, env, runner, _pieces(list(shard)), str(scratch)),
+                            name=f"moebench-worker-{rank}")  # fmt: skip
+            p.start()
+            procs.append(p)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while any(p.is_alive() for p in procs):
+            if progress is not None:
+                progress(_progress_of(scratch, world), total)
+            if deadline is not None and time.monotonic() >= deadline:
+                timed_out.update(r for r, p in enumerate(procs) if p.is_alive())
+                break
+            alive = next(p for p in procs if p.is_alive())
+            alive.join(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
+    except BaseException:
+        _stop(procs)
+        raise
+    _stop([procs[r] for r in timed_out])
+    for p in procs:
+        p.join()
+    if progress is not None:
+        progress(_progress_of(scratch, world), total)
 
     frames, failures, workers = [], [], []
     for rank, (p, gpu) in enumerate(zip(procs, devices)):
@@ -370,11 +457,24 @@ def launch_workers(
                 f"killed by signal {-p.exitcode}" if p.exitcode and p.exitcode < 0 else f"exit code {p.exitcode}"
             )
             error = f"worker {rank} (GPU {gpu}) died: {why}"
-        workers.append({"rank": rank, "gpu_index": gpu, "gpu_serial": serial, "exitcode": p.exitcode,
-                        "error": error, "cases": len(shards[rank]), "rows": len(frame)})  # fmt: skip
+        workers.append({"rank": rank, "gpu_index": gpu, "gpu_serial": serial, "gpu_uuid": info.get("gpu_uuid", ""),
+                        "pid": info.get("pid"), "exitcode": p.exitcode, "error": error,
+                        "cases": len(shards[rank]), "rows": len(frame)})  # fmt: skip
         if error is not None:
             failures.append(WorkerFailure(rank, gpu, serial, list(shards[rank]), error))
     return LaunchResult(frames, failures, workers)
+
+
+def _stop(procs) -> None:
+    """Terminate (then kill) each still running process of `procs`, by its own handle."""
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
 
 
 # ------------------------------------------------------------------------ merge
@@ -461,8 +561,14 @@ class _SweepRunner:
         from moebench.bench.sweep import run_sweep
 
         frames = []
+        before = 0
         for cfg in shard_configs(self.config, cases):
-            result = run_sweep(replace(cfg, device=device))
+            result = run_sweep(
+                replace(cfg, device=device),
+                # "all" tactics expand inside run_sweep: clamp to the piece's own count.
+                progress=lambda done, total, case, status, b=before: report_progress(min(b + done, len(cases))),
+            )
+            before += len(result.frame)
             frames.append(result.frame)
             out = os.environ.get(_MANIFEST_DIR)
             if out:
@@ -480,11 +586,21 @@ def run_sharded_sweep(
     *,
     timeout_s: float | None = None,
     runner: CaseRunner | None = None,
+    manifest_extra: dict | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
     """Plan, launch, merge and store one multi-GPU sweep; returns the run
-    directory (written atomically by store.write_run). The manifest holds the
-    plan, each worker's GPU index / serial / exit code / error and the first
-    worker manifest's provenance."""
+    directory (written atomically by store.write_run: no half-written run,
+    even when workers die). One worker process per entry of `devices` (CUDA
+    indices as this process sees them); every case of
+    expand_cases(config, backends) runs on exactly one of them. The results
+    carry `gpu_index` / `gpu_serial` per row; the manifest holds the plan,
+    each worker's GPU index / serial / UUID / exit code / error
+    (`workers`), the first worker manifest's provenance and
+    `manifest_extra`. Cases of a dead worker without a row are stored as
+    failed with the worker's error. progress(done, total): see
+    launch_workers. Raises ValueError for a bad device list (as plan_shards)
+    and OSError when the run cannot be written."""
     from moebench.bench.cases import expand_cases
     from moebench.reports.store import write_run
 
@@ -496,15 +612,20 @@ def run_sharded_sweep(
         mdir.mkdir()
         base_env = dict(os.environ, **{_MANIFEST_DIR: str(mdir)})
         launched = launch_workers(shards, devices, runner or sweep_runner(config), scratch / "parts",
-                                  timeout_s=timeout_s, base_env=base_env)  # fmt: skip
+                                  timeout_s=timeout_s, base_env=base_env, progress=progress)  # fmt: skip
         frame = merge_results(launched.frames, launched.failures)
         manifests = [json.loads(p.read_text()) for p in sorted(mdir.glob("manifest-*.json"))]
         manifest = dict(manifests[0]) if manifests else {}
+        manifest.setdefault("schema", 1)
+        manifest.setdefault("reduced", bool(config.reduced))
+        manifest.setdefault("seed", config.seed)
+        manifest.setdefault("warm_l2", config.warm_l2)
         manifest.update(
-            devices=list(devices), workers=launched.workers,
+            kind="sweep", sharded=True, devices=list(devices), workers=launched.workers,
             plan=[[c.label() for c in s] for s in shards],
             worker_manifests=[{k: m.get(k) for k in ("device", "copy_bw_gbps", "groups")} for m in manifests],
         )  # fmt: skip
+        manifest.update(manifest_extra or {})
         return write_run(frame, manifest, root, label)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

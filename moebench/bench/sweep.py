@@ -83,6 +83,22 @@ def canonical_bytes(shape: RankShape) -> int:
     return e * per_expert + 4 * e
 
 
+def default_backends(device: torch.device | str) -> tuple[str, ...]:
+    """The backends a sweep runs when none are named: on the CPU
+    cases.CPU_BACKENDS, on a GPU every registered backend but "reference"."""
+    if torch.device(device).type == "cpu":
+        return CPU_BACKENDS
+    return tuple(n for n in backend_names() if n != "reference")
+
+
+def check_backend_names(names) -> None:
+    """Raise ValueError naming the unknown ones unless every name is registered."""
+    known = backend_names()
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"backends (--backends): unknown {unknown}; expected names from {list(known)}")
+
+
 def layer_count(
     min_touched_bytes: int, l2_bytes: int | None, per_layer_bytes: int, budget_bytes: int | None
 ) -> tuple[int, bool]:
@@ -167,15 +183,19 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
             progress(len(rows_out), total, case, row["status"])
 
     group_keys = list(dict.fromkeys((c.config, c.tp) for c in cases))
-    for cfg, tp in group_keys:
-        group = [c for c in cases if c.config == cfg and c.tp == tp]
-        info = _run_group(config, cfg.shard(tp), group, backends, reasons, dev, dinfo, copy_bw, base, emit)
-        groups_info.append({"preset": cfg.name, "tp": tp, **info})
-        _release(dev)
+    # The sweep's GPU made current (a no-op when it already is, e.g. in a
+    # `--devices` worker): kernels launched through the driver API land in its context.
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        for cfg, tp in group_keys:
+            group = [c for c in cases if c.config == cfg and c.tp == tp]
+            info = _run_group(config, cfg.shard(tp), group, backends, reasons, dev, dinfo, copy_bw, base, emit)
+            groups_info.append({"preset": cfg.name, "tp": tp, **info})
+            _release(dev)
 
     frame = _typed(pd.DataFrame(rows_out, columns=list(COLUMNS)))
     manifest = {
         "schema": 1,
+        "kind": "sweep",
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "reduced": reduced,
         "seed": config.seed,

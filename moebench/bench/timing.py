@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 METHODS = ("cuda-graph", "cuda-events", "cpu-wallclock")
+#: torch.cuda.graph capture error modes.
+CAPTURE_MODES = ("global", "thread_local", "relaxed")
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,7 @@ def time_graph(
     calls_per_replay: int = 1,
     use_graph: bool = True,
     device: torch.device | str | None = None,
+    capture_error_mode: str = "global",
 ) -> Timing:
     """Time `fn` (no arguments; it may launch many calls) and return per-call µs.
 
@@ -73,13 +76,19 @@ def time_graph(
     sync, static buffers); a capture failure raises RuntimeError naming the
     cause rather than silently timing something else. With use_graph=False
     each replay is one eager `fn()` between device events ("cuda-events").
-    Raises ValueError for non-positive counts, TypeError if `fn` is not callable.
+    capture_error_mode: torch.cuda.graph's mode; "thread_local" when other
+    threads may touch CUDA during the capture (e.g. the NCCL watchdog of a
+    process group whose collectives `fn` captures).
+    Raises ValueError for non-positive counts or an unknown capture mode,
+    TypeError if `fn` is not callable.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     _check_count("warmup", warmup, 0)
     _check_count("replays", replays, 1)
     _check_count("calls_per_replay", calls_per_replay, 1)
+    if capture_error_mode not in CAPTURE_MODES:
+        raise ValueError(f"capture_error_mode must be one of {CAPTURE_MODES}, got {capture_error_mode!r}")
     if device is None:
         dev = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     else:
@@ -87,7 +96,7 @@ def time_graph(
     if dev.type == "cuda":
         with torch.cuda.device(dev):
             if use_graph:
-                return _time_cuda_graph(fn, warmup, replays, calls_per_replay)
+                return _time_cuda_graph(fn, warmup, replays, calls_per_replay, capture_error_mode)
             return _time_cuda_events(fn, warmup, replays, calls_per_replay)
     if dev.type != "cpu":
         raise ValueError(f"device must be cpu or cuda, got {dev}")
@@ -124,7 +133,7 @@ def _time_cuda_events(fn, warmup: int, replays: int, calls: int) -> Timing:
     return _replay_with_events(fn, replays, calls, "cuda-events")
 
 
-def _time_cuda_graph(fn, warmup: int, replays: int, calls: int) -> Timing:
+def _time_cuda_graph(fn, warmup: int, replays: int, calls: int, capture_error_mode: str = "global") -> Timing:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -134,7 +143,7 @@ def _time_cuda_graph(fn, warmup: int, replays: int, calls: int) -> Timing:
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
             fn()
     except Exception as error:  # noqa: BLE001 - re-raised with the cause attached
         torch.cuda.synchronize()

@@ -50,27 +50,33 @@ def slice_expert_weights(full: ExpertWeights, tp: int) -> list[ExpertWeights]:
     w2 columns [r*I/tp, (r+1)*I/tp) (values and E8M0 scales, bytes copied
     as-is), padded with zeros to a multiple of 128. Raises ValueError unless
     I/tp is a positive multiple of 32 (as MoEConfig.shard requires)."""
+    _check_split(full, tp)
+    return [_slice_rank(full, tp, r) for r in range(tp)]
+
+
+def _check_split(full: ExpertWeights, tp: int) -> None:
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
         raise ValueError(f"tp must be a positive int, got {tp!r}")
-    i, ip = full.intermediate, full.padded_intermediate
+    i = full.intermediate
     if i % tp or (i // tp) % MX_BLOCK:
         raise ValueError(f"tp={tp}: intermediate {i} does not split into multiples of {MX_BLOCK}")
+
+
+def _slice_rank(full: ExpertWeights, tp: int, r: int) -> ExpertWeights:
+    i, ip = full.intermediate, full.padded_intermediate
     s = i // tp
     sp = -(-s // INTERMEDIATE_ALIGN) * INTERMEDIATE_ALIGN
     e, h = full.experts, full.hidden
-    out = []
-    for r in range(tp):
-        lo, hi = r * s, (r + 1) * s
-        w13 = full.w13.new_zeros(e, 2 * sp, h // 2)
-        w13s = full.w13_scale.new_zeros(e, 2 * sp, h // MX_BLOCK)
-        w13[:, :s], w13[:, sp : sp + s] = full.w13[:, lo:hi], full.w13[:, ip + lo : ip + hi]
-        w13s[:, :s], w13s[:, sp : sp + s] = full.w13_scale[:, lo:hi], full.w13_scale[:, ip + lo : ip + hi]
-        w2 = full.w2.new_zeros(e, h, sp // 2)
-        w2s = full.w2_scale.new_zeros(e, h, sp // MX_BLOCK)
-        w2[:, :, : s // 2] = full.w2[:, :, lo // 2 : hi // 2]
-        w2s[:, :, : s // MX_BLOCK] = full.w2_scale[:, :, lo // MX_BLOCK : hi // MX_BLOCK]
-        out.append(ExpertWeights(w13, w13s, w2, w2s, full.clamp.clone(), intermediate=s))
-    return out
+    lo, hi = r * s, (r + 1) * s
+    w13 = full.w13.new_zeros(e, 2 * sp, h // 2)
+    w13s = full.w13_scale.new_zeros(e, 2 * sp, h // MX_BLOCK)
+    w13[:, :s], w13[:, sp : sp + s] = full.w13[:, lo:hi], full.w13[:, ip + lo : ip + hi]
+    w13s[:, :s], w13s[:, sp : sp + s] = full.w13_scale[:, lo:hi], full.w13_scale[:, ip + lo : ip + hi]
+    w2 = full.w2.new_zeros(e, h, sp // 2)
+    w2s = full.w2_scale.new_zeros(e, h, sp // MX_BLOCK)
+    w2[:, :, : s // 2] = full.w2[:, :, lo // 2 : hi // 2]
+    w2s[:, :, : s // MX_BLOCK] = full.w2_scale[:, :, lo // MX_BLOCK : hi // MX_BLOCK]
+    return ExpertWeights(w13, w13s, w2, w2s, full.clamp.clone(), intermediate=s)
 
 
 def reference_backend(activation: str = "bf16", dtype: torch.dtype = torch.float64) -> RankBackend:
@@ -122,10 +128,12 @@ def tp_moe_step(
 
 
 def rank_slice(full: ExpertWeights, tp: int, rank: int) -> ExpertWeights:
-    """Just rank `rank`'s slice (see slice_expert_weights)."""
-    if not 0 <= rank < tp:
-        raise ValueError(f"rank must lie in [0, {tp}), got {rank}")
-    return slice_expert_weights(full, tp)[rank]
+    """Just rank `rank`'s slice (see slice_expert_weights), without copying
+    the other ranks' slices. Raises ValueError for a bad tp or rank."""
+    _check_split(full, tp)
+    if not isinstance(rank, int) or not 0 <= rank < tp:
+        raise ValueError(f"rank must lie in [0, {tp}), got {rank!r}")
+    return _slice_rank(full, tp, rank)
 
 
 def partial_sum_check(parts: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -239,10 +239,12 @@ def write_html_report(
     *,
     comparison: Comparison | None = None,
     title: str = "moebench run",
+    tables: dict[str, pd.DataFrame] | None = None,
 ) -> list[Path]:
     """Write out_dir/report.html and its PNG plots; returns the paths written
-    (report.html first). Raises ValueError for a frame without the run
-    columns, OSError from the file system."""
+    (report.html first). `tables`: extra titled tables shown before the
+    cases (e.g. a step run's split and its per-rank rows). Raises ValueError
+    for a frame without the run columns, OSError from the file system."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     copy_bw = manifest.get("copy_bw_gbps")
@@ -296,6 +298,8 @@ def write_html_report(
     for p in pngs:
         parts.append(f"<figure><img src='{html.escape(p.name)}' alt='{html.escape(p.stem)}'>"
                      f"<figcaption>{html.escape(captions.get(p.name, p.stem))}</figcaption></figure>")  # fmt: skip
+    for heading, frame in (tables or {}).items():
+        parts.append(f"<h2>{html.escape(heading)}</h2>" + _table_html(frame))
     parts.append("<h2>Cases</h2>" + _table_html(table))
     parts.append("</body></html>\n")
     report = out / "report.html"

@@ -2,6 +2,8 @@
 
     <root>/<UTC date YYYY-MM-DD>-<label>/results.parquet   one row per case
     <root>/<UTC date YYYY-MM-DD>-<label>/manifest.json     provenance
+    <root>/<UTC date YYYY-MM-DD>-<label>/<name>.parquet    optional extra tables
+                                                           (e.g. ranks.parquet of a TP step)
 
 Writes are atomic (a hidden temporary directory beside the run, renamed into
 place once both files are complete) and never replace an existing run: a
@@ -30,6 +32,7 @@ REQUIRED_COLUMNS = (
     "pct_copy_bw", "pct_size_ceiling", "max_rel_err", "device", "sm_count", "commit",
 )  # fmt: skip
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
+_TABLE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
 
 
 def _json_default(value):
@@ -78,11 +81,15 @@ def write_run(
     *,
     overwrite: bool = False,
     when: datetime | None = None,
+    tables: dict[str, pd.DataFrame] | None = None,
 ) -> Path:
     """Store a run; returns its directory.
 
     df: one row per case with at least REQUIRED_COLUMNS; manifest: a
-    JSON-serializable dict (Paths and numpy scalars are converted, NaN -> null).
+    JSON-serializable dict (Paths and numpy scalars are converted, NaN -> null);
+    tables: extra DataFrames stored beside the results as <name>.parquet
+    (name: lower-case letters, digits and '_', not "results"), written in the
+    same atomic move as the rest.
     The directory is <root>/<UTC date>-<label>, or with -2, -3, ... appended
     when taken; overwrite=True replaces the existing run of that exact name
     instead. Raises TypeError/ValueError for a bad frame, manifest or label;
@@ -100,6 +107,12 @@ def write_run(
                                    allow_nan=False)  # fmt: skip
     except (TypeError, ValueError) as error:
         raise ValueError(f"manifest is not JSON-serializable: {error}") from error
+    tables = dict(tables or {})
+    for key, table in tables.items():
+        if not isinstance(key, str) or not _TABLE.match(key) or key == Path(RESULTS).stem:
+            raise ValueError(f"tables: bad table name {key!r} (lower-case letters, digits, '_'; not 'results')")
+        if not isinstance(table, pd.DataFrame):
+            raise TypeError(f"tables[{key!r}] must be a pandas DataFrame, got {type(table).__name__}")
     name = run_dir_name(label, when)
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -108,6 +121,8 @@ def write_run(
         # mkdtemp makes it 0700; a run directory gets what mkdir would give (0777 less the umask)
         os.chmod(tmp, 0o777 & ~current_umask())
         df.to_parquet(tmp / RESULTS, index=False)
+        for key, table in tables.items():
+            table.to_parquet(tmp / f"{key}.parquet", index=False)
         (tmp / MANIFEST).write_text(manifest_text + "\n", encoding="utf-8")
         return _move_into_place(tmp, root, name, overwrite)
     except BaseException:
@@ -165,3 +180,18 @@ def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
     if missing:
         raise ValueError(f"{results} lacks required columns {missing}")
     return df, manifest
+
+
+def read_table(path: str | Path, name: str) -> pd.DataFrame | None:
+    """The extra table `name` (<name>.parquet) of the run directory `path`,
+    or None when the run has none. Raises ValueError naming the file when it
+    is not readable parquet, or for a bad table name."""
+    if not isinstance(name, str) or not _TABLE.match(name):
+        raise ValueError(f"name: bad table name {name!r}")
+    f = Path(path) / f"{name}.parquet"
+    if not f.is_file():
+        return None
+    try:
+        return pd.read_parquet(f)
+    except Exception as error:  # noqa: BLE001 - pyarrow raises several kinds
+        raise ValueError(f"{f} is not a readable parquet file: {error}") from error

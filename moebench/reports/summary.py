@@ -42,6 +42,64 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     return out[list(SUMMARY_COLUMNS)].reset_index(drop=True)
 
 
+#: Step runs (`moebench step`): per-case columns shown, then the present kernel_<stage>_us ones.
+STEP_SUMMARY_COLUMNS = (
+    "preset", "tp", "ranks", "rows", "scenario", "unique_experts", "backend", "status", "median_us",
+    "p10_us", "p90_us", "step_with_gate_us", "gate_us", "allreduce_us", "allreduce_share_pct",
+    "stage_sum_us",
+)  # fmt: skip
+STEP_TAIL_COLUMNS = ("gbps", "pct_copy_bw", "vs_torch_bf16", "max_rel_err", "note")
+RANK_COLUMNS = (
+    "preset", "rows", "scenario", "backend", "rank", "gpu_index", "status", "median_us", "allreduce_us",
+    "allreduce_share_pct", "gate_us", "stage_sum_us",
+)  # fmt: skip
+
+
+def _kernel_columns(df: pd.DataFrame) -> list[str]:
+    return [c for c in df.columns if str(c).startswith("kernel_") and str(c).endswith("_us")
+            and pd.to_numeric(df[c], errors="coerce").notna().any()]  # fmt: skip
+
+
+def is_step_run(df: pd.DataFrame, manifest: dict | None = None) -> bool:
+    """Whether a stored run is a `moebench step` run (manifest kind, else a
+    `kind` column)."""
+    if manifest and manifest.get("kind") in ("step", "sweep"):
+        return manifest["kind"] == "step"
+    return "kind" in df.columns and bool((df["kind"] == "step").any())
+
+
+def step_summary_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per step case: the whole step (median / p10 / p90 µs, gate
+    excluded), with the gate, the gate alone, the all-reduce and its share,
+    the sum of the stages, each stage's µs (kernel_<stage>_us, those with
+    values), GB/s, vs_torch_bf16 (as summary_table) and the error vs the
+    oracle; sorted by case then median. Raises ValueError naming missing
+    columns."""
+    need = set(STEP_SUMMARY_COLUMNS) | {"error", "gbps", "pct_copy_bw", "max_rel_err"}
+    missing = sorted(need - set(df.columns))
+    if missing:
+        raise ValueError(f"step results lack columns {missing}")
+    out = df.copy()
+    ok_base = out[(out["backend"] == BASELINE) & (out["status"] == "ok")]
+    base = ok_base.groupby(list(CASE_KEYS), dropna=False)["median_us"].min().rename("_base_us")
+    out = out.merge(base, how="left", left_on=list(CASE_KEYS), right_index=True)
+    out["vs_torch_bf16"] = out["_base_us"] / out["median_us"]
+    out["note"] = out["error"].fillna("").astype(str)
+    out = out.sort_values([*CASE_KEYS, "median_us"], na_position="last", kind="stable")
+    columns = [*STEP_SUMMARY_COLUMNS, *_kernel_columns(df), *STEP_TAIL_COLUMNS]
+    return out[columns].reset_index(drop=True)
+
+
+def rank_table(ranks: pd.DataFrame) -> pd.DataFrame:
+    """Per-rank rows of a TP step (the run's ranks.parquet): the step, the
+    all-reduce, the gate and each stage as that rank timed them."""
+    columns = [c for c in RANK_COLUMNS if c in ranks.columns] + _kernel_columns(ranks)
+    if "max_rel_err" in ranks.columns:
+        columns.append("max_rel_err")
+    keys = [c for c in ("preset", "rows", "scenario", "backend", "rank") if c in ranks.columns]
+    return ranks.sort_values(keys, kind="stable")[columns].reset_index(drop=True)
+
+
 def _cell(value, digits: int) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
         return ""
@@ -63,8 +121,10 @@ def markdown_table(frame: pd.DataFrame, digits: int = 2) -> str:
     return "\n".join(lines)
 
 
-def to_markdown(df: pd.DataFrame, manifest: dict) -> str:
-    """A markdown report of a run: provenance, then `summary_table(df)`."""
+def to_markdown(df: pd.DataFrame, manifest: dict, ranks: pd.DataFrame | None = None) -> str:
+    """A markdown report of a run: provenance, then `summary_table(df)`; for
+    a step run also `step_summary_table(df)` and, given its per-rank table,
+    `rank_table(ranks)`."""
     dev = manifest.get("device") or {}
     pk = manifest.get("packages") or {}
     copy_bw = manifest.get("copy_bw_gbps")
@@ -86,5 +146,18 @@ def to_markdown(df: pd.DataFrame, manifest: dict) -> str:
         lines.append("- warm L2: one weight set timed over and over")
     counts = df["status"].value_counts().to_dict() if "status" in df.columns else {}
     lines.append("- cases: " + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "failed", "skipped")))
+    step = is_step_run(df, manifest)
+    if step:
+        lines.append(f"- decode step over {manifest.get('ranks', 1)} rank(s); µs exclude the gate (gate_us,"
+                     f" step_with_gate_us report it); per-stage split: {manifest.get('stage_timing') or '-'}")  # fmt: skip
+    if manifest.get("sharded"):
+        workers = manifest.get("workers") or []
+        lines.append("- sharded over GPUs " + ", ".join(
+            f"{w.get('gpu_index')} ({w.get('gpu_serial') or 'serial ?'})" + (" DIED" if w.get("error") else "")
+            for w in workers))  # fmt: skip
     lines += ["", markdown_table(summary_table(df)), ""]
+    if step:
+        lines += ["## Decode step (µs)", "", markdown_table(step_summary_table(df)), ""]
+        if ranks is not None and len(ranks):
+            lines += ["## Per rank (µs)", "", markdown_table(rank_table(ranks)), ""]
     return "\n".join(lines)

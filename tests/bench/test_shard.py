@@ -166,3 +166,123 @@ def test_run_sharded_sweep_writes_complete_store(tmp_path):
     assert (df.status == "failed").any() and (df.status == "ok").any()
     assert sum(w["error"] is not None for w in manifest["workers"]) >= 1
     assert not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]
+
+
+# ----------------------------------------------------------------- the CLI: sweep --devices
+
+
+def dies_on_tp2_runner(cases, device):
+    """fake_runner, except that a piece holding tp=2 cases of backend 'die'
+    kills its worker before it returns (nothing of that piece is saved)."""
+    from dataclasses import replace
+
+    if any(c.tp == 2 and c.backend == "die" for c in cases):
+        os._exit(9)
+    frame = fake_runner([replace(c, backend="ok") for c in cases], device)  # fake_runner's own 'die' rule off
+    frame["backend"] = [c.backend for c in cases]
+    return frame
+
+
+@pytest.fixture()
+def fake_gpus(monkeypatch):
+    """Two visible fake GPUs whose workers run `dies_on_tp2_runner` on the CPU,
+    and backends 'a' / 'die' known to the registry of the CLI process."""
+    from moebench.backends import registry
+    from moebench.bench import shard
+
+    monkeypatch.setenv("MOEBENCH_FAKE_GPU", "1")
+    monkeypatch.setattr(shard, "visible_gpu_count", lambda: 2)
+    monkeypatch.setattr(shard, "sweep_runner", lambda config: dies_on_tp2_runner)
+    for name in ("a", "die"):
+        registry.register_backend(name, lambda: None)
+    yield
+    for name in ("a", "die"):
+        registry.unregister_backend(name)
+
+
+SHARD_ARGS = ["--preset", "dsv4-flash", "--tp", "1,2", "--rows", "1,2", "--scenario", "uniform",
+              "--backends", "a,die", "--replays", "2", "--warmup", "0"]  # fmt: skip
+
+
+def test_cli_sweep_devices_with_a_dying_worker_stores_a_complete_run(tmp_path, fake_gpus):
+    from typer.testing import CliRunner
+
+    from moebench.cli import app
+
+    cli = CliRunner()
+    result = cli.invoke(app, ["sweep", *SHARD_ARGS, "--devices", "all", "--out", str(tmp_path), "--label", "sh"])
+    assert result.exit_code == 1, result.output  # a worker died: said, and non-zero
+    assert "worker(s) died" in result.output and "Traceback" not in result.output
+    runs = [p for p in tmp_path.iterdir()]
+    assert len(runs) == 1 and not runs[0].name.startswith(".")  # no half-written or temporary run
+    df, manifest = read_run(runs[0])
+    assert len(df) == 2 * 2 * 2 and not df.duplicated(["tp", "rows", "backend"]).any()
+    ok, failed = df[df.status == "ok"], df[df.status == "failed"]
+    assert set(ok["tp"]) == {1} and set(failed["tp"]) == {2} and len(failed) == 4
+    gpu_of_tp2 = int(failed["gpu_index"].iloc[0])
+    assert failed.error.str.contains(f"worker \\d \\(GPU {gpu_of_tp2}\\) died: exit code 9").all()
+    assert set(df["gpu_index"]) == {0, 1} and set(df["gpu_serial"]) == {"fake-0", "fake-1"}
+    assert manifest["sharded"] and manifest["devices"] == [0, 1] and "command" in manifest
+    assert sorted(w["exitcode"] for w in manifest["workers"]) == [0, 9]
+    rep = cli.invoke(app, ["report", str(runs[0]), "--out", str(tmp_path / "rep"), "--no-html"])
+    assert rep.exit_code == 0, rep.output
+    assert "sharded over GPUs" in (tmp_path / "rep" / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--devices", "5"], "not in [0, 2)"), (["--devices", "0,0"], "duplicates"), (["--devices", "x"], "--devices"),
+    (["--devices", "0", "--device", "cpu"], "exclude each other"), (["--worker-timeout", "5"], "--worker-timeout"),
+    (["--devices", "0", "--backends", "nope"], "unknown"),
+])  # fmt: skip
+def test_cli_sweep_devices_errors(tmp_path, fake_gpus, args, needle):
+    from typer.testing import CliRunner
+
+    from moebench.cli import app
+
+    result = CliRunner().invoke(app, ["sweep", "--rows", "1", "--tp", "1", *args, "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "Traceback" not in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_sweep_devices_all_without_gpus(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from moebench.bench import shard
+    from moebench.cli import app
+
+    monkeypatch.setattr(shard, "visible_gpu_count", lambda: 0)
+    result = CliRunner().invoke(app, ["sweep", "--devices", "all", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "no GPU is visible" in result.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_two_gpu_sweep_equals_the_union_of_two_one_gpu_sweeps(tmp_path):
+    """The same grid as one sweep over GPUs 0 and 1 and as two one-GPU sweeps
+    (TP4 cases, then TP8 cases): the same cases, statuses, shapes, touched
+    experts, bytes and oracle errors."""
+    from typer.testing import CliRunner
+
+    from moebench.cli import app
+
+    runner = CliRunner()
+    common = ["--preset", "dsv4-flash", "--rows", "1,6", "--scenario", "correlated", "--backends",
+              "moebench,torch-bf16", "--layers", "2", "--replays", "10", "--warmup", "2"]  # fmt: skip
+    both = runner.invoke(app, ["sweep", *common, "--tp", "4,8", "--devices", "0,1", "--out", str(tmp_path / "a")])
+    assert both.exit_code == 0, both.output
+    one = runner.invoke(app, ["sweep", *common, "--tp", "4", "--device", "cuda:0", "--out", str(tmp_path / "b")])
+    two = runner.invoke(app, ["sweep", *common, "--tp", "8", "--device", "cuda:0", "--out", str(tmp_path / "c")])
+    assert one.exit_code == 0 and two.exit_code == 0, one.output + two.output
+    sharded, manifest = read_run(next((tmp_path / "a").iterdir()))
+    union = pd.concat([read_run(next((tmp_path / d).iterdir()))[0] for d in ("b", "c")], ignore_index=True)
+    key = ["preset", "tp", "rows", "scenario", "backend", "tactic"]
+    facts = [*key, "status", "hidden", "intermediate", "experts", "top_k", "unique_experts", "bytes", "layers"]
+    a = sharded[facts].sort_values(key).reset_index(drop=True)
+    b = union[facts].sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a, b, check_dtype=False)
+    assert (sharded["status"] == "ok").all()
+    errs = sharded.sort_values(key)["max_rel_err"].to_numpy()
+    assert errs == pytest.approx(union.sort_values(key)["max_rel_err"].to_numpy(), rel=1e-3, abs=1e-6)
+    assert set(sharded["gpu_index"]) == {0, 1} and manifest["sharded"]
+    assert len({w["gpu_uuid"] for w in manifest["workers"]}) == 2  # two boards, not one twice

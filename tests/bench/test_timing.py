@@ -64,3 +64,9 @@ def test_cuda_graph_timing_of_a_kernel():
     assert t.method == "cuda-graph" and 0 < t.median_us < 1000
     e = time_graph(lambda: x.mul_(1.0), replays=20, use_graph=False, device="cuda")
     assert e.method == "cuda-events"
+
+
+def test_capture_error_mode_is_checked():
+    with pytest.raises(ValueError, match="capture_error_mode"):
+        time_graph(lambda: None, replays=1, device="cpu", capture_error_mode="loose")
+    assert time_graph(lambda: None, replays=2, device="cpu", capture_error_mode="thread_local").method == "cpu-wallclock"

@@ -87,6 +87,13 @@ class FakeRoutedExpertGemm:
 
     def gemms(self, routing: FakeRouting) -> UnfinalizedMoEOutput:
         self.calls["gemms"] += 1
+        return self.gemm2(routing, *self.gemm1(routing))
+
+    def gemm1(self, routing: FakeRouting) -> tuple[FakeRouting, None]:
+        """Stands in for GEMM1's (H, H scales): GEMM2 below computes both."""
+        return routing, None
+
+    def gemm2(self, routing: FakeRouting, h: FakeRouting, h_scale: None) -> UnfinalizedMoEOutput:
         u = reference_moe(routing.x, routing.topk_ids, routing.topk_weights, self.source).unfinalized
         return UnfinalizedMoEOutput(
             u.gemm2_permuted.to(torch.bfloat16).contiguous(), u.expert_weights,

@@ -98,3 +98,21 @@ def test_run_directories_get_the_usual_permissions_not_0700(tmp_path):
     assert stat.S_IMODE(path.stat().st_mode) == 0o755  # 0777 less the umask, as mkdir makes it
     assert stat.S_IMODE((path / "manifest.json").stat().st_mode) == 0o644
     assert stat.S_IMODE(group.stat().st_mode) == 0o750
+
+
+def test_extra_tables_travel_with_the_run(tmp_path):
+    from moebench.reports.store import read_table
+
+    ranks = pd.DataFrame({"rank": [0, 1], "median_us": [20.0, 21.0]})
+    path = write_run(frame(), {"kind": "step"}, root=tmp_path, label="t", when=WHEN, tables={"ranks": ranks})
+    pd.testing.assert_frame_equal(read_table(path, "ranks"), ranks)
+    assert read_table(path, "other") is None
+    for bad in ({"results": ranks}, {"../x": ranks}, {"Ranks": ranks}):
+        with pytest.raises(ValueError, match="tables"):
+            write_run(frame(), {}, root=tmp_path, label="u", when=WHEN, tables=bad)
+    with pytest.raises(TypeError, match="tables"):
+        write_run(frame(), {}, root=tmp_path, label="u", when=WHEN, tables={"ranks": [1, 2]})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["2026-11-29-t"]  # refused runs leave nothing
+    (path / "ranks.parquet").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="ranks.parquet"):
+        read_table(path, "ranks")

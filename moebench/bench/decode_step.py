@@ -1,0 +1,812 @@
+"""`moebench step`: time a whole decode-step MoE layer at 1-8 token rows.
+
+The layer (`integration.step_layer`): gate -> router top-k -> shared expert ->
+routed experts -> finalize (top-k weighted sum + shared add), one rank of a
+TP layer, for each backend: "moebench" = `MoEStep` + `RoutedExpertGemm` + the
+finalize kernel; any other backend (torch-bf16, FlashInfer, ...) = the same
+gate / router / shared expert with the backend's routed experts, the shared
+output added after. The routing follows the sweep's scenarios: the gate's
+weights are chosen (`scenario_gate_weight`) so the real gate GEMM and router
+pick each row's scenario experts.
+
+Ranks: `ranks` = 1 times one rank's shard (I/tp, drawn directly, no
+all-reduce: the shape `moebench sweep --tp` times) in this process;
+`ranks` = tp runs a real TP-N step: N processes started like torchrun
+(`shard.worker_env`: RANK, WORLD_SIZE, MASTER_ADDR/PORT, NVLink multicast
+off), one GPU each, torch.distributed over NCCL (gloo on the CPU). Every rank
+slices one full seeded layer (`slice_layer`), runs its slice and the
+all-reduce (SUM, BF16) of the layer output.
+
+Correctness gate (per case, layer 0): the step's output (all-reduced) vs
+`step_oracle` of the layer (the full unsliced layer for a TP-N step, on rank
+0), fp64, in the oracle family of the backend (`Backend.oracle`); a relative
+Frobenius error above `reference.ORACLE_TOLERANCE` fails the case, which is
+then not timed.
+
+Timing: each quantity is its own CUDA graph, replayed and timed with device
+events (`timing.time_graph`); one call of the graph walks `layers` distinct
+layers' weights (>= 4x L2, cold L2; 1 with warm_l2) and the per-call time is
+replay / layers:
+- median_us / p10_us / p90_us: the whole step from the router logits on
+  (router, shared expert, routed experts, finalize; with ranks > 1 the
+  all-reduce too): the issue's target, which excludes the gate;
+- step_with_gate_us: the same with the gate GEMM in front; gate_us: the gate alone;
+- kernel_<stage>_us: each stage alone in its own graph, fed by an eager run
+  of the stages before it ("per-stage CUDA graphs", not nvtx ranges): a
+  stage's time includes its launch but not the overlap programmatic
+  dependent launch gives neighbours, so stage_sum_us >= the whole step;
+- allreduce_us: the all-reduce of a BF16 [rows, H] buffer alone (ranks > 1),
+  allreduce_share_pct = 100 * allreduce_us / median_us.
+Without a GPU, and for a backend that cannot be captured, the same quantities
+are timed eagerly (`timing_method`). bytes = the logical MXFP4 bytes of the
+rank's touched experts + the shared expert's BF16 weights + activations in
+and out (gbps over them); the gate's weights are not counted.
+
+Results: one row per (preset, rows, scenario, backend) (`STEP_COLUMNS`, the
+sweep's columns plus the step's), rank 0's numbers; with ranks > 1 every
+rank's row also goes to a per-rank table. `moebench report` renders both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pandas as pd
+import torch
+import torch.distributed as dist
+
+from moebench.backends.base import BackendUnavailable
+from moebench.backends.registry import backend_names, load_backend
+from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
+from moebench.bench.cases import CPU_BACKENDS, SweepConfig, unique_bytes, unique_experts
+from moebench.bench.shard import MULTICAST_OFF, free_port, gpu_serial, gpu_uuid, visible_gpu_count, worker_env
+from moebench.bench.sweep import (
+    COLUMNS, EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
+    canonical_bytes, check_backend_names, layer_count,
+)  # fmt: skip
+from moebench.bench.timing import Timing, time_graph
+from moebench.env import environment, resolve_device
+from moebench.formats import generate_activations
+from moebench.integration.step_layer import (
+    BackendStep, DecodeStep, KernelStep, build_runner, generate_full_layer, generate_shard_layer,
+    scenario_gate_weight, slice_layer, step_oracle,
+)  # fmt: skip
+from moebench.reference import ORACLE_TOLERANCE, relative_error
+from moebench.routing import SCENARIOS, scenario_topk_ids
+
+#: Every stage name a step kind has (kernel_<stage>_us columns).
+STEP_STAGES = ("router", "shared", "route", "gemm1", "gemm2", "finalize", "experts", "shared_add")
+KERNEL_COLUMNS = tuple(f"kernel_{s}_us" for s in STEP_STAGES)
+#: Result columns of a step run: the sweep's, then the step's own.
+STEP_COLUMNS = (
+    *COLUMNS, "kind", "ranks", "rank", "gpu_index", "step_with_gate_us", "gate_us", "stage_sum_us",
+    "allreduce_us", "allreduce_share_pct", "shared_bytes", *KERNEL_COLUMNS,
+)  # fmt: skip
+#: Backends a step runs on a GPU when none are named (unavailable ones are skipped with the reason).
+GPU_STEP_BACKENDS = ("moebench", "torch-bf16", "flashinfer-w4a16", "flashinfer-w4a8")
+#: How the per-kernel split is measured (stored in the manifest).
+STAGE_TIMING = "per-stage CUDA graphs (each stage alone, fed by an eager run of the stages before it)"
+STAGE_TIMING_CPU = "per-stage eager calls, host wall clock (no GPU)"
+#: torch.distributed collective timeout of a TP step (s): long enough for a
+#: rank still compiling kernels while the others wait.
+PG_TIMEOUT_S = 600
+#: How long the other ranks may outlive a dead rank before they are stopped (s).
+RANK_GRACE_S = 30.0
+
+ProgressFn = Callable[[int, int, str, str], None]
+
+
+@dataclass(frozen=True)
+class StepConfig(SweepConfig):
+    """What `run_step` measures: a `SweepConfig` (presets, overrides, rows,
+    scenarios, backends, seed, warm_l2, layers, device, reduced, timing
+    counts, memory_fraction, trace) whose `tp` holds one degree, plus:
+
+    ranks: 1 = one rank's I/tp shard on one device, no all-reduce; tp = a
+    real TP-`tp` step, one process per rank with the all-reduce. devices:
+    the CUDA indices of the ranks (as this process numbers them; None = 0..ranks-1;
+    ignored on the CPU, where the ranks use gloo). Tactics are each
+    backend's default. Raises ValueError / TypeError naming the field.
+    """
+
+    ranks: int = 1
+    devices: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.tp) != 1:
+            raise ValueError(f"tp (--tp): a step takes one TP degree, got {self.tp}")
+        tp = self.tp[0]
+        if not isinstance(self.ranks, int) or isinstance(self.ranks, bool) or self.ranks not in (1, tp):
+            raise ValueError(f"ranks must be 1 (one rank's shard) or tp={tp} (a real TP-{tp} step), got {self.ranks!r}")
+        if self.tactics != ("default",):
+            raise ValueError(f"tactics: a step runs each backend's default tactic, got {self.tactics}")
+        if self.devices is not None:
+            devs = tuple(self.devices)
+            if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in devs):
+                raise ValueError(f"devices (--devices): expected CUDA indices >= 0, got {devs}")
+            if len(set(devs)) != len(devs) or len(devs) != self.ranks:
+                raise ValueError(f"devices (--devices): need {self.ranks} distinct GPUs (one per rank), got {devs}")
+            object.__setattr__(self, "devices", devs)
+
+
+@dataclass
+class StepResult:
+    """frame: one row per case (STEP_COLUMNS, rank 0's numbers); ranks:
+    every rank's rows (None for a one-process run); manifest: JSON-ready
+    provenance (kind "step")."""
+
+    frame: pd.DataFrame
+    ranks: pd.DataFrame | None
+    manifest: dict
+
+
+def default_step_backends(device: torch.device | str) -> tuple[str, ...]:
+    """Backends a step runs when none are named: CPU_BACKENDS on the CPU,
+    GPU_STEP_BACKENDS on a GPU."""
+    return CPU_BACKENDS if torch.device(device).type == "cpu" else GPU_STEP_BACKENDS
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def _agree(error: str | None, world: int) -> str | None:
+    """Every rank's `error` (None = fine) -> the first error of any rank
+    ("rank r: ..."), the same on every rank; None when all are fine."""
+    if world == 1:
+        return error
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, error)
+    for rank, e in enumerate(everyone):
+        if e is not None:
+            return f"rank {rank}: {e}"
+    return None
+
+
+def _from_rank0(value, world: int):
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _min_over_ranks(value: int, world: int) -> int:
+    if world == 1:
+        return value
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, int(value))
+    return min(everyone)
+
+
+def _barrier(world: int, device: torch.device) -> None:
+    if world == 1:
+        return
+    if device.type == "cuda":
+        dist.barrier(device_ids=[device.index])
+    else:
+        dist.barrier()
+
+
+def _release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def _load_backends(names, device):
+    backends, reasons = {}, {}
+    for name in names:
+        try:
+            backends[name] = load_backend(name)
+            reasons[name] = backends[name].unavailable_reason(device)
+        except BackendUnavailable as error:
+            reasons[name] = error.reason
+        except Exception as error:  # noqa: BLE001
+            reasons[name] = f"availability check failed: {_error_text(error)}"
+    return backends, reasons
+
+
+def run_rank(
+    config: StepConfig,
+    rank: int = 0,
+    world: int = 1,
+    device: torch.device | str | None = None,
+    *,
+    progress: ProgressFn | None = None,
+    emit: Callable[[dict], None] | None = None,
+) -> tuple[list[dict], dict]:
+    """Measure every case of `config` as rank `rank` of `world` (world > 1
+    needs torch.distributed initialized, one process per rank; every rank
+    must call this with the same config). Returns (rows, info): one row per
+    case (STEP_COLUMNS, this rank's numbers) and what the manifest records
+    (environment, copy bandwidth, layers per preset, backend reasons).
+    progress(done, total, label, status) after each case; emit(row) too.
+    Raises ValueError for unknown backends or an unusable device; failures
+    inside cases never raise (they are recorded, the same on every rank)."""
+    if not isinstance(config, StepConfig):
+        raise TypeError(f"config must be a StepConfig, got {type(config).__name__}")
+    dev = resolve_device(device if device is not None else config.device)
+    reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
+    names = config.backends if config.backends is not None else default_step_backends(dev)
+    check_backend_names(names)
+    env = environment(dev)
+    copy_bytes, copy_repeats = ((1 << 30), 20) if dev.type == "cuda" else ((64 << 20), 5)
+    copy_bw = copy_bandwidth_gbps(dev, copy_bytes, copy_repeats)
+    backends, reasons = _load_backends(names, dev)
+    if world > 1:  # a backend runs only where every rank can run it (the same collectives everywhere)
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, reasons)
+        reasons = {n: next((f"rank {r}: {rs[n]}" if r else rs[n] for r, rs in enumerate(everyone) if rs[n]), None)
+                   for n in names}  # fmt: skip
+    total = len(config.presets) * len(config.rows) * len(config.scenarios) * len(names)
+    rows_out: list[dict] = []
+
+    def record(row: dict) -> None:
+        rows_out.append(row)
+        if emit is not None:
+            emit(row)
+        if progress is not None:
+            label = f"{row['preset']} rows={row['rows']} {row['scenario']} {row['backend']}"
+            progress(len(rows_out), total, label, row["status"])
+
+    base = {"device": env["device"]["name"], "sm_count": env["device"]["sm_count"], "commit": env["commit"],
+            "seed": config.seed, "kind": "step", "ranks": world, "rank": rank,
+            "gpu_index": dev.index if dev.type == "cuda" else None}  # fmt: skip
+    groups = []
+    for preset in config.presets:
+        cfg = config.config_for(preset, reduced=reduced)
+        groups.append(_run_preset(config, cfg, rank, world, dev, env, copy_bw, names, backends, reasons,
+                                  base, record))  # fmt: skip
+        _release(dev)
+    info = {"copy_bw_gbps": copy_bw, "copy_bw_bytes": copy_bytes, "reduced": reduced, "backends": reasons,
+            "groups": groups, "env": env, "rank": rank}  # fmt: skip
+    return rows_out, info
+
+
+def _row(base: dict, cfg, shape, rows: int, scenario: str, backend: str, **values) -> dict:
+    row = dict.fromkeys(STEP_COLUMNS)
+    row.update(base)
+    row.update(
+        preset=cfg.name, hidden=shape.hidden, intermediate=shape.intermediate,
+        padded_intermediate=shape.padded_intermediate, experts=shape.experts, top_k=shape.top_k,
+        tp=shape.tp, rows=rows, scenario=scenario, backend=backend, tactic="default", error="",
+    )  # fmt: skip
+    row.update(values)
+    return row
+
+
+def _run_preset(config, cfg, rank, world, dev, env, copy_bw, names, backends, reasons, base, record) -> dict:
+    """All cases of one preset on this rank; returns the manifest's group info."""
+    tp = config.tp[0]
+    shape = cfg.shard(tp)
+    sliced = world > 1
+    cases = [(r, s) for r in config.rows for s in config.scenarios]
+    ids = {(r, s): scenario_topk_ids(s, r, shape.top_k, shape.experts, config.seed, config.trace) for r, s in cases}
+    xs = {r: generate_activations(r, shape.hidden, config.seed) for r in config.rows}  # CPU: same bits on every rank
+    shared_bytes = 3 * shape.intermediate * shape.hidden * 2
+    min_touched = min(unique_bytes(shape, v) for v in ids.values()) + shared_bytes
+    # Canonical experts + shared expert + a case's gate (BF16 + its fp32 copy) per layer;
+    # each backend's prepared copy is budgeted below, per backend.
+    per_layer = canonical_bytes(shape) + shared_bytes + 6 * shape.experts * shape.hidden
+    budget = None
+    if dev.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(dev)
+        transient = canonical_bytes(cfg.shard(1)) * (2 if sliced else 0)  # the full layer being sliced (+ rank 0's)
+        budget = max(per_layer, int(free * config.memory_fraction) - transient)
+    forced = config.warm_l2 or config.layers is not None
+    if config.warm_l2:
+        layers, capped = 1, False
+    elif config.layers is not None:
+        layers, capped = config.layers, False
+    else:
+        layers, capped = layer_count(min_touched, env["device"]["l2_bytes"], per_layer, budget)
+    layers = _min_over_ranks(layers, world)  # every rank must run the same collectives
+    info = {"preset": cfg.name, "tp": tp, "layers": layers, "layers_capped": capped, "min_touched_bytes": min_touched,
+            "layers_per_backend": {}}  # fmt: skip
+
+    def backend_layers(name: str) -> int:
+        """The rotation a backend gets: all generated layers, fewer when its
+        prepared copies do not fit beside them (e.g. torch-bf16's 4x bytes)."""
+        extra = backends[name].prepared_bytes(shape)
+        n = layers
+        if budget is not None and extra > 0 and not forced:
+            n = max(1, min(layers, (budget - layers * per_layer) // extra))
+        return _min_over_ranks(n, world)
+
+    def all_cases(status: str, error: str, only=None) -> None:
+        for r, s in cases:
+            for name in only or names:
+                record(_row(base, cfg, shape, r, s, name, status=status, error=error, layers=layers,
+                            shared_bytes=shared_bytes, bytes=unique_bytes(shape, ids[(r, s)]) + shared_bytes,
+                            unique_experts=unique_experts(ids[(r, s)], shape.experts)))  # fmt: skip
+
+    weights, oracle_weights, error = [], None, None
+    try:
+        for layer in range(layers):
+            seed = config.seed + LAYER_SEED_STRIDE * layer
+            if sliced:
+                full = generate_full_layer(cfg, seed, dev)
+                weights.append(slice_layer(full, tp, rank))
+                if layer == 0 and rank == 0:
+                    oracle_weights = full
+                del full
+            else:
+                weights.append(generate_shard_layer(cfg, tp, seed, dev))
+        if oracle_weights is None and not sliced:
+            oracle_weights = weights[0]
+    except Exception as e:  # noqa: BLE001 - e.g. out of memory: the whole preset fails
+        error = f"weight generation failed ({layers} layers): {_error_text(e)}"
+        weights.clear()
+        oracle_weights = None
+        _release(dev)
+    error = _agree(error, world)
+    if error is not None:
+        for name in names:
+            reason = reasons.get(name)
+            all_cases("skipped" if reason else "failed", reason or error, only=[name])
+        return {**info, "error": error}
+
+    for name in names:
+        reason = reasons.get(name)
+        if reason is not None:
+            all_cases("skipped", reason, only=[name])
+            continue
+        backend = backends[name]
+        n_layers = backend_layers(name)
+        info["layers_per_backend"][name] = n_layers
+        prepared, error = [], None
+        try:
+            prepared = [backend.prepare(w.experts, shape) for w in weights[:n_layers]]
+        except Exception as e:  # noqa: BLE001
+            error = f"prepare failed: {_error_text(e)}"
+            prepared = []
+            _release(dev)
+        error = _agree(error, world)
+        if error is not None:
+            all_cases("failed", error, only=[name])
+            continue
+        for r, s in cases:
+            row = _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights[:n_layers],
+                            oracle_weights, xs[r], ids[(r, s)], s, n_layers, copy_bw)  # fmt: skip
+            record(_row(base, cfg, shape, r, s, name, **row))
+        del prepared
+        _release(dev)
+    del weights, oracle_weights
+    return info
+
+
+def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, oracle_weights, x_cpu, ids_cpu,
+              scenario, layers, copy_bw) -> dict:  # fmt: skip
+    """Gate then time one case on this rank; returns its own columns (the
+    same status on every rank)."""
+    rows = x_cpu.shape[0]
+    shared_bytes = 3 * shape.intermediate * shape.hidden * 2
+    nbytes = unique_bytes(shape, ids_cpu) + shared_bytes
+    l2 = environment_l2(dev)
+    row: dict = {
+        "oracle": backend.oracle, "layers": layers, "shared_bytes": shared_bytes, "bytes": nbytes,
+        "unique_experts": unique_experts(ids_cpu, shape.experts),
+        "l2_multiple": (layers * (nbytes - 4 * rows * shape.hidden) / l2) if l2 else None,
+    }  # fmt: skip
+    kw = dict(top_k=shape.top_k, routed_scaling_factor=shape.routed_scaling_factor, swiglu_limit=shape.swiglu_limit)
+    steps: list[DecodeStep] = []
+    gates = []
+    error = None
+    part = None
+    try:
+        x = x_cpu.to(dev)
+        for layer, w in enumerate(weights):
+            seed = config.seed + LAYER_SEED_STRIDE * layer + 1009 * rows + 17 * SCENARIOS.index(scenario)
+            gate = scenario_gate_weight(x_cpu, ids_cpu, shape.experts, w.bias, seed).to(dev)
+            gates.append(gate)
+            runner = build_runner(w, gate, **kw)
+            if backend.name == "moebench":
+                steps.append(KernelStep(runner, prepared[layer], x, all_reduce=world > 1))
+            else:
+                steps.append(BackendStep(runner, backend, prepared[layer], x, all_reduce=world > 1))
+        part = steps[0].partial(with_gate=True)
+        _, got = steps[0].routing()
+        row["unique_experts"] = unique_experts(got, shape.experts)
+    except Exception as e:  # noqa: BLE001 - a backend failure fails its case only
+        error = _error_text(e)
+    error = _agree(error, world)
+    if error is not None:
+        return {**row, "status": "failed", "error": error}
+
+    # Correctness: the (all-reduced) step vs the fp64 oracle of the layer (the full one for TP-N).
+    out = part
+    if world > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    verdict = None
+    if rank == 0:
+        try:
+            oracle, _ = step_oracle(oracle_weights, gates[0], steps[0].x, **kw, activation=backend.oracle)
+            err = relative_error(out, oracle)
+            what = "the full unsliced layer" if world > 1 else "the layer"
+            verdict = (err, None if err <= ORACLE_TOLERANCE else
+                       f"rel. error {err:.3g} vs the {backend.oracle} oracle of {what} exceeds {ORACLE_TOLERANCE:g}")  # fmt: skip
+        except Exception as e:  # noqa: BLE001
+            verdict = (None, f"oracle failed: {_error_text(e)}")
+    err, error = _from_rank0(verdict, world)
+    row["max_rel_err"] = err
+    if error is not None:
+        return {**row, "status": "failed", "error": error}
+
+    try:
+        timings = _time_case(config, steps, backend.capturable, dev, world, rows, shape.hidden)
+        error = None
+    except Exception as e:  # noqa: BLE001
+        timings, error = None, _error_text(e)
+        if dev.type == "cuda":
+            try:
+                torch.cuda.synchronize(dev)
+            except Exception:  # noqa: BLE001
+                pass
+    error = _agree(error, world)
+    if error is not None:
+        return {**row, "status": "failed", "error": error}
+    step = timings.pop("step")
+    row.update(status="ok", median_us=step.median_us, p10_us=step.p10_us, p90_us=step.p90_us,
+               timing_method=step.method)  # fmt: skip
+    row["step_with_gate_us"] = timings.pop("step_with_gate").median_us
+    row["gate_us"] = timings.pop("gate").median_us
+    ar = timings.pop("allreduce", None)
+    if ar is not None:
+        row["allreduce_us"] = ar.median_us
+        row["allreduce_share_pct"] = 100.0 * ar.median_us / step.median_us if step.median_us > 0 else None
+    for name, t in timings.items():
+        row[f"kernel_{name}_us"] = t.median_us
+    row["stage_sum_us"] = sum(t.median_us for t in timings.values())
+    gbps = nbytes / (step.median_us * 1e-6) / 1e9 if step.median_us > 0 else None
+    row["gbps"] = gbps
+    row["pct_copy_bw"] = 100.0 * gbps / copy_bw if gbps and copy_bw else None
+    if dev.type == "cuda":
+        try:
+            ceiling = size_matched_ceiling_gbps(nbytes, dev)
+        except Exception:  # noqa: BLE001 - the ceiling is optional
+            ceiling = None
+        row["ceiling_gbps"] = ceiling
+        row["pct_size_ceiling"] = 100.0 * gbps / ceiling if gbps and ceiling else None
+    del steps, gates
+    return row
+
+
+def environment_l2(dev: torch.device) -> int | None:
+    """L2 bytes of a CUDA device, None on the CPU."""
+    if dev.type != "cuda":
+        return None
+    return int(getattr(torch.cuda.get_device_properties(dev), "L2_cache_size", 0)) or None
+
+
+def _time_case(config, steps, capturable, dev, world, rows, hidden) -> dict[str, Timing]:
+    """Every timed quantity of one case (see the module docstring). The
+    quantities with collectives come first, in the same order on every rank."""
+    graph = config.use_graph and capturable
+    full = graph and dev.type == "cuda"
+    counts = dict(
+        warmup=config.warmup if full else min(config.warmup, EAGER_WARMUP_CAP),
+        replays=config.replays if full else min(config.replays, EAGER_REPLAYS_CAP),
+        calls_per_replay=len(steps), use_graph=graph, device=dev,
+        # The NCCL watchdog thread queries events while a rank captures.
+        capture_error_mode="thread_local" if world > 1 else "global",
+    )  # fmt: skip
+
+    def timed(fn) -> Timing:
+        return time_graph(fn, **counts)
+
+    out: dict[str, Timing] = {}
+    _barrier(world, dev)
+    out["step"] = timed(lambda: [s.run(with_gate=False) for s in steps])
+    _barrier(world, dev)
+    out["step_with_gate"] = timed(lambda: [s.run(with_gate=True) for s in steps])
+    if world > 1:
+        buf = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=dev)
+        _barrier(world, dev)
+        out["allreduce"] = timed(lambda: [dist.all_reduce(buf, op=dist.ReduceOp.SUM) for _ in steps])
+    # Local from here on: no collectives.
+    out["gate"] = timed(lambda: [s.gate() for s in steps])
+    calls = [s.stage_calls() for s in steps]
+    for i, (name, _) in enumerate(calls[0]):
+        out[name] = timed(lambda i=i: [c[i][1]() for c in calls])
+    return out
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _frame(rows: list[dict]) -> pd.DataFrame:
+    frame = _typed(pd.DataFrame(rows, columns=list(STEP_COLUMNS)))
+    for col in ("step_with_gate_us", "gate_us", "stage_sum_us", "allreduce_us", "allreduce_share_pct",
+                *KERNEL_COLUMNS):  # fmt: skip
+        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("float64")
+    for col in ("ranks", "rank", "gpu_index", "shared_bytes"):
+        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
+    frame["kind"] = "step"
+    return frame
+
+
+def _manifest(config: StepConfig, info: dict, **extra) -> dict:
+    env = info.get("env") or {}
+    return {
+        "schema": 1,
+        "kind": "step",
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "reduced": info.get("reduced"),
+        "seed": config.seed,
+        "warm_l2": config.warm_l2,
+        "copy_bw_gbps": info.get("copy_bw_gbps"),
+        "copy_bw_bytes": info.get("copy_bw_bytes"),
+        "oracle_tolerance": ORACLE_TOLERANCE,
+        "stage_timing": STAGE_TIMING if env.get("device", {}).get("kind") == "cuda" else STAGE_TIMING_CPU,
+        "step_excludes": "the gate (router GEMM): gate_us and step_with_gate_us report it",
+        "size_ceiling": "triton" if (env.get("device", {}).get("kind") == "cuda" and triton_available()) else None,
+        "backends": info.get("backends"),
+        "groups": info.get("groups"),
+        "ranks": config.ranks,
+        "config": _jsonable(asdict(config)),
+        **env,
+        **{k: v for k, v in extra.items() if k not in env},
+    }
+
+
+def run_step(config: StepConfig, progress: ProgressFn | None = None, *, timeout_s: float | None = None) -> StepResult:
+    """Run every case of `config` (module docstring): in this process when
+    config.ranks == 1, else in config.ranks processes (`launch_ranks`).
+
+    progress(done, total, label, status) after each case (rank 0's).
+    Raises TypeError for a bad config, ValueError for unknown backends, an
+    unusable device or more ranks than visible GPUs (naming both numbers);
+    failures inside cases never raise, and a rank that dies leaves its cases
+    failed with the reason.
+    """
+    if not isinstance(config, StepConfig):
+        raise TypeError(f"config must be a StepConfig, got {type(config).__name__}")
+    if config.ranks == 1:
+        dev = resolve_device(config.device)
+        # The device made current, as a rank process does: every launch and stream lands on it.
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            rows, info = run_rank(config, 0, 1, dev, progress=progress)
+        return StepResult(_frame(rows), None, _manifest(config, info, devices=[str(dev)]))
+    return launch_ranks(config, progress=progress, timeout_s=timeout_s)
+
+
+# ----------------------------------------------------------------------------- TP-N processes
+
+
+def rank_devices(config: StepConfig) -> tuple[torch.device, list[int] | None]:
+    """(device kind of the ranks, their CUDA indices or None on the CPU).
+    Raises ValueError when config.ranks exceeds the visible GPUs, naming both."""
+    dev = resolve_device(config.device)
+    if dev.type == "cpu":
+        return dev, None
+    available = visible_gpu_count()
+    if config.ranks > available:
+        raise ValueError(
+            f"tp (--tp): a TP-{config.ranks} step needs {config.ranks} GPUs (one per rank), but "
+            f"{available} {'is' if available == 1 else 'are'} visible"
+        )
+    devices = list(config.devices) if config.devices is not None else list(range(config.ranks))
+    bad = [d for d in devices if d >= available]
+    if bad:
+        raise ValueError(f"devices (--devices): {bad} not in [0, {available}) visible GPUs")
+    return dev, devices
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".tmp-{path.name}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _rank_main(rank: int, world: int, env: dict, config: StepConfig, scratch: str, on_gpu: bool) -> None:
+    """Entry point of one rank's process (spawned): env first, then the
+    process group, then run_rank; rows are saved after every case."""
+    os.environ.clear()
+    os.environ.update(env)
+    out = Path(scratch)
+    info: dict = {"rank": rank, "pid": os.getpid(), "gpu_index": None, "gpu_serial": "", "gpu_uuid": "",
+                  "multicast_env": {k: os.environ.get(k) for k in MULTICAST_OFF}}  # fmt: skip
+    rows: list[dict] = []
+    nccl = False
+    try:
+        if on_gpu:
+            gpu = int(env["MOEBENCH_GPU_INDEX"])
+            torch.cuda.set_device(gpu)
+            device = torch.device("cuda", gpu)
+            info.update(gpu_index=gpu, gpu_serial=gpu_serial(gpu), gpu_uuid=gpu_uuid(gpu))
+        else:
+            device = torch.device("cpu")
+        _write_atomic(out / f"rank-{rank}.json", json.dumps(info))
+        kwargs = {}
+        if on_gpu:
+            kwargs["device_id"] = device  # eager NCCL communicator on this rank's GPU
+        dist.init_process_group("nccl" if on_gpu else "gloo", init_method="env://", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=PG_TIMEOUT_S), **kwargs)  # fmt: skip
+        nccl = on_gpu
+
+        def emit(row: dict) -> None:
+            rows.append(row)
+            frame = _frame(rows)
+            tmp = out / f".tmp-rank-{rank}.parquet"
+            frame.to_parquet(tmp, index=False)
+            os.replace(tmp, out / f"rank-{rank}.parquet")
+
+        def progress(done, total, label, status) -> None:
+            if rank == 0:
+                _write_atomic(out / "progress.json", json.dumps({"done": done, "total": total, "label": label,
+                                                                  "status": status}))  # fmt: skip
+
+        _, rank_info = run_rank(config, rank, world, device, progress=progress, emit=emit)
+        info["info"] = _jsonable(rank_info)
+        _write_atomic(out / f"rank-{rank}.json", json.dumps(info, default=str))
+        _barrier(world, device)
+    except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit nonzero
+        info["error"] = _error_text(error)
+        info["traceback"] = traceback.format_exc()[-4000:]
+        _write_atomic(out / f"rank-{rank}.json", json.dumps(info, default=str))
+        os._exit(1)
+    if nccl:
+        # destroy_process_group can hang once NCCL collectives were captured in
+        # CUDA graphs (pytorch#115388); the results are on disk: leave at once.
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+def launch_ranks(
+    config: StepConfig,
+    *,
+    progress: ProgressFn | None = None,
+    timeout_s: float | None = None,
+    poll_s: float = 0.5,
+) -> StepResult:
+    """A real TP-N step: config.ranks processes started like torchrun
+    (spawn; `shard.worker_env`: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
+    MASTER_PORT, NVLink multicast off: NCCL_NVLS_ENABLE=0,
+    TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1), one GPU per
+    rank (NCCL) or all on the CPU (gloo). When a rank dies the others get
+    RANK_GRACE_S to finish, then are stopped; a run past `timeout_s` is
+    stopped. Cases rank 0 did not deliver are failed rows carrying the dead
+    rank's error. Raises ValueError as rank_devices."""
+    dev, devices = rank_devices(config)
+    world = config.ranks
+    on_gpu = dev.type == "cuda"
+    reduced = config.reduced if config.reduced is not None else not on_gpu
+    names = config.backends if config.backends is not None else default_step_backends(dev)
+    check_backend_names(names)
+    scratch = Path(tempfile.mkdtemp(prefix="moebench-step-"))
+    ctx = mp.get_context("spawn")
+    procs = []
+    try:
+        port = free_port()
+        for rank in range(world):
+            env = worker_env(rank, world, master_port=port, gpu_index=devices[rank] if devices else rank)
+            p = ctx.Process(target=_rank_main, args=(rank, world, env, config, str(scratch), on_gpu),
+                            name=f"moebench-step-rank{rank}")  # fmt: skip
+            p.start()
+            procs.append(p)
+        _wait(procs, scratch, progress, timeout_s, poll_s)
+        return _collect(config, procs, scratch, names, reduced, devices)
+    except BaseException:
+        _stop(procs)
+        raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _wait(procs, scratch: Path, progress, timeout_s, poll_s) -> None:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    dead_since = None
+    seen = None
+    while any(p.is_alive() for p in procs):
+        if progress is not None:
+            try:
+                state = json.loads((scratch / "progress.json").read_text())
+                key = (state["done"], state["label"])
+                if key != seen:
+                    seen = key
+                    progress(state["done"], state["total"], state["label"], state["status"])
+            except Exception:  # noqa: BLE001 - not written yet
+                pass
+        now = time.monotonic()
+        if dead_since is None and any(p.exitcode not in (None, 0) for p in procs):
+            dead_since = now
+        if (deadline is not None and now >= deadline) or (dead_since is not None and now - dead_since > RANK_GRACE_S):
+            break
+        next(p for p in procs if p.is_alive()).join(poll_s)
+    _stop(procs)
+    for p in procs:
+        p.join()
+
+
+def _collect(config, procs, scratch: Path, names, reduced, devices) -> StepResult:
+    world = config.ranks
+    frames, infos, workers = {}, {}, []
+    for rank, p in enumerate(procs):
+        path = scratch / f"rank-{rank}.json"
+        info = json.loads(path.read_text()) if path.exists() else {}
+        infos[rank] = info
+        part = scratch / f"rank-{rank}.parquet"
+        frames[rank] = pd.read_parquet(part) if part.exists() else None
+        error = None
+        if p.exitcode != 0:
+            why = info.get("error") or (f"killed by signal {-p.exitcode}" if p.exitcode and p.exitcode < 0
+                                        else f"exit code {p.exitcode}")  # fmt: skip
+            gpu = f" (GPU {devices[rank]})" if devices else ""
+            error = f"rank {rank}{gpu} died: {why}"
+        workers.append({"rank": rank, "gpu_index": info.get("gpu_index"), "gpu_serial": info.get("gpu_serial", ""),
+                        "gpu_uuid": info.get("gpu_uuid", ""), "pid": info.get("pid"),
+                        "multicast_env": info.get("multicast_env"), "exitcode": p.exitcode,
+                        "error": error, "rows": 0 if frames[rank] is None else len(frames[rank])})  # fmt: skip
+    errors = [w["error"] for w in workers if w["error"]]
+    rank0 = frames.get(0)
+    have = set()
+    parts = []
+    if rank0 is not None and len(rank0):
+        parts.append(rank0)
+        have = set(zip(rank0["preset"], rank0["rows"], rank0["scenario"], rank0["backend"]))
+    missing = []
+    error = "; ".join(errors) or "rank 0 delivered no row for this case"
+    tp = config.tp[0]
+    for preset in config.presets:
+        cfg = config.config_for(preset, reduced=reduced)
+        shape = cfg.shard(tp)
+        for r in config.rows:
+            for s in config.scenarios:
+                for name in names:
+                    if (cfg.name, r, s, name) in have:
+                        continue
+                    missing.append(_row({"kind": "step", "ranks": world, "rank": 0, "seed": config.seed}, cfg, shape,
+                                        r, s, name, status="failed", error=error))  # fmt: skip
+    if missing:
+        parts.append(_frame(missing))
+    frame = _frame(pd.concat(parts, ignore_index=True).to_dict("records")) if parts else _frame([])
+    ranks = [f for f in frames.values() if f is not None and len(f)]
+    ranks_frame = _frame(pd.concat(ranks, ignore_index=True).to_dict("records")) if ranks else _frame([])
+    info0 = (infos.get(0) or {}).get("info") or next(
+        ((i.get("info") or {}) for i in infos.values() if i.get("info")), {"reduced": reduced})
+    manifest = _manifest(config, info0, devices=devices, workers=workers,
+                         rank_manifests=[{k: (i.get("info") or {}).get(k) for k in ("copy_bw_gbps", "groups")}
+                                         for i in infos.values()])  # fmt: skip
+    return StepResult(frame, ranks_frame, manifest)
+
+
+def step_config(**kwargs) -> StepConfig:
+    """StepConfig(**kwargs) with `tp` given as an int (or a 1-tuple); a
+    shorthand for callers that build one from options. Raises as StepConfig."""
+    tp = kwargs.get("tp", 1)
+    kwargs["tp"] = (tp,) if isinstance(tp, int) else tuple(tp)
+    return StepConfig(**kwargs)
+
+
+__all__ = [
+    "GPU_STEP_BACKENDS", "KERNEL_COLUMNS", "STAGE_TIMING", "STEP_COLUMNS", "STEP_STAGES", "StepConfig",
+    "StepResult", "default_step_backends", "launch_ranks", "rank_devices", "run_rank", "run_step", "step_config",
+]  # fmt: skip

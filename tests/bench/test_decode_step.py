@@ -1,0 +1,186 @@
+"""`moebench step` (bench/decode_step.py): the config, a one-rank step and a
+TP-2 step over gloo on the CPU at a small geometry, the CLI and the report;
+GPU tests with our kernels (one GPU) and a real TP-2 NCCL step (two GPUs)."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from moebench.bench import decode_step
+from moebench.bench.decode_step import KERNEL_COLUMNS, StepConfig, rank_devices, run_step, step_config
+from moebench.bench.shard import MULTICAST_OFF
+from moebench.cli import app
+from moebench.reference import ORACLE_TOLERANCE
+from moebench.reports.store import read_run, read_table
+
+runner = CliRunner()
+#: A small geometry every path takes (the kernels too: H % 128, E % 32, I/tp % 32).
+SMALL = dict(presets=("dsv4-flash",), hidden=256, intermediate=256, experts=32, top_k=4)
+SMALL_ARGS = ["--preset", "dsv4-flash", "--hidden", "256", "--intermediate", "256", "--experts", "32",
+              "--top-k", "4", "--replays", "2", "--warmup", "0"]  # fmt: skip
+
+
+def test_step_config_validation():
+    cfg = step_config(**SMALL, tp=2, ranks=2, device="cpu")
+    assert cfg.tp == (2,) and cfg.ranks == 2
+    with pytest.raises(ValueError, match="one TP degree"):
+        StepConfig(**SMALL, tp=(1, 2))
+    with pytest.raises(ValueError, match="ranks"):
+        step_config(**SMALL, tp=4, ranks=2)
+    with pytest.raises(ValueError, match="devices"):
+        step_config(**SMALL, tp=2, ranks=2, devices=(0,))
+    with pytest.raises(ValueError, match="devices"):
+        step_config(**SMALL, tp=2, ranks=2, devices=(1, 1))
+    with pytest.raises(ValueError, match="tactics"):
+        step_config(**SMALL, tp=1, tactics=("builtin",))
+    with pytest.raises(ValueError, match="tp=3"):
+        step_config(**SMALL, tp=3)
+
+
+def test_more_ranks_than_gpus_names_both_numbers(monkeypatch):
+    monkeypatch.setattr(decode_step, "resolve_device", lambda device=None: torch.device("cuda", 0))
+    monkeypatch.setattr(decode_step, "visible_gpu_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"needs 2 GPUs .* but 1 is visible"):
+        rank_devices(step_config(**SMALL, tp=2, ranks=2))
+
+
+def _check_ok(frame: pd.DataFrame, stages) -> None:
+    assert (frame["status"] == "ok").all(), frame[["backend", "rows", "error"]].to_string()
+    assert (frame["max_rel_err"] < ORACLE_TOLERANCE).all()
+    assert (frame["median_us"] > 0).all() and (frame["step_with_gate_us"] > 0).all() and (frame["gate_us"] > 0).all()
+    for _, row in frame.iterrows():
+        names = stages[row["backend"]]
+        got = [c for c in KERNEL_COLUMNS if not math.isnan(row[c])]
+        assert got == [f"kernel_{n}_us" for n in names]
+        assert row["stage_sum_us"] == pytest.approx(sum(row[c] for c in got))
+    assert (frame["kind"] == "step").all()
+
+
+BACKEND_STAGES = {"torch-bf16": ("router", "shared", "experts", "shared_add"),
+                  "reference": ("router", "shared", "experts", "shared_add"),
+                  "moebench": ("router", "shared", "route", "gemm1", "gemm2", "finalize")}  # fmt: skip
+
+
+def test_one_rank_step_on_the_cpu():
+    cfg = step_config(**SMALL, tp=2, rows=(1, 3), scenarios=("correlated", "hot"),
+                      backends=("torch-bf16", "reference", "moebench"), device="cpu", warmup=0, replays=2)  # fmt: skip
+    res = run_step(cfg)
+    assert res.ranks is None and res.manifest["kind"] == "step" and res.manifest["ranks"] == 1
+    frame = res.frame
+    assert len(frame) == 2 * 2 * 3
+    ran = frame[frame["backend"] != "moebench"]
+    _check_ok(ran, BACKEND_STAGES)
+    assert ran["allreduce_us"].isna().all() and (ran["intermediate"] == 128).all()
+    assert (ran["timing_method"] == "cpu-wallclock").all()
+    skipped = frame[frame["backend"] == "moebench"]
+    assert (skipped["status"] == "skipped").all() and skipped["error"].str.contains("CUDA").all()
+    # Bytes = the touched experts + the shared expert + activations.
+    assert (frame["bytes"] > frame["shared_bytes"]).all()
+    assert set(frame[frame["scenario"] == "hot"]["unique_experts"]) <= set(range(1, 32))
+
+
+def test_tp2_step_over_gloo_and_a_dead_rank(monkeypatch):
+    cfg = step_config(**SMALL, tp=2, ranks=2, rows=(2,), backends=("torch-bf16",), device="cpu",
+                      warmup=0, replays=2)  # fmt: skip
+    res = run_step(cfg, timeout_s=600)
+    _check_ok(res.frame, BACKEND_STAGES)
+    assert (res.frame["allreduce_us"] > 0).all() and (res.frame["allreduce_share_pct"] > 0).all()
+    assert sorted(res.ranks["rank"]) == [0, 1] and (res.ranks["status"] == "ok").all()
+    workers = res.manifest["workers"]
+    assert [w["exitcode"] for w in workers] == [0, 0]
+    assert all(w["multicast_env"] == MULTICAST_OFF for w in workers)
+
+    # A rank that fails leaves every case failed with the reason (the parent's
+    # name check is bypassed, the ranks reject the backend name themselves).
+    monkeypatch.setattr(decode_step, "check_backend_names", lambda names: None)
+    bad = step_config(**SMALL, tp=2, ranks=2, rows=(1, 2), backends=("nope",), device="cpu", warmup=0, replays=2)
+    res = run_step(bad, timeout_s=600)
+    assert len(res.frame) == 2 and (res.frame["status"] == "failed").all()
+    assert res.frame["error"].str.contains("rank 0 died").all()
+    assert all(w["error"] for w in res.manifest["workers"])
+
+
+def test_cli_step_then_report(tmp_path):
+    result = runner.invoke(app, ["step", *SMALL_ARGS, "--rows", "1", "--backends", "torch-bf16",
+                                 "--out", str(tmp_path), "--label", "s"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "decode step" in result.output and "excludes the gate" in result.output
+    (run,) = list(tmp_path.iterdir())
+    df, manifest = read_run(run)
+    assert manifest["kind"] == "step" and "stage_timing" in manifest and "command" in manifest
+    assert read_table(run, "ranks") is None
+    rep = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "rep")])
+    assert rep.exit_code == 0, rep.output
+    text = (tmp_path / "rep" / "summary.md").read_text()
+    assert "## Decode step" in text and "kernel_experts_us" in text
+    assert "Decode step" in (tmp_path / "rep" / "report.html").read_text()
+    assert (tmp_path / "rep" / "kernels.png").is_file()
+
+
+def test_cli_tp2_step_stores_the_ranks_and_report_renders_them(tmp_path):
+    result = runner.invoke(app, ["step", *SMALL_ARGS, "--rows", "1", "--tp", "2", "--backends", "torch-bf16",
+                                 "--out", str(tmp_path), "--timeout", "600"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "2 ranks on the CPU (gloo)" in result.output and "per rank" in result.output
+    (run,) = list(tmp_path.iterdir())
+    ranks = read_table(run, "ranks")
+    assert ranks is not None and sorted(ranks["rank"]) == [0, 1]
+    rep = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "rep"), "--no-html"])
+    assert rep.exit_code == 0, rep.output
+    text = (tmp_path / "rep" / "summary.md").read_text()
+    assert "## Per rank" in text and "allreduce_us" in text
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tp", "3"], "tp=3"), (["--devices", "0"], "--devices"), (["--timeout", "5"], "--timeout"),
+    (["--rows", "9"], "--rows"), (["--backends", "nope"], "backends"), (["--tp", "0"], "--tp"),
+    (["--scenario", "nope"], "scenario"), (["--label", "../x"], "label"),
+])  # fmt: skip
+def test_cli_step_user_errors(tmp_path, args, needle):
+    result = runner.invoke(app, ["step", *args, "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "Traceback" not in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- GPU
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@pytest.mark.gpu
+def test_gpu_step_moebench_and_torch_vs_oracle_under_graphs():
+    cfg = step_config(presets=("dsv4-flash",), hidden=1024, intermediate=512, experts=64, tp=1, rows=(1, 4, 8),
+                      backends=("moebench", "torch-bf16"), device="cuda", layers=2, warmup=2, replays=10)  # fmt: skip
+    res = run_step(cfg)
+    _check_ok(res.frame, BACKEND_STAGES)
+    assert (res.frame["timing_method"] == "cuda-graph").all()
+    assert (res.frame["layers"] == 2).all()
+
+
+@pytest.mark.gpu
+def test_gpu_step_full_preset_one_rank_of_tp4():
+    cfg = step_config(presets=("dsv41-flash",), tp=4, rows=(1, 8), backends=("moebench",), device="cuda",
+                      layers=2, warmup=2, replays=10)  # fmt: skip
+    res = run_step(cfg)
+    _check_ok(res.frame, BACKEND_STAGES)
+    assert (res.frame["intermediate"] == 576).all() and (res.frame["padded_intermediate"] == 640).all()
+
+
+@pytest.mark.gpu
+@two_gpus
+def test_gpu_tp2_step_matches_the_single_gpu_oracle():
+    cfg = step_config(presets=("dsv4-flash",), hidden=1024, intermediate=512, experts=64, tp=2, ranks=2,
+                      rows=(1, 5, 8), backends=("moebench", "torch-bf16"), device="cuda", devices=(0, 1), layers=2,
+                      warmup=2, replays=10)  # fmt: skip
+    res = run_step(cfg, timeout_s=900)
+    _check_ok(res.frame, BACKEND_STAGES)  # max_rel_err: the all-reduced output vs the full layer's oracle
+    assert (res.frame["allreduce_us"] > 0).all() and (res.frame["timing_method"] == "cuda-graph").all()
+    assert sorted(set(res.ranks["gpu_index"])) == [0, 1] and (res.ranks["status"] == "ok").all()
+    workers = res.manifest["workers"]
+    assert all(w["multicast_env"] == MULTICAST_OFF and w["exitcode"] == 0 for w in workers)

@@ -1,0 +1,177 @@
+"""The decode-step layer pieces (`integration.step_layer`): the scenario gate,
+the oracle, TP slicing of a whole layer, and the two step kinds on the CPU
+(torch-bf16 backend; our kernels' path with a torch stand-in), plus GPU tests
+with the real kernels under CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from integration_checks import FakeRoutedExpertGemm
+from moebench.backends.torch_bf16 import TorchBF16Backend
+from moebench.formats import generate_activations
+from moebench.integration.step_layer import (
+    BackendStep, KernelStep, build_runner, generate_full_layer, generate_shard_layer, scenario_gate_weight,
+    slice_layer, step_oracle,
+)  # fmt: skip
+from moebench.models import MoEConfig
+from moebench.moe_output import finalize as torch_finalize
+from moebench.reference import ORACLE_TOLERANCE, relative_error
+from moebench.routing import scenario_topk_ids
+
+CFG = MoEConfig("tiny", 256, 128, 32, 4, 1, 1.5, 10.0)
+
+
+def _case(rows=4, scenario="correlated", tp=1, seed=3, device="cpu"):
+    weights = generate_shard_layer(CFG, tp, seed, device)
+    ids = scenario_topk_ids(scenario, rows, CFG.top_k, CFG.experts, seed)
+    x = generate_activations(rows, CFG.hidden, seed)
+    gate = scenario_gate_weight(x, ids, CFG.experts, weights.bias, seed)
+    return weights, ids, x.to(device), gate.to(device)
+
+
+def _kw():
+    return dict(top_k=CFG.top_k, routed_scaling_factor=CFG.routed_scaling_factor, swiglu_limit=CFG.swiglu_limit)
+
+
+@pytest.mark.parametrize("scenario", ["uniform", "correlated", "hot", "zipf"])
+@pytest.mark.parametrize("rows", [1, 5, 8])
+def test_scenario_gate_reproduces_the_routing(scenario, rows):
+    weights, ids, x, gate = _case(rows, scenario)
+    assert gate.dtype == torch.bfloat16 and gate.shape == (CFG.experts, CFG.hidden)
+    runner = build_runner(weights, gate, **_kw())
+    _, got = runner.router.select_experts(x, runner.gate(x)[0], torch.int32)
+    for t in range(rows):
+        assert set(got[t].tolist()) == set(ids[t].tolist())
+
+
+def test_scenario_gate_rejects_bad_input():
+    x = generate_activations(2, CFG.hidden, 0)
+    ids = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    with pytest.raises(ValueError, match="x"):
+        scenario_gate_weight(x.float(), ids, CFG.experts)
+    with pytest.raises(ValueError, match="topk_ids"):
+        scenario_gate_weight(x, ids[:1], CFG.experts)
+    with pytest.raises(ValueError, match="topk_ids"):
+        scenario_gate_weight(x, ids + 40, CFG.experts)
+    with pytest.raises(ValueError, match="linearly dependent"):
+        scenario_gate_weight(torch.cat([x[:1], x[:1]]), ids, CFG.experts)
+
+
+@pytest.mark.parametrize("rows", [1, 6])
+def test_oracle_is_the_reference_layer_forward(rows):
+    weights, ids, x, gate = _case(rows)
+    oracle, oracle_ids = step_oracle(weights, gate, x, **_kw())
+    assert oracle.dtype == torch.float64 and oracle.shape == x.shape
+    layer = build_runner(weights, gate, **_kw(), reference=True)
+    # Only BF16 roundings apart (shared output, routed rows, the output: ~2^-9 each).
+    assert relative_error(layer.forward(x), oracle) < 5e-3
+    for t in range(rows):
+        assert set(oracle_ids[t].tolist()) == set(ids[t].tolist())
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sliced_layer_partials_sum_to_the_full_layer(tp):
+    full = generate_full_layer(CFG, seed=5)
+    ids = scenario_topk_ids("uniform", 3, CFG.top_k, CFG.experts, 5)
+    x = generate_activations(3, CFG.hidden, 5)
+    gate = scenario_gate_weight(x, ids, CFG.experts, full.bias, 5)
+    ranks = [slice_layer(full, tp, r) for r in range(tp)]
+    for r in ranks:
+        assert r.shared_w1.shape == (CFG.intermediate // tp, CFG.hidden)
+        assert r.experts.intermediate == CFG.intermediate // tp and torch.equal(r.bias, full.bias)
+    for activation in ("bf16", "mxfp8"):
+        whole, _ = step_oracle(full, gate, x, **_kw(), activation=activation)
+        parts = sum(step_oracle(r, gate, x, **_kw(), activation=activation)[0] for r in ranks)
+        assert relative_error(parts, whole) < 1e-12
+    with pytest.raises(ValueError):
+        slice_layer(full, 3, 0)
+    with pytest.raises(ValueError):
+        slice_layer(full, 2, 2)
+
+
+def test_shard_layer_uses_the_sweeps_expert_weights():
+    from moebench.formats import generate_expert_weights
+
+    w = generate_shard_layer(CFG, 2, seed=9)
+    ref = generate_expert_weights(CFG.shard(2), 9)
+    assert torch.equal(w.experts.w13, ref.w13) and torch.equal(w.experts.w2_scale, ref.w2_scale)
+    assert w.shared_bytes == 3 * (CFG.intermediate // 2) * CFG.hidden * 2
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_backend_step_on_the_cpu(rows):
+    weights, ids, x, gate = _case(rows)
+    backend = TorchBF16Backend()
+    prepared = backend.prepare(weights.experts, CFG.shard(1))
+    step = BackendStep(build_runner(weights, gate, **_kw()), backend, prepared, x)
+    out = step.run()
+    oracle, _ = step_oracle(weights, gate, x, **_kw(), activation=backend.oracle)
+    assert out.dtype == torch.bfloat16 and relative_error(out, oracle) < ORACLE_TOLERANCE
+    assert torch.equal(step.run(with_gate=True), out)
+    calls = step.stage_calls()
+    assert [n for n, _ in calls] == list(BackendStep.stages)
+    results = [fn() for _, fn in calls]
+    assert torch.equal(results[-1]["out"], out)
+    assert torch.equal(step.gate(), step.logits)
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+def test_kernel_step_path_with_a_stand_in(rows):
+    """KernelStep's wiring (MoEStep -> route -> gemm1 -> gemm2 -> finalize with
+    the shared add) on the CPU with a torch stand-in for RoutedExpertGemm."""
+    weights, ids, x, gate = _case(rows)
+    runner = build_runner(weights, gate, **_kw())
+    gemm = FakeRoutedExpertGemm(weights.experts, CFG.top_k)
+    step = KernelStep(runner, gemm, x, finalize_fn=torch_finalize)
+    out = step.run()
+    oracle, _ = step_oracle(weights, gate, x, **_kw())
+    assert relative_error(out, oracle) < ORACLE_TOLERANCE
+    assert gemm.calls["gemms"] == 1
+    assert torch.equal(step.run(with_gate=True), out)
+    calls = step.stage_calls()
+    assert [n for n, _ in calls] == list(KernelStep.stages)
+    assert torch.equal([fn() for _, fn in calls][-1]["out"], out)
+    # The kernels refuse rows beyond 8: the step says so.
+    big = generate_activations(9, CFG.hidden, 1)
+    with pytest.raises(ValueError, match="kernels do not take"):
+        KernelStep(runner, gemm, big, finalize_fn=torch_finalize)
+
+
+# ----------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4, 8])
+def test_gpu_kernel_step_matches_the_oracle_and_captures(rows):
+    from moebench.bench.timing import time_graph
+    from moebench.kernels.binding import RoutedExpertGemm
+
+    weights, ids, x, gate = _case(rows, device="cuda")
+    runner = build_runner(weights, gate, **_kw())
+    step = KernelStep(runner, RoutedExpertGemm(weights.experts, CFG.top_k), x)
+    oracle, _ = step_oracle(weights, gate, x, **_kw())
+    out = step.run()
+    assert relative_error(out, oracle) < ORACLE_TOLERANCE
+    assert torch.equal(step.run(with_gate=True), out)
+    # The whole step and every stage capture into CUDA graphs.
+    timing = time_graph(lambda: step.run(), warmup=2, replays=5, device="cuda")
+    assert timing.method == "cuda-graph" and timing.median_us > 0
+    for name, fn in step.stage_calls():
+        assert time_graph(fn, warmup=1, replays=3, device="cuda").median_us > 0, name
+    # Replays recompute: a graph of the step reads the static x.
+    static = step.x
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step.run(with_gate=True)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        static_out = step.run(with_gate=True)
+    static.copy_(generate_activations(rows, CFG.hidden, 77, "cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh, _ = step_oracle(weights, gate, static, **_kw())
+    assert relative_error(static_out, fresh) < ORACLE_TOLERANCE
