@@ -164,8 +164,9 @@ def sweep(
             layers=layers, device=f"cuda:{gpus[0]}" if gpus else str(dev), reduced=reduced, warmup=warmup,
             replays=replays, use_graph=graph, trace=trace,
         )  # fmt: skip
-        validate_sweep(config)
-        if gpus is not None:
+        if gpus is None:  # a sharded sweep's workers check the tactics on their own GPU
+            validate_sweep(config)
+        else:
             from moebench.bench.sweep import check_backend_names, default_backends
 
             backend_list = backend_list or default_backends("cuda")
