@@ -10,13 +10,15 @@ rows, with outputs equal to the chain's bit for bit:
          record int32 [route_words(max_ctas(rows, top_k, E))], permuted int32 [rows, top_k]
 
 Roles by CTA index, 256 threads each:
-  * CTA 0: warp r < rows computes row r's DeepSeek-V4 top-k (`topk.row_topk`:
+  * CTAs 0..7 (cluster 0; the grid launches in clusters of 8): CTA r < rows
+    computes row r's scores with all 256 threads (`topk.row_scores`), then
+    its warp 0 the DeepSeek-V4 top-k (`topk.row_select`:
     sqrtsoftplus, bias or, for an image row, bias_vl, ties to the lower id,
     NaN last, renormalized with the 1e-20 floor, times the routed scale) and
-    writes its ids and weights; after one CTA barrier the ids, read back from
-    shared memory, feed the route kernel's record builder
+    writes its ids and weights and stores the ids into CTA 0's shared memory
+    (st.shared::cluster); after a cluster barrier the ids feed CTA 0's copy of the route kernel's record builder
     (`route.build_record`, two more barriers).
-  * CTAs 1..: one thread per 32-element block of x, as the quantize kernel
+  * CTAs 8..: one thread per 32-element block of x, as the quantize kernel
     (`quantize.quantize_block`): ceil(rows*H/32 / 256) CTAs.
 Every slot is local (the front routes over all E experts of the rank).
 
@@ -51,6 +53,9 @@ from moebench.routing import IMAGE_SENTINELS
 
 #: CTA size: one warp per row in CTA 0 (and 256 blocks of x per other CTA).
 THREADS = MAX_ROWS * WARP
+#: Cluster size: CTAs 0..7 (cluster 0) compute one row each; all CTAs are
+#: launched in clusters of this size (the grid is rounded up to it).
+CLUSTER = MAX_ROWS
 #: H granularity (the quantize kernel's).
 H_MULTIPLE = 128
 #: Largest image sentinel: the five ids must fit an int32.
@@ -155,7 +160,10 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
 
     from moebench.kernels.quantize import quantize_block
     from moebench.kernels.route import DEFAULT_KEYS_PER_STEP, MAX_SLOTS, build_record, record_smem
-    from moebench.kernels.topk import row_topk
+    from cutlass._mlir.dialects import llvm
+    from cutlass.cutlass_dsl import T, dsl_user_op
+
+    from moebench.kernels.topk import row_scores, row_select
 
     class FrontKernel:
         """The fused front (CuTe DSL, sm_90a): top-k, MXFP8 x and route
@@ -210,10 +218,11 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             stream: _cuda.CUstream,
         ):
             """Launch 1 + ceil(blocks / 256) CTAs of 256 threads on `stream`."""
-            ctas = 1 + (blocks + (THREADS - 1)) // THREADS
+            ctas = (CLUSTER + (blocks + (THREADS - 1)) // THREADS + (CLUSTER - 1)) // CLUSTER * CLUSTER
             self.kernel(logits, bias, bias_vl, input_ids, ids64, sentinel_lo, scale, x, topk_ids,
                         topk_weights, x_q, x_scale, permuted, record, rows, blocks).launch(
-                grid=[ctas, 1, 1], block=[THREADS, 1, 1], stream=stream, use_pdl=self.pdl,
+                grid=[ctas, 1, 1], block=[THREADS, 1, 1], cluster=[CLUSTER, 1, 1], stream=stream,
+                use_pdl=self.pdl,
                 # one CTA per SM is all it needs: lets ptxas keep every load
                 # in flight together rather than sink them to their first use
                 min_blocks_per_mp=1)
@@ -244,44 +253,64 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             s_ids = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS), byte_alignment=16)
             s_key, s_start, s_count = record_smem(smem)
             e, k = self.experts, self.top_k
-            s_scores = smem.allocate_tensor(Float32, cute.make_layout((MAX_ROWS, e), stride=(e, 1)),
-                                            byte_alignment=16)
+            s_scores = smem.allocate_tensor(Float32, cute.make_layout(e), byte_alignment=16)
+            s_keys = smem.allocate_tensor(Uint32, cute.make_layout(e), byte_alignment=16)
 
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
 
-            if cta == 0:
-                warp = tid // WARP
-                lane = tid % WARP
-                if warp < rows:
+            if cta < CLUSTER:
+                # cluster 0: CTA r computes row r; every CTA of the cluster
+                # has started before any writes CTA 0's shared memory
+                cute.arch.cluster_arrive_relaxed()
+                expert = Int32(-1)
+                weight = Float32(0.0)
+                if cta < rows:
                     # waits on griddepcontrol inside, once the bias loads are out
-                    expert, weight = row_topk(
-                        cute.recast_ptr(logits, dtype=Uint32) + warp * e,
+                    row_scores(
+                        cute.recast_ptr(logits, dtype=Uint32) + cta * e,
                         cute.recast_ptr(bias, dtype=Uint32),
                         cute.recast_ptr(bias_vl, dtype=Uint32),
-                        input_ids, ids64, sentinel_lo, s_scores, warp, lane, scale, e, k, self.image,
-                        self.pdl)
-                    if lane < k:
-                        slot = warp * k + lane
-                        cute.arch.store(topk_ids + slot, expert)
-                        cute.arch.store(topk_weights + slot, weight)
-                        s_ids[slot] = expert
-                else:
-                    if cutlass.const_expr(self.pdl):
-                        cute.arch.griddepcontrol_wait()
-                cute.arch.sync_threads()
-                expert_of_slot = Int32(-1)
-                if tid < rows * k:
-                    expert_of_slot = s_ids[tid]
-                build_record(tid, expert_of_slot, s_key, s_start, s_count, record, permuted,
-                             rows, Int32(k), Int32(e), THREADS, DEFAULT_KEYS_PER_STEP)
+                        input_ids, ids64, sentinel_lo, s_scores, s_keys, cta, tid, e, THREADS,
+                        self.image, self.pdl)
+                    cute.arch.sync_threads()
+                    if tid < WARP:
+                        expert, weight = row_select(s_scores, s_keys, tid, scale, e, k)
+                cute.arch.cluster_wait()
+                if cta < rows and tid < k:
+                    # row `cta`'s ids into CTA 0's shared memory (DSMEM)
+                    store_shared_cluster(s_ids.iterator + (cta * k + tid), Int32(0), expert)
+                # release: the DSMEM stores (a GPU-scope MEMBAR in SASS: the
+                # global stores of the outputs go out after it, not before)
+                cute.arch.cluster_arrive()
+                if cta < rows and tid < k:
+                    slot = cta * k + tid
+                    cute.arch.store(topk_ids + slot, expert)
+                    cute.arch.store(topk_weights + slot, weight)
+                cute.arch.cluster_wait()                    # acquire
+                if cta == 0:
+                    expert_of_slot = Int32(-1)
+                    if tid < rows * k:
+                        expert_of_slot = s_ids[tid]
+                    build_record(tid, expert_of_slot, s_key, s_start, s_count, record, permuted,
+                                 rows, Int32(k), Int32(e), THREADS, DEFAULT_KEYS_PER_STEP)
             else:
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()
-                b = (cta - 1) * THREADS + tid
+                b = (cta - CLUSTER) * THREADS + tid
                 if b < blocks:
                     quantize_block(cute.recast_ptr(x, dtype=Uint32), cute.recast_ptr(x_q, dtype=Uint32),
                                    x_scale, b)
+
+    @dsl_user_op
+    def store_shared_cluster(ptr: cute.Pointer, rank: Int32, value: Int32, *, loc=None, ip=None) -> None:
+        """st.shared::cluster of the Int32 `value` at the shared-memory
+        pointer `ptr` mapped (mapa) to CTA `rank` of the cluster."""
+        remote = cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip)
+        addr = llvm.ptrtoint(T.i32(), remote.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+        llvm.inline_asm(None, [addr, Int32(value).ir_value(loc=loc, ip=ip)],
+                        "st.shared::cluster.u32 [$0], $1;", "r,r",
+                        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 _KERNEL = "the fused front kernel"

@@ -81,6 +81,11 @@ def topk_reason(experts, top_k) -> str | None:
     return None
 
 
+def scores_per_thread(experts: int, threads: int) -> int:
+    """Scores each of a CTA's `threads` threads computes in `row_scores`."""
+    return -(-experts // threads)
+
+
 def vector_words(experts: int) -> int:
     """fp32 words per load of a lane's experts/32 consecutive values: 4, 2 or 1
     (the row and lane offsets keep that alignment on a 16-byte aligned base)."""
@@ -190,8 +195,8 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
     @cute.jit
     def _best_of(keys: list, lane: Int32, n: cutlass.Constexpr[int]):
         """This lane's best key and the expert id holding it (the lower id of
-        equal keys): a balanced tree over its n keys, so the chain is
-        log2(n) deep."""
+        equal keys; lane l holds experts l, l + 32, ..., so a lower j is a
+        lower id): a balanced tree over its n keys, log2(n) deep."""
         items = []
         for j in cutlass.range_constexpr(n):
             items.append((keys[j], Int32(j)))
@@ -206,10 +211,10 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
                 merged.append(items[-1])
             items = merged
         best, best_j = items[0]
-        return best, best_j, lane * n + best_j
+        return best, best_j, lane + WARP * best_j
 
     @cute.jit
-    def row_topk(
+    def row_scores(
         logits: cute.Pointer,
         bias: cute.Pointer,
         bias_vl: cute.Pointer,
@@ -217,59 +222,82 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
         ids64: Int32,
         sentinel_lo: Int32,
         s_scores: cute.Tensor,
+        s_keys: cute.Tensor,
         row: Int32,
+        tid: Int32,
+        experts: cutlass.Constexpr[int],
+        threads: cutlass.Constexpr[int],
+        image: cutlass.Constexpr[bool],
+        pdl_wait: cutlass.Constexpr[bool],
+    ):
+        """Stage 1 of one row's top-k, spread over a whole CTA (device code
+        for all `threads` threads; a CTA barrier must follow before
+        `row_select`): thread t computes the scores of experts t, t +
+        threads, ... (scores_per_thread(experts, threads) of them, 4-byte
+        coalesced loads; a thread past the end recomputes expert E-1 and
+        stores nothing) and writes the unbiased score to s_scores[e] (fp32
+        [experts], shared) and the selection key (`order_key` of score +
+        bias[e], or bias_vl[e] for an image row) to s_keys[e] (uint32
+        [experts], shared).
+
+        logits: Uint32 view of the row's fp32 logits [experts]; bias /
+        bias_vl: Uint32 views of the fp32 biases (bias_vl read only when
+        `image`; input_ids / ids64 / sentinel_lo say whether the row is an
+        image row). pdl_wait: wait on griddepcontrol after issuing the bias
+        loads (the biases are bound with the layer; the logits are written
+        by an earlier kernel) and before the logits loads."""
+        per = scores_per_thread(experts, threads)
+        es = []
+        for i in cutlass.range_constexpr(per):
+            if cutlass.const_expr((i + 1) * threads <= experts):
+                es.append(tid + i * threads)
+            else:
+                es.append(cutlass.min(tid + i * threads, experts - 1))
+        b_raw, bvl_raw, raw = [], [], []
+        for i in cutlass.range_constexpr(per):
+            b_raw.append(cute.arch.load(bias + es[i], Uint32))
+            if cutlass.const_expr(image):
+                bvl_raw.append(cute.arch.load(bias_vl + es[i], Uint32))
+        if cutlass.const_expr(pdl_wait):
+            cute.arch.griddepcontrol_wait()
+        for i in cutlass.range_constexpr(per):
+            raw.append(cute.arch.load(logits + es[i], Uint32))
+        image_row = Boolean(False)
+        if cutlass.const_expr(image):
+            image_row = is_image_row(input_ids, ids64, row, sentinel_lo)
+        roots = sqrtsoftplus([raw[i].bitcast(Float32) for i in range(per)])
+        for i in cutlass.range_constexpr(per):
+            s = roots[i]
+            b = b_raw[i]
+            if cutlass.const_expr(image):
+                b = bvl_raw[i] if image_row else b
+            key = order_key(add_rn(s, b.bitcast(Float32)))
+            if cutlass.const_expr((i + 1) * threads <= experts):
+                s_scores[es[i]] = s
+                s_keys[es[i]] = key
+            else:
+                if tid + i * threads < experts:
+                    s_scores[es[i]] = s
+                    s_keys[es[i]] = key
+
+    @cute.jit
+    def row_select(
+        s_scores: cute.Tensor,
+        s_keys: cute.Tensor,
         lane: Int32,
         scale: Float32,
         experts: cutlass.Constexpr[int],
         top_k: cutlass.Constexpr[int],
-        image: cutlass.Constexpr[bool],
-        pdl_wait: cutlass.Constexpr[bool],
     ):
-        """The DeepSeek-V4 top-k of one row (device code for one full warp).
-
-        logits: Uint32 view of the row's fp32 logits [experts]; bias /
-        bias_vl: Uint32 views of the fp32 biases [experts], 16-byte aligned
-        (bias_vl read only when `image`, and used when `is_image_row` says so
-        of this row from input_ids / ids64 / sentinel_lo, read only when
-        `image`).
-        s_scores: shared fp32 [rows, experts] whose row `row` keeps the
-        unbiased scores for the renormalization. lane: the calling lane
-        (0..31); scale: the routed scaling factor (fp32). pdl_wait: wait on
-        griddepcontrol after issuing the bias loads (the biases are set when
-        the layer is bound, not by the kernels before; the logits are) and
-        before the logits loads.
+        """Stage 2 of one row's top-k (device code for one full warp, after
+        `row_scores` and a CTA barrier): lane l takes the keys of experts
+        l, l + 32, ... (E/32 of them, conflict-free shared loads), the
+        top_k rounds (tree, `redux.sync.max`, `redux.sync.min` over the ids
+        holding the best key) and the renormalization from s_scores.
         Returns (expert id Int32, weight Float32) of round `lane` for lanes
         < top_k (unspecified for the others)."""
         n = experts // WARP
-        v = vector_words(experts)
-        base = lane * n
-        raw, b_raw, bvl_raw = [], [], []
-        for j in cutlass.range_constexpr(0, n, v):
-            b_raw.extend(load_words(bias + (base + j), v))
-            if cutlass.const_expr(image):
-                bvl_raw.extend(load_words(bias_vl + (base + j), v))
-        if cutlass.const_expr(pdl_wait):
-            cute.arch.griddepcontrol_wait()
-        for j in cutlass.range_constexpr(0, n, v):
-            raw.extend(load_words(logits + (base + j), v))
-        image_row = Boolean(False)
-        if cutlass.const_expr(image):
-            image_row = is_image_row(input_ids, ids64, row, sentinel_lo)
-        # the first value of every load first: ptxas sinks each load to its
-        # first use, so this issues them together
-        order = [j for q in range(v) for j in range(q, n, v)]
-        roots = sqrtsoftplus([raw[j].bitcast(Float32) for j in order])
-        scores = [None] * n
-        for i, j in enumerate(order):
-            scores[j] = roots[i]
-        keys = []
-        for j in cutlass.range_constexpr(n):
-            s = scores[j]
-            s_scores[row, base + j] = s
-            b = b_raw[j]
-            if cutlass.const_expr(image):
-                b = bvl_raw[j] if image_row else b
-            keys.append(order_key(add_rn(s, b.bitcast(Float32))))
+        keys = [s_keys[lane + WARP * j] for j in range(n)]
 
         # rounds: the warp's best key, then the lowest id holding it
         my_id = Int32(0)
@@ -287,11 +315,10 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
 
         # renormalize (routing._renormalize) in every lane: NaN -> 0, the sum
         # in top-k order, the floor; +inf scores share the weight equally
-        cute.arch.sync_warp()                                 # the scores in s_scores
         c = []
         n_inf = Int32(0)
         for r in cutlass.range_constexpr(top_k):
-            v_r = s_scores[row, ids[r]]
+            v_r = s_scores[ids[r]]
             bits = v_r.bitcast(Uint32)
             if (bits & Uint32(0x7FFFFFFF)) > Uint32(_F32_INF_BITS):
                 v_r = Float32(0.0)

@@ -25,7 +25,8 @@ from kernel_checks import (
 )
 
 from moebench.kernels.front import FrontConfig, FrontKernel, front, front_reason, launch_front
-from moebench.kernels.topk import FLOOR_BITS, WARP, topk_reason, vector_words
+from moebench.kernels.front import THREADS
+from moebench.kernels.topk import FLOOR_BITS, WARP, scores_per_thread, topk_reason, vector_words
 from moebench.record import build_route_record, max_ctas, route_words
 from moebench.routing import RouterConfig, route, sqrtsoftplus
 
@@ -132,15 +133,18 @@ def test_compiles_for_sm90a_without_spills(experts, top_k, image, pdl):
     sass, ptx = _compile(experts, top_k, image, pdl)
     instr = sass_instructions(sass)
     text = assert_sass_without_spills(instr, "front")
-    # one barrier after the top-k, two in the record builder
-    assert len(re.findall(r"\bBAR\.SYNC", text)) == 3
-    n, v = experts // WARP, vector_words(experts)
+    # one barrier after the scores, two in the record builder; the cluster
+    # handoff: arrive (relaxed) on entry, wait, DSMEM store of the ids to
+    # CTA 0, arrive (release), wait (the waits may add a BAR.SYNC each)
+    assert 3 <= len(re.findall(r"\bBAR\.SYNC", text)) <= 5
+    assert len(re.findall(r"barrier\.cluster\.arrive\.relaxed;", ptx)) == 1
+    assert len(re.findall(r"barrier\.cluster\.arrive;", ptx)) == 1
+    assert len(re.findall(r"barrier\.cluster\.wait;", ptx)) == 2
+    assert len(re.findall(r"st\.shared::cluster\.u32", ptx)) == 1
+    per = scores_per_thread(experts, THREADS)
     arrays = 3 if image else 2
-    _assert_pdl_order_after_bias_loads(instr, pdl, bias_loads=(arrays - 1) * n // v)
-    if v == 4:
-        assert len(re.findall(r"\bLDG\.E\.128\b", text)) == 4 + arrays * n // 4
-    elif v == 2:
-        assert len(re.findall(r"\bLDG\.E\.64\b", text)) == arrays * n // 2
+    _assert_pdl_order_after_bias_loads(instr, pdl, bias_loads=(arrays - 1) * per)
+    assert len(re.findall(r"\bLDG\.E\.128\b", text)) == 4       # the quantize part's x loads
     # the quantize part: 16 hardware e4m3 conversions, 16-byte stores
     assert len(re.findall(r"F2FP\.SATFINITE\.E4M3\.F32", text)) == 16
     # a warp max and a warp min per top-k round; IEEE arithmetic: correctly
@@ -150,26 +154,26 @@ def test_compiles_for_sm90a_without_spills(experts, top_k, image, pdl):
     # argument and in the sqrt fast path (on normal values only)
     assert len(re.findall(r"redux\.sync\.max\.u32", ptx)) == top_k
     assert len(re.findall(r"redux\.sync\.min\.u32", ptx)) == top_k
-    assert len(re.findall(r"sqrt\.rn\.f32", ptx)) == n
-    assert len(re.findall(r"rsqrt\.approx\.ftz\.f32", ptx)) == n
+    assert len(re.findall(r"sqrt\.rn\.f32", ptx)) == per
+    assert len(re.findall(r"rsqrt\.approx\.ftz\.f32", ptx)) == per
     assert "div.rn.f32" in ptx and "add.rn.f32" in ptx and "mul.rn.f32" in ptx
     assert not re.search(r"\b(div|sqrt|lg2|rcp)\.approx", ptx)
     ftz = set(re.findall(r"\b[a-z0-9]+(?:\.[a-z0-9]+)*\.ftz(?:\.[a-z0-9]+)*", ptx))
     assert ftz <= {"ex2.approx.ftz.f32", "rsqrt.approx.ftz.f32", "mul.rn.ftz.f32"}, ftz
-    assert len(re.findall(r"ex2\.approx\.ftz\.f32", ptx)) == n  # one libdevice expf per score
-    assert len(re.findall(r"mul\.rn\.ftz\.f32", ptx)) == 2 * n
+    assert len(re.findall(r"ex2\.approx\.ftz\.f32", ptx)) == per  # one libdevice expf per score
+    assert len(re.findall(r"mul\.rn\.ftz\.f32", ptx)) == 2 * per
 
 
 _GLOBAL = re.compile(r"(@!?U?P\d+ )?(LDG|STG|ATOM|RED)\b")
 
 
 def _assert_pdl_order_after_bias_loads(instr: list[str], pdl: bool, bias_loads: int) -> None:
-    """PDL: trigger dependents (PREEXIT) and wait (ACQBULK: the top-k warps,
-    the other warps of CTA 0, the quantize CTAs) exactly when pdl; the only
-    global accesses ahead of the first wait are the top-k warps' bias loads."""
+    """PDL: trigger dependents (PREEXIT) and wait (ACQBULK: the score
+    threads of the top-k CTAs, the quantize CTAs) exactly when pdl; the only
+    global accesses ahead of the first wait are the score threads' bias loads."""
     text = "\n".join(instr)
     assert ("PREEXIT" in text) == pdl
-    assert text.count("ACQBULK") == (3 if pdl else 0)
+    assert text.count("ACQBULK") == (2 if pdl else 0)
     if pdl:
         before = [s for s in instr[: instr.index("ACQBULK")] if _GLOBAL.match(s)]
         assert len(before) == bias_loads and all("LDG" in s for s in before), before
@@ -411,8 +415,8 @@ def _order_key(sel: np.ndarray) -> np.ndarray:
 
 
 def _kernel_method_model(logits, bias, bias_vl, image_rows, top_k, scale):
-    """The warp top-k's method in numpy (CPU): blocked lanes, keys, rounds of
-    (lane best, warp max, lowest holder lane), the renormalization in fp32
+    """The warp top-k's method in numpy (CPU): strided lanes, keys, rounds of
+    (lane best, warp max, lowest id holding it), the renormalization in fp32
     top-k order. Scores come from the reference's sqrtsoftplus (the
     transcendentals are checked on the GPU)."""
     f32 = np.float32
@@ -426,13 +430,15 @@ def _kernel_method_model(logits, bias, bias_vl, image_rows, top_k, scale):
     for t in range(rows):
         b = (bias_vl if image_rows[t] else bias).numpy()
         with np.errstate(invalid="ignore", over="ignore"):
-            keys = _order_key((scores[t] + b).astype(f32)).reshape(WARP, n)
+            # lane l holds experts l, l + 32, ... (keys[l, j] is expert l + 32 j)
+            keys = _order_key((scores[t] + b).astype(f32)).reshape(n, WARP).T.copy()
         chosen = []
         for r in range(top_k):
             best_j = keys.argmax(axis=1)                  # first of equals: lower id
             best = keys[np.arange(WARP), best_j]
-            src = int(np.flatnonzero(best == best.max())[0])
-            ids[t, r] = src * n + best_j[src]
+            lane_ids = np.arange(WARP) + WARP * best_j
+            src = int(lane_ids[best == best.max()].min()) % WARP   # the lowest id holding it
+            ids[t, r] = src + WARP * best_j[src]
             chosen.append(scores[t, ids[t, r]])
             keys[src, best_j[src]] = 0
         c = [f32(0) if np.isnan(s) else s for s in chosen]
