@@ -430,7 +430,8 @@ def step(
 
 
 _STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows", "scenario": "scenario",
-               "unique_experts": "experts", "backend": "backend", "status": "status", "median_us": "step µs",
+               "unique_experts": "experts", "backend": "backend", "routing_path": "routing", "status": "status",
+               "median_us": "step µs",
                "p10_us": "p10", "p90_us": "p90", "step_with_gate_us": "+gate µs", "gate_us": "gate",
                "allreduce_us": "all-red.", "allreduce_share_pct": "AR %", "stage_sum_us": "Σ stages",
                "gbps": "GB/s", "pct_copy_bw": "%copy", "vs_torch_bf16": "×torch", "max_rel_err": "err",

@@ -3,9 +3,13 @@
 The layer (`integration.step_layer`): gate -> router top-k -> shared expert ->
 routed experts -> finalize (top-k weighted sum + shared add), one rank of a
 TP layer, for each backend: "moebench" = `MoEStep` + `RoutedExpertGemm` + the
-finalize kernel; any other backend (torch-bf16, FlashInfer, ...) = the same
-gate / router / shared expert with the backend's routed experts, the shared
-output added after. The routing follows the sweep's scenarios: the gate's
+finalize kernel, with the fused front (top-k + MXFP8 x + route record in one
+launch) bound to the layer's router where `step.front_applies` (DeepSeek-V4
+sqrtsoftplus routing with the layer's bias: every generated layer), else the
+runner's router + `route`; any other backend (torch-bf16, FlashInfer, ...) =
+the same gate / router / shared expert with the backend's routed experts, the
+shared output added after. The routing_path column says which path a case
+took ("front", "router+route: <why not the front>", "router"). The routing follows the sweep's scenarios: the gate's
 weights are chosen (`scenario_gate_weight`) so the real gate GEMM and router
 pick each row's scenario experts.
 
@@ -28,11 +32,13 @@ events (`timing.time_graph`); one call of the graph walks `layers` distinct
 layers' weights (>= 4x L2, cold L2; 1 with warm_l2) and the per-call time is
 replay / layers:
 - median_us / p10_us / p90_us: the whole step from the router logits on
-  (router, shared expert, routed experts, finalize; with ranks > 1 the
+  (front or router, shared expert, routed experts, finalize; with ranks > 1 the
   all-reduce too): the issue's target, which excludes the gate;
 - step_with_gate_us: the same with the gate GEMM in front; gate_us: the gate alone;
-- kernel_<stage>_us: each stage alone in its own graph, fed by an eager run
-  of the stages before it ("per-stage CUDA graphs", not nvtx ranges): a
+- kernel_<stage>_us: each stage alone (moebench: front, shared, gemm1,
+  gemm2, finalize, with router + route instead of front off the front path;
+  other backends: router, shared, experts, shared_add) in its own graph, fed
+  by an eager run of the stages before it ("per-stage CUDA graphs", not nvtx ranges): a
   stage's time includes its launch but not the overlap programmatic
   dependent launch gives neighbours, so stage_sum_us >= the whole step;
 - allreduce_us: the all-reduce of a BF16 [rows, H] buffer alone (ranks > 1),
@@ -87,11 +93,11 @@ from moebench.reference import ORACLE_TOLERANCE, relative_error
 from moebench.routing import SCENARIOS, scenario_topk_ids
 
 #: Every stage name a step kind has (kernel_<stage>_us columns).
-STEP_STAGES = ("router", "shared", "route", "gemm1", "gemm2", "finalize", "experts", "shared_add")
+STEP_STAGES = ("front", "router", "shared", "route", "gemm1", "gemm2", "finalize", "experts", "shared_add")
 KERNEL_COLUMNS = tuple(f"kernel_{s}_us" for s in STEP_STAGES)
 #: Result columns of a step run: the sweep's, then the step's own.
 STEP_COLUMNS = (
-    *COLUMNS, "kind", "ranks", "rank", "gpu_index", "step_with_gate_us", "gate_us", "stage_sum_us",
+    *COLUMNS, "kind", "routing_path", "ranks", "rank", "gpu_index", "step_with_gate_us", "gate_us", "stage_sum_us",
     "allreduce_us", "allreduce_share_pct", "shared_bytes", *KERNEL_COLUMNS,
 )  # fmt: skip
 #: Backends a step runs on a GPU when none are named (unavailable ones are skipped with the reason).
@@ -392,6 +398,14 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, names, backends, re
     return info
 
 
+def _routing_path(step: DecodeStep) -> str:
+    """The routing path a step took (the routing_path column): "front" (our
+    fused front), "router+route: <why the front does not apply>" (our kernels
+    behind the runner's router), "router" (a backend behind the runner's router)."""
+    reason = getattr(step, "front_refusal", None)
+    return f"{step.routing_path}: {reason}" if reason else step.routing_path
+
+
 def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, oracle_weights, x_cpu, ids_cpu,
               scenario, layers, copy_bw) -> dict:  # fmt: skip
     """Gate then time one case on this rank; returns its own columns (the
@@ -421,6 +435,7 @@ def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, 
                 steps.append(KernelStep(runner, prepared[layer], x, all_reduce=world > 1))
             else:
                 steps.append(BackendStep(runner, backend, prepared[layer], x, all_reduce=world > 1))
+        row["routing_path"] = _routing_path(steps[0])
         part = steps[0].partial(with_gate=True)
         _, got = steps[0].routing()
         row["unique_experts"] = unique_experts(got, shape.experts)
@@ -539,6 +554,7 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
     for col in ("ranks", "rank", "gpu_index", "shared_bytes"):
         frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
     frame["kind"] = "step"
+    frame["routing_path"] = frame["routing_path"].fillna("").astype(str)
     return frame
 
 

@@ -123,15 +123,18 @@ class ReferenceRouter:
 class ReferenceSharedExpert:
     """One shared expert: BF16 weights w1 (gate) [Is, H], w3 (up) [Is, H],
     w2 [H, Is]; out = w2 . swiglu_clamped(w1 x, w3 x, limit), fp32 inside,
-    BF16 [T, H] out."""
+    BF16 [T, H] out. The fp32 copies of the weights (exact: BF16 widens
+    losslessly) are made once here, not per call; replace the expert to
+    change its weights."""
 
     def __init__(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> None:
         self.w1, self.w3, self.w2, self.limit = w1, w3, w2, limit
+        self.w1_f32, self.w3_f32, self.w2_f32 = w1.float(), w3.float(), w2.float()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
-        h = swiglu_clamped(xf @ self.w1.float().T, xf @ self.w3.float().T, self.limit)
-        return (h @ self.w2.float().T).to(torch.bfloat16)
+        h = swiglu_clamped(xf @ self.w1_f32.T, xf @ self.w3_f32.T, self.limit)
+        return (h @ self.w2_f32.T).to(torch.bfloat16)
 
 
 class _Mxfp4QuantMethod:

@@ -2,7 +2,8 @@
 
     x BF16 [T, H] ─► gate (fp32 logits [T, E]) ─► router (sqrtsoftplus top-k)
       ├─► shared expert (BF16 GEMMs)                                  ─► shared [T, H]
-      └─► routed experts: our kernels (route ─► GEMM1 ─► GEMM2, through MoEStep)
+      └─► routed experts: our kernels (MoEStep: the fused front, or the router
+                          then route where the front does not apply; GEMM1 ─► GEMM2)
                           or a backend's forward (torch-bf16, FlashInfer, ...)
     ─► finalize (top-k weighted sum + the shared add) [─► all-reduce over the TP group]
 
@@ -18,8 +19,10 @@
 - `StepGate` / `StepSharedExpert`: the gate and the shared expert as a
   serving stack runs them (weights converted once, one GEMM per projection),
   under the reference's names (`protocol.Gate`, `protocol.SharedExperts`).
-- `KernelStep`: `MoEStep` + `RoutedExpertGemm` + the finalize kernel (the
-  shared add fused into it); `BackendStep`: the same layer with a backend's
+- `KernelStep`: `MoEStep` + `RoutedExpertGemm` (its fused front bound to the
+  layer's router where `front_applies`: top-k + MXFP8 x + route record in
+  one launch instead of the torch router and `route`) + the finalize kernel
+  (the shared add fused into it); `BackendStep`: the same layer with a backend's
   routed experts, the shared output added after. Both expose the whole step
   (`run`), the gate (`gate`) and each stage on its own (`stage_calls`).
 - `step_oracle`: the reference layer's finalized forward in fp64.
@@ -44,7 +47,7 @@ from moebench.formats import ExpertWeights, generate_expert_weights
 from moebench.integration.reference_layer import (
     Mxfp4Experts, ReferenceGate, ReferenceMoELayer, ReferenceRouter, ReferenceSharedExpert,
 )  # fmt: skip
-from moebench.integration.step import MoEStep
+from moebench.integration.step import MoEStep, bind_front, front_refusal
 from moebench.integration.tp_step import rank_slice
 from moebench.models import MoEConfig
 from moebench.moe_output import MoEOutput, UnfinalizedMoEOutput
@@ -248,9 +251,9 @@ class StepSharedExpert:
         self.limit = float(limit)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.w13)
+        gate_up = F.linear(x, self.w13).float()  # one widening launch for both halves
         i = self.inter
-        h = swiglu_clamped(gate_up[:, :i].float(), gate_up[:, i:].float(), self.limit).to(torch.bfloat16)
+        h = swiglu_clamped(gate_up[:, :i], gate_up[:, i:], self.limit).to(torch.bfloat16)
         return F.linear(h, self.w2)
 
 
@@ -351,22 +354,41 @@ class DecodeStep(abc.ABC):
 
 
 class KernelStep(DecodeStep):
-    """The layer on our kernels: `MoEStep` (gate, shared expert, router, then
-    `RoutedExpertGemm.route` + `gemms`) and the finalize kernel with the
-    shared add fused. Stages: router, shared, route (MXFP8 x + route record),
-    gemm1, gemm2, finalize.
+    """The layer on our kernels: `MoEStep` (gate, shared expert, then the fused
+    front where `front_applies`, else the runner's router + `route`; then
+    `gemms`) and the finalize kernel with the shared add fused. Stages, as
+    MoEStep runs them:
+
+    - front path (`FRONT_STAGES`): front (top-k + MXFP8 x + route record in
+      one launch), shared, gemm1, gemm2, finalize;
+    - router path (`ROUTER_STAGES`): router (the runner's torch top-k),
+      shared, route (MXFP8 x + route record), gemm1, gemm2, finalize.
 
     gemm: a RoutedExpertGemm bound to the runner's routed experts;
     finalize_fn(unfinalized, scale=, shared=) -> BF16 [T, H]: default the
     finalize kernel (`kernels.finalize.finalize`, compiled here, outside any
-    capture). Raises ValueError when MoEStep would not take the kernels for
-    this call (rows outside 1..8, another device, weights the gemm is not
-    bound to)."""
+    capture); front: bind the fused front to the runner's router
+    (`step.bind_front`, compiled here) where its routing allows it (the
+    DeepSeek-V4 sqrtsoftplus top-k with the layer's bias); with False the
+    gemm is left as it is. `uses_front` / `front_refusal` (None on the front
+    path, else why not) / `routing_path` ("front" or "router+route") say
+    which path the step takes. Raises ValueError when MoEStep would not take
+    the kernels for this call (rows outside 1..8, another device, weights the
+    gemm is not bound to)."""
 
-    stages = ("router", "shared", "route", "gemm1", "gemm2", "finalize")
+    FRONT_STAGES = ("front", "shared", "gemm1", "gemm2", "finalize")
+    ROUTER_STAGES = ("router", "shared", "route", "gemm1", "gemm2", "finalize")
+    stages = FRONT_STAGES
 
-    def __init__(self, runner, gemm, x, *, finalize_fn=None, all_reduce: bool = False, group=None) -> None:
+    def __init__(
+        self, runner, gemm, x, *, finalize_fn=None, front: bool = True, all_reduce: bool = False, group=None
+    ) -> None:
         super().__init__(runner, x, all_reduce=all_reduce, group=group)
+        if front:
+            bind_front(gemm, runner)  # a refusal is reported by front_refusal below
+        self.front_refusal = front_refusal(gemm, runner)
+        self.uses_front = self.front_refusal is None
+        self.stages = self.FRONT_STAGES if self.uses_front else self.ROUTER_STAGES
         if finalize_fn is None:
             from moebench.kernels.finalize import compile_finalize_kernel, finalize
 
@@ -389,6 +411,14 @@ class KernelStep(DecodeStep):
         if not isinstance(out, MoEOutput) or not isinstance(out.routed, UnfinalizedMoEOutput):
             raise RuntimeError("MoEStep did not take the low-batch kernels")
         return self.finalize_fn(out.routed, scale=out.routed_scaling_factor, shared=out.shared_output)
+
+    @property
+    def routing_path(self) -> str:
+        """"front" (fused front) or "router+route" (the runner's router, then route)."""
+        return "front" if self.uses_front else "router+route"
+
+    def _stage_front(self, s: dict) -> dict:
+        return {"routing": self.gemm.front(s["x"], s["logits"], None)}
 
     def _stage_route(self, s: dict) -> dict:
         return {"routing": self.gemm.route(s["x"], s["topk_ids"], s["topk_weights"])}
@@ -414,6 +444,7 @@ class BackendStep(DecodeStep):
     shared_add. prepared: `backend.prepare(...)` of the runner's experts."""
 
     stages = ("router", "shared", "experts", "shared_add")
+    routing_path = "router"
 
     def __init__(self, runner, backend, prepared, x, *, all_reduce: bool = False, group=None) -> None:
         super().__init__(runner, x, all_reduce=all_reduce, group=group)

@@ -58,12 +58,15 @@ def _check_ok(frame: pd.DataFrame, stages) -> None:
         got = [c for c in KERNEL_COLUMNS if not math.isnan(row[c])]
         assert got == [f"kernel_{n}_us" for n in names]
         assert row["stage_sum_us"] == pytest.approx(sum(row[c] for c in got))
+        assert row["routing_path"] == ROUTING_PATHS[row["backend"]]
     assert (frame["kind"] == "step").all()
 
 
 BACKEND_STAGES = {"torch-bf16": ("router", "shared", "experts", "shared_add"),
                   "reference": ("router", "shared", "experts", "shared_add"),
-                  "moebench": ("router", "shared", "route", "gemm1", "gemm2", "finalize")}  # fmt: skip
+                  "moebench": ("front", "shared", "gemm1", "gemm2", "finalize")}  # fmt: skip
+#: The routing path each backend's step takes on these layers (DeepSeek-V4 routing with a bias: the front applies).
+ROUTING_PATHS = {"torch-bf16": "router", "reference": "router", "moebench": "front"}
 
 
 def test_one_rank_step_on_the_cpu():
@@ -82,6 +85,41 @@ def test_one_rank_step_on_the_cpu():
     # Bytes = the touched experts + the shared expert + activations.
     assert (frame["bytes"] > frame["shared_bytes"]).all()
     assert set(frame[frame["scenario"] == "hot"]["unique_experts"]) <= set(range(1, 32))
+
+
+def test_one_rank_moebench_step_takes_the_front_on_the_cpu(monkeypatch):
+    """The moebench step's wiring in run_step on the CPU, with a torch stand-in
+    for RoutedExpertGemm and the torch finalize: the fused front is bound to
+    each layer's router, replaces router + route, and the row says so."""
+    from pathlib import Path
+
+    from moebench.backends.moebench import MoebenchBackend
+    from moebench.integration.step_layer import KernelStep
+    from moebench.moe_output import finalize as torch_finalize
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "integration"))
+    from integration_checks import FakeRoutedExpertGemm
+
+    class StandIn(MoebenchBackend):
+        capturable = False
+
+        def unavailable_reason(self, device):
+            return None
+
+        def prepare(self, weights, shape, tactic="default"):
+            return FakeRoutedExpertGemm(weights, shape.top_k)
+
+    real_load = decode_step.load_backend
+    monkeypatch.setattr(decode_step, "load_backend", lambda n: StandIn() if n == "moebench" else real_load(n))
+    monkeypatch.setattr(decode_step, "KernelStep",
+                        lambda *a, **k: KernelStep(*a, finalize_fn=torch_finalize, **k))  # fmt: skip
+    cfg = step_config(**SMALL, tp=2, rows=(1, 3), scenarios=("correlated",), backends=("moebench", "torch-bf16"),
+                      device="cpu", warmup=0, replays=2, layers=2)  # fmt: skip
+    res = run_step(cfg)
+    assert len(res.frame) == 4
+    _check_ok(res.frame, BACKEND_STAGES)
+    moe = res.frame[res.frame["backend"] == "moebench"]
+    assert moe["kernel_router_us"].isna().all() and moe["kernel_route_us"].isna().all()
 
 
 def test_tp2_step_over_gloo_and_a_dead_rank(monkeypatch):

@@ -11,13 +11,14 @@ import torch
 from integration_checks import FakeRoutedExpertGemm
 from moebench.backends.torch_bf16 import TorchBF16Backend
 from moebench.formats import generate_activations
+from moebench.integration.reference_layer import ReferenceSharedExpert
 from moebench.integration.step_layer import (
     BackendStep, KernelStep, build_runner, generate_full_layer, generate_shard_layer, scenario_gate_weight,
     slice_layer, step_oracle,
 )  # fmt: skip
 from moebench.models import MoEConfig
 from moebench.moe_output import finalize as torch_finalize
-from moebench.reference import ORACLE_TOLERANCE, relative_error
+from moebench.reference import ORACLE_TOLERANCE, relative_error, swiglu_clamped
 from moebench.routing import scenario_topk_ids
 
 CFG = MoEConfig("tiny", 256, 128, 32, 4, 1, 1.5, 10.0)
@@ -119,38 +120,100 @@ def test_backend_step_on_the_cpu(rows):
 
 @pytest.mark.parametrize("rows", [2, 8])
 def test_kernel_step_path_with_a_stand_in(rows):
-    """KernelStep's wiring (MoEStep -> route -> gemm1 -> gemm2 -> finalize with
-    the shared add) on the CPU with a torch stand-in for RoutedExpertGemm."""
+    """KernelStep's wiring (MoEStep -> fused front -> gemm1 -> gemm2 ->
+    finalize with the shared add) on the CPU with a torch stand-in for
+    RoutedExpertGemm: the front is bound to the layer's router and replaces
+    the torch router + route."""
     weights, ids, x, gate = _case(rows)
     runner = build_runner(weights, gate, **_kw())
     gemm = FakeRoutedExpertGemm(weights.experts, CFG.top_k)
     step = KernelStep(runner, gemm, x, finalize_fn=torch_finalize)
+    assert step.uses_front and step.front_refusal is None and step.routing_path == "front"
+    assert gemm.front_config is not None and gemm.front_config.bias is weights.bias
     out = step.run()
     oracle, _ = step_oracle(weights, gate, x, **_kw())
     assert relative_error(out, oracle) < ORACLE_TOLERANCE
-    assert gemm.calls["gemms"] == 1
+    assert gemm.calls == {"route": 0, "front": 1, "gemms": 1}
     assert torch.equal(step.run(with_gate=True), out)
     calls = step.stage_calls()
-    assert [n for n, _ in calls] == list(KernelStep.stages)
+    assert [n for n, _ in calls] == list(KernelStep.FRONT_STAGES) == ["front", "shared", "gemm1", "gemm2", "finalize"]
     assert torch.equal([fn() for _, fn in calls][-1]["out"], out)
+    assert gemm.calls["route"] == 0
     # The kernels refuse rows beyond 8: the step says so.
     big = generate_activations(9, CFG.hidden, 1)
     with pytest.raises(ValueError, match="kernels do not take"):
         KernelStep(runner, gemm, big, finalize_fn=torch_finalize)
 
 
+@pytest.mark.parametrize("rows", [1, 6])
+def test_kernel_step_router_path_where_the_front_does_not_apply(rows):
+    """Without the front (not bound, or refused: here a capture hook) the step
+    runs the runner's router then route, with those stages, and says why."""
+    weights, ids, x, gate = _case(rows)
+    oracle, _ = step_oracle(weights, gate, x, **_kw())
+    runner = build_runner(weights, gate, **_kw())
+    gemm = FakeRoutedExpertGemm(weights.experts, CFG.top_k)
+    step = KernelStep(runner, gemm, x, finalize_fn=torch_finalize, front=False)
+    assert not step.uses_front and "no fused front" in step.front_refusal
+    assert step.routing_path == "router+route" and gemm.front_config is None
+    out = step.run()
+    assert relative_error(out, oracle) < ORACLE_TOLERANCE
+    assert gemm.calls == {"route": 1, "front": 0, "gemms": 1}
+    calls = step.stage_calls()
+    assert [n for n, _ in calls] == list(KernelStep.ROUTER_STAGES)
+    assert torch.equal([fn() for _, fn in calls][-1]["out"], out)
+
+    hooked = build_runner(weights, gate, **_kw())
+    hooked.router.capture_fn = lambda ids: None
+    gemm = FakeRoutedExpertGemm(weights.experts, CFG.top_k)
+    step = KernelStep(hooked, gemm, x, finalize_fn=torch_finalize)
+    assert gemm.front_config is not None  # bound, but refused this call
+    assert not step.uses_front and "capture hook" in step.front_refusal
+    assert [n for n, _ in step.stage_calls()] == list(KernelStep.ROUTER_STAGES)
+    assert torch.equal(step.run(), out) and gemm.calls["front"] == 0
+
+
+def test_front_and_router_paths_agree():
+    weights, ids, x, gate = _case(5)
+    outs = []
+    for front in (True, False):
+        gemm = FakeRoutedExpertGemm(weights.experts, CFG.top_k)
+        step = KernelStep(build_runner(weights, gate, **_kw()), gemm, x, finalize_fn=torch_finalize, front=front)
+        assert step.uses_front is front
+        outs.append(step.run())
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_reference_shared_expert_converts_its_weights_once():
+    """fp32 copies made at construction: the same bits as converting per call,
+    and no weight conversion inside a call."""
+    weights, ids, x, gate = _case(3)
+    shared = ReferenceSharedExpert(weights.shared_w1, weights.shared_w3, weights.shared_w2, CFG.swiglu_limit)
+    assert all(w.dtype == torch.float32 for w in (shared.w1_f32, shared.w3_f32, shared.w2_f32))
+    xf = x.float()
+    h = swiglu_clamped(xf @ weights.shared_w1.float().T, xf @ weights.shared_w3.float().T, CFG.swiglu_limit)
+    expected = (h @ weights.shared_w2.float().T).to(torch.bfloat16)
+    assert torch.equal(shared(x), expected)
+    # A call reads the cached copies only: its BF16 weights may be gone.
+    shared.w1 = shared.w3 = shared.w2 = None
+    assert torch.equal(shared(x), expected)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("front", [True, False])
 @pytest.mark.parametrize("rows", [1, 4, 8])
-def test_gpu_kernel_step_matches_the_oracle_and_captures(rows):
+def test_gpu_kernel_step_matches_the_oracle_and_captures(rows, front):
     from moebench.bench.timing import time_graph
     from moebench.kernels.binding import RoutedExpertGemm
 
     weights, ids, x, gate = _case(rows, device="cuda")
     runner = build_runner(weights, gate, **_kw())
-    step = KernelStep(runner, RoutedExpertGemm(weights.experts, CFG.top_k), x)
+    step = KernelStep(runner, RoutedExpertGemm(weights.experts, CFG.top_k), x, front=front)
+    assert step.uses_front is front
+    assert [n for n, _ in step.stage_calls()] == list(KernelStep.FRONT_STAGES if front else KernelStep.ROUTER_STAGES)
     oracle, _ = step_oracle(weights, gate, x, **_kw())
     out = step.run()
     assert relative_error(out, oracle) < ORACLE_TOLERANCE
