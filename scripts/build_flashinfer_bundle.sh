@@ -77,8 +77,13 @@ EOF
 do_build() {
   stamp "build start (MAX_JOBS=$MAX_JOBS, nice $NICE, ONLY=${ONLY:-both})"
   export FLASHINFER_EXTRA_CUDAFLAGS="-isystem $BUILD/cudaextra/nvidia/cu13/include"
-  export FLASHINFER_EXTRA_CFLAGS="-isystem $BUILD/cudaextra/nvidia/cu13/include"
-  export FLASHINFER_EXTRA_LDFLAGS="-L$BUILD/stubs"
+  # host-compiled TUs (e.g. envUtils) include cuda_runtime_api.h: the toolkit headers too
+  local cuda_inc
+  for cuda_inc in "$CUDA_HOME/include" /usr/local/cuda/include /usr/local/cuda-*/include; do
+    [ -f "$cuda_inc/cuda_runtime_api.h" ] && break
+  done
+  export FLASHINFER_EXTRA_CFLAGS="-isystem $BUILD/cudaextra/nvidia/cu13/include -isystem $cuda_inc"
+  export FLASHINFER_EXTRA_LDFLAGS="-L$BUILD/stubs -L$(dirname "$cuda_inc")/lib64"  # + libcudart
   nice -n "$NICE" "$PY" - "$BUILD" "${ONLY:-both}" <<'PYEOF'
 import dataclasses, os, re, shutil, subprocess, sys, time
 from pathlib import Path

@@ -89,6 +89,7 @@ from moebench.integration.step_layer import (
     BackendStep, DecodeStep, KernelStep, build_runner, generate_full_layer, generate_shard_layer,
     scenario_gate_weight, slice_layer, step_oracle,
 )  # fmt: skip
+from moebench.backends.base import ORACLE_TOLERANCES as ORACLES_TOL
 from moebench.reference import ORACLE_TOLERANCE, relative_error
 from moebench.routing import SCENARIOS, scenario_topk_ids
 
@@ -455,8 +456,9 @@ def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, 
             oracle, _ = step_oracle(oracle_weights, gates[0], steps[0].x, **kw, activation=backend.oracle)
             err = relative_error(out, oracle)
             what = "the full unsliced layer" if world > 1 else "the layer"
-            verdict = (err, None if err <= ORACLE_TOLERANCE else
-                       f"rel. error {err:.3g} vs the {backend.oracle} oracle of {what} exceeds {ORACLE_TOLERANCE:g}")  # fmt: skip
+            tol = ORACLES_TOL[backend.oracle]
+            verdict = (err, None if err <= tol else
+                       f"rel. error {err:.3g} vs the {backend.oracle} oracle of {what} exceeds {tol:g}")  # fmt: skip
         except Exception as e:  # noqa: BLE001
             verdict = (None, f"oracle failed: {_error_text(e)}")
     err, error = _from_rank0(verdict, world)

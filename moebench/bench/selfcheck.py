@@ -124,8 +124,8 @@ def _backend_check(name: str, device: torch.device) -> Callable[[], str]:
         oracle = reference_moe(x, ids, w, weights, activation=backend.oracle).output
         out = backend.forward(backend.prepare(weights, shape), x, ids, w)
         err = relative_error(out, oracle)
-        if not err <= ORACLE_TOLERANCE:
-            raise AssertionError(f"rel. error {err:.3g} vs the {backend.oracle} oracle > {ORACLE_TOLERANCE:g}")
+        if not err <= backend.tolerance:
+            raise AssertionError(f"rel. error {err:.3g} vs the {backend.oracle} oracle > {backend.tolerance:g}")
         return f"{shape.describe()}, {rows} rows: rel. err {err:.2e} ({backend.oracle} oracle)"
 
     return check
