@@ -73,6 +73,23 @@ def parse_names(text: str, option: str) -> tuple[str, ...]:
     return names
 
 
+_STATUS_COLORS = {"ok": "green", "failed": "red", "skipped": "yellow"}
+
+
+def _cell(col: str, v) -> str:
+    """One result-table cell as rich markup (errors, ratios, status colors,
+    notes escaped and cut at 80 characters)."""
+    if col == "max_rel_err":
+        return "-" if v is None or v != v else f"{v:.1e}"
+    if col == "vs_torch_bf16":
+        return _fmt(v, 2)
+    if col == "status":
+        return f"[{_STATUS_COLORS.get(v, 'white')}]{v}[/]"
+    if col == "note":
+        return escape_markup(str(v)[:80])
+    return _fmt(v)
+
+
 def _fmt(value, digits: int = 1) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
@@ -281,22 +298,8 @@ def _print_summary(table_df) -> None:
     shown = [c for c in columns if c not in constant and c not in empty]
     for col in shown:
         table.add_column(columns[col], overflow="fold", no_wrap=col != "note")
-    colors = {"ok": "green", "failed": "red", "skipped": "yellow"}
     for rec in table_df.to_dict("records"):
-        cells = []
-        for col in shown:
-            v = rec[col]
-            if col == "max_rel_err":
-                cells.append("-" if v is None or v != v else f"{v:.1e}")
-            elif col == "vs_torch_bf16":
-                cells.append(_fmt(v, 2))
-            elif col == "status":
-                cells.append(f"[{colors.get(v, 'white')}]{v}[/]")
-            elif col == "note":
-                cells.append(str(v)[:80])
-            else:
-                cells.append(_fmt(v))
-        table.add_row(*cells)
+        table.add_row(*(_cell(col, rec[col]) for col in shown))
     # Wide enough for the table even when stdout is not a terminal (logs, CI).
     Console(highlight=False, width=max(console.width, 150)).print(table)
 
@@ -448,22 +451,8 @@ def _print_frame(frame, title: str | None, constant_keys=("preset", "tp", "ranks
     for col in shown:
         name = _STEP_HEADS.get(col) or str(col).removeprefix("kernel_").removesuffix("_us")
         table.add_column(name, overflow="fold", no_wrap=col != "note")
-    colors = {"ok": "green", "failed": "red", "skipped": "yellow"}
     for rec in frame.to_dict("records"):
-        cells = []
-        for col in shown:
-            v = rec[col]
-            if col == "max_rel_err":
-                cells.append("-" if v is None or v != v else f"{v:.1e}")
-            elif col == "vs_torch_bf16":
-                cells.append(_fmt(v, 2))
-            elif col == "status":
-                cells.append(f"[{colors.get(v, 'white')}]{v}[/]")
-            elif col == "note":
-                cells.append(escape_markup(str(v)[:80]))
-            else:
-                cells.append(_fmt(v))
-        table.add_row(*cells)
+        table.add_row(*(_cell(col, rec[col]) for col in shown))
     Console(highlight=False, width=max(console.width, 180)).print(table)
 
 
