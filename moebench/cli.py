@@ -830,7 +830,8 @@ def _print_gains(records) -> None:
     if not records:
         return
     table = Table(title="tuned vs built-in default (µs per GEMM1+GEMM2 pair, the other stage at its default, timed"
-                        " side by side; both tuned: the pair minus both gains, estimated; gain > 0: tuned is faster)")
+                        " side by side; both tuned: the pair times both stages' tuned/default ratios, estimated; gain > 0: tuned is"
+                        " faster)")
     for head in ("preset", "TP", "rows", "GEMM1 default", "GEMM1 tuned", "gain", "GEMM2 default", "GEMM2 tuned",
                  "gain", "pair default", "both tuned (est.)", "gain µs", "gain %"):  # fmt: skip
         table.add_column(head)
