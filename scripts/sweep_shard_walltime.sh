@@ -2,7 +2,7 @@
 # Wall time of one sweep grid split over two GPUs (`sweep --devices 0,1`: one
 # worker process per GPU, one merged run) vs the same grid on one GPU of the
 # same host. Grid: dsv41-flash, TP4 and TP8 ranks' shapes, rows 1-8,
-# correlated routing, moebench + torch-bf16 (two (preset, tp) groups, so each
+# correlated routing, moebench + torch-bf16 (BACKENDS overrides; two (preset, tp) groups, so each
 # GPU gets one). Expected: one GPU ~3-4 min, two GPUs ~2-2.5 min (the TP8
 # group, with the longest rotation, bounds it). Run on the 2xH200 host from
 # the project root:
@@ -20,7 +20,7 @@ mode="${1:-both}"
 root="${OUT:+$OUT/runs}"
 root="${root:-reports/runs}"
 log_dir="${OUT:-.}"
-grid=(--preset dsv41-flash --tp 4,8 --rows 1-8 --scenario correlated --backends moebench,torch-bf16)
+grid=(--preset dsv41-flash --tp 4,8 --rows 1-8 --scenario correlated --backends "${BACKENDS:-moebench,torch-bf16}")
 rc=0
 
 timed() {  # timed NAME -- COMMAND...: run it through device_run.sh and record the wall time
