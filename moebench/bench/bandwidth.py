@@ -110,10 +110,11 @@ def size_matched_ceiling_gbps(
     """GB/s a plain read-streaming kernel reaches over `nbytes` in one launch.
 
     The kernel reads int32 words (nbytes rounded up to 16 bytes), grid = 4 x
-    SM count, evict-first loads, captured in a CUDA graph; each replay reads a
-    different buffer of a rotation spanning >= 4 x L2 so every launch starts
-    cold. Median over `repeats` replays. Returns None when Triton is missing or
-    `device` is not CUDA. Raises ValueError for a non-positive size or one
+    SM count, evict-first loads; one CUDA graph launches it once per buffer of
+    a rotation spanning >= 4 x L2 (so every launch starts cold), and a sample
+    is that graph's replay time / the buffer count, the way the sweep times
+    several layers' calls per replay. Median over `repeats` replays. Returns
+    None when Triton is missing or `device` is not CUDA. Raises ValueError for a non-positive size or one
     larger than the rotation's memory cap (4 GiB).
     """
     _check_bytes("nbytes", nbytes)
@@ -141,24 +142,24 @@ def size_matched_ceiling_gbps(
         for b in bufs:  # compile and warm
             kernel[grid](b, out, words, BLOCK=4096, num_warps=8)
         torch.cuda.synchronize()
-        graphs = []
-        for b in bufs:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
+        # One graph reads every buffer in turn, and a sample is its replay time
+        # / count: per-replay events around a single short launch would add
+        # the host's graph-submission gap and understate the ceiling.
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for b in bufs:
                 kernel[grid](b, out, words, BLOCK=4096, num_warps=8)
-            graphs.append(g)
         torch.cuda.synchronize()
-        for g in graphs:
-            g.replay()
+        graph.replay()
         events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                   for _ in range(repeats)]  # fmt: skip
-        for i, (start, end) in enumerate(events):
+        for start, end in events:
             start.record()
-            graphs[i % len(graphs)].replay()
+            graph.replay()
             end.record()
         torch.cuda.synchronize()
-        seconds = float(np.median([s.elapsed_time(e) / 1e3 for s, e in events]))
-        del graphs, bufs, out
+        seconds = float(np.median([s.elapsed_time(e) / 1e3 / len(bufs) for s, e in events]))
+        del graph, bufs, out
     gbps = words * 4 / seconds / 1e9
     _ceiling_cache[key] = gbps
     return gbps
