@@ -719,8 +719,9 @@ def launch_ranks(
                             name=f"moebench-step-rank{rank}")  # fmt: skip
             p.start()
             procs.append(p)
-        _wait(procs, scratch, progress, timeout_s, poll_s)
-        return _collect(config, procs, scratch, names, reduced, devices)
+        timed_out = _wait(procs, scratch, progress, timeout_s, poll_s)
+        stopped = f"stopped after the {timeout_s:g} s timeout (--timeout)" if timed_out else None
+        return _collect(config, procs, scratch, names, reduced, devices, stopped)
     except BaseException:
         _stop(procs)
         raise
@@ -739,8 +740,11 @@ def _stop(procs) -> None:
             p.join()
 
 
-def _wait(procs, scratch: Path, progress, timeout_s, poll_s) -> None:
+def _wait(procs, scratch: Path, progress, timeout_s, poll_s) -> bool:
+    """Wait for the ranks (progress relayed), stop them past `timeout_s` or
+    RANK_GRACE_S after one died; True when the timeout stopped them."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    timed_out = False
     dead_since = None
     seen = None
     while any(p.is_alive() for p in procs):
@@ -756,15 +760,19 @@ def _wait(procs, scratch: Path, progress, timeout_s, poll_s) -> None:
         now = time.monotonic()
         if dead_since is None and any(p.exitcode not in (None, 0) for p in procs):
             dead_since = now
-        if (deadline is not None and now >= deadline) or (dead_since is not None and now - dead_since > RANK_GRACE_S):
+        if deadline is not None and now >= deadline:
+            timed_out = True
+            break
+        if dead_since is not None and now - dead_since > RANK_GRACE_S:
             break
         next(p for p in procs if p.is_alive()).join(poll_s)
     _stop(procs)
     for p in procs:
         p.join()
+    return timed_out
 
 
-def _collect(config, procs, scratch: Path, names, reduced, devices) -> StepResult:
+def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str | None = None) -> StepResult:
     world = config.ranks
     frames, infos, workers = {}, {}, []
     for rank, p in enumerate(procs):
@@ -775,8 +783,9 @@ def _collect(config, procs, scratch: Path, names, reduced, devices) -> StepResul
         frames[rank] = pd.read_parquet(part) if part.exists() else None
         error = None
         if p.exitcode != 0:
-            why = info.get("error") or (f"killed by signal {-p.exitcode}" if p.exitcode and p.exitcode < 0
-                                        else f"exit code {p.exitcode}")  # fmt: skip
+            killed = p.exitcode is not None and p.exitcode < 0
+            why = info.get("error") or (stopped if killed and stopped else f"killed by signal {-p.exitcode}"
+                                        if killed else f"exit code {p.exitcode}")  # fmt: skip
             gpu = f" (GPU {devices[rank]})" if devices else ""
             error = f"rank {rank}{gpu} died: {why}"
         workers.append({"rank": rank, "gpu_index": info.get("gpu_index"), "gpu_serial": info.get("gpu_serial", ""),

@@ -259,6 +259,27 @@ if HAVE_DSL:
                                 rB[1] = b[2 * kk + 1]
                                 cute.gemm(tiled_mma, acc[2 * t2 + tt], tCrA, tCrB, acc[2 * t2 + tt])
 
+        def mma_fragments(self):
+            """(tiled_mma, rA, rB, tCrA, tCrB, acc): the m16n8k16 BF16 MMA, its A / B
+            fragments and their Uint32 views, and tile_rows/16 zeroed fp32
+            accumulators (trace-time Python: called inside the kernel bodies)."""
+            tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+            tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 16)))
+            tCrB = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 16)))
+            rA, rB = cute.recast_tensor(tCrA, Uint32), cute.recast_tensor(tCrB, Uint32)
+            acc = [tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8))) for _ in range(self.tm)]
+            for a in acc:
+                a.fill(0.0)
+            return tiled_mma, rA, rB, tCrA, tCrB, acc
+
+        def stash_partials(self, sP, acc, parity, warp, lane):
+            """This warp's accumulators to its shared-memory partials (`parity`
+            half), then zeroed for the next unit (trace-time Python)."""
+            for t in range(self.tm):  # a plain Python loop: unrolled while tracing, as range_constexpr
+                for x in range(4):
+                    sP[t * 128 + lane * 4 + x, warp, parity] = acc[t][x]
+                acc[t].fill(0.0)
+
         @cute.jit
         def partial(self, sP, parity, r, n):
             """Sum over the warps_k partials of item row r (0..rm), token n."""
@@ -409,13 +430,7 @@ if HAVE_DSL:
             p_a = cute.recast_ptr(act, dtype=Uint32)
             p_as = cute.recast_ptr(act_s, dtype=Uint8)
 
-            tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
-            tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 16)))
-            tCrB = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 16)))
-            rA, rB = cute.recast_tensor(tCrA, Uint32), cute.recast_tensor(tCrB, Uint32)
-            acc = [tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8))) for _ in range(self.tm)]
-            for a in acc:
-                a.fill(0.0)
+            tiled_mma, rA, rB, tCrA, tCrB, acc = self.mma_fragments()
             pw_n, ps_n = self.pairs * U * 4, self.pairs * U
             st_w = [cute.make_rmem_tensor((pw_n,), Uint32) for _ in range(2)]
             st_s = [cute.make_rmem_tensor((ps_n,), Uint32) for _ in range(2)]
@@ -466,10 +481,7 @@ if HAVE_DSL:
                         self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w[s], st_s[s], st_a[s], st_as[s],
                                      n_mine - c_b * U)
                         if c_b == NB - 1:  # unit done: partials to smem, one barrier, epilogue
-                            for t in cutlass.range_constexpr(self.tm):
-                                for x in cutlass.range_constexpr(4):
-                                    sP[t * 128 + lane * 4 + x, warp, parity] = acc[t][x]
-                                acc[t].fill(0.0)
+                            self.stash_partials(sP, acc, parity, warp, lane)
                             cute.arch.sync_threads()
                             if cutlass.const_expr(SK == 1):
                                 self.epilogue(sP, parity, part, record, clamp, out, out_s, out_deq, c_unit,
@@ -585,13 +597,7 @@ if HAVE_DSL:
             slots_at = 4 + 2 * words
             p_a = cute.recast_ptr(act, dtype=Uint32)
             p_as = cute.recast_ptr(act_s, dtype=Uint8)
-            tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
-            tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 16)))
-            tCrB = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 16)))
-            rA, rB = cute.recast_tensor(tCrA, Uint32), cute.recast_tensor(tCrB, Uint32)
-            acc = [tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8))) for _ in range(self.tm)]
-            for a in acc:
-                a.fill(0.0)
+            tiled_mma, rA, rB, tCrA, tCrB, acc = self.mma_fragments()
             st_w = cute.make_rmem_tensor((self.pairs * U * 4,), Uint32)
             st_s = cute.make_rmem_tensor((self.pairs * U,), Uint32)
             st_a = cute.make_rmem_tensor((self.aw * U,), Uint32)
@@ -624,10 +630,7 @@ if HAVE_DSL:
                 if lane == 0:
                     cute.arch.mbarrier_arrive(bars + (S + s))
                 if b == NB - 1:  # item done: partials to smem, one barrier, epilogue
-                    for t in cutlass.range_constexpr(self.tm):
-                        for x in cutlass.range_constexpr(4):
-                            sP[t * 128 + lane * 4 + x, warp, parity] = acc[t][x]
-                        acc[t].fill(0.0)
+                    self.stash_partials(sP, acc, parity, warp, lane)
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                     self.epilogue(sP, parity, sP, record, clamp, out, out_s, out_deq, unit, valid_at, warp, lane,
                                   tid)

@@ -243,9 +243,15 @@ def compare_runs(
         errors.append(f"the run {current_label} holds no cases (an empty results.parquet): nothing was measured")
     if not errors and not frame["verdict"].isin(COMPARED).any():
         counts = frame["verdict"].value_counts().to_dict()
+        hint = ""
+        tactics = [set(df["tactic"].dropna().astype(str)) if "tactic" in df.columns else set()
+                   for df in (current, baseline)]  # fmt: skip
+        if tactics[0] and tactics[1] and not tactics[0] & tactics[1]:
+            hint = (f"; cases match on preset, TP, rows, scenario, backend AND tactic, and the tactics differ"
+                    f" ({', '.join(sorted(tactics[0]))} vs {', '.join(sorted(tactics[1]))})")
         errors.append("no case could be compared with the baseline ("
                       + ", ".join(f"{n} {v}" for v, n in counts.items())
-                      + "): the runs share no case that has a time in both")  # fmt: skip
+                      + "): the runs share no case that has a time in both" + hint)  # fmt: skip
     return Comparison(frame, float(threshold_pct), mismatches, notes, current_label, baseline_label, errors)
 
 

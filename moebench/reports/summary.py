@@ -119,8 +119,16 @@ def markdown_table(frame: pd.DataFrame, digits: int = 2) -> str:
     rule = "|" + "|".join("---" for _ in frame.columns) + "|"
     lines = [header, rule]
     for row in frame.itertuples(index=False):
-        lines.append("| " + " | ".join(_cell(v, digits) for v in row) + " |")
+        cells = (_error_cell(v) if c == "max_rel_err" else _cell(v, digits) for c, v in zip(frame.columns, row))
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _error_cell(value) -> str:
+    """A relative error with 3 significant digits (2 decimals would show a
+    0.0147 that failed a 1e-2 gate as 0.01)."""
+    text = _cell(value, 2)
+    return f"{value:.2e}" if text and isinstance(value, float) else text
 
 
 def to_markdown(df: pd.DataFrame, manifest: dict, ranks: pd.DataFrame | None = None) -> str:

@@ -142,6 +142,11 @@ def test_tp2_step_over_gloo_and_a_dead_rank(monkeypatch):
     assert res.frame["error"].str.contains("rank 0 died").all()
     assert all(w["error"] for w in res.manifest["workers"])
 
+    # Ranks stopped by the timeout say so (not "killed by signal 15").
+    res = run_step(cfg, timeout_s=0.5)
+    assert (res.frame["status"] == "failed").all()
+    assert res.frame["error"].str.contains("stopped after the 0.5 s timeout").all(), res.frame["error"].tolist()
+
 
 def test_cli_step_then_report(tmp_path):
     result = runner.invoke(app, ["step", *SMALL_ARGS, "--rows", "1", "--backends", "torch-bf16",

@@ -382,22 +382,29 @@ def test_other_tactics_match_the_oracle():
             _check_rows(out, oracle, route, t2.name)
 
 
-@pytest.mark.gpu
-def test_cuda_graph_replay_matches_eager_and_follows_inputs():
-    from moebench.kernels.gemm import gemm1, gemm2
+def _graph_case(rows: int, ids_seed: int):
+    """dsv41-flash TP4 (64 experts) weights, a correlated routing of `rows`,
+    MXFP8 activations and zeroed GEMM buffers, for the graph-replay tests."""
     from moebench.kernels.layout import to_kernel_layout
     from moebench.routing import scenario_topk_ids
 
     experts = 64
     shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=5)
     kw = to_kernel_layout(weights)
-    ids = scenario_topk_ids("correlated", 6, 6, experts, seed=2)
-    route = build_route_record(ids.cuda(), experts)
-    x_q, x_s = quantize_mxfp8(generate_activations(6, shape.hidden, seed=1, device="cuda"))
+    route = build_route_record(scenario_topk_ids("correlated", rows, 6, experts, seed=ids_seed).cuda(), experts)
+    x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=1, device="cuda"))
     n = TILE * route.ctas
     h_q = torch.zeros(n, kw.intermediate, dtype=torch.uint8, device="cuda")
     h_s = torch.zeros(n, kw.intermediate // 32, dtype=torch.uint8, device="cuda")
     out = torch.zeros(n, kw.hidden, dtype=torch.bfloat16, device="cuda")
+    return shape, kw, route, x_q, x_s, h_q, h_s, out
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_matches_eager_and_follows_inputs():
+    from moebench.kernels.gemm import gemm1, gemm2
+
+    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(6, ids_seed=2)
 
     def step():
         gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s)
@@ -675,19 +682,8 @@ def test_bulk_load_path_matches_the_oracle(preset, tp):
 @pytest.mark.gpu
 def test_bulk_graph_replay_matches_eager_and_is_repeatable():
     from moebench.kernels.gemm import gemm1, gemm2
-    from moebench.kernels.layout import to_kernel_layout
-    from moebench.routing import scenario_topk_ids
 
-    experts = 64
-    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=5)
-    kw = to_kernel_layout(weights)
-    ids = scenario_topk_ids("correlated", 8, 6, experts, seed=3)
-    route = build_route_record(ids.cuda(), experts)
-    x_q, x_s = quantize_mxfp8(generate_activations(8, shape.hidden, seed=1, device="cuda"))
-    n = TILE * route.ctas
-    h_q = torch.zeros(n, kw.intermediate, dtype=torch.uint8, device="cuda")
-    h_s = torch.zeros(n, kw.intermediate // 32, dtype=torch.uint8, device="cuda")
-    out = torch.zeros(n, kw.hidden, dtype=torch.bfloat16, device="cuda")
+    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(8, ids_seed=3)
 
     def step():
         gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=BULK_1[0])

@@ -139,6 +139,8 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
 
     def gemm2(kw, h_q, h_s, record, ctas, out, *, tactic):
         case = case_of(record)
+        if "oracle" not in case:  # the pair of a GEMM1 timing (GEMM2 at its default): no output needed
+            return
         out.copy_(case["oracle"].to(out.dtype))
         if wrong(tactic):
             out[: case["used"]] *= 1.5
