@@ -8,17 +8,22 @@ replays), GB/s over the unique bytes (logical weights + scales of the touched
 experts + activations in and out) and % of the 4215 GB/s copy bandwidth.
 
     source .bundles/unpack.sh && PYTHONPATH=$PWD python3 scripts/time_gemms.py [--out F.json]
-        [--tp 4,8] [--rows 1,2,4,6,8] [--variants] [--bulk] [--split-k]
+        [--tp 4,8] [--rows 1,2,4,6,8] [--variants] [--bulk] [--split-k] [--act-bf16]
 
 --variants adds alternative tactics (split-K ones included); --bulk adds the
 bulk-copy load path variants (BULK_1 / BULK_2); --split-k adds only the split-K variants (SPLIT_K_1 / SPLIT_K_2 below, those valid for the
 shape). Split-K launches share one zeroed workspace per shape, allocated
-once before any graph is captured.
+once before any graph is captured. --act-bf16 adds, for every tactic timed,
+its act_bf16 twin (`_a16`: BF16 activations x_deq / h_deq, dequantized once
+before capture; GEMM1 also writes h_deq), and "both" for each a16 pair of
+the defaults; bytes are counted as for the MXFP8 operand (same logical
+bytes, so GB/s compare directly).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import time
@@ -26,7 +31,7 @@ import time
 import torch
 
 from moebench.formats import generate_activations, quantize_mxfp8
-from moebench.kernels.gemm import alloc_workspace, gemm1, gemm2
+from moebench.kernels.gemm import act_to_bf16, alloc_workspace, gemm1, gemm2
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
 from moebench.models import get_preset
@@ -109,7 +114,8 @@ def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float
     return ts[len(ts) // 2], ts[len(ts) // 10], ts[(9 * len(ts)) // 10]
 
 
-def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list, bulk: bool = False) -> None:
+def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list, bulk: bool = False,
+                act_bf16: bool = False) -> None:
     shape = get_preset("dsv41-flash").shard(tp)
     gs = GemmShape.of(shape)
     h, i = shape.hidden, shape.intermediate
@@ -146,12 +152,27 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
         route = build_route_record(ids.cuda(), shape.experts)
         t1s = [default_tactic(gs, 1, route.ctas)] + [t for t in extra1 if t != default_tactic(gs, 1, route.ctas)]
         t2s = [default_tactic(gs, 2, route.ctas)] + [t for t in extra2 if t != default_tactic(gs, 2, route.ctas)]
+        if act_bf16:  # the a16 twin of every tactic, right after the MXFP8 ones
+            t1s += [dataclasses.replace(t, act_bf16=True) for t in t1s]
+            t2s += [dataclasses.replace(t, act_bf16=True) for t in t2s]
         x_q, x_s = quantize_mxfp8(generate_activations(rows, h, seed=rows, device="cuda"))
         n = TILE * route.ctas
         used = TILE * route.tiles_used
         h_q = torch.zeros(n, i, dtype=torch.uint8, device="cuda")
         h_s = torch.zeros(n, i // 32, dtype=torch.uint8, device="cuda")
         out = torch.zeros(n, h, dtype=torch.bfloat16, device="cuda")
+        x_deq = act_to_bf16(x_q, x_s) if act_bf16 else None
+        h_deq = torch.zeros(n, i, dtype=torch.bfloat16, device="cuda") if act_bf16 else None
+
+        def g1(kw, t1):
+            a16 = dict(x_deq=x_deq, h_deq_out=h_deq) if t1.act_bf16 else {}
+            gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, workspace=ws, **a16)
+
+        def g2(kw, t2):
+            a16 = dict(h_deq=h_deq) if t2.act_bf16 else {}
+            gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, workspace=ws, **a16)
+
+        d1, d2 = t1s[0], t2s[0]
         act1 = rows * (h + h // 32) + used * (i + i // 32)
         act2 = used * (i + i // 32) + used * h * 2
         bytes1 = touched * per_expert_1 + act1
@@ -159,17 +180,18 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
         for t1 in t1s:
             for t2 in t2s:
                 first_t2, first_t1 = t2 is t2s[0], t1 is t1s[0]
+                a16_pair = (t1.act_bf16 and t2.act_bf16 and dataclasses.replace(t1, act_bf16=False) == d1
+                            and dataclasses.replace(t2, act_bf16=False) == d2)
                 cases = []
                 if first_t2:
-                    cases.append(("gemm1", t1.name, bytes1, lambda t1=t1: [
-                        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, workspace=ws) for kw in sets]))
+                    cases.append(("gemm1", t1.name, bytes1, lambda t1=t1: [g1(kw, t1) for kw in sets]))
                 if first_t1:
-                    cases.append(("gemm2", t2.name, bytes2, lambda t2=t2: [
-                        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, workspace=ws) for kw in sets]))
-                if first_t1 or first_t2 or (t1.bulk and t2.bulk):
+                    cases.append(("gemm2", t2.name, bytes2, lambda t2=t2: [g2(kw, t2) for kw in sets]))
+                # (never a16 GEMM2 after an MXFP8 GEMM1: it would read an h_deq nobody wrote)
+                if (first_t1 or first_t2 or (t1.bulk and t2.bulk) or a16_pair) and (
+                        t1.act_bf16 or not t2.act_bf16):
                     cases.append(("both", f"{t1.name}+{t2.name}", bytes1 + bytes2, lambda t1=t1, t2=t2: [
-                        (gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, workspace=ws),
-                         gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, workspace=ws)) for kw in sets]))
+                        (g1(kw, t1), g2(kw, t2)) for kw in sets]))
                 for kernel, tactic, nbytes, fn in cases:
                     med, p10, p90 = time_graph(fn, n_sets)
                     gbps = nbytes / (med * 1e-6) / 1e9
@@ -192,6 +214,8 @@ def main() -> None:
     ap.add_argument("--variants", action="store_true", help="also time alternative tactics (split-K included)")
     ap.add_argument("--split-k", action="store_true", help="also time the split-K variants (only those)")
     ap.add_argument("--bulk", action="store_true", help="also time the bulk-copy variants (all bulk pairs in 'both')")
+    ap.add_argument("--act-bf16", action="store_true",
+                    help="also time the act_bf16 (_a16) twin of every tactic, and the a16 defaults in 'both'")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     t0 = time.time()
@@ -199,7 +223,8 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s (reference {COPY_GBPS:.0f})")
     results: list = []
     for tp in (int(t) for t in args.tp.split(",")):
-        bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, args.split_k, results, args.bulk)
+        bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, args.split_k, results, args.bulk,
+                    args.act_bf16)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(copy_gbps=bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)

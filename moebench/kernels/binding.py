@@ -173,6 +173,18 @@ class RoutedExpertGemm:
                         f" on {workspace.device}"
                     )
                 self.workspace = workspace
+        # BF16 activation operands (act_bf16 tactics), allocated once for the most rows / tiles:
+        # x_deq [8, H] when a GEMM1 tactic reads x as BF16; h_deq [8*ctas(8), I] when a GEMM1
+        # tactic writes it or a GEMM2 tactic reads it.
+        a16 = {stage for (stage, _), t in self.tactics.items() if t.act_bf16}
+        self.x_deq: torch.Tensor | None = None
+        self.h_deq: torch.Tensor | None = None
+        self._h_deq_of: int | None = None  # data_ptr of the h_q whose BF16 value h_deq holds
+        if 1 in a16:
+            self.x_deq = torch.empty(MAX_ROWS, self.hidden, dtype=torch.bfloat16, device=self.kw.device)
+        if a16:
+            n = TILE * max(max_ctas(r, top_k, self.experts) for r in range(1, MAX_ROWS + 1))
+            self.h_deq = torch.empty(n, self.kw.intermediate, dtype=torch.bfloat16, device=self.kw.device)
         self.front_config: FrontConfig | None = None
         # Compile now, not inside a CUDA-graph capture.
         _quantize.compile_quantize_kernel()
@@ -302,17 +314,34 @@ class RoutedExpertGemm:
         rows = TILE * routing.ctas
         h_q = torch.empty(rows, self.kw.intermediate, dtype=torch.uint8, device=device)
         h_scale = torch.empty(rows, self.kw.intermediate // 32, dtype=torch.uint8, device=device)
+        tactic = self.tactics[1, routing.x_quant.shape[0]]
+        x_deq = h_deq = None
+        if tactic.act_bf16:
+            # TODO(act_bf16): let the quantize kernel and the fused front write x_deq next to
+            # x_quant / x_scale (one more store per element); for now a few torch elementwise
+            # launches between the front and GEMM1 (bit-identical: gemm.act_to_bf16).
+            x_deq = _gemm.act_to_bf16(routing.x_quant, routing.x_scale,
+                                      out=self.x_deq[: routing.x_quant.shape[0]])
+            h_deq = self.h_deq[:rows]
         _gemm.gemm1(self.kw, routing.x_quant, routing.x_scale, routing.record, routing.ctas,
-                    h_q, h_scale, tactic=self.tactics[1, routing.x_quant.shape[0]],
-                    workspace=self.workspace)  # fmt: skip
+                    h_q, h_scale, tactic=tactic, workspace=self.workspace, x_deq=x_deq,
+                    h_deq_out=h_deq)  # fmt: skip
+        self._h_deq_of = h_q.data_ptr() if tactic.act_bf16 else None
         return h_q, h_scale
 
     def gemm2(self, routing: Routing, h_q: torch.Tensor, h_scale: torch.Tensor) -> UnfinalizedMoEOutput:
         """Launch GEMM2 on GEMM1's outputs; returns the unweighted BF16 rows
         [8*ctas, H] with the routing weights and permute map."""
         out = torch.empty(TILE * routing.ctas, self.hidden, dtype=torch.bfloat16, device=h_q.device)
+        tactic = self.tactics[2, routing.x_quant.shape[0]]
+        h_deq = None
+        if tactic.act_bf16:
+            h_deq = self.h_deq[: TILE * routing.ctas]
+            if self._h_deq_of != h_q.data_ptr():
+                # GEMM1 ran without act_bf16 (or h_q came from elsewhere): dequantize H here
+                _gemm.act_to_bf16(h_q, h_scale, out=h_deq)
         _gemm.gemm2(self.kw, h_q, h_scale, routing.record, routing.ctas, out,
-                    tactic=self.tactics[2, routing.x_quant.shape[0]], workspace=self.workspace)
+                    tactic=tactic, workspace=self.workspace, h_deq=h_deq)
         return UnfinalizedMoEOutput(out, routing.topk_weights, routing.permuted)
 
     def gemms(self, routing: Routing) -> UnfinalizedMoEOutput:

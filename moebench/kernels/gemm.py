@@ -62,7 +62,7 @@ if HAVE_DSL:
     import cuda.bindings.driver as _cuda
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
+    from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint16, Uint32
 
     from cutlass.experimental import primitives as prims
 
@@ -125,6 +125,8 @@ if HAVE_DSL:
             # shared memory: fp32 partials [tm*128][warps][2 parities] (+ the bulk ring); the rest stays L1
             self.smem_bytes = self.tm * 128 * self.nw * 2 * 4
             self.bulk = t.bulk
+            self.a16 = t.act_bf16
+            self.aw = 4 if self.a16 else 2  # activation words per lane and chunk
             self.block_threads = self.threads
             if self.bulk:
                 self.ks = self.u * self.wk  # K chunks per bulk stage
@@ -148,8 +150,9 @@ if HAVE_DSL:
         @cute.jit
         def __call__(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
                      record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
-                     cnt: cute.Pointer, part: cute.Pointer, ctas: Int32, grid: Int32, stream: _cuda.CUstream):
-            self.kernel(w, ws, act, act_s, record, clamp, out, out_s, cnt, part, ctas).launch(
+                     out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ctas: Int32, grid: Int32,
+                     stream: _cuda.CUstream):
+            self.kernel(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas).launch(
                 grid=[grid, 1, 1], block=[self.block_threads, 1, 1], stream=stream,
                 use_pdl=self.tactic.pdl, min_blocks_per_mp=self.tactic.ctas_per_sm,
                 preferred_smem_carveout=self.smem_carveout)
@@ -197,14 +200,23 @@ if HAVE_DSL:
             if cutlass.const_expr(self.stage == 1):
                 slot = cute.arch.load(rec + (slots_at + row), Int32)
                 row = cutlass.max(slot, Int32(0)) // top_k  # padding slots read token row 0
-            pa = p_a + (row * (self.k // 4) + ch0 * 8 + c * 2)
-            pas = p_as + (row * self.nch + ch0)
-            for j in cutlass.range_constexpr(self.u):
-                if j < n_valid:
-                    v = fp4.load_u32x2(pa + j * 8, "evict_last")
-                    st_a[2 * j] = v[0]
-                    st_a[2 * j + 1] = v[1]
-                    st_as[j] = Uint32(cute.arch.load(pas + j, Uint8)) & Uint32(0xFF)
+            if cutlass.const_expr(self.a16):
+                # BF16 [rows, K]: 16 bytes = K elements [32*chunk + 8c, +8) = b[0..3] in memory order
+                pa = p_a + (row * (self.k // 2) + ch0 * 16 + c * 4)
+                for j in cutlass.range_constexpr(self.u):
+                    if j < n_valid:
+                        v = fp4.load_u32x4(pa + j * 16, "evict_last")
+                        for x in cutlass.range_constexpr(4):
+                            st_a[4 * j + x] = v[x]
+            else:
+                pa = p_a + (row * (self.k // 4) + ch0 * 8 + c * 2)
+                pas = p_as + (row * self.nch + ch0)
+                for j in cutlass.range_constexpr(self.u):
+                    if j < n_valid:
+                        v = fp4.load_u32x2(pa + j * 8, "evict_last")
+                        st_a[2 * j] = v[0]
+                        st_a[2 * j + 1] = v[1]
+                        st_as[j] = Uint32(cute.arch.load(pas + j, Uint8)) & Uint32(0xFF)
 
         # ------------------------------------------------------------------ math
         @cute.jit
@@ -212,12 +224,16 @@ if HAVE_DSL:
             """mma.sync of the first min(unroll, n_valid) chunks of a register stage."""
             for j in cutlass.range_constexpr(self.u):
                 if j < n_valid:
-                    m1, m2 = fp4.act_multipliers(st_as[j])
                     b = []
-                    for kk in cutlass.range_constexpr(2):
-                        lo, hi = fp4.e4m3x4_to_bf16x2(st_a[2 * j + kk])
-                        b.append(fp4.mul_bf16x2(fp4.mul_bf16x2(lo, m1), m2))
-                        b.append(fp4.mul_bf16x2(fp4.mul_bf16x2(hi, m1), m2))
+                    if cutlass.const_expr(self.a16):
+                        for x in cutlass.range_constexpr(4):  # already BF16: (k0,k1) (k2,k3) (k4,k5) (k6,k7)
+                            b.append(st_a[4 * j + x])
+                    else:
+                        m1, m2 = fp4.act_multipliers(st_as[j])
+                        for kk in cutlass.range_constexpr(2):
+                            lo, hi = fp4.e4m3x4_to_bf16x2(st_a[2 * j + kk])
+                            b.append(fp4.mul_bf16x2(fp4.mul_bf16x2(lo, m1), m2))
+                            b.append(fp4.mul_bf16x2(fp4.mul_bf16x2(hi, m1), m2))
                     for t2 in cutlass.range_constexpr(self.pairs):
                         sv = st_s[j * self.pairs + t2]
                         for tt in cutlass.range_constexpr(2):
@@ -303,15 +319,19 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ epilogues
         @cute.jit
-        def epilogue(self, sP, parity, part, rec, clamp, out, out_s, item, valid_at, warp, lane, tid):
+        def epilogue(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane, tid):
             if cutlass.const_expr(self.stage == 1):
-                self.epilogue_gemm1(sP, parity, part, rec, clamp, out, out_s, item, valid_at, warp, lane)
+                self.epilogue_gemm1(sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane)
             else:
                 self.epilogue_gemm2(sP, parity, part, rec, out, item, valid_at, tid)
 
         @cute.jit
-        def epilogue_gemm1(self, sP, parity, part, rec, clamp, out, out_s, item, valid_at, warp, lane):
-            """SwiGLU + MXFP8 quantization of one item: one warp per (token, 32 columns)."""
+        def epilogue_gemm1(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane):
+            """SwiGLU + MXFP8 quantization of one item: one warp per (token, 32 columns).
+            With tactic.act_bf16 also the BF16 value of each (q, code) to
+            out_deq, made by the very instructions GEMM2's e4m3 decode runs
+            (`fp4.e4m3x4_to_bf16x2`, `fp4.act_multipliers`, two HMUL2): the
+            same bits by construction, NaN for code 255."""
             tile = item // self.blocks
             blk = item % self.blocks
             valid = cute.arch.load(rec + (valid_at + tile), Int32)
@@ -352,6 +372,12 @@ if HAVE_DSL:
                     row = TILE * tile + n
                     col = blk * (self.rm // 2) + qb * 32 + lane
                     cute.arch.store(out + (row * i_cols + col), Uint8(q))
+                    if cutlass.const_expr(self.a16):
+                        m1, m2 = fp4.act_multipliers(code)
+                        dlo, _dhi = fp4.e4m3x4_to_bf16x2(q)
+                        d = fp4.mul_bf16x2(fp4.mul_bf16x2(dlo, m1), m2)
+                        p16 = cute.recast_ptr(out_deq, dtype=Uint16)
+                        cute.arch.store(p16 + (row * i_cols + col), Uint16(d & Uint32(0xFFFF)))
                     if lane == 0:
                         cute.arch.store(out_s + (row * (i_cols // 32) + blk * qblocks + qb), Uint8(code))
 
@@ -379,14 +405,14 @@ if HAVE_DSL:
         @cute.kernel
         def kernel(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
                    record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
-                   cnt: cute.Pointer, part: cute.Pointer, ctas: Int32):
+                   out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ctas: Int32):
             if cutlass.const_expr(self.bulk):
-                self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, ctas)
+                self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, ctas)
             else:
-                self.register_body(w, ws, act, act_s, record, clamp, out, out_s, cnt, part, ctas)
+                self.register_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas)
 
         @cute.jit
-        def register_body(self, w, ws, act, act_s, record, clamp, out, out_s, cnt, part, ctas):
+        def register_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas):
             """Register load path (tactic.stages == 0): every lane streams its own words."""
             U, NB, SK = self.u, self.nb, self.sk
             tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
@@ -408,7 +434,7 @@ if HAVE_DSL:
             pw_n, ps_n = self.pairs * U * 4, self.pairs * U
             st_w = [cute.make_rmem_tensor((pw_n,), Uint32) for _ in range(2)]
             st_s = [cute.make_rmem_tensor((ps_n,), Uint32) for _ in range(2)]
-            st_a = [cute.make_rmem_tensor((2 * U,), Uint32) for _ in range(2)]
+            st_a = [cute.make_rmem_tensor((self.aw * U,), Uint32) for _ in range(2)]
             st_as = [cute.make_rmem_tensor((U,), Uint32) for _ in range(2)]
             smem = cutlass.memory.SmemAllocator()
             sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
@@ -458,8 +484,8 @@ if HAVE_DSL:
                             self.stash_partials(sP, acc, parity, warp, lane)
                             cute.arch.sync_threads()
                             if cutlass.const_expr(SK == 1):
-                                self.epilogue(sP, parity, part, record, clamp, out, out_s, c_unit, valid_at,
-                                              warp, lane, tid)
+                                self.epilogue(sP, parity, part, record, clamp, out, out_s, out_deq, c_unit,
+                                              valid_at, warp, lane, tid)
                             else:
                                 # split-K: partial sums to the workspace, then arrive on the item's
                                 # counter; the last of its SK units reduces and runs the epilogue.
@@ -478,8 +504,8 @@ if HAVE_DSL:
                                     sLast[0] = Int32(old == Uint32(SK - 1))
                                 cute.arch.sync_threads()
                                 if sLast[0] != 0:  # uniform over the CTA: the last unit of the item
-                                    self.epilogue(sP, parity, part, record, clamp, out, out_s, item, valid_at,
-                                                  warp, lane, tid)
+                                    self.epilogue(sP, parity, part, record, clamp, out, out_s, out_deq, item,
+                                                  valid_at, warp, lane, tid)
                         last = Int32(c_b == NB - 1)
                         parity = parity ^ last
                         c_b = c_b + 1 - last * NB
@@ -487,7 +513,7 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ bulk-copy load path
         @cute.jit
-        def bulk_body(self, w, ws, act, act_s, record, clamp, out, out_s, ctas):
+        def bulk_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, ctas):
             """Bulk load path (tactic.stages = S >= 2). Warps 0..nw-1 compute as in
             the register path; warp nw is the producer. Step i of a CTA (item
             i // NB, K chunks [b*KS, (b+1)*KS), b = i % NB, KS = warps_k*unroll)
@@ -512,7 +538,7 @@ if HAVE_DSL:
             if warp == self.nw:
                 self.bulk_produce(w, ws, record, ring, bars, bid, nblk, lane)
             else:
-                self.bulk_consume(act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars,
+                self.bulk_consume(act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars,
                                   tid, bid, nblk, warp, lane)
 
         @cute.jit
@@ -557,7 +583,7 @@ if HAVE_DSL:
                 b, unit = b - wrap * NB, unit + wrap * nblk
 
         @cute.jit
-        def bulk_consume(self, act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars,
+        def bulk_consume(self, act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars,
                          tid, bid, nblk, warp, lane):
             """The compute warps: per step, activation loads (global, L1), wait
             full[s], weight words and scales from the stage into registers,
@@ -574,7 +600,7 @@ if HAVE_DSL:
             tiled_mma, rA, rB, tCrA, tCrB, acc = self.mma_fragments()
             st_w = cute.make_rmem_tensor((self.pairs * U * 4,), Uint32)
             st_s = cute.make_rmem_tensor((self.pairs * U,), Uint32)
-            st_a = cute.make_rmem_tensor((2 * U,), Uint32)
+            st_a = cute.make_rmem_tensor((self.aw * U,), Uint32)
             st_as = cute.make_rmem_tensor((U,), Uint32)
             if cutlass.const_expr(self.tactic.pdl):
                 cute.arch.griddepcontrol_wait()
@@ -606,7 +632,8 @@ if HAVE_DSL:
                 if b == NB - 1:  # item done: partials to smem, one barrier, epilogue
                     self.stash_partials(sP, acc, parity, warp, lane)
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                    self.epilogue(sP, parity, sP, record, clamp, out, out_s, unit, valid_at, warp, lane, tid)
+                    self.epilogue(sP, parity, sP, record, clamp, out, out_s, out_deq, unit, valid_at, warp, lane,
+                                  tid)
                     parity = parity ^ 1
                 b = b + 1
                 wrap = Int32(b == NB)
@@ -642,8 +669,9 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
 
     Works without a GPU when CUTE_DSL_ARCH=sm_90a is set (cross-compile).
     Returns (kernel, compiled): `kernel.grid(ctas, num_sms)` sizes the
-    launch; `compiled(w, ws, act, act_s, record, clamp, out, out_s, cnt,
-    part, ctas, grid, stream)` takes cute global pointers (make_ptr; cnt /
+    launch; `compiled(w, ws, act, act_s, record, clamp, out, out_s, out_deq,
+    cnt, part, ctas, grid, stream)` (out_deq: GEMM1's BF16 H with
+    tactic.act_bf16, else ignored; act: BF16 [rows, K] with act_bf16) takes cute global pointers (make_ptr; cnt /
     part: the split-K counters and partials, see `workspace_parts`), Int32
     and a CUstream (use `gemm1` / `gemm2` for torch tensors). Raises ValueError
     when the tactic cannot run the shape, RuntimeError without the DSL. A
@@ -663,7 +691,7 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
     out_dtype = Uint8 if stage == 1 else BFloat16
     compiled = cute.compile(
         kernel, fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 4),
-        fake(Int32, 16), fake(Float32, 4), fake(out_dtype, 16), fake(Uint8, 4),
+        fake(Int32, 16), fake(Float32, 4), fake(out_dtype, 16), fake(Uint8, 4), fake(BFloat16, 16),
         fake(Int32, 16), fake(Float32, 16), Int32(1), Int32(1), _cuda.CUstream(0),
     )  # fmt: skip
     return kernel, compiled
@@ -727,7 +755,8 @@ def _split_k_ptrs(workspace, shape: GemmShape, tactic: GemmTactic, stage: int, c
     return gmem_ptr(Int32, base, 16), gmem_ptr(Float32, base + nbytes - partials, 16)
 
 
-def _launch(kw: KernelWeights, stage: int, tactic, args, ctas: int, device, stream, record, workspace) -> None:
+def _resolve(kw: KernelWeights, stage: int, tactic, ctas: int, device) -> tuple[GemmTactic, int]:
+    """(tactic, SMs): the caller's tactic, checked, or the default for `ctas`."""
     shape = GemmShape.of(kw)
     sms = _num_sms(device.index if device.index is not None else 0)
     tactic = default_tactic(shape, stage, ctas, sms, kw.wide_scales) if tactic is None else tactic
@@ -736,6 +765,27 @@ def _launch(kw: KernelWeights, stage: int, tactic, args, ctas: int, device, stre
     reason = tactic.valid_for(shape, stage)
     if reason:
         raise ValueError(f"tactic {tactic.name} cannot run GEMM{stage}: {reason}")
+    return tactic, sms
+
+
+def _bf16_act(name: str, t, tactic: GemmTactic, shape: tuple[int, int], device, what: str):
+    """Check the BF16 activation-side tensor `name` (required exactly when
+    tactic.act_bf16): None when the tactic does not use it."""
+    if not tactic.act_bf16:
+        if t is not None:
+            raise ValueError(f"{name} was given but tactic {tactic.name} does not use BF16 activations"
+                             f" (act_bf16, name suffix _a16); pass {name}=None")
+        return None
+    if t is None:
+        raise ValueError(f"{name} is required: tactic {tactic.name} (act_bf16) {what}; allocate bfloat16"
+                         f" {list(shape)} once")
+    check_tensor(name, t, (torch.bfloat16,), shape, device, align=16)
+    return t
+
+
+def _launch(kw: KernelWeights, stage: int, tactic: GemmTactic, sms: int, args, ctas: int, device, stream,
+            record, workspace) -> None:
+    shape = GemmShape.of(kw)
     split = _split_k_ptrs(workspace, shape, tactic, stage, ctas, device, record)
     if ctas == 0:
         return
@@ -744,9 +794,52 @@ def _launch(kw: KernelWeights, stage: int, tactic, args, ctas: int, device, stre
     compiled(*args, *split, Int32(ctas), Int32(grid), cu_stream(stream, device))
 
 
+def act_to_bf16(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """MXFP8 (e4m3 bytes [..., K], E8M0 [..., K/32]) -> BF16 [..., K] with
+    the very bits the GEMMs' e4m3 decode (`fp4.e4m3x4_to_bf16x2`, then x m1 x
+    m2 of `fp4.act_multipliers`, each a round-to-nearest bf16x2 multiply)
+    feeds the mma: the BF16 activation operand of an act_bf16 tactic.
+
+    Exactly e4m3 * 2^(s-127) rounded once to BF16 (torch ops: the fp32
+    product is exact, its cast rounds to nearest even with BF16 subnormals),
+    which equals dequantize_mxfp8 except at the extremes, where it follows
+    the kernel: products under 2^-133 round to BF16 subnormals / zero (for
+    s < 134 the decode's first multiply is the only inexact one), above the
+    BF16 range they become +-Inf; the e4m3 NaN bytes 0x7F / 0xFF decode as
+    +-480 * 2^(s-127) (the decode moves bits, it has no NaN case); E8M0 255
+    gives NaN, written as 0x7FFF (the canonical NaN HMUL2 produces; the
+    payload is hardware-defined and not compared by the tests). Pure torch
+    (a few elementwise launches; capturable). `out`: bfloat16 of q's shape."""
+    if not isinstance(q, torch.Tensor) or q.dtype not in (torch.uint8, torch.float8_e4m3fn) or q.dim() < 1:
+        raise TypeError(f"q must be uint8 / float8_e4m3fn [..., K], got {getattr(q, 'dtype', type(q).__name__)}")
+    k = q.shape[-1]
+    if k % 32 or not isinstance(scale, torch.Tensor) or scale.dtype != torch.uint8 or (
+            tuple(scale.shape) != (*q.shape[:-1], k // 32)):
+        raise ValueError(f"scale must be uint8 {[*q.shape[:-1], k // 32]} for q {list(q.shape)},"
+                         f" got {getattr(scale, 'dtype', None)} {list(getattr(scale, 'shape', []))}")
+    qu = q.view(torch.uint8)
+    v = qu.view(torch.float8_e4m3fn).to(torch.float32)
+    nan_code = (qu & 0x7F) == 0x7F
+    v = torch.where(nan_code, torch.where(qu >= 128, -480.0, 480.0), v)
+    si = scale.to(torch.int32)
+    bits = torch.where(si == 0, torch.full_like(si, 0x00400000), si << 23)  # 2^(s-127); 255: Inf (fixed below)
+    mult = bits.view(torch.float32)
+    y = (v.unflatten(-1, (-1, 32)) * mult.unsqueeze(-1)).to(torch.bfloat16)
+    y = torch.where((si == 255).unsqueeze(-1), torch.tensor(0x7FFF, dtype=torch.int16, device=q.device)
+                    .view(torch.bfloat16), y).flatten(-2)
+    if out is None:
+        return y
+    if out.dtype != torch.bfloat16 or out.shape != q.shape or out.device != q.device:
+        raise ValueError(f"out must be bfloat16 {list(q.shape)} on {q.device}, got {out.dtype}"
+                         f" {list(out.shape)} on {out.device}")
+    out.copy_(y)
+    return out
+
+
 def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: torch.Tensor, ctas: int,
           h_q_out: torch.Tensor, h_scale_out: torch.Tensor, *, tactic: GemmTactic | None = None,
-          stream=None, workspace: torch.Tensor | None = None) -> None:
+          stream=None, workspace: torch.Tensor | None = None, x_deq: torch.Tensor | None = None,
+          h_deq_out: torch.Tensor | None = None) -> None:
     """Launch GEMM1 (x . w13^T, SwiGLU with clamp, MXFP8 H) on `stream`
     (torch's current stream when None); no host sync, no allocation.
 
@@ -761,6 +854,12 @@ def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: t
     a zeroed buffer of >= workspace_bytes(shape, tactic, ctas, 1) bytes from
     `alloc_workspace`, allocated once and reused (the kernel leaves its
     counters at zero); launches sharing one must run one after the other.
+    x_deq, h_deq_out: required exactly when tactic.act_bf16 (ValueError
+    otherwise): x_deq bfloat16 [rows, H], x dequantized (`act_to_bf16(x_q,
+    x_scale)`: the kernel reads it instead of x_q / x_scale, which are still
+    checked); h_deq_out bfloat16 [8*ctas, I]: the kernel also writes the BF16
+    value of H there (bit-identical to act_to_bf16(h_q_out, h_scale_out) on
+    the written rows), for an act_bf16 GEMM2.
     Raises TypeError / ValueError naming the argument; RuntimeError without
     nvidia-cutlass-dsl.
     """
@@ -774,16 +873,20 @@ def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: t
     check_tensor("x_scale", x_scale, (torch.uint8,), (rows, h // 32), device, align=4)
     check_tensor("h_q_out", h_q_out, u8, (TILE * ctas, i), device, align=16)
     check_tensor("h_scale_out", h_scale_out, (torch.uint8,), (TILE * ctas, i // 32), device, align=4)
+    tactic, sms = _resolve(kw, 1, tactic, ctas, device)
+    x_deq = _bf16_act("x_deq", x_deq, tactic, (rows, h), device, "reads x as BF16")
+    h_deq_out = _bf16_act("h_deq_out", h_deq_out, tactic, (TILE * ctas, i), device, "writes H as BF16 too")
     require_dsl(_KERNEL)
-    args = (gmem_ptr(Uint8, kw.w13, 16), gmem_ptr(Uint8, kw.w13_scale, 16), gmem_ptr(Uint8, x_q, 16),
-            gmem_ptr(Uint8, x_scale, 4), gmem_ptr(Int32, record, 16), gmem_ptr(Float32, kw.clamp, 4),
-            gmem_ptr(Uint8, h_q_out, 16), gmem_ptr(Uint8, h_scale_out, 4))  # fmt: skip
-    _launch(kw, 1, tactic, args, ctas, device, stream, record, workspace)
+    args = (gmem_ptr(Uint8, kw.w13, 16), gmem_ptr(Uint8, kw.w13_scale, 16), gmem_ptr(Uint8, x_q if x_deq is None
+            else x_deq, 16), gmem_ptr(Uint8, x_scale, 4), gmem_ptr(Int32, record, 16),
+            gmem_ptr(Float32, kw.clamp, 4), gmem_ptr(Uint8, h_q_out, 16), gmem_ptr(Uint8, h_scale_out, 4),
+            gmem_ptr(BFloat16, h_q_out if h_deq_out is None else h_deq_out, 16))  # placeholder: never written
+    _launch(kw, 1, tactic, sms, args, ctas, device, stream, record, workspace)
 
 
 def gemm2(kw: KernelWeights, h_q: torch.Tensor, h_scale: torch.Tensor, record: torch.Tensor, ctas: int,
           out: torch.Tensor, *, tactic: GemmTactic | None = None, stream=None,
-          workspace: torch.Tensor | None = None) -> None:
+          workspace: torch.Tensor | None = None, h_deq: torch.Tensor | None = None) -> None:
     """Launch GEMM2 (dequant(H) . w2^T -> BF16 rows, unweighted) on `stream`.
 
     h_q: float8_e4m3fn/uint8 [8*ctas, I], h_scale: uint8 [8*ctas, I/32]
@@ -791,7 +894,10 @@ def gemm2(kw: KernelWeights, h_q: torch.Tensor, h_scale: torch.Tensor, record: t
     used tiles all written (padding rows zero), unused tiles untouched. Other
     arguments as `gemm1` (workspace: >= workspace_bytes(shape, tactic, ctas, 2)
     when tactic.split_k > 1). With tactic.pdl the record is read before
-    griddepcontrol.wait (see the module docstring).
+    griddepcontrol.wait (see the module docstring). h_deq: required exactly
+    when tactic.act_bf16 (ValueError otherwise): bfloat16 [8*ctas, I], H
+    dequantized (an act_bf16 GEMM1's h_deq_out, or act_to_bf16(h_q, h_scale));
+    the kernel reads it instead of h_q / h_scale (still checked).
     """
     device = _check_common(kw, record, ctas)
     h, i = kw.hidden, kw.intermediate
@@ -799,8 +905,11 @@ def gemm2(kw: KernelWeights, h_q: torch.Tensor, h_scale: torch.Tensor, record: t
     check_tensor("h_q", h_q, u8, (TILE * ctas, i), device, align=16)
     check_tensor("h_scale", h_scale, (torch.uint8,), (TILE * ctas, i // 32), device, align=4)
     check_tensor("out", out, (torch.bfloat16,), (TILE * ctas, h), device, align=16)
+    tactic, sms = _resolve(kw, 2, tactic, ctas, device)
+    h_deq = _bf16_act("h_deq", h_deq, tactic, (TILE * ctas, i), device, "reads H as BF16")
     require_dsl(_KERNEL)
-    args = (gmem_ptr(Uint8, kw.w2, 16), gmem_ptr(Uint8, kw.w2_scale, 16), gmem_ptr(Uint8, h_q, 16),
-            gmem_ptr(Uint8, h_scale, 4), gmem_ptr(Int32, record, 16), gmem_ptr(Float32, kw.clamp, 4),
-            gmem_ptr(BFloat16, out, 16), gmem_ptr(Uint8, h_scale, 4))  # fmt: skip
-    _launch(kw, 2, tactic, args, ctas, device, stream, record, workspace)
+    args = (gmem_ptr(Uint8, kw.w2, 16), gmem_ptr(Uint8, kw.w2_scale, 16), gmem_ptr(Uint8, h_q if h_deq is None
+            else h_deq, 16), gmem_ptr(Uint8, h_scale, 4), gmem_ptr(Int32, record, 16),
+            gmem_ptr(Float32, kw.clamp, 4), gmem_ptr(BFloat16, out, 16), gmem_ptr(Uint8, h_scale, 4),
+            gmem_ptr(BFloat16, out, 16))  # fmt: skip
+    _launch(kw, 2, tactic, sms, args, ctas, device, stream, record, workspace)

@@ -87,6 +87,14 @@ class GemmTactic:
       evict-first) into a ring of `stages` shared-memory stages completed on
       mbarriers, one stage = warps_k * unroll K chunks of all the item's rows;
       the warps read their words from shared memory (split_k must be 1).
+    act_bf16: the activation operand arrives already dequantized to BF16
+      (plain row-major [rows, K] bf16; GEMM1: x_deq [rows, H], GEMM2: h_deq
+      [8*ctas, I]) instead of e4m3 + E8M0: lane (g, c) loads the 16 bytes of
+      K elements [32*chunk + 8c, +8) of its token row and uses the four words
+      as its B fragment with no decode and no scale multiplies. A GEMM1
+      kernel with act_bf16 also writes h_deq (the exact BF16 value of every
+      (h_q, h_scale) it writes, what GEMM2's e4m3 decode would make of it),
+      besides h_q / h_scale. Name suffix `_a16`.
     """
 
     tile_rows: int = 64
@@ -98,6 +106,7 @@ class GemmTactic:
     pdl: bool = True
     split_k: int = 1
     stages: int = 0
+    act_bf16: bool = False
 
     def __post_init__(self) -> None:
         if self.tile_rows not in (32, 64, 128):
@@ -116,7 +125,7 @@ class GemmTactic:
             raise ValueError(
                 f"warps_m * warps_k must be at most {MAX_WARPS}, got {self.warps_m * self.warps_k}"
             )
-        for flag in ("persistent", "pdl"):
+        for flag in ("persistent", "pdl", "act_bf16"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
 
@@ -139,7 +148,7 @@ class GemmTactic:
         return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
                 + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
-                + ("" if self.stages == 0 else f"_b{self.stages}"))
+                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_a16" if self.act_bf16 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:
         """None if this tactic can run GEMM`stage` (1 or 2) of `shape`

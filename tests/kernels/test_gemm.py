@@ -704,3 +704,169 @@ def test_bulk_graph_replay_matches_eager_and_is_repeatable():
         torch.cuda.synchronize()
         assert torch.equal(h_q[:used], eager[0][:used]) and torch.equal(h_s[:used], eager[1][:used])
         assert torch.equal(out[:used].view(torch.int16), eager[2][:used].view(torch.int16))
+
+
+# ---------------------------------------------------------------- BF16 activation operand (tactic.act_bf16)
+#: act_bf16 variants of the default tactics (register and bulk paths) at dsv41-flash TP4.
+A16_1 = [GemmTactic(64, 1, 4, 4, 3, act_bf16=True), GemmTactic(64, 1, 8, 4, 1, act_bf16=True),
+         GemmTactic(64, 1, 8, 2, 2, act_bf16=True), GemmTactic(64, 1, 4, 4, 2, stages=4, act_bf16=True)]  # fmt: skip
+A16_2 = [GemmTactic(64, 8, 1, 2, 2, act_bf16=True), GemmTactic(64, 4, 2, 2, 2, stages=4, act_bf16=True),
+         GemmTactic(32, 4, 1, 4, 4, persistent=False, act_bf16=True)]  # fmt: skip
+
+
+def _kernel_act_decode_bits(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """CPU emulation of the kernels' e4m3 decode of byte q with E8M0 s
+    (`fp4.e4m3x4_to_bf16x2` bit move, then two round-to-nearest bf16
+    multiplies by `fp4.act_multipliers`): int16 bf16 bits."""
+    q, s = q.to(torch.int32), s.to(torch.int32)
+    bits = (q & 0x80) << 8 | (q & 0x7F) << 4  # value x 2^-120
+    m1 = (torch.minimum(s, torch.tensor(134)) + 120) << 7
+    m2 = torch.where(s == 255, torch.tensor(0x7FC0), (torch.maximum(s, torch.tensor(134)) - 7) << 7)
+
+    def bf(b):
+        return (b.to(torch.int32) << 16).view(torch.float32)
+
+    def mul(a, b):  # bf16 x bf16 is exact in fp32 here; the cast rounds to nearest even
+        return ((bf(a) * bf(b)).to(torch.bfloat16).view(torch.int16).to(torch.int32)) & 0xFFFF
+
+    return mul(mul(bits, m1), m2).to(torch.int16)
+
+
+def test_act_bf16_tactic_name_and_serialization():
+    from moebench.tuning.space import tactic_from_name
+    from moebench.tuning.table import tactic_from_dict, tactic_to_dict
+
+    t = GemmTactic(64, 1, 4, 4, 3, act_bf16=True)
+    assert t.name == "r64_m1_k4_u4_c3_a16" and not GemmTactic().act_bf16
+    for t in (*A16_1, *A16_2, GemmTactic(64, 1, 4, 4, 3, split_k=2, act_bf16=True)):
+        assert tactic_from_name(t.name) == t
+        assert tactic_from_dict(tactic_to_dict(t), "test") == t
+    old = tactic_to_dict(GemmTactic())
+    del old["act_bf16"]  # tables written before the field: default False
+    assert tactic_from_dict(old, "test") == GemmTactic()
+    with pytest.raises(TypeError, match="act_bf16"):
+        GemmTactic(act_bf16=1)
+
+
+def test_act_to_bf16_is_the_kernel_decode_bit_for_bit():
+    from moebench.kernels.gemm import act_to_bf16
+
+    q = torch.arange(256, dtype=torch.int32).repeat_interleave(256).to(torch.uint8)  # every (q, s) pair
+    s = torch.arange(256, dtype=torch.int32).repeat(256).to(torch.uint8)
+    want = _kernel_act_decode_bits(q, s)
+    qb = q.view(256 * 256, 1).expand(-1, 32).contiguous()  # one 32-block per pair
+    got = act_to_bf16(qb, s.view(-1, 1)).view(torch.int16)[:, 0]
+    finite = s != 255
+    assert torch.equal(got[finite], want[finite])
+    nan = got[~finite].view(torch.bfloat16)
+    assert torch.isnan(nan).all() and torch.isnan(want[~finite].view(torch.bfloat16)).all()
+    assert (got[~finite] == 0x7FFF).all()
+    # == dequantize_mxfp8 wherever that is exact in BF16 (no NaN byte / code, no overflow / underflow)
+    qv = q.view(torch.float8_e4m3fn).float()
+    ref = dequantize_mxfp8(qb.view(torch.float8_e4m3fn), s.view(-1, 1), torch.float64)[:, 0]
+    ok = finite & ((q & 0x7F) != 0x7F) & (ref.abs() < 2.0**127) & ((ref == 0) | (ref.abs() >= 2.0**-126))
+    assert torch.equal(got[ok].view(torch.bfloat16).double(), ref[ok]) and qv.numel() == 65536
+    # the memory order is the B-fragment order: 16 bytes of lane (g, c) = bf16 k0..k7 = b[0..3]
+    row = act_to_bf16(qb[:1], torch.full((1, 1), 127, dtype=torch.uint8))
+    assert row.view(torch.int32).shape == (1, 16)
+    out = torch.empty(3, 64, dtype=torch.bfloat16)
+    x_q, x_s = quantize_mxfp8(torch.randn(3, 64) * 7)
+    act_to_bf16(x_q, x_s, out=out)
+    assert torch.equal(out.float(), dequantize_mxfp8(x_q, x_s, torch.float32))
+    with pytest.raises(ValueError, match="scale"):
+        act_to_bf16(x_q, x_s[:, :1])
+
+
+@pytest.mark.compile
+def test_act_bf16_tactics_compile_for_sm90a_without_spills():
+    specs = [("dsv41-flash", 4, 1, False, None, _fields(t)) for t in A16_1]
+    specs += [("dsv41-flash", 4, 2, False, None, _fields(t)) for t in A16_2]
+    reports = _compile_reports(specs)
+    assert len(reports) == len(specs)
+    for rep in reports:
+        assert rep["regs"], f"{rep['spec']}: no ptxas report"
+        assert all(s == 0 for s in rep["spills"]), f"{rep['spec']}: spills {rep['spills']}"
+        if not rep["have_sass"]:
+            pytest.skip("nvdisasm not available: SASS not checked")
+        assert rep["local"] == 0, f"{rep['spec']}: local memory traffic in SASS"
+        assert rep["hmma"] > 0, f"{rep['spec']}: no HMMA.16816.F32.BF16"
+        assert rep["ldg_ef128"] > 0 or rep["ublkcp"] > 0, f"{rep['spec']}: no evict-first / bulk weight loads"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,tp", [("dsv41-flash", 4), ("dsv41-flash", 8), ("dsv4-flash", 2)])
+def test_act_bf16_matches_the_oracle_and_the_e4m3_path_bit_for_bit(preset, tp):
+    """Fresh random inputs, poisoned outputs: GEMM1 H bytes vs the oracle and
+    its h_deq == act_to_bf16(h_q, h_s); GEMM2 rows vs the oracle; every
+    act_bf16 output equal bit for bit to the same tactic's e4m3 output."""
+    import dataclasses
+
+    from moebench.kernels.gemm import act_to_bf16, gemm1, gemm2
+    from moebench.kernels.layout import to_kernel_layout
+    from moebench.reference import reference_gemm1, reference_gemm2
+
+    experts = 64
+    shape, weights = _gpu_case(preset, tp, experts, seed=tp + 23)
+    kw = to_kernel_layout(weights)
+    for label, ids in _routings(experts, rows_list=(1, 6, 8)):
+        label = f"{preset} TP{tp} {label}"
+        rows = ids.shape[0]
+        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 5, device="cuda"))
+        x_deq = act_to_bf16(x_q, x_s)
+        route = build_route_record(ids.cuda(), experts)
+        used, n = TILE * route.tiles_used, TILE * route.ctas
+        ref_q, ref_s = reference_gemm1(dequantize_mxfp8(x_q, x_s, torch.float64), weights, route)
+        oracle = reference_gemm2(dequantize_mxfp8(ref_q, ref_s, torch.float64), weights, route)
+        for t1 in A16_1:
+            if t1.valid_for(kw, 1) is not None:
+                continue
+            h_q = torch.full((n, kw.intermediate), 0xFF, dtype=torch.uint8, device="cuda")
+            h_s = torch.full((n, kw.intermediate // 32), 0xFE, dtype=torch.uint8, device="cuda")
+            h_d = torch.full((n, kw.intermediate), float("nan"), dtype=torch.bfloat16, device="cuda")
+            gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, x_deq=x_deq, h_deq_out=h_d)
+            _check_h(h_q, h_s, ref_q, ref_s, used, f"{label} {t1.name}")
+            e_q, e_s = _run_gemm1(kw, x_q, x_s, route, tactic=dataclasses.replace(t1, act_bf16=False))
+            assert torch.equal(h_q[:used], e_q[:used]) and torch.equal(h_s[:used], e_s[:used]), t1.name
+            want = act_to_bf16(h_q[:used], h_s[:used]).view(torch.int16)
+            assert torch.equal(h_d[:used].view(torch.int16), want), f"{label} {t1.name}: h_deq"
+        h_deq = act_to_bf16(ref_q.view(torch.uint8).contiguous(), ref_s.contiguous())
+        for t2 in A16_2:
+            if t2.valid_for(kw, 2) is not None:
+                continue
+            out = torch.full((n, kw.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+            gemm2(kw, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route.record, route.ctas, out,
+                  tactic=t2, h_deq=h_deq)
+            _check_rows(out, oracle, route, f"{label} {t2.name}")
+            e = _run_gemm2(kw, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route,
+                           tactic=dataclasses.replace(t2, act_bf16=False))
+            assert torch.equal(out[:used].view(torch.int16), e[:used].view(torch.int16)), f"{label} {t2.name}"
+
+
+@pytest.mark.gpu
+def test_act_bf16_launch_arguments_are_checked():
+    from moebench.kernels.gemm import act_to_bf16, gemm1, gemm2
+    from moebench.kernels.layout import to_kernel_layout
+
+    experts = 64
+    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=1)
+    kw = to_kernel_layout(weights)
+    route = build_route_record(torch.full((2, 6), 3, dtype=torch.int32, device="cuda"), experts)
+    x_q, x_s = quantize_mxfp8(generate_activations(2, shape.hidden, seed=1, device="cuda"))
+    n = TILE * route.ctas
+    h_q = torch.zeros(n, kw.intermediate, dtype=torch.uint8, device="cuda")
+    h_s = torch.zeros(n, kw.intermediate // 32, dtype=torch.uint8, device="cuda")
+    h_d = torch.zeros(n, kw.intermediate, dtype=torch.bfloat16, device="cuda")
+    out = torch.zeros(n, kw.hidden, dtype=torch.bfloat16, device="cuda")
+    t1, t2 = A16_1[0], A16_2[0]
+    with pytest.raises(ValueError, match="x_deq is required"):
+        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, h_deq_out=h_d)
+    with pytest.raises(ValueError, match="h_deq_out is required"):
+        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, x_deq=act_to_bf16(x_q, x_s))
+    with pytest.raises(ValueError, match="does not use BF16"):
+        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, x_deq=act_to_bf16(x_q, x_s))
+    with pytest.raises((TypeError, ValueError), match="x_deq"):
+        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, x_deq=x_q, h_deq_out=h_d)
+    with pytest.raises(ValueError, match="h_deq is required"):
+        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)
+    with pytest.raises((TypeError, ValueError), match="h_deq"):
+        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, h_deq=h_d[:-8])
