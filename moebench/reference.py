@@ -6,9 +6,8 @@ route -> GEMM1 (x . w13^T, SwiGLU with clamp, H quantized MXFP8 per 32 along I)
 Products of exactly-dequantized operands, accumulation in `dtype` (fp64 for the
 gate of every benchmark case). One oracle per activation format (DESIGN.md,
 "Numerics"): "mxfp8" (MXFP8 x and H: our kernels), "bf16" (BF16 x, H not
-quantized: torch-bf16, FlashInfer W4A16), "fp8_token" (per-token e4m3 x and H,
-gate and up rounded to BF16 before the SwiGLU as the W4A8 engines' GEMM1
-writes them: the W4A8 paths).
+quantized: torch-bf16, FlashInfer W4A16), "fp8_token" (per-token e4m3 x and H:
+the W4A8 paths).
 """
 
 from __future__ import annotations
@@ -77,13 +76,10 @@ def reference_gemm1(
     *,
     quantize_h: bool = True,
     dtype: torch.dtype = torch.float64,
-    gate_up_dtype: torch.dtype | None = None,
 ):
     """GEMM1 + SwiGLU (+ MXFP8 H) of every used token tile.
 
     x_values: [rows, H] float, the exact activations (e.g. dequantized MXFP8 x).
-    gate_up_dtype: when given, gate and up are rounded to it before the SwiGLU
-    (an engine whose GEMM1 writes BF16, as humming's W4A8 does).
     Returns (h_values float8_e4m3fn [8*ctas, I], h_scale uint8 [8*ctas, I/32])
     when `quantize_h`, else h [8*ctas, I] in `dtype`. Rows of padding slots and
     unused tiles are zero. The token row of slot s is s // top_k.
@@ -102,10 +98,7 @@ def reference_gemm1(
             if slot < 0:
                 continue
             xt = x[slot // top_k]
-            gate, up = gate_w @ xt, up_w @ xt
-            if gate_up_dtype is not None:
-                gate, up = gate.to(gate_up_dtype).to(dtype), up.to(gate_up_dtype).to(dtype)
-            h[tile * TILE + pos] = swiglu_clamped(gate, up, clamp[e])
+            h[tile * TILE + pos] = swiglu_clamped(gate_w @ xt, up_w @ xt, clamp[e])
     if not quantize_h:
         return h
     return quantize_mxfp8(h)
@@ -171,7 +164,7 @@ def reference_moe(
         h = reference_gemm1(x_values, weights, route, quantize_h=False, dtype=dtype)
     else:
         x_values = quantize_fp8_per_token(x).to(dtype)
-        h = reference_gemm1(x_values, weights, route, quantize_h=False, dtype=dtype, gate_up_dtype=torch.bfloat16)
+        h = reference_gemm1(x_values, weights, route, quantize_h=False, dtype=dtype)
         h = quantize_fp8_per_token(h).to(dtype)
     rows = reference_gemm2(h, weights, route, dtype)
     unfinalized = UnfinalizedMoEOutput(rows, topk_weights.to(x.device), route.permuted.to(x.device))

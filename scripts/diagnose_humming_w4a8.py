@@ -8,8 +8,9 @@ each of its intermediates with the oracle's, stage by stage:
   gu     its GEMM1 output (BF16 [rows*top_k, 2I])      vs  fp64 gate|up from its own x
   h      its per-token e4m3 H (may_process_input)      vs  quantize_fp8_per_token(swiglu(gu))
   out    the finalized output                          vs  the fp8_token oracle (fp64), and
-         vs the same oracle with gate/up rounded to BF16 before the SwiGLU (humming's
-         GEMM1 writes BF16) -- if the error drops there, the BF16 intermediate explains it.
+         vs the same fp64 computation with gate/up rounded to BF16 before the SwiGLU
+         (humming's GEMM1 writes BF16) -- if the error dropped there, the BF16
+         intermediate would explain it (on the H200 it does not: docs/baselines.md).
 
     source .bundles/unpack.sh && PYTHONPATH=$PWD python3 scripts/diagnose_humming_w4a8.py
 """
