@@ -8,8 +8,10 @@ each (backend, tactic):
 
 1. is skipped with a reason when unavailable or the tactic is not offered;
 2. runs layer 0 once and is compared with the fp64 oracle of its family
-   (reference_moe(activation=backend.oracle)); an error above
-   ORACLE_TOLERANCE (or NaN/Inf) marks the case failed and it is not timed;
+   (reference_moe(activation=backend.oracle)); an error above the
+   backend's tolerance (or NaN/Inf) marks the case failed and it is not
+   timed; on CUDA, when it is to be timed as a graph, the output of one graph
+   replay (poisoned first) is gated the same way, since that is what is timed;
 3. is timed as one closure calling forward for every layer in turn on static
    input buffers (per-call time = replay / layers).
 
@@ -442,6 +444,25 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
     return info
 
 
+def _graph_output(backend, prepared, x, ids, topk_w) -> torch.Tensor:
+    """The output of one CUDA-graph replay of `backend.forward` (warmed up on a
+    side stream, captured, its output poisoned with NaN, replayed), cloned."""
+    side = torch.cuda.Stream(device=x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        backend.forward(prepared, x, ids, topk_w)
+    torch.cuda.current_stream(x.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(prepared, x, ids, topk_w)
+    out.fill_(float("nan"))
+    graph.replay()
+    result = out.clone()
+    torch.cuda.synchronize(x.device)
+    del graph
+    return result
+
+
 def _run_case(config, case, backend, prepared, weights0, x, ids, topk_w, oracles, dev) -> dict:
     """Gate then time one case; returns the case's own columns."""
     row: dict = {"oracle": backend.oracle}
@@ -468,6 +489,15 @@ def _run_case(config, case, backend, prepared, weights0, x, ids, topk_w, oracles
                     backend.forward(p, x, ids, topk_w)
 
             graph = config.use_graph and backend.capturable
+            if graph and dev.type == "cuda":
+                # What is timed is the replay: gate its output too (poisoned first).
+                err = relative_error(_graph_output(backend, prepared[0], x, ids, topk_w), oracles[backend.oracle])
+                row["max_rel_err"] = max(row["max_rel_err"], err)
+                if not err <= backend.tolerance:
+                    row.update(status="failed", error=(
+                        f"CUDA-graph replay: rel. error {err:.3g} vs the {backend.oracle} oracle exceeds"
+                        f" {backend.tolerance:g} (the eager call passed)"))  # fmt: skip
+                    return row
             # Slow eager paths (the reference, anything on the CPU) get capped counts.
             full = graph and dev.type == "cuda"
             timing = time_graph(

@@ -250,8 +250,7 @@ def test_graph_capture_replays_the_eager_result(prepared_cache, cls):
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # first calls compile humming's kernels: before capture
-        for _ in range(2):
-            eager = backend.forward(prepared, x, ids, wts).clone()
+        eager = [backend.forward(prepared, x, ids, wts).clone() for _ in range(3)]
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -259,7 +258,16 @@ def test_graph_capture_replays_the_eager_result(prepared_cache, cls):
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    ref = reference_moe(x, ids, wts, w, activation=backend.oracle).output
+    err, eager_err = relative_error(out, ref), relative_error(eager[-1], ref)
+    deterministic = torch.equal(eager[1], eager[2])
+    print(f"{backend.name}: replay rel err {err:.3e}, eager {eager_err:.3e}, eager calls bit-identical:"
+          f" {deterministic}, replay == eager: {torch.equal(out, eager[-1])}")
+    # A deterministic backend must replay the eager bits; one whose eager calls
+    # already differ (a reduction order that varies) must still meet the oracle.
+    if deterministic:
+        assert torch.equal(out, eager[-1])
+    assert err <= TOLERANCE[backend.oracle]
 
 
 def test_tuning_config_lookup():

@@ -165,3 +165,29 @@ def test_layer_count_is_bounded_for_tiny_shapes():
 
     assert layer_count(1024, 60 << 20, 4096, None) == (MAX_LAYERS, True)
     assert layer_count(1024, 60 << 20, 4096, 8 * 4096) == (8, True)
+
+
+class GraphOnlyWrongBackend(TorchBF16Backend):
+    """Right when called eagerly, wrong inside a CUDA graph: the sweep must
+    gate the replay too, since the replay is what it times."""
+
+    name = "test-graph-wrong"
+
+    def forward(self, prepared, x, topk_ids, topk_weights):
+        out = super().forward(prepared, x, topk_ids, topk_weights)
+        return out * 2 if torch.cuda.is_current_stream_capturing() else out
+
+
+@pytest.mark.gpu
+def test_gpu_sweep_gates_the_graph_replay():
+    register_backend("test-graph-wrong", GraphOnlyWrongBackend)
+    try:
+        cfg = SweepConfig(backends=("torch-bf16", "test-graph-wrong"), **{**TINY, "device": "cuda", "rows": (3,)})
+        df = run_sweep(cfg).frame
+    finally:
+        unregister_backend("test-graph-wrong")
+    by = {r.backend: r for r in df.itertuples()}
+    assert by["torch-bf16"].status == "ok", by["torch-bf16"].error
+    wrong = by["test-graph-wrong"]
+    assert wrong.status == "failed" and "CUDA-graph replay" in wrong.error and wrong.max_rel_err > 0.5
+    assert math.isnan(wrong.median_us)
