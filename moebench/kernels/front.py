@@ -177,11 +177,15 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         and the top_k rounds unroll. Runtime: the
         global pointers (see `compile_front_kernel`), ids64 (input ids are
         int64), sentinel_lo, scale (fp32), rows and blocks = rows*H/32.
+        `deq` (static): also write x_deq, the BF16 operand of act_bf16 GEMM
+        tactics (`quantize.quantize_block`).
         """
 
-        def __init__(self, experts: int, top_k: int, image: bool = False, pdl: bool = True):
+        def __init__(self, experts: int, top_k: int, image: bool = False, pdl: bool = True, deq: bool = False):
             check_bool("image", image)
             check_bool("pdl", pdl)
+            check_bool("deq", deq)
+            self.deq = deq
             reason = topk_reason(experts, top_k)
             if reason:
                 raise ValueError(reason)
@@ -211,6 +215,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             topk_weights: cute.Pointer,
             x_q: cute.Pointer,
             x_scale: cute.Pointer,
+            x_deq: cute.Pointer,
             permuted: cute.Pointer,
             record: cute.Pointer,
             rows: Int32,
@@ -220,7 +225,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             """Launch 1 + ceil(blocks / 256) CTAs of 256 threads on `stream`."""
             ctas = (CLUSTER + (blocks + (THREADS - 1)) // THREADS + (CLUSTER - 1)) // CLUSTER * CLUSTER
             self.kernel(logits, bias, bias_vl, input_ids, ids64, sentinel_lo, scale, x, topk_ids,
-                        topk_weights, x_q, x_scale, permuted, record, rows, blocks).launch(
+                        topk_weights, x_q, x_scale, x_deq, permuted, record, rows, blocks).launch(
                 grid=[ctas, 1, 1], block=[THREADS, 1, 1], cluster=[CLUSTER, 1, 1], stream=stream,
                 use_pdl=self.pdl,
                 # one CTA per SM is all it needs: lets ptxas keep every load
@@ -242,6 +247,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             topk_weights: cute.Pointer,
             x_q: cute.Pointer,
             x_scale: cute.Pointer,
+            x_deq: cute.Pointer,
             permuted: cute.Pointer,
             record: cute.Pointer,
             rows: Int32,
@@ -300,7 +306,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                 b = (cta - CLUSTER) * THREADS + tid
                 if b < blocks:
                     quantize_block(cute.recast_ptr(x, dtype=Uint32), cute.recast_ptr(x_q, dtype=Uint32),
-                                   x_scale, b)
+                                   x_scale, b, cute.recast_ptr(x_deq, dtype=Uint32), self.deq)
 
     @dsl_user_op
     def store_shared_cluster(ptr: cute.Pointer, rank: Int32, value: Int32, *, loc=None, ip=None) -> None:
@@ -316,17 +322,18 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
 _KERNEL = "the fused front kernel"
 
 
-def compile_front_kernel(experts: int, top_k: int, image: bool = False, pdl: bool = True):
+def compile_front_kernel(experts: int, top_k: int, image: bool = False, pdl: bool = True, deq: bool = False):
     """Compile the fused front once per process and (experts, top_k, image,
-    pdl) (cached; see FrontKernel).
+    pdl, deq) (cached; see FrontKernel).
 
     Without a GPU set CUTE_DSL_ARCH=sm_90a to cross-compile for the H200.
     Returns the compiled function, called as
     `f(logits, bias, bias_vl, input_ids, ids64, sentinel_lo, scale, x,
-    topk_ids, topk_weights, x_q, x_scale, permuted, record, rows, blocks,
+    topk_ids, topk_weights, x_q, x_scale, x_deq, permuted, record, rows, blocks,
     stream)` with 16-byte aligned global pointers (fp32 logits / bias /
     bias_vl, int32 input ids (4-byte aligned), bf16 x, int32 topk_ids, fp32
-    topk_weights, uint8 x_q / x_scale, int32 permuted / record;
+    topk_weights, uint8 x_q / x_scale, bf16 x_deq (written only with
+    `deq`), int32 permuted / record;
     cutlass.cute.runtime.make_ptr), Int32 ids64 / sentinel_lo / rows /
     blocks (= rows*H/32), Float32 scale and a cuda.bindings CUstream;
     `launch_front` does this for torch tensors. Raises RuntimeError without
@@ -334,23 +341,25 @@ def compile_front_kernel(experts: int, top_k: int, image: bool = False, pdl: boo
     for an experts / top_k the kernel cannot take (`topk.topk_reason`)."""
     check_bool("image", image)
     check_bool("pdl", pdl)
+    check_bool("deq", deq)
     reason = topk_reason(experts, top_k)
     if reason:
         raise ValueError(reason)
-    return _compile(experts, top_k, image, pdl)
+    return _compile(experts, top_k, image, pdl, deq)
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(experts: int, top_k: int, image: bool, pdl: bool):
+def _compile(experts: int, top_k: int, image: bool, pdl: bool, deq: bool = False):
     require_dsl(_KERNEL)
 
     def fake(dtype, align=16):
         return gmem_ptr(dtype, 16, align)
 
     return cute.compile(
-        FrontKernel(experts, top_k, image, pdl),
+        FrontKernel(experts, top_k, image, pdl, deq),
         fake(Float32), fake(Float32), fake(Float32), fake(Int32, 4), Int32(0), Int32(0), Float32(1.0),
-        fake(BFloat16), fake(Int32), fake(Float32), fake(Uint8), fake(Uint8), fake(Int32), fake(Int32),
+        fake(BFloat16), fake(Int32), fake(Float32), fake(Uint8), fake(Uint8), fake(BFloat16), fake(Int32),
+        fake(Int32),
         Int32(1), Int32(H_MULTIPLE // MX_BLOCK), _cuda.CUstream(0),
     )  # fmt: skip
 
@@ -396,6 +405,7 @@ def launch_front(
     *,
     stream=None,
     pdl: bool = True,
+    x_deq_out: torch.Tensor | None = None,
 ) -> None:
     """Launch the fused front into the given buffers on `stream` (torch's
     current stream when None). No host sync, no allocation: CUDA-graph
@@ -418,6 +428,9 @@ def launch_front(
       x's device; every element is written.
     stream: None, a torch.cuda.Stream or a cuda.bindings CUstream.
     pdl: launch with programmatic dependent launch (see the module docstring).
+    x_deq_out: None, or bfloat16 [rows, H] (contiguous, 16-byte aligned, on
+      x's device) for the BF16 operand of act_bf16 GEMM tactics: the very
+      bits `gemm.act_to_bf16(x_q, x_scale)` gives.
 
     Raises TypeError for a wrong type or dtype, ValueError for a wrong shape,
     range, layout, alignment or device (each naming the argument),
@@ -435,11 +448,14 @@ def launch_front(
         ("permuted_out", permuted_out, torch.int32, (rows, top_k)),
     ):
         check_tensor(name, t, dtypes, shape, device, device_of="x", align=16)
+    if x_deq_out is not None:
+        check_tensor("x_deq_out", x_deq_out, torch.bfloat16, (rows, hidden), device, device_of="x", align=16)
     check_bool("pdl", pdl)
     if device.type != "cuda":
         raise ValueError(f"x and every front tensor must be CUDA tensors, got {device}")
     require_dsl(_KERNEL)
-    compiled = compile_front_kernel(e, top_k, config.image, pdl)
+    deq = x_deq_out is not None
+    compiled = compile_front_kernel(e, top_k, config.image, pdl, deq)
     bias_vl = config.bias_vl if config.image else config.bias
     ids = input_ids if config.image else topk_ids_out
     compiled(
@@ -447,7 +463,8 @@ def launch_front(
         gmem_ptr(Int32, ids, 4), Int32(int(ids.dtype == torch.int64)), Int32(config.image_sentinel_lo),
         Float32(config.scale_f32), gmem_ptr(BFloat16, x, 16), gmem_ptr(Int32, topk_ids_out, 16),
         gmem_ptr(Float32, topk_weights_out, 16), gmem_ptr(Uint8, x_q_out, 16),
-        gmem_ptr(Uint8, x_scale_out, 16), gmem_ptr(Int32, permuted_out, 16),
+        gmem_ptr(Uint8, x_scale_out, 16), gmem_ptr(BFloat16, x_deq_out if deq else x, 16),
+        gmem_ptr(Int32, permuted_out, 16),
         gmem_ptr(Int32, record_out, 16), Int32(rows), Int32(rows * hidden // MX_BLOCK),
         cu_stream(stream, device),
     )  # fmt: skip

@@ -65,6 +65,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     from cutlass._mlir.dialects import vector
     from cutlass.cutlass_dsl import dsl_user_op
 
+    from moebench.kernels import fp4
     from moebench.kernels.ptx import asm_u32 as _asm
 
     @dsl_user_op
@@ -107,12 +108,17 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         cute.arch.store(ptr, vec, loc=loc, ip=ip)
 
     @cute.jit
-    def quantize_block(px: cute.Pointer, pq: cute.Pointer, x_scale: cute.Pointer, b: Int32):
+    def quantize_block(px: cute.Pointer, pq: cute.Pointer, x_scale: cute.Pointer, b: Int32,
+                       pd: cute.Pointer, deq: cutlass.Constexpr[bool]):
         """Quantize 32-element block `b` of the flattened input (device code,
         shared by QuantizeKernel and the fused front): px / pq are Uint32
         views of x (16 words a block) and x_q (8 words a block), x_scale the
         Uint8 scale pointer. Four 16-byte loads, two 16-byte stores and one
-        scale byte; the rule and its method are in the module docstring."""
+        scale byte; the rule and its method are in the module docstring.
+        With `deq`, also the BF16 value the GEMMs decode from these bytes
+        (`fp4.e4m3x4_to_bf16x2`, then x m1 x m2 of `fp4.act_multipliers`,
+        exactly as their MXFP8 operand path does) into pd, a Uint32 view of
+        x_deq (16 words a block): four more 16-byte stores."""
         w = []
         for j in cutlass.range_constexpr(4):
             w.extend(_ld_v4(px + (b * 16 + j * 4)))
@@ -146,6 +152,15 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         _st_v4(pq + b * 8, out[0], out[1], out[2], out[3])
         _st_v4(pq + (b * 8 + 4), out[4], out[5], out[6], out[7])
         cute.arch.store(x_scale + b, Uint8(code))
+        if cutlass.const_expr(deq):
+            m1, m2 = fp4.act_multipliers(code)
+            d = []
+            for i in cutlass.range_constexpr(8):
+                lo, hi = fp4.e4m3x4_to_bf16x2(out[i])
+                d.append(fp4.mul_bf16x2(fp4.mul_bf16x2(lo, m1), m2))
+                d.append(fp4.mul_bf16x2(fp4.mul_bf16x2(hi, m1), m2))
+            for j in cutlass.range_constexpr(4):
+                _st_v4(pd + (b * 16 + 4 * j), d[4 * j], d[4 * j + 1], d[4 * j + 2], d[4 * j + 3])
 
     class QuantizeKernel:
         """MXFP8 quantization of bf16 rows, one thread per 32-element block
@@ -153,17 +168,20 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
 
         Static configuration: `pdl` (bool, launch with programmatic dependent
         launch: trigger dependents on entry, griddepcontrol.wait before the
-        first global access) and `threads` (CTA size = blocks per CTA, a
-        multiple of 32 in [32, 1024]). Runtime: x (bf16), x_q and x_scale
-        (uint8) global pointers, 16-byte aligned, and the number of
-        32-element blocks rows*H/32 (Int32).
+        first global access), `threads` (CTA size = blocks per CTA, a
+        multiple of 32 in [32, 1024]) and `deq` (bool: also write x_deq, the
+        BF16 operand of act_bf16 GEMM tactics). Runtime: x (bf16), x_q and
+        x_scale (uint8), x_deq (bf16; unused without `deq`) global pointers,
+        16-byte aligned, and the number of 32-element blocks rows*H/32 (Int32).
         """
 
-        def __init__(self, pdl: bool = True, threads: int = DEFAULT_THREADS):
+        def __init__(self, pdl: bool = True, threads: int = DEFAULT_THREADS, deq: bool = False):
             check_bool("pdl", pdl)
+            check_bool("deq", deq)
             check_threads(threads)
             self.pdl = pdl
             self.threads = threads
+            self.deq = deq
 
         @cute.jit
         def __call__(
@@ -171,16 +189,18 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             x: cute.Pointer,
             x_q: cute.Pointer,
             x_scale: cute.Pointer,
+            x_deq: cute.Pointer,
             blocks: Int32,
             stream: _cuda.CUstream,
         ):
             """Launch ceil(blocks / threads) CTAs of `threads` threads on `stream`."""
             ctas = (blocks + (self.threads - 1)) // self.threads
-            self.kernel(x, x_q, x_scale, blocks).launch(
+            self.kernel(x, x_q, x_scale, x_deq, blocks).launch(
                 grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
-        def kernel(self, x: cute.Pointer, x_q: cute.Pointer, x_scale: cute.Pointer, blocks: Int32):
+        def kernel(self, x: cute.Pointer, x_q: cute.Pointer, x_scale: cute.Pointer, x_deq: cute.Pointer,
+                   blocks: Int32):
             tid = cute.arch.thread_idx()[0]
             cta = cute.arch.block_idx()[0]
             b = cta * self.threads + tid
@@ -192,38 +212,40 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                 cute.arch.griddepcontrol_wait()
 
             if b < blocks:
-                quantize_block(px, pq, x_scale, b)
+                quantize_block(px, pq, x_scale, b, cute.recast_ptr(x_deq, dtype=Uint32), self.deq)
 
 
 _KERNEL = "the quantize kernel"
 
 
-def compile_quantize_kernel(pdl: bool = True, threads: int = DEFAULT_THREADS):
+def compile_quantize_kernel(pdl: bool = True, threads: int = DEFAULT_THREADS, deq: bool = False):
     """Compile the MXFP8 quantization kernel once per process, PDL setting
     and CTA size (cached; see QuantizeKernel).
 
     Without a GPU set CUTE_DSL_ARCH=sm_90a to cross-compile for the H200.
     Returns the compiled function, called as
-    `f(x_ptr, x_q_ptr, x_scale_ptr, blocks, stream)` with 16-byte aligned
-    global pointers (bf16 / uint8 / uint8, cutlass.cute.runtime.make_ptr),
+    `f(x_ptr, x_q_ptr, x_scale_ptr, x_deq_ptr, blocks, stream)` with 16-byte
+    aligned global pointers (bf16 / uint8 / uint8 / bf16, cutlass.cute.runtime.make_ptr;
+    x_deq is written only when `deq`),
     blocks = rows*H/32 (Int32) and a cuda.bindings CUstream;
     `launch_quantize_mxfp8` does this for torch tensors. Raises RuntimeError
     without nvidia-cutlass-dsl, TypeError for a non-bool `pdl`, ValueError
     for a bad `threads`."""
     check_bool("pdl", pdl)
+    check_bool("deq", deq)
     check_threads(threads)
-    return _compile(pdl, threads)
+    return _compile(pdl, threads, deq)
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(pdl: bool, threads: int):
+def _compile(pdl: bool, threads: int, deq: bool = False):
     require_dsl(_KERNEL)
 
     def fake(dtype):
         return gmem_ptr(dtype, 16, 16)
 
-    return cute.compile(QuantizeKernel(pdl=pdl, threads=threads), fake(BFloat16), fake(Uint8),
-                        fake(Uint8), Int32(MX_BLOCK), _cuda.CUstream(0))
+    return cute.compile(QuantizeKernel(pdl=pdl, threads=threads, deq=deq), fake(BFloat16), fake(Uint8),
+                        fake(Uint8), fake(BFloat16), Int32(MX_BLOCK), _cuda.CUstream(0))
 
 
 def _check_x(x) -> tuple[int, int]:
@@ -250,6 +272,7 @@ def launch_quantize_mxfp8(
     stream=None,
     pdl: bool = True,
     threads: int = DEFAULT_THREADS,
+    x_deq_out: torch.Tensor | None = None,
 ) -> None:
     """Launch the MXFP8 quantization kernel: write the e4m3 bytes and E8M0
     scales of `x` into the given buffers, on `stream` (torch's current stream
@@ -267,6 +290,9 @@ def launch_quantize_mxfp8(
     pdl: launch with programmatic dependent launch (see the module docstring).
     threads: CTA size, a multiple of 32 in [32, 1024] (a tactic; every value
       gives the same bits).
+    x_deq_out: None, or bfloat16 [rows, H] (contiguous, 16-byte aligned, on
+      x's device) for the BF16 operand of act_bf16 GEMM tactics: the very bits
+      `gemm.act_to_bf16(x_q, x_scale)` gives, written in the same launch.
 
     Raises TypeError for a wrong type or dtype, ValueError for a wrong shape,
     range, layout, alignment or device (each naming the argument),
@@ -278,14 +304,18 @@ def launch_quantize_mxfp8(
                  device_of="x", align=16)
     check_tensor("x_scale_out", x_scale_out, torch.uint8, (rows, h // MX_BLOCK), device,
                  device_of="x", align=16)
+    if x_deq_out is not None:
+        check_tensor("x_deq_out", x_deq_out, torch.bfloat16, (rows, h), device, device_of="x", align=16)
     check_bool("pdl", pdl)
     check_threads(threads)
     if device.type != "cuda":
         raise ValueError(f"x, x_q_out and x_scale_out must be CUDA tensors, got {device}")
     require_dsl(_KERNEL)
-    compiled = compile_quantize_kernel(pdl, threads)
+    deq = x_deq_out is not None
+    compiled = compile_quantize_kernel(pdl, threads, deq)
     compiled(gmem_ptr(BFloat16, x, 16), gmem_ptr(Uint8, x_q_out, 16), gmem_ptr(Uint8, x_scale_out, 16),
-             Int32(rows * h // MX_BLOCK), cu_stream(stream, device))
+             gmem_ptr(BFloat16, x_deq_out if deq else x, 16), Int32(rows * h // MX_BLOCK),
+             cu_stream(stream, device))
 
 
 def quantize_mxfp8(x: torch.Tensor, *, stream=None, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

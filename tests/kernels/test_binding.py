@@ -184,3 +184,33 @@ def test_split_k_tactics_get_one_workspace_and_match_the_oracle(bound):
         binding.RoutedExpertGemm(w, shape.top_k, tactics, workspace=ws[:-16])
     shared = binding.RoutedExpertGemm(w, shape.top_k, tactics, workspace=ws)
     assert shared.workspace is ws
+
+
+@pytest.mark.gpu
+def test_act_bf16_binding_writes_x_deq_and_matches_the_e4m3_binding(bound):
+    """The default binding runs the _a16 twins: route() writes x_deq in the
+    quantize launch (the bits act_to_bf16 gives), and its GEMM outputs equal
+    an act_bf16=False binding's bit for bit (and the oracle)."""
+    from moebench.kernels.gemm import act_to_bf16
+
+    shape, w, gemm = bound
+    e4m3 = binding.RoutedExpertGemm(w, shape.top_k, act_bf16=False)
+    with pytest.raises(TypeError, match="act_bf16"):
+        binding.RoutedExpertGemm(w, shape.top_k, act_bf16=1)
+    for rows in (1, 4, 6, 8):
+        assert gemm.tactics[1, rows].act_bf16 and gemm.tactics[2, rows].act_bf16
+        assert not e4m3.tactics[1, rows].act_bf16
+        assert gemm.tactics[1, rows].name == e4m3.tactics[1, rows].name + "_a16"
+        ids = scenario_topk_ids("correlated", rows, shape.top_k, shape.experts, seed=rows).cuda()
+        tw = scenario_weights(rows, shape.top_k, seed=rows).cuda()
+        x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
+        routing, out = _run(gemm, x, ids, tw)
+        assert e4m3.route(x, ids, tw).x_deq is None
+        assert torch.equal(routing.x_deq.view(torch.int16),
+                           act_to_bf16(routing.x_quant, routing.x_scale).view(torch.int16))
+        _, want = _run(e4m3, x, ids, tw)
+        idx = want.expanded_idx_to_permuted_idx.flatten()
+        idx = idx[idx >= 0].long()
+        assert torch.equal(out.gemm2_permuted[idx], want.gemm2_permuted[idx]), rows
+        ref = reference_moe(x, ids, tw, w, activation="mxfp8")
+        assert relative_error(finalize(out), ref.output) <= ORACLE_TOLERANCE

@@ -106,7 +106,7 @@ def test_reasons_say_why_a_geometry_does_not_fit():
 # --------------------------------------------------------------------------- CPU: compile
 
 
-def _compile(experts, top_k, image, pdl=True):
+def _compile(experts, top_k, image, pdl=True, deq=False):
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, Uint8
@@ -116,21 +116,22 @@ def _compile(experts, top_k, image, pdl=True):
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
 
     return compile_sm90a(
-        FrontKernel(experts, top_k, image, pdl),
+        FrontKernel(experts, top_k, image, pdl, deq),
         fake(Float32), fake(Float32), fake(Float32), fake(Int32, 4), Int32(0), Int32(0), Float32(1.0),
-        fake(BFloat16), fake(Int32), fake(Float32), fake(Uint8), fake(Uint8), fake(Int32), fake(Int32),
-        Int32(1), Int32(4), cuda.CUstream(0), ptx=True,
+        fake(BFloat16), fake(Int32), fake(Float32), fake(Uint8), fake(Uint8), fake(BFloat16), fake(Int32),
+        fake(Int32), Int32(1), Int32(4), cuda.CUstream(0), ptx=True,
     )  # fmt: skip
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize(
-    "experts, top_k, image, pdl",
-    [(384, 6, False, True), (384, 6, True, True), (384, 6, False, False), (256, 6, False, True),
-     (512, 8, True, True), (32, 1, False, True), (64, 8, True, True), (96, 3, False, True)],
+    "experts, top_k, image, pdl, deq",
+    [(384, 6, False, True, False), (384, 6, True, True, False), (384, 6, False, False, False),
+     (256, 6, False, True, False), (512, 8, True, True, False), (32, 1, False, True, False),
+     (64, 8, True, True, False), (96, 3, False, True, False), (384, 6, False, True, True)],
 )  # fmt: skip
-def test_compiles_for_sm90a_without_spills(experts, top_k, image, pdl):
-    sass, ptx = _compile(experts, top_k, image, pdl)
+def test_compiles_for_sm90a_without_spills(experts, top_k, image, pdl, deq):
+    sass, ptx = _compile(experts, top_k, image, pdl, deq)
     instr = sass_instructions(sass)
     text = assert_sass_without_spills(instr, "front")
     # one barrier after the scores, two in the record builder; the cluster
@@ -522,13 +523,21 @@ def _chain(x, logits, config: FrontConfig, top_k, input_ids):
                 record=rec.record, permuted=rec.permuted)  # fmt: skip
 
 
-def _check_front(x, logits, config, top_k, input_ids, *, pdl=True, stream=None, what=""):
+def _check_front(x, logits, config, top_k, input_ids, *, pdl=True, stream=None, what="", deq=False):
     rows, h = x.shape
     want = _chain(x, logits, config, top_k, input_ids)
     out = _outputs(rows, h, config.experts, top_k, x.device)
+    x_deq = None
+    if deq:  # poisoned (bf16 NaN 0x7FA5), guarded; want: act_to_bf16 of the chain's bytes
+        from moebench.kernels.gemm import act_to_bf16
+
+        buf, view = guarded(rows * h, 0x7FA5, torch.int16, 8, x.device)
+        out["x_deq"] = (buf, view.view(rows, h), 8, 0x7FA5)
+        x_deq = view.view(torch.bfloat16).view(rows, h)
+        want["x_deq"] = act_to_bf16(want["x_q"], want["x_scale"]).view(torch.int16)
     launch_front(x, logits, config, top_k, input_ids, out["topk_ids"][1],
                  out["topk_weights"][1].view(torch.float32), out["x_q"][1], out["x_scale"][1],
-                 out["record"][1], out["permuted"][1], pdl=pdl, stream=stream)  # fmt: skip
+                 out["record"][1], out["permuted"][1], pdl=pdl, stream=stream, x_deq_out=x_deq)  # fmt: skip
     torch.cuda.synchronize()
     ctx = f"{what} rows={rows} E={config.experts} k={top_k} image={config.image}"
     for name, (buf, view, guard, poison) in out.items():
@@ -567,6 +576,19 @@ def test_front_bit_exact_vs_chain(experts, top_k, image):
             # the front only reads its inputs
             assert torch.equal(x.view(torch.int16), x_before.view(torch.int16))
             assert torch.equal(logits.view(torch.int32), logits_before.view(torch.int32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [128, 5120, 7168])
+def test_front_writes_x_deq_bit_exact(h):
+    """With x_deq_out the front also writes the act_bf16 GEMM operand: the
+    bits act_to_bf16 gives for the chain's bytes (every other output as before)."""
+    gen = torch.Generator().manual_seed(h + 5)
+    dev = torch.device("cuda")
+    for rows in (1, 6, 8):
+        config = FrontConfig(_bias(384, dev, seed=rows), scale=1.5)
+        _check_front(_x(rows, h, gen).to(dev), _logits("normal", rows, 384, gen).to(dev), config, 6, None,
+                     what="deq", deq=True)
 
 
 @pytest.mark.gpu
@@ -770,8 +792,10 @@ def test_routed_expert_gemm_front_equals_route():
         via_front = gemm.front(x, logits[:, :].t().contiguous().t())  # a non-contiguous view is copied
         tw, ids = route(logits, router)
         via_route = gemm.route(x, ids, tw)
-        for name in ("x_quant", "x_scale", "topk_ids", "permuted", "record"):
-            assert torch.equal(getattr(via_front, name), getattr(via_route, name)), name
+        assert gemm.tactics[1, rows].act_bf16 and via_front.x_deq is not None  # the default binding is a16
+        for name in ("x_quant", "x_scale", "x_deq", "topk_ids", "permuted", "record"):
+            a, b = getattr(via_front, name), getattr(via_route, name)
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
         assert torch.equal(via_front.topk_weights.view(torch.int32), via_route.topk_weights.view(torch.int32))
         assert via_front.ctas == via_route.ctas
         a, b = gemm.gemms(via_front), gemm.gemms(via_route)

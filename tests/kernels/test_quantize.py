@@ -31,7 +31,7 @@ HIDDEN = (4096, 5120, 7168)
 # --------------------------------------------------------------------------- CPU: compile
 
 
-def _compile_sass(pdl: bool, threads: int = 64) -> tuple[str, str]:
+def _compile_sass(pdl: bool, threads: int = 64, deq: bool = False) -> tuple[str, str]:
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass import BFloat16, Int32, Uint8
@@ -42,19 +42,20 @@ def _compile_sass(pdl: bool, threads: int = 64) -> tuple[str, str]:
     def fake(dtype):
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
 
-    return compile_sm90a(QuantizeKernel(pdl=pdl, threads=threads), fake(BFloat16), fake(Uint8),
-                         fake(Uint8), Int32(32), cuda.CUstream(0), ptx=True)
+    return compile_sm90a(QuantizeKernel(pdl=pdl, threads=threads, deq=deq), fake(BFloat16), fake(Uint8),
+                         fake(Uint8), fake(BFloat16), Int32(32), cuda.CUstream(0), ptx=True)
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("pdl, threads", [(True, 64), (False, 64), (True, 32), (True, 1024)])
-def test_compiles_for_sm90a_without_spills(pdl, threads):
-    sass, ptx = _compile_sass(pdl, threads)
+@pytest.mark.parametrize("pdl, threads, deq", [(True, 64, False), (False, 64, False), (True, 32, False),
+                                               (True, 1024, False), (True, 64, True)])
+def test_compiles_for_sm90a_without_spills(pdl, threads, deq):
+    sass, ptx = _compile_sass(pdl, threads, deq)
     instr = sass_instructions(sass)
     text = assert_sass_without_spills(instr, "quantize")
-    # 16-byte loads and stores, one scale byte, hardware e4m3 conversions
+    # 16-byte loads and stores (+ four for x_deq), one scale byte, hardware e4m3 conversions
     assert len(re.findall(r"\bLDG\.E\.128\b", text)) == 4
-    assert len(re.findall(r"\bSTG\.E\.128\b", text)) == 2
+    assert len(re.findall(r"\bSTG\.E\.128\b", text)) == (6 if deq else 2)
     assert len(re.findall(r"\bSTG\.E\.U8\b", text)) == 1
     assert not re.search(r"\bLDG\.E(\.U16|\.U8|\.64)?\s", text), "narrow global loads"
     assert len(re.findall(r"F2FP\.SATFINITE\.E4M3\.F32", text)) == 16
@@ -347,14 +348,31 @@ def _guarded(shape, device):
     return buf, view.view(shape)
 
 
-def _check(x_cpu: torch.Tensor, *, pdl=True, threads=64, what=""):
+def _check_deq(got_d: torch.Tensor, want_q: torch.Tensor, want_s: torch.Tensor, ctx: str) -> None:
+    """x_deq bits == gemm.act_to_bf16 of the reference bytes (NaN: any payload)."""
+    from moebench.kernels.gemm import act_to_bf16
+
+    want = act_to_bf16(want_q, want_s)
+    g, w = got_d.view(torch.int16), want.view(torch.int16)
+    same = (g == w) | (torch.isnan(got_d) & torch.isnan(want))
+    if not bool(same.all()):
+        bad = (~same).nonzero()[:4].tolist()
+        raise AssertionError(f"x_deq differs: {ctx} (row, col, got, want): "
+                             f"{[(r, c, got_d[r, c].item(), want[r, c].item()) for r, c in bad]}")
+
+
+def _check(x_cpu: torch.Tensor, *, pdl=True, threads=64, what="", deq=False):
     rows, h = x_cpu.shape
     dev = torch.device("cuda")
     want_q, want_s = _reference(x_cpu)
     x = x_cpu.to(dev)
     q_buf, q = _guarded((rows, h), dev)
     s_buf, s = _guarded((rows, h // 32), dev)
-    launch_quantize_mxfp8(x, q, s, pdl=pdl, threads=threads)
+    d_buf = d = None
+    if deq:  # poisoned bf16 (NaN pattern 0x7FA5), 16-byte guards
+        d_buf, d = guarded(rows * h, 0x7FA5, torch.int16, 8, dev)
+        d = d.view(torch.bfloat16).view(rows, h)
+    launch_quantize_mxfp8(x, q, s, pdl=pdl, threads=threads, x_deq_out=d)
     torch.cuda.synchronize()
     ctx = f"{what} rows={rows} H={h} pdl={pdl} threads={threads}"
     got_q, got_s = q.cpu(), s.cpu()
@@ -370,6 +388,25 @@ def _check(x_cpu: torch.Tensor, *, pdl=True, threads=64, what=""):
     for name, buf, n in (("x_q", q_buf, q.numel()), ("x_scale", s_buf, s.numel())):
         assert_guards_intact(buf, GUARD, n, POISON, f"{name} written out of bounds: {ctx}")
     assert torch.equal(x.cpu().view(torch.int16), x_cpu.view(torch.int16)), f"x modified: {ctx}"
+    if deq:
+        _check_deq(d.cpu(), want_q, want_s, ctx)
+        assert_guards_intact(d_buf, 8, d.numel(), 0x7FA5, f"x_deq written out of bounds: {ctx}")
+
+
+@pytest.mark.gpu
+def test_quantize_writes_x_deq_bit_exact():
+    """x_deq (the act_bf16 GEMM operand) equals act_to_bf16 of the bytes, on
+    random inputs, every special block kind and every bf16 pattern."""
+    gen = torch.Generator().manual_seed(77)
+    for rows in (1, 3, 8):
+        _check(_make_input(rows, 7168, gen), what="random", deq=True)
+    x = _make_input(8, 7168, gen).view(-1, 32)
+    kinds = SPECIAL_KINDS * (x.shape[0] // len(SPECIAL_KINDS))
+    for b, kind in enumerate(kinds):
+        if b % 2:
+            x[b] = _special_block(kind, gen)
+    _check(x.view(8, 7168), what="specials", deq=True)
+    _check(_all_bf16(gen, "shuffled"), what="all bf16 patterns", deq=True)
 
 
 @pytest.mark.gpu
