@@ -78,6 +78,21 @@ _EVICT_FIRST = 0x12F0000000000000
 
 if HAVE_DSL:
 
+    def warp_mma_fragments(m_tiles: int):
+        """(tiled_mma, rA, rB, tCrA, tCrB, acc): the m16n8k16 BF16 MMA (fp32
+        accumulation), its A / B fragments and their Uint32 views (rA[0..3] =
+        A registers R0..R3, rB[0..1] = B registers), and `m_tiles` zeroed fp32
+        accumulators of 4 values per lane (trace-time Python: call it inside a
+        kernel body). Shared by the routed-expert GEMMs and the shared expert."""
+        tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 16)))
+        tCrB = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 16)))
+        rA, rB = cute.recast_tensor(tCrA, Uint32), cute.recast_tensor(tCrB, Uint32)
+        acc = [tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8))) for _ in range(m_tiles)]
+        for a in acc:
+            a.fill(0.0)
+        return tiled_mma, rA, rB, tCrA, tCrB, acc
+
     class StreamingGemmKernel:
         """The weight-streaming core with the GEMM1 (`stage=1`) or GEMM2
         (`stage=2`) epilogue for one shape class.
@@ -260,17 +275,8 @@ if HAVE_DSL:
                                 cute.gemm(tiled_mma, acc[2 * t2 + tt], tCrA, tCrB, acc[2 * t2 + tt])
 
         def mma_fragments(self):
-            """(tiled_mma, rA, rB, tCrA, tCrB, acc): the m16n8k16 BF16 MMA, its A / B
-            fragments and their Uint32 views, and tile_rows/16 zeroed fp32
-            accumulators (trace-time Python: called inside the kernel bodies)."""
-            tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
-            tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 16)))
-            tCrB = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 16)))
-            rA, rB = cute.recast_tensor(tCrA, Uint32), cute.recast_tensor(tCrB, Uint32)
-            acc = [tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8))) for _ in range(self.tm)]
-            for a in acc:
-                a.fill(0.0)
-            return tiled_mma, rA, rB, tCrA, tCrB, acc
+            """`warp_mma_fragments` with tile_rows/16 accumulators."""
+            return warp_mma_fragments(self.tm)
 
         def stash_partials(self, sP, acc, parity, warp, lane):
             """This warp's accumulators to its shared-memory partials (`parity`

@@ -1,12 +1,12 @@
 """Device-side inline-PTX helpers shared by the CuTe DSL kernels (quantize,
-finalize, the router top-k). Needs nvidia-cutlass-dsl: import it only where
+finalize, the router top-k, the shared expert). Needs nvidia-cutlass-dsl: import it only where
 the DSL is present."""
 
 from __future__ import annotations
 
 from cutlass import Float32, Uint32
 from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 def asm_u32(text: str, constraints: str, *args, loc=None, ip=None) -> Uint32:
@@ -24,3 +24,28 @@ def asm_f32(text: str, constraints: str, *args, loc=None, ip=None) -> Float32:
     return Float32(llvm.inline_asm(
         T.f32(), [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
         has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def st_shared_u32x4(ptr, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None) -> None:
+    """st.shared.v4.u32 of four words at the (16-byte aligned) shared-memory
+    pointer `ptr` (a cute smem Pointer)."""
+    addr = llvm.ptrtoint(T.i32(), ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    llvm.inline_asm(None, [addr] + [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
+                    "st.shared.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def st_shared_cluster_f32x4(ptr, rank, a: Float32, b: Float32, c: Float32, d: Float32, *,
+                            loc=None, ip=None) -> None:
+    """st.shared::cluster.v4.f32 of four fp32 values at the (16-byte aligned)
+    shared-memory pointer `ptr` of this CTA mapped (mapa) to CTA `rank` of the
+    cluster (distributed shared memory)."""
+    import cutlass.cute as cute
+
+    remote = cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip)
+    addr = llvm.ptrtoint(T.i32(), remote.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    llvm.inline_asm(None, [addr] + [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
+                    "st.shared::cluster.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
