@@ -1,7 +1,7 @@
 """One rank of a whole decode-step MoE layer, built to be timed.
 
     x BF16 [T, H] ─► gate (fp32 logits [T, E]) ─► router (sqrtsoftplus top-k)
-      ├─► shared expert (BF16 GEMMs)                                  ─► shared [T, H]
+      ├─► shared expert (fused kernels, or BF16 GEMMs)                ─► shared [T, H]
       └─► routed experts: our kernels (MoEStep: the fused front, or the router
                           then route where the front does not apply; GEMM1 ─► GEMM2)
                           or a backend's forward (torch-bf16, FlashInfer, ...)
@@ -17,8 +17,10 @@
   put each row's scenario experts on top, so a real gate GEMM and the real
   router reproduce a benchmark routing scenario (uniform, correlated, ...).
 - `StepGate` / `StepSharedExpert`: the gate and the shared expert as a
-  serving stack runs them (weights converted once, one GEMM per projection),
-  under the reference's names (`protocol.Gate`, `protocol.SharedExperts`).
+  serving stack runs them (weights converted once, one GEMM per projection;
+  the shared expert on the fused kernels of `kernels.shared_expert` where
+  they apply, `path` says), under the reference's names (`protocol.Gate`,
+  `protocol.SharedExperts`).
 - `KernelStep`: `MoEStep` + `RoutedExpertGemm` (its fused front bound to the
   layer's router where `front_applies`: top-k + MXFP8 x + route record in
   one launch instead of the torch router and `route`) + the finalize kernel
@@ -240,21 +242,59 @@ class StepSharedExpert:
     """The shared expert as a serving GPU runs it: gate_up = x @ [w1; w3]^T
     (one BF16 GEMM, fp32 accumulation, BF16 out), h = swiglu_clamped in fp32
     rounded to BF16, out = h @ w2^T (BF16 [T, H]). w1 / w3 BF16 [I, H], w2 BF16
-    [H, I], limit: the SwiGLU clamp."""
+    [H, I], limit: the SwiGLU clamp.
 
-    def __init__(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float) -> None:
+    On an sm_90 GPU with nvidia-cutlass-dsl and a shape the kernels take
+    (`kernels.shared_expert.shape_refusal`), calls of 1-8 rows run the two
+    fused weight-streaming kernels (`SharedExpertKernels`: the same math, one
+    launch per GEMM, weights converted once here); everything else (other row
+    counts, the CPU, `kernels=False`) takes the torch path above. `path` says
+    which path 1-8 row calls take ("kernels" or "torch"), `kernel_refusal`
+    why not the kernels (None when they are used), `last_path` which path the
+    latest call took (None before the first). tactics: optional
+    {stage: SharedTactic} for the kernels (default: built-in per shape)."""
+
+    def __init__(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float, *,
+                 kernels: bool = True, tactics: dict | None = None) -> None:
         if w1.shape != w3.shape or w2.shape != (w1.shape[1], w1.shape[0]):
             raise ValueError(f"w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} must be [I, H], w2 {tuple(w2.shape)} [H, I]")
         self.w13 = torch.cat([w1, w3]).contiguous()
         self.w2 = w2.contiguous()
         self.inter = w1.shape[0]
         self.limit = float(limit)
+        self.kernels = None
+        self.kernel_refusal: str | None = "kernels=False" if not kernels else _shared_kernel_refusal(w1, w3, w2)
+        if self.kernel_refusal is None:
+            from moebench.kernels.shared_expert import SharedExpertKernels, to_shared_layout
+
+            self.kernels = SharedExpertKernels(to_shared_layout(w1, w3, w2), self.limit, tactics=tactics)
+        self.last_path: str | None = None
+
+    @property
+    def path(self) -> str:
+        """"kernels" when calls of 1-8 rows take the fused kernels, else "torch"."""
+        return "kernels" if self.kernels is not None else "torch"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and self.kernels.accepts(x):
+            self.last_path = "kernels"
+            return self.kernels(x)
+        self.last_path = "torch"
         gate_up = F.linear(x, self.w13).float()  # one widening launch for both halves
         i = self.inter
         h = swiglu_clamped(gate_up[:, :i], gate_up[:, i:], self.limit).to(torch.bfloat16)
         return F.linear(h, self.w2)
+
+
+def _shared_kernel_refusal(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> str | None:
+    """Why the fused shared-expert kernels cannot serve these weights (None: they can)."""
+    from moebench.kernels.shared_expert import kernels_refusal, shape_refusal
+
+    if any(t.dtype != torch.bfloat16 for t in (w1, w3, w2)):
+        return "the kernels take BF16 weights"
+    if not (w1.device == w3.device == w2.device):
+        return "w1, w3 and w2 are on different devices"
+    return kernels_refusal(w1.device) or shape_refusal(int(w1.shape[1]), int(w1.shape[0]))
 
 
 def build_runner(
