@@ -433,7 +433,8 @@ def step(
 
 
 _STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows", "scenario": "scenario",
-               "unique_experts": "experts", "backend": "backend", "routing_path": "routing", "status": "status",
+               "unique_experts": "experts", "backend": "backend", "routing_path": "routing",
+               "shared_path": "shared", "status": "status",
                "median_us": "step µs",
                "p10_us": "p10", "p90_us": "p90", "step_with_gate_us": "+gate µs", "gate_us": "gate",
                "allreduce_us": "all-red.", "allreduce_share_pct": "AR %", "stage_sum_us": "Σ stages",

@@ -9,7 +9,9 @@ sqrtsoftplus routing with the layer's bias: every generated layer), else the
 runner's router + `route`; any other backend (torch-bf16, FlashInfer, ...) =
 the same gate / router / shared expert with the backend's routed experts, the
 shared output added after. The routing_path column says which path a case
-took ("front", "router+route: <why not the front>", "router"). The routing follows the sweep's scenarios: the gate's
+took ("front", "router+route: <why not the front>", "router"); the shared_path
+column which path the shared expert took ("kernels": the fused shared-expert
+kernels, "torch: <why not the kernels>"). The routing follows the sweep's scenarios: the gate's
 weights are chosen (`scenario_gate_weight`) so the real gate GEMM and router
 pick each row's scenario experts.
 
@@ -98,8 +100,8 @@ STEP_STAGES = ("front", "router", "shared", "route", "gemm1", "gemm2", "finalize
 KERNEL_COLUMNS = tuple(f"kernel_{s}_us" for s in STEP_STAGES)
 #: Result columns of a step run: the sweep's, then the step's own.
 STEP_COLUMNS = (
-    *COLUMNS, "kind", "routing_path", "ranks", "rank", "gpu_index", "step_with_gate_us", "gate_us", "stage_sum_us",
-    "allreduce_us", "allreduce_share_pct", "shared_bytes", *KERNEL_COLUMNS,
+    *COLUMNS, "kind", "routing_path", "shared_path", "ranks", "rank", "gpu_index", "step_with_gate_us", "gate_us",
+    "stage_sum_us", "allreduce_us", "allreduce_share_pct", "shared_bytes", *KERNEL_COLUMNS,
 )  # fmt: skip
 #: Backends a step runs on a GPU when none are named (unavailable ones are skipped with the reason).
 GPU_STEP_BACKENDS = ("moebench", "torch-bf16", "flashinfer-w4a16", "flashinfer-w4a8")
@@ -407,6 +409,18 @@ def _routing_path(step: DecodeStep) -> str:
     return f"{step.routing_path}: {reason}" if reason else step.routing_path
 
 
+def _shared_path(step: DecodeStep) -> str:
+    """The shared expert's path (the shared_path column): "kernels" (the fused
+    shared-expert kernels of `StepSharedExpert`), "torch: <why not the
+    kernels>", or the shared expert's class name when it does not say."""
+    shared = step.runner._shared_experts
+    path = getattr(shared, "path", None)
+    if path is None:
+        return type(shared).__name__
+    reason = getattr(shared, "kernel_refusal", None)
+    return f"{path}: {reason}" if path != "kernels" and reason else path
+
+
 def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, oracle_weights, x_cpu, ids_cpu,
               scenario, layers, copy_bw) -> dict:  # fmt: skip
     """Gate then time one case on this rank; returns its own columns (the
@@ -437,6 +451,7 @@ def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, 
             else:
                 steps.append(BackendStep(runner, backend, prepared[layer], x, all_reduce=world > 1))
         row["routing_path"] = _routing_path(steps[0])
+        row["shared_path"] = _shared_path(steps[0])
         part = steps[0].partial(with_gate=True)
         _, got = steps[0].routing()
         row["unique_experts"] = unique_experts(got, shape.experts)
@@ -557,6 +572,7 @@ def _frame(rows: list[dict]) -> pd.DataFrame:
         frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
     frame["kind"] = "step"
     frame["routing_path"] = frame["routing_path"].fillna("").astype(str)
+    frame["shared_path"] = frame["shared_path"].fillna("").astype(str)
     return frame
 
 

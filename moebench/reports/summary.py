@@ -87,8 +87,9 @@ def step_summary_table(df: pd.DataFrame) -> pd.DataFrame:
     out["note"] = out["error"].fillna("").astype(str)
     out = out.sort_values([*CASE_KEYS, "median_us"], na_position="last", kind="stable")
     columns = [*STEP_SUMMARY_COLUMNS, *_kernel_columns(df), *STEP_TAIL_COLUMNS]
-    if "routing_path" in df.columns:  # runs stored before the column lack it
-        columns.insert(columns.index("status"), "routing_path")
+    for col in ("routing_path", "shared_path"):  # runs stored before the columns lack them
+        if col in df.columns:
+            columns.insert(columns.index("status"), col)
     return out[columns].reset_index(drop=True)
 
 

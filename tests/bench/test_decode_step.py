@@ -49,8 +49,11 @@ def test_more_ranks_than_gpus_names_both_numbers(monkeypatch):
         rank_devices(step_config(**SMALL, tp=2, ranks=2))
 
 
-def _check_ok(frame: pd.DataFrame, stages) -> None:
+def _check_ok(frame: pd.DataFrame, stages, shared: str = "torch: the kernels need a CUDA device") -> None:
+    """Every case ok and gated, its stages and paths as expected; `shared`: the
+    start of every shared_path (the CPU takes the torch shared expert)."""
     assert (frame["status"] == "ok").all(), frame[["backend", "rows", "error"]].to_string()
+    assert frame["shared_path"].str.startswith(shared).all(), frame["shared_path"].tolist()
     assert (frame["max_rel_err"] < ORACLE_TOLERANCE).all()
     assert (frame["median_us"] > 0).all() and (frame["step_with_gate_us"] > 0).all() and (frame["gate_us"] > 0).all()
     for _, row in frame.iterrows():
@@ -201,7 +204,7 @@ def test_gpu_step_moebench_and_torch_vs_oracle_under_graphs():
     cfg = step_config(presets=("dsv4-flash",), hidden=1024, intermediate=512, experts=64, tp=1, rows=(1, 4, 8),
                       backends=("moebench", "torch-bf16"), device="cuda", layers=2, warmup=2, replays=10)  # fmt: skip
     res = run_step(cfg)
-    _check_ok(res.frame, BACKEND_STAGES)
+    _check_ok(res.frame, BACKEND_STAGES, shared="kernels")
     assert (res.frame["timing_method"] == "cuda-graph").all()
     assert (res.frame["layers"] == 2).all()
 
@@ -211,7 +214,7 @@ def test_gpu_step_full_preset_one_rank_of_tp4():
     cfg = step_config(presets=("dsv41-flash",), tp=4, rows=(1, 8), backends=("moebench",), device="cuda",
                       layers=2, warmup=2, replays=10)  # fmt: skip
     res = run_step(cfg)
-    _check_ok(res.frame, BACKEND_STAGES)
+    _check_ok(res.frame, BACKEND_STAGES, shared="kernels")
     assert (res.frame["intermediate"] == 576).all() and (res.frame["padded_intermediate"] == 640).all()
 
 
@@ -222,7 +225,7 @@ def test_gpu_tp2_step_matches_the_single_gpu_oracle():
                       rows=(1, 5, 8), backends=("moebench", "torch-bf16"), device="cuda", devices=(0, 1), layers=2,
                       warmup=2, replays=10)  # fmt: skip
     res = run_step(cfg, timeout_s=900)
-    _check_ok(res.frame, BACKEND_STAGES)  # max_rel_err: the all-reduced output vs the full layer's oracle
+    _check_ok(res.frame, BACKEND_STAGES, shared="kernels")  # max_rel_err: the all-reduced output vs the full layer's oracle
     assert (res.frame["allreduce_us"] > 0).all() and (res.frame["timing_method"] == "cuda-graph").all()
     assert sorted(set(res.ranks["gpu_index"])) == [0, 1] and (res.ranks["status"] == "ok").all()
     workers = res.manifest["workers"]
