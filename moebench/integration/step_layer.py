@@ -288,13 +288,23 @@ class StepSharedExpert:
 
 def _shared_kernel_refusal(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> str | None:
     """Why the fused shared-expert kernels cannot serve these weights (None: they can)."""
-    from moebench.kernels.shared_expert import kernels_refusal, shape_refusal
+    from moebench.kernels.shared_expert import default_shared_tactic, kernels_refusal, shape_refusal
 
     if any(t.dtype != torch.bfloat16 for t in (w1, w3, w2)):
         return "the kernels take BF16 weights"
     if not (w1.device == w3.device == w2.device):
         return "w1, w3 and w2 are on different devices"
-    return kernels_refusal(w1.device) or shape_refusal(int(w1.shape[1]), int(w1.shape[0]))
+    hidden, inter = int(w1.shape[1]), int(w1.shape[0])
+    reason = kernels_refusal(w1.device) or shape_refusal(hidden, inter)
+    if reason:
+        return reason
+    sms = torch.cuda.get_device_properties(w1.device).multi_processor_count
+    try:  # a shape the rules allow but no built-in tactic fits (e.g. a huge K)
+        for stage in (1, 2):
+            default_shared_tactic(hidden, inter, stage, sms)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def build_runner(

@@ -259,8 +259,9 @@ def default_shared_tactic(hidden: int, intermediate: int, stage: int, num_sms: i
       >= FILL * SMs CTAs (halves the activation traffic), else 1; the
       smallest cluster_k in 1, 2, 4, 8 giving >= FILL * SMs CTAs with at most
       X_SLICE_MAX bytes of activations per CTA.
-    * GEMM2 (K = I short, H/16 m-tiles): one m-tile per CTA, no cluster,
-      4 warps splitting K (3 where that divides the chunks and 4 does not).
+    * GEMM2 (K = I short, H/16 m-tiles): one m-tile per CTA, no cluster
+      (unless K's activations exceed X_SLICE_MAX per CTA), 4 warps splitting
+      K (3 where that divides the chunks and 4 does not).
     * Both: ctas_per_sm = ceil(CTAs / SMs) (one wave, at most 4), unroll so
       that the two register stages cover a warp's chunks when they can (at
       most 6 // tile_m), lowered until the registers fit.
@@ -291,23 +292,21 @@ def default_shared_tactic(hidden: int, intermediate: int, stage: int, num_sms: i
         tile_m = 1
         items = m // M_TILE
         warps_k = 3 if nch % 3 == 0 and nch % 4 else 4
-        cluster = 1
+        # no cluster unless the activation slice would not fit (K > 4096 at X_SLICE_MAX)
+        cluster = next((c for c in (1, 2, 4, 8) if -(-nch // c) * X_CHUNK_BYTES <= X_SLICE_MAX), MAX_CLUSTER)
     warps_k = min(warps_k, -(-nch // cluster))
     ctas = items * cluster
     cps = max(1, min(4, -(-ctas // num_sms)))
     per_warp = -(-(-(-nch // cluster)) // warps_k)
     unroll = max(1, min(-(-per_warp // 2), 6 // tile_m))
-    while True:
-        tactic = SharedTactic(tile_m, 1, warps_k, cluster, unroll, cps)
-        why = tactic.valid_for(hidden, intermediate, stage)
-        if why is None:
-            return tactic
-        if unroll > 1:
-            unroll -= 1
-        elif cps > 1:
-            cps -= 1
-        else:
-            raise ValueError(f"no shared-expert GEMM{stage} tactic for H {hidden}, I {intermediate}: {why}")
+    why = None
+    for c in range(cps, 0, -1):  # fewer CTAs per SM only when no unroll fits (shared memory)
+        for u in range(unroll, 0, -1):
+            tactic = SharedTactic(tile_m, 1, warps_k, cluster, u, c)
+            why = tactic.valid_for(hidden, intermediate, stage)
+            if why is None:
+                return tactic
+    raise ValueError(f"no shared-expert GEMM{stage} tactic for H {hidden}, I {intermediate}: {why}")
 
 
 # ----------------------------------------------------------------------------- weight layout
