@@ -48,11 +48,13 @@ Programmatic dependent launch (tactic.pdl): the weights never come from an
 earlier kernel of the step (they are converted once), so each CTA requests
 its first two weight stages BEFORE griddepcontrol.wait; x / h are read and
 h / out written only after it. Both kernels release their dependents right
-after the wait (GEMM2 then prefetches its weights while GEMM1 runs).
+after the wait (GEMM2's CTAs that find room beside GEMM1's then request
+their weights while GEMM1 runs).
 Launches take a stream and do no host sync or allocation: CUDA-graph
-capturable (call once eagerly before a capture: the first call loads the
-kernel). The weights must not be written by a kernel running just before
-GEMM1 / GEMM2 on the stream (they are read before the PDL wait).
+capturable (`SharedExpertKernels` loads the kernels onto the device when it
+is built, so even a first call may be captured). The weights must not be
+written by a kernel running just before GEMM1 / GEMM2 on the stream (they
+are read before the PDL wait).
 
 Shape rules (`shape_refusal`): H a multiple of 128, I a multiple of 32, both
 positive; plus each tactic's divisibility (`SharedTactic.valid_for`). The
@@ -785,11 +787,12 @@ class SharedExpertKernels:
     weights: SharedExpertWeights on an sm_90 CUDA device; limit: the SwiGLU
     clamp L (> 0, fp32); tactics: None (the built-in `default_shared_tactic`
     per stage for this device's SM count) or {1: SharedTactic, 2: SharedTactic}
-    (a missing stage takes the default). Compiles both kernels here (never
-    inside a CUDA-graph capture: construct outside one; call once eagerly
-    before capturing, the first call loads the kernels) and owns the h
-    scratch buffer, BF16 [8, I] (`self.h`: rows >= T are zeros after a call),
-    so calls of one instance must not run concurrently on different streams.
+    (a missing stage takes the default). Compiles both kernels and loads
+    them onto the weights' device here (construct outside a CUDA-graph
+    capture; calls, the first included, may then be captured; call with that
+    device current) and owns the h scratch buffer, BF16 [8, I] (`self.h`:
+    rows >= T are zeros after a call), so calls of one instance must not run
+    concurrently on different streams.
 
     `refusal(x)` / `accepts(x)` say whether a call takes x: BF16 [T, H],
     1 <= T <= 8, contiguous, 16-byte aligned, on the weights' device.
@@ -827,7 +830,9 @@ class SharedExpertKernels:
                 raise ValueError(f"tactics[{stage}] ({t.name}) cannot run shared GEMM{stage}: {why}")
             self.tactics[stage] = t
             kernel, compiled = compile_shared_gemm(h, i, t, stage, index)
-            self._kernels[stage] = (compiled, Int32(kernel.grid(self.num_sms)))
+            # .to(): an executor bound to this device with its module loaded now, so
+            # even the first call may be inside a CUDA-graph capture
+            self._kernels[stage] = (compiled.to(index), Int32(kernel.grid(self.num_sms)))
         self.h = torch.zeros(MAX_ROWS, i, dtype=torch.bfloat16, device=self.device)
         self._w13 = gmem_ptr(BFloat16, weights.w13, 16)
         self._w2 = gmem_ptr(BFloat16, weights.w2, 16)

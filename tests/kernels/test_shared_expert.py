@@ -317,6 +317,11 @@ VARIANTS = [
 ]
 
 
+#: The tactics of test_the_first_call_may_be_captured (H 4096, I 512; launched by no other test).
+FIRST_CALL_TACTICS = {1: SharedTactic(tile_m=1, warps_k=2, cluster_k=2, unroll=4, ctas_per_sm=2, pdl=False),
+                      2: SharedTactic(tile_m=2, warps_k=2, unroll=2, ctas_per_sm=1, pdl=False)}  # fmt: skip
+
+
 def _check_report(rep):
     what = f"{rep['spec'][:3]} {rep['tactic']}"
     assert rep["regs"], f"{what}: no ptxas report"
@@ -353,7 +358,7 @@ def test_default_tactics_compile_for_sm90a_without_spills():
 @pytest.mark.compile
 def test_variant_tactics_compile_for_sm90a_without_spills():
     specs = []
-    for h, i, stage, t in VARIANTS:
+    for h, i, stage, t in VARIANTS + [(4096, 512, st, t) for st, t in FIRST_CALL_TACTICS.items()]:
         assert t.valid_for(h, i, stage) is None, (t.name, stage)
         specs.append([h, i, stage, _fields(t)])
     reports = _compile_reports(specs)
@@ -471,6 +476,25 @@ def test_cuda_graph_replay_matches_eager_and_follows_inputs():
     torch.cuda.synchronize()
     assert not torch.equal(out, eager)
     _check(out, x, w1, w3, w2, 10.0, "graph replay, new x")
+
+
+@pytest.mark.gpu
+def test_the_first_call_may_be_captured():
+    """SharedExpertKernels loads its kernels when built: a first call inside
+    a capture (a tactic pair no other test launches) replays correctly."""
+    from moebench.kernels.shared_expert import SharedExpertKernels
+
+    h, i, rows = 4096, 512, 3
+    w1, w3, w2 = _gpu_weights(h, i, seed=31)
+    kernels = SharedExpertKernels(to_shared_layout(w1, w3, w2), 10.0, tactics=FIRST_CALL_TACTICS)
+    x = _gpu_x(rows, h, seed=7)
+    out = torch.full((rows, h), float("nan"), dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        kernels(x, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, x, w1, w3, w2, 10.0, "first call captured")
 
 
 @pytest.mark.gpu
