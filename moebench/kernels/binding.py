@@ -197,9 +197,14 @@ class RoutedExpertGemm:
         self._h_deq_of: int | None = None  # data_ptr of the h_q whose BF16 value h_deq holds
         if 1 in a16:
             self.x_deq = torch.empty(MAX_ROWS, self.hidden, dtype=torch.bfloat16, device=self.kw.device)
+        self._h_out: tuple[torch.Tensor, torch.Tensor] | None = None
         if a16:
             n = TILE * max(max_ctas(r, top_k, self.experts) for r in range(1, MAX_ROWS + 1))
             self.h_deq = torch.empty(n, self.kw.intermediate, dtype=torch.bfloat16, device=self.kw.device)
+            # an a16 GEMM1 writes H into these (views of them are returned), so the H that GEMM2
+            # is given is always the one h_deq holds, however GEMM2 is called (e.g. timed alone)
+            self._h_out = (torch.empty(n, self.kw.intermediate, dtype=torch.uint8, device=self.kw.device),
+                           torch.empty(n, self.kw.intermediate // 32, dtype=torch.uint8, device=self.kw.device))
         self.front_config: FrontConfig | None = None
         # Compile now, not inside a CUDA-graph capture.
         _quantize.compile_quantize_kernel()
@@ -337,12 +342,17 @@ class RoutedExpertGemm:
 
     def gemm1(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch GEMM1; returns H (uint8 e4m3 [8*ctas, I]) and its E8M0
-        scales (uint8 [8*ctas, I/32]), by permuted row."""
+        scales (uint8 [8*ctas, I/32]), by permuted row. With an act_bf16
+        tactic these are views of buffers the layer owns (as its BF16 copy of
+        H is): the next GEMM1 call of this layer overwrites them."""
         device = routing.x_quant.device
         rows = TILE * routing.ctas
-        h_q = torch.empty(rows, self.kw.intermediate, dtype=torch.uint8, device=device)
-        h_scale = torch.empty(rows, self.kw.intermediate // 32, dtype=torch.uint8, device=device)
         tactic = self.tactics[1, routing.x_quant.shape[0]]
+        if tactic.act_bf16:
+            h_q, h_scale = self._h_out[0][:rows], self._h_out[1][:rows]
+        else:
+            h_q = torch.empty(rows, self.kw.intermediate, dtype=torch.uint8, device=device)
+            h_scale = torch.empty(rows, self.kw.intermediate // 32, dtype=torch.uint8, device=device)
         x_deq = h_deq = None
         if tactic.act_bf16:
             x_deq = routing.x_deq

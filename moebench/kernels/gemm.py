@@ -831,8 +831,8 @@ def act_to_bf16(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None =
     bits = torch.where(si == 0, torch.full_like(si, 0x00400000), si << 23)  # 2^(s-127); 255: Inf (fixed below)
     mult = bits.view(torch.float32)
     y = (v.unflatten(-1, (-1, 32)) * mult.unsqueeze(-1)).to(torch.bfloat16)
-    y = torch.where((si == 255).unsqueeze(-1), torch.tensor(0x7FFF, dtype=torch.int16, device=q.device)
-                    .view(torch.bfloat16), y).flatten(-2)
+    nan = torch.full((), 0x7FFF, dtype=torch.int16, device=q.device).view(torch.bfloat16)  # no host copy
+    y = torch.where((si == 255).unsqueeze(-1), nan, y).flatten(-2)
     if out is None:
         return y
     if out.dtype != torch.bfloat16 or out.shape != q.shape or out.device != q.device:

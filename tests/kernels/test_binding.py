@@ -1,6 +1,8 @@
 """RoutedExpertGemm: weight checks (CPU) and the whole route -> GEMM1 -> GEMM2
 path against the fp64 oracle, eager and under a CUDA graph (GPU)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -156,7 +158,10 @@ def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypat
     path = tb.write_table(table, tmp_path)
     tb.reset_log_once()
     gemm = binding.RoutedExpertGemm(w, shape.top_k)
-    assert gemm.tactics[1, 6] == tuned and str(path) in gemm.tactic_sources[1, 6]
+    # the table's tactic, run with the BF16 activation operand (act_bf16=True, the default)
+    assert gemm.tactics[1, 6] == dataclasses.replace(tuned, act_bf16=True) and str(path) in gemm.tactic_sources[1, 6]
+    as_tabled = binding.RoutedExpertGemm(w, shape.top_k, act_bf16=False)
+    assert as_tabled.tactics[1, 6] == tuned
     assert gemm.tactics[1, 5] == plain.tactics[1, 5] and gemm.tactic_sources[1, 5].startswith("default")
     builtin = binding.RoutedExpertGemm(w, shape.top_k, {})  # explicit: tables ignored
     assert builtin.tactics == plain.tactics
@@ -214,3 +219,32 @@ def test_act_bf16_binding_writes_x_deq_and_matches_the_e4m3_binding(bound):
         assert torch.equal(out.gemm2_permuted[idx], want.gemm2_permuted[idx]), rows
         ref = reference_moe(x, ids, tw, w, activation="mxfp8")
         assert relative_error(finalize(out), ref.output) <= ORACLE_TOLERANCE
+
+
+@pytest.mark.gpu
+def test_gemm2_alone_after_other_gemm1_calls_reads_the_matching_h(bound):
+    """With act_bf16, GEMM1 writes H into layer-owned buffers (h_q and its BF16
+    copy together), so GEMM2 timed alone in a graph, after other GEMM1 calls,
+    is capturable and reads an h_deq that matches the h_q it is given."""
+    shape, w, gemm = bound
+    rows = 6
+    ids = scenario_topk_ids("correlated", rows, shape.top_k, shape.experts, seed=9).cuda()
+    tw = scenario_weights(rows, shape.top_k, seed=9).cuda()
+    x = generate_activations(rows, shape.hidden, seed=9, device="cuda")
+    routing = gemm.route(x, ids, tw)
+    h = gemm.gemm1(routing)
+    assert gemm.gemm1(routing)[0].data_ptr() == h[0].data_ptr()
+    eager = gemm.gemm2(routing, *h).gemm2_permuted.clone()
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gemm.gemm2(routing, *h)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        out = gemm.gemm2(routing, *h).gemm2_permuted
+    graph.replay()
+    torch.cuda.synchronize()
+    idx = routing.permuted.flatten()
+    idx = idx[idx >= 0].long()
+    assert torch.equal(out[idx], eager[idx])
