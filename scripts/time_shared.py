@@ -158,7 +158,9 @@ def bench_shape(preset: str, tp: int, rows_list, do_variants: bool, copy_gbps: f
                        nbytes=4 * h * i)
                 record("gemm2", tactics[2].name, lambda: [k.launch_gemm2(rows, out) for k in ks], err,
                        nbytes=2 * h * i)
-                record("kernels-warm", names, lambda: ks[0](x, out), err, calls=1)
+                # one layer n_layers times per replay (its weights stay in L2): one call per
+                # graph launch would time the host's submission gap instead of the kernels
+                record("kernels-warm", names, lambda: [ks[0](x, out) for _ in ks], err)
     del torch_layers, kernel_layers
     torch.cuda.empty_cache()
 
