@@ -9,8 +9,13 @@ tests/kernels on sys.path before it imports a test file from here."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import subprocess
+import sys
 import tempfile
+import textwrap
 
 import torch
 
@@ -18,6 +23,66 @@ _SASS_INSTR = re.compile(r"/\*[0-9a-f]{4}\*/\s+([^;]+);")
 _GLOBAL_ACCESS = re.compile(r"(@!?P\d+ )?(LDG|STG)")
 
 # --------------------------------------------------------------------------- compile and SASS
+
+# Compiles in a child process: the DSL reads CUTE_DSL_KEEP / _DUMP_DIR /
+# _COMPILER_OPT once per process. argv[1] defines compile_spec(spec) -> dict
+# (it compiles one kernel; the dict joins the report), argv[2] is the JSON
+# list of specs. Prints one JSON report per spec.
+_CHILD = textwrap.dedent(
+    """
+    import glob, json, os, re, sys, tempfile
+    dump = tempfile.mkdtemp(prefix="moebench_sass_")
+    os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,sass", CUTE_DSL_DUMP_DIR=dump,
+                      CUTE_DSL_COMPILER_OPT="remarks{ptx}")
+    namespace = {}
+    exec(sys.argv[1], namespace)
+    instr_re = re.compile(r"/\\*[0-9a-f]{4}\\*/\\s+([^;]+);")
+    for spec in json.loads(sys.argv[2]):
+        for f in glob.glob(os.path.join(dump, "*")):
+            os.remove(f)
+        r, w = os.pipe()
+        saved = os.dup(2), os.dup(1)
+        os.dup2(w, 2); os.dup2(w, 1)
+        try:
+            extra = namespace["compile_spec"](spec)
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os.dup2(saved[0], 2); os.dup2(saved[1], 1); os.close(w)
+        log = os.read(r, 1 << 22).decode(errors="replace"); os.close(r)
+        sass = "".join(open(f).read() for f in glob.glob(os.path.join(dump, "*.sass")))
+        print(json.dumps(dict(extra, spec=spec,
+            regs=[int(x) for x in re.findall(r"Used (\\d+) registers", log)],
+            spills=[int(x) for x in re.findall(r"(\\d+) bytes spill (?:stores|loads)", log)],
+            instr=[s.strip() for s in instr_re.findall(sass)])), flush=True)
+    """
+)
+
+
+def compile_reports(compile_spec_source: str, specs: list) -> list[dict]:
+    """Compile one kernel per spec for sm_90a in a child process and read back
+    what ptxas and the SASS say. compile_spec_source: Python source defining
+    `compile_spec(spec) -> dict` (compiles the kernel of one JSON-able spec;
+    the dict's items join its report). Returns one report per spec: spec,
+    regs / spills (from ptxas' remarks), instr (the SASS instructions; empty
+    when no disassembler is installed) and the extra items."""
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", _CHILD, textwrap.dedent(compile_spec_source), json.dumps(specs)],
+                          capture_output=True, text=True, env=env, timeout=1800)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+
+
+def sass_count(report: dict, pattern: str) -> int:
+    """How many SASS instructions of a `compile_reports` report match `pattern`."""
+    return sum(bool(re.search(pattern, s)) for s in report["instr"])
+
+
+def sass_first(report: dict, pattern: str) -> int:
+    """Index of the first SASS instruction matching `pattern`, -1 if none."""
+    return next((n for n, s in enumerate(report["instr"]) if re.search(pattern, s)), -1)
+
 
 
 def compile_sm90a(kernel, *args, ptx: bool = False) -> tuple[str, str | None]:

@@ -1,14 +1,9 @@
 """GEMM1 / GEMM2 kernels: sm_90a cross-compiles (CPU) and numerics vs the
 fp64 oracle, CUDA-graph capture (GPU)."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
+from kernel_checks import compile_reports, sass_count
 
 from moebench.formats import dequantize_mxfp8, generate_activations, generate_expert_weights, quantize_mxfp8
 from moebench.kernels.tactic import (
@@ -20,57 +15,33 @@ from moebench.record import TILE, build_route_record
 TPS = (1, 2, 4, 8)
 ALL_SHAPES = [(p, tp) for p in sorted(PRESETS) for tp in TPS]
 
-# Compiles in a child process: the DSL reads CUTE_DSL_KEEP / _DUMP_DIR /
-# _COMPILER_OPT once per process. Prints one JSON line per kernel. A spec is
-# (preset, tp, stage, wide, ctas[, tactic fields]): the default tactic for
-# ctas, or GemmTactic(**fields) when given.
-_CHILD = textwrap.dedent(
-    """
-    import glob, json, os, re, sys, tempfile
-    dump = tempfile.mkdtemp(prefix="moebench_sass_")
-    os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,sass", CUTE_DSL_DUMP_DIR=dump,
-                      CUTE_DSL_COMPILER_OPT="remarks{ptx}")
-    import io, contextlib
-    from moebench.kernels.gemm import compile_gemm
-    from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
-    from moebench.models import get_preset
-    for spec in json.loads(sys.argv[1]):
-        preset, tp, stage, wide, ctas, *fields = spec
-        shape = GemmShape.of(get_preset(preset).shard(tp))
-        tactic = GemmTactic(**fields[0]) if fields else default_tactic(shape, stage, ctas, 132, wide)
-        for f in glob.glob(os.path.join(dump, "*")):
-            os.remove(f)
-        r, w = os.pipe()
-        saved = os.dup(2), os.dup(1)
-        os.dup2(w, 2); os.dup2(w, 1)
-        try:
-            compile_gemm(shape, tactic, stage, wide)
-        finally:
-            sys.stdout.flush(); sys.stderr.flush()
-            os.dup2(saved[0], 2); os.dup2(saved[1], 1); os.close(w)
-        log = os.read(r, 1 << 22).decode(errors="replace"); os.close(r)
-        sass = "".join(open(f).read() for f in glob.glob(os.path.join(dump, "*.sass")))
-        spills = [int(x) for x in re.findall(r"(\\d+) bytes spill (?:stores|loads)", log)]
-        regs = [int(x) for x in re.findall(r"Used (\\d+) registers", log)]
-        print(json.dumps(dict(spec=spec, regs=regs, spills=spills, have_sass=bool(sass),
-            hmma=len(re.findall(r"HMMA\\.16816\\.F32\\.BF16", sass)),
-            atom_inc=len(re.findall(r"ATOMG\\.E\\.INC\\.STRONG\\.GPU", sass)),
-            ldg_strong=len(re.findall(r"LDG\\.E(?:\\.64|\\.128)?\\.STRONG\\.GPU", sass)),
-            ldg_ef128=len(re.findall(r"LDG\\.E\\.EF\\.128", sass)),
-            ublkcp=len(re.findall(r"UBLKCP", sass)),
-            local=len(re.findall(r"\\b(?:LDL|STL)\\b", sass)))), flush=True)
-    """
-)
+# A spec is (preset, tp, stage, wide, ctas[, tactic fields]): the default
+# tactic for ctas, or GemmTactic(**fields) when given.
+_COMPILE_SPEC = """
+from moebench.kernels.gemm import compile_gemm
+from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
+from moebench.models import get_preset
+
+def compile_spec(spec):
+    preset, tp, stage, wide, ctas, *fields = spec
+    shape = GemmShape.of(get_preset(preset).shard(tp))
+    tactic = GemmTactic(**fields[0]) if fields else default_tactic(shape, stage, ctas, 132, wide)
+    compile_gemm(shape, tactic, stage, wide)
+    return {}
+"""
 
 
 def _compile_reports(specs):
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(specs)], capture_output=True,
-                          text=True, env=env, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    reports = compile_reports(_COMPILE_SPEC, specs)
+    for rep in reports:
+        rep.update(
+            have_sass=bool(rep["instr"]), hmma=sass_count(rep, r"HMMA\.16816\.F32\.BF16"),
+            atom_inc=sass_count(rep, r"ATOMG\.E\.INC\.STRONG\.GPU"),
+            ldg_strong=sass_count(rep, r"LDG\.E(?:\.64|\.128)?\.STRONG\.GPU"),
+            ldg_ef128=sass_count(rep, r"LDG\.E\.EF\.128"), ublkcp=sass_count(rep, r"UBLKCP"),
+            local=sass_count(rep, r"\b(?:LDL|STL)\b"),
+        )  # fmt: skip
+    return reports
 
 
 @pytest.mark.compile

@@ -3,17 +3,11 @@ layout and its converter, shape and input rules, default tactics, sm_90a
 cross-compiles (CPU); numerics vs fp64, CUDA-graph replay and the
 StepSharedExpert integration (GPU)."""
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_checks import misaligned
+from kernel_checks import compile_reports, misaligned, sass_count, sass_first
 
 from moebench.integration.step_layer import StepSharedExpert
 from moebench.kernels.shared_expert import (
@@ -243,59 +237,31 @@ def test_default_tactics_fill_the_h200_in_one_wave(preset, tp, h, i):
 
 
 # ---------------------------------------------------------------------- compile (CPU, sm_90a)
-# Compiles in a child process (the DSL reads CUTE_DSL_KEEP / _DUMP_DIR /
-# _COMPILER_OPT once per process); one JSON line per kernel. A spec is
-# [H, I, stage] (the default tactic for 132 SMs) or [H, I, stage, {tactic fields}].
-_CHILD = textwrap.dedent(
-    """
-    import glob, json, os, re, sys, tempfile
-    dump = tempfile.mkdtemp(prefix="moebench_shared_sass_")
-    os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,sass", CUTE_DSL_DUMP_DIR=dump,
-                      CUTE_DSL_COMPILER_OPT="remarks{ptx}")
-    from moebench.kernels.shared_expert import SharedTactic, compile_shared_gemm, default_shared_tactic
-    instr_re = re.compile(r"/\\*[0-9a-f]{4}\\*/\\s+([^;]+);")
-    def first(instr, pat):
-        return next((n for n, s in enumerate(instr) if re.search(pat, s)), -1)
-    for spec in json.loads(sys.argv[1]):
-        h, i, stage, *fields = spec
-        tactic = SharedTactic(**fields[0]) if fields else default_shared_tactic(h, i, stage, 132)
-        for f in glob.glob(os.path.join(dump, "*")):
-            os.remove(f)
-        r, w = os.pipe()
-        saved = os.dup(2), os.dup(1)
-        os.dup2(w, 2); os.dup2(w, 1)
-        try:
-            compile_shared_gemm(h, i, tactic, stage)
-        finally:
-            sys.stdout.flush(); sys.stderr.flush()
-            os.dup2(saved[0], 2); os.dup2(saved[1], 1); os.close(w)
-        log = os.read(r, 1 << 22).decode(errors="replace"); os.close(r)
-        sass = "".join(open(f).read() for f in glob.glob(os.path.join(dump, "*.sass")))
-        instr = [s.strip() for s in instr_re.findall(sass)]
-        print(json.dumps(dict(spec=spec, tactic=tactic.name, pdl=tactic.pdl, cluster=tactic.cluster_k,
-            regs=[int(x) for x in re.findall(r"Used (\\d+) registers", log)],
-            spills=[int(x) for x in re.findall(r"(\\d+) bytes spill (?:stores|loads)", log)],
-            n_instr=len(instr),
-            hmma=sum(bool(re.search(r"HMMA\\.16816\\.F32\\.BF16", s)) for s in instr),
-            ldg_ef128=sum(bool(re.search(r"LDG\\.E\\.EF\\.128", s)) for s in instr),
-            local=sum(bool(re.search(r"\\b(?:LDL|STL)\\b", s)) for s in instr),
-            acqbulk=first(instr, r"^ACQBULK"), preexit=first(instr, r"^PREEXIT"),
-            first_weight=first(instr, r"LDG\\.E\\.EF\\.128"), first_x=first(instr, r"LDG\\.E\\.EL\\.128"),
-            first_store=first(instr, r"\\bSTG\\b"),
-            cga_arrive=first(instr, r"UCGABAR_ARV"), cga_wait=first(instr, r"UCGABAR_WAIT"),
-            dsmem_store=first(instr, r"\\bST\\.E\\.128\\b"))), flush=True)
-    """
-)
+# A spec is [H, I, stage] (the default tactic for 132 SMs) or
+# [H, I, stage, {tactic fields}].
+_COMPILE_SPEC = """
+from moebench.kernels.shared_expert import SharedTactic, compile_shared_gemm, default_shared_tactic
+
+def compile_spec(spec):
+    h, i, stage, *fields = spec
+    tactic = SharedTactic(**fields[0]) if fields else default_shared_tactic(h, i, stage, 132)
+    compile_shared_gemm(h, i, tactic, stage)
+    return dict(tactic=tactic.name, pdl=tactic.pdl, cluster=tactic.cluster_k)
+"""
 
 
 def _compile_reports(specs):
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, json.dumps(specs)], capture_output=True,
-                          text=True, env=env, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    reports = compile_reports(_COMPILE_SPEC, specs)
+    for rep in reports:
+        rep.update(
+            n_instr=len(rep["instr"]), hmma=sass_count(rep, r"HMMA\.16816\.F32\.BF16"),
+            ldg_ef128=sass_count(rep, r"LDG\.E\.EF\.128"), local=sass_count(rep, r"\b(?:LDL|STL)\b"),
+            acqbulk=sass_first(rep, r"^ACQBULK"), preexit=sass_first(rep, r"^PREEXIT"),
+            first_weight=sass_first(rep, r"LDG\.E\.EF\.128"), first_x=sass_first(rep, r"LDG\.E\.EL\.128"),
+            first_store=sass_first(rep, r"\bSTG\b"), cga_arrive=sass_first(rep, r"UCGABAR_ARV"),
+            cga_wait=sass_first(rep, r"UCGABAR_WAIT"), dsmem_store=sass_first(rep, r"\bST\.E\.128\b"),
+        )  # fmt: skip
+    return reports
 
 
 def _fields(t: SharedTactic) -> dict:
