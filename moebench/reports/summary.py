@@ -19,6 +19,18 @@ SUMMARY_COLUMNS = (
 )  # fmt: skip
 
 
+def _with_ratio_and_note(df: pd.DataFrame) -> pd.DataFrame:
+    """A copy of df with vs_torch_bf16 (the best ok torch-bf16 median of the
+    same case / this median) and note (the error text), sorted by case then
+    median µs."""
+    ok_base = df[(df["backend"] == BASELINE) & (df["status"] == "ok")]
+    base = ok_base.groupby(list(CASE_KEYS), dropna=False)["median_us"].min().rename("_base_us")
+    out = df.merge(base, how="left", left_on=list(CASE_KEYS), right_index=True)
+    out["vs_torch_bf16"] = out["_base_us"] / out["median_us"]
+    out["note"] = out["error"].fillna("").astype(str)
+    return out.sort_values([*CASE_KEYS, "median_us"], na_position="last", kind="stable")
+
+
 def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (case, backend, tactic), sorted by case then median µs.
 
@@ -32,13 +44,7 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     missing = sorted(need - set(df.columns))
     if missing:
         raise ValueError(f"results lack columns {missing}")
-    out = df.copy()
-    ok_base = out[(out["backend"] == BASELINE) & (out["status"] == "ok")]
-    base = ok_base.groupby(list(CASE_KEYS), dropna=False)["median_us"].min().rename("_base_us")
-    out = out.merge(base, how="left", left_on=list(CASE_KEYS), right_index=True)
-    out["vs_torch_bf16"] = out["_base_us"] / out["median_us"]
-    out["note"] = out["error"].fillna("").astype(str)
-    out = out.sort_values([*CASE_KEYS, "median_us"], na_position="last", kind="stable")
+    out = _with_ratio_and_note(df)
     return out[list(SUMMARY_COLUMNS)].reset_index(drop=True)
 
 
@@ -79,13 +85,7 @@ def step_summary_table(df: pd.DataFrame) -> pd.DataFrame:
     missing = sorted(need - set(df.columns))
     if missing:
         raise ValueError(f"step results lack columns {missing}")
-    out = df.copy()
-    ok_base = out[(out["backend"] == BASELINE) & (out["status"] == "ok")]
-    base = ok_base.groupby(list(CASE_KEYS), dropna=False)["median_us"].min().rename("_base_us")
-    out = out.merge(base, how="left", left_on=list(CASE_KEYS), right_index=True)
-    out["vs_torch_bf16"] = out["_base_us"] / out["median_us"]
-    out["note"] = out["error"].fillna("").astype(str)
-    out = out.sort_values([*CASE_KEYS, "median_us"], na_position="last", kind="stable")
+    out = _with_ratio_and_note(df)
     columns = [*STEP_SUMMARY_COLUMNS, *_kernel_columns(df), *STEP_TAIL_COLUMNS]
     for col in ("routing_path", "shared_path"):  # runs stored before the columns lack them
         if col in df.columns:
