@@ -27,6 +27,7 @@ import time
 
 import torch
 
+from moebench.bench.timing import time_graph as bench_time_graph
 from moebench.formats import generate_activations
 from moebench.kernels.front import FrontConfig, launch_front
 from moebench.kernels.quantize import launch_quantize_mxfp8
@@ -37,25 +38,11 @@ from moebench.routing import RouterConfig, route
 
 
 def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float]:
-    """(median, p10, p90) microseconds per call of a graph of n_calls calls of `fn`."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(n_calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / n_calls)
-    ts.sort()
-    return ts[len(ts) // 2], ts[len(ts) // 10], ts[(9 * len(ts)) // 10]
+    """(median, p10, p90) microseconds per call of a graph of n_calls calls of `fn`
+    (moebench.bench.timing.time_graph)."""
+    t = bench_time_graph(lambda: [fn() for _ in range(n_calls)], warmup=1, replays=replays,
+                         calls_per_replay=n_calls)
+    return t.median_us, t.p10_us, t.p90_us
 
 
 def bench(preset: str, rows: int, calls: int, after_producer: bool) -> list[dict]:

@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from moebench.bench.timing import time_graph as bench_time_graph
 from moebench.formats import generate_activations, quantize_mxfp8
 from moebench.kernels.gemm import act_to_bf16, alloc_workspace, gemm1, gemm2
 from moebench.kernels.layout import KernelWeights
@@ -94,24 +95,10 @@ def copy_bandwidth() -> float:
 
 
 def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float]:
-    """(median, p10, p90) microseconds per call of a graph of `fn` (n_calls calls)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(replays):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        graph.replay()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / n_calls)
-    ts.sort()
-    return ts[len(ts) // 2], ts[len(ts) // 10], ts[(9 * len(ts)) // 10]
+    """(median, p10, p90) microseconds per call of a graph of `fn` (n_calls calls;
+    moebench.bench.timing.time_graph)."""
+    t = bench_time_graph(fn, warmup=1, replays=replays, calls_per_replay=n_calls)
+    return t.median_us, t.p10_us, t.p90_us
 
 
 def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list, bulk: bool = False,
