@@ -46,5 +46,5 @@ for spec in sys.argv[1:]:
     nh = hb["HMMA"]
     print(json.dumps(dict(spec=spec, regs=regs, spills=spills, local=ha["LDL"] + ha["STL"], hmma=nh,
         alu_body=sum(alu_b.values()), alu_per_hmma=round(sum(alu_b.values()) / max(nh, 1), 2),
-        hmul2_body=hb["HMUL2"], alu_detail=dict(sorted(alu_b.items(), key=lambda kv: -kv[1])),
+        hmul2_body=hb["HMUL2"], fma_body=hb["FFMA"] + hb["FMUL"] + hb["FADD"], alu_detail=dict(sorted(alu_b.items(), key=lambda kv: -kv[1])),
         ldg=hb["LDG"], lds=hb["LDS"], total_body=len(body))), flush=True)

@@ -17,7 +17,10 @@ once before any graph is captured. --act-bf16 adds, for every tactic timed,
 its act_bf16 twin (`_a16`: BF16 activations x_deq / h_deq, dequantized once
 before capture; GEMM1 also writes h_deq), and "both" for each a16 pair of
 the defaults; bytes are counted as for the MXFP8 operand (same logical
-bytes, so GB/s compare directly).
+bytes, so GB/s compare directly). --fp8 adds the fp8 twin (`_f8`:
+`tactic.fp8_twin`, e4m3 weight operand, FP8 MMA on x_q / h_q) of every
+MXFP8 tactic timed, and "both" for the fp8 pair of the defaults (the random
+weight bytes serve either layout).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from moebench.bench.timing import time_graph as bench_time_graph
 from moebench.formats import generate_activations, quantize_mxfp8
 from moebench.kernels.gemm import act_to_bf16, alloc_workspace, gemm1, gemm2
 from moebench.kernels.layout import KernelWeights
-from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
+from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, fp8_twin, workspace_bytes_for
 from moebench.models import get_preset
 from moebench.record import TILE, build_route_record
 from moebench.routing import scenario_topk_ids
@@ -75,7 +78,7 @@ def random_kernel_weights(shape, seed: int) -> KernelWeights:
     return KernelWeights(
         codes(e, 2 * i // 32, h // 32, 32, 16), scales(e, 2 * i // 32, h // 32, 8, 4),
         codes(e, h // 32, i // 32, 32, 16), scales(e, h // 32, i // 32, 8, 4),
-        torch.full((e,), shape.swiglu_limit, device="cuda"), h, i, shape.padded_intermediate, 124,
+        torch.full((e,), shape.swiglu_limit, device="cuda"), h, i, shape.padded_intermediate, 124, 116,
     )  # fmt: skip
 
 
@@ -102,7 +105,7 @@ def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float
 
 
 def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list, bulk: bool = False,
-                act_bf16: bool = False) -> None:
+                act_bf16: bool = False, fp8: bool = False) -> None:
     shape = get_preset("dsv41-flash").shard(tp)
     gs = GemmShape.of(shape)
     h, i = shape.hidden, shape.intermediate
@@ -139,9 +142,13 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
         route = build_route_record(ids.cuda(), shape.experts)
         t1s = [default_tactic(gs, 1, route.ctas)] + [t for t in extra1 if t != default_tactic(gs, 1, route.ctas)]
         t2s = [default_tactic(gs, 2, route.ctas)] + [t for t in extra2 if t != default_tactic(gs, 2, route.ctas)]
+        base1, base2 = list(t1s), list(t2s)
         if act_bf16:  # the a16 twin of every tactic, right after the MXFP8 ones
-            t1s += [dataclasses.replace(t, act_bf16=True) for t in t1s]
-            t2s += [dataclasses.replace(t, act_bf16=True) for t in t2s]
+            t1s += [dataclasses.replace(t, act_bf16=True) for t in base1]
+            t2s += [dataclasses.replace(t, act_bf16=True) for t in base2]
+        if fp8:
+            t1s += [fp8_twin(t) for t in base1]
+            t2s += [fp8_twin(t) for t in base2]
         x_q, x_s = quantize_mxfp8(generate_activations(rows, h, seed=rows, device="cuda"))
         n = TILE * route.ctas
         used = TILE * route.tiles_used
@@ -152,10 +159,12 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
         h_deq = torch.zeros(n, i, dtype=torch.bfloat16, device="cuda") if act_bf16 else None
 
         def g1(kw, t1):
+            kw = dataclasses.replace(kw, operand="e4m3") if t1.fp8 else kw
             a16 = dict(x_deq=x_deq, h_deq_out=h_deq) if t1.act_bf16 else {}
             gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, workspace=ws, **a16)
 
         def g2(kw, t2):
+            kw = dataclasses.replace(kw, operand="e4m3") if t2.fp8 else kw
             a16 = dict(h_deq=h_deq) if t2.act_bf16 else {}
             gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, workspace=ws, **a16)
 
@@ -169,6 +178,7 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                 first_t2, first_t1 = t2 is t2s[0], t1 is t1s[0]
                 a16_pair = (t1.act_bf16 and t2.act_bf16 and dataclasses.replace(t1, act_bf16=False) == d1
                             and dataclasses.replace(t2, act_bf16=False) == d2)
+                a16_pair = a16_pair or (t1 == fp8_twin(d1) and t2 == fp8_twin(d2))
                 cases = []
                 if first_t2:
                     cases.append(("gemm1", t1.name, bytes1, lambda t1=t1: [g1(kw, t1) for kw in sets]))
@@ -176,7 +186,7 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                     cases.append(("gemm2", t2.name, bytes2, lambda t2=t2: [g2(kw, t2) for kw in sets]))
                 # (never a16 GEMM2 after an MXFP8 GEMM1: it would read an h_deq nobody wrote)
                 if (first_t1 or first_t2 or (t1.bulk and t2.bulk) or a16_pair) and (
-                        t1.act_bf16 or not t2.act_bf16):
+                        t1.act_bf16 or not t2.act_bf16) and t1.fp8 == t2.fp8:
                     cases.append(("both", f"{t1.name}+{t2.name}", bytes1 + bytes2, lambda t1=t1, t2=t2: [
                         (g1(kw, t1), g2(kw, t2)) for kw in sets]))
                 for kernel, tactic, nbytes, fn in cases:
@@ -203,6 +213,8 @@ def main() -> None:
     ap.add_argument("--bulk", action="store_true", help="also time the bulk-copy variants (all bulk pairs in 'both')")
     ap.add_argument("--act-bf16", action="store_true",
                     help="also time the act_bf16 (_a16) twin of every tactic, and the a16 defaults in 'both'")
+    ap.add_argument("--fp8", action="store_true",
+                    help="also time the fp8 (_f8) twin of every MXFP8 tactic, and the fp8 defaults in 'both'")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     t0 = time.time()
@@ -211,7 +223,7 @@ def main() -> None:
     results: list = []
     for tp in (int(t) for t in args.tp.split(",")):
         bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, args.split_k, results, args.bulk,
-                    args.act_bf16)
+                    args.act_bf16, args.fp8)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(copy_gbps=bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)

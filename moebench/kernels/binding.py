@@ -27,7 +27,7 @@ from moebench.kernels import gemm as _gemm
 from moebench.kernels import quantize as _quantize
 from moebench.kernels import route as _route
 from moebench.kernels.layout import KernelWeights, to_kernel_layout
-from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
+from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, fp8_twin, workspace_bytes_for
 from moebench.moe_output import UnfinalizedMoEOutput
 from moebench.record import MAX_EXPERTS, MAX_ROWS, MAX_TOP_K, TILE, cta_words, max_ctas, route_words
 from moebench.tuning.table import ShapeClass, load_tactic
@@ -119,6 +119,11 @@ class RoutedExpertGemm:
     also write x as BF16, GEMM1 also writes H as BF16, and the GEMMs skip the
     e4m3 decode; the same bits, 5-12 % less time on the H200, perf-notes v5);
     explicit `tactics` are used as given.
+    fp8 (default False): the weights are laid out for the e4m3 operand and
+    table / built-in tactics run as their fp8 twin (`_f8`: FP8 MMA on the
+    MXFP8 x and H, no BF16 copies; act_bf16 is then ignored); explicit
+    `tactics` must then be fp8 tactics, and without fp8 must not be
+    (ValueError naming the stage).
     """
 
     def __init__(
@@ -128,13 +133,22 @@ class RoutedExpertGemm:
         tactics: dict[int, GemmTactic] | None = None,
         workspace: torch.Tensor | None = None,
         act_bf16: bool = True,
+        fp8: bool = False,
     ) -> None:
         check_weights(weights, top_k)
-        if not isinstance(act_bf16, bool):
-            raise TypeError(f"act_bf16 must be a bool, got {type(act_bf16).__name__}")
+        for name, flag in (("act_bf16", act_bf16), ("fp8", fp8)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+        if tactics is not None:
+            for stage, t in tactics.items():
+                if isinstance(t, GemmTactic) and t.fp8 != fp8:
+                    raise ValueError(f"tactics[{stage}] ({t.name}) is {'an' if t.fp8 else 'not an'} fp8 tactic"
+                                     f" but fp8={fp8}: the weights are laid out for one operand")
         self.source = weights
         self.top_k = top_k
-        self.kw: KernelWeights = to_kernel_layout(weights)
+        self.fp8 = fp8
+        self.kw: KernelWeights = to_kernel_layout(weights, "e4m3" if fp8 else "bf16")
+        scale_flag = self.kw.scale_variant(fp8)
         shape = GemmShape.of(self.kw)
         props = torch.cuda.get_device_properties(self.kw.device)
         sms = props.multi_processor_count
@@ -151,14 +165,16 @@ class RoutedExpertGemm:
                 if tactics is None:
                     tactic, source = load_tactic(
                         props.name, ShapeClass.of(shape, top_k), rows, stage, num_sms=sms,
-                        wide_scales=self.kw.wide_scales,
+                        wide_scales=scale_flag,
                     )
                 elif tactics.get(stage) is not None:
                     tactic, source = tactics[stage], "explicit"
                 else:
-                    tactic = default_tactic(shape, stage, ctas, sms, self.kw.wide_scales)
+                    tactic = default_tactic(shape, stage, ctas, sms, scale_flag, fp8=fp8)
                     source = "default"
-                if act_bf16 and source != "explicit" and not tactic.act_bf16:
+                if fp8 and source != "explicit" and not tactic.fp8:
+                    tactic = fp8_twin(tactic)
+                elif act_bf16 and source != "explicit" and not tactic.act_bf16:
                     twin = replace(tactic, act_bf16=True)
                     if not twin.valid_for(shape, stage):
                         tactic = twin
@@ -212,7 +228,7 @@ class RoutedExpertGemm:
             _quantize.compile_quantize_kernel(deq=True)
         _route.compile_route_kernel()
         for (stage, _), tactic in self.tactics.items():
-            _gemm.compile_gemm(shape, tactic, stage, self.kw.wide_scales)
+            _gemm.compile_gemm(shape, tactic, stage, scale_flag)
 
     @property
     def experts(self) -> int:

@@ -9,6 +9,10 @@ All decodes are exact (bit operations and multiplies by powers of two):
   * four e4m3 bytes -> two bf16x2 B registers, value x 2^-120
     (`e4m3x4_to_bf16x2`), then x 2^(min(s,134)-7) x 2^(max(s,134)-134): both
     multipliers are normal bf16 for every code (255 gives NaN, as E8M0 does).
+  * fp8 tactics: e2m1 word (e4m3 layout) -> two e4m3x4 A registers, value
+    x 2^-6 (`decode_e2m1_word_e4m3`); the scales become fp32 factors of the
+    fp32 MMA result (`weight_scale_f32`, `act_scale_f32`: 2^(s-127) and
+    2^(s-121), the latter undoing the 2^-6).
 Requires nvidia-cutlass-dsl; import only where it is installed.
 """
 
@@ -21,7 +25,11 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from moebench.kernels.layout import decode_terms
+from moebench.kernels.layout import E4M3_IN_PLACE, E4M3_LEFT, E4M3_RIGHT, decode_terms
+
+
+#: fp32 bits of 2^-127 (E8M0 code 0, a subnormal).
+_F32_2_M127 = 0x00400000
 
 
 def _asm(ret, args, text: str, constraints: str):
@@ -101,6 +109,43 @@ def decode_e2m1_word(q: Uint32):
             r = (v & Uint32(mask)) if r is None else r | (v & Uint32(mask))
         out.append(r)
     return out[0], out[1], out[2], out[3]
+
+
+@cute.jit
+def decode_e2m1_word_e4m3(q: Uint32):
+    """A word of eight e2m1 codes (e4m3 operand layout, `layout.py`) -> the
+    e4m3x4 A registers (row g, row g+8), values x 2^-6, exact: row g's codes
+    are in place, row g+8's move by << 2 / >> 2 (5 integer instructions)."""
+    ra = q & Uint32(E4M3_IN_PLACE)
+    x = q & Uint32(~E4M3_IN_PLACE & 0xFFFFFFFF)
+    rb = ((x << Uint32(2)) & Uint32(E4M3_LEFT)) | ((x >> Uint32(2)) & Uint32(E4M3_RIGHT))
+    return ra, rb
+
+
+@cute.jit
+def weight_scale_f32(word: Uint32, byte: cutlass.Constexpr[int], special: cutlass.Constexpr[bool]):
+    """fp32 2^(s-127) of E8M0 byte `byte` of `word` (exponent field s: exact
+    for s in [1, 254]; two instructions). `special`: also s = 0 (2^-127, a
+    subnormal) and s = 255 (NaN), at two more selects each."""
+    if cutlass.const_expr(byte == 3):
+        bits = (word >> Uint32(1)) & Uint32(0x7F800000)
+    else:
+        bits = (word << Uint32(23 - 8 * byte)) & Uint32(0x7F800000)
+    if cutlass.const_expr(special):
+        bits = Uint32(cutlass.select_(bits == Uint32(0), Uint32(_F32_2_M127), bits))
+        bits = Uint32(cutlass.select_(bits == Uint32(0x7F800000), Uint32(0x7FC00000), bits))
+    return bits_f32(bits)
+
+
+@cute.jit
+def act_scale_f32(s: Uint32):
+    """fp32 2^(s-121) of an activation E8M0 code s (the 2^6 that undoes the
+    weights' e4m3 placement folded in): exact for s <= 248, +Inf for s >= 249
+    (two instructions). No quantizer of ours writes 249..254 (a finite fp32
+    amax gives <= 247); 255 (NaN) comes with NaN e4m3 bytes (0x7F), so the
+    MMA result, and the output, is NaN; a code 255 over finite bytes gives
+    +-Inf, or NaN where the block's dot product is 0."""
+    return bits_f32((cutlass.min(s, Uint32(249)) + Uint32(6)) << Uint32(23))
 
 
 @cute.jit

@@ -62,7 +62,7 @@ if HAVE_DSL:
     import cuda.bindings.driver as _cuda
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint16, Uint32
+    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint16, Uint32
 
     from cutlass.experimental import primitives as prims
 
@@ -93,13 +93,30 @@ if HAVE_DSL:
             a.fill(0.0)
         return tiled_mma, rA, rB, tCrA, tCrB, acc
 
+    def warp_mma_fragments_fp8(m_tiles: int):
+        """As `warp_mma_fragments` for mma.sync m16n8k32 e4m3 x e4m3 (fp32):
+        rA[0..3] = PTX a0..a3 (row g k 0-3, row g+8 k 0-3, row g k 16-19, row
+        g+8 k 16-19, 4 e4m3 each), rB[0..1] = b0, b1; plus (tmp,): the
+        per-MMA result fragment (zeroed before each MMA, which is its C)."""
+        tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaFP8Op(Float8E4M3FN, Float32, (16, 8, 32)))
+        tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 32)))
+        tCrB = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 32)))
+        rA, rB = cute.recast_tensor(tCrA, Uint32), cute.recast_tensor(tCrB, Uint32)
+        acc = [tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8))) for _ in range(m_tiles)]
+        for a in acc:
+            a.fill(0.0)
+        tmp = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8)))
+        return tiled_mma, rA, rB, tCrA, tCrB, acc, (tmp,)
+
     class StreamingGemmKernel:
         """The weight-streaming core with the GEMM1 (`stage=1`) or GEMM2
         (`stage=2`) epilogue for one shape class.
 
         Constructor (all compile-time): tactic (GemmTactic), shape
-        (GemmShape), stage, wide_scales (two multiplies per weight decode:
-        needed when a weight E8M0 code exceeds 128). Host side `__call__`
+        (GemmShape), stage, wide_scales (BF16 tactics: two multiplies per
+        weight decode, needed when a weight E8M0 code exceeds 128; fp8
+        tactics: the weight scale handles codes 0 and 255,
+        `KernelWeights.scale_variant`). Host side `__call__`
         launches `grid` CTAs on `stream`; `can_implement` says whether the
         tactic fits the shape.
         """
@@ -141,6 +158,7 @@ if HAVE_DSL:
             self.smem_bytes = self.tm * 128 * self.nw * 2 * 4
             self.bulk = t.bulk
             self.a16 = t.act_bf16
+            self.fp8 = t.fp8
             self.aw = 4 if self.a16 else 2  # activation words per lane and chunk
             self.block_threads = self.threads
             if self.bulk:
@@ -235,8 +253,60 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ math
         @cute.jit
-        def compute(self, tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid):
+        def compute(self, tiled_mma, acc, aux, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid):
             """mma.sync of the first min(unroll, n_valid) chunks of a register stage."""
+            if cutlass.const_expr(self.fp8):
+                self.compute_fp8(tiled_mma, acc, aux, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid)
+            else:
+                self.compute_bf16(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid)
+
+        @cute.jit
+        def compute_fp8(self, tiled_mma, acc, aux, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid):
+            """fp8 tactics: per chunk and m-tile one e4m3 MMA (k32 = one MX
+            block) into a zeroed temporary, then acc += tmp x weight scale (row
+            g / g+8) x activation scale (token 2c / 2c+1; a lane loaded token
+            g's, two shuffles fetch these), fp32."""
+            (tmp,) = aux
+            lane = cute.arch.lane_idx()
+            src = (lane % 4) * 8  # lane (g = 2c, c = 0) holds token 2c's scale
+            for j in cutlass.range_constexpr(self.u):
+                if j < n_valid:
+                    # the result's columns are tokens 2c, 2c + 1: their scales from the lanes that loaded them
+                    xs0 = fp4.act_scale_f32(cute.arch.shuffle_sync(st_as[j], src))
+                    xs1 = fp4.act_scale_f32(cute.arch.shuffle_sync(st_as[j], src + 4))
+                    for t2 in cutlass.range_constexpr(self.pairs):
+                        sv = st_s[j * self.pairs + t2]
+                        for tt in cutlass.range_constexpr(2):
+                            base = (j * self.pairs + t2) * 4 + 2 * tt
+                            r0, r1 = fp4.decode_e2m1_word_e4m3(st_w[base])
+                            r2, r3 = fp4.decode_e2m1_word_e4m3(st_w[base + 1])
+                            rA[0] = r0  # row g,   k 8c .. 8c+3
+                            rA[1] = r1  # row g+8, k 8c .. 8c+3
+                            rA[2] = r2  # row g,   k 8c+4 .. 8c+7
+                            rA[3] = r3  # row g+8, k 8c+4 .. 8c+7
+                            rB[0] = st_a[2 * j]
+                            rB[1] = st_a[2 * j + 1]
+                            tmp.fill(0.0)
+                            cute.gemm(tiled_mma, tmp, tCrA, tCrB, tmp)
+                            wg = fp4.weight_scale_f32(sv, 2 * tt, self.wide)
+                            w8 = fp4.weight_scale_f32(sv, 2 * tt + 1, self.wide)
+                            a = acc[2 * t2 + tt]
+                            if cutlass.const_expr(self.wide):
+                                # special codes: the scale product first (a weight scale near 2^-127
+                                # times a small MMA sum would go subnormal and lose bits)
+                                a[0] = tmp[0] * (wg * xs0) + a[0]
+                                a[1] = tmp[1] * (wg * xs1) + a[1]
+                                a[2] = tmp[2] * (w8 * xs0) + a[2]
+                                a[3] = tmp[3] * (w8 * xs1) + a[3]
+                            else:  # weight scales >= 2^-126: fewer live registers this way round
+                                a[0] = (tmp[0] * wg) * xs0 + a[0]
+                                a[1] = (tmp[1] * wg) * xs1 + a[1]
+                                a[2] = (tmp[2] * w8) * xs0 + a[2]
+                                a[3] = (tmp[3] * w8) * xs1 + a[3]
+
+        @cute.jit
+        def compute_bf16(self, tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid):
+            """BF16 tactics: weights and activations decoded to BF16, m16n8k16."""
             for j in cutlass.range_constexpr(self.u):
                 if j < n_valid:
                     b = []
@@ -275,8 +345,12 @@ if HAVE_DSL:
                                 cute.gemm(tiled_mma, acc[2 * t2 + tt], tCrA, tCrB, acc[2 * t2 + tt])
 
         def mma_fragments(self):
-            """`warp_mma_fragments` with tile_rows/16 accumulators."""
-            return warp_mma_fragments(self.tm)
+            """(tiled_mma, rA, rB, tCrA, tCrB, acc, aux): `warp_mma_fragments`
+            with tile_rows/16 accumulators (aux None), or for an fp8 tactic
+            `warp_mma_fragments_fp8` (aux = (tmp,))."""
+            if self.fp8:
+                return warp_mma_fragments_fp8(self.tm)
+            return (*warp_mma_fragments(self.tm), None)
 
         def stash_partials(self, sP, acc, parity, warp, lane):
             """This warp's accumulators to its shared-memory partials (`parity`
@@ -436,7 +510,7 @@ if HAVE_DSL:
             p_a = cute.recast_ptr(act, dtype=Uint32)
             p_as = cute.recast_ptr(act_s, dtype=Uint8)
 
-            tiled_mma, rA, rB, tCrA, tCrB, acc = self.mma_fragments()
+            tiled_mma, rA, rB, tCrA, tCrB, acc, aux = self.mma_fragments()
             pw_n, ps_n = self.pairs * U * 4, self.pairs * U
             st_w = [cute.make_rmem_tensor((pw_n,), Uint32) for _ in range(2)]
             st_s = [cute.make_rmem_tensor((ps_n,), Uint32) for _ in range(2)]
@@ -484,8 +558,8 @@ if HAVE_DSL:
                             l_b = l_b + 1
                             wrap = Int32(l_b == NB)
                             l_b, l_unit = l_b - wrap * NB, l_unit + wrap * nblk
-                        self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w[s], st_s[s], st_a[s], st_as[s],
-                                     n_mine - c_b * U)
+                        self.compute(tiled_mma, acc, aux, rA, rB, tCrA, tCrB, st_w[s], st_s[s], st_a[s],
+                                     st_as[s], n_mine - c_b * U)
                         if c_b == NB - 1:  # unit done: partials to smem, one barrier, epilogue
                             self.stash_partials(sP, acc, parity, warp, lane)
                             cute.arch.sync_threads()
@@ -603,7 +677,7 @@ if HAVE_DSL:
             slots_at = 4 + 2 * words
             p_a = cute.recast_ptr(act, dtype=Uint32)
             p_as = cute.recast_ptr(act_s, dtype=Uint8)
-            tiled_mma, rA, rB, tCrA, tCrB, acc = self.mma_fragments()
+            tiled_mma, rA, rB, tCrA, tCrB, acc, aux = self.mma_fragments()
             st_w = cute.make_rmem_tensor((self.pairs * U * 4,), Uint32)
             st_s = cute.make_rmem_tensor((self.pairs * U,), Uint32)
             st_a = cute.make_rmem_tensor((self.aw * U,), Uint32)
@@ -631,7 +705,7 @@ if HAVE_DSL:
                                 st_w[(j * self.pairs + t2) * 4 + x] = q[x]
                             st_s[j * self.pairs + t2] = cute.arch.load(stage + (self.sw_words + entry * 8 + g),
                                                                        Uint32)
-                self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid)
+                self.compute(tiled_mma, acc, aux, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid)
                 cute.arch.sync_warp()
                 if lane == 0:
                     cute.arch.mbarrier_arrive(bars + (S + s))
@@ -765,9 +839,17 @@ def _resolve(kw: KernelWeights, stage: int, tactic, ctas: int, device) -> tuple[
     """(tactic, SMs): the caller's tactic, checked, or the default for `ctas`."""
     shape = GemmShape.of(kw)
     sms = _num_sms(device.index if device.index is not None else 0)
-    tactic = default_tactic(shape, stage, ctas, sms, kw.wide_scales) if tactic is None else tactic
+    if tactic is None:
+        fp8 = kw.operand == "e4m3"
+        tactic = default_tactic(shape, stage, ctas, sms, kw.scale_variant(fp8), fp8=fp8)
     if not isinstance(tactic, GemmTactic):
         raise TypeError(f"tactic must be a GemmTactic or None, got {type(tactic).__name__}")
+    if tactic.fp8 != (kw.operand == "e4m3"):
+        want = "an fp8 tactic (suffix _f8)" if kw.operand == "e4m3" else "a BF16 tactic (no _f8)"
+        raise ValueError(f"tactic {tactic.name} does not match the weights: kw is laid out for the"
+                         f" {kw.operand} operand and needs {want}; convert with"
+                         f" to_kernel_layout(weights, operand={'bf16' if tactic.fp8 else 'e4m3'!r})"
+                         f" for this tactic")
     reason = tactic.valid_for(shape, stage)
     if reason:
         raise ValueError(f"tactic {tactic.name} cannot run GEMM{stage}: {reason}")
@@ -795,7 +877,7 @@ def _launch(kw: KernelWeights, stage: int, tactic: GemmTactic, sms: int, args, c
     split = _split_k_ptrs(workspace, shape, tactic, stage, ctas, device, record)
     if ctas == 0:
         return
-    kernel, compiled = compile_gemm(shape, tactic, stage, kw.wide_scales)
+    kernel, compiled = compile_gemm(shape, tactic, stage, kw.scale_variant(tactic.fp8))
     grid = kernel.grid(ctas, sms)
     compiled(*args, *split, Int32(ctas), Int32(grid), cu_stream(stream, device))
 

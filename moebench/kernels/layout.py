@@ -19,6 +19,21 @@ sit where `decode_word` (one rotate + mask per distinct rotation, see
 `fp4.py`) moves them to bf16 bits (6, 7, 8, 15): the decoded bf16 is the
 e2m1 value times 2^-126, exact (subnormal for 0.5).
 
+The e4m3 operand (`operand="e4m3"`, for the FP8 tactics: mma.sync
+m16n8k32 e4m3): the same words hold the same codes, word w = 2t + j being
+the A register pair (row 16t+g, row 16t+g+8) of k k0 .. k0+3, k0 = 32*chunk
++ 8c + 4j: byte i of each register = k k0 + i (the MMA's 32 k of a chunk are
+again a permutation of real k: A registers a0..a3 = words (t,0) row g, (t,0)
+row g+8, (t,1) row g, (t,1) row g+8; B = the 8 e4m3 bytes [32*chunk + 8c, +8)
+of token g, as stored). An e2m1 code (s, e1, e0, m) at e4m3 bits (7; 4, 3; 2)
+is exactly the e2m1 value x 2^-6 (normal 2^(E-7)(1 + m/2) vs 2^(E-1)(1 + m/2),
+subnormal m x 2^-7 vs m x 2^-1). Row g's codes sit in place (bits
+E4M3_BITS of byte i); row g+8's at E4M3_STORED of byte i, so that
+    Ra = w & E4M3_IN_PLACE,  x = w & ~E4M3_IN_PLACE,
+    Rb = ((x << 2) & E4M3_LEFT) | ((x >> 2) & E4M3_RIGHT)
+(`fp4.decode_e2m1_word_e4m3`: 5 integer instructions per 8 codes; no
+rotation pair can do it in fewer: no translate of {2,3,4,7} tiles Z_8).
+
 Scales: per unit 32 bytes, [g][4] with byte 2t + rh = row 16t + 8rh + g: a
 lane loads one 32-bit word at offset 4g.
 
@@ -50,6 +65,17 @@ ROTATIONS = ((0, 0, 0, 0), (4, 4, 4, 4), (10, 10, 10, 10), (6, 6, 14, 6))
 _CODES_PER_STEP = 1 << 25
 #: Largest E8M0 weight scale a single bf16x2 multiply by 2^(s-1) handles exactly.
 NARROW_SCALE_MAX = 128
+#: Weight operands the kernels' layout can hold (module docstring).
+OPERANDS = ("bf16", "e4m3")
+#: e4m3 bit receiving e2m1 bit b (m, e0, e1, s): value x 2^-6.
+E4M3_BITS = (2, 3, 4, 7)
+#: Byte bit where the e4m3 operand stores bit b of a row-g+8 code (moved by
+#: << 2 for m, e0, s and >> 2 for e1).
+E4M3_STORED = (0, 1, 6, 5)
+#: Decoder masks of the e4m3 operand (module docstring).
+E4M3_IN_PLACE = 0x9C9C9C9C
+E4M3_LEFT = 0xEEEEEEEE
+E4M3_RIGHT = 0x11111111
 
 
 def bit_position(i: int, h: int, b: int) -> int:
@@ -67,15 +93,34 @@ def decode_terms(i: int) -> list[tuple[int, int]]:
     ]
 
 
-_POSITIONS = [bit_position(i, h, b) for i in range(4) for h in range(2) for b in range(4)]
-assert sorted(_POSITIONS) == list(range(32)), "packed word bit layout is not a permutation"
+def code_bit_position(operand: str, rh: int, hh: int, h: int, b: int) -> int:
+    """Bit of a packed word holding bit b of the code of row half rh (0 = row
+    16t+g, 1 = row 16t+g+8), k k0 + 2*hh + h, for weight operand `operand`."""
+    if operand == "bf16":
+        return bit_position(rh + 2 * hh, h, b)
+    byte = 2 * hh + h
+    return 8 * byte + (E4M3_BITS if rh == 0 else E4M3_STORED)[b]
+
+
+def _check_operand(operand) -> str:
+    if operand not in OPERANDS:
+        raise ValueError(f"operand must be one of {OPERANDS}, got {operand!r}")
+    return operand
+
+
+for _op in OPERANDS:
+    _POSITIONS = [code_bit_position(_op, rh, hh, h, b) for rh in range(2) for hh in range(2) for h in range(2)
+                  for b in range(4)]
+    assert sorted(_POSITIONS) == list(range(32)), f"{_op} packed word bit layout is not a permutation"
 
 
 @dataclass(frozen=True)
 class KernelWeights:
     """One rank's routed-expert MXFP4 weights in our kernels' layout (module
     docstring). `max_scale_code` is the largest E8M0 weight scale (the GEMMs
-    pick their two-multiply decode when it exceeds NARROW_SCALE_MAX)."""
+    pick their two-multiply decode when it exceeds NARROW_SCALE_MAX),
+    `min_scale_code` the smallest; `operand` the A operand the words are laid
+    out for ("bf16": the BF16 tactics, "e4m3": the fp8 tactics)."""
 
     w13: torch.Tensor
     w13_scale: torch.Tensor
@@ -86,6 +131,11 @@ class KernelWeights:
     intermediate: int
     padded_intermediate: int
     max_scale_code: int
+    min_scale_code: int = 0
+    operand: str = "bf16"
+
+    def __post_init__(self) -> None:
+        _check_operand(self.operand)
 
     @property
     def experts(self) -> int:
@@ -100,18 +150,32 @@ class KernelWeights:
         """Whether some weight scale code exceeds NARROW_SCALE_MAX."""
         return self.max_scale_code > NARROW_SCALE_MAX
 
+    @property
+    def special_scales(self) -> bool:
+        """Whether some weight scale code is 0 (2^-127, subnormal in fp32) or
+        255 (NaN): the fp8 tactics then build the fp32 scale with both cases."""
+        return self.min_scale_code == 0 or self.max_scale_code == 255
+
+    def scale_variant(self, fp8: bool) -> bool:
+        """The GEMMs' compile-time scale flag for these weights: `special_scales`
+        for an fp8 tactic, else `wide_scales`."""
+        return self.special_scales if fp8 else self.wide_scales
+
     def expert_bytes(self) -> int:
         """Bytes of one expert the GEMMs stream (values + scales, no padding)."""
         return sum(t[0].numel() for t in (self.w13, self.w13_scale, self.w2, self.w2_scale))
 
 
-def pack_rows(codes_packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_rows(codes_packed: torch.Tensor, scales: torch.Tensor,
+              operand: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
     """Pack canonical MXFP4 rows into the kernel unit layout.
 
     codes_packed: uint8 [E, M, K/2] (even k in the low nibble); scales: uint8
-    [E, M, K/32]; M and K multiples of 32. Returns (uint8 [E, M/32, K/32, 32, 16],
+    [E, M, K/32]; M and K multiples of 32; operand: "bf16" or "e4m3" (the bit
+    order inside a word, module docstring). Returns (uint8 [E, M/32, K/32, 32, 16],
     uint8 [E, M/32, K/32, 8, 4]) on the input's device. Raises ValueError on
-    bad shapes."""
+    bad shapes or an unknown operand."""
+    _check_operand(operand)
     if codes_packed.dim() != 3 or scales.dim() != 3:
         raise ValueError("codes_packed and scales must be [E, M, K/2] and [E, M, K/32]")
     e, m, k2 = codes_packed.shape
@@ -137,7 +201,7 @@ def pack_rows(codes_packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.T
                 for h in range(2):
                     code = v[..., rh, hh, h].to(torch.int64)
                     for b in range(4):
-                        word |= ((code >> b) & 1) << bit_position(rh + 2 * hh, h, b)
+                        word |= ((code >> b) & 1) << code_bit_position(operand, rh, hh, h, b)
         word = word.reshape(n, p, ch, 32, 4)
         as_bytes = torch.stack([(word >> (8 * i)) & 0xFF for i in range(4)], dim=-1)
         out_w[e0 : e0 + n] = as_bytes.reshape(n, p, ch, 32, 16).to(torch.uint8)
@@ -145,8 +209,10 @@ def pack_rows(codes_packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.T
     return out_w, s.view(e, p, ch, 8, 4)
 
 
-def unpack_rows(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_rows(packed: torch.Tensor, scales: torch.Tensor,
+                operand: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `pack_rows`: (uint8 [E, M, K/2], uint8 [E, M, K/32])."""
+    _check_operand(operand)
     e, p, ch = packed.shape[:3]
     m, k = 32 * p, 32 * ch
     w = packed.to(torch.int64).view(e, p, ch, 32, 4, 4)
@@ -158,7 +224,7 @@ def unpack_rows(packed: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tenso
             for h in range(2):
                 val = torch.zeros_like(word)
                 for b in range(4):
-                    val |= ((word >> bit_position(rh + 2 * hh, h, b)) & 1) << b
+                    val |= ((word >> code_bit_position(operand, rh, hh, h, b)) & 1) << b
                 codes[..., rh, hh, h] = val
     # e p ch g c t j rh hh e_  ->  e p t rh g ch c j hh e_
     codes = codes.permute(0, 1, 5, 7, 3, 2, 4, 6, 8, 9).reshape(e, m, k // 2, 2)
@@ -205,8 +271,10 @@ def _check_padding(weights: ExpertWeights) -> None:
             )
 
 
-def to_kernel_layout(weights: ExpertWeights) -> KernelWeights:
-    """Convert canonical weights (any device) to `KernelWeights` on the same device.
+def to_kernel_layout(weights: ExpertWeights, operand: str = "bf16") -> KernelWeights:
+    """Convert canonical weights (any device) to `KernelWeights` on the same
+    device, laid out for the A operand `operand` ("bf16": the BF16 tactics,
+    "e4m3": the fp8 tactics; module docstring).
 
     Raises TypeError if `weights` is not an ExpertWeights, ValueError naming the
     tensor when its intermediate padding is not zero, or when H or the logical
@@ -219,15 +287,16 @@ def to_kernel_layout(weights: ExpertWeights) -> KernelWeights:
     if h % 32 or i % 32:
         raise ValueError(f"weights: hidden {h} and intermediate {i} must be multiples of 32")
     w13, w13_s = pack_rows(
-        _interleave_w13(weights.w13, i, ip), _interleave_w13(weights.w13_scale, i, ip)
+        _interleave_w13(weights.w13, i, ip), _interleave_w13(weights.w13_scale, i, ip), operand
     )
     w2, w2_s = pack_rows(
-        weights.w2[:, :, : i // 2].contiguous(), weights.w2_scale[:, :, : i // MX_BLOCK].contiguous()
+        weights.w2[:, :, : i // 2].contiguous(), weights.w2_scale[:, :, : i // MX_BLOCK].contiguous(), operand
     )
     max_code = max(int(w13_s.max()), int(w2_s.max())) if w13_s.numel() else 0
+    min_code = min(int(w13_s.min()), int(w2_s.min())) if w13_s.numel() else 0
     return KernelWeights(
         w13.contiguous(), w13_s.contiguous(), w2.contiguous(), w2_s.contiguous(),
-        weights.clamp.to(torch.float32).contiguous(), h, i, ip, max_code,
+        weights.clamp.to(torch.float32).contiguous(), h, i, ip, max_code, min_code, operand,
     )  # fmt: skip
 
 
@@ -236,8 +305,8 @@ def from_kernel_layout(kw: KernelWeights) -> ExpertWeights:
     if not isinstance(kw, KernelWeights):
         raise TypeError(f"kw must be a KernelWeights, got {type(kw).__name__}")
     i, ip, h = kw.intermediate, kw.padded_intermediate, kw.hidden
-    w13, w13_s = unpack_rows(kw.w13, kw.w13_scale)
-    w2, w2_s = unpack_rows(kw.w2, kw.w2_scale)
+    w13, w13_s = unpack_rows(kw.w13, kw.w13_scale, kw.operand)
+    w2, w2_s = unpack_rows(kw.w2, kw.w2_scale, kw.operand)
     e = kw.experts
     w2_full = torch.zeros(e, h, ip // 2, dtype=torch.uint8, device=kw.device)
     w2s_full = torch.zeros(e, h, ip // MX_BLOCK, dtype=torch.uint8, device=kw.device)

@@ -8,7 +8,7 @@ tactic can run a shape and why not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from moebench.record import TILE
 
@@ -95,6 +95,13 @@ class GemmTactic:
       kernel with act_bf16 also writes h_deq (the exact BF16 value of every
       (h_q, h_scale) it writes, what GEMM2's e4m3 decode would make of it),
       besides h_q / h_scale. Name suffix `_a16`.
+    fp8: FP8 tensor cores (mma.sync m16n8k32 e4m3 x e4m3, fp32): the MXFP4
+      weights are decoded to e4m3 (value x 2^-6, exact; the e4m3 weight
+      layout, `to_kernel_layout(..., operand="e4m3")`) and the MXFP8
+      activations (x_q / h_q) are the B operand as they are; every 32-K
+      block (one MX block) is summed by one MMA into a zeroed temporary and
+      added to the fp32 accumulator times weight scale x activation scale x
+      2^6 (FMUL + FFMA). Excludes act_bf16. Name suffix `_f8`.
     """
 
     tile_rows: int = 64
@@ -107,6 +114,7 @@ class GemmTactic:
     split_k: int = 1
     stages: int = 0
     act_bf16: bool = False
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.tile_rows not in (32, 64, 128):
@@ -125,9 +133,11 @@ class GemmTactic:
             raise ValueError(
                 f"warps_m * warps_k must be at most {MAX_WARPS}, got {self.warps_m * self.warps_k}"
             )
-        for flag in ("persistent", "pdl", "act_bf16"):
+        for flag in ("persistent", "pdl", "act_bf16", "fp8"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
+        if self.fp8 and self.act_bf16:
+            raise ValueError("fp8 (e4m3 x e4m3 MMA on the MXFP8 activations) excludes act_bf16 (BF16 activations)")
 
     @property
     def warps(self) -> int:
@@ -148,7 +158,7 @@ class GemmTactic:
         return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
                 + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
-                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_a16" if self.act_bf16 else ""))
+                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:
         """None if this tactic can run GEMM`stage` (1 or 2) of `shape`
@@ -265,13 +275,23 @@ def workspace_bytes_for(shape, launches) -> int:
     return c + p
 
 
+def fp8_twin(tactic: GemmTactic) -> GemmTactic:
+    """The fp8 tactic (`_f8`) of the same shape as `tactic`: act_bf16 off, and
+    unroll 4 -> 3 in the register load path at >= 3 CTAs/SM, where the fp8
+    loop's extra live values (the MMA result, the scales) spill at unroll 4
+    (sm_90a compiles, dsv41-flash TP4)."""
+    unroll = 3 if (tactic.unroll == 4 and tactic.ctas_per_sm >= 3 and not tactic.bulk) else tactic.unroll
+    return replace(tactic, act_bf16=False, fp8=True, unroll=unroll)
+
+
 #: Distinct experts per routed slot the defaults plan for (correlated draft
 #: rows: ~22 experts for 36 slots at rows 6, top-6).
 EXPECTED_TILE_FRACTION = 0.55
 
 
 def default_tactic(
-    shape, stage: int, ctas: int | None = None, num_sms: int = 132, wide_scales: bool = False
+    shape, stage: int, ctas: int | None = None, num_sms: int = 132, wide_scales: bool = False,
+    fp8: bool = False,
 ) -> GemmTactic:
     """A sensible tactic for GEMM`stage` of `shape` when `ctas` token tiles
     are allowed for (the tuner may do better; measured on the H200 at
@@ -286,8 +306,10 @@ def default_tactic(
     4 x 2 warps through the bulk ring when they fit one pass at 2 CTAs/SM,
     else 64-row warps side by side (512-row items, no K split); for longer K, 32-row
     warps with K split over 2 or 4 warps. `wide_scales` (the two-multiply
-    decode) takes unroll 3 at 3 CTAs/SM (unroll 4 spills there). Raises
-    ValueError if none fits.
+    decode) takes unroll 3 at 3 CTAs/SM (unroll 4 spills there). `fp8`: the
+    same shapes as fp8 tactics (`_f8`), unroll 3 where unroll 4 spills
+    (3 CTAs/SM for GEMM1, 4 for GEMM2's 32-row warps). Raises ValueError if
+    none fits.
     """
     s = GemmShape.of(shape)
     if stage not in (1, 2):
@@ -321,6 +343,8 @@ def default_tactic(
         else:
             wk = 1 if nch <= 12 else 2 if nch <= 36 else 4
             tactic = GemmTactic(tile_rows=32, warps_m=8 // wk, warps_k=wk, unroll=2, ctas_per_sm=2)
+    if fp8:
+        tactic = fp8_twin(tactic)
     reason = tactic.valid_for(s, stage)
     if reason:
         raise ValueError(f"no default GEMM{stage} tactic for {s}: {reason}")

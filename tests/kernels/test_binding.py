@@ -248,3 +248,32 @@ def test_gemm2_alone_after_other_gemm1_calls_reads_the_matching_h(bound):
     idx = routing.permuted.flatten()
     idx = idx[idx >= 0].long()
     assert torch.equal(out[idx], eager[idx])
+
+
+@pytest.mark.gpu
+def test_fp8_binding_runs_fp8_twins_and_matches_the_oracle(bound):
+    """fp8=True: e4m3 weight layout, every tactic the fp8 twin of the BF16
+    binding's shape (no BF16 copies of x / H), route + GEMMs vs the oracle at
+    every row count; explicit tactics must match the layout."""
+    from moebench.kernels.tactic import GemmTactic, fp8_twin
+
+    shape, w, gemm = bound
+    f8 = binding.RoutedExpertGemm(w, shape.top_k, fp8=True)
+    assert f8.kw.operand == "e4m3" and f8.x_deq is None and f8.h_deq is None
+    plain = binding.RoutedExpertGemm(w, shape.top_k, act_bf16=False)
+    for rows in range(1, 9):
+        for stage in (1, 2):
+            assert f8.tactics[stage, rows] == fp8_twin(plain.tactics[stage, rows]), (stage, rows)
+        ids = scenario_topk_ids("correlated", rows, shape.top_k, shape.experts, seed=rows + 40).cuda()
+        tw = scenario_weights(rows, shape.top_k, seed=rows).cuda()
+        x = generate_activations(rows, shape.hidden, seed=rows + 40, device="cuda")
+        routing, out = _run(f8, x, ids, tw)
+        assert routing.x_deq is None
+        ref = reference_moe(x, ids, tw, w, activation="mxfp8")
+        assert relative_error(finalize(out), ref.output) <= ORACLE_TOLERANCE, rows
+    with pytest.raises(ValueError, match="fp8"):
+        binding.RoutedExpertGemm(w, shape.top_k, {1: GemmTactic(64, 1, 8, 4, 1)}, fp8=True)
+    with pytest.raises(ValueError, match="fp8"):
+        binding.RoutedExpertGemm(w, shape.top_k, {2: GemmTactic(64, 8, 1, 2, 2, fp8=True)})
+    with pytest.raises(TypeError, match="fp8"):
+        binding.RoutedExpertGemm(w, shape.top_k, fp8="yes")

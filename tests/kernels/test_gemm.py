@@ -36,6 +36,7 @@ def _compile_reports(specs):
     for rep in reports:
         rep.update(
             have_sass=bool(rep["instr"]), hmma=sass_count(rep, r"HMMA\.16816\.F32\.BF16"),
+            hmma_any=sass_count(rep, r"HMMA\.16816\.F32"), f2fp_e4m3=sass_count(rep, r"F2FP\.F16\.E4M3"),
             atom_inc=sass_count(rep, r"ATOMG\.E\.INC\.STRONG\.GPU"),
             ldg_strong=sass_count(rep, r"LDG\.E(?:\.64|\.128)?\.STRONG\.GPU"),
             ldg_ef128=sass_count(rep, r"LDG\.E\.EF\.128"), ublkcp=sass_count(rep, r"UBLKCP"),
@@ -56,7 +57,11 @@ def _checked_reports(specs):
         if not rep["have_sass"]:
             pytest.skip("nvdisasm not available: SASS not checked")
         assert rep["local"] == 0, f"{rep['spec']}: local memory traffic in SASS"
-        assert rep["hmma"] > 0, f"{rep['spec']}: no HMMA.16816.F32.BF16"
+        fp8 = len(rep["spec"]) > 5 and rep["spec"][5].get("fp8", False)
+        if fp8:  # sm_90 runs mma.sync e4m3 as F2FP.F16.E4M3 unpacks + two f16 HMMA.16816 per k32
+            assert rep["hmma_any"] > 0 and rep["f2fp_e4m3"] > 0, f"{rep['spec']}: no HMMA / F2FP.F16.E4M3"
+        else:
+            assert rep["hmma"] > 0, f"{rep['spec']}: no HMMA.16816.F32.BF16"
     return reports
 
 
@@ -826,3 +831,159 @@ def test_act_bf16_launch_arguments_are_checked():
         gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)
     with pytest.raises((TypeError, ValueError), match="h_deq"):
         gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, h_deq=h_d[:-8])
+
+
+# ----------------------------------------------------------------------------- fp8 tactics (_f8)
+#: fp8 tactics the tests run: the defaults' shapes (fp8_twin), 32-row warps,
+#: split-K and the bulk-copy ring.
+F8_1 = [GemmTactic(64, 1, 8, 4, 1, fp8=True), GemmTactic(64, 1, 4, 3, 3, fp8=True),
+        GemmTactic(64, 1, 8, 2, 2, fp8=True), GemmTactic(64, 1, 4, 3, 3, split_k=2, fp8=True),
+        GemmTactic(64, 1, 4, 4, 2, stages=4, fp8=True)]  # fmt: skip
+F8_2 = [GemmTactic(64, 8, 1, 2, 2, fp8=True), GemmTactic(32, 4, 1, 3, 4, persistent=False, fp8=True),
+        GemmTactic(32, 4, 2, 2, 2, fp8=True), GemmTactic(64, 4, 2, 2, 2, stages=4, fp8=True),
+        GemmTactic(64, 8, 1, 2, 2, split_k=2, fp8=True)]  # fmt: skip
+
+
+def test_fp8_tactic_name_twin_and_exclusions():
+    from moebench.kernels.tactic import fp8_twin
+    from moebench.tuning.space import tactic_from_name
+
+    t = GemmTactic(64, 1, 4, 4, 3, fp8=True)
+    assert t.name == "r64_m1_k4_u4_c3_f8" and tactic_from_name(t.name) == t
+    with pytest.raises(ValueError, match="excludes act_bf16"):
+        GemmTactic(fp8=True, act_bf16=True)
+    with pytest.raises(TypeError, match="fp8"):
+        GemmTactic(fp8=1)
+    assert fp8_twin(GemmTactic(64, 1, 4, 4, 3, act_bf16=True)) == GemmTactic(64, 1, 4, 3, 3, fp8=True)
+    assert fp8_twin(GemmTactic(64, 1, 8, 4, 1)) == GemmTactic(64, 1, 8, 4, 1, fp8=True)
+    assert fp8_twin(GemmTactic(64, 1, 4, 4, 2, stages=4)).unroll == 4
+    shape = GemmShape.of(get_preset("dsv41-flash").shard(4))
+    for ctas in (1, 6, 20, 40):
+        for stage in (1, 2):
+            d = default_tactic(shape, stage, ctas, 132, fp8=True)
+            assert d.fp8 and d == fp8_twin(default_tactic(shape, stage, ctas, 132))
+
+
+@pytest.mark.compile
+def test_fp8_tactics_compile_for_sm90a_without_spills():
+    specs = [("dsv41-flash", 4, 1, False, None, _fields(t)) for t in F8_1]
+    specs += [("dsv41-flash", 4, 2, False, None, _fields(t)) for t in F8_2]
+    specs += [("dsv41-flash", 8, 1, True, None, _fields(F8_1[1]))]  # special weight scales (codes 0 / 255)
+    for rep in _checked_reports(specs):
+        assert rep["ldg_ef128"] > 0 or rep["ublkcp"] > 0, f"{rep['spec']}: no evict-first / bulk weight loads"
+
+
+def _fp8_check(kw8, weights, x_q, x_s, route, label, t1s=F8_1, t2s=F8_2):
+    """Every fp8 tactic (and the default, tactic=None) vs the oracle on poisoned outputs."""
+    from moebench.kernels.gemm import alloc_workspace
+    from moebench.kernels.tactic import workspace_bytes_for
+    from moebench.reference import reference_gemm1, reference_gemm2
+
+    ref_q, ref_s = reference_gemm1(dequantize_mxfp8(x_q, x_s, torch.float64), weights, route)
+    oracle = reference_gemm2(dequantize_mxfp8(ref_q, ref_s, torch.float64), weights, route)
+    need = workspace_bytes_for(GemmShape.of(kw8), [(1, t, route.ctas) for t in t1s] + [(2, t, route.ctas) for t in t2s])
+    ws = alloc_workspace(need, "cuda") if need else None
+    used = TILE * route.tiles_used
+    for t1 in [None, *t1s]:
+        if t1 is not None and t1.valid_for(kw8, 1) is not None:
+            continue
+        h_q, h_s = _run_gemm1(kw8, x_q, x_s, route, tactic=t1, workspace=ws)
+        _check_h(h_q, h_s, ref_q, ref_s, used, f"{label} {t1.name if t1 else 'default'}")
+    for t2 in [None, *t2s]:
+        if t2 is not None and t2.valid_for(kw8, 2) is not None:
+            continue
+        out = _run_gemm2(kw8, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route, tactic=t2,
+                         workspace=ws)
+        _check_rows(out, oracle, route, f"{label} {t2.name if t2 else 'default'}")
+    return ws
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,tp", [("dsv41-flash", 4), ("dsv41-flash", 8), ("dsv4-flash", 2), ("dsv4-pro", 1)])
+def test_fp8_tactics_match_the_oracle(preset, tp):
+    """Fresh random weights (e4m3 layout) and activations, every routing
+    shape (one expert, non-local ids, hot, uniform...), poisoned outputs."""
+    from moebench.kernels.layout import to_kernel_layout
+
+    experts = 64
+    shape, weights = _gpu_case(preset, tp, experts, seed=tp + 31)
+    kw8 = to_kernel_layout(weights, operand="e4m3")
+    assert not kw8.special_scales
+    for label, ids in _routings(experts, rows_list=(1, 6, 8)):
+        rows = ids.shape[0]
+        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 9, device="cuda"))
+        route = build_route_record(ids.cuda(), experts)
+        t1s, t2s = (F8_1, F8_2) if label.startswith(("correlated", "one", "nonlocal")) else (F8_1[:1], F8_2[:1])
+        _fp8_check(kw8, weights, x_q, x_s, route, f"{preset} TP{tp} {label}", t1s, t2s)
+
+
+@pytest.mark.gpu
+def test_fp8_special_and_wide_weight_scales_are_exact():
+    """Weight codes 0 (2^-127) and > 128 with activations scaled to match:
+    the fp8 kernels compiled for special scales vs the oracle."""
+    from moebench.kernels.layout import to_kernel_layout
+    from moebench.routing import scenario_topk_ids
+
+    experts = 32
+    shape, weights = _gpu_case("dsv4-flash", 8, experts, seed=3)
+    for name in ("w13_scale", "w2_scale"):
+        t = getattr(weights, name)
+        t.copy_(torch.where(t > 0, t + 16, t))  # codes ~ 135-140
+    # expert 0's weight scales: all code 0 .. 3 (2^-127 .. 2^-124), its rows big enough to matter
+    weights.w13_scale[0] = torch.where(weights.w13_scale[0] > 0, weights.w13_scale[0] % 4, 0)
+    kw8 = to_kernel_layout(weights, operand="e4m3")
+    assert kw8.special_scales and kw8.min_scale_code == 0
+    ids = scenario_topk_ids("uniform", 4, 6, experts, seed=1)
+    ids[:, 0] = 0
+    x = generate_activations(4, shape.hidden, seed=3, device="cuda") * 2.0**-16
+    x_q, x_s = quantize_mxfp8(x)
+    route = build_route_record(ids.cuda(), experts)
+    _fp8_check(kw8, weights, x_q, x_s, route, "special scales", F8_1[:2], F8_2[:2])
+
+
+@pytest.mark.gpu
+def test_fp8_graph_replay_matches_eager_and_follows_inputs():
+    from moebench.kernels.gemm import gemm1, gemm2
+    from moebench.kernels.layout import to_kernel_layout
+
+    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(6, ids_seed=3)
+    kw8 = to_kernel_layout(_gpu_case("dsv41-flash", 4, 64, seed=5)[1], operand="e4m3")
+
+    def step():
+        gemm1(kw8, x_q, x_s, route.record, route.ctas, h_q, h_s)
+        gemm2(kw8, h_q, h_s, route.record, route.ctas, out)
+
+    step()
+    torch.cuda.synchronize()
+    eager = (h_q.clone(), h_s.clone(), out.clone())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for t in (h_q, h_s):
+        t.fill_(0xFF)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    used = TILE * route.tiles_used
+    assert torch.equal(h_q[:used], eager[0][:used]) and torch.equal(h_s[:used], eager[1][:used])
+    assert torch.equal(out[:used].view(torch.int16), eager[2][:used].view(torch.int16))
+    x_new = quantize_mxfp8(generate_activations(6, shape.hidden, seed=2, device="cuda"))
+    x_q.copy_(x_new[0])
+    x_s.copy_(x_new[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out[:used], eager[2][:used])
+
+
+@pytest.mark.gpu
+def test_fp8_tactic_and_weight_layout_must_match():
+    from moebench.kernels.gemm import gemm1
+
+    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(2, ids_seed=1)
+    with pytest.raises(ValueError, match="does not match the weights"):
+        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=F8_1[0])
+    import dataclasses
+
+    kw8 = dataclasses.replace(kw, operand="e4m3")
+    with pytest.raises(ValueError, match="does not match the weights"):
+        gemm1(kw8, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=GemmTactic(64, 1, 8, 4, 1))
