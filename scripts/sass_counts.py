@@ -5,7 +5,7 @@
 e.g. dsv41-flash:4:1:r64_m1_k4_u4_c3 dsv41-flash:4:1:r64_m1_k4_u4_c3_a16. One JSON line
 per kernel: registers, spills, HMMA count and the ALU-pipe instructions
 (LOP3, SHF, PRMT, LEA, IMAD, ISETP, SEL, ...) between the first and last HMMA
-(the loop body), per HMMA (docs/perf-notes.md v4/v5). SASS kept in /tmp/a16.
+(the loop body), per HMMA (or QGMMA: the fp8 wgmma tactics) (docs/perf-notes.md v4-v7). SASS kept in /tmp/a16.
 """
 import glob, json, os, re, sys, tempfile, collections
 dump = tempfile.mkdtemp(prefix="moebench_sass_")
@@ -39,11 +39,11 @@ for spec in sys.argv[1:]:
         if m: ops.append(m.group(1))
     def hist(seq):
         c = collections.Counter(o.split(".")[0] for o in seq); return c
-    idx = [i for i, o in enumerate(ops) if o.startswith("HMMA")]
+    idx = [i for i, o in enumerate(ops) if o.startswith(("HMMA", "QGMMA"))]
     body = ops[idx[0]:idx[-1] + 1] if idx else []
     hb, ha = hist(body), hist(ops)
     alu_b = {k: v for k, v in hb.items() if k in ALU}
-    nh = hb["HMMA"]
+    nh = hb["HMMA"] + hb["QGMMA"]
     print(json.dumps(dict(spec=spec, regs=regs, spills=spills, local=ha["LDL"] + ha["STL"], hmma=nh,
         alu_body=sum(alu_b.values()), alu_per_hmma=round(sum(alu_b.values()) / max(nh, 1), 2),
         hmul2_body=hb["HMUL2"], fma_body=hb["FFMA"] + hb["FMUL"] + hb["FADD"], alu_detail=dict(sorted(alu_b.items(), key=lambda kv: -kv[1])),

@@ -17,10 +17,9 @@ once before any graph is captured. --act-bf16 adds, for every tactic timed,
 its act_bf16 twin (`_a16`: BF16 activations x_deq / h_deq, dequantized once
 before capture; GEMM1 also writes h_deq), and "both" for each a16 pair of
 the defaults; bytes are counted as for the MXFP8 operand (same logical
-bytes, so GB/s compare directly). --fp8 adds the fp8 twin (`_f8`:
-`tactic.fp8_twin`, e4m3 weight operand, FP8 MMA on x_q / h_q) of every
-MXFP8 tactic timed, and "both" for the fp8 pair of the defaults (the random
-weight bytes serve either layout).
+bytes, so GB/s compare directly). --fp8 adds the fp8 (wgmma) tactics
+F8_1 / F8_2 valid for the shape and the fp8 default (`default_fp8_tactic`),
+and "both" for every fp8 pair (the random weight bytes serve either layout).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ from moebench.bench.timing import time_graph as bench_time_graph
 from moebench.formats import generate_activations, quantize_mxfp8
 from moebench.kernels.gemm import act_to_bf16, alloc_workspace, gemm1, gemm2
 from moebench.kernels.layout import KernelWeights
-from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, fp8_twin, workspace_bytes_for
+from moebench.kernels.tactic import GemmShape, GemmTactic, default_fp8_tactic, default_tactic, workspace_bytes_for
 from moebench.models import get_preset
 from moebench.record import TILE, build_route_record
 from moebench.routing import scenario_topk_ids
@@ -59,6 +58,15 @@ BULK_1 = [GemmTactic(64, 1, 8, 2, 2, stages=4), GemmTactic(64, 1, 8, 2, 1, stage
 BULK_2 = [GemmTactic(64, 8, 1, 2, 2, stages=4), GemmTactic(64, 1, 8, 2, 2, stages=4),
           GemmTactic(64, 4, 2, 2, 2, stages=4), GemmTactic(64, 8, 1, 1, 2, stages=6),
           GemmTactic(32, 8, 1, 2, 3, stages=4), GemmTactic(64, 2, 4, 2, 2, stages=4)]  # fmt: skip
+#: fp8 (wgmma) variants (v7, docs/perf-notes.md): one or two warpgroups of
+#: 32-row warps, K split over 1-4 of them, 1-3 CTAs/SM, split-K.
+F8_1 = [GemmTactic(32, 4, 2, 4, 2, fp8=True), GemmTactic(32, 4, 2, 2, 2, fp8=True),
+        GemmTactic(32, 4, 1, 4, 2, fp8=True), GemmTactic(32, 4, 2, 4, 1, fp8=True),
+        GemmTactic(32, 4, 2, 4, 2, split_k=2, fp8=True), GemmTactic(32, 4, 1, 4, 3, fp8=True),
+        GemmTactic(32, 4, 4, 2, 1, fp8=True), GemmTactic(32, 4, 1, 2, 3, split_k=2, fp8=True)]  # fmt: skip
+F8_2 = [GemmTactic(32, 4, 1, 3, 2, fp8=True), GemmTactic(32, 8, 1, 3, 1, fp8=True),
+        GemmTactic(32, 4, 2, 3, 2, fp8=True), GemmTactic(32, 4, 1, 2, 3, fp8=True),
+        GemmTactic(32, 8, 1, 3, 2, fp8=True), GemmTactic(32, 4, 1, 3, 4, fp8=True)]  # fmt: skip
 COPY_GBPS = 4215.0
 L2_BYTES = 60e6
 TOP_K = 6
@@ -134,7 +142,9 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
     # one zeroed workspace for every split-K launch of this shape (allocated
     # once, outside any capture; the kernels leave its counters at zero)
     ctas_max = max(build_route_record(v.cuda(), shape.experts).ctas for v in ids_by_rows.values())
-    need = workspace_bytes_for(gs, [(1, t, ctas_max) for t in extra1] + [(2, t, ctas_max) for t in extra2])
+    f8_1 = [t for t in F8_1 if fp8 and t.valid_for(gs, 1) is None]
+    f8_2 = [t for t in F8_2 if fp8 and t.valid_for(gs, 2) is None]
+    need = workspace_bytes_for(gs, [(1, t, ctas_max) for t in extra1 + f8_1] + [(2, t, ctas_max) for t in extra2 + f8_2])
     ws = alloc_workspace(need, "cuda") if need else None
     for rows in rows_list:
         ids = ids_by_rows[rows]
@@ -146,9 +156,15 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
         if act_bf16:  # the a16 twin of every tactic, right after the MXFP8 ones
             t1s += [dataclasses.replace(t, act_bf16=True) for t in base1]
             t2s += [dataclasses.replace(t, act_bf16=True) for t in base2]
+        f8d = {}
         if fp8:
-            t1s += [fp8_twin(t) for t in base1]
-            t2s += [fp8_twin(t) for t in base2]
+            for stage, ts, extra in ((1, t1s, F8_1), (2, t2s, F8_2)):
+                try:
+                    f8d[stage] = default_fp8_tactic(gs, stage, route.ctas)
+                    ts.append(f8d[stage])
+                except ValueError as error:
+                    print(f"TP{tp} rows {rows}: no fp8 GEMM{stage} tactic: {error}")
+                ts += [t for t in extra if t.valid_for(gs, stage) is None and t != f8d.get(stage)]
         x_q, x_s = quantize_mxfp8(generate_activations(rows, h, seed=rows, device="cuda"))
         n = TILE * route.ctas
         used = TILE * route.tiles_used
@@ -178,7 +194,7 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                 first_t2, first_t1 = t2 is t2s[0], t1 is t1s[0]
                 a16_pair = (t1.act_bf16 and t2.act_bf16 and dataclasses.replace(t1, act_bf16=False) == d1
                             and dataclasses.replace(t2, act_bf16=False) == d2)
-                a16_pair = a16_pair or (t1 == fp8_twin(d1) and t2 == fp8_twin(d2))
+                a16_pair = a16_pair or (t1.fp8 and t2.fp8)
                 cases = []
                 if first_t2:
                     cases.append(("gemm1", t1.name, bytes1, lambda t1=t1: [g1(kw, t1) for kw in sets]))

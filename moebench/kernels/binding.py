@@ -27,7 +27,7 @@ from moebench.kernels import gemm as _gemm
 from moebench.kernels import quantize as _quantize
 from moebench.kernels import route as _route
 from moebench.kernels.layout import KernelWeights, to_kernel_layout
-from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, fp8_twin, workspace_bytes_for
+from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
 from moebench.moe_output import UnfinalizedMoEOutput
 from moebench.record import MAX_EXPERTS, MAX_ROWS, MAX_TOP_K, TILE, cta_words, max_ctas, route_words
 from moebench.tuning.table import ShapeClass, load_tactic
@@ -120,8 +120,9 @@ class RoutedExpertGemm:
     e4m3 decode; the same bits, 5-12 % less time on the H200, perf-notes v5);
     explicit `tactics` are used as given.
     fp8 (default False): the weights are laid out for the e4m3 operand and
-    table / built-in tactics run as their fp8 twin (`_f8`: FP8 MMA on the
-    MXFP8 x and H, no BF16 copies; act_bf16 is then ignored); explicit
+    built-in fp8 (wgmma) tactics run (`_f8`, `default_fp8_tactic`: FP8 MMA on
+    the MXFP8 x and H, no BF16 copies; act_bf16 is then ignored; a table's
+    BF16 tactics are replaced by the fp8 default); explicit
     `tactics` must then be fp8 tactics, and without fp8 must not be
     (ValueError naming the stage).
     """
@@ -173,7 +174,11 @@ class RoutedExpertGemm:
                     tactic = default_tactic(shape, stage, ctas, sms, scale_flag, fp8=fp8)
                     source = "default"
                 if fp8 and source != "explicit" and not tactic.fp8:
-                    tactic = fp8_twin(tactic)
+                    # a table of BF16 tactics: the fp8 default instead (the tables hold no fp8 ones yet)
+                    old = tactic.name
+                    tactic = default_tactic(shape, stage, ctas, sms, scale_flag, fp8=True)
+                    if source.startswith("table"):
+                        source = f"default (fp8; the table's {old} is not fp8)"
                 elif act_bf16 and source != "explicit" and not tactic.act_bf16:
                     twin = replace(tactic, act_bf16=True)
                     if not twin.valid_for(shape, stage):

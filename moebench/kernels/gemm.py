@@ -64,9 +64,12 @@ if HAVE_DSL:
     import cutlass.cute as cute
     from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint16, Uint32
 
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
     from cutlass.experimental import primitives as prims
 
     from moebench.kernels import fp4
+    from moebench.kernels.ptx import st_shared_u32x4
 
 #: Shared memory + L1 of one H100/H200 SM that the carveout divides (bytes).
 _SMEM_PER_SM = 228 * 1024
@@ -93,20 +96,27 @@ if HAVE_DSL:
             a.fill(0.0)
         return tiled_mma, rA, rB, tCrA, tCrB, acc
 
-    def warp_mma_fragments_fp8(m_tiles: int):
-        """As `warp_mma_fragments` for mma.sync m16n8k32 e4m3 x e4m3 (fp32):
-        rA[0..3] = PTX a0..a3 (row g k 0-3, row g+8 k 0-3, row g k 16-19, row
-        g+8 k 16-19, 4 e4m3 each), rB[0..1] = b0, b1; plus (tmp,): the
-        per-MMA result fragment (zeroed before each MMA, which is its C)."""
-        tiled_mma = cute.make_tiled_mma(cute.nvgpu.warp.MmaFP8Op(Float8E4M3FN, Float32, (16, 8, 32)))
-        tCrA = tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((16, 32)))
-        tCrB = tiled_mma.make_fragment_B(tiled_mma.partition_shape_B((8, 32)))
-        rA, rB = cute.recast_tensor(tCrA, Uint32), cute.recast_tensor(tCrB, Uint32)
-        acc = [tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8))) for _ in range(m_tiles)]
+    def wgmma_fp8_fragments(n_mma: int):
+        """(tiled_mma, rA, tCrA, acc, tmp) of the fp8 tactics: wgmma
+        m64n8k32 e4m3 x e4m3 (fp32) with A from registers, B (the 8 token
+        rows) from shared memory. Per thread: `n_mma` A fragments (16 e4m3:
+        rA[i][0..3] = row g k 4c.., row g+8, row g k 16+4c.., row g+8, for
+        the warp's 16 rows of the 64: the per-warp order of mma.sync
+        m16n8k32) and as many fp32 result fragments `tmp` (one per MMA in
+        flight), and the warp's two 16-row accumulators `acc` (zeroed), each
+        (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)."""
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            Float8E4M3FN, Float8E4M3FN, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
+            tiler_mn=(64, 8), a_source=warpgroup.OperandSource.RMEM)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)  # every MMA writes a fresh result (one MX block)
+        shape_c = tiled_mma.partition_shape_C((64, 8))
+        tCrA = [tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((64, 32))) for _ in range(n_mma)]
+        rA = [cute.recast_tensor(t, Uint32) for t in tCrA]
+        tmp = [cute.make_rmem_tensor(shape_c, Float32) for _ in range(n_mma)]
+        acc = [cute.make_rmem_tensor(shape_c, Float32) for _ in range(2)]
         for a in acc:
             a.fill(0.0)
-        tmp = tiled_mma.make_fragment_C(tiled_mma.partition_shape_C((16, 8)))
-        return tiled_mma, rA, rB, tCrA, tCrB, acc, (tmp,)
+        return tiled_mma, rA, tCrA, acc, tmp
 
     class StreamingGemmKernel:
         """The weight-streaming core with the GEMM1 (`stage=1`) or GEMM2
@@ -160,6 +170,10 @@ if HAVE_DSL:
             self.a16 = t.act_bf16
             self.fp8 = t.fp8
             self.aw = 4 if self.a16 else 2  # activation words per lane and chunk
+            if self.fp8:
+                # the unit's 8 activation rows (e4m3, wgmma K-major "interleave" layout: 16-byte
+                # units q = 8 * (k // 16) + n at byte 16 q) and their fp32 scales [chunk][token]
+                self.smem_bytes += 8 * self.k + 128 + 8 * self.nch * 4 + 16
             self.block_threads = self.threads
             if self.bulk:
                 self.ks = self.u * self.wk  # K chunks per bulk stage
@@ -171,6 +185,13 @@ if HAVE_DSL:
                 self.block_threads = self.threads + 32  # + the producer warp
             per_sm = (self.smem_bytes + 1024) * t.ctas_per_sm
             self.smem_carveout = min(100, -(-100 * per_sm // _SMEM_PER_SM))
+
+        def warp_of(self, wm, wk):
+            """Warp index of (wm, wk): wm-major, except fp8 tactics (wgmma),
+            whose warpgroups (4 consecutive warps) share wk: wk-major."""
+            if cutlass.const_expr(self.fp8):
+                return wk * self.wm + wm
+            return wm * self.wk + wk
 
         def grid(self, ctas: int, num_sms: int) -> int:
             """Grid for `ctas` token tiles: one CTA per possible unit (item x
@@ -253,60 +274,80 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ math
         @cute.jit
-        def compute(self, tiled_mma, acc, aux, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid):
-            """mma.sync of the first min(unroll, n_valid) chunks of a register stage."""
-            if cutlass.const_expr(self.fp8):
-                self.compute_fp8(tiled_mma, acc, aux, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid)
-            else:
-                self.compute_bf16(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid)
+        def stage_acts(self, sB32, sXs, p_a, p_as, rec, slots_at, top_k, unit, tid):
+            """fp8 tactics, at the start of a unit: its tile's 8 activation rows
+            (e4m3, K bytes each; GEMM1: token rows through the slots) into the
+            shared-memory B operand (16-byte unit q = 8 * (k // 16) + n at byte
+            16 q: wgmma's K-major interleave layout) and their E8M0 scales as
+            fp32 2^(s-121) [chunk][token]; thread tid serves token tid % 8."""
+            item, _ = self.unit_item(unit, 0)
+            tile = item // self.blocks
+            n = tid % 8
+            row = TILE * tile + n
+            if cutlass.const_expr(self.stage == 1):
+                slot = cute.arch.load(rec + (slots_at + row), Int32)
+                row = cutlass.max(slot, Int32(0)) // top_k  # padding slots read token row 0
+            src = p_a + row * (self.k // 4)
+            for q in cutlass.range_constexpr(0, 8 * (self.k // 16), self.threads):
+                if tid + q < 8 * (self.k // 16):
+                    v = fp4.load_u32x4(src + ((tid + q) // 8) * 4, "evict_last")
+                    st_shared_u32x4(sB32 + (tid + q) * 4, v[0], v[1], v[2], v[3])
+            srcs = p_as + row * self.nch
+            for q in cutlass.range_constexpr(0, 8 * self.nch, self.threads):
+                if tid + q < 8 * self.nch:
+                    code = Uint32(cute.arch.load(srcs + (tid + q) // 8, Uint8)) & Uint32(0xFF)
+                    sXs[tid + q] = fp4.act_scale_f32(code)
 
         @cute.jit
-        def compute_fp8(self, tiled_mma, acc, aux, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid):
-            """fp8 tactics: per chunk and m-tile one e4m3 MMA (k32 = one MX
-            block) into a zeroed temporary, then acc += tmp x weight scale (row
-            g / g+8) x activation scale (token 2c / 2c+1; a lane loaded token
-            g's, two shuffles fetch these), fp32."""
-            (tmp,) = aux
-            lane = cute.arch.lane_idx()
-            src = (lane % 4) * 8  # lane (g = 2c, c = 0) holds token 2c's scale
+        def compute_wgmma(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, ch, lane):
+            """fp8 tactics: the unroll chunks from `ch` (global K chunk index)
+            of a register stage. Weights decoded to e4m3 into 2 * unroll A
+            fragments (the warp's two 16-row m-tiles per chunk), one wgmma
+            m64n8k32 per (chunk, m-tile) into its own zeroed result (one MX
+            block each), one commit / wait, then acc += result x weight scale
+            (row g / g+8) x activation scale (token 2c / 2c+1, fp32 from
+            shared memory)."""
             for j in cutlass.range_constexpr(self.u):
-                if j < n_valid:
-                    # the result's columns are tokens 2c, 2c + 1: their scales from the lanes that loaded them
-                    xs0 = fp4.act_scale_f32(cute.arch.shuffle_sync(st_as[j], src))
-                    xs1 = fp4.act_scale_f32(cute.arch.shuffle_sync(st_as[j], src + 4))
-                    for t2 in cutlass.range_constexpr(self.pairs):
-                        sv = st_s[j * self.pairs + t2]
-                        for tt in cutlass.range_constexpr(2):
-                            base = (j * self.pairs + t2) * 4 + 2 * tt
-                            r0, r1 = fp4.decode_e2m1_word_e4m3(st_w[base])
-                            r2, r3 = fp4.decode_e2m1_word_e4m3(st_w[base + 1])
-                            rA[0] = r0  # row g,   k 8c .. 8c+3
-                            rA[1] = r1  # row g+8, k 8c .. 8c+3
-                            rA[2] = r2  # row g,   k 8c+4 .. 8c+7
-                            rA[3] = r3  # row g+8, k 8c+4 .. 8c+7
-                            rB[0] = st_a[2 * j]
-                            rB[1] = st_a[2 * j + 1]
-                            tmp.fill(0.0)
-                            cute.gemm(tiled_mma, tmp, tCrA, tCrB, tmp)
-                            wg = fp4.weight_scale_f32(sv, 2 * tt, self.wide)
-                            w8 = fp4.weight_scale_f32(sv, 2 * tt + 1, self.wide)
-                            a = acc[2 * t2 + tt]
-                            if cutlass.const_expr(self.wide):
-                                # special codes: the scale product first (a weight scale near 2^-127
-                                # times a small MMA sum would go subnormal and lose bits)
-                                a[0] = tmp[0] * (wg * xs0) + a[0]
-                                a[1] = tmp[1] * (wg * xs1) + a[1]
-                                a[2] = tmp[2] * (w8 * xs0) + a[2]
-                                a[3] = tmp[3] * (w8 * xs1) + a[3]
-                            else:  # weight scales >= 2^-126: fewer live registers this way round
-                                a[0] = (tmp[0] * wg) * xs0 + a[0]
-                                a[1] = (tmp[1] * wg) * xs1 + a[1]
-                                a[2] = (tmp[2] * w8) * xs0 + a[2]
-                                a[3] = (tmp[3] * w8) * xs1 + a[3]
+                for tt in cutlass.range_constexpr(2):
+                    r0, r1 = fp4.decode_e2m1_word_e4m3(st_w[j * 4 + 2 * tt])
+                    r2, r3 = fp4.decode_e2m1_word_e4m3(st_w[j * 4 + 2 * tt + 1])
+                    ra = rA[2 * j + tt]
+                    ra[0] = r0  # row g,   k 8c .. 8c+3
+                    ra[1] = r1  # row g+8, k 8c .. 8c+3
+                    ra[2] = r2  # row g,   k 8c+4 .. 8c+7
+                    ra[3] = r3  # row g+8, k 8c+4 .. 8c+7
+            warpgroup.fence()
+            for j in cutlass.range_constexpr(self.u):
+                for tt in cutlass.range_constexpr(2):
+                    i = 2 * j + tt
+                    cute.gemm(tiled_mma, tmp[i], tCrA[i][None, None, 0], tCrB[None, None, ch + j], tmp[i])
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+            c = lane % 4
+            for j in cutlass.range_constexpr(self.u):
+                xs0 = sXs[(ch + j) * 8 + 2 * c]
+                xs1 = sXs[(ch + j) * 8 + 2 * c + 1]
+                sv = st_s[j]
+                for tt in cutlass.range_constexpr(2):
+                    wg = fp4.weight_scale_f32(sv, 2 * tt, self.wide)
+                    w8 = fp4.weight_scale_f32(sv, 2 * tt + 1, self.wide)
+                    t, a = tmp[2 * j + tt], acc[tt]
+                    if cutlass.const_expr(self.wide):
+                        # special codes: the scale product first (a weight scale near 2^-127
+                        # times a small MMA sum would go subnormal and lose bits)
+                        a[0] = t[0] * (wg * xs0) + a[0]
+                        a[1] = t[1] * (wg * xs1) + a[1]
+                        a[2] = t[2] * (w8 * xs0) + a[2]
+                        a[3] = t[3] * (w8 * xs1) + a[3]
+                    else:
+                        a[0] = (t[0] * wg) * xs0 + a[0]
+                        a[1] = (t[1] * wg) * xs1 + a[1]
+                        a[2] = (t[2] * w8) * xs0 + a[2]
+                        a[3] = (t[3] * w8) * xs1 + a[3]
 
         @cute.jit
-        def compute_bf16(self, tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid):
-            """BF16 tactics: weights and activations decoded to BF16, m16n8k16."""
+        def compute(self, tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid):
+            """mma.sync (BF16 tactics) of the first min(unroll, n_valid) chunks of a register stage."""
             for j in cutlass.range_constexpr(self.u):
                 if j < n_valid:
                     b = []
@@ -345,12 +386,8 @@ if HAVE_DSL:
                                 cute.gemm(tiled_mma, acc[2 * t2 + tt], tCrA, tCrB, acc[2 * t2 + tt])
 
         def mma_fragments(self):
-            """(tiled_mma, rA, rB, tCrA, tCrB, acc, aux): `warp_mma_fragments`
-            with tile_rows/16 accumulators (aux None), or for an fp8 tactic
-            `warp_mma_fragments_fp8` (aux = (tmp,))."""
-            if self.fp8:
-                return warp_mma_fragments_fp8(self.tm)
-            return (*warp_mma_fragments(self.tm), None)
+            """`warp_mma_fragments` with tile_rows/16 accumulators."""
+            return warp_mma_fragments(self.tm)
 
         def stash_partials(self, sP, acc, parity, warp, lane):
             """This warp's accumulators to its shared-memory partials (`parity`
@@ -366,10 +403,10 @@ if HAVE_DSL:
             rr = r % self.tactic.tile_rows
             r16 = rr % 16
             src = (rr // 16) * 128 + ((r16 % 8) * 4 + n // 2) * 4 + (r16 // 8) * 2 + n % 2
-            base = (r // self.tactic.tile_rows) * self.wk
-            tot = sP[src, base, parity]
+            wm = r // self.tactic.tile_rows
+            tot = sP[src, self.warp_of(wm, 0), parity]
             for k in cutlass.range_constexpr(1, self.wk):
-                tot = tot + sP[src, base + k, parity]
+                tot = tot + sP[src, self.warp_of(wm, k), parity]
             return tot
 
         @cute.jit
@@ -499,6 +536,8 @@ if HAVE_DSL:
             warp, lane = tid // 32, tid % 32
             g, c = lane // 4, lane % 4
             wm, wk = warp // self.wk, warp % self.wk
+            if cutlass.const_expr(self.fp8):
+                wm, wk = warp % self.wm, warp // self.wm  # a warpgroup shares wk (warp_of)
             c_beg = wk * self.per  # first chunk of this warp within a K slice
             n_mine = cutlass.min(Int32(self.per), self.nch_s - c_beg)  # chunks of this warp per unit
             words = (ctas + 3) // 4 * 4
@@ -510,14 +549,23 @@ if HAVE_DSL:
             p_a = cute.recast_ptr(act, dtype=Uint32)
             p_as = cute.recast_ptr(act_s, dtype=Uint8)
 
-            tiled_mma, rA, rB, tCrA, tCrB, acc, aux = self.mma_fragments()
             pw_n, ps_n = self.pairs * U * 4, self.pairs * U
             st_w = [cute.make_rmem_tensor((pw_n,), Uint32) for _ in range(2)]
             st_s = [cute.make_rmem_tensor((ps_n,), Uint32) for _ in range(2)]
-            st_a = [cute.make_rmem_tensor((self.aw * U,), Uint32) for _ in range(2)]
-            st_as = [cute.make_rmem_tensor((U,), Uint32) for _ in range(2)]
             smem = cutlass.memory.SmemAllocator()
             sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
+            if cutlass.const_expr(self.fp8):
+                tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(2 * U)
+                atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, Float8E4M3FN)
+                layout_b = cute.tile_to_shape(atom, (8, self.k), order=(0, 1))
+                sB = smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)
+                sB32 = cute.recast_ptr(sB.iterator, dtype=Uint32)
+                sXs = smem.allocate_tensor(Float32, cute.make_layout((8 * self.nch,)), byte_alignment=16)
+                tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
+            else:
+                tiled_mma, rA, rB, tCrA, tCrB, acc = self.mma_fragments()
+                st_a = [cute.make_rmem_tensor((self.aw * U,), Uint32) for _ in range(2)]
+                st_as = [cute.make_rmem_tensor((U,), Uint32) for _ in range(2)]
             sLast = None
             if cutlass.const_expr(SK > 1):
                 sLast = smem.allocate_tensor(Int32, cute.make_layout((1,)), byte_alignment=4)
@@ -539,9 +587,10 @@ if HAVE_DSL:
             top_k = cute.arch.load(record + 3, Int32)
             my_units = (n_units + nblk - 1 - bid) // nblk
             n_steps = my_units * NB
-            if n_steps > 0:
-                self.issue_acts(st_a[0], st_as[0], p_a, p_as, record, slots_at, top_k, bid, c_beg,
-                                n_mine, g, c)
+            if cutlass.const_expr(not self.fp8):
+                if n_steps > 0:
+                    self.issue_acts(st_a[0], st_as[0], p_a, p_as, record, slots_at, top_k, bid, c_beg,
+                                    n_mine, g, c)
 
             l_unit, l_b = bid, Int32(1)  # load cursor: step 1
             wrap = Int32(l_b == NB)
@@ -553,13 +602,23 @@ if HAVE_DSL:
                         if i + s + 1 < n_steps:  # next step's loads go out first
                             self.issue_weights(st_w[1 - s], st_s[1 - s], p_w, p_s, record, l_unit, l_b,
                                                n_mine, c_beg, wm, lane, g)
-                            self.issue_acts(st_a[1 - s], st_as[1 - s], p_a, p_as, record, slots_at, top_k,
-                                            l_unit, c_beg + l_b * U, n_mine - l_b * U, g, c)
+                            if cutlass.const_expr(not self.fp8):
+                                self.issue_acts(st_a[1 - s], st_as[1 - s], p_a, p_as, record, slots_at, top_k,
+                                                l_unit, c_beg + l_b * U, n_mine - l_b * U, g, c)
                             l_b = l_b + 1
                             wrap = Int32(l_b == NB)
                             l_b, l_unit = l_b - wrap * NB, l_unit + wrap * nblk
-                        self.compute(tiled_mma, acc, aux, rA, rB, tCrA, tCrB, st_w[s], st_s[s], st_a[s],
-                                     st_as[s], n_mine - c_b * U)
+                        if cutlass.const_expr(self.fp8):
+                            if c_b == 0:  # a new unit: its activation rows into shared memory
+                                self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, c_unit, tid)
+                                cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
+                                cute.arch.sync_threads()
+                            _, ch = self.unit_item(c_unit, c_beg + c_b * U)
+                            self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w[s], st_s[s], ch,
+                                               lane)
+                        else:
+                            self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w[s], st_s[s], st_a[s],
+                                         st_as[s], n_mine - c_b * U)
                         if c_b == NB - 1:  # unit done: partials to smem, one barrier, epilogue
                             self.stash_partials(sP, acc, parity, warp, lane)
                             cute.arch.sync_threads()
@@ -677,7 +736,7 @@ if HAVE_DSL:
             slots_at = 4 + 2 * words
             p_a = cute.recast_ptr(act, dtype=Uint32)
             p_as = cute.recast_ptr(act_s, dtype=Uint8)
-            tiled_mma, rA, rB, tCrA, tCrB, acc, aux = self.mma_fragments()
+            tiled_mma, rA, rB, tCrA, tCrB, acc = self.mma_fragments()
             st_w = cute.make_rmem_tensor((self.pairs * U * 4,), Uint32)
             st_s = cute.make_rmem_tensor((self.pairs * U,), Uint32)
             st_a = cute.make_rmem_tensor((self.aw * U,), Uint32)
@@ -705,7 +764,7 @@ if HAVE_DSL:
                                 st_w[(j * self.pairs + t2) * 4 + x] = q[x]
                             st_s[j * self.pairs + t2] = cute.arch.load(stage + (self.sw_words + entry * 8 + g),
                                                                        Uint32)
-                self.compute(tiled_mma, acc, aux, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid)
+                self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid)
                 cute.arch.sync_warp()
                 if lane == 0:
                     cute.arch.mbarrier_arrive(bars + (S + s))

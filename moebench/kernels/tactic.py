@@ -95,13 +95,16 @@ class GemmTactic:
       kernel with act_bf16 also writes h_deq (the exact BF16 value of every
       (h_q, h_scale) it writes, what GEMM2's e4m3 decode would make of it),
       besides h_q / h_scale. Name suffix `_a16`.
-    fp8: FP8 tensor cores (mma.sync m16n8k32 e4m3 x e4m3, fp32): the MXFP4
-      weights are decoded to e4m3 (value x 2^-6, exact; the e4m3 weight
-      layout, `to_kernel_layout(..., operand="e4m3")`) and the MXFP8
-      activations (x_q / h_q) are the B operand as they are; every 32-K
-      block (one MX block) is summed by one MMA into a zeroed temporary and
-      added to the fp32 accumulator times weight scale x activation scale x
-      2^6 (FMUL + FFMA). Excludes act_bf16. Name suffix `_f8`.
+    fp8: Hopper's FP8 tensor cores: wgmma m64n8k32 e4m3 x e4m3 (fp32) with
+      A from registers. The MXFP4 weights are decoded to e4m3 (value x 2^-6,
+      exact; the e4m3 weight layout, `to_kernel_layout(..., operand="e4m3")`),
+      the unit's 8 MXFP8 activation rows (x_q / h_q, as they are) are staged
+      in shared memory as B; every 32-K block (one MX block) is one wgmma
+      into a zeroed result, added to the fp32 accumulator times weight scale
+      x activation scale x 2^6. A warpgroup (4 warps sharing a K part) covers
+      4 x 32 rows, so fp8 tactics need tile_rows 32, warps_m a multiple of 4,
+      the register load path (stages 0), and warps_k * unroll dividing the
+      K chunks of a slice. Excludes act_bf16. Name suffix `_f8`.
     """
 
     tile_rows: int = 64
@@ -188,6 +191,17 @@ class GemmTactic:
         if self.warps_k > per_slice:
             what = f"the {nch} K chunks" if self.split_k == 1 else f"the {per_slice} K chunks of a slice"
             return f"warps_k {self.warps_k} exceeds {what}"
+        if self.fp8:
+            if self.tile_rows != 32 or self.warps_m % 4 or self.bulk:
+                return (f"fp8 (wgmma) tactics need tile_rows 32, warps_m a multiple of 4 and stages 0, got"
+                        f" tile_rows {self.tile_rows}, warps_m {self.warps_m}, stages {self.stages}")
+            if per_slice % (self.warps_k * self.unroll):
+                return (f"fp8 (wgmma) tactics need warps_k * unroll ({self.warps_k * self.unroll}) to divide"
+                        f" the {per_slice} K chunks of a slice")
+            need = partial_smem_bytes(self) + 8 * k + 128 + 32 * nch + 16
+            if need * self.ctas_per_sm > SMEM_PER_SM or need > SMEM_PER_CTA:
+                return (f"the fp8 activation tile needs {need} bytes of shared memory per CTA, more than"
+                        f" {min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm)} at {self.ctas_per_sm} CTAs per SM")
         if self.bulk:
             need = self.stages * bulk_stage_bytes(self) + partial_smem_bytes(self) + 16 * self.stages
             if need * self.ctas_per_sm > SMEM_PER_SM or need > SMEM_PER_CTA:
@@ -275,15 +289,6 @@ def workspace_bytes_for(shape, launches) -> int:
     return c + p
 
 
-def fp8_twin(tactic: GemmTactic) -> GemmTactic:
-    """The fp8 tactic (`_f8`) of the same shape as `tactic`: act_bf16 off, and
-    unroll 4 -> 3 in the register load path at >= 3 CTAs/SM, where the fp8
-    loop's extra live values (the MMA result, the scales) spill at unroll 4
-    (sm_90a compiles, dsv41-flash TP4)."""
-    unroll = 3 if (tactic.unroll == 4 and tactic.ctas_per_sm >= 3 and not tactic.bulk) else tactic.unroll
-    return replace(tactic, act_bf16=False, fp8=True, unroll=unroll)
-
-
 #: Distinct experts per routed slot the defaults plan for (correlated draft
 #: rows: ~22 experts for 36 slots at rows 6, top-6).
 EXPECTED_TILE_FRACTION = 0.55
@@ -307,15 +312,15 @@ def default_tactic(
     else 64-row warps side by side (512-row items, no K split); for longer K, 32-row
     warps with K split over 2 or 4 warps. `wide_scales` (the two-multiply
     decode) takes unroll 3 at 3 CTAs/SM (unroll 4 spills there). `fp8`: the
-    same shapes as fp8 tactics (`_f8`), unroll 3 where unroll 4 spills
-    (3 CTAs/SM for GEMM1, 4 for GEMM2's 32-row warps). Raises ValueError if
-    none fits.
+    wgmma tactics (`_f8`, `default_fp8_tactic`). Raises ValueError if none fits.
     """
     s = GemmShape.of(shape)
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage!r}")
     if ctas is not None and (not isinstance(ctas, int) or ctas < 0):
         raise ValueError(f"ctas must be a non-negative int or None, got {ctas!r}")
+    if fp8:
+        return default_fp8_tactic(s, stage, ctas, num_sms)
     tiles = 10**6 if ctas is None else max(1, round(EXPECTED_TILE_FRACTION * ctas))
     if stage == 1:
         items = tiles * (2 * s.intermediate // 64)
@@ -343,9 +348,26 @@ def default_tactic(
         else:
             wk = 1 if nch <= 12 else 2 if nch <= 36 else 4
             tactic = GemmTactic(tile_rows=32, warps_m=8 // wk, warps_k=wk, unroll=2, ctas_per_sm=2)
-    if fp8:
-        tactic = fp8_twin(tactic)
     reason = tactic.valid_for(s, stage)
     if reason:
         raise ValueError(f"no default GEMM{stage} tactic for {s}: {reason}")
     return tactic
+
+
+def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int = 132) -> GemmTactic:
+    """The fp8 (wgmma) tactic `default_tactic(..., fp8=True)` picks: one
+    warpgroup of 32-row warps (128-row items) per K part, the largest unroll
+    in (4, 3, 2) and warps_k in (2, 1) that divide the K chunks, 2 CTAs per
+    SM while the shared-memory activation tile fits, else 1. Raises
+    ValueError if none fits (e.g. GEMM1 with 2 * intermediate not a multiple
+    of 128 rows)."""
+    s = GemmShape.of(shape)
+    last = None
+    for wk in (2, 1):
+        for u in (4, 3, 2):
+            for c in (2, 1):
+                t = GemmTactic(tile_rows=32, warps_m=4, warps_k=wk, unroll=u, ctas_per_sm=c, fp8=True)
+                last = t.valid_for(s, stage)
+                if last is None:
+                    return t
+    raise ValueError(f"no fp8 GEMM{stage} tactic for {s}: {last}")
