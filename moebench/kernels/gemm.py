@@ -96,7 +96,7 @@ if HAVE_DSL:
             a.fill(0.0)
         return tiled_mma, rA, rB, tCrA, tCrB, acc
 
-    def wgmma_fp8_fragments(n_mma: int):
+    def wgmma_fp8_fragments(n_mma: int, m_tiles: int):
         """(tiled_mma, rA, tCrA, acc, tmp) of the fp8 tactics: wgmma
         m64n8k32 e4m3 x e4m3 (fp32) with A from registers, B (the 8 token
         rows) from shared memory. Per thread: `n_mma` A fragments (16 e4m3:
@@ -113,7 +113,7 @@ if HAVE_DSL:
         tCrA = [tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((64, 32))) for _ in range(n_mma)]
         rA = [cute.recast_tensor(t, Uint32) for t in tCrA]
         tmp = [cute.make_rmem_tensor(shape_c, Float32) for _ in range(n_mma)]
-        acc = [cute.make_rmem_tensor(shape_c, Float32) for _ in range(2)]
+        acc = [cute.make_rmem_tensor(shape_c, Float32) for _ in range(m_tiles)]
         for a in acc:
             a.fill(0.0)
         return tiled_mma, rA, tCrA, acc, tmp
@@ -230,17 +230,33 @@ if HAVE_DSL:
             tile = item // self.blocks
             blk = item % self.blocks
             e = cute.arch.load(rec + (4 + tile), Int32)
-            pair0 = blk * (self.wm * self.pairs) + wm * self.pairs
-            pw = p_w + Int64(e) * self.w_expert + ((pair0 * self.nch + ch0) * 128 + lane * 4)
-            ps = p_s + Int64(e) * self.s_expert + ((pair0 * self.nch + ch0) * 8 + g)
-            for j in cutlass.range_constexpr(self.u):
-                if batch * self.u + j < n_mine:
-                    for t2 in cutlass.range_constexpr(self.pairs):
-                        q = fp4.load_u32x4(pw + (t2 * self.nch + j) * 128, "evict_first")
-                        for x in cutlass.range_constexpr(4):
-                            st_w[(j * self.pairs + t2) * 4 + x] = q[x]
-                        st_s[j * self.pairs + t2] = cute.arch.load(
-                            ps + (t2 * self.nch + j) * 8, Uint32, level1_eviction_priority="evict_first")
+            if cutlass.const_expr(self.tm == 1):
+                # fp8 tile_rows 16: warp wm takes m-tile t = mt % 2 of pair mt // 2 (mt = its 16-row
+                # tile in the expert): words 2t, 2t+1 of its lane (8 bytes) and the scale word
+                # shifted so that bytes 0, 1 are rows g, g+8
+                mt = blk * self.wm + wm
+                pair = mt // 2
+                t = mt % 2
+                pw = p_w + Int64(e) * self.w_expert + ((pair * self.nch + ch0) * 128 + lane * 4 + 2 * t)
+                ps = p_s + Int64(e) * self.s_expert + ((pair * self.nch + ch0) * 8 + g)
+                for j in cutlass.range_constexpr(self.u):
+                    q = fp4.load_u32x2(pw + j * 128, "evict_first")
+                    st_w[2 * j] = q[0]
+                    st_w[2 * j + 1] = q[1]
+                    sv = cute.arch.load(ps + j * 8, Uint32, level1_eviction_priority="evict_first")
+                    st_s[j] = sv >> Uint32(16 * t)
+            else:
+                pair0 = blk * (self.wm * self.pairs) + wm * self.pairs
+                pw = p_w + Int64(e) * self.w_expert + ((pair0 * self.nch + ch0) * 128 + lane * 4)
+                ps = p_s + Int64(e) * self.s_expert + ((pair0 * self.nch + ch0) * 8 + g)
+                for j in cutlass.range_constexpr(self.u):
+                    if batch * self.u + j < n_mine:
+                        for t2 in cutlass.range_constexpr(self.pairs):
+                            q = fp4.load_u32x4(pw + (t2 * self.nch + j) * 128, "evict_first")
+                            for x in cutlass.range_constexpr(4):
+                                st_w[(j * self.pairs + t2) * 4 + x] = q[x]
+                            st_s[j * self.pairs + t2] = cute.arch.load(
+                                ps + (t2 * self.nch + j) * 8, Uint32, level1_eviction_priority="evict_first")
 
         @cute.jit
         def issue_acts(self, st_a, st_as, p_a, p_as, rec, slots_at, top_k, unit, ch, n_valid, g, c):
@@ -277,8 +293,9 @@ if HAVE_DSL:
         def stage_acts(self, sB32, sXs, p_a, p_as, rec, slots_at, top_k, unit, tid):
             """fp8 tactics, at the start of a unit: its tile's 8 activation rows
             (e4m3, K bytes each; GEMM1: token rows through the slots) into the
-            shared-memory B operand (16-byte unit q = 8 * (k // 16) + n at byte
-            16 q: wgmma's K-major interleave layout) and their E8M0 scales as
+            shared-memory B operand (16-byte unit q = 8 * (k slot // 16) + n at
+            byte 16 q: wgmma's K-major interleave layout; k slots permuted to the
+            A registers' order) and their E8M0 scales as
             fp32 2^(s-121) [chunk][token]; thread tid serves token tid % 8."""
             item, _ = self.unit_item(unit, 0)
             tile = item // self.blocks
@@ -287,11 +304,19 @@ if HAVE_DSL:
             if cutlass.const_expr(self.stage == 1):
                 slot = cute.arch.load(rec + (slots_at + row), Int32)
                 row = cutlass.max(slot, Int32(0)) // top_k  # padding slots read token row 0
+            # The A registers hold k 8c .. 8c+7 of each chunk in k slots (4c .. 4c+3, 16+4c .. 16+4c+3)
+            # (the weight layout's order): B's slots get the same real k. Slot group G (4 k) holds
+            # real group 2 (G % 4) + G // 4: 16-byte unit 0 of a chunk = words 0, 2, 4, 6 of the
+            # row's 32 bytes, unit 1 = words 1, 3, 5, 7.
             src = p_a + row * (self.k // 4)
-            for q in cutlass.range_constexpr(0, 8 * (self.k // 16), self.threads):
-                if tid + q < 8 * (self.k // 16):
-                    v = fp4.load_u32x4(src + ((tid + q) // 8) * 4, "evict_last")
-                    st_shared_u32x4(sB32 + (tid + q) * 4, v[0], v[1], v[2], v[3])
+            for q in cutlass.range_constexpr(0, 8 * self.nch, self.threads):
+                if tid + q < 8 * self.nch:
+                    ch = (tid + q) // 8
+                    lo = fp4.load_u32x4(src + ch * 8, "evict_last")
+                    hi = fp4.load_u32x4(src + ch * 8 + 4, "evict_last")
+                    unit0 = sB32 + (16 * ch + n) * 4  # 16-byte unit q = 8 * (2 ch) + n
+                    st_shared_u32x4(unit0, lo[0], lo[2], hi[0], hi[2])
+                    st_shared_u32x4(unit0 + 32, lo[1], lo[3], hi[1], hi[3])
             srcs = p_as + row * self.nch
             for q in cutlass.range_constexpr(0, 8 * self.nch, self.threads):
                 if tid + q < 8 * self.nch:
@@ -307,19 +332,20 @@ if HAVE_DSL:
             block each), one commit / wait, then acc += result x weight scale
             (row g / g+8) x activation scale (token 2c / 2c+1, fp32 from
             shared memory)."""
+            tm = self.tm  # m-tiles per warp: 2 (tile_rows 32) or 1 (16)
             for j in cutlass.range_constexpr(self.u):
-                for tt in cutlass.range_constexpr(2):
-                    r0, r1 = fp4.decode_e2m1_word_e4m3(st_w[j * 4 + 2 * tt])
-                    r2, r3 = fp4.decode_e2m1_word_e4m3(st_w[j * 4 + 2 * tt + 1])
-                    ra = rA[2 * j + tt]
+                for tt in cutlass.range_constexpr(tm):
+                    r0, r1 = fp4.decode_e2m1_word_e4m3(st_w[j * 2 * tm + 2 * tt])
+                    r2, r3 = fp4.decode_e2m1_word_e4m3(st_w[j * 2 * tm + 2 * tt + 1])
+                    ra = rA[tm * j + tt]
                     ra[0] = r0  # row g,   k 8c .. 8c+3
                     ra[1] = r1  # row g+8, k 8c .. 8c+3
                     ra[2] = r2  # row g,   k 8c+4 .. 8c+7
                     ra[3] = r3  # row g+8, k 8c+4 .. 8c+7
             warpgroup.fence()
             for j in cutlass.range_constexpr(self.u):
-                for tt in cutlass.range_constexpr(2):
-                    i = 2 * j + tt
+                for tt in cutlass.range_constexpr(tm):
+                    i = tm * j + tt
                     cute.gemm(tiled_mma, tmp[i], tCrA[i][None, None, 0], tCrB[None, None, ch + j], tmp[i])
             warpgroup.commit_group()
             warpgroup.wait_group(0)
@@ -328,10 +354,10 @@ if HAVE_DSL:
                 xs0 = sXs[(ch + j) * 8 + 2 * c]
                 xs1 = sXs[(ch + j) * 8 + 2 * c + 1]
                 sv = st_s[j]
-                for tt in cutlass.range_constexpr(2):
+                for tt in cutlass.range_constexpr(tm):
                     wg = fp4.weight_scale_f32(sv, 2 * tt, self.wide)
                     w8 = fp4.weight_scale_f32(sv, 2 * tt + 1, self.wide)
-                    t, a = tmp[2 * j + tt], acc[tt]
+                    t, a = tmp[tm * j + tt], acc[tt]
                     if cutlass.const_expr(self.wide):
                         # special codes: the scale product first (a weight scale near 2^-127
                         # times a small MMA sum would go subnormal and lose bits)
@@ -549,13 +575,13 @@ if HAVE_DSL:
             p_a = cute.recast_ptr(act, dtype=Uint32)
             p_as = cute.recast_ptr(act_s, dtype=Uint8)
 
-            pw_n, ps_n = self.pairs * U * 4, self.pairs * U
+            pw_n, ps_n = max(self.pairs * U * 4, 2 * U), max(self.pairs * U, U)
             st_w = [cute.make_rmem_tensor((pw_n,), Uint32) for _ in range(2)]
             st_s = [cute.make_rmem_tensor((ps_n,), Uint32) for _ in range(2)]
             smem = cutlass.memory.SmemAllocator()
             sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
             if cutlass.const_expr(self.fp8):
-                tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(2 * U)
+                tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(self.tm * U, self.tm)
                 atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, Float8E4M3FN)
                 layout_b = cute.tile_to_shape(atom, (8, self.k), order=(0, 1))
                 sB = smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)

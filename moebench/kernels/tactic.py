@@ -102,7 +102,8 @@ class GemmTactic:
       in shared memory as B; every 32-K block (one MX block) is one wgmma
       into a zeroed result, added to the fp32 accumulator times weight scale
       x activation scale x 2^6. A warpgroup (4 warps sharing a K part) covers
-      4 x 32 rows, so fp8 tactics need tile_rows 32, warps_m a multiple of 4,
+      4 x tile_rows rows, so fp8 tactics need tile_rows 32 (or 16: one m-tile
+      per warp, 8-byte loads, 64-row items), warps_m a multiple of 4,
       the register load path (stages 0), and warps_k * unroll dividing the
       K chunks of a slice. Excludes act_bf16. Name suffix `_f8`.
     """
@@ -120,8 +121,8 @@ class GemmTactic:
     fp8: bool = False
 
     def __post_init__(self) -> None:
-        if self.tile_rows not in (32, 64, 128):
-            raise ValueError(f"tile_rows must be 32, 64 or 128, got {self.tile_rows!r}")
+        if self.tile_rows not in (16, 32, 64, 128) or (self.tile_rows == 16 and not self.fp8):
+            raise ValueError(f"tile_rows must be 32, 64 or 128 (16 for fp8 tactics), got {self.tile_rows!r}")
         _check_int("warps_m", self.warps_m, 1, MAX_WARPS)
         _check_int("warps_k", self.warps_k, 1, MAX_WARPS)
         _check_int("unroll", self.unroll, 1, 8)
@@ -192,8 +193,8 @@ class GemmTactic:
             what = f"the {nch} K chunks" if self.split_k == 1 else f"the {per_slice} K chunks of a slice"
             return f"warps_k {self.warps_k} exceeds {what}"
         if self.fp8:
-            if self.tile_rows != 32 or self.warps_m % 4 or self.bulk:
-                return (f"fp8 (wgmma) tactics need tile_rows 32, warps_m a multiple of 4 and stages 0, got"
+            if self.tile_rows not in (16, 32) or self.warps_m % 4 or self.bulk:
+                return (f"fp8 (wgmma) tactics need tile_rows 16 or 32, warps_m a multiple of 4 and stages 0, got"
                         f" tile_rows {self.tile_rows}, warps_m {self.warps_m}, stages {self.stages}")
             if per_slice % (self.warps_k * self.unroll):
                 return (f"fp8 (wgmma) tactics need warps_k * unroll ({self.warps_k * self.unroll}) to divide"
@@ -356,18 +357,18 @@ def default_tactic(
 
 def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int = 132) -> GemmTactic:
     """The fp8 (wgmma) tactic `default_tactic(..., fp8=True)` picks: one
-    warpgroup of 32-row warps (128-row items) per K part, the largest unroll
-    in (4, 3, 2) and warps_k in (2, 1) that divide the K chunks, 2 CTAs per
-    SM while the shared-memory activation tile fits, else 1. Raises
-    ValueError if none fits (e.g. GEMM1 with 2 * intermediate not a multiple
-    of 128 rows)."""
+    warpgroup of 16-row warps (64-row items) with K split over 2 / 1
+    warpgroups, the largest unroll in (4, 3, 2) that divides the K chunks,
+    3 then 2 then 1 CTAs per SM as the shared-memory activation tile allows;
+    else 32-row warps. Raises ValueError if none fits."""
     s = GemmShape.of(shape)
     last = None
-    for wk in (2, 1):
-        for u in (4, 3, 2):
-            for c in (2, 1):
-                t = GemmTactic(tile_rows=32, warps_m=4, warps_k=wk, unroll=u, ctas_per_sm=c, fp8=True)
-                last = t.valid_for(s, stage)
-                if last is None:
-                    return t
+    for rows in (16, 32):
+        for wk in (2, 1):
+            for u in (4, 3, 2):
+                for c in (3, 2, 1):
+                    t = GemmTactic(tile_rows=rows, warps_m=4, warps_k=wk, unroll=u, ctas_per_sm=c, fp8=True)
+                    last = t.valid_for(s, stage)
+                    if last is None:
+                        return t
     raise ValueError(f"no fp8 GEMM{stage} tactic for {s}: {last}")
