@@ -66,7 +66,7 @@ F8_1 = [GemmTactic(32, 4, 2, 4, 2, fp8=True), GemmTactic(16, 4, 2, 4, 3, fp8=Tru
         GemmTactic(16, 4, 1, 4, 5, fp8=True), GemmTactic(16, 4, 2, 2, 4, fp8=True),
         GemmTactic(16, 4, 2, 4, 3, split_k=2, fp8=True)]  # fmt: skip
 F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(16, 4, 1, 3, 4, fp8=True),
-        GemmTactic(16, 4, 1, 3, 6, fp8=True), GemmTactic(16, 4, 1, 9, 3, fp8=True),
+        GemmTactic(16, 4, 1, 3, 6, fp8=True), GemmTactic(16, 4, 1, 3, 5, fp8=True),
         GemmTactic(16, 4, 1, 6, 3, fp8=True), GemmTactic(16, 8, 1, 3, 3, fp8=True),
         GemmTactic(16, 4, 2, 3, 4, fp8=True), GemmTactic(16, 4, 1, 3, 8, fp8=True)]  # fmt: skip
 COPY_GBPS = 4215.0

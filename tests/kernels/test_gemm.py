@@ -880,6 +880,25 @@ def test_fp8_tactics_compile_for_sm90a_without_spills():
         assert sass_count(rep, r"LDG\.E\.EF\.(?:64|128)") > 0, f"{rep['spec']}: no evict-first weight loads"
 
 
+def _check_h_fp8(h_q, h_s, ref_q, ref_s, used_rows, label):
+    """GEMM1 H of an fp8 tactic vs the oracle's. Hopper's FP8 tensor cores
+    sum a 32-K block with fewer bits than fp32 (DeepSeek-V3 report, 3.3.2),
+    so an element far below its block's maximum may land several e4m3 codes
+    from the oracle's (the codes are dense there) while the value is off by
+    a tiny fraction of the block: bytes >= 99.9 % equal, scales >= 99.9 %,
+    and the dequantized H within 1e-3 relative (Frobenius) of the oracle's."""
+    from moebench.reference import relative_error
+
+    hq, rq = h_q[:used_rows], ref_q.view(torch.uint8)[:used_rows]
+    hs, rs = h_s[:used_rows], ref_s[:used_rows]
+    assert (hq == rq).double().mean().item() >= 0.999, f"{label}: H bytes differ"
+    assert (hs == rs).double().mean().item() >= 0.999, f"{label}: H scales differ"
+    got = dequantize_mxfp8(hq.view(torch.float8_e4m3fn), hs, torch.float64)
+    want = dequantize_mxfp8(rq.view(torch.float8_e4m3fn), rs, torch.float64)
+    err = relative_error(got, want)
+    assert err <= 1e-3, f"{label}: dequantized H relative error {err:.3e}"
+
+
 def _fp8_check(kw8, weights, x_q, x_s, route, label, t1s=F8_1, t2s=F8_2):
     """Every fp8 tactic (and the default, tactic=None) vs the oracle on poisoned outputs."""
     from moebench.kernels.gemm import alloc_workspace
@@ -903,7 +922,7 @@ def _fp8_check(kw8, weights, x_q, x_s, route, label, t1s=F8_1, t2s=F8_2):
         t1s = None
     for t1 in [None, *t1s] if t1s is not None else []:
         h_q, h_s = _run_gemm1(kw8, x_q, x_s, route, tactic=t1, workspace=ws)
-        _check_h(h_q, h_s, ref_q, ref_s, used, f"{label} {t1.name if t1 else 'default'}")
+        _check_h_fp8(h_q, h_s, ref_q, ref_s, used, f"{label} {t1.name if t1 else 'default'}")
     for t2 in [None, *t2s]:
         out = _run_gemm2(kw8, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route, tactic=t2,
                          workspace=ws)
