@@ -60,15 +60,13 @@ BULK_2 = [GemmTactic(64, 8, 1, 2, 2, stages=4), GemmTactic(64, 1, 8, 2, 2, stage
           GemmTactic(32, 8, 1, 2, 3, stages=4), GemmTactic(64, 2, 4, 2, 2, stages=4)]  # fmt: skip
 #: fp8 (wgmma) variants (v7, docs/perf-notes.md): one or two warpgroups of
 #: 32-row warps, K split over 1-4 of them, 1-3 CTAs/SM, split-K.
-F8_1 = [GemmTactic(32, 4, 2, 4, 2, fp8=True), GemmTactic(16, 4, 2, 4, 3, fp8=True),
-        GemmTactic(16, 4, 1, 4, 4, fp8=True), GemmTactic(16, 4, 2, 4, 2, fp8=True),
-        GemmTactic(16, 4, 4, 4, 1, fp8=True), GemmTactic(16, 4, 1, 8, 3, fp8=True),
-        GemmTactic(16, 4, 1, 4, 5, fp8=True), GemmTactic(16, 4, 2, 2, 4, fp8=True),
-        GemmTactic(16, 4, 2, 4, 3, split_k=2, fp8=True)]  # fmt: skip
-F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(16, 4, 1, 3, 4, fp8=True),
-        GemmTactic(16, 4, 1, 3, 6, fp8=True), GemmTactic(16, 4, 1, 3, 5, fp8=True),
-        GemmTactic(16, 4, 1, 6, 3, fp8=True), GemmTactic(16, 8, 1, 3, 3, fp8=True),
-        GemmTactic(16, 4, 2, 3, 4, fp8=True), GemmTactic(16, 4, 1, 3, 8, fp8=True)]  # fmt: skip
+F8_1 = [GemmTactic(32, 4, 2, 4, 2, fp8=True), GemmTactic(32, 4, 2, 4, 2, split_k=2, fp8=True),
+        GemmTactic(32, 4, 2, 4, 2, split_k=4, fp8=True), GemmTactic(32, 4, 1, 4, 3, split_k=4, fp8=True),
+        GemmTactic(32, 4, 2, 2, 2, split_k=4, fp8=True), GemmTactic(32, 4, 1, 2, 4, split_k=2, fp8=True),
+        GemmTactic(32, 4, 4, 4, 1, fp8=True), GemmTactic(32, 4, 1, 2, 4, split_k=4, fp8=True)]  # fmt: skip
+F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(32, 4, 1, 3, 4, split_k=2, fp8=True),
+        GemmTactic(32, 4, 1, 3, 3, fp8=True), GemmTactic(32, 8, 1, 3, 2, fp8=True),
+        GemmTactic(32, 4, 2, 3, 2, fp8=True)]  # fmt: skip
 COPY_GBPS = 4215.0
 L2_BYTES = 60e6
 TOP_K = 6

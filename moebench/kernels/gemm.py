@@ -297,7 +297,7 @@ if HAVE_DSL:
             byte 16 q: wgmma's K-major interleave layout; k slots permuted to the
             A registers' order) and their E8M0 scales as
             fp32 2^(s-121) [chunk][token]; thread tid serves token tid % 8."""
-            item, _ = self.unit_item(unit, 0)
+            item, ch_lo = self.unit_item(unit, 0)  # split-K: only this unit's K slice
             tile = item // self.blocks
             n = tid % 8
             row = TILE * tile + n
@@ -309,19 +309,19 @@ if HAVE_DSL:
             # real group 2 (G % 4) + G // 4: 16-byte unit 0 of a chunk = words 0, 2, 4, 6 of the
             # row's 32 bytes, unit 1 = words 1, 3, 5, 7.
             src = p_a + row * (self.k // 4)
-            for q in cutlass.range_constexpr(0, 8 * self.nch, self.threads):
-                if tid + q < 8 * self.nch:
-                    ch = (tid + q) // 8
+            for q in cutlass.range_constexpr(0, 8 * self.nch_s, self.threads):
+                if tid + q < 8 * self.nch_s:
+                    ch = ch_lo + (tid + q) // 8
                     lo = fp4.load_u32x4(src + ch * 8, "evict_last")
                     hi = fp4.load_u32x4(src + ch * 8 + 4, "evict_last")
                     unit0 = sB32 + (16 * ch + n) * 4  # 16-byte unit q = 8 * (2 ch) + n
                     st_shared_u32x4(unit0, lo[0], lo[2], hi[0], hi[2])
                     st_shared_u32x4(unit0 + 32, lo[1], lo[3], hi[1], hi[3])
-            srcs = p_as + row * self.nch
-            for q in cutlass.range_constexpr(0, 8 * self.nch, self.threads):
-                if tid + q < 8 * self.nch:
+            srcs = p_as + row * self.nch + ch_lo
+            for q in cutlass.range_constexpr(0, 8 * self.nch_s, self.threads):
+                if tid + q < 8 * self.nch_s:
                     code = Uint32(cute.arch.load(srcs + (tid + q) // 8, Uint8)) & Uint32(0xFF)
-                    sXs[tid + q] = fp4.act_scale_f32(code)
+                    sXs[ch_lo * 8 + tid + q] = fp4.act_scale_f32(code)
 
         @cute.jit
         def compute_wgmma(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, ch, lane):
