@@ -356,19 +356,26 @@ def default_tactic(
 
 
 def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int = 132) -> GemmTactic:
-    """The fp8 (wgmma) tactic `default_tactic(..., fp8=True)` picks: one
-    warpgroup of 16-row warps (64-row items) with K split over 2 / 1
-    warpgroups, the largest unroll in (4, 3, 2) that divides the K chunks,
-    3 then 2 then 1 CTAs per SM as the shared-memory activation tile allows;
-    else 32-row warps. Raises ValueError if none fits."""
+    """The fp8 (wgmma) tactic `default_tactic(..., fp8=True)` picks (measured
+    on the H200, dsv41-flash TP4, docs/perf-notes.md v7): GEMM1 with at most
+    one 128-row item per SM: 4 warpgroups splitting K, 1 CTA/SM
+    (r32_m4_k4_u4_c1), else 1 warpgroup pair at 2 CTAs/SM (r32_m4_k2_u4_c2);
+    GEMM2: one warpgroup, unroll 3, 4 CTAs/SM (r32_m4_k1_u3_c4). Where that
+    does not fit the shape, the first valid of 32- then 16-row warps, K split
+    2 / 1, unroll 4 / 3 / 2, 3 / 2 / 1 CTAs per SM. Raises ValueError if none fits."""
     s = GemmShape.of(shape)
+    tiles = 10**6 if ctas is None else max(1, round(EXPECTED_TILE_FRACTION * ctas))
+    if stage == 1:
+        few = tiles * (2 * s.intermediate // 128) <= num_sms
+        first = [GemmTactic(32, 4, 4, 4, 1, fp8=True)] if few else []
+        first.append(GemmTactic(32, 4, 2, 4, 2, fp8=True))
+    else:
+        first = [GemmTactic(32, 4, 1, 3, 4, fp8=True)]
+    candidates = first + [GemmTactic(tile_rows=r, warps_m=4, warps_k=wk, unroll=u, ctas_per_sm=c, fp8=True)
+                          for r in (32, 16) for wk in (2, 1) for u in (4, 3, 2) for c in (3, 2, 1)]
     last = None
-    for rows in (16, 32):
-        for wk in (2, 1):
-            for u in (4, 3, 2):
-                for c in (3, 2, 1):
-                    t = GemmTactic(tile_rows=rows, warps_m=4, warps_k=wk, unroll=u, ctas_per_sm=c, fp8=True)
-                    last = t.valid_for(s, stage)
-                    if last is None:
-                        return t
+    for t in candidates:
+        last = t.valid_for(s, stage)
+        if last is None:
+            return t
     raise ValueError(f"no fp8 GEMM{stage} tactic for {s}: {last}")
