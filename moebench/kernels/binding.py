@@ -173,13 +173,12 @@ class RoutedExpertGemm:
                 else:
                     tactic = default_tactic(shape, stage, ctas, sms, scale_flag, fp8=fp8)
                     source = "default"
-                if fp8 and source != "explicit" and not tactic.fp8:
-                    # a table of BF16 tactics: the fp8 default instead (the tables hold no fp8 ones yet)
+                if source != "explicit" and tactic.fp8 != fp8:
+                    # a table of the other family (the weights hold one layout): this family's default
                     old = tactic.name
-                    tactic = default_tactic(shape, stage, ctas, sms, scale_flag, fp8=True)
-                    if source.startswith("table"):
-                        source = f"default (fp8; the table's {old} is not fp8)"
-                elif act_bf16 and source != "explicit" and not tactic.act_bf16:
+                    tactic = default_tactic(shape, stage, ctas, sms, scale_flag, fp8=fp8)
+                    source = f"default ({'fp8' if fp8 else 'BF16'}; the table's {old} is not)"
+                if not fp8 and act_bf16 and source != "explicit" and not tactic.act_bf16:
                     twin = replace(tactic, act_bf16=True)
                     if not twin.valid_for(shape, stage):
                         tactic = twin

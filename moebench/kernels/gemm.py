@@ -831,6 +831,9 @@ def get_compiled_provider():
 @functools.lru_cache(maxsize=None)
 def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: bool = False):
     """Compile GEMM`stage` for one shape class and tactic (cached per process).
+    `wide_scales`: the weights' compile-time scale variant
+    (`KernelWeights.scale_variant(tactic.fp8)`: codes > 128 for BF16 tactics,
+    codes 0 / 255 for fp8 tactics).
 
     Works without a GPU when CUTE_DSL_ARCH=sm_90a is set (cross-compile).
     Returns (kernel, compiled): `kernel.grid(ctas, num_sms)` sizes the
@@ -933,7 +936,7 @@ def _resolve(kw: KernelWeights, stage: int, tactic, ctas: int, device) -> tuple[
         want = "an fp8 tactic (suffix _f8)" if kw.operand == "e4m3" else "a BF16 tactic (no _f8)"
         raise ValueError(f"tactic {tactic.name} does not match the weights: kw is laid out for the"
                          f" {kw.operand} operand and needs {want}; convert with"
-                         f" to_kernel_layout(weights, operand={'bf16' if tactic.fp8 else 'e4m3'!r})"
+                         f" to_kernel_layout(weights, operand={'e4m3' if tactic.fp8 else 'bf16'!r})"
                          f" for this tactic")
     reason = tactic.valid_for(shape, stage)
     if reason:
@@ -1033,6 +1036,9 @@ def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: t
     checked); h_deq_out bfloat16 [8*ctas, I]: the kernel also writes the BF16
     value of H there (bit-identical to act_to_bf16(h_q_out, h_scale_out) on
     the written rows), for an act_bf16 GEMM2.
+    For weights in the e4m3 layout (`to_kernel_layout(..., operand="e4m3")`)
+    `tactic` must be an fp8 tactic (None: `default_fp8_tactic`), for the bf16
+    layout a BF16 one; a mismatch raises ValueError.
     Raises TypeError / ValueError naming the argument; RuntimeError without
     nvidia-cutlass-dsl.
     """

@@ -19,8 +19,9 @@ sit where `decode_word` (one rotate + mask per distinct rotation, see
 `fp4.py`) moves them to bf16 bits (6, 7, 8, 15): the decoded bf16 is the
 e2m1 value times 2^-126, exact (subnormal for 0.5).
 
-The e4m3 operand (`operand="e4m3"`, for the FP8 tactics: mma.sync
-m16n8k32 e4m3): the same words hold the same codes, word w = 2t + j being
+The e4m3 operand (`operand="e4m3"`, for the fp8 tactics: wgmma m64n8k32
+e4m3 with A from registers, whose per-warp A fragment is mma.sync
+m16n8k32's): the same words hold the same codes, word w = 2t + j being
 the A register pair (row 16t+g, row 16t+g+8) of k k0 .. k0+3, k0 = 32*chunk
 + 8c + 4j: byte i of each register = k k0 + i (the MMA's 32 k of a chunk are
 again a permutation of real k: A registers a0..a3 = words (t,0) row g, (t,0)
@@ -119,8 +120,10 @@ class KernelWeights:
     """One rank's routed-expert MXFP4 weights in our kernels' layout (module
     docstring). `max_scale_code` is the largest E8M0 weight scale (the GEMMs
     pick their two-multiply decode when it exceeds NARROW_SCALE_MAX),
-    `min_scale_code` the smallest; `operand` the A operand the words are laid
-    out for ("bf16": the BF16 tactics, "e4m3": the fp8 tactics)."""
+    `min_scale_code` the smallest (0 also where unknown, e.g. older positional
+    callers: treated as special, the safe and slower fp8 variant); `operand`
+    the A operand the words are laid out for ("bf16": the BF16 tactics,
+    "e4m3": the fp8 tactics)."""
 
     w13: torch.Tensor
     w13_scale: torch.Tensor
@@ -211,7 +214,8 @@ def pack_rows(codes_packed: torch.Tensor, scales: torch.Tensor,
 
 def unpack_rows(packed: torch.Tensor, scales: torch.Tensor,
                 operand: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of `pack_rows`: (uint8 [E, M, K/2], uint8 [E, M, K/32])."""
+    """Inverse of `pack_rows` (the same `operand`): (uint8 [E, M, K/2], uint8
+    [E, M, K/32]). Raises ValueError for an unknown operand."""
     _check_operand(operand)
     e, p, ch = packed.shape[:3]
     m, k = 32 * p, 32 * ch
@@ -278,7 +282,8 @@ def to_kernel_layout(weights: ExpertWeights, operand: str = "bf16") -> KernelWei
 
     Raises TypeError if `weights` is not an ExpertWeights, ValueError naming the
     tensor when its intermediate padding is not zero, or when H or the logical
-    I is not a multiple of 32 (H of 128 for the kernels, checked by the tactic).
+    I is not a multiple of 32 (H of 128 for the kernels, checked by the
+    tactic), or for an unknown operand (ValueError naming `operand`).
     """
     if not isinstance(weights, ExpertWeights):
         raise TypeError(f"weights must be an ExpertWeights, got {type(weights).__name__}")

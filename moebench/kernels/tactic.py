@@ -121,6 +121,11 @@ class GemmTactic:
     fp8: bool = False
 
     def __post_init__(self) -> None:
+        for flag in ("persistent", "pdl", "act_bf16", "fp8"):
+            if not isinstance(getattr(self, flag), bool):
+                raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
+        if not isinstance(self.tile_rows, int) or isinstance(self.tile_rows, bool):
+            raise TypeError(f"tile_rows must be an int, got {type(self.tile_rows).__name__}")
         if self.tile_rows not in (16, 32, 64, 128) or (self.tile_rows == 16 and not self.fp8):
             raise ValueError(f"tile_rows must be 32, 64 or 128 (16 for fp8 tactics), got {self.tile_rows!r}")
         _check_int("warps_m", self.warps_m, 1, MAX_WARPS)
@@ -193,9 +198,12 @@ class GemmTactic:
             what = f"the {nch} K chunks" if self.split_k == 1 else f"the {per_slice} K chunks of a slice"
             return f"warps_k {self.warps_k} exceeds {what}"
         if self.fp8:
-            if self.tile_rows not in (16, 32) or self.warps_m % 4 or self.bulk:
-                return (f"fp8 (wgmma) tactics need tile_rows 16 or 32, warps_m a multiple of 4 and stages 0, got"
-                        f" tile_rows {self.tile_rows}, warps_m {self.warps_m}, stages {self.stages}")
+            if self.tile_rows not in (16, 32):
+                return f"fp8 (wgmma) tactics need tile_rows 16 or 32, got {self.tile_rows}"
+            if self.warps_m % 4:
+                return f"fp8 (wgmma) tactics need warps_m a multiple of 4 (whole warpgroups), got {self.warps_m}"
+            if self.bulk:
+                return f"fp8 (wgmma) tactics need the register load path (stages 0), got stages {self.stages}"
             if per_slice % (self.warps_k * self.unroll):
                 return (f"fp8 (wgmma) tactics need warps_k * unroll ({self.warps_k * self.unroll}) to divide"
                         f" the {per_slice} K chunks of a slice")
@@ -362,7 +370,14 @@ def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int 
     (r32_m4_k4_u4_c1), else 1 warpgroup pair at 2 CTAs/SM (r32_m4_k2_u4_c2);
     GEMM2: one warpgroup, unroll 3, 4 CTAs/SM (r32_m4_k1_u3_c4). Where that
     does not fit the shape, the first valid of 32- then 16-row warps, K split
-    2 / 1, unroll 4 / 3 / 2, 3 / 2 / 1 CTAs per SM. Raises ValueError if none fits."""
+    2 / 1, unroll 4 / 3 / 2, 2 / 3 / 1 CTAs per SM (r16_m4_k2_u4_c2 for dsv41
+    TP8 GEMM1, whose 576 rows allow only 64-row items). `ctas`: token tiles
+    the record allows for (None: many), `num_sms`: the GPU's SMs. Raises
+    ValueError for a bad stage / ctas or if none fits."""
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 0):
+        raise ValueError(f"ctas must be a non-negative int or None, got {ctas!r}")
     s = GemmShape.of(shape)
     tiles = 10**6 if ctas is None else max(1, round(EXPECTED_TILE_FRACTION * ctas))
     if stage == 1:
@@ -372,7 +387,7 @@ def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int 
     else:
         first = [GemmTactic(32, 4, 1, 3, 4, fp8=True)]
     candidates = first + [GemmTactic(tile_rows=r, warps_m=4, warps_k=wk, unroll=u, ctas_per_sm=c, fp8=True)
-                          for r in (32, 16) for wk in (2, 1) for u in (4, 3, 2) for c in (3, 2, 1)]
+                          for r in (32, 16) for wk in (2, 1) for u in (4, 3, 2) for c in (2, 3, 1)]
     last = None
     for t in candidates:
         last = t.valid_for(s, stage)

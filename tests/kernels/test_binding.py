@@ -165,6 +165,15 @@ def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypat
     assert gemm.tactics[1, 5] == plain.tactics[1, 5] and gemm.tactic_sources[1, 5].startswith("default")
     builtin = binding.RoutedExpertGemm(w, shape.top_k, {})  # explicit: tables ignored
     assert builtin.tactics == plain.tactics
+    # a table entry of the other family (fp8) on a BF16 layer: that family's default, never an error
+    f8 = GemmTactic(32, 4, 2, 4, 2, fp8=True)
+    table = tb.TuningTable(tb.ShapeClass.of(shape), {"name": name, "sm_count": 132},
+                           {(1, 6): entry, (1, 4): tb.TableEntry(f8, 10.0, 9.0, 11.0)})
+    tb.write_table(table, tmp_path)  # the same device: replaces the first
+    tb.reset_log_once()
+    mixed = binding.RoutedExpertGemm(w, shape.top_k)
+    assert mixed.tactics[1, 4] == plain.tactics[1, 4] and "not" in mixed.tactic_sources[1, 4]
+    assert binding.RoutedExpertGemm(w, shape.top_k, fp8=True).tactics[1, 4] == f8
     tb.reset_log_once()
 
 
@@ -277,3 +286,7 @@ def test_fp8_binding_runs_fp8_twins_and_matches_the_oracle(bound):
         binding.RoutedExpertGemm(w, shape.top_k, {2: GemmTactic(32, 4, 1, 3, 2, fp8=True)})
     with pytest.raises(TypeError, match="fp8"):
         binding.RoutedExpertGemm(w, shape.top_k, fp8="yes")
+    # built-in defaults and a partial explicit dict (act_bf16 left at its default True)
+    for given in ({}, {1: GemmTactic(32, 4, 2, 4, 2, fp8=True)}):
+        g = binding.RoutedExpertGemm(w, shape.top_k, given, fp8=True)
+        assert all(t.fp8 and not t.act_bf16 for t in g.tactics.values())

@@ -854,6 +854,12 @@ def test_fp8_tactic_name_validity_and_default():
         GemmTactic(fp8=True, act_bf16=True)
     with pytest.raises(TypeError, match="fp8"):
         GemmTactic(fp8=1)
+    with pytest.raises(TypeError, match="tile_rows must be an int"):
+        GemmTactic(tile_rows=32.0)
+    with pytest.raises(ValueError, match="ctas"):
+        default_fp8_tactic(GemmShape.of(get_preset("dsv41-flash").shard(4)), 1, -1)
+    with pytest.raises(ValueError, match="stage"):
+        default_fp8_tactic(GemmShape.of(get_preset("dsv41-flash").shard(4)), 3)
     shape = GemmShape.of(get_preset("dsv41-flash").shard(4))
     assert t.valid_for(shape, 1) is None
     assert "tile_rows 16 or 32" in GemmTactic(64, 1, 4, 4, 3, fp8=True).valid_for(shape, 1)
