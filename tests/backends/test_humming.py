@@ -213,17 +213,43 @@ def test_matches_oracle(prepared_cache, cls, preset, tp):
         print(f"{backend.name} {shape.describe()} rows={rows}: rel err {err:.3e} ({backend.last_tactic})")
         assert err <= tol, f"{backend.name} {shape.describe()} rows={rows}: rel err {err:.3e} > {tol}"
         assert backend.last_tactic.startswith("w13=")
-        if rows != 4:
-            continue
-        # the tiny-scale expert alone (relative error is scale-free), once per case
-        only = torch.full((rows, 1), TINY, dtype=torch.int32, device="cuda")
-        ones = torch.ones(rows, 1, dtype=torch.float32, device="cuda")
-        out = backend.forward(prepared, x, only, ones).clone()
-        ref = reference_moe(x, only, ones, w, activation=backend.oracle).output
-        assert ref.abs().max() > 0
-        err = relative_error(out, ref)
-        print(f"{backend.name} {shape.describe()} rows={rows} tiny expert alone: rel err {err:.3e}")
-        assert err <= tol, f"{backend.name} {shape.describe()} rows={rows} tiny expert: rel err {err:.3e}"
+
+
+#: humming-kernels 0.1.19's W4A8 path returns all zeros for the expert whose
+#: scales are 2^-20 of the others at dsv41-flash TP4 (relative error 1.0 on the
+#: H200, reports/device-runs/2026-11-29-69166e1-gpu-tests-baselines.log; the
+#: other presets and humming W4A16 pass): a defect of the baseline, kept
+#: visible as a strict xfail (an XPASS, once humming handles it, fails the run).
+_HUMMING_TINY_DEFECT = pytest.mark.xfail(
+    strict=True, reason="humming-kernels 0.1.19 W4A8: zeros for a 2^-20-scale expert at dsv41-flash TP4")
+
+
+def _tiny_cases():
+    out = []
+    for cls in (hm.HummingW4A16Backend, hm.HummingW4A8Backend):
+        for preset, tp in CASES:
+            known = cls is hm.HummingW4A8Backend and (preset, tp) == ("dsv41-flash", 4)
+            marks = [_HUMMING_TINY_DEFECT] if known else []
+            out.append(pytest.param(cls, preset, tp, marks=marks, id=f"{preset}-{tp}-{cls.__name__}"))
+    return out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls,preset,tp", _tiny_cases())
+def test_tiny_scale_expert_alone(prepared_cache, cls, preset, tp):
+    """The expert whose weight scales are 2^-20 of the others, alone at rows 4
+    (relative error is scale-free)."""
+    backend, shape, w, prepared = _prepared(prepared_cache, cls, preset, tp)
+    rows = 4
+    x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
+    only = torch.full((rows, 1), TINY, dtype=torch.int32, device="cuda")
+    ones = torch.ones(rows, 1, dtype=torch.float32, device="cuda")
+    out = backend.forward(prepared, x, only, ones).clone()
+    ref = reference_moe(x, only, ones, w, activation=backend.oracle).output
+    assert ref.abs().max() > 0
+    err = relative_error(out, ref)
+    print(f"{backend.name} {shape.describe()} rows={rows} tiny expert alone: rel err {err:.3e}")
+    assert err <= TOLERANCE[backend.oracle], f"{backend.name} {shape.describe()} tiny expert: rel err {err:.3e}"
 
 
 @pytest.mark.gpu
