@@ -9,7 +9,10 @@ and shape class when there is one, else the built-in defaults); "builtin" =
 the built-in defaults, tables ignored; "tuned" = the tuning table's tactics,
 skipped (with the reason) when no usable table covers this device and shape
 class, so `sweep --tactics tuned,builtin` measures what tuning buys and
-never times the defaults twice under two names.
+never times the defaults twice under two names; "fp8" = the opt-in FP8 kernel
+family (`RoutedExpertGemm(fp8=True)`: e4m3 weights for wgmma, built-in fp8
+tactics), skipped with the reason where no fp8 tactic fits the shape, so
+`sweep --tactics default,fp8` compares the two families per layer call.
 """
 
 from __future__ import annotations
@@ -32,13 +35,24 @@ class MoebenchBackend(Backend):
     capturable = True
     BUILTIN = "builtin"
     TUNED = "tuned"
+    FP8 = "fp8"
 
     def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
-        return (DEFAULT_TACTIC, self.BUILTIN, self.TUNED)
+        return (DEFAULT_TACTIC, self.BUILTIN, self.TUNED, self.FP8)
 
     def tactic_unavailable_reason(self, shape: RankShape, tactic: str, device: torch.device | str) -> str | None:
         """For "tuned": why no tuning table covers `device` and `shape`
-        (naming the file and where it was looked for), else None."""
+        (naming the file and where it was looked for); for "fp8": why no fp8
+        tactic fits the shape; else None."""
+        if tactic == self.FP8:
+            from moebench.kernels.tactic import GemmShape, default_fp8_tactic
+
+            try:
+                for stage in (1, 2):
+                    default_fp8_tactic(GemmShape.of(shape), stage)
+            except ValueError as error:
+                return str(error)
+            return None
         if tactic != self.TUNED:
             return None
         from moebench.tuning.table import ShapeClass, default_search_dirs, find_table, table_file_name
@@ -73,6 +87,8 @@ class MoebenchBackend(Backend):
         self.check_tactic(shape, tactic)
         check_weights(weights, shape)
         compile_finalize_kernel(False)  # compile now, not inside a graph capture
+        if tactic == self.FP8:
+            return RoutedExpertGemm(weights, shape.top_k, {}, fp8=True)
         return RoutedExpertGemm(weights, shape.top_k, {} if tactic == self.BUILTIN else None)
 
     def forward(self, prepared, x, topk_ids, topk_weights):

@@ -125,7 +125,7 @@ def test_moebench_backend_offers_default_builtin_and_tuned(monkeypatch, tmp_path
 
     shape = get_preset("dsv41-flash").shard(4)
     backend = MoebenchBackend()
-    assert backend.valid_tactics(shape) == ("default", "builtin", "tuned")
+    assert backend.valid_tactics(shape) == ("default", "builtin", "tuned", "fp8")
     validate = SweepConfig(backends=("moebench",), tactics=("tuned", "builtin", "default"), **TINY)
     from moebench.bench.sweep import validate_sweep
 
@@ -139,6 +139,19 @@ def test_moebench_backend_offers_default_builtin_and_tuned(monkeypatch, tmp_path
     table = tb.TuningTable(tb.ShapeClass.of(shape), {"name": "cpu"}, {(1, 1): tb.TableEntry(t, 10.0, 9.0, 11.0)})
     tb.write_table(table, tmp_path)
     assert backend.tactic_unavailable_reason(shape, "tuned", "cpu") is None
+
+
+def test_moebench_backend_fp8_tactic_is_skipped_with_the_reason_where_it_cannot_run():
+    """"fp8" (the opt-in FP8 kernel family) is available where fp8 tactics fit
+    both GEMMs, else its reason names the GEMM and the rule."""
+    from moebench.backends.moebench import MoebenchBackend
+    from moebench.models import get_preset
+
+    backend = MoebenchBackend()
+    assert backend.tactic_unavailable_reason(get_preset("dsv41-flash").shard(4), "fp8", "cpu") is None
+    wide = get_preset("dsv41-flash", hidden=32768).shard(1)  # the staged activation tile outgrows shared memory
+    why = backend.tactic_unavailable_reason(wide, "fp8", "cpu")
+    assert why is not None and "no fp8 GEMM1 tactic" in why and "shared memory" in why
 
 
 def test_layer_count():
