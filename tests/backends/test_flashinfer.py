@@ -22,6 +22,7 @@ import sys
 
 import pytest
 import torch
+from baseline_checks import tiny_expert_alone_error
 
 from moebench.backends import flashinfer as fi_backend
 from moebench.backends import layouts as L
@@ -176,13 +177,7 @@ def test_matches_oracle(prepared_cache, cls, preset, tp):
         if rows != 4:
             continue
         # the tiny-scale expert alone (relative error is scale-free), once per case
-        only = torch.full((rows, 1), TINY, dtype=torch.int32, device="cuda")
-        ones = torch.ones(rows, 1, dtype=torch.float32, device="cuda")
-        out = backend.forward(prepared, x, only, ones).clone()
-        ref = reference_moe(x, only, ones, w, activation=backend.oracle).output
-        assert ref.abs().max() > 0
-        err = relative_error(out, ref)
-        print(f"{backend.name} {shape.describe()} rows={rows} tiny expert alone: rel err {err:.3e}")
+        err = tiny_expert_alone_error(backend, prepared, shape, w, x, TINY)
         assert err <= tol, f"{backend.name} {shape.describe()} rows={rows} tiny expert: rel err {err:.3e}"
 
 

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from baseline_checks import tiny_expert_alone_error
 
 from moebench.backends import humming as hm
 from moebench.formats import generate_activations, generate_expert_weights
@@ -240,15 +241,8 @@ def test_tiny_scale_expert_alone(prepared_cache, cls, preset, tp):
     """The expert whose weight scales are 2^-20 of the others, alone at rows 4
     (relative error is scale-free)."""
     backend, shape, w, prepared = _prepared(prepared_cache, cls, preset, tp)
-    rows = 4
-    x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
-    only = torch.full((rows, 1), TINY, dtype=torch.int32, device="cuda")
-    ones = torch.ones(rows, 1, dtype=torch.float32, device="cuda")
-    out = backend.forward(prepared, x, only, ones).clone()
-    ref = reference_moe(x, only, ones, w, activation=backend.oracle).output
-    assert ref.abs().max() > 0
-    err = relative_error(out, ref)
-    print(f"{backend.name} {shape.describe()} rows={rows} tiny expert alone: rel err {err:.3e}")
+    x = generate_activations(4, shape.hidden, seed=4, device="cuda")
+    err = tiny_expert_alone_error(backend, prepared, shape, w, x, TINY)
     assert err <= TOLERANCE[backend.oracle], f"{backend.name} {shape.describe()} tiny expert: rel err {err:.3e}"
 
 
