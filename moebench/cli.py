@@ -118,7 +118,8 @@ def sweep(
     tactics: str = typer.Option(
         "default", help="Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list"
         " (moebench: default = tuned table else built-in, builtin = built-in defaults, tuned = the tuning"
-        " table only, skipped without one; torch-bf16: grouped, gather)."
+        " table only, skipped without one; fp8 = the opt-in FP8 (wgmma) kernel family, skipped where it"
+        " cannot run; torch-bf16: grouped, gather)."
     ),
     seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
