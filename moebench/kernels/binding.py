@@ -175,9 +175,10 @@ class RoutedExpertGemm:
                     source = "default"
                 if source != "explicit" and tactic.fp8 != fp8:
                     # a table of the other family (the weights hold one layout): this family's default
-                    old = tactic.name
+                    family = "fp8" if fp8 else "BF16"
+                    why = f"; the table's {tactic.name} is not" if source.startswith("table") else ""
                     tactic = default_tactic(shape, stage, ctas, sms, scale_flag, fp8=fp8)
-                    source = f"default ({'fp8' if fp8 else 'BF16'}; the table's {old} is not)"
+                    source = f"default ({family}{why})"
                 if not fp8 and act_bf16 and source != "explicit" and not tactic.act_bf16:
                     twin = replace(tactic, act_bf16=True)
                     if not twin.valid_for(shape, stage):
