@@ -29,7 +29,7 @@ from moebench.kernels.layout import E4M3_IN_PLACE, E4M3_LEFT, E4M3_RIGHT, decode
 
 
 #: fp32 bits of 2^-127 (E8M0 code 0, a subnormal).
-_F32_2_M127 = 0x00400000
+F32_2_M127 = 0x00400000
 
 
 def _asm(ret, args, text: str, constraints: str):
@@ -132,7 +132,7 @@ def weight_scale_f32(word: Uint32, byte: cutlass.Constexpr[int], special: cutlas
     else:
         bits = (word << Uint32(23 - 8 * byte)) & Uint32(0x7F800000)
     if cutlass.const_expr(special):
-        bits = Uint32(cutlass.select_(bits == Uint32(0), Uint32(_F32_2_M127), bits))
+        bits = Uint32(cutlass.select_(bits == Uint32(0), Uint32(F32_2_M127), bits))
         bits = Uint32(cutlass.select_(bits == Uint32(0x7F800000), Uint32(0x7FC00000), bits))
     return bits_f32(bits)
 

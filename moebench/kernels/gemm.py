@@ -78,8 +78,6 @@ if HAVE_DSL:
 
 #: Shared memory + L1 of one H100/H200 SM that the carveout divides (bytes).
 _SMEM_PER_SM = 228 * 1024
-#: fp32 bits of 2^-127 (the E8M0 code 254 multiplier, a subnormal).
-_F32_2_M127 = 0x00400000
 #: L2 cache policy "evict first" (CUTLASS CacheHintSm90::EVICT_FIRST) for the bulk copies.
 _EVICT_FIRST = 0x12F0000000000000
 
@@ -507,7 +505,7 @@ if HAVE_DSL:
                     code = ((sb >> Uint32(23)) & Uint32(0xFF)) + Uint32((sb & Uint32(0x7FFFFF)) != Uint32(0))
                     code = cutlass.min(code, Uint32(254))
                     ex = Uint32(254) - code
-                    mb = Uint32(cutlass.select_(ex == Uint32(0), Uint32(_F32_2_M127), ex << Uint32(23)))
+                    mb = Uint32(cutlass.select_(ex == Uint32(0), Uint32(fp4.F32_2_M127), ex << Uint32(23)))
                     q = fp4.to_e4m3(h * fp4.bits_f32(mb))
                     zero = amax == Float32(0.0)
                     q = Uint32(cutlass.select_(zero, Uint32(0), q))

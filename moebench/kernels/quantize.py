@@ -134,7 +134,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         code = cutlass.min(code, Uint32(254))
         # 2^(127 - code) from bits: exponent field 254 - code; 0 -> 2^-127 (subnormal)
         e = Uint32(254) - code
-        mult = Uint32(0x00400000) if e == Uint32(0) else e << Uint32(23)
+        mult = Uint32(fp4.F32_2_M127) if e == Uint32(0) else e << Uint32(23)
         out = []
         for i in cutlass.range_constexpr(8):
             a, c = w[2 * i], w[2 * i + 1]

@@ -142,9 +142,6 @@ class GemmTactic:
             raise ValueError(
                 f"warps_m * warps_k must be at most {MAX_WARPS}, got {self.warps_m * self.warps_k}"
             )
-        for flag in ("persistent", "pdl", "act_bf16", "fp8"):
-            if not isinstance(getattr(self, flag), bool):
-                raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         if self.fp8 and self.act_bf16:
             raise ValueError("fp8 (e4m3 x e4m3 MMA on the MXFP8 activations) excludes act_bf16 (BF16 activations)")
 
