@@ -106,8 +106,8 @@ if HAVE_DSL:
         rA[i][0..3] = row g k 4c.., row g+8, row g k 16+4c.., row g+8, for
         the warp's 16 rows of the 64: the per-warp order of mma.sync
         m16n8k32) and as many fp32 result fragments `tmp` (one per MMA in
-        flight), and the warp's two 16-row accumulators `acc` (zeroed), each
-        (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)."""
+        flight), and `m_tiles` accumulators `acc` (zeroed; one per 16-row
+        m-tile of the warp), each (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)."""
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             Float8E4M3FN, Float8E4M3FN, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
             tiler_mn=(64, 8), a_source=warpgroup.OperandSource.RMEM)
@@ -175,7 +175,7 @@ if HAVE_DSL:
             self.aw = 4 if self.a16 else 2  # activation words per lane and chunk
             if self.fp8:
                 # the unit's 8 activation rows (e4m3, wgmma K-major "interleave" layout: 16-byte
-                # units q = 8 * (k // 16) + n at byte 16 q) and their fp32 scales [chunk][token]
+                # units q = 8 * (k slot // 16) + n at byte 16 q) and their fp32 scales [chunk][token]
                 self.smem_bytes += 8 * self.k + 128 + 8 * self.nch * 4 + 16
             self.block_threads = self.threads
             if self.bulk:
@@ -329,8 +329,8 @@ if HAVE_DSL:
         @cute.jit
         def compute_wgmma(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, ch, lane):
             """fp8 tactics: the unroll chunks from `ch` (global K chunk index)
-            of a register stage. Weights decoded to e4m3 into 2 * unroll A
-            fragments (the warp's two 16-row m-tiles per chunk), one wgmma
+            of a register stage. Weights decoded to e4m3 into tm * unroll A
+            fragments (the warp's tm = tile_rows / 16 m-tiles per chunk), one wgmma
             m64n8k32 per (chunk, m-tile) into its own zeroed result (one MX
             block each), one commit / wait, then acc += result x weight scale
             (row g / g+8) x activation scale (token 2c / 2c+1, fp32 from
