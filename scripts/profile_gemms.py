@@ -1,0 +1,75 @@
+"""Launch chosen GEMM tactics once each inside an NVTX range "profile", for
+Nsight Compute (hardware counters: DRAM throughput, warp stall reasons,
+issue-slot use), dsv41-flash, correlated routing, cold L2 (ncu flushes the
+caches before each pass by default).
+
+    source .bundles/unpack.sh && PYTHONPATH=$PWD ncu --clock-control none --nvtx \
+        --nvtx-include "profile/" --section SpeedOfLight --section WarpStateStats ... \
+        python3 scripts/profile_gemms.py --tp 4 --rows 6 1:r64_m1_k4_u4_c3_a16 2:r64_m8_k1_u2_c2_a16
+
+Each spec is STAGE:TACTIC_NAME. Every tactic is launched once before the
+range (compile + warm-up), then once inside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import torch
+
+from moebench.formats import generate_activations, quantize_mxfp8
+from moebench.kernels.gemm import act_to_bf16, alloc_workspace, gemm1, gemm2
+from moebench.kernels.tactic import GemmShape, workspace_bytes_for
+from moebench.models import get_preset
+from moebench.record import TILE, build_route_record
+from moebench.routing import scenario_topk_ids
+from moebench.tuning.space import tactic_from_name
+
+from time_gemms import TOP_K, random_kernel_weights
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tp", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=6)
+    ap.add_argument("specs", nargs="+", help="STAGE:TACTIC_NAME, e.g. 2:r64_m8_k1_u2_c2_a16")
+    args = ap.parse_args()
+    shape = get_preset("dsv41-flash").shard(args.tp)
+    gs = GemmShape.of(shape)
+    h, i = shape.hidden, shape.intermediate
+    ids = scenario_topk_ids("correlated", args.rows, TOP_K, shape.experts, seed=args.rows)
+    route = build_route_record(ids.cuda(), shape.experts)
+    kw = random_kernel_weights(shape, seed=0)
+    specs = [(int(s.split(":")[0]), tactic_from_name(s.split(":")[1])) for s in args.specs]
+    need = workspace_bytes_for(gs, [(st, t, route.ctas) for st, t in specs])
+    ws = alloc_workspace(need, "cuda") if need else None
+    x_q, x_s = quantize_mxfp8(generate_activations(args.rows, h, seed=args.rows, device="cuda"))
+    n = TILE * route.ctas
+    h_q = torch.zeros(n, i, dtype=torch.uint8, device="cuda")
+    h_s = torch.zeros(n, i // 32, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(n, h, dtype=torch.bfloat16, device="cuda")
+    x_deq = act_to_bf16(x_q, x_s)
+    h_deq = torch.zeros(n, i, dtype=torch.bfloat16, device="cuda")
+
+    def launch(stage, t):
+        k = dataclasses.replace(kw, operand="e4m3") if t.fp8 else kw
+        if stage == 1:
+            a16 = dict(x_deq=x_deq, h_deq_out=h_deq) if t.act_bf16 else {}
+            gemm1(k, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t, workspace=ws, **a16)
+        else:
+            a16 = dict(h_deq=h_deq) if t.act_bf16 else {}
+            gemm2(k, h_q, h_s, route.record, route.ctas, out, tactic=t, workspace=ws, **a16)
+
+    for stage, t in specs:
+        launch(stage, t)
+    torch.cuda.synchronize()
+    for stage, t in specs:
+        with torch.cuda.nvtx.range("profile"):
+            launch(stage, t)
+        torch.cuda.synchronize()
+        print(f"GEMM{stage} {t.name}: launched", flush=True)
+
+
+if __name__ == "__main__":
+    main()
