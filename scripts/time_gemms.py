@@ -113,7 +113,7 @@ def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float
 
 
 def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list, bulk: bool = False,
-                act_bf16: bool = False, fp8: bool = False, prefetch: tuple[int, ...] = ()) -> None:
+                act_bf16: bool = False, fp8: bool = False) -> None:
     shape = get_preset("dsv41-flash").shard(tp)
     gs = GemmShape.of(shape)
     h, i = shape.hidden, shape.intermediate
@@ -165,12 +165,6 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                 except ValueError as error:
                     print(f"TP{tp} rows {rows}: no fp8 GEMM{stage} tactic: {error}")
                 ts += [t for t in extra if t.valid_for(gs, stage) is None and t != f8d.get(stage)]
-        plain1, plain2 = list(t1s), list(t2s)
-        for d in prefetch:  # the _p<d> twin of every register-path tactic
-            t1s += [dataclasses.replace(t, prefetch=d) for t in plain1 if not t.bulk and t.prefetch == 0]
-            t2s += [dataclasses.replace(t, prefetch=d) for t in plain2 if not t.bulk and t.prefetch == 0]
-        t1s = [t for t in t1s if t.valid_for(gs, 1) is None]
-        t2s = [t for t in t2s if t.valid_for(gs, 2) is None]
         x_q, x_s = quantize_mxfp8(generate_activations(rows, h, seed=rows, device="cuda"))
         n = TILE * route.ctas
         used = TILE * route.tiles_used
@@ -200,13 +194,7 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                 first_t2, first_t1 = t2 is t2s[0], t1 is t1s[0]
                 a16_pair = (t1.act_bf16 and t2.act_bf16 and dataclasses.replace(t1, act_bf16=False) == d1
                             and dataclasses.replace(t2, act_bf16=False) == d2)
-                a16_pair = a16_pair or (t1.fp8 and t2.fp8 and t1.prefetch == t2.prefetch == 0)
-                if t1.prefetch or t2.prefetch:  # twins: the pair of default twins with the same distance
-                    b1, b2 = dataclasses.replace(t1, prefetch=0), dataclasses.replace(t2, prefetch=0)
-                    a16_pair = t1.prefetch == t2.prefetch and (
-                        (b1.fp8 and b2.fp8 and (b1, b2) == (f8d.get(1), f8d.get(2)))
-                        or (b1.act_bf16 and b2.act_bf16 and dataclasses.replace(b1, act_bf16=False) == d1
-                            and dataclasses.replace(b2, act_bf16=False) == d2))
+                a16_pair = a16_pair or (t1.fp8 and t2.fp8)
                 cases = []
                 if first_t2:
                     cases.append(("gemm1", t1.name, bytes1, lambda t1=t1: [g1(kw, t1) for kw in sets]))
@@ -243,9 +231,6 @@ def main() -> None:
                     help="also time the act_bf16 (_a16) twin of every tactic, and the a16 defaults in 'both'")
     ap.add_argument("--fp8", action="store_true",
                     help="also time the fp8 (_f8) twin of every MXFP8 tactic, and the fp8 defaults in 'both'")
-    ap.add_argument("--prefetch", default="",
-                    help="comma-separated L2 prefetch distances: also time the _p<d> twin of every register-path"
-                         " tactic, and the default pairs' twins in 'both'")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     t0 = time.time()
@@ -254,7 +239,7 @@ def main() -> None:
     results: list = []
     for tp in (int(t) for t in args.tp.split(",")):
         bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, args.split_k, results, args.bulk,
-                    args.act_bf16, args.fp8, tuple(int(d) for d in args.prefetch.split(",") if d))
+                    args.act_bf16, args.fp8)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(copy_gbps=bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)

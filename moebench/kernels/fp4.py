@@ -223,16 +223,6 @@ def arrive_inc(ptr, bound: int, *, loc=None, ip=None) -> Uint32:
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
-@dsl_user_op
-def prefetch_l2(ptr, *, loc=None, ip=None) -> None:
-    """`prefetch.global.L2` of the 128-byte line holding `ptr` (a gmem
-    pointer): a hint that takes no register and no shared memory (PTX ISA,
-    "prefetch, prefetchu")."""
-    addr = Int64(ptr.toint(loc=loc, ip=ip))
-    llvm.inline_asm(None, [addr.ir_value(loc=loc, ip=ip)], "prefetch.global.L2 [$0];", "l",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
 @cute.jit
 def load_partial(ptr) -> Float32:
     """fp32 load of a split-K partial written by another CTA: ld.relaxed.gpu

@@ -262,35 +262,6 @@ if HAVE_DSL:
                                 ps + (t2 * self.nch + j) * 8, Uint32, level1_eviction_priority="evict_first")
 
         @cute.jit
-        def prefetch_weights(self, p_w, p_s, rec, unit, batch, n_mine, c_beg, wm, lane):
-            """L2 prefetch (tactic.prefetch) of the weight and scale lines that
-            `issue_weights` of (unit, batch) will load: per 32-row pair of the
-            warp, the batch's chunks are 512 contiguous bytes each (4 lines,
-            one lane a line) and their scales 32 contiguous bytes each (the
-            first and last line). Nothing past the warp's chunks."""
-            item, ch0 = self.unit_item(unit, c_beg + batch * self.u)
-            tile = item // self.blocks
-            blk = item % self.blocks
-            e = cute.arch.load(rec + (4 + tile), Int32)
-            n_ch = cutlass.min(Int32(self.u), n_mine - batch * self.u)
-            npw = 1 if self.tm == 1 else self.pairs  # 32-row pairs of this warp's rows
-            pair0 = blk * (self.wm * self.pairs) + wm * self.pairs
-            if cutlass.const_expr(self.tm == 1):
-                pair0 = (blk * self.wm + wm) // 2
-            lines = npw * self.u * 4
-            for r in cutlass.range_constexpr(-(-lines // 32)):
-                idx = lane + 32 * r
-                t2 = idx // (self.u * 4)
-                li = idx % (self.u * 4)
-                if idx < lines and li < n_ch * 4:
-                    fp4.prefetch_l2(p_w + Int64(e) * self.w_expert + (((pair0 + t2) * self.nch + ch0) * 128 + li * 32))
-            if lane < 2 * npw:
-                t2 = lane // 2
-                last = lane % 2
-                fp4.prefetch_l2(p_s + Int64(e) * self.s_expert
-                                + (((pair0 + t2) * self.nch + ch0) * 8 + last * (n_ch * 8 - 1)))
-
-        @cute.jit
         def issue_acts(self, st_a, st_as, p_a, p_as, rec, slots_at, top_k, unit, ch, n_valid, g, c):
             """Activation (e4m3 bytes + E8M0 byte) loads of `unit`'s chunks
             ch + j (j < min(unroll, n_valid); ch counts within the unit's K
@@ -653,20 +624,6 @@ if HAVE_DSL:
             l_unit, l_b = bid, Int32(1)  # load cursor: step 1
             wrap = Int32(l_b == NB)
             l_b, l_unit = l_b - wrap * NB, l_unit + wrap * nblk
-            PF = self.tactic.prefetch
-            # L2 prefetch cursor: steps 2 .. PF + 1 now (step 1's loads go out next), then PF + 1
-            # steps ahead of each step's register loads
-            f_b = l_b + 1
-            wrap = Int32(f_b == NB)
-            f_b, f_unit, f_i = f_b - wrap * NB, l_unit + wrap * nblk, Int32(2)
-            if cutlass.const_expr(PF > 0):
-                for _ in cutlass.range_constexpr(PF):
-                    if f_i < n_steps:
-                        self.prefetch_weights(p_w, p_s, record, f_unit, f_b, n_mine, c_beg, wm, lane)
-                    f_i = f_i + 1
-                    f_b = f_b + 1
-                    wrap = Int32(f_b == NB)
-                    f_b, f_unit = f_b - wrap * NB, f_unit + wrap * nblk
             c_unit, c_b, parity = bid, Int32(0), Int32(0)  # compute cursor
             for i in cutlass.range(0, n_steps, 2, unroll=1):
                 for s in cutlass.range_constexpr(2):
@@ -674,13 +631,6 @@ if HAVE_DSL:
                         if i + s + 1 < n_steps:  # next step's loads go out first
                             self.issue_weights(st_w[1 - s], st_s[1 - s], p_w, p_s, record, l_unit, l_b,
                                                n_mine, c_beg, wm, lane, g)
-                            if cutlass.const_expr(PF > 0):
-                                if f_i < n_steps:
-                                    self.prefetch_weights(p_w, p_s, record, f_unit, f_b, n_mine, c_beg, wm, lane)
-                                f_i = f_i + 1
-                                f_b = f_b + 1
-                                wrap = Int32(f_b == NB)
-                                f_b, f_unit = f_b - wrap * NB, f_unit + wrap * nblk
                             if cutlass.const_expr(not self.fp8):
                                 self.issue_acts(st_a[1 - s], st_as[1 - s], p_a, p_as, record, slots_at, top_k,
                                                 l_unit, c_beg + l_b * U, n_mine - l_b * U, g, c)

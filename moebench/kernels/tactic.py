@@ -18,8 +18,6 @@ MAX_WARPS = 16
 MAX_SPLIT_K = 16
 #: Most shared-memory stages of the bulk-copy load path.
 MAX_STAGES = 8
-#: Farthest L2 prefetch distance (load steps).
-MAX_PREFETCH = 8
 #: Shared memory one CTA may use (bytes; 227 KB on sm_90).
 SMEM_PER_CTA = 227 * 1024
 
@@ -108,11 +106,6 @@ class GemmTactic:
       per warp, 8-byte loads, 64-row items), warps_m a multiple of 4,
       the register load path (stages 0), and warps_k * unroll dividing the
       K chunks of a slice. Excludes act_bf16. Name suffix `_f8`.
-    prefetch: L2 prefetch distance in load steps (0 = off; register load
-      path only). Each warp issues `prefetch.global.L2` for the weight and
-      scale lines of the step `prefetch` steps after the one its registers
-      load next, so HBM requests run ahead of the double-buffered registers
-      without holding registers or shared memory. Name suffix `_p<n>`.
     """
 
     tile_rows: int = 64
@@ -126,7 +119,6 @@ class GemmTactic:
     stages: int = 0
     act_bf16: bool = False
     fp8: bool = False
-    prefetch: int = 0
 
     def __post_init__(self) -> None:
         for flag in ("persistent", "pdl", "act_bf16", "fp8"):
@@ -142,9 +134,6 @@ class GemmTactic:
         _check_int("ctas_per_sm", self.ctas_per_sm, 1, 8)
         _check_int("split_k", self.split_k, 1, MAX_SPLIT_K)
         _check_int("stages", self.stages, 0, MAX_STAGES)
-        _check_int("prefetch", self.prefetch, 0, MAX_PREFETCH)
-        if self.prefetch and self.stages:
-            raise ValueError(f"prefetch (L2 prefetch of the register load path) needs stages 0, got {self.stages}")
         if self.stages == 1:
             raise ValueError("stages must be 0 (register loads) or >= 2 (bulk-copy ring), got 1")
         if self.stages and self.split_k != 1:
@@ -175,8 +164,7 @@ class GemmTactic:
         return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
                 + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
-                + ("" if self.stages == 0 else f"_b{self.stages}")
-                + ("" if self.prefetch == 0 else f"_p{self.prefetch}") + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
+                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:
         """None if this tactic can run GEMM`stage` (1 or 2) of `shape`
