@@ -60,11 +60,13 @@ BULK_2 = [GemmTactic(64, 8, 1, 2, 2, stages=4), GemmTactic(64, 1, 8, 2, 2, stage
           GemmTactic(32, 8, 1, 2, 3, stages=4), GemmTactic(64, 2, 4, 2, 2, stages=4)]  # fmt: skip
 #: fp8 (wgmma) variants (v7, docs/perf-notes.md): one or two warpgroups of
 #: 32-row warps, K split over 1-4 of them, 1-3 CTAs/SM, split-K.
-F8_1 = [GemmTactic(32, 4, 2, 4, 2, fp8=True), GemmTactic(32, 4, 4, 4, 1, fp8=True),
-        GemmTactic(32, 4, 2, 2, 2, fp8=True), GemmTactic(32, 4, 1, 2, 4, fp8=True),
-        GemmTactic(32, 4, 2, 2, 3, fp8=True), GemmTactic(32, 4, 2, 4, 2, split_k=2, fp8=True)]  # fmt: skip
-F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(32, 4, 1, 3, 3, fp8=True),
-        GemmTactic(32, 8, 1, 3, 2, fp8=True), GemmTactic(32, 4, 2, 3, 2, fp8=True)]  # fmt: skip
+F8_1 = [GemmTactic(32, 4, 2, 4, 2, fp8=True), GemmTactic(32, 4, 2, 4, 2, split_k=2, fp8=True),
+        GemmTactic(32, 4, 2, 4, 2, split_k=4, fp8=True), GemmTactic(32, 4, 1, 4, 3, split_k=4, fp8=True),
+        GemmTactic(32, 4, 2, 2, 2, split_k=4, fp8=True), GemmTactic(32, 4, 1, 2, 4, split_k=2, fp8=True),
+        GemmTactic(32, 4, 4, 4, 1, fp8=True), GemmTactic(32, 4, 1, 2, 4, split_k=4, fp8=True)]  # fmt: skip
+F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(32, 4, 1, 3, 4, split_k=2, fp8=True),
+        GemmTactic(32, 4, 1, 3, 3, fp8=True), GemmTactic(32, 8, 1, 3, 2, fp8=True),
+        GemmTactic(32, 4, 2, 3, 2, fp8=True)]  # fmt: skip
 COPY_GBPS = 4215.0
 L2_BYTES = 60e6
 TOP_K = 6
@@ -111,7 +113,7 @@ def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float
 
 
 def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list, bulk: bool = False,
-                act_bf16: bool = False, fp8: bool = False, stream_k: bool = False) -> None:
+                act_bf16: bool = False, fp8: bool = False) -> None:
     shape = get_preset("dsv41-flash").shard(tp)
     gs = GemmShape.of(shape)
     h, i = shape.hidden, shape.intermediate
@@ -142,19 +144,7 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
     ctas_max = max(build_route_record(v.cuda(), shape.experts).ctas for v in ids_by_rows.values())
     f8_1 = [t for t in F8_1 if fp8 and t.valid_for(gs, 1) is None]
     f8_2 = [t for t in F8_2 if fp8 and t.valid_for(gs, 2) is None]
-    defaults = [default_tactic(gs, st, build_route_record(v.cuda(), shape.experts).ctas)
-                for st in (1, 2) for v in ids_by_rows.values()]
-    for st in (1, 2):  # and the fp8 defaults
-        for v in ids_by_rows.values():
-            try:
-                defaults.append(default_fp8_tactic(gs, st, build_route_record(v.cuda(), shape.experts).ctas))
-            except ValueError:
-                pass
-    sk = [] if not stream_k else [dataclasses.replace(t, stream_k=True) for t in defaults + f8_1 + f8_2 + extra1 + extra2
-                                   if t.persistent and not t.bulk and t.split_k == 1]
-    launches = ([(1, t, ctas_max) for t in extra1 + f8_1] + [(2, t, ctas_max) for t in extra2 + f8_2]
-                + [(st, t, ctas_max) for t in sk for st in (1, 2) if t.valid_for(gs, st) is None])
-    need = workspace_bytes_for(gs, launches)
+    need = workspace_bytes_for(gs, [(1, t, ctas_max) for t in extra1 + f8_1] + [(2, t, ctas_max) for t in extra2 + f8_2])
     ws = alloc_workspace(need, "cuda") if need else None
     for rows in rows_list:
         ids = ids_by_rows[rows]
@@ -175,10 +165,6 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                 except ValueError as error:
                     print(f"TP{tp} rows {rows}: no fp8 GEMM{stage} tactic: {error}")
                 ts += [t for t in extra if t.valid_for(gs, stage) is None and t != f8d.get(stage)]
-        if stream_k:  # the stream-K twin of every persistent register-path tactic that does not split K
-            for ts in (t1s, t2s):
-                ts += [dataclasses.replace(t, stream_k=True) for t in list(ts)
-                       if t.persistent and not t.bulk and t.split_k == 1 and not t.stream_k]
         x_q, x_s = quantize_mxfp8(generate_activations(rows, h, seed=rows, device="cuda"))
         n = TILE * route.ctas
         used = TILE * route.tiles_used
@@ -208,12 +194,7 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                 first_t2, first_t1 = t2 is t2s[0], t1 is t1s[0]
                 a16_pair = (t1.act_bf16 and t2.act_bf16 and dataclasses.replace(t1, act_bf16=False) == d1
                             and dataclasses.replace(t2, act_bf16=False) == d2)
-                a16_pair = a16_pair or (t1.fp8 and t2.fp8 and not (t1.stream_k or t2.stream_k))
-                if t1.stream_k or t2.stream_k:  # twins of the default pairs (either or both stream-K)
-                    b1, b2 = dataclasses.replace(t1, stream_k=False), dataclasses.replace(t2, stream_k=False)
-                    a16_pair = ((b1.fp8 and b2.fp8 and (b1, b2) == (f8d.get(1), f8d.get(2)))
-                                or (b1.act_bf16 and b2.act_bf16 and dataclasses.replace(b1, act_bf16=False) == d1
-                                    and dataclasses.replace(b2, act_bf16=False) == d2))
+                a16_pair = a16_pair or (t1.fp8 and t2.fp8)
                 cases = []
                 if first_t2:
                     cases.append(("gemm1", t1.name, bytes1, lambda t1=t1: [g1(kw, t1) for kw in sets]))
@@ -250,9 +231,6 @@ def main() -> None:
                     help="also time the act_bf16 (_a16) twin of every tactic, and the a16 defaults in 'both'")
     ap.add_argument("--fp8", action="store_true",
                     help="also time the fp8 (_f8) twin of every MXFP8 tactic, and the fp8 defaults in 'both'")
-    ap.add_argument("--stream-k", action="store_true",
-                    help="also time the stream-K (_sk) twin of every persistent register-path tactic, and the"
-                         " default pairs' twins in 'both'")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     t0 = time.time()
@@ -261,7 +239,7 @@ def main() -> None:
     results: list = []
     for tp in (int(t) for t in args.tp.split(",")):
         bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, args.split_k, results, args.bulk,
-                    args.act_bf16, args.fp8, args.stream_k)
+                    args.act_bf16, args.fp8)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(copy_gbps=bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)

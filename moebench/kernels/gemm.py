@@ -439,25 +439,11 @@ if HAVE_DSL:
             return tot
 
         @cute.jit
-        def value(self, sP, parity, part, item, r, n, red_s, red_g):
+        def value(self, sP, parity, part, item, r, n):
             """The item's fp32 sum for item row r, token n: from the warps_k
             partials in shared memory, or (split-K) the sum of the split_k slice
-            partials in the workspace, in slice order (deterministic), or
-            (stream-K, red_s = the launch's steps S > 0, red_g = its ranges G)
-            the sum of the partials of the CTAs whose ranges cut the item, in CTA
-            order (deterministic; slot 0 = a CTA's first range, 1 = its last).
-            red_s = 0: the item was one CTA's, its sum is in shared memory."""
-            if cutlass.const_expr(self.tactic.stream_k):
-                tot = Float32(0.0)
-                if red_s == 0:
-                    tot = self.partial(sP, parity, r, n)
-                else:
-                    s_a = item * self.nb
-                    first, last = self.range_of(s_a, red_s, red_g), self.range_of(s_a + self.nb - 1, red_s, red_g)
-                    for b in cutlass.range(first, last + 1, unroll=1):
-                        slot = Int32((b * red_s) // red_g < s_a)
-                        tot = tot + fp4.load_partial(part + ((b * 2 + slot) * (TILE * self.rm) + n * self.rm + r))
-            elif cutlass.const_expr(self.sk == 1):
+            partials in the workspace, in slice order (deterministic)."""
+            if cutlass.const_expr(self.sk == 1):
                 tot = self.partial(sP, parity, r, n)
             else:
                 base = part + (item * (self.sk * TILE * self.rm) + n * self.rm + r)
@@ -465,12 +451,6 @@ if HAVE_DSL:
                 for k in cutlass.range_constexpr(1, self.sk):
                     tot = tot + fp4.load_partial(base + k * (TILE * self.rm))
             return tot
-
-        @cute.jit
-        def range_of(self, step, red_s, red_g):
-            """Stream-K: the CTA whose range [b*S // G, (b+1)*S // G) holds
-            `step` (S = red_s steps over G = red_g <= S ranges, none empty)."""
-            return ((step + 1) * red_g - 1) // red_s
 
         @cute.jit
         def store_partials(self, sP, parity, part, unit, tid):
@@ -485,17 +465,14 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ epilogues
         @cute.jit
-        def epilogue(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane, tid,
-                     red_s, red_g):
+        def epilogue(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane, tid):
             if cutlass.const_expr(self.stage == 1):
-                self.epilogue_gemm1(sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane,
-                                    red_s, red_g)
+                self.epilogue_gemm1(sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane)
             else:
-                self.epilogue_gemm2(sP, parity, part, rec, out, item, valid_at, tid, red_s, red_g)
+                self.epilogue_gemm2(sP, parity, part, rec, out, item, valid_at, tid)
 
         @cute.jit
-        def epilogue_gemm1(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane,
-                           red_s, red_g):
+        def epilogue_gemm1(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane):
             """SwiGLU + MXFP8 quantization of one item: one warp per (token, 32 columns).
             With tactic.act_bf16 also the BF16 value of each (q, code) to
             out_deq, made by the very instructions GEMM2's e4m3 decode runs
@@ -513,8 +490,8 @@ if HAVE_DSL:
                 if slot < 8 * qblocks:
                     n = slot % 8
                     qb = slot // 8
-                    gate = self.value(sP, parity, part, item, qb * 64 + lane, n, red_s, red_g)
-                    up = self.value(sP, parity, part, item, qb * 64 + 32 + lane, n, red_s, red_g)
+                    gate = self.value(sP, parity, part, item, qb * 64 + lane, n)
+                    up = self.value(sP, parity, part, item, qb * 64 + 32 + lane, n)
                     gc = cutlass.min(gate, lim)
                     uc = cutlass.min(cutlass.max(up, -lim), lim)
                     h = fp4.div_rn(gc, Float32(1.0) + cute.math.exp(-gc, fastmath=True)) * uc
@@ -551,7 +528,7 @@ if HAVE_DSL:
                         cute.arch.store(out_s + (row * (i_cols // 32) + blk * qblocks + qb), Uint8(code))
 
         @cute.jit
-        def epilogue_gemm2(self, sP, parity, part, rec, out, item, valid_at, tid, red_s, red_g):
+        def epilogue_gemm2(self, sP, parity, part, rec, out, item, valid_at, tid):
             """BF16 rows of one item: pairs of adjacent output columns per thread."""
             tile = item // self.blocks
             blk = item % self.blocks
@@ -563,8 +540,8 @@ if HAVE_DSL:
                 if f < 8 * half:
                     n = f // half
                     r = 2 * (f % half)
-                    v0 = self.value(sP, parity, part, item, r, n, red_s, red_g)
-                    v1 = self.value(sP, parity, part, item, r + 1, n, red_s, red_g)
+                    v0 = self.value(sP, parity, part, item, r, n)
+                    v1 = self.value(sP, parity, part, item, r + 1, n)
                     word = fp4.pack_bf16x2(v0, v1)
                     word = Uint32(cutlass.select_(n >= valid, Uint32(0), word))
                     row = TILE * tile + n
@@ -579,25 +556,6 @@ if HAVE_DSL:
                 self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, ctas)
             else:
                 self.register_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas)
-
-        @cute.jit
-        def my_steps(self, n_units, bid, nblk):
-            """(first unit, its first load step, steps, S, G) of this CTA.
-            Round robin: units bid, bid + nblk, ..., all NB steps each (S, G
-            unused). Stream-K: the range [bid*S // G, (bid+1)*S // G) of the
-            S = n_units * NB steps, G = min(nblk, S) ranges (CTAs >= G idle)."""
-            n_steps = (n_units + nblk - 1 - bid) // nblk * self.nb
-            u0, b0, red_s, red_g = bid, Int32(0), Int32(0), Int32(1)
-            if cutlass.const_expr(self.tactic.stream_k):
-                red_s = n_units * self.nb
-                red_g = cutlass.max(cutlass.min(nblk, red_s), Int32(1))
-                s0 = (bid * red_s) // red_g
-                s1 = ((bid + 1) * red_s) // red_g
-                n_steps = cutlass.max(s1 - s0, Int32(0))
-                if bid >= red_g:
-                    n_steps = Int32(0)
-                u0, b0 = s0 // self.nb, s0 % self.nb
-            return u0, b0, n_steps, red_s, red_g
 
         @cute.jit
         def register_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas):
@@ -638,7 +596,7 @@ if HAVE_DSL:
                 st_a = [cute.make_rmem_tensor((self.aw * U,), Uint32) for _ in range(2)]
                 st_as = [cute.make_rmem_tensor((U,), Uint32) for _ in range(2)]
             sLast = None
-            if cutlass.const_expr(SK > 1 or self.tactic.stream_k):
+            if cutlass.const_expr(SK > 1):
                 sLast = smem.allocate_tensor(Int32, cute.make_layout((1,)), byte_alignment=4)
 
             # ---- prologue
@@ -646,30 +604,27 @@ if HAVE_DSL:
             if cutlass.const_expr(self.stage == 2 and self.tactic.pdl):
                 # the record predates the previous kernel (module docstring): weights first
                 n_units = cute.arch.load(record, Int32) * (self.blocks * SK)  # units
-                u0, b0, n_steps, red_s, red_g = self.my_steps(n_units, bid, nblk)
-                if n_steps > 0:
-                    self.issue_weights(st_w[0], st_s[0], p_w, p_s, record, u0, b0, n_mine, c_beg, wm, lane, g)
+                if bid < n_units:
+                    self.issue_weights(st_w[0], st_s[0], p_w, p_s, record, bid, Int32(0), n_mine, c_beg, wm, lane, g)
             if cutlass.const_expr(self.tactic.pdl):
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
             if cutlass.const_expr(not (self.stage == 2 and self.tactic.pdl)):
                 n_units = cute.arch.load(record, Int32) * (self.blocks * SK)  # units
-                u0, b0, n_steps, red_s, red_g = self.my_steps(n_units, bid, nblk)
-                if n_steps > 0:
-                    self.issue_weights(st_w[0], st_s[0], p_w, p_s, record, u0, b0, n_mine, c_beg, wm, lane, g)
+                if bid < n_units:
+                    self.issue_weights(st_w[0], st_s[0], p_w, p_s, record, bid, Int32(0), n_mine, c_beg, wm, lane, g)
             top_k = cute.arch.load(record + 3, Int32)
+            my_units = (n_units + nblk - 1 - bid) // nblk
+            n_steps = my_units * NB
             if cutlass.const_expr(not self.fp8):
                 if n_steps > 0:
-                    self.issue_acts(st_a[0], st_as[0], p_a, p_as, record, slots_at, top_k, u0, c_beg + b0 * U,
-                                    n_mine - b0 * U, g, c)
+                    self.issue_acts(st_a[0], st_as[0], p_a, p_as, record, slots_at, top_k, bid, c_beg,
+                                    n_mine, g, c)
 
-            # the next unit of this CTA: the next item (stream-K: contiguous ranges) or nblk units on
-            adv = 1 if self.tactic.stream_k else nblk  # (a trace-time constant for stream-K)
-            l_unit, l_b = u0, b0 + 1  # load cursor: step 1
+            l_unit, l_b = bid, Int32(1)  # load cursor: step 1
             wrap = Int32(l_b == NB)
-            l_b, l_unit = l_b - wrap * NB, l_unit + wrap * adv
-            c_unit, c_b, parity = u0, b0, Int32(0)  # compute cursor
-            seg_b0, first_seg = b0, Int32(1)  # where the current range of the unit began; still the first?
+            l_b, l_unit = l_b - wrap * NB, l_unit + wrap * nblk
+            c_unit, c_b, parity = bid, Int32(0), Int32(0)  # compute cursor
             for i in cutlass.range(0, n_steps, 2, unroll=1):
                 for s in cutlass.range_constexpr(2):
                     if i + s < n_steps:
@@ -681,9 +636,9 @@ if HAVE_DSL:
                                                 l_unit, c_beg + l_b * U, n_mine - l_b * U, g, c)
                             l_b = l_b + 1
                             wrap = Int32(l_b == NB)
-                            l_b, l_unit = l_b - wrap * NB, l_unit + wrap * adv
+                            l_b, l_unit = l_b - wrap * NB, l_unit + wrap * nblk
                         if cutlass.const_expr(self.fp8):
-                            if c_b == seg_b0:  # a new unit (range): its activation rows into shared memory
+                            if c_b == 0:  # a new unit: its activation rows into shared memory
                                 self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, c_unit, tid)
                                 cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                                 cute.arch.sync_threads()
@@ -693,35 +648,12 @@ if HAVE_DSL:
                         else:
                             self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w[s], st_s[s], st_a[s],
                                          st_as[s], n_mine - c_b * U)
-                        seg_end = Int32(c_b == NB - 1)
-                        if cutlass.const_expr(self.tactic.stream_k):
-                            seg_end = seg_end | Int32(i + s == n_steps - 1)
-                        if seg_end != 0:  # unit (range) done: partials to smem, one barrier, epilogue
+                        if c_b == NB - 1:  # unit done: partials to smem, one barrier, epilogue
                             self.stash_partials(sP, acc, parity, warp, lane)
                             cute.arch.sync_threads()
-                            if cutlass.const_expr(self.tactic.stream_k):
-                                if seg_b0 == 0 and c_b == NB - 1:  # the whole item was this CTA's
-                                    self.epilogue(sP, parity, part, record, clamp, out, out_s, out_deq, c_unit,
-                                                  valid_at, warp, lane, tid, Int32(0), red_g)
-                                else:
-                                    # cut between CTAs: the partial to slot (this CTA, first range or
-                                    # last), arrive; the last of the item's CTAs reduces (as split-K)
-                                    s_a = c_unit * NB
-                                    n_arr = (self.range_of(s_a + NB - 1, red_s, red_g)
-                                             - self.range_of(s_a, red_s, red_g) + 1)
-                                    self.store_partials(sP, parity, part, bid * 2 + 1 - first_seg, tid)
-                                    cute.arch.sync_threads()
-                                    if tid == 0:
-                                        cute.arch.fence_acq_rel_gpu()
-                                        old = fp4.arrive_inc(cnt + c_unit, Uint32(n_arr - 1))
-                                        sLast[0] = Int32(old == Uint32(n_arr - 1))
-                                    cute.arch.sync_threads()
-                                    if sLast[0] != 0:
-                                        self.epilogue(sP, parity, part, record, clamp, out, out_s, out_deq,
-                                                      c_unit, valid_at, warp, lane, tid, red_s, red_g)
-                            elif cutlass.const_expr(SK == 1):
+                            if cutlass.const_expr(SK == 1):
                                 self.epilogue(sP, parity, part, record, clamp, out, out_s, out_deq, c_unit,
-                                              valid_at, warp, lane, tid, Int32(0), Int32(1))
+                                              valid_at, warp, lane, tid)
                             else:
                                 # split-K: partial sums to the workspace, then arrive on the item's
                                 # counter; the last of its SK units reduces and runs the epilogue.
@@ -741,13 +673,11 @@ if HAVE_DSL:
                                 cute.arch.sync_threads()
                                 if sLast[0] != 0:  # uniform over the CTA: the last unit of the item
                                     self.epilogue(sP, parity, part, record, clamp, out, out_s, out_deq, item,
-                                                  valid_at, warp, lane, tid, Int32(0), Int32(1))
-                            first_seg = Int32(0)
-                            seg_b0 = Int32(0)
+                                                  valid_at, warp, lane, tid)
                         last = Int32(c_b == NB - 1)
-                        parity = parity ^ seg_end
+                        parity = parity ^ last
                         c_b = c_b + 1 - last * NB
-                        c_unit = c_unit + last * adv
+                        c_unit = c_unit + last * nblk
 
         # ------------------------------------------------------------------ bulk-copy load path
         @cute.jit
@@ -871,7 +801,7 @@ if HAVE_DSL:
                     self.stash_partials(sP, acc, parity, warp, lane)
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                     self.epilogue(sP, parity, sP, record, clamp, out, out_s, out_deq, unit, valid_at, warp, lane,
-                                  tid, Int32(0), Int32(1))
+                                  tid)
                     parity = parity ^ 1
                 b = b + 1
                 wrap = Int32(b == NB)
@@ -969,12 +899,12 @@ def _split_k_ptrs(workspace, shape: GemmShape, tactic: GemmTactic, stage: int, c
     """(counters, partials) pointers of the split-K workspace for this
     launch (workspace_parts: counters at the front, partials at the back), or
     placeholders (never read) when the tactic does not split K."""
-    if tactic.split_k == 1 and not tactic.stream_k:
+    if tactic.split_k == 1:
         # the kernel ignores them; any 16-byte aligned device pointer will do
         return gmem_ptr(Int32, record, 16), gmem_ptr(Float32, record, 16)
     if workspace is None:
         raise ValueError(
-            f"workspace is required: tactic {tactic.name} splits items across CTAs; allocate one"
+            f"workspace is required: tactic {tactic.name} splits K {tactic.split_k} ways; allocate one"
             f" once with alloc_workspace(workspace_bytes(shape, tactic, ctas, {stage})) and pass it"
         )
     if not isinstance(workspace, torch.Tensor):

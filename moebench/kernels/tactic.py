@@ -106,15 +106,6 @@ class GemmTactic:
       per warp, 8-byte loads, 64-row items), warps_m a multiple of 4,
       the register load path (stages 0), and warps_k * unroll dividing the
       K chunks of a slice. Excludes act_bf16. Name suffix `_f8`.
-    stream_k: Stream-K work split (Osama et al., "Stream-K: Work-centric
-      Parallel Decomposition for Dense Matrix Multiplication on the GPU",
-      PPoPP 2023): the launch's n_items * NB load steps (NB per item) are cut
-      into G = min(grid, steps) contiguous ranges of equal length (+-1 step),
-      one per CTA, so every SM streams the same bytes whatever the item count;
-      an item cut between CTAs is finished by the last of them to arrive
-      (per-item arrival counter), which sums their fp32 partials in CTA order
-      (deterministic) from the workspace. Needs the persistent register load
-      path (stages 0) and split_k 1. Name suffix `_sk`.
     """
 
     tile_rows: int = 64
@@ -128,10 +119,9 @@ class GemmTactic:
     stages: int = 0
     act_bf16: bool = False
     fp8: bool = False
-    stream_k: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("persistent", "pdl", "act_bf16", "fp8", "stream_k"):
+        for flag in ("persistent", "pdl", "act_bf16", "fp8"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         if not isinstance(self.tile_rows, int) or isinstance(self.tile_rows, bool):
@@ -148,9 +138,6 @@ class GemmTactic:
             raise ValueError("stages must be 0 (register loads) or >= 2 (bulk-copy ring), got 1")
         if self.stages and self.split_k != 1:
             raise ValueError(f"the bulk-copy load path (stages {self.stages}) needs split_k 1, got {self.split_k}")
-        if self.stream_k and (self.split_k != 1 or self.stages or not self.persistent):
-            raise ValueError("stream_k needs split_k 1, the register load path (stages 0) and a persistent grid,"
-                             f" got split_k {self.split_k}, stages {self.stages}, persistent {self.persistent}")
         if self.warps_m * self.warps_k > MAX_WARPS:
             raise ValueError(
                 f"warps_m * warps_k must be at most {MAX_WARPS}, got {self.warps_m * self.warps_k}"
@@ -176,7 +163,7 @@ class GemmTactic:
     def name(self) -> str:
         return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
-                + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}") + ("_sk" if self.stream_k else "")
+                + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
                 + ("" if self.stages == 0 else f"_b{self.stages}") + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:
@@ -279,16 +266,14 @@ def workspace_parts(shape, tactic: GemmTactic, ctas: int, stage: int) -> tuple[i
         raise ValueError(f"ctas must be a non-negative int, got {ctas!r}")
     s = GemmShape.of(shape)
     m = _stage_rows(s, stage)
-    if tactic.split_k == 1 and not tactic.stream_k:
+    if tactic.split_k == 1:
         return 0, 0
     reason = tactic.valid_for(s, stage)
     if reason:
         raise ValueError(f"tactic {tactic.name} cannot run GEMM{stage} of {s}: {reason}")
     items = ctas * (m // tactic.item_rows)
     counters = -(-4 * items // 16) * 16
-    # stream-K: two partial slots (first and last range) per CTA, CTAs <= items
-    slots = 2 if tactic.stream_k else tactic.split_k
-    partials = items * slots * TILE * tactic.item_rows * 4
+    partials = items * tactic.split_k * TILE * tactic.item_rows * 4
     return counters, partials
 
 

@@ -98,12 +98,6 @@ SPLIT_K_TACTICS = [
     ("dsv41-flash", 4, 2, GemmTactic(64, 8, 1, 2, 2, split_k=3)),
     ("dsv41-flash", 4, 2, GemmTactic(32, 4, 1, 4, 4, split_k=2, persistent=False)),
     ("dsv41-flash", 8, 2, GemmTactic(64, 8, 1, 2, 2, split_k=3)),
-    # stream-K (the same arrival / reduction machinery)
-    ("dsv41-flash", 4, 1, GemmTactic(64, 1, 4, 4, 3, stream_k=True)),
-    ("dsv41-flash", 4, 1, GemmTactic(64, 1, 8, 2, 2, stream_k=True, act_bf16=True)),
-    ("dsv41-flash", 4, 2, GemmTactic(64, 8, 1, 2, 2, stream_k=True)),
-    ("dsv41-flash", 8, 2, GemmTactic(64, 8, 1, 2, 2, stream_k=True, act_bf16=True)),
-    ("dsv41-flash", 4, 2, GemmTactic(32, 4, 1, 3, 4, stream_k=True, fp8=True)),
 ]
 
 
@@ -120,9 +114,7 @@ def test_split_k_tactics_compile_for_sm90a_without_spills():
     # the two-multiply decode (E8M0 codes > 128) with split 4
     specs.append(("dsv41-flash", 4, 1, True, None, _fields(GemmTactic(64, 1, 4, 3, 3, split_k=4))))
     for rep in _checked_reports(specs):
-        fp8 = rep["spec"][5].get("fp8", False)
-        if not fp8:  # (fp8 tactics load weights with 16-byte evict-first loads too: their own test)
-            assert rep["ldg_ef128"] > 0, f"{rep['spec']}: no evict-first loads"
+        assert rep["ldg_ef128"] > 0, f"{rep['spec']}: no evict-first loads"
         # the arrival (self-cleaning atomic increment) and the gpu-scope reads of the partials
         assert rep["atom_inc"] > 0, f"{rep['spec']}: no ATOMG.E.INC.STRONG.GPU"
         assert rep["ldg_strong"] > 0, f"{rep['spec']}: partials not read with gpu-scope loads"
@@ -446,14 +438,6 @@ def test_launch_rejects_bad_arguments():
 #: (GEMM1 tactic, GEMM2 tactic) pairs the split-K GPU tests run at dsv41-flash TP4
 #: (GEMM1 K = 5120: 160 chunks; GEMM2 K = 576: 18 chunks, so GEMM2 splits 2 or 3).
 def _split_k_pairs(split_k: int):
-    """(GEMM1, GEMM2) tactic pairs that cut items across CTAs: split_k ways,
-    or (split_k = 0) stream-K, for bf16 / e4m3 / fp8 operands."""
-    if split_k == 0:
-        return [
-            (GemmTactic(64, 1, 4, 4, 3, stream_k=True), GemmTactic(64, 8, 1, 2, 2, stream_k=True)),
-            (GemmTactic(64, 1, 8, 4, 1, stream_k=True, pdl=False), GemmTactic(32, 4, 1, 4, 4, stream_k=True)),
-            (GemmTactic(128, 1, 8, 1, 2, stream_k=True), GemmTactic(64, 4, 2, 2, 2, stream_k=True, pdl=False)),
-        ]  # fmt: skip
     s2 = split_k if 18 % split_k == 0 else 3
     return [
         (GemmTactic(64, 1, 4, 4, 3, split_k=split_k), GemmTactic(64, 8, 1, 2, 2, split_k=s2)),
@@ -474,9 +458,9 @@ def _split_k_workspace(kw, pairs, ctas=48):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_k", [2, 4, 0], ids=["split2", "split4", "stream_k"])
+@pytest.mark.parametrize("split_k", [2, 4])
 def test_split_k_matches_the_oracle_and_leaves_the_workspace_clean(split_k):
-    """Split-K (or, split_k 0, stream-K) GEMM1 / GEMM2 (persistent, one CTA per unit, without PDL) on
+    """Split-K GEMM1 / GEMM2 (persistent, one CTA per unit, without PDL) on
     poisoned outputs, every routing of `_routings` (rows 1-8, one expert,
     non-local ids) against the oracle; the same launch twice gives the same
     bits (fixed reduction order); the counters are all zero afterwards."""
@@ -515,9 +499,9 @@ def test_split_k_matches_the_oracle_and_leaves_the_workspace_clean(split_k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split_k", [2, 4, 0], ids=["split2", "split4", "stream_k"])
+@pytest.mark.parametrize("split_k", [2, 4])
 def test_split_k_cuda_graph_replays_self_clean(split_k):
-    """GEMM1 + GEMM2 with split-K or stream-K (PDL between them) under a CUDA graph,
+    """GEMM1 + GEMM2 with split-K (PDL between them) under a CUDA graph,
     sharing one workspace: outputs poisoned before each replay, two replays in
     a row equal the eager bits (a counter left non-zero by a replay would
     make the next one skip or double an epilogue and leave poison), then a
@@ -696,11 +680,9 @@ def test_bulk_graph_replay_matches_eager_and_is_repeatable():
 # ---------------------------------------------------------------- BF16 activation operand (tactic.act_bf16)
 #: act_bf16 variants of the default tactics (register and bulk paths) at dsv41-flash TP4.
 A16_1 = [GemmTactic(64, 1, 4, 4, 3, act_bf16=True), GemmTactic(64, 1, 8, 4, 1, act_bf16=True),
-         GemmTactic(64, 1, 8, 2, 2, act_bf16=True), GemmTactic(64, 1, 4, 4, 2, stages=4, act_bf16=True),
-         GemmTactic(64, 1, 4, 4, 3, stream_k=True, act_bf16=True)]  # fmt: skip
+         GemmTactic(64, 1, 8, 2, 2, act_bf16=True), GemmTactic(64, 1, 4, 4, 2, stages=4, act_bf16=True)]  # fmt: skip
 A16_2 = [GemmTactic(64, 8, 1, 2, 2, act_bf16=True), GemmTactic(64, 4, 2, 2, 2, stages=4, act_bf16=True),
-         GemmTactic(32, 4, 1, 4, 4, persistent=False, act_bf16=True),
-         GemmTactic(64, 8, 1, 2, 2, stream_k=True, act_bf16=True)]  # fmt: skip
+         GemmTactic(32, 4, 1, 4, 4, persistent=False, act_bf16=True)]  # fmt: skip
 
 
 def _kernel_act_decode_bits(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -789,8 +771,6 @@ def test_act_bf16_matches_the_oracle_and_the_e4m3_path_bit_for_bit(preset, tp):
     experts = 64
     shape, weights = _gpu_case(preset, tp, experts, seed=tp + 23)
     kw = to_kernel_layout(weights)
-    pairs = [(t1, t2) for t1 in A16_1 for t2 in A16_2 if t1.valid_for(kw, 1) is None and t2.valid_for(kw, 2) is None]
-    ws, _ = _split_k_workspace(kw, pairs)  # (the stream-K tactics)
     for label, ids in _routings(experts, rows_list=(1, 6, 8)):
         label = f"{preset} TP{tp} {label}"
         rows = ids.shape[0]
@@ -806,10 +786,9 @@ def test_act_bf16_matches_the_oracle_and_the_e4m3_path_bit_for_bit(preset, tp):
             h_q = torch.full((n, kw.intermediate), 0xFF, dtype=torch.uint8, device="cuda")
             h_s = torch.full((n, kw.intermediate // 32), 0xFE, dtype=torch.uint8, device="cuda")
             h_d = torch.full((n, kw.intermediate), float("nan"), dtype=torch.bfloat16, device="cuda")
-            gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, x_deq=x_deq, h_deq_out=h_d,
-                  workspace=ws)
+            gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, x_deq=x_deq, h_deq_out=h_d)
             _check_h(h_q, h_s, ref_q, ref_s, used, f"{label} {t1.name}")
-            e_q, e_s = _run_gemm1(kw, x_q, x_s, route, tactic=dataclasses.replace(t1, act_bf16=False), workspace=ws)
+            e_q, e_s = _run_gemm1(kw, x_q, x_s, route, tactic=dataclasses.replace(t1, act_bf16=False))
             assert torch.equal(h_q[:used], e_q[:used]) and torch.equal(h_s[:used], e_s[:used]), t1.name
             want = act_to_bf16(h_q[:used], h_s[:used]).view(torch.int16)
             assert torch.equal(h_d[:used].view(torch.int16), want), f"{label} {t1.name}: h_deq"
@@ -819,10 +798,10 @@ def test_act_bf16_matches_the_oracle_and_the_e4m3_path_bit_for_bit(preset, tp):
                 continue
             out = torch.full((n, kw.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
             gemm2(kw, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route.record, route.ctas, out,
-                  tactic=t2, h_deq=h_deq, workspace=ws)
+                  tactic=t2, h_deq=h_deq)
             _check_rows(out, oracle, route, f"{label} {t2.name}")
             e = _run_gemm2(kw, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route,
-                           tactic=dataclasses.replace(t2, act_bf16=False), workspace=ws)
+                           tactic=dataclasses.replace(t2, act_bf16=False))
             assert torch.equal(out[:used].view(torch.int16), e[:used].view(torch.int16)), f"{label} {t2.name}"
 
 
@@ -861,10 +840,10 @@ def test_act_bf16_launch_arguments_are_checked():
 #: warpgroups and across CTAs (split-K), 1-3 CTAs per SM.
 F8_1 = [GemmTactic(32, 4, 2, 4, 2, fp8=True), GemmTactic(16, 4, 2, 4, 3, fp8=True),
         GemmTactic(16, 4, 1, 4, 4, fp8=True), GemmTactic(16, 4, 2, 4, 3, split_k=2, fp8=True),
-        GemmTactic(32, 8, 1, 2, 1, fp8=True), GemmTactic(32, 4, 2, 2, 2, stream_k=True, fp8=True)]  # fmt: skip
+        GemmTactic(32, 8, 1, 2, 1, fp8=True)]  # fmt: skip
 F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(16, 4, 1, 3, 4, fp8=True),
         GemmTactic(16, 8, 1, 3, 3, fp8=True), GemmTactic(16, 4, 2, 3, 4, fp8=True),
-        GemmTactic(16, 4, 1, 3, 4, split_k=3, fp8=True), GemmTactic(32, 4, 1, 3, 4, stream_k=True, fp8=True)]  # fmt: skip
+        GemmTactic(16, 4, 1, 3, 4, split_k=3, fp8=True)]  # fmt: skip
 
 
 def test_fp8_tactic_name_validity_and_default():
