@@ -113,7 +113,7 @@ def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float
 
 
 def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list, bulk: bool = False,
-                act_bf16: bool = False, fp8: bool = False, prefetch_next: bool = False) -> None:
+                act_bf16: bool = False, fp8: bool = False) -> None:
     shape = get_preset("dsv41-flash").shard(tp)
     gs = GemmShape.of(shape)
     h, i = shape.hidden, shape.intermediate
@@ -165,18 +165,6 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                 except ValueError as error:
                     print(f"TP{tp} rows {rows}: no fp8 GEMM{stage} tactic: {error}")
                 ts += [t for t in extra if t.valid_for(gs, stage) is None and t != f8d.get(stage)]
-        partner = {}  # GEMM1 _pn twin of a default -> the GEMM2 default it is timed with
-        if prefetch_next:
-            d1_, d2_ = t1s[0], t2s[0]
-            bases = [(d1_, d2_)]
-            if act_bf16:
-                bases.append((dataclasses.replace(d1_, act_bf16=True), dataclasses.replace(d2_, act_bf16=True)))
-            if 1 in f8d and 2 in f8d:
-                bases.append((f8d[1], f8d[2]))
-            for b1, b2 in bases:
-                twin = dataclasses.replace(b1, prefetch_next=True)
-                partner[twin] = b2
-                t1s.append(twin)
         x_q, x_s = quantize_mxfp8(generate_activations(rows, h, seed=rows, device="cuda"))
         n = TILE * route.ctas
         used = TILE * route.tiles_used
@@ -206,9 +194,7 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                 first_t2, first_t1 = t2 is t2s[0], t1 is t1s[0]
                 a16_pair = (t1.act_bf16 and t2.act_bf16 and dataclasses.replace(t1, act_bf16=False) == d1
                             and dataclasses.replace(t2, act_bf16=False) == d2)
-                a16_pair = a16_pair or (t1.fp8 and t2.fp8 and not t1.prefetch_next)
-                if t1.prefetch_next:
-                    a16_pair = partner.get(t1) == t2
+                a16_pair = a16_pair or (t1.fp8 and t2.fp8)
                 cases = []
                 if first_t2:
                     cases.append(("gemm1", t1.name, bytes1, lambda t1=t1: [g1(kw, t1) for kw in sets]))
@@ -245,9 +231,6 @@ def main() -> None:
                     help="also time the act_bf16 (_a16) twin of every tactic, and the a16 defaults in 'both'")
     ap.add_argument("--fp8", action="store_true",
                     help="also time the fp8 (_f8) twin of every MXFP8 tactic, and the fp8 defaults in 'both'")
-    ap.add_argument("--prefetch-next", action="store_true",
-                    help="also time the _pn twin (GEMM2's weights prefetched into L2 at GEMM1's tail) of each default"
-                         " GEMM1, alone and in 'both' with its GEMM2 default")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     t0 = time.time()
@@ -256,7 +239,7 @@ def main() -> None:
     results: list = []
     for tp in (int(t) for t in args.tp.split(",")):
         bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, args.split_k, results, args.bulk,
-                    args.act_bf16, args.fp8, args.prefetch_next)
+                    args.act_bf16, args.fp8)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(copy_gbps=bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int64, Uint32
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import T, dsl_user_op
@@ -221,18 +221,6 @@ def arrive_inc(ptr, bound: int, *, loc=None, ip=None) -> Uint32:
         T.i32(), [addr.ir_value(loc=loc, ip=ip), Uint32(bound).ir_value(loc=loc, ip=ip)],
         "atom.acq_rel.gpu.global.inc.u32 $0, [$1], $2;", "=r,l,r,~{memory}",
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def bulk_prefetch_l2(ptr, nbytes, *, loc=None, ip=None) -> None:
-    """`cp.async.bulk.prefetch.L2.global [ptr], nbytes`: a hint that brings
-    `nbytes` (a multiple of 16) from the 16-byte aligned gmem `ptr` into L2;
-    no completion to wait for, no register or shared memory held (PTX ISA,
-    "cp.async.bulk.prefetch", sm_90)."""
-    addr = Int64(ptr.toint(loc=loc, ip=ip))
-    llvm.inline_asm(None, [addr.ir_value(loc=loc, ip=ip), Int32(nbytes).ir_value(loc=loc, ip=ip)],
-                    "cp.async.bulk.prefetch.L2.global [$0], $1;", "l,r",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 @cute.jit

@@ -78,8 +78,6 @@ if HAVE_DSL:
 
 #: Shared memory + L1 of one H100/H200 SM that the carveout divides (bytes).
 _SMEM_PER_SM = 228 * 1024
-#: Bytes per bulk L2 prefetch of GEMM2's weights (tactic.prefetch_next).
-_PF_CHUNK = 4096
 #: L2 cache policy "evict first" (CUTLASS CacheHintSm90::EVICT_FIRST) for the bulk copies.
 _EVICT_FIRST = 0x12F0000000000000
 
@@ -209,10 +207,9 @@ if HAVE_DSL:
         @cute.jit
         def __call__(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
                      record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
-                     out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, nxt_w: cute.Pointer,
-                     nxt_ws: cute.Pointer, ctas: Int32, grid: Int32, stream: _cuda.CUstream):
-            self.kernel(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, nxt_w, nxt_ws,
-                        ctas).launch(
+                     out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ctas: Int32, grid: Int32,
+                     stream: _cuda.CUstream):
+            self.kernel(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas).launch(
                 grid=[grid, 1, 1], block=[self.block_threads, 1, 1], stream=stream,
                 use_pdl=self.tactic.pdl, min_blocks_per_mp=self.tactic.ctas_per_sm,
                 preferred_smem_carveout=self.smem_carveout)
@@ -554,40 +551,11 @@ if HAVE_DSL:
         @cute.kernel
         def kernel(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
                    record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
-                   out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, nxt_w: cute.Pointer,
-                   nxt_ws: cute.Pointer, ctas: Int32):
+                   out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ctas: Int32):
             if cutlass.const_expr(self.bulk):
                 self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, ctas)
             else:
                 self.register_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas)
-            if cutlass.const_expr(self.tactic.prefetch_next):
-                self.prefetch_next(nxt_w, nxt_ws, record)
-
-        @cute.jit
-        def prefetch_next(self, nxt_w, nxt_ws, record):
-            """GEMM1 with tactic.prefetch_next, after this CTA's last item:
-            its slice [bid*C // grid, (bid+1)*C // grid) of the C = tiles x
-            (wc + sc) 4 KB chunks of GEMM2's weights (wc chunks of H*I/2 bytes)
-            and scales (sc chunks of H*I/32 bytes) of the record's experts, one
-            bulk L2 prefetch per chunk, by warp 0."""
-            tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
-            wb = self.shape.hidden * self.shape.intermediate // 2  # bytes of one expert's GEMM2 weights
-            sb = wb // 16  # and of its E8M0 scales
-            wc, sc = -(-wb // _PF_CHUNK), -(-sb // _PF_CHUNK)
-            total = cute.arch.load(record, Int32) * (wc + sc)
-            lo = (bid * total) // nblk
-            hi = ((bid + 1) * total) // nblk
-            if tid < 32:
-                for j in cutlass.range(lo + tid, hi, 32, unroll=1):
-                    t = j // (wc + sc)
-                    k = j % (wc + sc)
-                    e = Int64(cute.arch.load(record + (4 + t), Int32))
-                    if k < wc:
-                        fp4.bulk_prefetch_l2(nxt_w + (e * wb + k * _PF_CHUNK), cutlass.min(Int32(_PF_CHUNK), wb - k * _PF_CHUNK))
-                    else:
-                        k2 = k - wc
-                        fp4.bulk_prefetch_l2(nxt_ws + (e * sb + k2 * _PF_CHUNK),
-                                             cutlass.min(Int32(_PF_CHUNK), sb - k2 * _PF_CHUNK))
 
         @cute.jit
         def register_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas):
@@ -873,8 +841,7 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
     Works without a GPU when CUTE_DSL_ARCH=sm_90a is set (cross-compile).
     Returns (kernel, compiled): `kernel.grid(ctas, num_sms)` sizes the
     launch; `compiled(w, ws, act, act_s, record, clamp, out, out_s, out_deq,
-    cnt, part, nxt_w, nxt_ws, ctas, grid, stream)` (nxt_w / nxt_ws: GEMM2's weights and scales,
-    read only with tactic.prefetch_next; out_deq: GEMM1's BF16 H with
+    cnt, part, ctas, grid, stream)` (out_deq: GEMM1's BF16 H with
     tactic.act_bf16, else ignored; act: BF16 [rows, K] with act_bf16) takes cute global pointers (make_ptr; cnt /
     part: the split-K counters and partials, see `workspace_parts`), Int32
     and a CUstream (use `gemm1` / `gemm2` for torch tensors). Raises ValueError
@@ -896,7 +863,7 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
     compiled = cute.compile(
         kernel, fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 4),
         fake(Int32, 16), fake(Float32, 4), fake(out_dtype, 16), fake(Uint8, 4), fake(BFloat16, 16),
-        fake(Int32, 16), fake(Float32, 16), fake(Uint8, 16), fake(Uint8, 16), Int32(1), Int32(1), _cuda.CUstream(0),
+        fake(Int32, 16), fake(Float32, 16), Int32(1), Int32(1), _cuda.CUstream(0),
     )  # fmt: skip
     return kernel, compiled
 
@@ -1003,11 +970,7 @@ def _launch(kw: KernelWeights, stage: int, tactic: GemmTactic, sms: int, args, c
         return
     kernel, compiled = compile_gemm(shape, tactic, stage, kw.scale_variant(tactic.fp8))
     grid = kernel.grid(ctas, sms)
-    if tactic.prefetch_next:  # GEMM2's weights, for the L2 prefetch at GEMM1's tail
-        nxt = (gmem_ptr(Uint8, kw.w2, 16), gmem_ptr(Uint8, kw.w2_scale, 16))
-    else:  # never read
-        nxt = (gmem_ptr(Uint8, record, 16), gmem_ptr(Uint8, record, 16))
-    compiled(*args, *split, *nxt, Int32(ctas), Int32(grid), cu_stream(stream, device))
+    compiled(*args, *split, Int32(ctas), Int32(grid), cu_stream(stream, device))
 
 
 def act_to_bf16(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

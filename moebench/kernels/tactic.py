@@ -106,12 +106,6 @@ class GemmTactic:
       per warp, 8-byte loads, 64-row items), warps_m a multiple of 4,
       the register load path (stages 0), and warps_k * unroll dividing the
       K chunks of a slice. Excludes act_bf16. Name suffix `_f8`.
-    prefetch_next: GEMM1 only. When a CTA has finished its items (at once if
-      it has none), it issues `cp.async.bulk.prefetch.L2` for its share (an
-      equal slice per CTA) of GEMM2's weights and scales of every expert the
-      record routes to, so the SMs that the item count leaves idle at
-      GEMM1's tail move GEMM2's bytes into L2 while the others finish.
-      Name suffix `_pn`.
     """
 
     tile_rows: int = 64
@@ -125,10 +119,9 @@ class GemmTactic:
     stages: int = 0
     act_bf16: bool = False
     fp8: bool = False
-    prefetch_next: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("persistent", "pdl", "act_bf16", "fp8", "prefetch_next"):
+        for flag in ("persistent", "pdl", "act_bf16", "fp8"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         if not isinstance(self.tile_rows, int) or isinstance(self.tile_rows, bool):
@@ -171,8 +164,7 @@ class GemmTactic:
         return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
                 + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
-                + ("" if self.stages == 0 else f"_b{self.stages}")
-                + ("_pn" if self.prefetch_next else "") + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
+                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:
         """None if this tactic can run GEMM`stage` (1 or 2) of `shape`
@@ -185,8 +177,6 @@ class GemmTactic:
             return f"hidden {s.hidden} is not a multiple of 128"
         if s.intermediate % 32:
             return f"intermediate {s.intermediate} is not a multiple of 32"
-        if self.prefetch_next and stage != 1:
-            return "prefetch_next (GEMM2's weights into L2) is a GEMM1 tactic"
         if stage == 1:
             if self.item_rows % 64:
                 return f"GEMM1 work items must cover whole 64-row gate/up blocks, got {self.item_rows} rows"
