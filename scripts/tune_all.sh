@@ -44,6 +44,10 @@ if ! python3 -c 'import cutlass' 2>/dev/null && [ -f .bundles/unpack.sh ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
+if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "tune_all.sh: needs a CUDA GPU (sm_90) and torch with CUDA; nothing written" >&2
+  exit 2
+fi
 mkdir -p "$tables"
 
 # Preflight (~20 s): a kernel compiled by a worker process, loaded here, must
