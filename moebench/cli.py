@@ -588,41 +588,52 @@ def report(
     ),
     out: Path = typer.Option(None, help="Where summary.md (and report.html + plots) go (default: the run directory)."),
     html: bool = typer.Option(True, "--html/--no-html", help="Also write report.html with PNG plots."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing summary.md / report.html."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace existing report files (summary.md, report.html, the plots)."
+    ),
 ) -> None:
     """Summarize a run (table, summary.md, report.html); with --baseline,
     compare per case and, with --fail-above, exit 1 on a regression."""
     from moebench.reports.compare import DEFAULT_THRESHOLD_PCT, compare_runs, comparison_markdown, parse_threshold
-    from moebench.reports.store import read_run, read_table
+    from moebench.reports.html import report_files
+    from moebench.reports.store import read_table
     from moebench.reports.summary import is_step_run, rank_table, step_summary_table, summary_table, to_markdown
 
     try:
         threshold = parse_threshold(fail_above) if fail_above is not None else DEFAULT_THRESHOLD_PCT
         if fail_above is not None and baseline is None:
             raise ValueError("--fail-above needs --baseline RUN")
-        df, manifest = read_run(run_dir)
+        if out is not None:
+            _check_out_dir(out)
+        df, manifest = _read_report_run(run_dir, "RUN_DIR")
         ranks = read_table(run_dir, "ranks")
-        base = read_run(baseline) if baseline is not None else None
+        step_run = is_step_run(df, manifest)
+        try:  # the tables printed below: a run lacking their columns fails here, before any output
+            summary_table(df)
+            if step_run:
+                step_summary_table(df)
+        except ValueError as error:
+            raise ValueError(f"RUN_DIR: {run_dir}: {error}") from None
+        base = _read_report_run(baseline, "--baseline") if baseline is not None else None
+        comparison = None
+        if base is not None:
+            comparison = compare_runs(df, manifest, base[0], base[1], threshold_pct=threshold,
+                                      current_label=str(run_dir), baseline_label=str(baseline))  # fmt: skip
     except (FileNotFoundError, ValueError) as error:
         raise _fail(str(error)) from None
-    step_run = is_step_run(df, manifest)
     target = (out or run_dir) / "summary.md"
-    html_target = target.parent / "report.html"
-    for path in (target, html_target) if html else (target,):
-        if path.exists() and not force:
-            raise _fail(f"{path} exists; pass --force to replace it")
+    written = [target, *(target.parent / n for n in report_files(df, comparison))] if html else [target]
+    taken = [p for p in written if p.exists() or p.is_symlink()]
+    if taken and not force:
+        where = "--out" if out is not None else "RUN_DIR (the report goes there without --out)"
+        raise _fail(f"{where}: {', '.join(map(str, taken))} exist{'s' if len(taken) == 1 else ''}; pass --force"
+                    " to replace the report files, or give another --out directory")  # fmt: skip
     if manifest.get("reduced"):
         console.print("[yellow]This run used a reduced geometry on the CPU.[/yellow]")
     _print_summary(summary_table(df))
     if step_run:
         _print_step(df, ranks)
-    comparison = None
-    if base is not None:
-        try:
-            comparison = compare_runs(df, manifest, base[0], base[1], threshold_pct=threshold,
-                                      current_label=str(run_dir), baseline_label=str(baseline))  # fmt: skip
-        except ValueError as error:
-            raise _fail(str(error)) from None
+    if comparison is not None:
         _print_comparison(comparison)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -646,8 +657,12 @@ def report(
         raise _fail(f"cannot write the report under {target.parent}: {error}", 1) from None
     if comparison is None:
         return
-    if comparison.device_mismatch:
-        raise _fail("the baseline is of another device / geometry: cases were not compared (see the report)")
+    if comparison.mismatches:
+        what = ("another device / geometry" if any(m.startswith(("device", "geometry")) for m in comparison.mismatches)
+                else "a different kind of run")  # fmt: skip
+        differ = ", ".join(m.split(":")[0] for m in comparison.mismatches)
+        raise _fail(f"--baseline: the baseline is of {what} (it differs in {differ}): cases were not compared"
+                    " (see the mismatches and the report); compare with a baseline recorded the same way")  # fmt: skip
     if comparison.errors:
         raise _fail("; ".join(comparison.errors))
     if fail_above is not None and len(comparison.regressions):
@@ -659,6 +674,31 @@ def report(
         if len(failed):
             parts.append(f"{len(failed)} case(s) failed their correctness gate in this run")
         raise _fail("; ".join(parts), 1)
+
+
+def _check_out_dir(out: Path) -> None:
+    """Raise ValueError naming --out unless it is a directory or can be made one."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} exists and is not a directory; give a directory for the report files"
+                         " (created when missing)")  # fmt: skip
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--out: {parent} (a parent of {out}) is not a directory; give a directory"
+                                 " for the report files")  # fmt: skip
+            break
+
+
+def _read_report_run(path: Path, what: str):
+    """read_run(path) with errors naming the argument `what`."""
+    from moebench.reports.store import read_run
+
+    try:
+        return read_run(path)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"{what}: {error}") from None
+    except ValueError as error:
+        raise ValueError(f"{what}: {error}") from None
 
 
 def _print_comparison(comp) -> None:
@@ -684,6 +724,8 @@ def _print_comparison(comp) -> None:
         )  # fmt: skip
     Console(highlight=False, width=max(console.width, 150)).print(table)
     console.print("verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
+    if comp.unclear_note and not len(comp.regressions):
+        console.print(f"[yellow]{comp.unclear_note}[/yellow]", soft_wrap=True)
 
 
 @app.command()

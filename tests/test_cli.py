@@ -99,8 +99,9 @@ def test_check_exits_1_on_a_failing_item(monkeypatch):
 # ----------------------------------------------------------------------------- tune / report --baseline
 
 
-def _stored_run(root, label, medians, *, device="NVIDIA H200", failed_rows=()):
-    """A stored run with one moebench case per rows (tight 1 % spread)."""
+def _stored_run(root, label, medians, *, device="NVIDIA H200", failed_rows=(), spread=0.01, manifest_extra=None):
+    """A stored run with one moebench case per rows (tight 1 % spread unless
+    told; manifest_extra: e.g. a step run's kind and ranks)."""
     import math
 
     import pandas as pd
@@ -114,13 +115,18 @@ def _stored_run(root, label, medians, *, device="NVIDIA H200", failed_rows=()):
         row.update(preset="dsv41-flash", hidden=5120, intermediate=576, experts=384, top_k=6, tp=4, rows=r,
                    scenario="correlated", backend="moebench", tactic="default",
                    status="failed" if failed else "ok", error="rel. error 0.4 exceeds 0.01" if failed else "",
-                   median_us=math.nan if failed else us, p10_us=math.nan if failed else us * 0.99,
-                   p90_us=math.nan if failed else us * 1.01, unique_experts=6 * r, bytes=28_000_000 * r,
+                   median_us=math.nan if failed else us, p10_us=math.nan if failed else us * (1 - spread),
+                   p90_us=math.nan if failed else us * (1 + spread), unique_experts=6 * r, bytes=28_000_000 * r,
                    gbps=1000.0, pct_copy_bw=25.0, pct_size_ceiling=math.nan, max_rel_err=1e-3, device=device,
                    sm_count=132, commit="abc")  # fmt: skip
+        if (manifest_extra or {}).get("kind") == "step":
+            row.update(ranks=manifest_extra.get("ranks", 1), step_with_gate_us=us + 2.0, gate_us=2.0,
+                       allreduce_us=math.nan, allreduce_share_pct=math.nan, stage_sum_us=us)  # fmt: skip
         rows.append(row)
-    manifest = {"device": {"name": device, "sm_count": 132}, "copy_bw_gbps": 4000.0, "reduced": False}
-    return write_run(pd.DataFrame(rows, columns=list(REQUIRED_COLUMNS)), manifest, root=root, label=label)
+    manifest = {"device": {"name": device, "sm_count": 132}, "copy_bw_gbps": 4000.0, "reduced": False,
+                **(manifest_extra or {})}  # fmt: skip
+    return write_run(pd.DataFrame(rows).reindex(columns=list(dict.fromkeys([*REQUIRED_COLUMNS, *rows[0]])))
+                     if rows else pd.DataFrame(columns=list(REQUIRED_COLUMNS)), manifest, root=root, label=label)
 
 
 def test_tune_without_a_gpu_fails_with_one_red_line(tmp_path):
@@ -206,6 +212,90 @@ def test_report_option_errors(tmp_path):
     assert bad.exit_code == 2 and "threshold" in bad.output
     gone = runner.invoke(app, ["report", str(run), "--baseline", str(tmp_path / "nope")])
     assert gone.exit_code == 2 and "does not exist" in gone.output
+
+
+@pytest.mark.parametrize("cur_extra, base_extra, needle", [
+    ({"kind": "step", "ranks": 2}, {}, "run kind: step vs baseline sweep"),  # step TP2 vs a sweep
+    ({}, {"kind": "step", "ranks": 2}, "run kind: sweep vs baseline step"),
+    ({"kind": "step", "ranks": 2}, {"kind": "step", "ranks": 1}, "ranks: 2 vs baseline 1"),  # vs --one-rank
+])  # fmt: skip
+def test_report_other_run_kind_or_ranks_is_reported_not_compared(tmp_path, cur_extra, base_extra, needle):
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0}, manifest_extra=base_extra)
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 40.0, 6: 80.0}, manifest_extra=cur_extra)
+    result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--fail-above", "5%",
+                                 "--out", str(tmp_path / "r"), "--no-html"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert needle in result.output and "--baseline" in result.output and "not compared" in result.output
+    assert "slower than the baseline" not in result.output and "tactics differ" not in result.output
+    assert "only the" not in result.output  # no key hint: the runs differ as a whole
+    text = (tmp_path / "r" / "summary.md").read_text()
+    assert "**mismatch**" in text and "No regressions" not in text
+
+
+def test_report_where_every_case_is_unclear_is_an_error_not_a_pass(tmp_path):
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0})
+    noisy = _stored_run(tmp_path / "runs", "noisy", {1: 20.5, 6: 41.0}, spread=0.3)
+    result = runner.invoke(app, ["report", str(noisy), "--baseline", str(base), "--fail-above", "5%",
+                                 "--out", str(tmp_path / "r"), "--no-html"])  # fmt: skip
+    assert result.exit_code == 2 and "no case could be judged" in result.output
+    assert "No regressions" not in (tmp_path / "r" / "summary.md").read_text()
+
+
+def test_report_with_some_unclear_cases_says_regressions_are_not_ruled_out(tmp_path):
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0})
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 20.0, 6: 40.0})
+    noisy = _stored_run(tmp_path / "runs", "noisy", {6: 41.0}, spread=0.3)
+    # one tight case, one noisy one: the noisy run's rows 6 joins the tight rows 1
+    import pandas as pd
+
+    df = pd.concat([pd.read_parquet(cur / "results.parquet").iloc[:1], pd.read_parquet(noisy / "results.parquet")])
+    df.to_parquet(cur / "results.parquet", index=False)
+    result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--fail-above", "5%",
+                                 "--out", str(tmp_path / "r"), "--no-html"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "1 case unclear" in result.output and "regressions not ruled out" in result.output
+    text = (tmp_path / "r" / "summary.md").read_text()
+    assert "No regressions." not in text and "1 case unclear" in text
+
+
+def test_report_refuses_to_replace_any_file_it_writes(tmp_path):
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0})
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 20.1, 6: 39.0})
+    out = tmp_path / "r"
+    args = ["report", str(cur), "--baseline", str(base), "--out", str(out)]
+    assert runner.invoke(app, args).exit_code == 0
+    (out / "summary.md").unlink()
+    (out / "report.html").unlink()
+    plots = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert {"latency.png", "bandwidth.png", "compare.png"} <= set(plots)
+    again = runner.invoke(app, args)
+    assert again.exit_code == 2 and "--force" in again.output
+    for name in plots:
+        assert name in again.output.replace("\n", "")
+    assert not (out / "summary.md").exists() and {p.name: p.read_bytes() for p in out.iterdir()} == plots
+    assert "vs baseline" not in again.output  # refused before any work
+    assert runner.invoke(app, [*args, "--force"]).exit_code == 0 and (out / "summary.md").is_file()
+
+
+def test_report_run_that_is_a_file_or_out_that_is_a_file(tmp_path):
+    import pandas as pd
+
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    result = runner.invoke(app, ["report", str(afile)])
+    assert result.exit_code == 2 and "is not a directory" in result.output and "does not exist" not in result.output
+    run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
+    result = runner.invoke(app, ["report", str(run), "--baseline", str(afile)])
+    assert result.exit_code == 2 and "--baseline" in result.output and "is not a directory" in result.output
+    for out in (afile, afile / "sub"):
+        result = runner.invoke(app, ["report", str(run), "--out", str(out)])
+        assert result.exit_code == 2 and "--out" in result.output and "not a directory" in result.output
+        assert "moebench" not in result.output and "Errno" not in result.output and "Traceback" not in result.output
+    assert afile.read_text() == "mine" and not (run / "summary.md").exists()
+    step = _stored_run(tmp_path / "runs", "step", {1: 20.0}, manifest_extra={"kind": "step"})
+    pd.read_parquet(step / "results.parquet").drop(columns=["gate_us"]).to_parquet(step / "results.parquet")
+    result = runner.invoke(app, ["report", str(step)])
+    assert result.exit_code == 2 and "RUN_DIR" in result.output and "gate_us" in result.output
 
 
 def test_sweep_tactics_all_expands_per_backend(tmp_path):

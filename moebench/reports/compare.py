@@ -17,14 +17,16 @@ Other verdicts: "failed" (the current case failed its correctness gate or
 did not run: shown as failed, never as a time), "fixed" (failed in the
 baseline, ok now), "skipped" (skipped in either run), "new" / "missing"
 (only in one run), "mismatch" (the case's shape H/I/E/top_k, seed or
-touched experts differ between the runs, or the runs are of different
-devices: reported, not compared). A regression is a "slower" case with
+touched experts differ between the runs, or the runs differ as a whole:
+device, geometry, L2 mode, run kind (sweep vs step) or rank count;
+reported, not compared). A regression is a "slower" case with
 delta_pct > threshold_pct, or a "failed" case.
 
 A comparison that compared nothing (an empty baseline or current run, or
-no case of one with a time, or a failure, in the other) is an error
-(`Comparison.errors`), never a pass: a gate that measured nothing must not
-say "no regressions".
+no case of one with a time, or a failure, in the other) or judged nothing
+(every compared case "unclear") is an error (`Comparison.errors`), never a
+pass: a gate that measured nothing, or ruled nothing out, must not say "no
+regressions".
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ COMPARED = ("faster", "slower", "same", "unclear", "fixed", "failed")
 @dataclass
 class Comparison:
     """frame: one row per matched case (COLUMNS); mismatches: run-level
-    differences (device, geometry mode, timing), one line each; notes:
+    differences (device, geometry, L2 mode, run kind, ranks), one line each:
+    any of them means no case was compared; notes:
     differences worth knowing that do not stop the comparison (driver,
     versions); threshold_pct: the regression threshold; errors: why the
     comparison cannot gate anything (module docstring), one line each."""
@@ -79,6 +82,16 @@ class Comparison:
     def device_mismatch(self) -> bool:
         return any(m.startswith("device") for m in self.mismatches)
 
+    @property
+    def unclear_note(self) -> str | None:
+        """The sentence to show when unclear cases leave regressions not
+        ruled out (None without unclear cases)."""
+        n = int((self.frame["verdict"] == "unclear").sum())
+        if not n:
+            return None
+        return (f"{n} case{'s' if n != 1 else ''} unclear (noise above the {self.threshold_pct:g} % threshold):"
+                " regressions not ruled out")
+
 
 def parse_threshold(text: str | float | int) -> float:
     """'5%', '5' or 5 -> 5.0 (percent); '0.5%' -> 0.5. Raises ValueError for
@@ -101,10 +114,22 @@ def _device(manifest: dict) -> dict:
     return dev if isinstance(dev, dict) else {}
 
 
+def _kind(manifest: dict) -> str:
+    """'step' for a `moebench step` run; sweep runs may lack the key."""
+    return manifest.get("kind") or "sweep"
+
+
+def _ranks(manifest: dict) -> int:
+    """Ranks of the run (sweep runs lack the key: one)."""
+    ranks = manifest.get("ranks")
+    return ranks if ranks is not None else 1
+
+
 def run_mismatches(current: dict, baseline: dict) -> tuple[list[str], list[str]]:
     """(mismatches, notes) between two manifests: device name / SM count /
-    reduced CPU geometry / warm-L2 mode are mismatches; driver, CUDA, package
-    versions and the copy bandwidth (beyond 5 %) are notes."""
+    reduced CPU geometry / warm-L2 mode / run kind (sweep vs step) / rank
+    count are mismatches (the runs measure different things); driver, CUDA,
+    package versions and the copy bandwidth (beyond 5 %) are notes."""
     mism, notes = [], []
     dc, db = _device(current), _device(baseline)
     if dc.get("name") != db.get("name"):
@@ -115,6 +140,11 @@ def run_mismatches(current: dict, baseline: dict) -> tuple[list[str], list[str]]
         mism.append(f"geometry: reduced={bool(current.get('reduced'))} vs baseline {bool(baseline.get('reduced'))}")
     if bool(current.get("warm_l2")) != bool(baseline.get("warm_l2")):
         mism.append(f"L2 mode: warm_l2={bool(current.get('warm_l2'))} vs baseline {bool(baseline.get('warm_l2'))}")
+    if _kind(current) != _kind(baseline):
+        mism.append(f"run kind: {_kind(current)} vs baseline {_kind(baseline)} (a sweep times one layer call,"
+                    " a step the whole decode step)")  # fmt: skip
+    if _ranks(current) != _ranks(baseline):
+        mism.append(f"ranks: {_ranks(current)} vs baseline {_ranks(baseline)}")
     if dc.get("driver") != db.get("driver"):
         notes.append(f"driver {dc.get('driver')} vs baseline {db.get('driver')}")
     if current.get("cuda_runtime") != baseline.get("cuda_runtime"):
@@ -200,7 +230,7 @@ def compare_runs(
         raise ValueError(f"threshold_pct must be a finite number >= 0, got {threshold_pct!r}")
     cur_ix, base_ix = _index(current, current_label), _index(baseline, baseline_label)
     mismatches, notes = run_mismatches(current_manifest, baseline_manifest)
-    device_differs = any(m.startswith(("device", "geometry")) for m in mismatches)
+    runs_differ = ", ".join(m.split(":")[0] for m in mismatches)
     rows = []
     for key in list(cur_ix) + [k for k in base_ix if k not in cur_ix]:
         cur, base = cur_ix.get(key), base_ix.get(key)
@@ -230,9 +260,9 @@ def compare_runs(
             )  # fmt: skip
             row.update(verdict=verdict, ratio=ratio, delta_pct=delta, noise_pct=noise)
             why = _case_mismatch(cur, base)
-            if device_differs or why:
+            if runs_differ or why:
                 row["verdict"] = "mismatch"
-                row["note"] = why or "runs of different devices / geometry: not compared"
+                row["note"] = why or f"the runs differ ({runs_differ}): not compared"
         rows.append(row)
     frame = pd.DataFrame(rows, columns=list(COLUMNS))
     errors = []
@@ -241,18 +271,34 @@ def compare_runs(
                       " compare with; record the baseline again with `moebench sweep`")  # fmt: skip
     if len(current) == 0:
         errors.append(f"the run {current_label} holds no cases (an empty results.parquet): nothing was measured")
-    if not errors and not frame["verdict"].isin(COMPARED).any():
+    compared = frame["verdict"][frame["verdict"].isin(COMPARED)]
+    if not errors and compared.empty:
         counts = frame["verdict"].value_counts().to_dict()
-        hint = ""
-        tactics = [set(df["tactic"].dropna().astype(str)) if "tactic" in df.columns else set()
-                   for df in (current, baseline)]  # fmt: skip
-        if tactics[0] and tactics[1] and not tactics[0] & tactics[1]:
-            hint = (f"; cases match on preset, TP, rows, scenario, backend AND tactic, and the tactics differ"
-                    f" ({', '.join(sorted(tactics[0]))} vs {', '.join(sorted(tactics[1]))})")
+        if mismatches:
+            why = f"the runs differ in {runs_differ} (see the mismatches)"
+        else:
+            why = "the runs share no case that has a time in both" + _key_hint(cur_ix, base_ix)
         errors.append("no case could be compared with the baseline ("
-                      + ", ".join(f"{n} {v}" for v, n in counts.items())
-                      + "): the runs share no case that has a time in both" + hint)  # fmt: skip
+                      + ", ".join(f"{n} {v}" for v, n in counts.items()) + "): " + why)  # fmt: skip
+    elif not errors and (compared == "unclear").all():
+        errors.append(f"no case could be judged: all {len(compared)} compared cases are unclear (noise above the"
+                      f" {threshold_pct:g} % threshold), so regressions are not ruled out; re-run with more"
+                      " --replays on a quiet GPU")  # fmt: skip
     return Comparison(frame, float(threshold_pct), mismatches, notes, current_label, baseline_label, errors)
+
+
+def _key_hint(cur_ix: dict, base_ix: dict) -> str:
+    """When the runs share no case but would with one match key ignored,
+    which key and its values in each run ('' otherwise)."""
+    if set(cur_ix) & set(base_ix):
+        return ""
+    for i, key in enumerate(MATCH_KEYS):
+        rest = [{k[:i] + k[i + 1 :] for k in ix} for ix in (cur_ix, base_ix)]
+        if rest[0] & rest[1]:
+            values = [", ".join(sorted({str(k[i]) for k in ix})) for ix in (cur_ix, base_ix)]
+            return (f"; cases match on preset, TP, rows, scenario, backend AND tactic, and only the {key} differs"
+                    f" ({values[0]} vs {values[1]})")
+    return ""
 
 
 def comparison_markdown(comp: Comparison) -> str:
@@ -273,7 +319,9 @@ def comparison_markdown(comp: Comparison) -> str:
     if len(reg):
         lines += ["", f"### Regressions ({len(reg)})", "", markdown_table(reg[shown])]
     elif comp.errors:
-        lines += ["", "Nothing was compared (see the errors above): this is not a pass."]
+        lines += ["", "Nothing was compared and judged (see the errors above): this is not a pass."]
+    elif comp.unclear_note:
+        lines += ["", f"No regression among the judged cases, but {comp.unclear_note}."]
     else:
         lines += ["", "No regressions."]
     lines += ["", "### All cases", "", markdown_table(comp.frame[shown]), ""]

@@ -15,7 +15,8 @@ Plots (matplotlib's Agg canvas, no pyplot, no display), one figure per
 - compare.png: the per-case ratio vs the baseline with its noise band and
   verdict colours (only with a comparison).
 
-`write_html_report` returns the paths it wrote; the library never prints.
+`write_html_report` returns the paths it wrote (`report_files` names them
+beforehand); the library never prints.
 """
 
 from __future__ import annotations
@@ -152,13 +153,17 @@ def kernel_columns(df: pd.DataFrame) -> list[str]:
     return [c for c in df.columns if KERNEL_COLUMN.match(str(c)) and df[c].notna().any()]
 
 
+def _kernel_panels(df: pd.DataFrame, cols: list[str]) -> list[tuple[tuple, pd.DataFrame]]:
+    if not cols:
+        return []
+    have = df[(df["status"] == "ok") & df[cols].notna().any(axis=1)]
+    return [(key + (label,), s) for key, sub in _groups(have)
+            for label, s in sub.groupby(sub["backend"] + "/" + sub["tactic"].astype(str))]  # fmt: skip
+
+
 def plot_kernels(df: pd.DataFrame, path: Path) -> Path | None:
     cols = kernel_columns(df)
-    if not cols:
-        return None
-    have = df[(df["status"] == "ok") & df[cols].notna().any(axis=1)]
-    panels = [(key + (label,), s) for key, sub in _groups(have)
-              for label, s in sub.groupby(sub["backend"] + "/" + sub["tactic"].astype(str))]  # fmt: skip
+    panels = _kernel_panels(df, cols)
     if not panels:
         return None
     fig, axes = _grid(len(panels))
@@ -176,8 +181,12 @@ def plot_kernels(df: pd.DataFrame, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def _compared_frame(comp: Comparison) -> pd.DataFrame:
+    return comp.frame[comp.frame["ratio"].notna()].reset_index(drop=True)
+
+
 def plot_comparison(comp: Comparison, path: Path) -> Path | None:
-    f = comp.frame[comp.frame["ratio"].notna()].reset_index(drop=True)
+    f = _compared_frame(comp)
     if f.empty:
         return None
     labels = [f"{r.backend} {r.preset} tp{r.tp} r{r.rows} {r.scenario}" for r in f.itertuples()]
@@ -230,6 +239,20 @@ tr.skipped td { color: #888; }
 img { max-width: 100%; border: 1px solid #ddd; margin: 0.5em 0; }
 .warn { color: #b00; font-weight: bold; }
 """
+
+
+def report_files(df: pd.DataFrame, comparison: Comparison | None = None) -> list[str]:
+    """Names of the files `write_html_report` writes for this run
+    (report.html first), so that a caller can refuse to replace them all
+    before writing any."""
+    names = ["report.html", "latency.png", "bandwidth.png"]
+    if not speedup_frame(df).empty:
+        names.append("speedup.png")
+    if _kernel_panels(df, kernel_columns(df)):
+        names.append("kernels.png")
+    if comparison is not None and not _compared_frame(comparison).empty:
+        names.append("compare.png")
+    return names
 
 
 def write_html_report(
@@ -286,13 +309,18 @@ def write_html_report(
         parts.append(f"<h2>Comparison with {html.escape(comparison.baseline_label)}</h2><ul>")
         parts.append(f"<li>threshold {comparison.threshold_pct:g} %; verdicts: "
                      + html.escape(", ".join(f"{n} {v}" for v, n in comparison.counts.items()) or "none") + "</li>")
+        for e in comparison.errors:
+            parts.append(f"<li class='warn'>error: {html.escape(e)}</li>")
         for m in comparison.mismatches:
             parts.append(f"<li class='warn'>mismatch: {html.escape(m)}</li>")
         for n in comparison.notes:
             parts.append(f"<li>note: {html.escape(n)}</li>")
         parts.append("</ul>")
         reg = comparison.regressions
-        parts.append(f"<h3>Regressions ({len(reg)})</h3>" + (_table_html(reg) if len(reg) else "<p>none</p>"))
+        none = ("<p>none found, but nothing was compared and judged (see the errors): not a pass</p>"
+                if comparison.errors else f"<p>none found, but {html.escape(comparison.unclear_note)}</p>"
+                if comparison.unclear_note else "<p>none</p>")  # fmt: skip
+        parts.append(f"<h3>Regressions ({len(reg)})</h3>" + (_table_html(reg) if len(reg) else none))
         parts.append("<h3>All cases</h3>" + _table_html(comparison.frame))
     parts.append("<h2>Plots</h2>")
     for p in pngs:

@@ -156,12 +156,16 @@ def _move_into_place(tmp: Path, root: Path, name: str, overwrite: bool) -> Path:
 def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
     """(results, manifest) of the run directory `path`.
 
-    Raises FileNotFoundError naming the missing directory or file; ValueError
-    naming the file when it is corrupt or lacks REQUIRED_COLUMNS.
+    Raises FileNotFoundError naming the missing directory or file (or a path
+    that is not a directory); ValueError naming the file when it is corrupt
+    or lacks REQUIRED_COLUMNS.
     """
     path = Path(path)
-    if not path.is_dir():
+    if not path.exists():
         raise FileNotFoundError(f"run directory {path} does not exist")
+    if not path.is_dir():
+        raise FileNotFoundError(f"run directory {path} is not a directory (a run directory holds {RESULTS} and"
+                                f" {MANIFEST})")  # fmt: skip
     results, manifest_path = path / RESULTS, path / MANIFEST
     for f in (results, manifest_path):
         if not f.is_file():

@@ -144,3 +144,55 @@ def test_an_empty_baseline_or_nothing_in_common_is_an_error_not_a_pass():
     assert "no case could be compared" in apart.errors[0] and "1 new, 1 missing" in apart.errors[0]
     cur, base = runs()
     assert compare_runs(cur, MANIFEST, base, MANIFEST).errors == []
+
+
+def test_other_run_kind_or_rank_count_is_a_mismatch_not_compared():
+    cur, base = runs()
+    sweep = {**MANIFEST}  # sweep runs lack "kind" and "ranks"
+    step_tp2 = {**MANIFEST, "kind": "step", "ranks": 2}
+    step_one_rank = {**MANIFEST, "kind": "step", "ranks": 1}
+    for current, baseline, needle in ((step_tp2, sweep, "run kind: step vs baseline sweep"),
+                                      (sweep, step_one_rank, "run kind: sweep vs baseline step"),
+                                      (step_tp2, step_one_rank, "ranks: 2 vs baseline 1")):  # fmt: skip
+        comp = compare_runs(cur, current, base, baseline, threshold_pct=5.0)
+        assert any(needle in m for m in comp.mismatches), comp.mismatches
+        v = verdicts(comp)
+        assert v[("moebench", 1)] == "mismatch" and v[("moebench", 2)] == "mismatch"
+        assert len(comp.regressions[comp.regressions["verdict"] == "slower"]) == 0
+    assert compare_runs(cur, step_tp2, base, step_tp2).mismatches == []
+    assert compare_runs(cur, {**MANIFEST, "kind": "sweep", "ranks": 1}, base, sweep).mismatches == []
+    warm = compare_runs(cur, {**MANIFEST, "warm_l2": True}, base, MANIFEST)
+    assert verdicts(warm)[("moebench", 1)] == "mismatch"
+
+
+def test_nothing_compared_for_a_run_level_mismatch_says_so():
+    cur = pd.DataFrame([case(1, median=12.0), case(2, median=12.0)])
+    comp = compare_runs(cur, {**MANIFEST, "kind": "step", "ranks": 2}, cur, MANIFEST)
+    assert "the runs differ in run kind, ranks" in comp.errors[0] and "tactic" not in comp.errors[0]
+
+
+def test_tactic_hint_only_when_the_tactic_is_the_only_differing_key():
+    base = pd.DataFrame([case(1), case(2)])
+    tuned = base.assign(tactic="tuned")
+    only_tactic = compare_runs(tuned, MANIFEST, base, MANIFEST)
+    assert "only the tactic differs (tuned vs default)" in only_tactic.errors[0]
+    tp_too = compare_runs(tuned.assign(tp=8), MANIFEST, base, MANIFEST)
+    assert "no case could be compared" in tp_too.errors[0] and "tactic" not in tp_too.errors[0]
+    only_tp = compare_runs(base.assign(tp=8), MANIFEST, base, MANIFEST)
+    assert "only the tp differs (8 vs 4)" in only_tp.errors[0]
+
+
+def test_unclear_cases_never_read_as_no_regressions():
+    base = pd.DataFrame([case(1), case(2)])
+    noisy = pd.DataFrame([case(1, median=10.3, spread=0.3), case(2, median=10.3, spread=0.3)])
+    comp = compare_runs(noisy, MANIFEST, base, MANIFEST, threshold_pct=5.0)
+    assert set(comp.frame["verdict"]) == {"unclear"} and len(comp.regressions) == 0
+    assert "no case could be judged: all 2 compared cases are unclear" in comp.errors[0]
+    text = comparison_markdown(comp)
+    assert "No regressions" not in text and "not a pass" in text
+    mixed = compare_runs(pd.concat([noisy.iloc[:1], base.iloc[1:]]), MANIFEST, base, MANIFEST, threshold_pct=5.0)
+    assert mixed.errors == [] and mixed.unclear_note.startswith("1 case unclear")
+    text = comparison_markdown(mixed)
+    assert "No regressions." not in text and "regressions not ruled out" in text
+    assert compare_runs(base, MANIFEST, base, MANIFEST).unclear_note is None
+    assert "No regressions." in comparison_markdown(compare_runs(base, MANIFEST, base, MANIFEST))
