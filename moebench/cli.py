@@ -48,6 +48,33 @@ def _fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:
     return typer.Exit(code)
 
 
+def _version() -> str:
+    """The installed package's version, else moebench.__version__ (a source tree on PYTHONPATH)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("moebench")
+    except PackageNotFoundError:
+        import moebench
+
+        return getattr(moebench, "__version__", "unknown")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        console.print(f"moebench {_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the moebench version and exit."
+    ),
+) -> None:
+    """Microbenchmarks and tuning for low-batch MXFP4 routed-expert MoE decode on Hopper."""
+
+
 def parse_int_list(text: str, option: str, lo: int, hi: int) -> tuple[int, ...]:
     """'1-8', '1,2,4', '6' or '1-4,8' -> sorted distinct ints in [lo, hi].
     Raises ValueError naming `option`."""
@@ -71,6 +98,80 @@ def parse_names(text: str, option: str) -> tuple[str, ...]:
     if not names:
         raise ValueError(f"{option}: expected a comma-separated list, got {text!r}")
     return names
+
+
+#: Config fields set by the option of the same name: the library's messages
+#: name the field, the CLI's name the option as typed.
+_FIELD_OPTIONS = {"hidden": "--hidden", "intermediate": "--intermediate", "experts": "--experts",
+                  "top_k": "--top-k", "replays": "--replays", "warmup": "--warmup", "layers": "--layers",
+                  "seed": "--seed"}  # fmt: skip
+
+
+def _option_message(error: Exception) -> str:
+    """`error`'s text with a leading config field renamed to its option
+    ('replays must be an int >= 1, got 0' -> '--replays must be ...')."""
+    text = str(error)
+    match = re.match(r"(\w+) must\b", text)
+    if match and match[1] in _FIELD_OPTIONS:
+        return _FIELD_OPTIONS[match[1]] + text[len(match[1]) :]
+    return text
+
+
+def _check_geometry(presets, overrides: dict, reduced: bool) -> None:
+    """Build each known preset with the --hidden / --intermediate / --experts /
+    --top-k overrides (and, when `reduced`, the CPU's reduced sizes, which run)
+    so that a bad override fails here, naming its option. Unknown presets are
+    left to the config (it names --preset)."""
+    from moebench.bench.cases import CPU_REDUCED
+    from moebench.models import PRESETS, get_preset
+
+    given = {k: v for k, v in overrides.items() if v is not None}
+    for name in (p for p in presets if p in PRESETS):
+        for small in (True, False) if reduced else (False,):
+            sizes = {**CPU_REDUCED, **given} if small else given
+            try:
+                get_preset(name, **sizes)
+            except ValueError as error:
+                if not str(error).startswith("top_k ("):
+                    raise ValueError(_option_message(error)) from None
+                top_k, experts = sizes.get("top_k", PRESETS[name].top_k), sizes.get("experts", PRESETS[name].experts)
+                if "top_k" not in given:
+                    raise ValueError(f"--experts {experts} is below {name}'s top_k {top_k}; expected --experts >="
+                                     f" {top_k} (or a smaller --top-k)") from None  # fmt: skip
+                origin = (f"--experts {experts}" if "experts" in given else
+                          f"the {experts} experts of the reduced geometry that runs without a GPU" if small else
+                          f"{name}'s {experts} experts")  # fmt: skip
+                raise ValueError(f"--top-k {top_k} exceeds {origin}; expected --top-k <= {experts}") from None
+
+
+def _reduced_presets(names, overrides: dict, which: str) -> tuple[tuple[str, ...], str]:
+    """Without a GPU every preset runs the reduced geometry: (the presets kept,
+    those whose reduced layer equals an earlier one's dropped, and the note
+    line saying what runs). Call after _check_geometry."""
+    from dataclasses import replace
+
+    from moebench.bench.cases import CPU_REDUCED
+    from moebench.models import PRESETS, get_preset
+
+    sizes = {**CPU_REDUCED, **{k: v for k, v in overrides.items() if v is not None}}
+    kept: dict = {}  # reduced layer (name blanked) -> preset
+    dropped = []
+    for name in names:
+        if name not in PRESETS:
+            kept[name] = name  # the config names the unknown preset
+            continue
+        layer = replace(get_preset(name, **sizes), name="")
+        if layer in kept:
+            dropped.append(f"{name} (same layer as {kept[layer]})")
+        else:
+            kept[layer] = name
+    shapes = ", ".join(dict.fromkeys(f"(H={c.hidden}, I={c.intermediate}, E={c.experts}, top_k={c.top_k})"
+                                     for c in kept if not isinstance(c, str)))  # fmt: skip
+    note = (f"No GPU: running {which} on the CPU at the reduced geometry {shapes} whatever the preset, so preset"
+            f" names are only labels (stored as <preset>+custom)"
+            + (f"; not repeated: {', '.join(dropped)}" if dropped else "")
+            + "; CPU latencies say nothing about a GPU.")  # fmt: skip
+    return tuple(kept.values()), note
 
 
 _STATUS_COLORS = {"ok": "green", "failed": "red", "skipped": "yellow"}
@@ -114,7 +215,10 @@ def sweep(
     backends: str = typer.Option(
         "default", help="'default' (GPU: all but reference; CPU: reference,torch-bf16), 'all', or a list."
     ),
-    scenario: str = typer.Option("correlated", help="Routing scenarios: uniform,zipf,hot,correlated,replay."),
+    scenario: str = typer.Option(
+        "correlated", help="Routing scenarios, comma-separated, of: uniform, zipf, hot, correlated, replay"
+        " (replay reads --trace)."
+    ),
     tactics: str = typer.Option(
         "default", help="Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list"
         " (moebench: default = tuned table else built-in, builtin = built-in defaults, tuned = the tuning"
@@ -136,13 +240,18 @@ def sweep(
         None, "--worker-timeout", help="With --devices: stop workers still running after this many seconds"
         " (their unfinished cases are stored as failed)."
     ),
-    trace: Path = typer.Option(None, help="Top-k trace (.npz with topk_ids) for the replay scenario."),
+    trace: Path = typer.Option(
+        None, help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario."
+    ),
     label: str = typer.Option("sweep", help="Run label: the run goes to OUT/<UTC date>-<label>."),
     out: Path = typer.Option(Path("reports/runs"), help="Root directory of stored runs."),
 ) -> None:
-    """Measure backends over presets x TP x rows x scenarios; store the run."""
+    """Measure backends over presets x TP x rows x scenarios.
+
+    Every case is gated on the fp64 oracle, then timed; the run is stored under
+    OUT/<UTC date>-<label>."""
     from moebench.backends.registry import backend_names
-    from moebench.bench.cases import CPU_BACKENDS, CPU_REDUCED, SweepConfig
+    from moebench.bench.cases import CPU_BACKENDS, SweepConfig
     from moebench.bench.sweep import run_sweep, validate_sweep
     from moebench.env import resolve_device
     from moebench.record import MAX_ROWS
@@ -174,8 +283,13 @@ def sweep(
         tp = ("1,8" if reduced else "1,2,4,8") if tp is None else tp
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out: {out} exists and is not a directory")
+        names = parse_names(preset, "--preset")
+        overrides = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k}
+        _check_geometry(names, overrides, reduced)
+        if reduced:
+            names, note = _reduced_presets(names, overrides, ", ".join(backend_list or CPU_BACKENDS))
         config = SweepConfig(
-            presets=parse_names(preset, "--preset"), hidden=hidden, intermediate=intermediate,
+            presets=names, hidden=hidden, intermediate=intermediate,
             experts=experts, top_k=top_k, tp=parse_int_list(tp, "--tp", 1, 64),
             rows=parse_int_list(rows, "--rows", 1, MAX_ROWS), scenarios=parse_names(scenario, "--scenario"),
             backends=backend_list, tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
@@ -190,19 +304,13 @@ def sweep(
             backend_list = backend_list or default_backends("cuda")
             check_backend_names(backend_list)
     except (ValueError, TypeError) as error:
-        raise _fail(str(error)) from None
+        raise _fail(_option_message(error)) from None
     if gpus is not None:
         _sharded_sweep(config, gpus, backend_list, out, label, worker_timeout)
         return
 
     if reduced:
-        sizes = {k: v for k, v in CPU_REDUCED.items() if getattr(config, k) is None}
-        shown = ", ".join(f"{k}={v}" for k, v in sizes.items()) or "as overridden"
-        which = ", ".join(backend_list or CPU_BACKENDS)
-        console.print(
-            f"[yellow]No GPU: running {which} on the CPU at a reduced size ({shown}); "
-            "CPU latencies say nothing about a GPU.[/yellow]"
-        )
+        console.print(f"[yellow]{escape_markup(note)}[/yellow]")
     try:
         with Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -321,7 +429,10 @@ def step(
         " (the shape `sweep --tp` times)."
     ),
     rows: str = typer.Option(None, help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU)."),
-    scenario: str = typer.Option("correlated", help="Routing scenarios: uniform,zipf,hot,correlated,replay."),
+    scenario: str = typer.Option(
+        "correlated", help="Routing scenarios, comma-separated, of: uniform, zipf, hot, correlated, replay"
+        " (replay reads --trace)."
+    ),
     backends: str = typer.Option(
         "default", help="'default' (GPU: moebench, torch-bf16, flashinfer-w4a16/-w4a8; CPU: reference,"
         " torch-bf16), 'all', or a list."
@@ -337,14 +448,19 @@ def step(
     devices: str = typer.Option(None, help="With --tp N > 1: the N GPUs of the ranks, e.g. '0,1' or 'all'"
                                 " (default: the first N)."),
     timeout: float = typer.Option(None, help="With --tp N > 1: stop the ranks after this many seconds."),
-    trace: Path = typer.Option(None, help="Top-k trace (.npz with topk_ids) for the replay scenario."),
+    trace: Path = typer.Option(
+        None, help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario."
+    ),
     label: str = typer.Option("step", help="Run label: the run goes to OUT/<UTC date>-<label>."),
     out: Path = typer.Option(Path("reports/runs"), help="Root directory of stored runs."),
 ) -> None:
-    """Time a whole decode-step MoE layer (gate -> router -> shared expert ->
-    routed experts -> finalize [-> all-reduce]) per rows and backend under CUDA
-    graphs, gated on the fp64 oracle of the layer; store the run."""
+    """Time a whole decode-step MoE layer; store the run.
+
+    The layer: gate -> router -> shared expert -> routed experts -> finalize
+    [-> all-reduce], per rows and backend under CUDA graphs, gated on the fp64
+    oracle of the layer."""
     from moebench.backends.registry import backend_names
+    from moebench.bench.cases import CPU_BACKENDS
     from moebench.bench.decode_step import StepConfig, rank_devices, run_step
     from moebench.bench.shard import parse_devices, visible_gpu_count
     from moebench.env import resolve_device
@@ -379,8 +495,13 @@ def step(
             backend_list = parse_names(backends, "--backends")
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out: {out} exists and is not a directory")
+        names = parse_names(preset, "--preset")
+        overrides = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k}
+        _check_geometry(names, overrides, reduced)
+        if reduced:
+            names, note = _reduced_presets(names, overrides, ", ".join(backend_list or CPU_BACKENDS))
         config = StepConfig(
-            presets=parse_names(preset, "--preset"), hidden=hidden, intermediate=intermediate, experts=experts,
+            presets=names, hidden=hidden, intermediate=intermediate, experts=experts,
             top_k=top_k, tp=(tp,), rows=parse_int_list(rows, "--rows", 1, MAX_ROWS),
             scenarios=parse_names(scenario, "--scenario"), backends=backend_list, seed=seed, warm_l2=warm_l2,
             layers=layers, device=str(dev) if ranks == 1 else dev.type, reduced=reduced, warmup=warmup,
@@ -393,14 +514,13 @@ def step(
 
             check_backend_names(config.backends)
     except (ValueError, TypeError) as error:
-        raise _fail(str(error)) from None
+        raise _fail(_option_message(error)) from None
 
     where = (f"{ranks} ranks on GPUs {', '.join(map(str, gpu_used))} (NCCL)" if ranks > 1 and dev.type == "cuda"
              else f"{ranks} ranks on the CPU (gloo)" if ranks > 1 else f"one rank on {dev}")  # fmt: skip
     console.print(f"decode step, TP{tp}: {where}")
     if reduced:
-        console.print("[yellow]No GPU: the step runs at a reduced size on the CPU; CPU latencies say nothing"
-                      " about a GPU.[/yellow]")  # fmt: skip
+        console.print(f"[yellow]{escape_markup(note)}[/yellow]")
     try:
         with Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -773,11 +893,14 @@ def tune(
     ),
     force: bool = typer.Option(False, "--force", help="Replace a table of another device or a newer version."),
 ) -> None:
-    """Tune the GEMM tactics per rows on this GPU; write one table per shape
-    class and print what tuning buys over the defaults at rows 1, 4, 8."""
+    """Tune the GEMM tactics per rows on this GPU; write tuning tables.
+
+    One table per shape class; prints what tuning buys over the defaults at
+    rows 1, 4, 8."""
     import os
 
-    from moebench.models import PRESETS, get_preset
+    from moebench.bench.cases import SweepConfig
+    from moebench.models import PRESETS
     from moebench.record import MAX_ROWS
     from moebench.routing import SCENARIOS
     from moebench.tuning.space import SPACES
@@ -789,10 +912,11 @@ def tune(
             raise ValueError(f"--scenario: expected one of {[s for s in SCENARIOS if s != 'replay']}, got {scenario!r}")
         names = tuple(PRESETS) if preset.strip() == "all" else parse_names(preset, "--preset")
         tps = parse_int_list(tp, "--tp", 1, 64)
-        for name in names:
-            cfg = get_preset(name, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k)
-            for t in tps:
-                cfg.shard(t)
+        _check_geometry(names, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
+                                "top_k": top_k}, reduced=False)  # fmt: skip
+        # The sweep's checks of the presets and TP degrees (messages naming --preset / --tp).
+        SweepConfig(presets=names, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
+                    tp=tps, reduced=False)  # fmt: skip
         row_list = parse_int_list(rows, "--rows", 1, MAX_ROWS)
         stage_list = parse_int_list(stages, "--stages", 1, 2)
         for name, v, lo in (("--repeats", repeats, 1), ("--top", top, 2), ("--replays", replays, 1),
@@ -806,7 +930,7 @@ def tune(
         if summary is not None and summary.exists() and summary.is_dir():
             raise ValueError(f"--summary: {summary} is a directory; give a file name, e.g. tune-gains.md")
     except (ValueError, TypeError) as error:
-        raise _fail(str(error)) from None
+        raise _fail(_option_message(error)) from None
     from moebench.tuning import runner as tuning_runner
     from moebench.tuning.precompile import default_jobs
 

@@ -329,3 +329,76 @@ def test_sweep_where_every_case_is_skipped_exits_nonzero(tmp_path):
         app, ["sweep", "--rows", "1", "--tp", "8", "--backends", "moebench", "--out", str(tmp_path)]
     )
     assert result.exit_code == 1 and "no case ran" in result.output
+
+
+@pytest.mark.parametrize(
+    "command, args, needle",
+    [
+        ("sweep", ["--replays", "0"], "--replays must be an int >= 1, got 0"),
+        ("sweep", ["--warmup", "-1"], "--warmup must be"),
+        ("sweep", ["--layers", "0"], "--layers must be"),
+        ("sweep", ["--seed", "-1"], "--seed must be"),
+        ("sweep", ["--hidden", "100"], "--hidden must be a multiple of 128, got 100"),
+        ("sweep", ["--intermediate", "100"], "--intermediate must be a multiple of 32"),
+        ("sweep", ["--experts", "0"], "--experts must be a positive int"),
+        ("sweep", ["--top-k", "500"], "--top-k 500 exceeds the 32 experts of the reduced geometry"),
+        ("sweep", ["--experts", "4"], "--experts 4 is below dsv41-flash's top_k 6"),
+        ("sweep", ["--experts", "4", "--top-k", "8"], "--top-k 8 exceeds --experts 4"),
+        ("step", ["--replays", "0"], "--replays must be"),
+        ("step", ["--hidden", "100"], "--hidden must be"),
+        ("step", ["--top-k", "500"], "--top-k 500 exceeds"),
+        ("tune", ["--hidden", "100"], "--hidden must be"),
+        ("tune", ["--top-k", "500"], "--top-k 500 exceeds dsv41-flash's 384 experts; expected --top-k <= 384"),
+        ("tune", ["--tp", "5"], "(--tp)"),
+    ],
+)
+def test_option_errors_name_the_option(tmp_path, command, args, needle):
+    result = runner.invoke(app, [command, *args, "--out", str(tmp_path)])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output.replace("\n", "") and "Traceback" not in result.output
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["sweep", "step"])
+def test_trace_without_the_replay_scenario_is_an_error(tmp_path, command):
+    result = runner.invoke(app, [command, "--trace", str(tmp_path / "t.npz"), "--scenario", "correlated",
+                                 "--out", str(tmp_path / "runs")])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    text = result.output.replace("\n", "")
+    assert "--trace" in text and "--scenario" in text and "replay" in text
+
+
+def test_cpu_tp_suggestion_is_the_reduced_geometrys(tmp_path):
+    for command in ("sweep", "step"):
+        result = runner.invoke(app, [command, "--tp", "16", "--out", str(tmp_path)])
+        text = result.output.replace("\n", "")
+        assert result.exit_code == 2 and "--tp 1,2,4,8," in text and "9,12" not in text
+        assert f"the {command} runs a reduced geometry" in text
+
+
+def test_cpu_sweep_notes_the_reduced_geometry_and_drops_repeats(tmp_path):
+    from moebench.reports.store import read_run
+
+    result = runner.invoke(app, ["sweep", "--preset", "dsv41-flash,dsv4-flash", "--backends", "reference",
+                                 "--tp", "1", "--rows", "1", "--replays", "2", "--warmup", "0",
+                                 "--out", str(tmp_path)])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "(H=512, I=256, E=32, top_k=6) whatever the preset" in text and "only labels" in text
+    assert "dsv4-flash (same layer as dsv41-flash)" in text
+    frame, _ = read_run(next(tmp_path.iterdir()))
+    assert list(frame["preset"]) == ["dsv41-flash+custom"]
+
+
+def test_version_and_help_texts():
+    from moebench import __version__
+
+    result = runner.invoke(app, ["--version"])
+    assert result.exit_code == 0 and result.output.strip() == f"moebench {__version__}"
+    top = runner.invoke(app, ["--help"], env={"COLUMNS": "80"})
+    assert "Time a whole decode-step MoE layer; store the run." in top.output
+    assert "Tune the GEMM tactics per rows on this GPU; write tuning tables." in top.output
+    for command in ("sweep", "step"):
+        help_text = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"}).output
+        text = " ".join(help_text.replace("│", " ").split())  # the whole list, however wrapped
+        assert "uniform, zipf, hot, correlated, replay (replay reads --trace)" in text

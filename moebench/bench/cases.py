@@ -72,7 +72,8 @@ class SweepConfig:
     presets: preset names (models.PRESETS); hidden / intermediate / experts /
     top_k: overrides applied to every preset; tp: tensor-parallel degrees (one
     rank's shape each); rows: token rows, 1..8; scenarios: routing.SCENARIOS
-    ("replay" needs `trace`, an .npz path); backends: registry names, None =
+    ("replay" needs `trace`, an .npz path, which only "replay" reads: a trace without
+    it is an error); backends: registry names, None =
     every registered backend; tactics: tactic names tried per backend (those a
     backend does not offer for a shape are skipped with a reason); seed: of
     weights, routing and activations; warm_l2: time one weight set over and
@@ -108,6 +109,9 @@ class SweepConfig:
     memory_fraction: float = 0.6
     trace: Path | None = None
 
+    #: The command this config is for, as its messages name it (a class attribute, not a field).
+    _command = "sweep"
+
     def __post_init__(self) -> None:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731
         set_("presets", _tuple_of("presets", self.presets, str))
@@ -126,6 +130,12 @@ class SweepConfig:
                 raise ValueError(f"scenarios (--scenario): unknown scenario {s!r}; expected one of {SCENARIOS}")
         if "replay" in self.scenarios and self.trace is None:
             raise ValueError("scenarios (--scenario): 'replay' needs trace (--trace) = an .npz with topk_ids")
+        if self.trace is not None and "replay" not in self.scenarios:
+            # Only the replay scenario reads the trace: never ignore one silently.
+            raise ValueError(
+                f"trace (--trace) is only read by the 'replay' scenario, and scenarios (--scenario) is"
+                f" {','.join(self.scenarios)}; add replay to --scenario (e.g. --scenario replay) or drop --trace"
+            )
         if self.backends is not None:
             set_("backends", _tuple_of("backends", self.backends, str))
         set_("tactics", _tuple_of("tactics", self.tactics, str))
@@ -147,28 +157,29 @@ class SweepConfig:
     def _check_tp(self, preset: str, tp: int) -> None:
         """Raise ValueError (naming --tp and the TP degrees that would work)
         when `preset` (with the overrides, and the reduced CPU geometry when
-        this sweep uses it) cannot be split `tp` ways."""
+        this run uses it) cannot be split `tp` ways. The degrees suggested are
+        those of the geometry that runs."""
         full = self.config_for(preset, reduced=False)
+        small = self.config_for(preset, reduced=True) if self.reduced else full
+        if small.intermediate != full.intermediate:  # the CPU's reduced I runs, not the preset's
+            try:
+                small.shard(tp)
+            except ValueError:
+                fit = 32 * tp * -(-CPU_REDUCED["intermediate"] // (32 * tp))
+                raise ValueError(
+                    f"tp={tp} (--tp): without a GPU the {self._command} runs a reduced geometry (intermediate"
+                    f" {small.intermediate} instead of {full.name}'s {full.intermediate}, hidden {small.hidden},"
+                    f" experts {small.experts}) and {small.intermediate} does not split into {tp} slices of whole"
+                    f" 32-wide MX blocks; on the CPU use --tp {_fmt_tps(small.intermediate, full.intermediate)},"
+                    f" or give --intermediate {fit} (a multiple of {32 * tp})"
+                ) from None
         try:
             full.shard(tp)
         except ValueError:
             raise ValueError(
                 f"tp={tp} (--tp): {full.name}'s intermediate size {full.intermediate} does not split into"
-                f" {tp} slices of whole 32-wide MX blocks; valid --tp values: {_fmt_tps(full.intermediate)}"
-            ) from None
-        if not self.reduced:
-            return
-        small = self.config_for(preset, reduced=True)
-        try:
-            small.shard(tp)
-        except ValueError:
-            fit = 32 * tp * -(-CPU_REDUCED["intermediate"] // (32 * tp))
-            raise ValueError(
-                f"tp={tp} (--tp): without a GPU the sweep runs a reduced geometry (intermediate"
-                f" {small.intermediate} instead of {full.name}'s {full.intermediate}, hidden {small.hidden},"
-                f" experts {small.experts}) and {small.intermediate} does not split into {tp} slices of whole"
-                f" 32-wide MX blocks; on the CPU use --tp {_fmt_tps(small.intermediate)}, or give"
-                f" --intermediate {fit} (a multiple of {32 * tp})"
+                f" {tp} slices of whole 32-wide MX blocks; valid --tp values:"
+                f" {_fmt_tps(small.intermediate, full.intermediate)}"
             ) from None
 
     def config_for(self, preset: str, *, reduced: bool) -> MoEConfig:
@@ -182,9 +193,11 @@ class SweepConfig:
         return get_preset(preset, **over)
 
 
-def _fmt_tps(intermediate: int, limit: int = 64) -> str:
-    """The TP degrees (<= limit) that split `intermediate` into whole MX blocks."""
-    return ",".join(str(t) for t in range(1, limit + 1) if intermediate % t == 0 and (intermediate // t) % 32 == 0)
+def _fmt_tps(*intermediates: int, limit: int = 64) -> str:
+    """The TP degrees (<= limit) that split every one of `intermediates` into whole MX blocks."""
+    return ",".join(
+        str(t) for t in range(1, limit + 1) if all(i % t == 0 and (i // t) % 32 == 0 for i in intermediates)
+    )
 
 
 def expand_cases(config: SweepConfig, backends: tuple[str, ...], *, reduced: bool) -> list[Case]:

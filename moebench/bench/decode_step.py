@@ -133,6 +133,8 @@ class StepConfig(SweepConfig):
     ranks: int = 1
     devices: tuple[int, ...] | None = None
 
+    _command = "step"
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if len(self.tp) != 1:

@@ -50,3 +50,23 @@ def test_grid_and_reduced_geometry():
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SweepConfig(**kwargs)
+
+
+def test_reduced_tp_error_suggests_the_reduced_geometrys_degrees():
+    # Without a GPU the reduced I=256 runs: suggest its degrees, not the preset's (3, 12 ... would fail too).
+    for tp in (16, 3):
+        with pytest.raises(ValueError) as info:
+            SweepConfig(tp=(tp,), reduced=True)
+        text = str(info.value)
+        assert "--tp 1,2,4,8," in text and "the sweep runs a reduced geometry" in text and "9,12" not in text
+    with pytest.raises(ValueError, match=r"valid --tp values: 1,2,3,4,6,8,9,12,18,24,36$"):
+        SweepConfig(tp=(16,), reduced=False)
+    with pytest.raises(ValueError, match=r"valid --tp values: 1,2,4,8$"):  # an --intermediate runs on both
+        SweepConfig(tp=(16,), intermediate=256, reduced=True)
+
+
+def test_trace_is_only_taken_with_the_replay_scenario(tmp_path):
+    with pytest.raises(ValueError, match=r"--trace.*--scenario"):
+        SweepConfig(scenarios=("correlated",), trace=tmp_path / "t.npz")
+    cfg = SweepConfig(scenarios=("replay", "correlated"), trace=tmp_path / "t.npz")
+    assert cfg.trace == tmp_path / "t.npz"

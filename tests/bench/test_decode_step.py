@@ -40,6 +40,9 @@ def test_step_config_validation():
         step_config(**SMALL, tp=1, tactics=("builtin",))
     with pytest.raises(ValueError, match="tp=3"):
         step_config(**SMALL, tp=3)
+    with pytest.raises(ValueError, match="without a GPU the step runs a reduced geometry") as info:
+        StepConfig(presets=("dsv41-flash",), tp=(3,), reduced=True)  # the step's words, not the sweep's
+    assert "sweep" not in str(info.value)
 
 
 def test_more_ranks_than_gpus_names_both_numbers(monkeypatch):
