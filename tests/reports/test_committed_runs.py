@@ -34,3 +34,45 @@ def test_committed_run_reads_and_renders(run, tmp_path):
     plots = sorted(tmp_path.glob("*.png"))
     assert plots and all(p.read_bytes().startswith(b"\x89PNG") for p in plots)
     assert sorted(p.name for p in run.iterdir()) == before  # the committed run is left as it is
+
+
+#: README's measured table: column -> (backend, run directory).
+README_COLUMNS = {
+    "moebench (ours)": ("moebench", "2026-11-30-h200-dsv41-fp8-family"),
+    "humming W4A16": ("humming-w4a16", "2026-11-29-h200x4-dsv41-baselines"),
+    "humming W4A8": ("humming-w4a8", "2026-11-29-h200x2-dsv41-humming-w4a8"),
+    "FlashInfer SM90 W4A16": ("flashinfer-w4a16", "2026-11-29-h200x2-dsv41-flashinfer"),
+    "FlashInfer SM90 W4A8": ("flashinfer-w4a8", "2026-11-29-h200x2-dsv41-flashinfer"),
+    "torch BF16": ("torch-bf16", "2026-11-29-h200x2-dsv41-flashinfer"),
+}
+
+
+def test_readme_table_quotes_the_committed_runs():
+    """Every 'µs / % copy' cell of README's measured table (dsv41-flash TP4,
+    correlated, default tactic) equals the committed run's ok case, rounded
+    as printed: a re-measured run or an edited table cannot drift apart."""
+    readme = (RUNS.parents[1] / "README.md").read_text()
+    lines = [ln for ln in readme.splitlines() if ln.startswith("| ")]
+    header = next(ln for ln in lines if "moebench (ours)" in ln)
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    assert set(README_COLUMNS) <= set(cols[1:]), cols
+    frames = {}
+    checked = 0
+    for ln in lines[lines.index(header) + 1:]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        if not cells[0].isdigit():
+            continue
+        rows = int(cells[0])
+        for col, cell in zip(cols[1:], cells[1:]):
+            backend, run = README_COLUMNS[col]
+            if run not in frames:
+                frames[run] = read_run(RUNS / run)[0]
+            df = frames[run]
+            case = df[(df.backend == backend) & (df.preset == "dsv41-flash") & (df.tp == 4) & (df.rows == rows)
+                      & (df.scenario == "correlated") & (df.tactic == "default")]
+            assert len(case) == 1 and case.iloc[0].status == "ok", (col, rows)
+            us, pct = (float(v.strip(" %")) for v in cell.split("/"))
+            assert round(float(case.iloc[0].median_us), 1) == us, (col, rows, case.iloc[0].median_us)
+            assert round(float(case.iloc[0].pct_copy_bw), 1) == pct, (col, rows, case.iloc[0].pct_copy_bw)
+            checked += 1
+    assert checked == 3 * len(README_COLUMNS)
