@@ -48,6 +48,20 @@ def _check_u8(t: torch.Tensor, name: str) -> None:
         raise TypeError(f"{name} must be a 1-byte tensor (uint8/float8_e4m3fn), got {t.dtype}")
 
 
+def _check_blocks_u8(t: torch.Tensor, name: str) -> None:
+    """A 1-byte tensor with a last (K) dimension."""
+    _check_u8(t, name)
+    if t.dim() == 0:
+        raise ValueError(f"{name} must have a last (K) dimension, got a 0-d tensor")
+
+
+def _check_out_dtype(dtype) -> None:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize == 1:
+        raise TypeError(
+            f"dtype must be a floating torch.dtype (float16/bfloat16/float32/float64), got {dtype!r}"
+        )
+
+
 def e8m0_to_float32(scale: torch.Tensor) -> torch.Tensor:
     """E8M0 codes (uint8, any shape) -> fp32 2^(s-127); 255 -> NaN; 0 -> 2^-127
     (an fp32 subnormal, exact)."""
@@ -100,9 +114,11 @@ def dequantize_mxfp8(
     values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """values e4m3 [..., K] with scales uint8 [..., K/32] -> `dtype` [..., K]
-    (exact in fp32/fp64 unless the product underflows). Raises on mismatched shapes."""
-    _check_u8(values, "values")
-    _check_u8(scales, "scales")
+    (exact in fp32/fp64 unless the product underflows). Raises ValueError on
+    mismatched shapes, TypeError on a non-1-byte input or a non-floating `dtype`."""
+    _check_blocks_u8(values, "values")
+    _check_blocks_u8(scales, "scales")
+    _check_out_dtype(dtype)
     if values.shape[:-1] != scales.shape[:-1] or values.shape[-1] != scales.shape[-1] * MX_BLOCK:
         raise ValueError(
             f"scales shape {tuple(scales.shape)} does not match values {tuple(values.shape)}"
@@ -154,9 +170,12 @@ def dequantize_mxfp4(
     packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """packed uint8 [..., K/2] with scales uint8 [..., K/32] -> `dtype` [..., K],
-    exact in fp32 / fp64 (and in bf16 while 2^(s-127) stays in range)."""
-    _check_u8(packed, "packed")
-    _check_u8(scales, "scales")
+    exact in fp32 / fp64 (and in bf16 while 2^(s-127) stays in range).
+    Raises ValueError on mismatched shapes, TypeError on a non-1-byte input or
+    a non-floating `dtype`."""
+    _check_blocks_u8(packed, "packed")
+    _check_blocks_u8(scales, "scales")
+    _check_out_dtype(dtype)
     if packed.shape[:-1] != scales.shape[:-1] or packed.shape[-1] * 2 != scales.shape[-1] * MX_BLOCK:
         raise ValueError(
             f"scales shape {tuple(scales.shape)} does not match packed {tuple(packed.shape)}"
@@ -174,8 +193,11 @@ class ExpertWeights:
 
     w13 uint8 [E, 2*Ip, H/2] (gate rows [0, Ip), up rows [Ip, 2*Ip)),
     w13_scale uint8 [E, 2*Ip, H/32], w2 uint8 [E, H, Ip/2], w2_scale uint8
-    [E, H, Ip/32], clamp fp32 [E] (SwiGLU limit). Ip is the padded intermediate;
+    [E, H, Ip/32], clamp fp32 [E] (SwiGLU limit, > 0, not NaN; +inf = no
+    clamp). Ip is the padded intermediate;
     rows / columns at and beyond `intermediate` are zero (values and scales).
+    H and Ip are multiples of 32, all tensors share one device. Raises
+    TypeError / ValueError naming the field otherwise.
     """
 
     w13: torch.Tensor
@@ -188,6 +210,11 @@ class ExpertWeights:
     def __post_init__(self) -> None:
         e, two_ip, h2 = _shape3(self.w13, "w13")
         ip, h = two_ip // 2, h2 * 2
+        if two_ip % 2 or ip % MX_BLOCK or h % MX_BLOCK or not ip or not h:
+            raise ValueError(
+                f"w13 must be [E, 2*Ip, H/2] with Ip and H positive multiples of {MX_BLOCK},"
+                f" got {tuple(self.w13.shape)}"
+            )
         expected = {
             "w13": (e, 2 * ip, h // 2),
             "w13_scale": (e, 2 * ip, h // MX_BLOCK),
@@ -201,10 +228,19 @@ class ExpertWeights:
                 raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
             if t.device != self.w13.device:
                 raise ValueError(f"{name} is on {t.device}, w13 on {self.w13.device}")
+        if not isinstance(self.clamp, torch.Tensor):
+            raise TypeError(f"clamp must be a float32 torch.Tensor [{e}], got {type(self.clamp).__name__}")
         if self.clamp.dtype != torch.float32 or tuple(self.clamp.shape) != (e,):
             raise ValueError(
                 f"clamp: expected float32 [{e}], got {self.clamp.dtype} {tuple(self.clamp.shape)}"
             )
+        if self.clamp.device != self.w13.device:
+            raise ValueError(f"clamp is on {self.clamp.device}, w13 on {self.w13.device}")
+        if self.clamp.device.type != "meta" and bool((~(self.clamp > 0)).any()):
+            # NaN or a non-positive limit: SwiGLU would silently produce NaN / zeros
+            raise ValueError("clamp (the SwiGLU limit) must be > 0 and not NaN for every expert")
+        if not isinstance(self.intermediate, int) or isinstance(self.intermediate, bool):
+            raise TypeError(f"intermediate must be an int, got {type(self.intermediate).__name__}")
         if not 0 < self.intermediate <= ip or self.intermediate % MX_BLOCK:
             raise ValueError(
                 f"intermediate must be a multiple of {MX_BLOCK} in (0, {ip}], got {self.intermediate}"
@@ -264,6 +300,12 @@ def generate_expert_weights(
     E8M0 codes spread over ~8 binades as in trained checkpoints. Padding is zero.
     Generated one expert at a time on `device` (bounded temporary memory).
     """
+    if not isinstance(shape, RankShape):
+        raise TypeError(
+            f"shape must be a RankShape (e.g. get_preset(...).shard(tp)), got {type(shape).__name__}"
+        )
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     h, i, ip, e = shape.hidden, shape.intermediate, shape.padded_intermediate, shape.experts
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(seed)
@@ -295,6 +337,9 @@ def generate_activations(
 ) -> torch.Tensor:
     """Seeded BF16 router inputs [rows, hidden]: N(0, 1) with a few outlier
     channels (x8), as post-norm hidden states have."""
+    for name, v in (("rows", rows), ("hidden", hidden), ("seed", seed)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
     if rows < 0 or hidden <= 0:
         raise ValueError(f"rows must be >= 0 and hidden > 0, got rows={rows}, hidden={hidden}")
     gen = torch.Generator(device=torch.device(device)).manual_seed(seed + 7919)

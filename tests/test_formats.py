@@ -628,3 +628,69 @@ def test_expert_weights_validation(small_weights, field, make, exc):
     kw[field] = make(small_weights)
     with pytest.raises(exc, match=field):
         ExpertWeights(**kw)
+
+
+# ----------------------------------------------------------------------------- misuse at the boundary
+
+
+def test_dequantize_rejects_0d_inputs_and_non_floating_dtypes():
+    from moebench.formats import dequantize_mxfp4, dequantize_mxfp8, quantize_mxfp4, quantize_mxfp8
+
+    one = torch.tensor(1, dtype=torch.uint8)
+    for fn in (dequantize_mxfp8, dequantize_mxfp4):
+        with pytest.raises(ValueError, match="0-d"):
+            fn(one, one)
+    v, s = quantize_mxfp8(torch.ones(2, 32))
+    p, s4 = quantize_mxfp4(torch.ones(2, 32))
+    for bad in (torch.int32, "float32", torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match="dtype"):
+            dequantize_mxfp8(v, s, dtype=bad)
+        with pytest.raises(TypeError, match="dtype"):
+            dequantize_mxfp4(p, s4, dtype=bad)
+
+
+def _tiny_weights():
+    from moebench.formats import generate_expert_weights
+    from moebench.models import get_preset
+
+    return generate_expert_weights(get_preset("dsv4-flash", hidden=256, intermediate=256, experts=4, top_k=2).shard(2))
+
+
+def test_expert_weights_rejects_bad_clamp_and_intermediate():
+    from moebench.formats import ExpertWeights
+
+    w = _tiny_weights()
+    parts = (w.w13, w.w13_scale, w.w2, w.w2_scale)
+    with pytest.raises(TypeError, match="clamp"):
+        ExpertWeights(*parts, [10.0] * 4, w.intermediate)
+    for bad in (float("nan"), 0.0, -1.0):
+        clamp = w.clamp.clone()
+        clamp[1] = bad
+        with pytest.raises(ValueError, match="clamp"):
+            ExpertWeights(*parts, clamp, w.intermediate)
+    ExpertWeights(*parts, torch.full((4,), float("inf")), w.intermediate)  # no clamp: allowed
+    with pytest.raises(ValueError, match="clamp is on meta"):
+        ExpertWeights(*parts, w.clamp.to("meta"), w.intermediate)
+    with pytest.raises(TypeError, match="intermediate must be an int"):
+        ExpertWeights(*parts, w.clamp, float(w.intermediate))
+
+
+def test_expert_weights_rejects_sizes_not_multiples_of_the_mx_block():
+    from moebench.formats import ExpertWeights
+
+    u8 = lambda *s: torch.zeros(*s, dtype=torch.uint8)  # noqa: E731
+    with pytest.raises(ValueError, match="multiples of 32"):  # Ip = 48
+        ExpertWeights(u8(2, 96, 128), u8(2, 96, 8), u8(2, 256, 24), u8(2, 256, 1), torch.ones(2), 32)
+
+
+def test_generators_reject_wrong_argument_types():
+    from moebench.formats import generate_activations, generate_expert_weights
+    from moebench.models import get_preset
+
+    shape = get_preset("dsv4-flash", hidden=256, intermediate=256, experts=4, top_k=2).shard(2)
+    with pytest.raises(TypeError, match="RankShape"):
+        generate_expert_weights(shape.config)
+    with pytest.raises(TypeError, match="seed"):
+        generate_expert_weights(shape, seed=None)
+    with pytest.raises(TypeError, match="rows"):
+        generate_activations(2.5, 256)
