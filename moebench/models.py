@@ -7,6 +7,8 @@ zero-padded up to a multiple of 128.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, replace
 
 #: Multiple the per-rank intermediate size is padded to (zeros).
@@ -46,10 +48,21 @@ class MoEConfig:
             )
         if self.top_k > self.experts:
             raise ValueError(f"top_k ({self.top_k}) exceeds experts ({self.experts})")
-        if not self.routed_scaling_factor > 0:
-            raise ValueError("routed_scaling_factor must be > 0")
+        if not isinstance(self.name, str):
+            raise TypeError(f"name must be a str, got {type(self.name).__name__}")
+        if (not isinstance(self.shared_experts, int) or isinstance(self.shared_experts, bool)
+                or self.shared_experts < 0):
+            raise ValueError(f"shared_experts must be an int >= 0, got {self.shared_experts!r}")
+        for field in ("routed_scaling_factor", "swiglu_limit"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(f"{field} must be a real number, got {type(value).__name__}")
+        # an infinite scale makes every routed output inf/NaN; an infinite
+        # SwiGLU limit is allowed (no clamp)
+        if not (self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor)):
+            raise ValueError(f"routed_scaling_factor must be finite and > 0, got {self.routed_scaling_factor}")
         if not self.swiglu_limit > 0:
-            raise ValueError("swiglu_limit must be > 0")
+            raise ValueError(f"swiglu_limit must be > 0, got {self.swiglu_limit}")
 
     def shard(self, tp: int) -> RankShape:
         """One rank's shape at tensor-parallel degree `tp`.
@@ -72,12 +85,30 @@ class MoEConfig:
 @dataclass(frozen=True)
 class RankShape:
     """One rank's routed-expert shape: all E experts at `intermediate` = I/tp,
-    stored padded with zeros to `padded_intermediate` (a multiple of 128)."""
+    stored padded with zeros to `padded_intermediate` (a multiple of 128).
+    Made by `MoEConfig.shard`; a direct construction is checked to be what
+    `config.shard(tp)` returns (ValueError / TypeError otherwise)."""
 
     config: MoEConfig
     tp: int
     intermediate: int
     padded_intermediate: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, MoEConfig):
+            raise TypeError(f"config must be a MoEConfig, got {type(self.config).__name__}")
+        if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp <= 0:
+            raise ValueError(f"tp must be a positive int, got {self.tp!r}")
+        sliced = self.config.intermediate // self.tp
+        padded = -(-sliced // INTERMEDIATE_ALIGN) * INTERMEDIATE_ALIGN
+        if (self.config.intermediate % self.tp or sliced % MX_BLOCK
+                or (self.intermediate, self.padded_intermediate) != (sliced, padded)):
+            raise ValueError(
+                f"RankShape of {self.config.name} at tp={self.tp} must have intermediate {sliced}"
+                f" padded to {padded} (a multiple of {MX_BLOCK} split into multiples of"
+                f" {INTERMEDIATE_ALIGN}), got {self.intermediate} / {self.padded_intermediate};"
+                " use config.shard(tp)"
+            )
 
     @property
     def hidden(self) -> int:

@@ -124,3 +124,24 @@ def test_config_validation():
         MoEConfig("x", 512, 256, 8, 2, routed_scaling_factor=0.0)
     with pytest.raises(ValueError, match="swiglu_limit"):
         MoEConfig("x", 512, 256, 8, 2, swiglu_limit=-1.0)
+
+
+def test_config_rejects_non_finite_scale_and_bad_field_types():
+    with pytest.raises(ValueError, match="routed_scaling_factor must be finite"):
+        MoEConfig("x", 512, 256, 32, 4, routed_scaling_factor=float("inf"))
+    with pytest.raises(TypeError, match="routed_scaling_factor must be a real"):
+        MoEConfig("x", 512, 256, 32, 4, routed_scaling_factor="1.5")
+    with pytest.raises(ValueError, match="shared_experts"):
+        MoEConfig("x", 512, 256, 32, 4, shared_experts=-1)
+    with pytest.raises(TypeError, match="name"):
+        MoEConfig(None, 512, 256, 32, 4)
+    MoEConfig("x", 512, 256, 32, 4, swiglu_limit=float("inf"))  # no clamp: allowed
+
+
+def test_rank_shape_built_by_hand_must_equal_shard():
+    cfg = get_preset("dsv4-pro")
+    assert RankShape(cfg, 2, 1536, 1536) == cfg.shard(2)
+    with pytest.raises(ValueError, match="use config.shard"):
+        RankShape(cfg, 2, 100, 7)
+    with pytest.raises(TypeError, match="MoEConfig"):
+        RankShape(None, 2, 1536, 1536)
