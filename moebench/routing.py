@@ -21,6 +21,8 @@ or NaN:
 
 from __future__ import annotations
 
+import math
+import numbers
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,12 +56,20 @@ class RouterConfig:
     hash_table: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.experts, int) or self.experts <= 0:
+        if not isinstance(self.experts, int) or isinstance(self.experts, bool) or self.experts <= 0:
             raise ValueError(f"experts must be a positive int, got {self.experts!r}")
-        if not isinstance(self.top_k, int) or not 1 <= self.top_k <= self.experts:
+        if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
+                or not 1 <= self.top_k <= self.experts):
             raise ValueError(f"top_k must be an int in [1, experts={self.experts}], got {self.top_k!r}")
-        if not self.routed_scaling_factor > 0:
-            raise ValueError(f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        rsf = self.routed_scaling_factor
+        if isinstance(rsf, bool) or not isinstance(rsf, numbers.Real):
+            raise TypeError(f"routed_scaling_factor must be a real number, got {type(rsf).__name__}")
+        if not (rsf > 0 and math.isfinite(rsf)):
+            raise ValueError(f"routed_scaling_factor must be finite and > 0, got {rsf}")
+        for name in ("bias", "bias_vl", "hash_table"):
+            t = getattr(self, name)
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
         for name in ("bias", "bias_vl"):
             b = getattr(self, name)
             if b is not None and (b.dtype != torch.float32 or tuple(b.shape) != (self.experts,)):
@@ -74,8 +84,9 @@ class RouterConfig:
                 )
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.experts):
                 raise ValueError(f"hash_table ids must lie in [0, {self.experts})")
-        if self.image_sentinel_lo < 0:
-            raise ValueError("image_sentinel_lo must be >= 0")
+        lo = self.image_sentinel_lo
+        if not isinstance(lo, int) or isinstance(lo, bool) or lo < 0:
+            raise ValueError(f"image_sentinel_lo must be an int >= 0, got {lo!r}")
 
 
 def sqrtsoftplus(logits: torch.Tensor) -> torch.Tensor:
@@ -128,6 +139,8 @@ def route(
     if needs_ids:
         if input_ids is None:
             raise ValueError("input_ids is required for hash routing or image (bias_vl) routing")
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be an int32/int64 torch.Tensor [{rows}], got {type(input_ids).__name__}")
         if input_ids.dim() != 1 or input_ids.shape[0] != rows:
             raise ValueError(f"input_ids must be [{rows}], got {tuple(input_ids.shape)}")
         if input_ids.dtype not in (torch.int32, torch.int64):
@@ -196,8 +209,12 @@ def scenario_topk_ids(
         raise ValueError(f"unknown scenario {scenario!r}; expected one of {SCENARIOS}")
     if not isinstance(rows, int) or rows < 0:
         raise ValueError(f"rows must be an int >= 0, got {rows!r}")
-    if not isinstance(top_k, int) or not 1 <= top_k <= experts:
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts <= 0:
+        raise ValueError(f"experts must be a positive int, got {experts!r}")
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= experts:
         raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if scenario == "replay":
         return _replay(trace, rows, top_k, experts, seed)
     gen = torch.Generator().manual_seed(seed)
@@ -254,7 +271,18 @@ def _replay(trace: str | Path | None, rows: int, top_k: int, experts: int, seed:
 
 def scenario_weights(rows: int, top_k: int, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
     """Seeded routing weights fp32 [rows, top_k] (CPU): router-like positive
-    scores renormalized per row, times `scale` (the routed scaling factor)."""
+    scores renormalized per row, times `scale` (the routed scaling factor).
+    Raises ValueError for rows < 0, top_k < 1, or
+    a scale that is not finite and > 0; TypeError for non-int sizes / seed."""
+    for name, v in (("rows", rows), ("top_k", top_k), ("seed", seed)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if rows < 0 or top_k < 1:
+        raise ValueError(f"need rows >= 0 and top_k >= 1, got rows={rows}, top_k={top_k}")
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
+        scale > 0 and math.isfinite(scale)
+    ):
+        raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
     gen = torch.Generator().manual_seed(seed + 1)
     scores = sqrtsoftplus(torch.randn(rows, top_k, generator=gen) * 2)
     return _renormalize(scores, scale)

@@ -455,3 +455,39 @@ def test_replay_rejects_ids_outside_the_experts_and_repeats(tmp_path):
     np.savez(dup, topk_ids=np.zeros((1, 2, 2), dtype=np.int64))
     with pytest.raises(ValueError, match="dup.npz.*repeats an expert"):
         scenario_topk_ids("replay", 2, 2, 32, trace=dup)
+
+
+# ----------------------------------------------------------------------------- misuse at the boundary
+
+
+def test_router_config_rejects_wrong_field_types():
+    with pytest.raises(TypeError, match="bias must be a torch.Tensor"):
+        RouterConfig(64, 6, bias=[0.0] * 64)
+    with pytest.raises(TypeError, match="hash_table must be a torch.Tensor"):
+        RouterConfig(64, 6, hash_table=[[0] * 6])
+    with pytest.raises(ValueError, match="experts"):
+        RouterConfig(True, 1)
+    with pytest.raises(ValueError, match="routed_scaling_factor must be finite"):
+        RouterConfig(64, 6, routed_scaling_factor=float("inf"))
+    with pytest.raises(ValueError, match="image_sentinel_lo"):
+        RouterConfig(64, 6, image_sentinel_lo=1.5)
+
+
+def test_route_rejects_non_tensor_input_ids():
+    config = RouterConfig(64, 6, hash_table=torch.randint(0, 64, (100, 6)))
+    with pytest.raises(TypeError, match="input_ids"):
+        route(torch.zeros(2, 64), config, [1, 2])
+
+
+def test_scenarios_reject_bad_sizes_seed_and_scale():
+    with pytest.raises(TypeError, match="seed"):
+        scenario_topk_ids("uniform", 2, 6, 64, seed=None)
+    with pytest.raises(ValueError, match="experts"):
+        scenario_topk_ids("uniform", 2, 6, 64.0)
+    with pytest.raises(ValueError, match="rows"):
+        scenario_weights(-1, 6)
+    with pytest.raises(ValueError, match="top_k"):
+        scenario_weights(2, 0)
+    for scale in (float("nan"), -1.0, float("inf")):
+        with pytest.raises(ValueError, match="scale"):
+            scenario_weights(2, 6, scale=scale)
