@@ -96,6 +96,7 @@ class MoEOutput:
                 f"routed must be a Tensor or UnfinalizedMoEOutput, got {type(self.routed).__name__}"
             )
         if self.shared_output is not None:
+            _check_shared(self.shared_output, "shared_output")
             tokens, hidden = _routed_shape(self.routed)
             if tuple(self.shared_output.shape) != (tokens, hidden):
                 raise ValueError(
@@ -121,11 +122,23 @@ class MoEOutput:
 
 
 def _routed_shape(routed: torch.Tensor | UnfinalizedMoEOutput) -> tuple[int, int]:
+    if not isinstance(routed, (torch.Tensor, UnfinalizedMoEOutput)):
+        raise TypeError(f"routed must be a Tensor or UnfinalizedMoEOutput, got {type(routed).__name__}")
     if isinstance(routed, UnfinalizedMoEOutput):
         return routed.num_tokens, routed.hidden
     if routed.dim() != 2:
         raise ValueError(f"a finalized routed output must be [tokens, hidden], got {tuple(routed.shape)}")
     return tuple(routed.shape)  # type: ignore[return-value]
+
+
+def _check_shared(shared, name: str) -> None:
+    if not isinstance(shared, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(shared).__name__}")
+
+
+def _check_out_dtype(out_dtype) -> None:
+    if out_dtype is not None and (not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point):
+        raise TypeError(f"out_dtype must be None or a floating torch.dtype, got {out_dtype!r}")
 
 
 def check_norm_pair(residual, norm_weight) -> bool:
@@ -232,11 +245,15 @@ def finalize(
     given together, returns `add_rms_norm(out, residual, norm_weight, eps)`
     instead: (normed, new_residual) in residual's dtype, `out` rounded to
     `out_dtype` first (what a separate finalize would hand the norm).
-    Raises ValueError when a permute index lies outside the rows (checked
-    for CPU tensors), `shared` has the wrong shape, or only one of residual
-    / norm_weight is given; otherwise as `add_rms_norm`.
+    Raises ValueError when a permute index lies outside the rows or below -1
+    (checked for CPU tensors), `shared` has the wrong shape, or only one of
+    residual / norm_weight is given; TypeError for a non-tensor routed /
+    shared or a non-floating out_dtype; otherwise as `add_rms_norm`.
     """
     tokens, hidden = _routed_shape(routed)
+    if shared is not None:
+        _check_shared(shared, "shared")
+    _check_out_dtype(out_dtype)
     if shared is not None and tuple(shared.shape) != (tokens, hidden):
         raise ValueError(f"shared must be [{tokens}, {hidden}], got {tuple(shared.shape)}")
     if check_norm_pair(residual, norm_weight):
@@ -255,6 +272,8 @@ def finalize(
             raise ValueError(
                 f"permute map points at row {int(idx.max())}, gemm2_permuted has {rows.shape[0]} rows"
             )
+        if rows.device.type == "cpu" and idx.numel() and int(idx.min()) < -1:
+            raise ValueError(f"permute map holds {int(idx.min())}; only -1 marks a non-local route")
         acc_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
         # Vectorized over k (a handful of launches, graph-friendly, no host sync).
         local = idx >= 0
@@ -310,6 +329,9 @@ def convert_flashinfer_moe_output(
     if isinstance(flashinfer_output, torch.Tensor) or len(flashinfer_output) != 3:
         raise ValueError("a deferred FlashInfer output must be [gemm2 rows, weights, permute map]")
     rows, weights, idx = flashinfer_output
+    for name, t in (("gemm2 rows", rows), ("routing weights", weights), ("permute map", idx)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"deferred FlashInfer output: {name} must be a tensor, got {type(t).__name__}")
     routes = num_tokens * top_k
     if rows.dim() != 2:
         raise ValueError(f"deferred gemm2 rows must be 2-D, got {tuple(rows.shape)}")
@@ -335,8 +357,17 @@ def route_major_moe_output(
 
     routes: [tokens, top_k, hidden] or [tokens*top_k, hidden]; expert_map: int
     [global experts] -> local id or -1; routes to experts mapped to -1 get
-    permute index -1. Raises ValueError on mismatched shapes.
+    permute index -1. Raises TypeError for a non-tensor argument or
+    non-integer ids, ValueError on mismatched shapes (and, for CPU tensors,
+    ids outside expert_map).
     """
+    for name, t in (("routes", routes), ("topk_weights", topk_weights), ("topk_ids", topk_ids),
+                    ("expert_map", expert_map)):  # fmt: skip
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("topk_ids", topk_ids), ("expert_map", expert_map)):
+        if t is not None and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+            raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
     if topk_ids.dim() != 2 or topk_weights.shape != topk_ids.shape:
         raise ValueError(
             f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)}"
@@ -350,6 +381,13 @@ def route_major_moe_output(
         raise ValueError(f"routes must hold tokens*top_k = {tokens * top_k} rows, got {tuple(routes.shape)}")
     idx = torch.arange(tokens * top_k, dtype=torch.int32, device=routes.device).view(tokens, top_k)
     if expert_map is not None:
+        if topk_ids.device.type == "cpu" and topk_ids.numel() and (
+            int(topk_ids.min()) < 0 or int(topk_ids.max()) >= expert_map.shape[0]
+        ):
+            raise ValueError(
+                f"topk_ids hold ids in [{int(topk_ids.min())}, {int(topk_ids.max())}],"
+                f" outside expert_map's [0, {expert_map.shape[0]})"
+            )
         idx = idx.masked_fill(expert_map[topk_ids.long()] < 0, -1)
     return UnfinalizedMoEOutput(
         routes.reshape(tokens * top_k, routes.shape[-1]), topk_weights, idx, route_major=True

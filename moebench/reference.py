@@ -141,6 +141,17 @@ def reference_moe(
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if not isinstance(weights, ExpertWeights):
+        raise TypeError(f"weights must be an ExpertWeights, got {type(weights).__name__}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if shared is not None and not isinstance(shared, torch.Tensor):
+        raise TypeError(f"shared must be a torch.Tensor or None, got {type(shared).__name__}")
+    if not topk_weights.is_floating_point():
+        raise TypeError(f"topk_weights must be a floating tensor (fp32), got {topk_weights.dtype}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize == 1:
+        raise TypeError(f"dtype must be a floating torch.dtype (float64 for the gate), got {dtype!r}")
     if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
         raise TypeError(f"x must be a bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
     if x.dim() != 2 or x.shape[1] != weights.hidden:
@@ -153,6 +164,9 @@ def reference_moe(
         )
     if weights.w13.device != x.device:
         raise ValueError(f"weights are on {weights.w13.device}, x on {x.device}")
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
     route = build_route_record(topk_ids, weights.experts)
     h_values = h_scale = None
     if activation == "mxfp8":
@@ -175,7 +189,10 @@ def reference_moe(
 def relative_error(out: torch.Tensor, oracle: torch.Tensor) -> float:
     """Relative Frobenius error ||out - oracle|| / ||oracle|| in fp64 (absolute
     when the oracle is all zero); inf when `out` has a NaN/Inf where the oracle
-    is finite. Raises ValueError on a shape mismatch."""
+    is finite. Raises ValueError on a shape mismatch, TypeError for a non-tensor."""
+    for name, t in (("out", out), ("oracle", oracle)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if out.shape != oracle.shape:
         raise ValueError(f"out shape {tuple(out.shape)} != oracle shape {tuple(oracle.shape)}")
     o = out.detach().to(torch.float64).to(oracle.device)

@@ -433,3 +433,49 @@ def test_route_major_errors():
     # [tokens, hidden]: tokens rows only, not tokens*top_k
     with pytest.raises(ValueError, match="routes"):
         route_major_moe_output(torch.zeros(4, 96), w, ids)
+
+
+# ----------------------------------------------------------------------------- misuse at the boundary
+
+
+def test_finalize_names_non_tensor_arguments_and_bad_out_dtype():
+    from moebench.moe_output import MoEOutput
+
+    rows = torch.randn(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="routed"):
+        finalize([1.0])
+    with pytest.raises(TypeError, match="shared"):
+        finalize(rows, shared=[1.0])
+    with pytest.raises(TypeError, match="shared_output"):
+        MoEOutput(rows, shared_output=[1.0])
+    with pytest.raises(TypeError, match="out_dtype"):
+        finalize(rows, out_dtype="float32")
+    with pytest.raises(TypeError, match="out_dtype"):
+        finalize(rows, out_dtype=torch.int32)
+
+
+def test_finalize_rejects_permute_indices_below_minus_one():
+    rows = torch.randn(16, 64)
+    idx = torch.arange(12, dtype=torch.int32).view(2, 6)
+    idx[0, 0] = -3
+    with pytest.raises(ValueError, match="only -1"):
+        finalize(UnfinalizedMoEOutput(rows, torch.rand(2, 6), idx))
+
+
+def test_route_major_checks_ids_against_the_expert_map():
+    from moebench.moe_output import route_major_moe_output
+
+    w = torch.rand(2, 6)
+    with pytest.raises(TypeError, match="topk_ids"):
+        route_major_moe_output(torch.zeros(12, 64), w, [[0] * 6] * 2)
+    with pytest.raises(TypeError, match="integer"):
+        route_major_moe_output(torch.zeros(12, 64), w, torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="expert_map"):
+        route_major_moe_output(torch.zeros(12, 64), w, torch.full((2, 6), 100), torch.arange(64))
+
+
+def test_convert_deferred_rejects_non_tensors():
+    from moebench.moe_output import convert_flashinfer_moe_output
+
+    with pytest.raises(ValueError, match="must be a tensor"):
+        convert_flashinfer_moe_output([1, 2, 3], do_finalize=False, num_tokens=2, top_k=6)

@@ -205,3 +205,25 @@ def test_reference_bad_input(weights):
         reference_moe(x, ids, w, weights, activation="fp4")
     with pytest.raises(ValueError, match="on"):
         reference_moe(x, ids, w, weights.to("meta"))
+
+
+def test_reference_moe_names_bad_arguments():
+    shape = get_preset("dsv4-flash", hidden=256, intermediate=256, experts=8).shard(2)
+    w = generate_expert_weights(shape, seed=1)
+    x = generate_activations(2, 256)
+    ids = scenario_topk_ids("uniform", 2, 6, 8)
+    tw = scenario_weights(2, 6)
+    with pytest.raises(TypeError, match="weights must be an ExpertWeights"):
+        reference_moe(x, ids, tw, None)
+    with pytest.raises(TypeError, match="topk_ids"):
+        reference_moe(x, ids.tolist(), tw, w)
+    with pytest.raises(TypeError, match="topk_weights must be a floating"):
+        reference_moe(x, ids, tw.to(torch.int32), w)  # would truncate every weight to 0
+    with pytest.raises(TypeError, match="shared"):
+        reference_moe(x, ids, tw, w, shared=[0.0])
+    with pytest.raises(TypeError, match="dtype"):
+        reference_moe(x, ids, tw, w, dtype=torch.int32)
+    with pytest.raises(ValueError, match="topk_weights is on meta"):
+        reference_moe(x, ids, tw.to("meta"), w)
+    with pytest.raises(TypeError, match="out"):
+        relative_error([1.0], torch.zeros(1))
