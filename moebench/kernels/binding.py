@@ -96,6 +96,20 @@ def check_weights(weights: ExpertWeights, top_k: int) -> None:
             raise ValueError(f"{name} must be 16-byte aligned")
 
 
+def _check_topk_tensors(topk_ids, topk_weights, device: torch.device) -> None:
+    """TypeError for non-tensors, ValueError for top-k tensors off `device`."""
+    for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, x on {device}: move it to x's device")
+
+
+def _check_routing(routing) -> None:
+    if not isinstance(routing, Routing):
+        raise TypeError(f"routing must be a Routing (from route or front), got {type(routing).__name__}")
+
+
 class RoutedExpertGemm:
     """The quantize + route kernels and GEMM pair bound to one layer's weights.
 
@@ -269,13 +283,15 @@ class RoutedExpertGemm:
         `topk_ids` (int32 [rows, top_k]; ids outside [0, E) are non-local);
         `topk_weights` fp32 [rows, top_k] is carried to the output. Two launches,
         no host sync. Raises ValueError unless `accepts(x)` and the top-k
-        tensors match."""
+        tensors match (shape, dtype, and x's device: the kernel would read a
+        CPU pointer), TypeError for a non-tensor top-k argument."""
         if not self.accepts(x):
             raise ValueError(
                 f"x must be contiguous bfloat16 [1..{MAX_ROWS}, {self.hidden}] on {self.kw.device},"
                 f" got {getattr(x, 'dtype', None)} {tuple(getattr(x, 'shape', ()))}"
             )
         rows = x.shape[0]
+        _check_topk_tensors(topk_ids, topk_weights, x.device)
         if tuple(topk_ids.shape) != (rows, self.top_k) or topk_ids.dtype != torch.int32:
             raise ValueError(
                 f"topk_ids must be int32 [{rows}, {self.top_k}], got {topk_ids.dtype} {tuple(topk_ids.shape)}"
@@ -365,7 +381,9 @@ class RoutedExpertGemm:
         """Launch GEMM1; returns H (uint8 e4m3 [8*ctas, I]) and its E8M0
         scales (uint8 [8*ctas, I/32]), by permuted row. With an act_bf16
         tactic these are views of buffers the layer owns (as its BF16 copy of
-        H is): the next GEMM1 call of this layer overwrites them."""
+        H is): the next GEMM1 call of this layer overwrites them. Raises
+        TypeError for a non-Routing."""
+        _check_routing(routing)
         device = routing.x_quant.device
         rows = TILE * routing.ctas
         tactic = self.tactics[1, routing.x_quant.shape[0]]
@@ -390,7 +408,21 @@ class RoutedExpertGemm:
 
     def gemm2(self, routing: Routing, h_q: torch.Tensor, h_scale: torch.Tensor) -> UnfinalizedMoEOutput:
         """Launch GEMM2 on GEMM1's outputs; returns the unweighted BF16 rows
-        [8*ctas, H] with the routing weights and permute map."""
+        [8*ctas, H] with the routing weights and permute map. Raises TypeError
+        for a non-Routing, ValueError for h_q / h_scale not of GEMM1's shape,
+        dtype and device."""
+        _check_routing(routing)
+        n, inter = TILE * routing.ctas, self.kw.intermediate
+        for name, t, want in (("h_q", h_q, (n, inter)), ("h_scale", h_scale, (n, inter // 32))):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if (tuple(t.shape) != want or t.element_size() != 1 or t.is_floating_point() and name == "h_scale"
+                    or t.device != routing.x_quant.device
+                    or not t.is_contiguous()):
+                raise ValueError(
+                    f"{name} must be contiguous uint8 {list(want)} on {routing.x_quant.device} (GEMM1's"
+                    f" output), got {t.dtype} {tuple(t.shape)} on {t.device}"
+                )
         out = torch.empty(TILE * routing.ctas, self.hidden, dtype=torch.bfloat16, device=h_q.device)
         tactic = self.tactics[2, routing.x_quant.shape[0]]
         h_deq = None

@@ -53,6 +53,53 @@ def test_check_weights_rejects_non_weights():
         binding.check_weights(object(), 6)
 
 
+def _bare_gemm(hidden=512, top_k=6, experts=64, intermediate=256):
+    """A RoutedExpertGemm bound to CPU stand-ins: only the host-side checks run."""
+    import types
+
+    g = object.__new__(binding.RoutedExpertGemm)
+    g.kw = types.SimpleNamespace(hidden=hidden, experts=experts, intermediate=intermediate,
+                                 device=torch.device("cpu"))
+    g.top_k = top_k
+    return g
+
+
+def test_route_rejects_top_k_tensors_off_x_device_or_not_tensors():
+    g = _bare_gemm()
+    x = torch.zeros(2, 512, dtype=torch.bfloat16)
+    ids = torch.zeros(2, 6, dtype=torch.int32)
+    tw = torch.ones(2, 6)
+    with pytest.raises(TypeError, match="topk_ids must be a torch.Tensor"):
+        g.route(x, ids.tolist(), tw)
+    with pytest.raises(TypeError, match="topk_weights must be a torch.Tensor"):
+        g.route(x, ids, None)
+    with pytest.raises(ValueError, match="topk_ids is on meta"):
+        g.route(x, ids.to("meta"), tw)
+    with pytest.raises(ValueError, match="topk_weights is on meta"):
+        g.route(x, ids, tw.to("meta"))
+    with pytest.raises(ValueError, match="topk_ids must be int32"):
+        g.route(x, ids.long(), tw)  # int64 ids: the kernel reads int32
+    with pytest.raises(ValueError, match="x must be"):
+        g.route(torch.zeros(9, 512, dtype=torch.bfloat16), torch.zeros(9, 6, dtype=torch.int32), torch.ones(9, 6))
+
+
+def test_gemms_reject_non_routing_and_foreign_h():
+    g = _bare_gemm()
+    with pytest.raises(TypeError, match="Routing"):
+        g.gemm1(object())
+    with pytest.raises(TypeError, match="Routing"):
+        g.gemm2({"x": 1}, torch.zeros(1), torch.zeros(1))
+    u8 = lambda *s: torch.zeros(*s, dtype=torch.uint8)  # noqa: E731
+    routing = binding.Routing(u8(1, 512), u8(1, 16), torch.zeros(1, 6, dtype=torch.int32), torch.ones(1, 6),
+                              torch.zeros(1, 6, dtype=torch.int32), torch.zeros(32, dtype=torch.int32), ctas=6)
+    with pytest.raises(ValueError, match="h_q must be"):
+        g.gemm2(routing, u8(48, 128), u8(48, 8))
+    with pytest.raises(ValueError, match="h_scale must be"):
+        g.gemm2(routing, u8(48, 256), torch.zeros(48, 8))
+    with pytest.raises(TypeError, match="h_q must be a torch.Tensor"):
+        g.gemm2(routing, None, u8(48, 8))
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
