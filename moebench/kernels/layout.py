@@ -306,10 +306,24 @@ def to_kernel_layout(weights: ExpertWeights, operand: str = "bf16") -> KernelWei
 
 
 def from_kernel_layout(kw: KernelWeights) -> ExpertWeights:
-    """Inverse of `to_kernel_layout` (padding restored as zeros)."""
+    """Inverse of `to_kernel_layout` (padding restored as zeros). Raises
+    TypeError for a non-KernelWeights, ValueError when its tensors' shapes do
+    not match its hidden / intermediate."""
     if not isinstance(kw, KernelWeights):
         raise TypeError(f"kw must be a KernelWeights, got {type(kw).__name__}")
     i, ip, h = kw.intermediate, kw.padded_intermediate, kw.hidden
+    e = kw.experts
+    want = {
+        "w13": (e, 2 * i // 32, h // 32, 32, 16), "w13_scale": (e, 2 * i // 32, h // 32, 8, 4),
+        "w2": (e, h // 32, i // 32, 32, 16), "w2_scale": (e, h // 32, i // 32, 8, 4),
+    }  # fmt: skip
+    for name, shape in want.items():
+        got = tuple(getattr(kw, name).shape)
+        if got != shape:
+            raise ValueError(
+                f"kw.{name} is {got}, but hidden={h} / intermediate={i} need {shape}"
+                " (KernelWeights fields edited apart?)"
+            )
     w13, w13_s = unpack_rows(kw.w13, kw.w13_scale, kw.operand)
     w2, w2_s = unpack_rows(kw.w2, kw.w2_scale, kw.operand)
     e = kw.experts

@@ -405,8 +405,10 @@ def read_table(path: str | Path) -> TuningTable:
     TableError (a ValueError) naming a corrupt or unreadable one, or one
     whose name does not match its content."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"tuning table {path} does not exist")
+    if not path.is_file():
+        raise TableError(f"{path}: a tuning table must be a JSON file, this is not a regular file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:

@@ -251,3 +251,12 @@ def test_fp8_mma_data_flow_emulation_matches_dense_product():
                     y[32 * pair + 16 * t + row, n] = regs[flat // 4][flat % 4]
     want = dense @ dequantize_mxfp8(x_q, x_s, torch.float64).T
     assert torch.allclose(y, want, rtol=1e-12, atol=1e-12)
+
+
+def test_from_kernel_layout_rejects_fields_edited_apart():
+    import dataclasses
+
+    shape = get_preset("dsv4-flash", hidden=256, intermediate=256, experts=4, top_k=2).shard(2)
+    kw = to_kernel_layout(generate_expert_weights(shape, seed=0))
+    with pytest.raises(ValueError, match="kw.w13 is"):
+        from_kernel_layout(dataclasses.replace(kw, hidden=128))

@@ -270,3 +270,12 @@ def test_written_tables_are_readable_by_others_under_the_umask(tmp_path):
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644  # not mkstemp's 0600
+
+
+def test_read_table_on_a_directory_says_so(tmp_path):
+    d = tmp_path / "a.json"
+    d.mkdir()
+    with pytest.raises(TableError, match="not a regular file"):
+        read_table(d)
+    with pytest.raises(FileNotFoundError):
+        read_table(tmp_path / "missing.json")
