@@ -193,8 +193,8 @@ class ExpertWeights:
 
     w13 uint8 [E, 2*Ip, H/2] (gate rows [0, Ip), up rows [Ip, 2*Ip)),
     w13_scale uint8 [E, 2*Ip, H/32], w2 uint8 [E, H, Ip/2], w2_scale uint8
-    [E, H, Ip/32], clamp fp32 [E] (SwiGLU limit, > 0, not NaN; +inf = no
-    clamp). Ip is the padded intermediate;
+    [E, H, Ip/32], clamp fp32 [E] (SwiGLU limit, > 0, not NaN, checked for
+    CPU tensors; +inf = no clamp). Ip is the padded intermediate;
     rows / columns at and beyond `intermediate` are zero (values and scales).
     H and Ip are multiples of 32, all tensors share one device. Raises
     TypeError / ValueError naming the field otherwise.
@@ -236,8 +236,10 @@ class ExpertWeights:
             )
         if self.clamp.device != self.w13.device:
             raise ValueError(f"clamp is on {self.clamp.device}, w13 on {self.w13.device}")
-        if self.clamp.device.type != "meta" and bool((~(self.clamp > 0)).any()):
-            # NaN or a non-positive limit: SwiGLU would silently produce NaN / zeros
+        if self.clamp.device.type == "cpu" and bool((~(self.clamp > 0)).any()):
+            # NaN or a non-positive limit: SwiGLU would silently produce NaN / zeros. Checked on
+            # CPU tensors only: reading a GPU tensor's values would sync the host (and break a
+            # CUDA-graph capture that builds ExpertWeights views)
             raise ValueError("clamp (the SwiGLU limit) must be > 0 and not NaN for every expert")
         if not isinstance(self.intermediate, int) or isinstance(self.intermediate, bool):
             raise TypeError(f"intermediate must be an int, got {type(self.intermediate).__name__}")
