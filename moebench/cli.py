@@ -174,6 +174,19 @@ def _reduced_presets(names, overrides: dict, which: str) -> tuple[tuple[str, ...
     return tuple(kept.values()), note
 
 
+def _presets_to_run(preset: str, overrides: dict, reduced: bool, backend_list) -> tuple[tuple[str, ...], str | None]:
+    """sweep / step: the --preset names (checked with the size overrides,
+    naming their options) and, on the CPU (`reduced`), those whose reduced
+    layer is new with the note line saying what runs (else None)."""
+    from moebench.bench.cases import CPU_BACKENDS
+
+    names = parse_names(preset, "--preset")
+    _check_geometry(names, overrides, reduced)
+    if not reduced:
+        return names, None
+    return _reduced_presets(names, overrides, ", ".join(backend_list or CPU_BACKENDS))
+
+
 _STATUS_COLORS = {"ok": "green", "failed": "red", "skipped": "yellow"}
 
 
@@ -251,7 +264,7 @@ def sweep(
     Every case is gated on the fp64 oracle, then timed; the run is stored under
     OUT/<UTC date>-<label>."""
     from moebench.backends.registry import backend_names
-    from moebench.bench.cases import CPU_BACKENDS, SweepConfig
+    from moebench.bench.cases import SweepConfig
     from moebench.bench.sweep import run_sweep, validate_sweep
     from moebench.env import resolve_device
     from moebench.record import MAX_ROWS
@@ -283,11 +296,8 @@ def sweep(
         tp = ("1,8" if reduced else "1,2,4,8") if tp is None else tp
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out: {out} exists and is not a directory")
-        names = parse_names(preset, "--preset")
-        overrides = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k}
-        _check_geometry(names, overrides, reduced)
-        if reduced:
-            names, note = _reduced_presets(names, overrides, ", ".join(backend_list or CPU_BACKENDS))
+        names, note = _presets_to_run(preset, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
+                                               "top_k": top_k}, reduced, backend_list)  # fmt: skip
         config = SweepConfig(
             presets=names, hidden=hidden, intermediate=intermediate,
             experts=experts, top_k=top_k, tp=parse_int_list(tp, "--tp", 1, 64),
@@ -460,7 +470,6 @@ def step(
     [-> all-reduce], per rows and backend under CUDA graphs, gated on the fp64
     oracle of the layer."""
     from moebench.backends.registry import backend_names
-    from moebench.bench.cases import CPU_BACKENDS
     from moebench.bench.decode_step import StepConfig, rank_devices, run_step
     from moebench.bench.shard import parse_devices, visible_gpu_count
     from moebench.env import resolve_device
@@ -495,11 +504,8 @@ def step(
             backend_list = parse_names(backends, "--backends")
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out: {out} exists and is not a directory")
-        names = parse_names(preset, "--preset")
-        overrides = {"hidden": hidden, "intermediate": intermediate, "experts": experts, "top_k": top_k}
-        _check_geometry(names, overrides, reduced)
-        if reduced:
-            names, note = _reduced_presets(names, overrides, ", ".join(backend_list or CPU_BACKENDS))
+        names, note = _presets_to_run(preset, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
+                                               "top_k": top_k}, reduced, backend_list)  # fmt: skip
         config = StepConfig(
             presets=names, hidden=hidden, intermediate=intermediate, experts=experts,
             top_k=top_k, tp=(tp,), rows=parse_int_list(rows, "--rows", 1, MAX_ROWS),
@@ -579,12 +585,14 @@ def _print_frame(frame, title: str | None, constant_keys=("preset", "tp", "ranks
     Console(highlight=False, width=max(console.width, 260)).print(table)
 
 
-def _print_step(frame, ranks=None) -> None:
-    """The step table (whole step, gate, all-reduce, per-stage split) and,
-    for a TP step, the per-rank table."""
+def _print_step(frame, ranks=None, table=None) -> None:
+    """The step table (whole step, gate, all-reduce, per-stage split;
+    `table`: step_summary_table(frame) when the caller has it) and, for a TP
+    step, the per-rank table."""
     from moebench.reports.summary import rank_table, step_summary_table
 
-    table = step_summary_table(frame).drop(columns=["p10_us", "p90_us"])  # in summary.md / report.html
+    table = step_summary_table(frame) if table is None else table
+    table = table.drop(columns=["p10_us", "p90_us"])  # in summary.md / report.html
     title = "decode step (µs; the step excludes the gate)"
     if ranks is not None and len(ranks) and ranks["rank"].nunique() > 1:
         title = "decode step (µs, rank 0's timings: every rank below; the step excludes the gate)"
@@ -729,9 +737,8 @@ def report(
         ranks = read_table(run_dir, "ranks")
         step_run = is_step_run(df, manifest)
         try:  # the tables printed below: a run lacking their columns fails here, before any output
-            summary_table(df)
-            if step_run:
-                step_summary_table(df)
+            summary = summary_table(df)
+            step_table = step_summary_table(df) if step_run else None
         except ValueError as error:
             raise ValueError(f"RUN_DIR: {run_dir}: {error}") from None
         base = _read_report_run(baseline, "--baseline") if baseline is not None else None
@@ -750,9 +757,9 @@ def report(
                     " to replace the report files, or give another --out directory")  # fmt: skip
     if manifest.get("reduced"):
         console.print("[yellow]This run used a reduced geometry on the CPU.[/yellow]")
-    _print_summary(summary_table(df))
+    _print_summary(summary)
     if step_run:
-        _print_step(df, ranks)
+        _print_step(df, ranks, table=step_table)
     if comparison is not None:
         _print_comparison(comparison)
     try:
@@ -767,7 +774,7 @@ def report(
 
             tables = {}
             if step_run:
-                tables["Decode step (µs; the step excludes the gate)"] = step_summary_table(df)
+                tables["Decode step (µs; the step excludes the gate)"] = step_table
                 if ranks is not None and len(ranks):
                     tables["Per rank (µs)"] = rank_table(ranks)
             paths = write_html_report(df, manifest, target.parent, comparison=comparison,
