@@ -787,9 +787,9 @@ def report(
     if comparison.mismatches:
         what = ("another device / geometry" if any(m.startswith(("device", "geometry")) for m in comparison.mismatches)
                 else "a different kind of run")  # fmt: skip
-        differ = ", ".join(m.split(":")[0] for m in comparison.mismatches)
-        raise _fail(f"--baseline: the baseline is of {what} (it differs in {differ}): cases were not compared"
-                    " (see the mismatches and the report); compare with a baseline recorded the same way")  # fmt: skip
+        raise _fail(f"--baseline: the baseline is of {what} (it differs in {comparison.differs_in}): cases were"
+                    " not compared (see the mismatches and the report); compare with a baseline recorded the same"
+                    " way")  # fmt: skip
     if comparison.errors:
         raise _fail("; ".join(comparison.errors))
     if fail_above is not None and len(comparison.regressions):

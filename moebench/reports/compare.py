@@ -83,6 +83,11 @@ class Comparison:
         return any(m.startswith("device") for m in self.mismatches)
 
     @property
+    def differs_in(self) -> str:
+        """What the run-level mismatches are about ('device, run kind'), '' when none."""
+        return mismatch_kinds(self.mismatches)
+
+    @property
     def unclear_note(self) -> str | None:
         """The sentence to show when unclear cases leave regressions not
         ruled out (None without unclear cases)."""
@@ -112,6 +117,11 @@ def parse_threshold(text: str | float | int) -> float:
 def _device(manifest: dict) -> dict:
     dev = manifest.get("device")
     return dev if isinstance(dev, dict) else {}
+
+
+def mismatch_kinds(mismatches: list[str]) -> str:
+    """The kinds of run-level mismatches ('device, run kind'): each line's text before its colon."""
+    return ", ".join(m.split(":")[0] for m in mismatches)
 
 
 def _kind(manifest: dict) -> str:
@@ -230,7 +240,7 @@ def compare_runs(
         raise ValueError(f"threshold_pct must be a finite number >= 0, got {threshold_pct!r}")
     cur_ix, base_ix = _index(current, current_label), _index(baseline, baseline_label)
     mismatches, notes = run_mismatches(current_manifest, baseline_manifest)
-    runs_differ = ", ".join(m.split(":")[0] for m in mismatches)
+    runs_differ = mismatch_kinds(mismatches)
     rows = []
     for key in list(cur_ix) + [k for k in base_ix if k not in cur_ix]:
         cur, base = cur_ix.get(key), base_ix.get(key)
