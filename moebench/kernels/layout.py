@@ -326,7 +326,6 @@ def from_kernel_layout(kw: KernelWeights) -> ExpertWeights:
             )
     w13, w13_s = unpack_rows(kw.w13, kw.w13_scale, kw.operand)
     w2, w2_s = unpack_rows(kw.w2, kw.w2_scale, kw.operand)
-    e = kw.experts
     w2_full = torch.zeros(e, h, ip // 2, dtype=torch.uint8, device=kw.device)
     w2s_full = torch.zeros(e, h, ip // MX_BLOCK, dtype=torch.uint8, device=kw.device)
     w2_full[:, :, : i // 2], w2s_full[:, :, : i // MX_BLOCK] = w2, w2_s
