@@ -72,14 +72,23 @@ class MoEConfig:
         """
         if not isinstance(tp, int) or isinstance(tp, bool) or tp <= 0:
             raise ValueError(f"tp must be a positive int, got {tp!r}")
-        if self.intermediate % tp or (self.intermediate // tp) % MX_BLOCK:
+        sizes = _slice(self.intermediate, tp)
+        if sizes is None:
             raise ValueError(
                 f"tp={tp}: intermediate {self.intermediate} does not split into "
                 f"multiples of {MX_BLOCK}"
             )
-        sliced = self.intermediate // tp
-        padded = -(-sliced // INTERMEDIATE_ALIGN) * INTERMEDIATE_ALIGN
-        return RankShape(self, tp, sliced, padded)
+        return RankShape(self, tp, *sizes)
+
+
+def _slice(intermediate: int, tp: int) -> tuple[int, int] | None:
+    """(intermediate / tp, that padded up to INTERMEDIATE_ALIGN): one rank's
+    sizes, or None when intermediate does not split `tp` ways into whole
+    MX blocks."""
+    if intermediate % tp or (intermediate // tp) % MX_BLOCK:
+        return None
+    sliced = intermediate // tp
+    return sliced, -(-sliced // INTERMEDIATE_ALIGN) * INTERMEDIATE_ALIGN
 
 
 @dataclass(frozen=True)
@@ -99,15 +108,14 @@ class RankShape:
             raise TypeError(f"config must be a MoEConfig, got {type(self.config).__name__}")
         if not isinstance(self.tp, int) or isinstance(self.tp, bool) or self.tp <= 0:
             raise ValueError(f"tp must be a positive int, got {self.tp!r}")
-        sliced = self.config.intermediate // self.tp
-        padded = -(-sliced // INTERMEDIATE_ALIGN) * INTERMEDIATE_ALIGN
-        if (self.config.intermediate % self.tp or sliced % MX_BLOCK
-                or (self.intermediate, self.padded_intermediate) != (sliced, padded)):
+        sizes = _slice(self.config.intermediate, self.tp)
+        if sizes != (self.intermediate, self.padded_intermediate):
+            want = (f"intermediate {sizes[0]} padded to {sizes[1]} (a multiple of {INTERMEDIATE_ALIGN})" if sizes
+                    else f"a config intermediate ({self.config.intermediate}) that splits {self.tp} ways into"
+                         f" multiples of {MX_BLOCK}")  # fmt: skip
             raise ValueError(
-                f"RankShape of {self.config.name} at tp={self.tp} must have intermediate {sliced}"
-                f" padded to {padded} (a multiple of {MX_BLOCK} split into multiples of"
-                f" {INTERMEDIATE_ALIGN}), got {self.intermediate} / {self.padded_intermediate};"
-                " use config.shard(tp)"
+                f"RankShape of {self.config.name} at tp={self.tp} must have {want}, got {self.intermediate} /"
+                f" {self.padded_intermediate}; use config.shard(tp)"
             )
 
     @property
