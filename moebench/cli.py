@@ -878,6 +878,11 @@ def tune(
     warmup: int = typer.Option(10, help="Warm-up calls per timing."),
     layers: int = typer.Option(None, help="Force the number of rotated weight sets (default: >= 4x L2)."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
+    act_bf16: bool = typer.Option(
+        True, "--act-bf16/--e4m3",
+        help="Time the BF16-activation (_a16) twins, what the runtime runs by default; --e4m3 times the"
+             " MXFP8-operand tactics.",
+    ),
     distinct_layers: bool = typer.Option(
         False, "--distinct-layers", help="Generate every rotated weight set (default: copies of the first)."
     ),
@@ -951,7 +956,7 @@ def tune(
             preset=name, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=(t,),
             rows=row_list, stages=stage_list, scenario=scenario, seed=seed, space=SPACES[space], repeats=repeats,
             top=top, warmup=warmup, replays=replays, layers=layers, warm_l2=warm_l2, device=device,
-            copy_layers=not distinct_layers,
+            copy_layers=not distinct_layers, act_bf16=act_bf16,
         )  # fmt: skip
         for name in names for t in tps
     ]

@@ -193,8 +193,9 @@ class RoutedExpertGemm:
                     why = f"; the table's {tactic.name} is not" if source.startswith("table") else ""
                     tactic = default_tactic(shape, stage, ctas, sms, scale_flag, fp8=fp8)
                     source = f"default ({family}{why})"
-                if not fp8 and act_bf16 and source != "explicit" and not tactic.act_bf16:
-                    twin = replace(tactic, act_bf16=True)
+                if not fp8 and source != "explicit" and tactic.act_bf16 != act_bf16:
+                    # the operand the layer runs: a table tuned with the other one gives its twin
+                    twin = replace(tactic, act_bf16=act_bf16)
                     if not twin.valid_for(shape, stage):
                         tactic = twin
                 reason = tactic.valid_for(shape, stage)

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 
 import torch
@@ -74,7 +74,11 @@ def require_tuning_device(device: str | torch.device | None = None) -> torch.dev
 class TuneConfig:
     """What `run_tune` tunes: one preset (with overrides) at each TP degree,
     rows, the routing scenario and seed the timings use, the tactic space,
-    tuner settings (repeats, top), timing counts and the L2 mode."""
+    tuner settings (repeats, top), timing counts and the L2 mode.
+    act_bf16 (default True, what RoutedExpertGemm runs by default): the
+    candidates are the `_a16` twins of the space's tactics (BF16 activation
+    operand), timed and checked with the BF16 x / H the binding feeds them,
+    so a table holds the tactics that won as the runtime runs them."""
 
     preset: str = "dsv41-flash"
     hidden: int | None = None
@@ -95,6 +99,7 @@ class TuneConfig:
     warm_l2: bool = False
     device: str | None = None
     copy_layers: bool = True
+    act_bf16: bool = True
 
     def shapes(self) -> list[RankShape]:
         cfg = get_preset(self.preset, hidden=self.hidden, intermediate=self.intermediate, experts=self.experts,
@@ -111,7 +116,7 @@ class GemmStageRunner:
     def __init__(self, shape: RankShape, stage: int, device: torch.device, *, scenario: str = "correlated",
                  seed: int = 0, layers: int | None = None, warm_l2: bool = False, warmup: int = 10,
                  replays: int = 50, space: TacticSpace | NeighbourSpace = DEFAULT_SPACE,
-                 weight_sets: list | None = None, copy_layers: bool = True) -> None:  # fmt: skip
+                 weight_sets: list | None = None, copy_layers: bool = True, act_bf16: bool = True) -> None:  # fmt: skip
         from moebench.bench.cases import unique_bytes
         from moebench.bench.sweep import canonical_bytes, layer_count
         from moebench.env import device_info
@@ -122,6 +127,7 @@ class GemmStageRunner:
         if stage not in (1, 2):
             raise ValueError(f"stage must be 1 or 2, got {stage!r}")
         self.shape, self.stage, self.device = shape, stage, device
+        self.act_bf16 = bool(act_bf16)
         self.gshape = GemmShape.of(shape)
         self.warmup, self.replays, self.space = warmup, replays, space
         info = device_info(device)
@@ -155,14 +161,17 @@ class GemmStageRunner:
         self._inputs: dict[int, dict] = {}
 
     def valid_tactics(self, rows: int) -> tuple[GemmTactic, ...]:
-        """The space's tactics for this stage at `rows` (the default first)."""
+        """The space's tactics for this stage at `rows` (the default first),
+        as `_a16` twins when the runner times the BF16 operand."""
         ctas = max_ctas(rows, self.shape.top_k, self.shape.experts)
-        return valid_tactics(self.gshape, self.stage, ctas, num_sms=self.num_sms, space=self.space,
-                             wide_scales=self.wide)  # fmt: skip
+        ts = valid_tactics(self.gshape, self.stage, ctas, num_sms=self.num_sms, space=self.space,
+                           wide_scales=self.wide)  # fmt: skip
+        return operand_twins(ts, self.act_bf16)
 
     def default(self, rows: int) -> GemmTactic:
         ctas = max_ctas(rows, self.shape.top_k, self.shape.experts)
-        return default_tactic(self.gshape, self.stage, ctas, self.num_sms, self.wide)
+        return operand_twins([default_tactic(self.gshape, self.stage, ctas, self.num_sms, self.wide)],
+                             self.act_bf16)[0]
 
     def _case(self, rows: int) -> dict:
         """Routing, activations, oracle and static buffers of `rows` (cached)."""
@@ -181,6 +190,12 @@ class GemmStageRunner:
                 "ref_q": ref_q.view(torch.uint8).contiguous(), "ref_s": ref_s.contiguous(),
                 "used": TILE * route.tiles_used}  # fmt: skip
         n = TILE * route.ctas
+        if self.act_bf16:  # the BF16 operands the binding feeds a16 tactics (gemm.act_to_bf16: the kernels' bits)
+            from moebench.kernels.gemm import act_to_bf16
+
+            case["x_deq"] = act_to_bf16(case["x_q"], case["x_s"])
+            case["ref_deq"] = act_to_bf16(case["ref_q"], case["ref_s"])
+            case["h_deq"] = torch.zeros(n, s.intermediate, dtype=torch.bfloat16, device=dev)
         # both stages' buffers: `time` runs the GEMM1 + GEMM2 pair
         case["h_q"] = torch.zeros(n, s.intermediate, dtype=torch.uint8, device=dev)
         case["h_s"] = torch.zeros(n, s.intermediate // 32, dtype=torch.uint8, device=dev)
@@ -199,9 +214,12 @@ class GemmStageRunner:
 
         route = case["route"]
         if self.stage == 1:
-            gemm1(kw, case["x_q"], case["x_s"], route.record, route.ctas, case["h_q"], case["h_s"], tactic=tactic)
+            a16 = dict(x_deq=case["x_deq"], h_deq_out=case["h_deq"]) if tactic.act_bf16 else {}
+            gemm1(kw, case["x_q"], case["x_s"], route.record, route.ctas, case["h_q"], case["h_s"], tactic=tactic,
+                  **a16)
         else:
-            gemm2(kw, case["ref_q"], case["ref_s"], route.record, route.ctas, case["out"], tactic=tactic)
+            a16 = dict(h_deq=case["ref_deq"]) if tactic.act_bf16 else {}
+            gemm2(kw, case["ref_q"], case["ref_s"], route.record, route.ctas, case["out"], tactic=tactic, **a16)
 
     def check(self, tactic: GemmTactic, rows: int) -> str | None:
         """None when `tactic`'s output at `rows` matches the oracle, else why."""
@@ -245,16 +263,34 @@ class GemmStageRunner:
         case = self._case(rows)
         route = case["route"]
         ctas = route.ctas
-        other = default_tactic(self.gshape, 3 - self.stage, ctas, self.num_sms, self.wide)
+        other = operand_twins([default_tactic(self.gshape, 3 - self.stage, ctas, self.num_sms, self.wide)],
+                              self.act_bf16)[0]
         t1, t2 = (tactic, other) if self.stage == 1 else (other, tactic)
+        if t2.act_bf16 and not t1.act_bf16:
+            raise ValueError(f"an a16 GEMM2 ({t2.name}) needs an a16 GEMM1 to write its BF16 H, got {t1.name}")
+        a1 = dict(x_deq=case["x_deq"], h_deq_out=case["h_deq"]) if t1.act_bf16 else {}
+        a2 = dict(h_deq=case["h_deq"]) if t2.act_bf16 else {}
 
         def launch_all() -> None:
             for kw in self.kws:
-                gemm1(kw, case["x_q"], case["x_s"], route.record, ctas, case["h_q"], case["h_s"], tactic=t1)
-                gemm2(kw, case["h_q"], case["h_s"], route.record, ctas, case["out"], tactic=t2)
+                gemm1(kw, case["x_q"], case["x_s"], route.record, ctas, case["h_q"], case["h_s"], tactic=t1, **a1)
+                gemm2(kw, case["h_q"], case["h_s"], route.record, ctas, case["out"], tactic=t2, **a2)
 
         return time_graph(launch_all, warmup=self.warmup, replays=self.replays, calls_per_replay=len(self.kws),
                           use_graph=True, device=self.device)  # fmt: skip
+
+
+def operand_twins(tactics, act_bf16: bool) -> tuple[GemmTactic, ...]:
+    """`tactics` as run with the BF16 activation operand (their `_a16` twin;
+    fp8 tactics, which read the MXFP8 operand, stay as they are) when
+    `act_bf16`, else unchanged; order kept, duplicates dropped."""
+    out = []
+    for t in tactics:
+        if act_bf16 and not t.fp8 and not t.act_bf16:
+            t = replace(t, act_bf16=True)
+        if t not in out:
+            out.append(t)
+    return tuple(out)
 
 
 def copy_kernel_weights(kw):
@@ -324,7 +360,8 @@ def tuning_specs(config: TuneConfig, num_sms: int, wide_scales: bool = False) ->
         for stage in config.stages:
             for rows in config.rows:
                 ctas = max_ctas(rows, shape.top_k, shape.experts)
-                for t in valid_tactics(g, stage, ctas, num_sms=num_sms, space=config.space, wide_scales=wide_scales):
+                ts = valid_tactics(g, stage, ctas, num_sms=num_sms, space=config.space, wide_scales=wide_scales)
+                for t in operand_twins(ts, config.act_bf16):
                     spec = (g, stage, t, wide_scales)
                     if spec not in seen:
                         seen.add(spec)
@@ -365,7 +402,8 @@ def run_tune(
             runner = GemmStageRunner(shape, stage, dev, scenario=config.scenario, seed=config.seed,
                                      layers=config.layers, warm_l2=config.warm_l2, warmup=config.warmup,
                                      replays=config.replays, space=config.space,
-                                     weight_sets=weight_sets, copy_layers=config.copy_layers)  # fmt: skip
+                                     weight_sets=weight_sets, copy_layers=config.copy_layers,
+                                     act_bf16=config.act_bf16)  # fmt: skip
             weight_sets = runner.weight_sets
             if probe is not None:
                 probe(runner)
@@ -374,6 +412,7 @@ def run_tune(
                 "layers": runner.layers, "layer_copies": config.copy_layers and runner.layers > 1,
                 "warm_l2": config.warm_l2, "scenario": config.scenario, "seed": config.seed,
                 "repeats": config.repeats, "top": config.top, "wide_scales": runner.wide,
+                "act_bf16": config.act_bf16,
             }}  # fmt: skip
 
             def step(rows: int, name: str, status: str, _stage=stage) -> None:

@@ -1,10 +1,13 @@
 """The GPU runner of `moebench tune`: the H check on the CPU; the runner
 itself on an sm_90 GPU."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from moebench.models import get_preset
+from moebench.kernels.gemm import act_to_bf16
 from moebench.tuning.runner import TuneConfig, h_mismatch, require_tuning_device
 
 
@@ -40,7 +43,8 @@ def test_config_shapes():
 
 
 @pytest.mark.gpu
-def test_runner_checks_times_and_tunes_a_small_shape():
+@pytest.mark.parametrize("act_bf16", [True, False], ids=["a16", "e4m3"])
+def test_runner_checks_times_and_tunes_a_small_shape(act_bf16):
     from moebench.tuning.runner import GemmStageRunner, run_tune
     from moebench.tuning.space import TacticSpace
 
@@ -49,20 +53,21 @@ def test_runner_checks_times_and_tunes_a_small_shape():
     space = TacticSpace(tile_rows=(32, 64), warps=((1, 8), (4, 2)), unroll=(2,), ctas_per_sm=(2,),
                         persistent=(True,))  # fmt: skip
     for stage in (1, 2):
-        run = GemmStageRunner(shape, stage, dev, layers=2, replays=5, warmup=1, space=space)
+        run = GemmStageRunner(shape, stage, dev, layers=2, replays=5, warmup=1, space=space, act_bf16=act_bf16)
         tactics = run.valid_tactics(6)
-        assert tactics[0] == run.default(6)
+        assert tactics[0] == run.default(6) and all(t.act_bf16 == act_bf16 for t in tactics)
         for t in tactics:
             assert run.check(t, 6) is None, t.name
         timing = run.time(tactics[0], 6)
         assert timing.method == "cuda-graph" and timing.median_us > 0
     cfg = TuneConfig(preset="dsv41-flash", experts=64, tp=(8,), rows=(1, 6), space=space, repeats=1, top=2,
-                     replays=5, warmup=1, layers=2)  # fmt: skip
+                     replays=5, warmup=1, layers=2, act_bf16=act_bf16)  # fmt: skip
     outcome = run_tune(cfg)
     (table,) = outcome.tables
     assert set(table.entries) == {(1, 1), (1, 6), (2, 1), (2, 6)}
     e = table.entry(2, 6)
     assert e.provenance["device"] == torch.cuda.get_device_name(0) and e.provenance["timing"]["layers"] == 2
+    assert e.tactic.act_bf16 == act_bf16 and e.provenance["timing"]["act_bf16"] == act_bf16
 
 
 def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
@@ -74,14 +79,14 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
     from moebench.tuning import runner as rn
     from moebench.tuning.space import TacticSpace
 
-    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic):
+    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic, x_deq=None, h_deq_out=None):
         case = next(c for c in live if c["route"].record is record)
         h_q.copy_(case["ref_q"])
         h_s.copy_(case["ref_s"])
         if tactic.unroll == 4:
             h_q[: case["used"], :8] ^= 0x0F
 
-    def gemm2(kw, h_q, h_s, record, ctas, out, *, tactic):
+    def gemm2(kw, h_q, h_s, record, ctas, out, *, tactic, h_deq=None):
         case = next(c for c in live if c["route"].record is record)
         if "oracle" not in case:  # the pair of a GEMM1 timing (GEMM2 at its default): no output needed
             return
@@ -99,7 +104,7 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
         return case
 
     monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.gemm",
-                        types.SimpleNamespace(gemm1=gemm1, gemm2=gemm2))  # fmt: skip
+                        types.SimpleNamespace(gemm1=gemm1, gemm2=gemm2, act_to_bf16=act_to_bf16))  # fmt: skip
     monkeypatch.setattr(rn.GemmStageRunner, "_case", tracking_case)
     monkeypatch.setattr(rn, "require_tuning_device", lambda device=None: torch.device("cpu"))
     space = TacticSpace(tile_rows=(32, 64), warps=((1, 4), (4, 1)), unroll=(2, 4), ctas_per_sm=(2,),
@@ -114,7 +119,7 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
         assert e.provenance["timing"]["layers"] == 2 and e.provenance["moebench_version"]
         res = outcome.results[4, stage].results[rows]
         assert all("incorrect" in why for why in res.rejected.values())
-        assert any(name.endswith("_u4_c2") for name in res.rejected)
+        assert any(name.endswith("_u4_c2_a16") for name in res.rejected)  # (the a16 twins: act_bf16 default)
     assert table.shape.intermediate == 128 and table.file_name.startswith("E=8,H=256,I=128,top_k=6,")
 
 
@@ -130,14 +135,14 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
     def case_of(record):
         return next(c for c in live if c["route"].record is record)
 
-    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic):
+    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic, x_deq=None, h_deq_out=None):
         case = case_of(record)
         h_q.copy_(case["ref_q"])
         h_s.copy_(case["ref_s"])
         if wrong(tactic):
             h_q[: case["used"], :8] ^= 0x0F
 
-    def gemm2(kw, h_q, h_s, record, ctas, out, *, tactic):
+    def gemm2(kw, h_q, h_s, record, ctas, out, *, tactic, h_deq=None):
         case = case_of(record)
         if "oracle" not in case:  # the pair of a GEMM1 timing (GEMM2 at its default): no output needed
             return
@@ -154,7 +159,7 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
         return case
 
     monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.gemm",
-                        types.SimpleNamespace(gemm1=gemm1, gemm2=gemm2))  # fmt: skip
+                        types.SimpleNamespace(gemm1=gemm1, gemm2=gemm2, act_to_bf16=act_to_bf16))  # fmt: skip
     monkeypatch.setattr(rn.GemmStageRunner, "_case", tracking_case)
     monkeypatch.setattr(rn, "require_tuning_device", lambda device=None: torch.device("cpu"))
 
@@ -248,4 +253,32 @@ def test_tuning_specs_list_each_kernel_once_in_the_order_needed():
     specs = tuning_specs(cfg, 132)
     assert len(specs) == len(set(specs)) <= 2 * 2 * SHIP_SPACE.limit
     assert [s[1] for s in specs[:3]] == [1, 1, 1] and specs[0][0].intermediate == 576
-    assert specs[0][2] == default_tactic(specs[0][0], 1, 6, 132)  # rows 1: 6 token tiles
+    # rows 1: 6 token tiles; the BF16-operand twin (TuneConfig.act_bf16 default)
+    assert specs[0][2] == replace(default_tactic(specs[0][0], 1, 6, 132), act_bf16=True)
+
+
+def test_operand_twins_are_what_the_runtime_runs():
+    """The tuner times the BF16-operand (_a16) twins by default (the
+    binding's default operand); fp8 tactics stay; order kept, duplicates
+    dropped; act_bf16=False leaves the tactics as they are."""
+    from moebench.kernels.tactic import GemmTactic
+    from moebench.tuning.runner import operand_twins
+
+    a, b = GemmTactic(64, 1, 4, 4, 3), GemmTactic(64, 8, 1, 2, 2)
+    f8 = GemmTactic(32, 4, 2, 4, 2, fp8=True)
+    twins = operand_twins([a, b, f8, GemmTactic(64, 1, 4, 4, 3, act_bf16=True)], True)
+    assert [t.name for t in twins] == ["r64_m1_k4_u4_c3_a16", "r64_m8_k1_u2_c2_a16", "r32_m4_k2_u4_c2_f8"]
+    assert operand_twins([a, b, f8], False) == (a, b, f8)
+
+
+def test_tuning_specs_compile_the_operand_the_run_times():
+    """precompile builds exactly the kernels run_tune times: the _a16 twins
+    by default, the MXFP8-operand tactics with act_bf16=False."""
+    from moebench.tuning.runner import TuneConfig, tuning_specs
+    from moebench.tuning.space import SPACES
+
+    a16 = tuning_specs(TuneConfig(tp=(4,), rows=(1, 6), space=SPACES["ship"]), 132)
+    e4 = tuning_specs(TuneConfig(tp=(4,), rows=(1, 6), space=SPACES["ship"], act_bf16=False), 132)
+    assert a16 and len(a16) == len(e4)
+    assert all(t.act_bf16 for _, _, t, _ in a16) and not any(t.act_bf16 for _, _, t, _ in e4)
+    assert [t.name for _, _, t, _ in a16] == [t.name + "_a16" for _, _, t, _ in e4]
