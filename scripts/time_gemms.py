@@ -20,6 +20,8 @@ the defaults; bytes are counted as for the MXFP8 operand (same logical
 bytes, so GB/s compare directly). --fp8 adds the fp8 (wgmma) tactics
 F8_1 / F8_2 valid for the shape and the fp8 default (`default_fp8_tactic`),
 and "both" for every fp8 pair (the random weight bytes serve either layout).
+--fp8-bulk does the same with the fp8 tactics on the bulk ring
+(F8_BULK_1 / F8_BULK_2, v11).
 """
 
 from __future__ import annotations
@@ -67,6 +69,16 @@ F8_1 = [GemmTactic(32, 4, 2, 4, 2, fp8=True), GemmTactic(32, 4, 2, 4, 2, split_k
 F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(32, 4, 1, 3, 4, split_k=2, fp8=True),
         GemmTactic(32, 4, 1, 3, 3, fp8=True), GemmTactic(32, 8, 1, 3, 2, fp8=True),
         GemmTactic(32, 4, 2, 3, 2, fp8=True)]  # fmt: skip
+#: fp8 tactics on the bulk ring (v11, warp-specialized: a producer warp streams the
+#: weights, the warpgroups decode from shared memory): 32- / 16-row warps, one to
+#: four warpgroups, 1-4 CTAs/SM, 4-6 stages.
+F8_BULK_1 = [GemmTactic(32, 4, 4, 2, 1, stages=4, fp8=True), GemmTactic(32, 4, 4, 2, 1, stages=6, fp8=True),
+             GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True), GemmTactic(16, 4, 4, 2, 1, stages=4, fp8=True),
+             GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True), GemmTactic(16, 4, 2, 4, 2, stages=4, fp8=True),
+             GemmTactic(16, 4, 2, 2, 2, stages=6, fp8=True)]  # fmt: skip
+F8_BULK_2 = [GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True), GemmTactic(32, 4, 3, 1, 2, stages=4, fp8=True),
+             GemmTactic(32, 4, 1, 3, 3, stages=6, fp8=True), GemmTactic(16, 4, 1, 3, 4, stages=4, fp8=True),
+             GemmTactic(32, 8, 1, 3, 2, stages=4, fp8=True), GemmTactic(16, 8, 1, 3, 2, stages=4, fp8=True)]  # fmt: skip
 COPY_GBPS = 4215.0
 L2_BYTES = 60e6
 TOP_K = 6
@@ -113,7 +125,7 @@ def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float
 
 
 def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list, bulk: bool = False,
-                act_bf16: bool = False, fp8: bool = False) -> None:
+                act_bf16: bool = False, fp8: bool = False, fp8_bulk: bool = False) -> None:
     shape = get_preset("dsv41-flash").shard(tp)
     gs = GemmShape.of(shape)
     h, i = shape.hidden, shape.intermediate
@@ -142,8 +154,11 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
     # one zeroed workspace for every split-K launch of this shape (allocated
     # once, outside any capture; the kernels leave its counters at zero)
     ctas_max = max(build_route_record(v.cuda(), shape.experts).ctas for v in ids_by_rows.values())
-    f8_1 = [t for t in F8_1 if fp8 and t.valid_for(gs, 1) is None]
-    f8_2 = [t for t in F8_2 if fp8 and t.valid_for(gs, 2) is None]
+    f8_list1 = (F8_1 if fp8 else []) + (F8_BULK_1 if fp8_bulk else [])
+    f8_list2 = (F8_2 if fp8 else []) + (F8_BULK_2 if fp8_bulk else [])
+    fp8 = fp8 or fp8_bulk
+    f8_1 = [t for t in f8_list1 if t.valid_for(gs, 1) is None]
+    f8_2 = [t for t in f8_list2 if t.valid_for(gs, 2) is None]
     need = workspace_bytes_for(gs, [(1, t, ctas_max) for t in extra1 + f8_1] + [(2, t, ctas_max) for t in extra2 + f8_2])
     ws = alloc_workspace(need, "cuda") if need else None
     for rows in rows_list:
@@ -158,7 +173,7 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
             t2s += [dataclasses.replace(t, act_bf16=True) for t in base2]
         f8d = {}
         if fp8:
-            for stage, ts, extra in ((1, t1s, F8_1), (2, t2s, F8_2)):
+            for stage, ts, extra in ((1, t1s, f8_1), (2, t2s, f8_2)):
                 try:
                     f8d[stage] = default_fp8_tactic(gs, stage, route.ctas)
                     ts.append(f8d[stage])
@@ -231,6 +246,8 @@ def main() -> None:
                     help="also time the act_bf16 (_a16) twin of every tactic, and the a16 defaults in 'both'")
     ap.add_argument("--fp8", action="store_true",
                     help="also time the fp8 (_f8) twin of every MXFP8 tactic, and the fp8 defaults in 'both'")
+    ap.add_argument("--fp8-bulk", action="store_true",
+                    help="also time the fp8 tactics on the bulk ring (F8_BULK_1 / F8_BULK_2) and the fp8 defaults")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     t0 = time.time()
@@ -239,7 +256,7 @@ def main() -> None:
     results: list = []
     for tp in (int(t) for t in args.tp.split(",")):
         bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, args.split_k, results, args.bulk,
-                    args.act_bf16, args.fp8)
+                    args.act_bf16, args.fp8, args.fp8_bulk)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(copy_gbps=bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)

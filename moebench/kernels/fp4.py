@@ -53,6 +53,13 @@ def load_u32x4_shared(ptr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def load_u32x2_shared(ptr, *, loc=None, ip=None):
+    """One 8-byte shared-memory load (LDS.64) -> 2 x Uint32."""
+    vec = cute.arch.load(ptr, ir.VectorType.get([2], Uint32.mlir_type), loc=loc, ip=ip)
+    return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(2)]
+
+
+@dsl_user_op
 def load_u32x2(ptr, priority: str, *, loc=None, ip=None):
     """One 8-byte global load (LDG.E.64) -> 2 x Uint32."""
     vec = cute.arch.load(ptr, ir.VectorType.get([2], Uint32.mlir_type),

@@ -181,7 +181,7 @@ if HAVE_DSL:
             if self.bulk:
                 self.ks = self.u * self.wk  # K chunks per bulk stage
                 self.nb = -(-self.nch // self.ks)  # stages (steps) per item
-                self.np = self.wm * self.pairs  # 32-row pairs per item
+                self.np = self.rm // 32  # 32-row pairs per item
                 self.sw_words = self.np * self.ks * 128  # weight words of one stage
                 self.stage_words = self.sw_words + self.np * self.ks * 8  # + scale words
                 self.smem_bytes += t.stages * (4 * self.stage_words + 16)
@@ -697,6 +697,12 @@ if HAVE_DSL:
             sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
             ring = smem.allocate_array(Uint32, S * self.stage_words, byte_alignment=128)
             bars = smem.allocate_array(Int64, 2 * S, byte_alignment=8)  # full[0, S), empty[S, 2S)
+            sB = sXs = None
+            if cutlass.const_expr(self.fp8):
+                atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, Float8E4M3FN)
+                layout_b = cute.tile_to_shape(atom, (8, self.k), order=(0, 1))
+                sB = smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)
+                sXs = smem.allocate_tensor(Float32, cute.make_layout((8 * self.nch,)), byte_alignment=16)
             if tid == 0:
                 for s in cutlass.range_constexpr(S):
                     cute.arch.mbarrier_init(bars + s, 1)
@@ -705,6 +711,9 @@ if HAVE_DSL:
             cute.arch.sync_threads()
             if warp == self.nw:
                 self.bulk_produce(w, ws, record, ring, bars, bid, nblk, lane)
+            elif cutlass.const_expr(self.fp8):
+                self.bulk_consume_wgmma(act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
+                                        tid, bid, nblk, warp, lane)
             else:
                 self.bulk_consume(act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars,
                                   tid, bid, nblk, warp, lane)
@@ -807,6 +816,76 @@ if HAVE_DSL:
                 wrap = Int32(b == NB)
                 b, unit = b - wrap * NB, unit + wrap * nblk
 
+
+        @cute.jit
+        def bulk_consume_wgmma(self, act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
+                               tid, bid, nblk, warp, lane):
+            """fp8 tactics on the bulk ring (warp-specialized: the producer warp
+            streams the weights, these warpgroups only decode and multiply). Per
+            unit: its 8 activation rows into shared memory (`stage_acts`, named
+            barrier 1 over the compute warps). Per step: wait full[s], the
+            warp's words and scales from the stage into registers, release the
+            stage at once (empty[s]), then `compute_wgmma` on the registers.
+            Warp (wm, wk) (wk-major: a warpgroup shares wk) takes chunks
+            b*KS + wk*unroll + j of m-tile(s) wm of the item."""
+            S, NB, KS, U, tm = self.tactic.stages, self.nb, self.ks, self.u, self.tm
+            g = lane // 4
+            wm, wk = warp % self.wm, warp // self.wm
+            words = (ctas + 3) // 4 * 4
+            valid_at = 4 + words
+            slots_at = 4 + 2 * words
+            p_a = cute.recast_ptr(act, dtype=Uint32)
+            p_as = cute.recast_ptr(act_s, dtype=Uint8)
+            sB32 = cute.recast_ptr(sB.iterator, dtype=Uint32)
+            tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(tm * U, tm)
+            tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
+            st_w = cute.make_rmem_tensor((4 * U,), Uint32)
+            st_s = cute.make_rmem_tensor((U,), Uint32)
+            # where warp wm's words sit in a stage: tile_rows 32 = pair wm (16 bytes per lane);
+            # tile_rows 16 = m-tile wm % 2 of pair wm // 2 (words 2t, 2t+1: 8 bytes per lane)
+            pair = wm if tm == 2 else wm // 2
+            t16 = 0 if tm == 2 else wm % 2
+            if cutlass.const_expr(self.tactic.pdl):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+            n_units = cute.arch.load(record, Int32) * self.blocks
+            top_k = cute.arch.load(record + 3, Int32)
+            n_steps = (n_units + nblk - 1 - bid) // nblk * NB
+            unit, b, parity = bid, Int32(0), Int32(0)
+            for i in cutlass.range(0, n_steps, 1, unroll=1):
+                s = i % S
+                if b == 0:  # a new unit: its activation rows into shared memory (the previous
+                    # unit's wgmmas all completed before the barrier that closed it)
+                    self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
+                    cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                cute.arch.mbarrier_wait(bars + s, (i // S) % 2)
+                stage = ring + s * self.stage_words
+                for j in cutlass.range_constexpr(U):
+                    entry = pair * KS + wk * U + j
+                    if cutlass.const_expr(tm == 2):
+                        q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
+                        for x in cutlass.range_constexpr(4):
+                            st_w[4 * j + x] = q[x]
+                        st_s[j] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                    else:
+                        q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
+                        st_w[2 * j] = q[0]
+                        st_w[2 * j + 1] = q[1]
+                        sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                        st_s[j] = sv >> Uint32(16 * t16)
+                cute.arch.sync_warp()
+                if lane == 0:  # the words are in registers: the stage may be refilled
+                    cute.arch.mbarrier_arrive(bars + (S + s))
+                self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, b * KS + wk * U, lane)
+                if b == NB - 1:  # item done: partials to smem, one barrier, epilogue
+                    self.stash_partials(sP, acc, parity, warp, lane)
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                    self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
+                    parity = parity ^ 1
+                b = b + 1
+                wrap = Int32(b == NB)
+                b, unit = b - wrap * NB, unit + wrap * nblk
 
 # ---------------------------------------------------------------------- host side
 _KERNEL = "the GEMM kernels"

@@ -87,6 +87,9 @@ class GemmTactic:
       evict-first) into a ring of `stages` shared-memory stages completed on
       mbarriers, one stage = warps_k * unroll K chunks of all the item's rows;
       the warps read their words from shared memory (split_k must be 1).
+      With fp8 this is the warp-specialized kernel: the producer streams,
+      the warpgroups copy their words to registers, free the stage at once
+      and only decode + wgmma.
     act_bf16: the activation operand arrives already dequantized to BF16
       (plain row-major [rows, K] bf16; GEMM1: x_deq [rows, H], GEMM2: h_deq
       [8*ctas, I]) instead of e4m3 + E8M0: lane (g, c) loads the 16 bytes of
@@ -104,8 +107,8 @@ class GemmTactic:
       x activation scale x 2^6. A warpgroup (4 warps sharing a K part) covers
       4 x tile_rows rows, so fp8 tactics need tile_rows 32 (or 16: one m-tile
       per warp, 8-byte loads, 64-row items), warps_m a multiple of 4,
-      the register load path (stages 0), and warps_k * unroll dividing the
-      K chunks of a slice. Excludes act_bf16. Name suffix `_f8`.
+      and warps_k * unroll dividing the K chunks of a slice; either load
+      path (stages). Excludes act_bf16. Name suffix `_f8`.
     """
 
     tile_rows: int = 64
@@ -199,21 +202,21 @@ class GemmTactic:
                 return f"fp8 (wgmma) tactics need tile_rows 16 or 32, got {self.tile_rows}"
             if self.warps_m % 4:
                 return f"fp8 (wgmma) tactics need warps_m a multiple of 4 (whole warpgroups), got {self.warps_m}"
-            if self.bulk:
-                return f"fp8 (wgmma) tactics need the register load path (stages 0), got stages {self.stages}"
             if per_slice % (self.warps_k * self.unroll):
                 return (f"fp8 (wgmma) tactics need warps_k * unroll ({self.warps_k * self.unroll}) to divide"
                         f" the {per_slice} K chunks of a slice")
-            need = partial_smem_bytes(self) + 8 * k + 128 + 32 * nch + 16
-            if need * self.ctas_per_sm > SMEM_PER_SM or need > SMEM_PER_CTA:
-                return (f"the fp8 activation tile needs {need} bytes of shared memory per CTA, more than"
-                        f" {min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm)} at {self.ctas_per_sm} CTAs per SM")
+        need = partial_smem_bytes(self)
+        what = []
+        if self.fp8:
+            need += 8 * k + 128 + 32 * nch + 16
+            what.append("the fp8 activation tile")
         if self.bulk:
-            need = self.stages * bulk_stage_bytes(self) + partial_smem_bytes(self) + 16 * self.stages
-            if need * self.ctas_per_sm > SMEM_PER_SM or need > SMEM_PER_CTA:
-                return (f"{self.stages} bulk stages need {need} bytes of shared memory per CTA,"
-                        f" more than {min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm)} at"
-                        f" {self.ctas_per_sm} CTAs per SM")
+            need += self.stages * (bulk_stage_bytes(self) + 16)
+            what.append(f"{self.stages} bulk stages")
+        limit = min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm)
+        if what and need > limit:
+            return (f"{' and '.join(what)} need {need} bytes of shared memory per CTA, more than {limit}"
+                    f" at {self.ctas_per_sm} CTAs per SM")
         return None
 
 

@@ -379,15 +379,19 @@ def _graph_case(rows: int, ids_seed: int, operand: str = "bf16"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("operand", ["bf16", "e4m3"])
+@pytest.mark.parametrize("operand", ["bf16", "e4m3", "e4m3-bulk"])
 def test_cuda_graph_replay_matches_eager_and_follows_inputs(operand):
     from moebench.kernels.gemm import gemm1, gemm2
 
-    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(6, ids_seed=2, operand=operand)
+    bulk = operand.endswith("-bulk")  # the warp-specialized fp8 pair (F8_BULK_*)
+    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(6, ids_seed=2, operand=operand.removesuffix("-bulk"))
+    t1 = next((t for t in F8_BULK_1 if t.valid_for(kw, 1) is None), None) if bulk else None
+    t2 = next((t for t in F8_BULK_2 if t.valid_for(kw, 2) is None), None) if bulk else None
+    assert not bulk or (t1 and t2)
 
     def step():
-        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s)
-        gemm2(kw, h_q, h_s, route.record, route.ctas, out)
+        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1)
+        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)
 
     step()
     torch.cuda.synchronize()
@@ -844,6 +848,12 @@ F8_1 = [GemmTactic(32, 4, 2, 4, 2, fp8=True), GemmTactic(16, 4, 2, 4, 3, fp8=Tru
 F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(16, 4, 1, 3, 4, fp8=True),
         GemmTactic(16, 8, 1, 3, 3, fp8=True), GemmTactic(16, 4, 2, 3, 4, fp8=True),
         GemmTactic(16, 4, 1, 3, 4, split_k=3, fp8=True)]  # fmt: skip
+#: fp8 tactics on the bulk ring (warp-specialized): 32- and 16-row warps, one to
+#: four warpgroups, 1-3 CTAs per SM (the oracle test skips those a shape rejects).
+F8_BULK_1 = [GemmTactic(32, 4, 4, 2, 1, stages=4, fp8=True), GemmTactic(16, 4, 2, 4, 2, stages=3, fp8=True),
+             GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True)]  # fmt: skip
+F8_BULK_2 = [GemmTactic(32, 4, 1, 3, 2, stages=4, fp8=True), GemmTactic(16, 4, 2, 3, 3, stages=4, fp8=True),
+             GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True), GemmTactic(16, 8, 1, 2, 2, stages=3, fp8=True)]  # fmt: skip
 
 
 def test_fp8_tactic_name_validity_and_default():
@@ -868,6 +878,9 @@ def test_fp8_tactic_name_validity_and_default():
     assert "warps_m a multiple of 4" in GemmTactic(32, 2, 4, 2, 2, fp8=True).valid_for(shape, 1)
     assert "divide" in GemmTactic(32, 4, 1, 4, 2, fp8=True).valid_for(shape, 2)  # 18 K chunks
     assert "shared memory" in GemmTactic(32, 4, 2, 4, 8, fp8=True).valid_for(shape, 1)
+    assert GemmTactic(32, 4, 4, 2, 1, stages=4, fp8=True).valid_for(shape, 1) is None  # the bulk ring
+    why = GemmTactic(32, 4, 4, 4, 1, stages=8, fp8=True).valid_for(shape, 1)
+    assert "activation tile and 8 bulk stages need" in why
     for ctas in (1, 6, 20, 40):
         for stage in (1, 2):
             d = default_tactic(shape, stage, ctas, 132, fp8=True)
@@ -886,6 +899,18 @@ def test_fp8_tactics_compile_for_sm90a_without_spills():
     assert len(specs) >= 8
     for rep in _checked_reports(specs):  # 16-row warps load 8 bytes per lane and chunk
         assert sass_count(rep, r"LDG\.E\.EF\.(?:64|128)") > 0, f"{rep['spec']}: no evict-first weight loads"
+
+
+@pytest.mark.compile
+def test_fp8_bulk_tactics_compile_for_sm90a_without_spills():
+    shape = GemmShape.of(get_preset("dsv41-flash").shard(4))
+    specs = [("dsv41-flash", 4, 1, False, None, _fields(t)) for t in F8_BULK_1 if t.valid_for(shape, 1) is None]
+    specs += [("dsv41-flash", 4, 2, False, None, _fields(t)) for t in F8_BULK_2 if t.valid_for(shape, 2) is None]
+    specs += [("dsv4-flash", 8, 1, True, None, _fields(F8_BULK_1[1]))]  # special weight scales (codes 0 / 255)
+    assert len(specs) >= 6
+    for rep in _checked_reports(specs):  # the weights arrive by bulk copy, the warps read shared memory
+        assert rep["ublkcp"] > 0, f"{rep['spec']}: no bulk copy (UBLKCP)"
+        assert sass_count(rep, r"LDS\.(?:64|128)") > 0, f"{rep['spec']}: no 8/16-byte shared loads"
 
 
 def _check_h_fp8(h_q, h_s, ref_q, ref_s, used_rows, label):
@@ -959,7 +984,8 @@ def test_fp8_tactics_match_the_oracle(preset, tp):
         rows = ids.shape[0]
         x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 9, device="cuda"))
         route = build_route_record(ids.cuda(), experts)
-        t1s, t2s = (F8_1, F8_2) if label.startswith(("correlated", "one", "nonlocal")) else (F8_1[:1], F8_2[:1])
+        t1s, t2s = (F8_1 + F8_BULK_1, F8_2 + F8_BULK_2) if label.startswith(("correlated", "one", "nonlocal")) else (
+            F8_1[:1] + F8_BULK_1[:1], F8_2[:1] + F8_BULK_2[:1])
         _fp8_check(kw8, weights, x_q, x_s, route, f"{preset} TP{tp} {label}", t1s, t2s)
 
 
@@ -984,7 +1010,7 @@ def test_fp8_special_and_wide_weight_scales_are_exact():
     x = generate_activations(4, shape.hidden, seed=3, device="cuda") * 2.0**-16
     x_q, x_s = quantize_mxfp8(x)
     route = build_route_record(ids.cuda(), experts)
-    _fp8_check(kw8, weights, x_q, x_s, route, "special scales", F8_1[:2], F8_2[:2])
+    _fp8_check(kw8, weights, x_q, x_s, route, "special scales", F8_1[:2] + F8_BULK_1[1:2], F8_2[:2] + F8_BULK_2[:1])
 
 
 @pytest.mark.gpu
