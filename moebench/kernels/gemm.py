@@ -729,8 +729,9 @@ if HAVE_DSL:
             if cutlass.const_expr(self.tactic.pdl and self.stage == 1):
                 cute.arch.griddepcontrol_wait()  # GEMM1's record comes from the previous kernel
             n_units = cute.arch.load(record, Int32) * self.blocks
-            n_steps = (n_units + nblk - 1 - bid) // nblk * NB
-            unit, b = bid, Int32(0)
+            unit, count, stride = self.unit_span(n_units, bid, nblk)
+            n_steps = count * NB
+            b = Int32(0)
             for i in cutlass.range(0, n_steps, 1, unroll=1):
                 s = i % S
                 if i >= S:
@@ -757,7 +758,23 @@ if HAVE_DSL:
                             l2_cache_hint=_EVICT_FIRST)
                 b = b + 1
                 wrap = Int32(b == NB)
-                b, unit = b - wrap * NB, unit + wrap * nblk
+                b, unit = b - wrap * NB, unit + wrap * stride
+
+        @cute.jit
+        def unit_span(self, n_units, bid, nblk):
+            """(first unit, units, stride) of CTA `bid` of `nblk` over `n_units`:
+            round-robin (bid, bid + nblk, ...), or for fp8 tactics on the bulk
+            ring a contiguous range (equal sizes within one), so that a CTA's
+            consecutive units mostly share a token tile and its staged
+            activation rows (`bulk_consume_wgmma` stages them once per tile)."""
+            first, count, stride = bid, (n_units + nblk - 1 - bid) // nblk, Int32(nblk)
+            if cutlass.const_expr(self.fp8):
+                q = n_units // nblk
+                r = n_units % nblk
+                first = bid * q + cutlass.min(bid, r)
+                count = q + Int32(bid < r)
+                stride = Int32(1)
+            return first, count, stride
 
         @cute.jit
         def bulk_consume(self, act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars,
@@ -850,12 +867,15 @@ if HAVE_DSL:
                 cute.arch.griddepcontrol_launch_dependents()
             n_units = cute.arch.load(record, Int32) * self.blocks
             top_k = cute.arch.load(record + 3, Int32)
-            n_steps = (n_units + nblk - 1 - bid) // nblk * NB
-            unit, b, parity = bid, Int32(0), Int32(0)
+            unit, count, stride = self.unit_span(n_units, bid, nblk)
+            n_steps = count * NB
+            b, parity, staged = Int32(0), Int32(0), Int32(-1)  # staged: the tile whose rows sB holds
             for i in cutlass.range(0, n_steps, 1, unroll=1):
                 s = i % S
-                if b == 0:  # a new unit: its activation rows into shared memory (the previous
-                    # unit's wgmmas all completed before the barrier that closed it)
+                if b == 0 and unit // self.blocks != staged:  # a unit of a new tile: its activation
+                    # rows into shared memory (the previous unit's wgmmas all completed before the
+                    # barrier that closed it)
+                    staged = unit // self.blocks
                     self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
                     cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
@@ -885,7 +905,7 @@ if HAVE_DSL:
                     parity = parity ^ 1
                 b = b + 1
                 wrap = Int32(b == NB)
-                b, unit = b - wrap * NB, unit + wrap * nblk
+                b, unit = b - wrap * NB, unit + wrap * stride
 
 # ---------------------------------------------------------------------- host side
 _KERNEL = "the GEMM kernels"
