@@ -329,17 +329,12 @@ if HAVE_DSL:
         @cute.jit
         def compute_wgmma(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, ch, lane):
             """fp8 tactics: the unroll chunks from `ch` (global K chunk index)
-            of a register stage: `issue_wgmma`, wait, `scale_accumulate`."""
-            self.issue_wgmma(tiled_mma, tmp, rA, tCrA, tCrB, st_w, ch)
-            warpgroup.wait_group(0)
-            self.scale_accumulate(acc, tmp, sXs, st_s, ch, lane)
-
-        @cute.jit
-        def issue_wgmma(self, tiled_mma, tmp, rA, tCrA, tCrB, st_w, ch):
-            """Weights of a register stage decoded to e4m3 into tm * unroll A
+            of a register stage. Weights decoded to e4m3 into tm * unroll A
             fragments (the warp's tm = tile_rows / 16 m-tiles per chunk), one wgmma
-            m64n8k32 per (chunk, m-tile) from global K chunk `ch` on, each into
-            its own zeroed result (one MX block), one commit group."""
+            m64n8k32 per (chunk, m-tile) into its own zeroed result (one MX
+            block each), one commit / wait, then acc += result x weight scale
+            (row g / g+8) x activation scale (token 2c / 2c+1, fp32 from
+            shared memory)."""
             tm = self.tm  # m-tiles per warp: 2 (tile_rows 32) or 1 (16)
             for j in cutlass.range_constexpr(self.u):
                 for tt in cutlass.range_constexpr(tm):
@@ -356,13 +351,7 @@ if HAVE_DSL:
                     i = tm * j + tt
                     cute.gemm(tiled_mma, tmp[i], tCrA[i][None, None, 0], tCrB[None, None, ch + j], tmp[i])
             warpgroup.commit_group()
-
-        @cute.jit
-        def scale_accumulate(self, acc, tmp, sXs, st_s, ch, lane):
-            """acc += result x weight scale (row g / g+8) x activation scale
-            (token 2c / 2c+1, fp32 from shared memory) for the completed
-            wgmma results `tmp` of chunks ch .. ch + unroll - 1."""
-            tm = self.tm
+            warpgroup.wait_group(0)
             c = lane % 4
             for j in cutlass.range_constexpr(self.u):
                 xs0 = sXs[(ch + j) * 8 + 2 * c]
@@ -853,9 +842,7 @@ if HAVE_DSL:
             unit: its 8 activation rows into shared memory (`stage_acts`, named
             barrier 1 over the compute warps). Per step: wait full[s], the
             warp's words and scales from the stage into registers, release the
-            stage at once (empty[s]), `issue_wgmma`, then scale the previous
-            step's results into the accumulators while this step's run (two
-            register sets; a unit's last step drains before the epilogue).
+            stage at once (empty[s]), then `compute_wgmma` on the registers.
             Warp (wm, wk) (wk-major: a warpgroup shares wk) takes chunks
             b*KS + wk*unroll + j of m-tile(s) wm of the item."""
             S, NB, KS, U, tm = self.tactic.stages, self.nb, self.ks, self.u, self.tm
@@ -867,11 +854,10 @@ if HAVE_DSL:
             p_a = cute.recast_ptr(act, dtype=Uint32)
             p_as = cute.recast_ptr(act_s, dtype=Uint8)
             sB32 = cute.recast_ptr(sB.iterator, dtype=Uint32)
-            n = tm * U  # wgmmas per step
-            tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(2 * n, tm)  # two steps in flight
+            tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(tm * U, tm)
             tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
-            st_w = [cute.make_rmem_tensor((4 * U,), Uint32) for _ in range(2)]
-            st_s = [cute.make_rmem_tensor((U,), Uint32) for _ in range(2)]
+            st_w = cute.make_rmem_tensor((4 * U,), Uint32)
+            st_s = cute.make_rmem_tensor((U,), Uint32)
             # where warp wm's words sit in a stage: tile_rows 32 = pair wm (16 bytes per lane);
             # tile_rows 16 = m-tile wm % 2 of pair wm // 2 (words 2t, 2t+1: 8 bytes per lane)
             pair = wm if tm == 2 else wm // 2
@@ -884,60 +870,42 @@ if HAVE_DSL:
             unit, count, stride = self.unit_span(n_units, bid, nblk)
             n_steps = count * NB
             b, parity, staged = Int32(0), Int32(0), Int32(-1)  # staged: the tile whose rows sB holds
-            ch_prev = Int32(0)
-            # Software pipeline over steps (unrolled by 2 for the register sets): step i's
-            # wgmmas are issued, then step i-1's results (same unit) are scaled into acc
-            # while step i's run; a unit's last step drains (wait 0) before its epilogue.
-            for i0 in cutlass.range(0, n_steps, 2, unroll=1):
-                for p in cutlass.range_constexpr(2):
-                    i = i0 + p
-                    if i < n_steps:
-                        s = i % S
-                        if b == 0 and unit // self.blocks != staged:  # a unit of a new tile: its
-                            # activation rows into shared memory (every wgmma of the previous
-                            # unit completed before the barrier that closed it)
-                            staged = unit // self.blocks
-                            self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
-                            cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
-                            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                        cute.arch.mbarrier_wait(bars + s, (i // S) % 2)
-                        stage = ring + s * self.stage_words
-                        sw, ss = st_w[p], st_s[p]
-                        for j in cutlass.range_constexpr(U):
-                            entry = pair * KS + wk * U + j
-                            if cutlass.const_expr(tm == 2):
-                                q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
-                                for x in cutlass.range_constexpr(4):
-                                    sw[4 * j + x] = q[x]
-                                ss[j] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
-                            else:
-                                q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
-                                sw[2 * j] = q[0]
-                                sw[2 * j + 1] = q[1]
-                                sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
-                                ss[j] = sv >> Uint32(16 * t16)
-                        cute.arch.sync_warp()
-                        if lane == 0:  # the words are in registers: the stage may be refilled
-                            cute.arch.mbarrier_arrive(bars + (S + s))
-                        ch = b * KS + wk * U
-                        self.issue_wgmma(tiled_mma, tmp[p * n:(p + 1) * n], rA[p * n:(p + 1) * n],
-                                         tCrA[p * n:(p + 1) * n], tCrB, sw, ch)
-                        if b > 0:  # the previous step (same unit): done once one group is left
-                            warpgroup.wait_group(1)
-                            self.scale_accumulate(acc, tmp[(1 - p) * n:(2 - p) * n], sXs, st_s[1 - p], ch_prev,
-                                                  lane)
-                        ch_prev = ch
-                        if b == NB - 1:  # unit done: drain, partials to smem, one barrier, epilogue
-                            warpgroup.wait_group(0)
-                            self.scale_accumulate(acc, tmp[p * n:(p + 1) * n], sXs, ss, ch, lane)
-                            self.stash_partials(sP, acc, parity, warp, lane)
-                            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                            self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp,
-                                          lane, tid)
-                            parity = parity ^ 1
-                        b = b + 1
-                        wrap = Int32(b == NB)
-                        b, unit = b - wrap * NB, unit + wrap * stride
+            for i in cutlass.range(0, n_steps, 1, unroll=1):
+                s = i % S
+                if b == 0 and unit // self.blocks != staged:  # a unit of a new tile: its activation
+                    # rows into shared memory (the previous unit's wgmmas all completed before the
+                    # barrier that closed it)
+                    staged = unit // self.blocks
+                    self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
+                    cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                cute.arch.mbarrier_wait(bars + s, (i // S) % 2)
+                stage = ring + s * self.stage_words
+                for j in cutlass.range_constexpr(U):
+                    entry = pair * KS + wk * U + j
+                    if cutlass.const_expr(tm == 2):
+                        q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
+                        for x in cutlass.range_constexpr(4):
+                            st_w[4 * j + x] = q[x]
+                        st_s[j] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                    else:
+                        q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
+                        st_w[2 * j] = q[0]
+                        st_w[2 * j + 1] = q[1]
+                        sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                        st_s[j] = sv >> Uint32(16 * t16)
+                cute.arch.sync_warp()
+                if lane == 0:  # the words are in registers: the stage may be refilled
+                    cute.arch.mbarrier_arrive(bars + (S + s))
+                self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, b * KS + wk * U, lane)
+                if b == NB - 1:  # item done: partials to smem, one barrier, epilogue
+                    self.stash_partials(sP, acc, parity, warp, lane)
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                    self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
+                    parity = parity ^ 1
+                b = b + 1
+                wrap = Int32(b == NB)
+                b, unit = b - wrap * NB, unit + wrap * stride
 
 # ---------------------------------------------------------------------- host side
 _KERNEL = "the GEMM kernels"
