@@ -365,15 +365,19 @@ def default_tactic(
 
 def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int = 132) -> GemmTactic:
     """The fp8 (wgmma) tactic `default_tactic(..., fp8=True)` picks (measured
-    on the H200, dsv41-flash TP4, docs/perf-notes.md v7): GEMM1 with at most
-    one 128-row item per SM: 4 warpgroups splitting K, 1 CTA/SM
-    (r32_m4_k4_u4_c1), else 1 warpgroup pair at 2 CTAs/SM (r32_m4_k2_u4_c2);
-    GEMM2: one warpgroup, unroll 3, 4 CTAs/SM (r32_m4_k1_u3_c4). Where that
-    does not fit the shape, the first valid of 32- then 16-row warps, K split
-    2 / 1, unroll 4 / 3 / 2, 2 / 3 / 1 CTAs per SM (r16_m4_k2_u4_c2 for dsv41
-    TP8 GEMM1, whose 576 rows allow only 64-row items). `ctas`: token tiles
-    the record allows for (None: many), `num_sms`: the GPU's SMs. Raises
-    ValueError for a bad stage / ctas or if none fits."""
+    on the H200, dsv41-flash TP4/TP8, docs/perf-notes.md v11): the
+    warp-specialized kernels on the bulk ring, one CTA of four warpgroups per
+    SM for GEMM1 (K split four ways, unroll 4, 4 stages), with 128-row items
+    (r32_m4_k4_u4_c1_b4) unless 64-row items (r16_m4_k4_u4_c1_b4) take fewer
+    rows x passes over the SMs (expected items, `EXPECTED_TILE_FRACTION`);
+    GEMM2: one warpgroup per CTA, 4 CTAs/SM, unroll 3 (r32_m4_k1_u3_c4_b4).
+    Where a shape rejects those (shared memory, K chunks not divisible by
+    warps_k x unroll, rows): 3 / 2 stages, unroll 4 / 2, then the register
+    load path (v7: r32_m4_k4_u4_c1, r32_m4_k2_u4_c2, r32_m4_k1_u3_c4 and
+    the first valid of 32- then 16-row warps, K split 2 / 1, unroll 4 / 3 / 2,
+    2 / 3 / 1 CTAs per SM). `ctas`: token tiles the record allows for (None:
+    many), `num_sms`: the GPU's SMs. Raises ValueError for a bad stage / ctas
+    or if none fits."""
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage!r}")
     if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 0):
@@ -381,11 +385,17 @@ def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int 
     s = GemmShape.of(shape)
     tiles = 10**6 if ctas is None else max(1, round(EXPECTED_TILE_FRACTION * ctas))
     if stage == 1:
+        def cost(rows: int) -> int:  # weight rows one SM streams: passes x item rows
+            return -(-tiles * (2 * s.intermediate // rows) // num_sms) * rows
+
+        warps = sorted((32, 16), key=lambda r: cost(4 * r) if (2 * s.intermediate) % (4 * r) == 0 else 1 << 62)
+        first = [GemmTactic(r, 4, 4, u, 1, stages=st, fp8=True) for r in warps for u in (4, 2) for st in (4, 3, 2)]
         few = tiles * (2 * s.intermediate // 128) <= num_sms
-        first = [GemmTactic(32, 4, 4, 4, 1, fp8=True)] if few else []
+        first += [GemmTactic(32, 4, 4, 4, 1, fp8=True)] if few else []
         first.append(GemmTactic(32, 4, 2, 4, 2, fp8=True))
     else:
-        first = [GemmTactic(32, 4, 1, 3, 4, fp8=True)]
+        first = [GemmTactic(32, 4, 1, u, 4, stages=st, fp8=True) for u in (3, 4, 2) for st in (4, 3, 2)]
+        first.append(GemmTactic(32, 4, 1, 3, 4, fp8=True))
     candidates = first + [GemmTactic(tile_rows=r, warps_m=4, warps_k=wk, unroll=u, ctas_per_sm=c, fp8=True)
                           for r in (32, 16) for wk in (2, 1) for u in (4, 3, 2) for c in (2, 3, 1)]
     last = None
