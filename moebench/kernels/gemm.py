@@ -17,6 +17,11 @@ e4m3 weight layout) for wgmma m64n8k32 with A from registers: a warpgroup of
 four warps shares a K part, the unit's 8 MXFP8 activation rows are staged in
 shared memory as B, and each 32-K block's fp32 result is scaled by weight x
 activation scale into the accumulator (`compute_wgmma`, `stage_acts`).
+fp8 tactics with `stages` run warp-specialized (`bulk_consume_wgmma`): the
+producer warp streams the weights into the shared-memory ring, the
+warpgroups copy their words to registers, free the stage and only decode and
+multiply; their CTAs take contiguous unit ranges (`unit_span`) and stage a
+tile's activation rows once.
 Partial sums of the warps_k warps meet in shared memory; then
   * stage 1 (GEMM1, K = H): h = silu(min(gate, L)) * clamp(up, -L, L) per
     column, L = clamp[e], quantized MXFP8 per 32 columns by formats'
