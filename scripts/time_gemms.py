@@ -72,13 +72,13 @@ F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(32, 4, 1, 3, 4, split_k
 #: fp8 tactics on the bulk ring (v11, warp-specialized: a producer warp streams the
 #: weights, the warpgroups decode from shared memory): 32- / 16-row warps, one to
 #: four warpgroups, 1-4 CTAs/SM, 4-6 stages.
-F8_BULK_1 = [GemmTactic(16, 4, 4, 4, 1, stages=8, fp8=True), GemmTactic(16, 4, 4, 8, 1, stages=8, fp8=True),
-             GemmTactic(16, 4, 4, 4, 1, stages=16, fp8=True), GemmTactic(32, 4, 4, 4, 1, stages=8, fp8=True),
-             GemmTactic(32, 4, 4, 2, 1, stages=16, fp8=True), GemmTactic(16, 4, 2, 8, 2, stages=8, fp8=True),
-             GemmTactic(16, 4, 2, 4, 2, stages=8, fp8=True)]  # fmt: skip
-F8_BULK_2 = [GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True), GemmTactic(32, 4, 1, 3, 3, stages=6, fp8=True),
-             GemmTactic(32, 4, 1, 6, 4, stages=3, fp8=True), GemmTactic(32, 8, 1, 3, 2, stages=4, fp8=True),
-             GemmTactic(32, 4, 3, 3, 2, stages=8, fp8=True), GemmTactic(32, 4, 2, 3, 3, stages=6, fp8=True)]  # fmt: skip
+F8_BULK_1 = [GemmTactic(32, 4, 4, 2, 1, stages=6, fp8=True), GemmTactic(32, 4, 4, 4, 1, stages=4, fp8=True),
+             GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True), GemmTactic(16, 4, 4, 4, 1, stages=6, fp8=True),
+             GemmTactic(16, 4, 4, 8, 1, stages=4, fp8=True), GemmTactic(16, 4, 2, 4, 2, stages=4, fp8=True),
+             GemmTactic(16, 4, 2, 8, 2, stages=2, fp8=True)]  # fmt: skip
+F8_BULK_2 = [GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True), GemmTactic(32, 4, 1, 3, 4, stages=6, fp8=True),
+             GemmTactic(32, 4, 1, 3, 3, stages=6, fp8=True), GemmTactic(32, 4, 3, 3, 2, stages=4, fp8=True),
+             GemmTactic(32, 4, 1, 6, 4, stages=3, fp8=True), GemmTactic(32, 8, 1, 3, 2, stages=4, fp8=True)]  # fmt: skip
 COPY_GBPS = 4215.0
 L2_BYTES = 60e6
 TOP_K = 6

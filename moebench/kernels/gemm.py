@@ -184,9 +184,7 @@ if HAVE_DSL:
                 self.smem_bytes += 8 * self.k + 128 + 8 * self.nch * 4 + 16
             self.block_threads = self.threads
             if self.bulk:
-                # K chunks per bulk stage: all warps share a stage, or (fp8) each warpgroup takes
-                # whole stages in turn (step b is warpgroup b % warps_k's)
-                self.ks = self.u if self.fp8 else self.u * self.wk
+                self.ks = self.u * self.wk  # K chunks per bulk stage
                 self.nb = -(-self.nch // self.ks)  # stages (steps) per item
                 self.np = self.rm // 32  # 32-row pairs per item
                 self.sw_words = self.np * self.ks * 128  # weight words of one stage
@@ -696,10 +694,7 @@ if HAVE_DSL:
             of its KS chunks (512 B each) and one of their scales (32 B each),
             completing full[s]; the nw compute warps arrive on empty[s] when done
             with it. Warp (wm, wk) takes chunks b*KS + wk*unroll + j, so one
-            stage holds the whole CTA's next K slab (K interleaved over warps).
-            fp8 tactics: KS = unroll, and the wm warps of warpgroup(s) wk
-            consume (and release) the steps b = wk mod warps_k
-            (`bulk_consume_wgmma`)."""
+            stage holds the whole CTA's next K slab (K interleaved over warps)."""
             S, NB, KS, NP = self.tactic.stages, self.nb, self.ks, self.np
             tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
             warp, lane = tid // 32, tid % 32
@@ -716,7 +711,7 @@ if HAVE_DSL:
             if tid == 0:
                 for s in cutlass.range_constexpr(S):
                     cute.arch.mbarrier_init(bars + s, 1)
-                    cute.arch.mbarrier_init(bars + (S + s), self.wm if self.fp8 else self.nw)  # its readers
+                    cute.arch.mbarrier_init(bars + (S + s), self.nw)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == self.nw:
@@ -853,10 +848,8 @@ if HAVE_DSL:
             barrier 1 over the compute warps). Per step: wait full[s], the
             warp's words and scales from the stage into registers, release the
             stage at once (empty[s]), then `compute_wgmma` on the registers.
-            Warp (wm, wk) (wk-major: a warpgroup shares wk) takes the steps
-            b = wk mod warps_k of each unit (KS = unroll chunks each), m-tile(s)
-            wm: the warpgroups interleave over K stage by stage and run at their
-            own pace between the unit barriers."""
+            Warp (wm, wk) (wk-major: a warpgroup shares wk) takes chunks
+            b*KS + wk*unroll + j of m-tile(s) wm of the item."""
             S, NB, KS, U, tm = self.tactic.stages, self.nb, self.ks, self.u, self.tm
             g = lane // 4
             wm, wk = warp % self.wm, warp // self.wm
@@ -891,26 +884,25 @@ if HAVE_DSL:
                     self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
                     cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                if b % self.wk == wk:  # this warpgroup's step
-                    cute.arch.mbarrier_wait(bars + s, (i // S) % 2)
-                    stage = ring + s * self.stage_words
-                    for j in cutlass.range_constexpr(U):
-                        entry = pair * KS + j
-                        if cutlass.const_expr(tm == 2):
-                            q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
-                            for x in cutlass.range_constexpr(4):
-                                st_w[4 * j + x] = q[x]
-                            st_s[j] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
-                        else:
-                            q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
-                            st_w[2 * j] = q[0]
-                            st_w[2 * j + 1] = q[1]
-                            sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
-                            st_s[j] = sv >> Uint32(16 * t16)
-                    cute.arch.sync_warp()
-                    if lane == 0:  # the words are in registers: the stage may be refilled
-                        cute.arch.mbarrier_arrive(bars + (S + s))
-                    self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, b * KS, lane)
+                cute.arch.mbarrier_wait(bars + s, (i // S) % 2)
+                stage = ring + s * self.stage_words
+                for j in cutlass.range_constexpr(U):
+                    entry = pair * KS + wk * U + j
+                    if cutlass.const_expr(tm == 2):
+                        q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
+                        for x in cutlass.range_constexpr(4):
+                            st_w[4 * j + x] = q[x]
+                        st_s[j] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                    else:
+                        q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
+                        st_w[2 * j] = q[0]
+                        st_w[2 * j + 1] = q[1]
+                        sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                        st_s[j] = sv >> Uint32(16 * t16)
+                cute.arch.sync_warp()
+                if lane == 0:  # the words are in registers: the stage may be refilled
+                    cute.arch.mbarrier_arrive(bars + (S + s))
+                self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, b * KS + wk * U, lane)
                 if b == NB - 1:  # item done: partials to smem, one barrier, epilogue
                     self.stash_partials(sP, acc, parity, warp, lane)
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)

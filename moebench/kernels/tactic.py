@@ -17,7 +17,7 @@ MAX_WARPS = 16
 #: Most K slices of one item (split-K across CTAs).
 MAX_SPLIT_K = 16
 #: Most shared-memory stages of the bulk-copy load path.
-MAX_STAGES = 16
+MAX_STAGES = 8
 #: Shared memory one CTA may use (bytes; 227 KB on sm_90).
 SMEM_PER_CTA = 227 * 1024
 
@@ -87,9 +87,8 @@ class GemmTactic:
       evict-first) into a ring of `stages` shared-memory stages completed on
       mbarriers, one stage = warps_k * unroll K chunks of all the item's rows;
       the warps read their words from shared memory (split_k must be 1).
-      With fp8 this is the warp-specialized kernel: one stage = unroll K
-      chunks, the warps_k warpgroups take whole stages in turn (each runs at
-      its own pace), copy their words to registers, free the stage at once
+      With fp8 this is the warp-specialized kernel: the producer streams,
+      the warpgroups copy their words to registers, free the stage at once
       and only decode + wgmma.
     act_bf16: the activation operand arrives already dequantized to BF16
       (plain row-major [rows, K] bf16; GEMM1: x_deq [rows, H], GEMM2: h_deq
@@ -231,16 +230,13 @@ def partial_smem_bytes(tactic: GemmTactic) -> int:
 
 
 def bulk_stage_bytes(tactic: GemmTactic) -> int:
-    """Bytes of one bulk-copy stage: its K chunks (512 bytes of e2m1 words +
-    32 bytes of E8M0 scales per 32-row pair and chunk) of the item's
-    warps_m * tile_rows / 32 pairs; warps_k * unroll chunks (every warp
-    takes part of a stage), for fp8 tactics unroll chunks (the warps_k
-    warpgroups take whole stages in turn); 0 for the register load path."""
+    """Bytes of one bulk-copy stage: warps_k * unroll K chunks (512 bytes of
+    e2m1 words + 32 bytes of E8M0 scales per 32-row pair and chunk) of the
+    item's warps_m * tile_rows / 32 pairs; 0 for the register load path."""
     if not tactic.bulk:
         return 0
     pairs = tactic.warps_m * tactic.tile_rows // 32
-    chunks = tactic.unroll if tactic.fp8 else tactic.warps_k * tactic.unroll
-    return pairs * chunks * (512 + 32)
+    return pairs * tactic.warps_k * tactic.unroll * (512 + 32)
 
 
 def _stage_rows(shape: GemmShape, stage: int) -> int:
