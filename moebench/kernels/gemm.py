@@ -838,7 +838,6 @@ if HAVE_DSL:
                 wrap = Int32(b == NB)
                 b, unit = b - wrap * NB, unit + wrap * nblk
 
-
         @cute.jit
         def bulk_consume_wgmma(self, act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
                                tid, bid, nblk, warp, lane):
@@ -911,6 +910,7 @@ if HAVE_DSL:
                 b = b + 1
                 wrap = Int32(b == NB)
                 b, unit = b - wrap * NB, unit + wrap * stride
+
 
 # ---------------------------------------------------------------------- host side
 _KERNEL = "the GEMM kernels"
