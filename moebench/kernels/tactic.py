@@ -213,7 +213,7 @@ class GemmTactic:
         if self.bulk:
             need += self.stages * (bulk_stage_bytes(self) + 16)
             what.append(f"{self.stages} bulk stages")
-        limit = min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm)
+        limit = min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm - 1024)  # 1 KB of each CTA's is reserved
         if what and need > limit:
             return (f"{' and '.join(what)} need {need} bytes of shared memory per CTA, more than {limit}"
                     f" at {self.ctas_per_sm} CTAs per SM")
