@@ -212,6 +212,14 @@ def _fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
+#: --tactics of `sweep` and `step`.
+_TACTICS_HELP = (
+    "Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list (moebench: default ="
+    " tuned table else built-in, builtin = built-in defaults, tuned = the tuning table only, skipped without one;"
+    " fp8 = the opt-in FP8 (wgmma) kernel family, skipped where it cannot run; torch-bf16: grouped, gather)."
+)
+
+
 @app.command()
 def sweep(
     preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated (see `moebench presets`)."),
@@ -232,12 +240,7 @@ def sweep(
         "correlated", help="Routing scenarios, comma-separated, of: uniform, zipf, hot, correlated, replay"
         " (replay reads --trace)."
     ),
-    tactics: str = typer.Option(
-        "default", help="Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list"
-        " (moebench: default = tuned table else built-in, builtin = built-in defaults, tuned = the tuning"
-        " table only, skipped without one; fp8 = the opt-in FP8 (wgmma) kernel family, skipped where it"
-        " cannot run; torch-bf16: grouped, gather)."
-    ),
+    tactics: str = typer.Option("default", help=_TACTICS_HELP),
     seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
     layers: int = typer.Option(None, help="Force the number of rotated weight sets (default: >= 4x L2)."),
@@ -447,6 +450,7 @@ def step(
         "default", help="'default' (GPU: moebench, torch-bf16, flashinfer-w4a16/-w4a8; CPU: reference,"
         " torch-bf16), 'all', or a list."
     ),
+    tactics: str = typer.Option("default", help=_TACTICS_HELP),
     seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one layer's weights over and over (warm L2)."),
     layers: int = typer.Option(None, help="Force the number of rotated layers (default: >= 4x L2)."),
@@ -467,10 +471,10 @@ def step(
     """Time a whole decode-step MoE layer; store the run.
 
     The layer: gate -> router -> shared expert -> routed experts -> finalize
-    [-> all-reduce], per rows and backend under CUDA graphs, gated on the fp64
-    oracle of the layer."""
+    [-> all-reduce], per rows, backend and tactic under CUDA graphs, gated on
+    the fp64 oracle of the layer."""
     from moebench.backends.registry import backend_names
-    from moebench.bench.decode_step import StepConfig, rank_devices, run_step
+    from moebench.bench.decode_step import StepConfig, rank_devices, run_step, validate_step
     from moebench.bench.shard import parse_devices, visible_gpu_count
     from moebench.env import resolve_device
     from moebench.record import MAX_ROWS
@@ -509,16 +513,14 @@ def step(
         config = StepConfig(
             presets=names, hidden=hidden, intermediate=intermediate, experts=experts,
             top_k=top_k, tp=(tp,), rows=parse_int_list(rows, "--rows", 1, MAX_ROWS),
-            scenarios=parse_names(scenario, "--scenario"), backends=backend_list, seed=seed, warm_l2=warm_l2,
+            scenarios=parse_names(scenario, "--scenario"), backends=backend_list,
+            tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
             layers=layers, device=str(dev) if ranks == 1 else dev.type, reduced=reduced, warmup=warmup,
             replays=replays, use_graph=graph, trace=trace, ranks=ranks, devices=gpu_list,
         )  # fmt: skip
         if ranks > 1:
             _, gpu_used = rank_devices(config)  # more ranks than GPUs: error naming both numbers
-        if config.backends is not None:
-            from moebench.bench.sweep import check_backend_names
-
-            check_backend_names(config.backends)
+        validate_step(config)  # unknown backends or tactics
     except (ValueError, TypeError) as error:
         raise _fail(_option_message(error)) from None
 
@@ -560,7 +562,7 @@ def step(
 
 
 _STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows", "scenario": "scenario",
-               "unique_experts": "experts", "backend": "backend", "routing_path": "routing",
+               "unique_experts": "experts", "backend": "backend", "tactic": "tactic", "routing_path": "routing",
                "shared_path": "shared", "status": "status",
                "median_us": "step µs",
                "p10_us": "p10", "p90_us": "p90", "step_with_gate_us": "+gate µs", "gate_us": "gate",
@@ -569,7 +571,7 @@ _STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows",
                "note": "note", "rank": "rank", "gpu_index": "GPU"}  # fmt: skip
 
 
-def _print_frame(frame, title: str | None, constant_keys=("preset", "tp", "ranks", "scenario")) -> None:
+def _print_frame(frame, title: str | None, constant_keys=("preset", "tp", "ranks", "scenario", "tactic")) -> None:
     """A rich table of `frame` (columns named by _STEP_HEADS or kernel_<s>_us ->
     <s>); columns with one value everywhere move to the title, empty ones go."""
     constant = [c for c in constant_keys if c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1]
@@ -598,7 +600,7 @@ def _print_step(frame, ranks=None, table=None) -> None:
         title = "decode step (µs, rank 0's timings: every rank below; the step excludes the gate)"
     _print_frame(table, title)
     if ranks is not None and len(ranks):
-        _print_frame(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario"))
+        _print_frame(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario", "tactic"))
 
 
 @app.command()

@@ -309,6 +309,30 @@ def test_sweep_tactics_all_expands_per_backend(tmp_path):
     assert len(df) >= 2 and "default" in set(df["tactic"]) and "all" not in set(df["tactic"])
 
 
+def test_step_tactics_as_the_sweeps(tmp_path):
+    """`step --tactics`: the same list / 'all' as the sweep's; a tactic a
+    backend lacks (or a backend that cannot run on the CPU) is a skipped
+    row with the reason; the tactic column is stored and shown."""
+    import pandas as pd
+
+    args = [a for a in TINY if a not in ("--rows", "1,2")] + ["--rows", "1"]
+    result = runner.invoke(app, ["step", *args, "--backends", "torch-bf16,moebench", "--tactics", "default,fp8",
+                                 "--out", str(tmp_path / "a")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "tactic" in result.output and "fp8" in result.output
+    df = pd.read_parquet(next((tmp_path / "a").iterdir()) / "results.parquet")
+    assert list(zip(df["backend"], df["tactic"], df["status"])) == [
+        ("torch-bf16", "default", "ok"), ("torch-bf16", "fp8", "skipped"),
+        ("moebench", "default", "skipped"), ("moebench", "fp8", "skipped")]  # fmt: skip
+    assert df["error"].iloc[1].startswith("tactic 'fp8' not offered for this shape")
+
+    result = runner.invoke(app, ["step", *args, "--backends", "torch-bf16", "--tactics", "all",
+                                 "--out", str(tmp_path / "b")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    df = pd.read_parquet(next((tmp_path / "b").iterdir()) / "results.parquet")
+    assert list(df["tactic"]) == ["default", "grouped", "gather"] and (df["status"] == "ok").all()
+
+
 def test_error_text_in_brackets_survives(tmp_path):
     result = runner.invoke(app, ["report", str(tmp_path / "[myrun]")])
     assert result.exit_code != 0

@@ -15,6 +15,16 @@ kernels, "torch: <why not the kernels>"). The routing follows the sweep's scenar
 weights are chosen (`scenario_gate_weight`) so the real gate GEMM and router
 pick each row's scenario experts.
 
+Tactics, as `moebench sweep --tactics`: each backend runs every tactic of
+`tactics` ("all": every tactic it offers for the shape,
+`sweep.expand_all_tactics`), each (backend, tactic) pair with its own prepared
+layers (`Backend.prepare(..., tactic)`), so `--backends moebench --tactics
+default,fp8` compares our two kernel families in the whole step. A pair that
+cannot run is skipped with the reason (`sweep.skip_reason`: the backend is
+unavailable, the tactic is not offered for the shape, or
+`tactic_unavailable_reason`); a name no selected backend offers fails up front
+(`sweep.check_tactic_names`, naming --tactics).
+
 Ranks: `ranks` = 1 times one rank's shard (I/tp, drawn directly, no
 all-reduce: the shape `moebench sweep --tp` times) in this process;
 `ranks` = tp runs a real TP-N step: N processes started like torchrun
@@ -50,9 +60,10 @@ are timed eagerly (`timing_method`). bytes = the logical MXFP4 bytes of the
 rank's touched experts + the shared expert's BF16 weights + activations in
 and out (gbps over them); the gate's weights are not counted.
 
-Results: one row per (preset, rows, scenario, backend) (`STEP_COLUMNS`, the
-sweep's columns plus the step's), rank 0's numbers; with ranks > 1 every
-rank's row also goes to a per-rank table. `moebench report` renders both.
+Results: one row per (preset, rows, scenario, backend, tactic)
+(`STEP_COLUMNS`, the sweep's columns plus the step's), rank 0's numbers; with
+ranks > 1 every rank's row also goes to a per-rank table. `moebench report`
+renders both.
 """
 
 from __future__ import annotations
@@ -75,14 +86,15 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from moebench.backends.base import BackendUnavailable
+from moebench.backends.base import DEFAULT_TACTIC, BackendUnavailable
 from moebench.backends.registry import backend_names, load_backend
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
-from moebench.bench.cases import CPU_BACKENDS, SweepConfig, unique_bytes, unique_experts
+from moebench.bench.cases import CPU_BACKENDS, SweepConfig, expand_cases, unique_bytes, unique_experts
 from moebench.bench.shard import MULTICAST_OFF, free_port, gpu_serial, gpu_uuid, visible_gpu_count, worker_env
 from moebench.bench.sweep import (
-    COLUMNS, EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
-    canonical_bytes, check_backend_names, layer_count,
+    ALL_TACTICS, COLUMNS, EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
+    canonical_bytes, check_backend_names, check_tactic_names, expand_all_tactics, layer_count, loaded_backends,
+    skip_reason,
 )  # fmt: skip
 from moebench.bench.timing import Timing, time_graph
 from moebench.env import environment, resolve_device
@@ -126,8 +138,9 @@ class StepConfig(SweepConfig):
     ranks: 1 = one rank's I/tp shard on one device, no all-reduce; tp = a
     real TP-`tp` step, one process per rank with the all-reduce. devices:
     the CUDA indices of the ranks (as this process numbers them; None = 0..ranks-1;
-    ignored on the CPU, where the ranks use gloo). Tactics are each
-    backend's default. Raises ValueError / TypeError naming the field.
+    ignored on the CPU, where the ranks use gloo). tactics: as the sweep's,
+    per backend (module docstring). Raises ValueError / TypeError naming the
+    field.
     """
 
     ranks: int = 1
@@ -142,8 +155,6 @@ class StepConfig(SweepConfig):
         tp = self.tp[0]
         if not isinstance(self.ranks, int) or isinstance(self.ranks, bool) or self.ranks not in (1, tp):
             raise ValueError(f"ranks must be 1 (one rank's shard) or tp={tp} (a real TP-{tp} step), got {self.ranks!r}")
-        if self.tactics != ("default",):
-            raise ValueError(f"tactics: a step runs each backend's default tactic, got {self.tactics}")
         if self.devices is not None:
             devs = tuple(self.devices)
             if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in devs):
@@ -170,6 +181,17 @@ def default_step_backends(device: torch.device | str) -> tuple[str, ...]:
     return CPU_BACKENDS if torch.device(device).type == "cpu" else GPU_STEP_BACKENDS
 
 
+def validate_step(config: StepConfig) -> None:
+    """The checks `run_step` makes before measuring anything (device,
+    backend names, tactic names), for a caller that wants them up front.
+    Raises ValueError naming the option."""
+    dev = resolve_device(config.device)
+    reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
+    names = config.backends if config.backends is not None else default_step_backends(dev)
+    check_backend_names(names)
+    check_tactic_names(config, names, loaded_backends(names), reduced=reduced)
+
+
 # ----------------------------------------------------------------------------- collectives
 
 
@@ -184,6 +206,19 @@ def _agree(error: str | None, world: int) -> str | None:
         if e is not None:
             return f"rank {rank}: {e}"
     return None
+
+
+def _first_reasons(reasons: dict, world: int) -> dict:
+    """Every rank's {key: reason, None = can run} -> per key the first
+    rank's reason ("rank r: ..." past rank 0), the same on every rank: a
+    backend or tactic runs only where every rank can run it (the same
+    collectives everywhere)."""
+    if world == 1:
+        return reasons
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, reasons)
+    return {k: next((f"rank {r}: {rs[k]}" if r else rs[k] for r, rs in enumerate(everyone) if rs[k]), None)
+            for k in reasons}  # fmt: skip
 
 
 def _from_rank0(value, world: int):
@@ -249,24 +284,25 @@ def run_rank(
     case (STEP_COLUMNS, this rank's numbers) and what the manifest records
     (environment, copy bandwidth, layers per preset, backend reasons).
     progress(done, total, label, status) after each case; emit(row) too.
-    Raises ValueError for unknown backends or an unusable device; failures
-    inside cases never raise (they are recorded, the same on every rank)."""
+    Raises ValueError for unknown backends or tactics (before measuring
+    anything) or an unusable device; failures inside cases never raise (they
+    are recorded, the same on every rank)."""
     if not isinstance(config, StepConfig):
         raise TypeError(f"config must be a StepConfig, got {type(config).__name__}")
     dev = resolve_device(device if device is not None else config.device)
     reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
     names = config.backends if config.backends is not None else default_step_backends(dev)
     check_backend_names(names)
+    backends, reasons = _load_backends(names, dev)
+    check_tactic_names(config, names, backends, reduced=reduced)  # before anything is measured
     env = environment(dev)
     copy_bytes, copy_repeats = ((1 << 30), 20) if dev.type == "cuda" else ((64 << 20), 5)
     copy_bw = copy_bandwidth_gbps(dev, copy_bytes, copy_repeats)
-    backends, reasons = _load_backends(names, dev)
-    if world > 1:  # a backend runs only where every rank can run it (the same collectives everywhere)
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, reasons)
-        reasons = {n: next((f"rank {r}: {rs[n]}" if r else rs[n] for r, rs in enumerate(everyone) if rs[n]), None)
-                   for n in names}  # fmt: skip
-    total = len(config.presets) * len(config.rows) * len(config.scenarios) * len(names)
+    reasons = _first_reasons(reasons, world)
+    cases = expand_cases(config, names, reduced=reduced)
+    if ALL_TACTICS in config.tactics:
+        cases = expand_all_tactics(cases, backends, reasons)  # the same on every rank: reasons agree
+    total = len(cases)
     rows_out: list[dict] = []
 
     def record(row: dict) -> None:
@@ -274,7 +310,8 @@ def run_rank(
         if emit is not None:
             emit(row)
         if progress is not None:
-            label = f"{row['preset']} rows={row['rows']} {row['scenario']} {row['backend']}"
+            pair = _pair_label(row["backend"], row["tactic"])
+            label = f"{row['preset']} rows={row['rows']} {row['scenario']} {pair}"
             progress(len(rows_out), total, label, row["status"])
 
     base = {"device": env["device"]["name"], "sm_count": env["device"]["sm_count"], "commit": env["commit"],
@@ -283,7 +320,8 @@ def run_rank(
     groups = []
     for preset in config.presets:
         cfg = config.config_for(preset, reduced=reduced)
-        groups.append(_run_preset(config, cfg, rank, world, dev, env, copy_bw, names, backends, reasons,
+        pairs = list(dict.fromkeys((c.backend, c.tactic) for c in cases if c.config == cfg))
+        groups.append(_run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, reasons,
                                   base, record))  # fmt: skip
         _release(dev)
     info = {"copy_bw_gbps": copy_bw, "copy_bw_bytes": copy_bytes, "reduced": reduced, "backends": reasons,
@@ -291,20 +329,26 @@ def run_rank(
     return rows_out, info
 
 
-def _row(base: dict, cfg, shape, rows: int, scenario: str, backend: str, **values) -> dict:
+def _pair_label(backend: str, tactic: str) -> str:
+    """"backend" for its default tactic, else "backend[tactic]"."""
+    return backend if tactic == DEFAULT_TACTIC else f"{backend}[{tactic}]"
+
+
+def _row(base: dict, cfg, shape, rows: int, scenario: str, backend: str, tactic: str, **values) -> dict:
     row = dict.fromkeys(STEP_COLUMNS)
     row.update(base)
     row.update(
         preset=cfg.name, hidden=shape.hidden, intermediate=shape.intermediate,
         padded_intermediate=shape.padded_intermediate, experts=shape.experts, top_k=shape.top_k,
-        tp=shape.tp, rows=rows, scenario=scenario, backend=backend, tactic="default", error="",
+        tp=shape.tp, rows=rows, scenario=scenario, backend=backend, tactic=tactic, error="",
     )  # fmt: skip
     row.update(values)
     return row
 
 
-def _run_preset(config, cfg, rank, world, dev, env, copy_bw, names, backends, reasons, base, record) -> dict:
-    """All cases of one preset on this rank; returns the manifest's group info."""
+def _run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, reasons, base, record) -> dict:
+    """All cases of one preset on this rank, per (backend, tactic) of `pairs`;
+    returns the manifest's group info."""
     tp = config.tp[0]
     shape = cfg.shard(tp)
     sliced = world > 1
@@ -314,7 +358,7 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, names, backends, re
     shared_bytes = 3 * shape.intermediate * shape.hidden * 2
     min_touched = min(unique_bytes(shape, v) for v in ids.values()) + shared_bytes
     # Canonical experts + shared expert + a case's gate (BF16 + its fp32 copy) per layer;
-    # each backend's prepared copy is budgeted below, per backend.
+    # each (backend, tactic) pair's prepared copy is budgeted below, per pair.
     per_layer = canonical_bytes(shape) + shared_bytes + 6 * shape.experts * shape.hidden
     budget = None
     if dev.type == "cuda":
@@ -333,20 +377,23 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, names, backends, re
             "layers_per_backend": {}}  # fmt: skip
 
     def backend_layers(name: str) -> int:
-        """The rotation a backend gets: all generated layers, fewer when its
-        prepared copies do not fit beside them (e.g. torch-bf16's 4x bytes)."""
+        """The rotation a (backend, tactic) pair gets: all generated layers,
+        fewer when its prepared copies do not fit beside them (e.g.
+        torch-bf16's 4x bytes); one pair's copies are held at a time."""
         extra = backends[name].prepared_bytes(shape)
         n = layers
         if budget is not None and extra > 0 and not forced:
             n = max(1, min(layers, (budget - layers * per_layer) // extra))
         return _min_over_ranks(n, world)
 
-    def all_cases(status: str, error: str, only=None) -> None:
+    def all_cases(status: str, error: str, pair: tuple[str, str]) -> None:
         for r, s in cases:
-            for name in only or names:
-                record(_row(base, cfg, shape, r, s, name, status=status, error=error, layers=layers,
-                            shared_bytes=shared_bytes, bytes=unique_bytes(shape, ids[(r, s)]) + shared_bytes,
-                            unique_experts=unique_experts(ids[(r, s)], shape.experts)))  # fmt: skip
+            record(_row(base, cfg, shape, r, s, *pair, status=status, error=error, layers=layers,
+                        shared_bytes=shared_bytes, bytes=unique_bytes(shape, ids[(r, s)]) + shared_bytes,
+                        unique_experts=unique_experts(ids[(r, s)], shape.experts)))  # fmt: skip
+
+    # Which pairs run here, and why the others do not (as the sweep says it), the same on every rank.
+    skip = _first_reasons({(n, t): skip_reason(backends, reasons, n, t, shape, dev) for n, t in pairs}, world)
 
     weights, oracle_weights, error = [], None, None
     try:
@@ -369,34 +416,33 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, names, backends, re
         _release(dev)
     error = _agree(error, world)
     if error is not None:
-        for name in names:
-            reason = reasons.get(name)
-            all_cases("skipped" if reason else "failed", reason or error, only=[name])
+        for pair in pairs:
+            all_cases("skipped" if skip[pair] else "failed", skip[pair] or error, pair)
         return {**info, "error": error}
 
-    for name in names:
-        reason = reasons.get(name)
-        if reason is not None:
-            all_cases("skipped", reason, only=[name])
+    for pair in pairs:
+        name, tactic = pair
+        if skip[pair] is not None:
+            all_cases("skipped", skip[pair], pair)
             continue
         backend = backends[name]
         n_layers = backend_layers(name)
-        info["layers_per_backend"][name] = n_layers
+        info["layers_per_backend"][_pair_label(name, tactic)] = n_layers
         prepared, error = [], None
         try:
-            prepared = [backend.prepare(w.experts, shape) for w in weights[:n_layers]]
+            prepared = [backend.prepare(w.experts, shape, tactic) for w in weights[:n_layers]]
         except Exception as e:  # noqa: BLE001
             error = f"prepare failed: {_error_text(e)}"
             prepared = []
             _release(dev)
         error = _agree(error, world)
         if error is not None:
-            all_cases("failed", error, only=[name])
+            all_cases("failed", error, pair)
             continue
         for r, s in cases:
             row = _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights[:n_layers],
                             oracle_weights, xs[r], ids[(r, s)], s, n_layers, copy_bw)  # fmt: skip
-            record(_row(base, cfg, shape, r, s, name, **row))
+            record(_row(base, cfg, shape, r, s, name, tactic, **row))
         del prepared
         _release(dev)
     del weights, oracle_weights
@@ -607,8 +653,9 @@ def run_step(config: StepConfig, progress: ProgressFn | None = None, *, timeout_
     config.ranks == 1, else in config.ranks processes (`launch_ranks`).
 
     progress(done, total, label, status) after each case (rank 0's).
-    Raises TypeError for a bad config, ValueError for unknown backends, an
-    unusable device or more ranks than visible GPUs (naming both numbers);
+    Raises TypeError for a bad config, ValueError for unknown backends or
+    tactics, an unusable device or more ranks than visible GPUs (naming both
+    numbers), before measuring anything;
     failures inside cases never raise, and a rank that dies leaves its cases
     failed with the reason.
     """
@@ -719,13 +766,13 @@ def launch_ranks(
     rank (NCCL) or all on the CPU (gloo). When a rank dies the others get
     RANK_GRACE_S to finish, then are stopped; a run past `timeout_s` is
     stopped. Cases rank 0 did not deliver are failed rows carrying the dead
-    rank's error. Raises ValueError as rank_devices."""
+    rank's error. Raises ValueError as rank_devices and validate_step."""
     dev, devices = rank_devices(config)
     world = config.ranks
     on_gpu = dev.type == "cuda"
     reduced = config.reduced if config.reduced is not None else not on_gpu
     names = config.backends if config.backends is not None else default_step_backends(dev)
-    check_backend_names(names)
+    validate_step(config)  # unknown backends or tactics fail here, not in every rank
     scratch = Path(tempfile.mkdtemp(prefix="moebench-step-"))
     ctx = mp.get_context("spawn")
     procs = []
@@ -816,7 +863,7 @@ def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str
     parts = []
     if rank0 is not None and len(rank0):
         parts.append(rank0)
-        have = set(zip(rank0["preset"], rank0["rows"], rank0["scenario"], rank0["backend"]))
+        have = set(zip(rank0["preset"], rank0["rows"], rank0["scenario"], rank0["backend"], rank0["tactic"]))
     missing = []
     error = "; ".join(errors) or "rank 0 delivered no row for this case"
     tp = config.tp[0]
@@ -826,10 +873,13 @@ def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str
         for r in config.rows:
             for s in config.scenarios:
                 for name in names:
-                    if (cfg.name, r, s, name) in have:
-                        continue
-                    missing.append(_row({"kind": "step", "ranks": world, "rank": 0, "seed": config.seed}, cfg, shape,
-                                        r, s, name, status="failed", error=error))  # fmt: skip
+                    for tactic in config.tactics:
+                        key = (cfg.name, r, s, name, tactic)
+                        # "all" expands inside the ranks: any row of that backend counts (as shard.py does)
+                        if key in have or (tactic == ALL_TACTICS and any(k[:4] == key[:4] for k in have)):
+                            continue
+                        missing.append(_row({"kind": "step", "ranks": world, "rank": 0, "seed": config.seed}, cfg,
+                                            shape, r, s, name, tactic, status="failed", error=error))  # fmt: skip
     if missing:
         parts.append(_frame(missing))
     frame = _frame(pd.concat(parts, ignore_index=True).to_dict("records")) if parts else _frame([])
@@ -854,4 +904,5 @@ def step_config(**kwargs) -> StepConfig:
 __all__ = [
     "GPU_STEP_BACKENDS", "KERNEL_COLUMNS", "STAGE_TIMING", "STEP_COLUMNS", "STEP_STAGES", "StepConfig",
     "StepResult", "default_step_backends", "launch_ranks", "rank_devices", "run_rank", "run_step", "step_config",
+    "validate_step",
 ]  # fmt: skip

@@ -244,11 +244,17 @@ def validate_sweep(config: SweepConfig) -> None:
     dev = resolve_device(config.device)
     reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
     names = _backend_selection(config, dev)
+    check_tactic_names(config, names, loaded_backends(names), reduced=reduced)
+
+
+def loaded_backends(names) -> dict[str, Backend]:
+    """The backends of `names` that load, by name (no availability check:
+    enough for `check_tactic_names`; one that does not load is left out)."""
     backends = {}
     for name in names:
         with contextlib.suppress(Exception):
             backends[name] = load_backend(name)
-    check_tactic_names(config, names, backends, reduced=reduced)
+    return backends
 
 
 def check_tactic_names(config: SweepConfig, names, backends: dict[str, Backend], *, reduced: bool) -> None:
@@ -295,6 +301,26 @@ def expand_all_tactics(cases: list[Case], backends: dict[str, Backend], reasons:
                 seen.add(c)
                 out.append(c)
     return out
+
+
+def skip_reason(
+    backends: dict[str, Backend], reasons: dict[str, str | None], name: str, tactic: str, shape: RankShape,
+    device: torch.device,
+) -> str | None:
+    """Why (backend `name`, `tactic`) cannot run `shape` on `device`: the
+    backend's own reason (`reasons`, from `unavailable_reason` or loading it),
+    a tactic it does not offer for the shape, or the tactic's
+    `tactic_unavailable_reason`; None when the pair can run."""
+    reason = reasons.get(name)
+    if reason is not None:
+        return reason
+    valid = backends[name].valid_tactics(shape)
+    if tactic not in valid:
+        return f"tactic {tactic!r} not offered for this shape (valid: {', '.join(valid)})"
+    try:
+        return backends[name].tactic_unavailable_reason(shape, tactic, device)
+    except Exception as error:  # noqa: BLE001
+        return f"tactic {tactic!r} availability check failed: {_error_text(error)}"
 
 
 def _typed(frame: pd.DataFrame) -> pd.DataFrame:
@@ -349,16 +375,7 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
         key = (case.backend, case.tactic)
         if key in skip:
             continue
-        reason = reasons.get(case.backend)
-        if reason is None:
-            valid = backends[case.backend].valid_tactics(shape)
-            if case.tactic not in valid:
-                reason = f"tactic {case.tactic!r} not offered for this shape (valid: {', '.join(valid)})"
-            else:
-                try:
-                    reason = backends[case.backend].tactic_unavailable_reason(shape, case.tactic, dev)
-                except Exception as error:  # noqa: BLE001
-                    reason = f"tactic {case.tactic!r} availability check failed: {_error_text(error)}"
+        reason = skip_reason(backends, reasons, case.backend, case.tactic, shape, dev)
         if reason is not None:
             skip[key] = reason
     active = list(dict.fromkeys((c.backend, c.tactic) for c in group if (c.backend, c.tactic) not in skip))

@@ -50,13 +50,13 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
 
 #: Step runs (`moebench step`): per-case columns shown, then the present kernel_<stage>_us ones.
 STEP_SUMMARY_COLUMNS = (
-    "preset", "tp", "ranks", "rows", "scenario", "unique_experts", "backend", "status", "median_us",
+    "preset", "tp", "ranks", "rows", "scenario", "unique_experts", "backend", "tactic", "status", "median_us",
     "p10_us", "p90_us", "step_with_gate_us", "gate_us", "allreduce_us", "allreduce_share_pct",
     "stage_sum_us",
 )  # fmt: skip
 STEP_TAIL_COLUMNS = ("gbps", "pct_copy_bw", "vs_torch_bf16", "max_rel_err", "note")
 RANK_COLUMNS = (
-    "preset", "rows", "scenario", "backend", "rank", "gpu_index", "status", "median_us", "allreduce_us",
+    "preset", "rows", "scenario", "backend", "tactic", "rank", "gpu_index", "status", "median_us", "allreduce_us",
     "allreduce_share_pct", "gate_us", "stage_sum_us",
 )  # fmt: skip
 
@@ -99,7 +99,7 @@ def rank_table(ranks: pd.DataFrame) -> pd.DataFrame:
     columns = [c for c in RANK_COLUMNS if c in ranks.columns] + _kernel_columns(ranks)
     if "max_rel_err" in ranks.columns:
         columns.append("max_rel_err")
-    keys = [c for c in ("preset", "rows", "scenario", "backend", "rank") if c in ranks.columns]
+    keys = [c for c in ("preset", "rows", "scenario", "backend", "tactic", "rank") if c in ranks.columns]
     return ranks.sort_values(keys, kind="stable")[columns].reset_index(drop=True)
 
 

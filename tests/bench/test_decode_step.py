@@ -12,7 +12,9 @@ import torch
 from typer.testing import CliRunner
 
 from moebench.bench import decode_step
-from moebench.bench.decode_step import KERNEL_COLUMNS, StepConfig, rank_devices, run_step, step_config
+from moebench.bench.decode_step import (
+    KERNEL_COLUMNS, StepConfig, rank_devices, run_step, step_config, validate_step,
+)  # fmt: skip
 from moebench.bench.shard import MULTICAST_OFF
 from moebench.cli import app
 from moebench.reference import ORACLE_TOLERANCE
@@ -36,8 +38,7 @@ def test_step_config_validation():
         step_config(**SMALL, tp=2, ranks=2, devices=(0,))
     with pytest.raises(ValueError, match="devices"):
         step_config(**SMALL, tp=2, ranks=2, devices=(1, 1))
-    with pytest.raises(ValueError, match="tactics"):
-        step_config(**SMALL, tp=1, tactics=("builtin",))
+    assert step_config(**SMALL, tp=1, tactics=("default", "fp8")).tactics == ("default", "fp8")
     with pytest.raises(ValueError, match="tp=3"):
         step_config(**SMALL, tp=3)
     with pytest.raises(ValueError, match="without a GPU the step runs a reduced geometry") as info:
@@ -93,10 +94,52 @@ def test_one_rank_step_on_the_cpu():
     assert set(frame[frame["scenario"] == "hot"]["unique_experts"]) <= set(range(1, 32))
 
 
-def test_one_rank_moebench_step_takes_the_front_on_the_cpu(monkeypatch):
+def test_step_tactics_on_the_cpu():
+    """Each (backend, tactic) runs, or is skipped with the sweep's reason: a
+    tactic the backend does not offer, a backend that cannot run here (then
+    every tactic of it); "all" = every tactic each backend offers."""
+    cfg = step_config(**SMALL, tp=2, rows=(1,), backends=("torch-bf16", "reference", "moebench"),
+                      tactics=("default", "gather", "fp8"), device="cpu", warmup=0, replays=2)  # fmt: skip
+    frame = run_step(cfg).frame
+    pairs = [(b, t) for b in ("torch-bf16", "reference", "moebench") for t in ("default", "gather", "fp8")]
+    assert list(zip(frame["backend"], frame["tactic"])) == pairs
+    ok = frame[frame["status"] == "ok"]
+    assert set(zip(ok["backend"], ok["tactic"])) == {("torch-bf16", "default"), ("torch-bf16", "gather"),
+                                                      ("reference", "default")}  # fmt: skip
+    _check_ok(ok, BACKEND_STAGES)
+    errors = dict(zip(zip(frame["backend"], frame["tactic"]), frame["error"]))
+    assert errors[("torch-bf16", "fp8")] == "tactic 'fp8' not offered for this shape (valid: default, grouped, gather)"
+    assert errors[("reference", "gather")].startswith("tactic 'gather' not offered")
+    moe = frame[frame["backend"] == "moebench"]
+    assert (moe["status"] == "skipped").all() and moe["error"].str.contains("CUDA").all()
+    assert (frame[frame["status"] == "skipped"]["layers"] > 0).all()
+
+    every = run_step(step_config(**SMALL, tp=2, rows=(1,), backends=("reference", "torch-bf16"), tactics=("all",),
+                                 device="cpu", warmup=0, replays=2)).frame  # fmt: skip
+    assert list(zip(every["backend"], every["tactic"])) == [
+        ("reference", "default"), ("torch-bf16", "default"), ("torch-bf16", "grouped"), ("torch-bf16", "gather")]
+    assert (every["status"] == "ok").all(), every[["backend", "tactic", "error"]].to_string()
+
+
+def test_a_tactic_no_selected_backend_offers_fails_before_measuring(monkeypatch):
+    measured = []
+    monkeypatch.setattr(decode_step, "copy_bandwidth_gbps", lambda *a, **k: measured.append(1) or 1.0)
+    for ranks in (1, 2):
+        cfg = step_config(**SMALL, tp=2, ranks=ranks, rows=(1,), backends=("reference", "torch-bf16"),
+                          tactics=("default", "fp8"), device="cpu")  # fmt: skip
+        for check in (validate_step, run_step):
+            with pytest.raises(ValueError, match="--tactics") as info:
+                check(cfg)
+            assert "'fp8'" in str(info.value) and "torch-bf16: default, grouped, gather" in str(info.value)
+    assert measured == []
+
+
+def test_one_rank_moebench_step_takes_the_front_on_the_cpu(monkeypatch, tmp_path):
     """The moebench step's wiring in run_step on the CPU, with a torch stand-in
     for RoutedExpertGemm and the torch finalize: the fused front is bound to
-    each layer's router, replaces router + route, and the row says so."""
+    each layer's router, replaces router + route, and the row says so. Each
+    tactic gets its own prepared layers; "tuned" without a tuning table and a
+    tactic torch-bf16 does not offer are skipped with the reason."""
     from pathlib import Path
 
     from moebench.backends.moebench import MoebenchBackend
@@ -113,28 +156,47 @@ def test_one_rank_moebench_step_takes_the_front_on_the_cpu(monkeypatch):
             return None
 
         def prepare(self, weights, shape, tactic="default"):
+            prepared.append(tactic)
             return FakeRoutedExpertGemm(weights, shape.top_k)
+
+    prepared = []
+    monkeypatch.setenv("MOEBENCH_TUNING_DIR", str(tmp_path))  # no tuning table: "tuned" is skipped
 
     real_load = decode_step.load_backend
     monkeypatch.setattr(decode_step, "load_backend", lambda n: StandIn() if n == "moebench" else real_load(n))
     monkeypatch.setattr(decode_step, "KernelStep",
                         lambda *a, **k: KernelStep(*a, finalize_fn=torch_finalize, **k))  # fmt: skip
     cfg = step_config(**SMALL, tp=2, rows=(1, 3), scenarios=("correlated",), backends=("moebench", "torch-bf16"),
-                      device="cpu", warmup=0, replays=2, layers=2)  # fmt: skip
-    res = run_step(cfg)
-    assert len(res.frame) == 4
-    _check_ok(res.frame, BACKEND_STAGES)
-    moe = res.frame[res.frame["backend"] == "moebench"]
+                      tactics=("default", "fp8", "tuned"), device="cpu", warmup=0, replays=2, layers=2)  # fmt: skip
+    frame = run_step(cfg).frame
+    assert len(frame) == 2 * 2 * 3
+    ok = frame[frame["status"] == "ok"]
+    ran = [("moebench", "default"), ("moebench", "fp8"), ("torch-bf16", "default")]
+    assert list(zip(ok["backend"], ok["tactic"])) == [pair for pair in ran for _rows in (1, 3)]
+    _check_ok(ok, BACKEND_STAGES)
+    assert prepared == ["default", "default", "fp8", "fp8"]  # per tactic, per layer
+    moe = ok[ok["backend"] == "moebench"]
     assert moe["kernel_router_us"].isna().all() and moe["kernel_route_us"].isna().all()
+    skipped = frame[frame["status"] == "skipped"].set_index(["backend", "tactic"])["error"]
+    assert skipped[("moebench", "tuned")].str.startswith("no tuning table").all()
+    assert skipped[("torch-bf16", "fp8")].str.startswith("tactic 'fp8' not offered").all()
+    assert skipped[("torch-bf16", "tuned")].str.startswith("tactic 'tuned' not offered").all()
 
 
 def test_tp2_step_over_gloo_and_a_dead_rank(monkeypatch):
-    cfg = step_config(**SMALL, tp=2, ranks=2, rows=(2,), backends=("torch-bf16",), device="cpu",
-                      warmup=0, replays=2)  # fmt: skip
+    cfg = step_config(**SMALL, tp=2, ranks=2, rows=(2,), backends=("torch-bf16", "reference"),
+                      tactics=("default", "gather"), device="cpu", warmup=0, replays=2)  # fmt: skip
     res = run_step(cfg, timeout_s=600)
-    _check_ok(res.frame, BACKEND_STAGES)
-    assert (res.frame["allreduce_us"] > 0).all() and (res.frame["allreduce_share_pct"] > 0).all()
-    assert sorted(res.ranks["rank"]) == [0, 1] and (res.ranks["status"] == "ok").all()
+    pairs = [("torch-bf16", "default"), ("torch-bf16", "gather"), ("reference", "default"), ("reference", "gather")]
+    assert list(zip(res.frame["backend"], res.frame["tactic"])) == pairs
+    ran = res.frame[res.frame["status"] == "ok"]
+    assert len(ran) == 3 and res.frame["error"].iloc[3].startswith("tactic 'gather' not offered")
+    _check_ok(ran, BACKEND_STAGES)
+    assert (ran["allreduce_us"] > 0).all() and (ran["allreduce_share_pct"] > 0).all()
+    for rank in (0, 1):  # every rank ran the same (backend, tactic) sequence
+        mine = res.ranks[res.ranks["rank"] == rank]
+        assert list(zip(mine["backend"], mine["tactic"], mine["status"])) == list(
+            zip(res.frame["backend"], res.frame["tactic"], res.frame["status"]))
     workers = res.manifest["workers"]
     assert [w["exitcode"] for w in workers] == [0, 0]
     assert all(w["multicast_env"] == MULTICAST_OFF for w in workers)
@@ -148,9 +210,9 @@ def test_tp2_step_over_gloo_and_a_dead_rank(monkeypatch):
     assert res.frame["error"].str.contains("rank 0 died").all()
     assert all(w["error"] for w in res.manifest["workers"])
 
-    # Ranks stopped by the timeout say so (not "killed by signal 15").
+    # Ranks stopped by the timeout say so (not "killed by signal 15"), for every (backend, tactic).
     res = run_step(cfg, timeout_s=0.5)
-    assert (res.frame["status"] == "failed").all()
+    assert (res.frame["status"] == "failed").all() and list(zip(res.frame["backend"], res.frame["tactic"])) == pairs
     assert res.frame["error"].str.contains("stopped after the 0.5 s timeout").all(), res.frame["error"].tolist()
 
 
@@ -188,7 +250,8 @@ def test_cli_tp2_step_stores_the_ranks_and_report_renders_them(tmp_path):
 @pytest.mark.parametrize("args, needle", [
     (["--tp", "3"], "tp=3"), (["--devices", "0"], "--devices"), (["--timeout", "5"], "--timeout"),
     (["--rows", "9"], "--rows"), (["--backends", "nope"], "backends"), (["--tp", "0"], "--tp"),
-    (["--scenario", "nope"], "scenario"), (["--label", "../x"], "label"),
+    (["--scenario", "nope"], "scenario"), (["--label", "../x"], "label"), (["--tactics", "nope"], "--tactics"),
+    (["--tactics", "fp8"], "--tactics"), (["--tactics", ","], "--tactics"),
 ])  # fmt: skip
 def test_cli_step_user_errors(tmp_path, args, needle):
     result = runner.invoke(app, ["step", *args, "--out", str(tmp_path)])
@@ -214,10 +277,12 @@ def test_gpu_step_moebench_and_torch_vs_oracle_under_graphs():
 
 @pytest.mark.gpu
 def test_gpu_step_full_preset_one_rank_of_tp4():
-    cfg = step_config(presets=("dsv41-flash",), tp=4, rows=(1, 8), backends=("moebench",), device="cuda",
-                      layers=2, warmup=2, replays=10)  # fmt: skip
+    """Both kernel families of our backend (`--tactics default,fp8`) in the whole step."""
+    cfg = step_config(presets=("dsv41-flash",), tp=4, rows=(1, 8), backends=("moebench",), tactics=("default", "fp8"),
+                      device="cuda", layers=2, warmup=2, replays=10)  # fmt: skip
     res = run_step(cfg)
     _check_ok(res.frame, BACKEND_STAGES, shared="kernels")
+    assert list(res.frame["tactic"]) == ["default", "default", "fp8", "fp8"]
     assert (res.frame["intermediate"] == 576).all() and (res.frame["padded_intermediate"] == 640).all()
 
 
