@@ -8,7 +8,9 @@ replays), GB/s over the unique bytes (logical weights + scales of the touched
 experts + activations in and out) and % of the 4215 GB/s copy bandwidth.
 
     source .bundles/unpack.sh && PYTHONPATH=$PWD python3 scripts/time_gemms.py [--out F.json]
-        [--tp 4,8] [--rows 1,2,4,6,8] [--variants] [--bulk] [--split-k] [--act-bf16]
+        [--tp 4,8] [--rows 1,2,4,6,8] [--variants] [--bulk] [--split-k] [--act-bf16] [--fp8] [--fp8-bulk]
+
+Needs an sm_90 GPU with nvidia-cutlass-dsl (exits with a message otherwise).
 
 --variants adds alternative tactics (split-K ones included); --bulk adds the
 bulk-copy load path variants (BULK_1 / BULK_2); --split-k adds only the split-K variants (SPLIT_K_1 / SPLIT_K_2 below, those valid for the
@@ -71,7 +73,7 @@ F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(32, 4, 1, 3, 4, split_k
         GemmTactic(32, 4, 2, 3, 2, fp8=True)]  # fmt: skip
 #: fp8 tactics on the bulk ring (v11, warp-specialized: a producer warp streams the
 #: weights, the warpgroups decode from shared memory): 32- / 16-row warps, one to
-#: four warpgroups, 1-4 CTAs/SM, 4-6 stages.
+#: four warpgroups, 1-4 CTAs/SM, 2-6 stages.
 F8_BULK_1 = [GemmTactic(32, 4, 4, 2, 1, stages=6, fp8=True), GemmTactic(32, 4, 4, 4, 1, stages=4, fp8=True),
              GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True), GemmTactic(16, 4, 4, 4, 1, stages=6, fp8=True),
              GemmTactic(16, 4, 4, 8, 1, stages=4, fp8=True), GemmTactic(16, 4, 2, 4, 2, stages=4, fp8=True),
@@ -235,10 +237,26 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
     torch.cuda.empty_cache()
 
 
+def _int_list(allowed):
+    """argparse type: comma-separated ints, each in `allowed`."""
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
+        return values
+    return parse
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tp", default="4,8")
-    ap.add_argument("--rows", default="1,2,4,6,8")
+    ap.add_argument("--tp", default="4,8", type=_int_list((1, 2, 4, 8)),
+                    help="TP degrees of dsv41-flash, comma-separated (of 1, 2, 4, 8; default 4,8)")
+    ap.add_argument("--rows", default="1,2,4,6,8", type=_int_list(range(1, 9)),
+                    help="token rows, comma-separated (1..8; default 1,2,4,6,8)")
     ap.add_argument("--variants", action="store_true", help="also time alternative tactics (split-K included)")
     ap.add_argument("--split-k", action="store_true", help="also time the split-K variants (only those)")
     ap.add_argument("--bulk", action="store_true", help="also time the bulk-copy variants (all bulk pairs in 'both')")
@@ -247,15 +265,18 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true",
                     help="also time the fp8 (_f8) twin of every MXFP8 tactic, and the fp8 defaults in 'both'")
     ap.add_argument("--fp8-bulk", action="store_true",
-                    help="also time the fp8 tactics on the bulk ring (F8_BULK_1 / F8_BULK_2) and the fp8 defaults")
+                    help="also time the fp8 tactics on the bulk ring (the warp-specialized kernels, v11) and the"
+                         " fp8 defaults, and 'both' for every fp8 pair")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise SystemExit("time_gemms.py needs an sm_90 GPU (H100 / H200) and torch with CUDA")
     t0 = time.time()
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s (reference {COPY_GBPS:.0f})")
     results: list = []
-    for tp in (int(t) for t in args.tp.split(",")):
-        bench_shape(tp, [int(r) for r in args.rows.split(",")], args.variants, args.split_k, results, args.bulk,
+    for tp in args.tp:
+        bench_shape(tp, args.rows, args.variants, args.split_k, results, args.bulk,
                     args.act_bf16, args.fp8, args.fp8_bulk)
     if args.out:
         with open(args.out, "w") as f:

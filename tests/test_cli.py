@@ -332,6 +332,12 @@ def test_step_tactics_as_the_sweeps(tmp_path):
     df = pd.read_parquet(next((tmp_path / "b").iterdir()) / "results.parquet")
     assert list(df["tactic"]) == ["default", "grouped", "gather"] and (df["status"] == "ok").all()
 
+    # a tactic only an unselected backend offers: refused up front, naming that backend
+    result = runner.invoke(app, ["step", *args, "--backends", "torch-bf16", "--tactics", "default,fp8",
+                                 "--out", str(tmp_path / "c")])  # fmt: skip
+    assert result.exit_code == 2 and "'fp8' is a tactic of moebench: add it to --backends" in result.output
+    assert not (tmp_path / "c").exists()
+
 
 def test_error_text_in_brackets_survives(tmp_path):
     result = runner.invoke(app, ["report", str(tmp_path / "[myrun]")])

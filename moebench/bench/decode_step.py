@@ -867,16 +867,24 @@ def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str
     missing = []
     error = "; ".join(errors) or "rank 0 delivered no row for this case"
     tp = config.tp[0]
+    explicit = [t for t in config.tactics if t != ALL_TACTICS]
+    offered = loaded_backends(names) if ALL_TACTICS in config.tactics else {}
     for preset in config.presets:
         cfg = config.config_for(preset, reduced=reduced)
         shape = cfg.shard(tp)
         for r in config.rows:
             for s in config.scenarios:
                 for name in names:
-                    for tactic in config.tactics:
-                        key = (cfg.name, r, s, name, tactic)
-                        # "all" expands inside the ranks: any row of that backend counts (as shard.py does)
-                        if key in have or (tactic == ALL_TACTICS and any(k[:4] == key[:4] for k in have)):
+                    want = list(explicit)
+                    # "all" expands inside the ranks (to "default" alone where the backend cannot run
+                    # there): a row of a tactic not named explicitly shows rank 0 expanded it; with
+                    # none, every tactic the backend offers is a failed case (never the name "all")
+                    if ALL_TACTICS in config.tactics and not any(
+                            k[:4] == (cfg.name, r, s, name) and k[4] not in explicit for k in have):
+                        tactics = offered[name].valid_tactics(shape) if name in offered else (DEFAULT_TACTIC,)
+                        want += [t for t in tactics if t not in want]
+                    for tactic in want:
+                        if (cfg.name, r, s, name, tactic) in have:
                             continue
                         missing.append(_row({"kind": "step", "ranks": world, "rank": 0, "seed": config.seed}, cfg,
                                             shape, r, s, name, tactic, status="failed", error=error))  # fmt: skip

@@ -276,10 +276,25 @@ def check_tactic_names(config: SweepConfig, names, backends: dict[str, Backend],
     unknown = [t for t in config.tactics if t not in known]
     if unknown:
         per_backend = "; ".join(f"{name}: {', '.join(ts)}" for name, ts in offered.items())
+        hints = []
+        for t in unknown:  # a tactic of a backend that is not selected: say which one
+            owners = [n for n in backend_names() if n not in names and _offers(n, t, shapes)]
+            if owners:
+                hints.append(f"{t!r} is a tactic of {' / '.join(owners)}: add it to --backends")
         raise ValueError(
             f"tactics (--tactics): {', '.join(repr(t) for t in unknown)} not offered by the selected backends;"
             f" expected 'all', 'default' or a comma-separated list of {per_backend}"
+            + "".join(f"; {h}" for h in hints)
         )
+
+
+def _offers(name: str, tactic: str, shapes) -> bool:
+    """Whether backend `name` (loaded without an availability check) offers
+    `tactic` for any of `shapes`; False if it does not load."""
+    with contextlib.suppress(Exception):
+        backend = load_backend(name)
+        return any(tactic in backend.valid_tactics(shape) for shape in shapes)
+    return False
 
 
 def expand_all_tactics(cases: list[Case], backends: dict[str, Backend], reasons: dict[str, str | None]) -> list[Case]:

@@ -173,8 +173,7 @@ class GemmTactic:
         """None if this tactic can run GEMM`stage` (1 or 2) of `shape`
         (GemmShape or anything with hidden / intermediate / experts), else the
         reason."""
-        if stage not in (1, 2):
-            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        _check_stage(stage)
         s = GemmShape.of(shape)
         if s.hidden % 128:
             return f"hidden {s.hidden} is not a multiple of 128"
@@ -206,7 +205,7 @@ class GemmTactic:
                 return (f"fp8 (wgmma) tactics need warps_k * unroll ({self.warps_k * self.unroll}) to divide"
                         f" the {per_slice} K chunks of a slice")
         need = partial_smem_bytes(self)
-        what = []
+        what = ["the fp32 partial sums"]
         if self.fp8:
             need += 8 * k + 128 + 32 * nch + 16
             what.append("the fp8 activation tile")
@@ -214,9 +213,9 @@ class GemmTactic:
             need += self.stages * (bulk_stage_bytes(self) + 16)
             what.append(f"{self.stages} bulk stages")
         limit = min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm - 1024)  # 1 KB of each CTA's is reserved
-        if what and need > limit:
-            return (f"{' and '.join(what)} need {need} bytes of shared memory per CTA, more than {limit}"
-                    f" at {self.ctas_per_sm} CTAs per SM")
+        if need > limit:
+            ctas = f"{self.ctas_per_sm} CTA{'s' if self.ctas_per_sm > 1 else ''} per SM"
+            return f"{', '.join(what)} need {need} bytes of shared memory per CTA, more than {limit} at {ctas}"
         return None
 
 
@@ -239,10 +238,23 @@ def bulk_stage_bytes(tactic: GemmTactic) -> int:
     return pairs * tactic.warps_k * tactic.unroll * (512 + 32)
 
 
+def _check_stage(stage) -> None:
+    if not isinstance(stage, int) or isinstance(stage, bool) or stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+
+
+def _check_default_args(stage, ctas, num_sms) -> None:
+    """The arguments of default_tactic / default_fp8_tactic (ValueError naming them)."""
+    _check_stage(stage)
+    if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 0):
+        raise ValueError(f"ctas must be a non-negative int or None, got {ctas!r}")
+    if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms <= 0:
+        raise ValueError(f"num_sms must be a positive int, got {num_sms!r}")
+
+
 def _stage_rows(shape: GemmShape, stage: int) -> int:
     """Weight rows M of GEMM`stage` (2I for GEMM1, H for GEMM2)."""
-    if stage not in (1, 2):
-        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    _check_stage(stage)
     return 2 * shape.intermediate if stage == 1 else shape.hidden
 
 
@@ -324,10 +336,7 @@ def default_tactic(
     wgmma tactics (`_f8`, `default_fp8_tactic`). Raises ValueError if none fits.
     """
     s = GemmShape.of(shape)
-    if stage not in (1, 2):
-        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
-    if ctas is not None and (not isinstance(ctas, int) or ctas < 0):
-        raise ValueError(f"ctas must be a non-negative int or None, got {ctas!r}")
+    _check_default_args(stage, ctas, num_sms)
     if fp8:
         return default_fp8_tactic(s, stage, ctas, num_sms)
     tiles = 10**6 if ctas is None else max(1, round(EXPECTED_TILE_FRACTION * ctas))
@@ -378,10 +387,7 @@ def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int 
     2 / 3 / 1 CTAs per SM). `ctas`: token tiles the record allows for (None:
     many), `num_sms`: the GPU's SMs. Raises ValueError for a bad stage / ctas
     or if none fits."""
-    if stage not in (1, 2):
-        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
-    if ctas is not None and (not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 0):
-        raise ValueError(f"ctas must be a non-negative int or None, got {ctas!r}")
+    _check_default_args(stage, ctas, num_sms)
     s = GemmShape.of(shape)
     tiles = 10**6 if ctas is None else max(1, round(EXPECTED_TILE_FRACTION * ctas))
     if stage == 1:

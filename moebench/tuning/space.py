@@ -361,9 +361,12 @@ def tactic_from_name(name: str) -> GemmTactic:
         )
     t, m, k, u, c = (int(match[i]) for i in range(1, 6))
     try:
-        return GemmTactic(tile_rows=t, warps_m=m, warps_k=k, unroll=u, ctas_per_sm=c,
-                          persistent=not match[6], pdl=not match[7], split_k=int(match[8] or 1),
-                          stages=int(match[9] or 0), act_bf16=bool(match[10]),
-                          fp8=bool(match[11]))  # fmt: skip
+        tactic = GemmTactic(tile_rows=t, warps_m=m, warps_k=k, unroll=u, ctas_per_sm=c,
+                            persistent=not match[6], pdl=not match[7], split_k=int(match[8] or 1),
+                            stages=int(match[9] or 0), act_bf16=bool(match[10]),
+                            fp8=bool(match[11]))  # fmt: skip
     except (ValueError, TypeError) as error:
         raise ValueError(f"tactic {name!r}: {error}") from error
+    if tactic.name != name.strip():  # one spelling per tactic: tables and reports compare names
+        raise ValueError(f"tactic name {name!r} is not in canonical form: write {tactic.name!r}")
+    return tactic

@@ -298,3 +298,26 @@ def test_gpu_tp2_step_matches_the_single_gpu_oracle():
     assert sorted(set(res.ranks["gpu_index"])) == [0, 1] and (res.ranks["status"] == "ok").all()
     workers = res.manifest["workers"]
     assert all(w["multicast_env"] == MULTICAST_OFF and w["exitcode"] == 0 for w in workers)
+
+
+def test_a_dead_rank0_leaves_every_undelivered_case_failed(tmp_path):
+    """Rank 0 stored its explicit 'gather' rows and died before the 'all'
+    expansion: the parent records a failed row for every tactic 'all' stands
+    for (never the pseudo-name 'all' itself), and keeps the delivered rows."""
+    from types import SimpleNamespace
+
+    from moebench.bench.decode_step import _collect, _frame, _row
+
+    cfg = step_config(**SMALL, tp=2, ranks=2, rows=(1, 4), backends=("torch-bf16",), tactics=("gather", "all"),
+                      device="cpu", warmup=1, replays=2)
+    layer = cfg.config_for(cfg.presets[0], reduced=True)
+    shape = layer.shard(2)
+    rows = [_row({"kind": "step", "ranks": 2, "rank": 0, "seed": 0}, layer, shape, r, "correlated", "torch-bf16",
+                 "gather", status="ok") for r in (1, 4)]
+    _frame(rows).to_parquet(tmp_path / "rank-0.parquet", index=False)
+    (tmp_path / "rank-0.json").write_text('{"error": "boom"}')
+    res = _collect(cfg, [SimpleNamespace(exitcode=1)] * 2, tmp_path, ("torch-bf16",), True, None)
+    got = sorted(zip(res.frame["rows"], res.frame["tactic"], res.frame["status"]))
+    offered = [t for t in decode_step.load_backend("torch-bf16").valid_tactics(shape) if t != "gather"]
+    assert got == sorted([(r, "gather", "ok") for r in (1, 4)] + [(r, t, "failed") for r in (1, 4) for t in offered])
+    assert res.frame[res.frame["status"] == "failed"]["error"].str.contains("rank 0 died: boom").all()

@@ -614,6 +614,21 @@ def test_bulk_tactic_validation():
         GemmTactic(stages=4, split_k=2)
     why = GemmTactic(64, 1, 8, 4, 2, stages=4).valid_for(GemmShape(7168, 512, 384), 1)
     assert why is not None and "shared memory" in why
+    # the register path too: 16 warps of 128 rows hold 128 KB of fp32 partial sums
+    why = GemmTactic(128, 1, 16, 1, 2).valid_for(GemmShape(7168, 512, 384), 1)
+    assert why is not None and "fp32 partial sums need 131072 bytes" in why and "2 CTAs per SM" in why
+    assert GemmTactic(32, 4, 4, 8, 1, stages=8, fp8=True).valid_for(GemmShape(7168, 512, 384), 1).endswith(
+        "at 1 CTA per SM")
+    for bad in (True, 1.0, 3):
+        with pytest.raises(ValueError, match="stage must be 1 or 2"):
+            GemmTactic().valid_for(GemmShape(7168, 512, 384), bad)
+    from moebench.kernels.tactic import default_fp8_tactic
+
+    for kw in (dict(num_sms=0), dict(num_sms=True), dict(num_sms=1.5), dict(ctas=True)):
+        with pytest.raises(ValueError, match="num_sms|ctas"):
+            default_tactic(GemmShape(7168, 512, 384), 1, **{"ctas": 4, **kw})
+        with pytest.raises(ValueError, match="num_sms|ctas"):
+            default_fp8_tactic(GemmShape(7168, 512, 384), 1, **{"ctas": 4, **kw})
     from moebench.tuning.space import tactic_from_name
 
     assert tactic_from_name("r64_m1_k8_u2_c2_b4") == GemmTactic(stages=4)
@@ -880,7 +895,7 @@ def test_fp8_tactic_name_validity_and_default():
     assert "shared memory" in GemmTactic(32, 4, 2, 4, 8, fp8=True).valid_for(shape, 1)
     assert GemmTactic(32, 4, 4, 2, 1, stages=4, fp8=True).valid_for(shape, 1) is None  # the bulk ring
     why = GemmTactic(32, 4, 4, 4, 1, stages=8, fp8=True).valid_for(shape, 1)
-    assert "activation tile and 8 bulk stages need" in why
+    assert "the fp32 partial sums, the fp8 activation tile, 8 bulk stages need" in why
     for ctas in (1, 6, 20, 40):
         for stage in (1, 2):
             d = default_tactic(shape, stage, ctas, 132, fp8=True)

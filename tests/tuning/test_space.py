@@ -54,7 +54,7 @@ def test_occupancy_and_shared_memory_rules():
     assert "resident warps per SM" in why_invalid(many, TP4, 2)
     big = GemmTactic(tile_rows=128, warps_m=1, warps_k=16, unroll=2, ctas_per_sm=2)  # 2 x 129 KiB
     assert sp.smem_bytes(big) == 8 * 128 * 16 * 8
-    assert "shared-memory bytes exceed" in why_invalid(big, TP4, 1)
+    assert "shared memory per CTA" in why_invalid(big, TP4, 1)  # valid_for says it first
     one = GemmTactic(tile_rows=128, warps_m=1, warps_k=16, unroll=2, ctas_per_sm=1)
     assert why_invalid(one, TP4, 1, prune=False) is None
 
