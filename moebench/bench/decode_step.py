@@ -181,13 +181,24 @@ def default_step_backends(device: torch.device | str) -> tuple[str, ...]:
     return CPU_BACKENDS if torch.device(device).type == "cpu" else GPU_STEP_BACKENDS
 
 
+def _selection(config: StepConfig, dev: torch.device) -> tuple[bool, tuple[str, ...]]:
+    """(reduced geometry?, backend names) of `config` on `dev`: the reduced
+    presets on the CPU unless config says, the device's default backends
+    unless config names them."""
+    reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
+    names = config.backends if config.backends is not None else default_step_backends(dev)
+    return reduced, names
+
+
 def validate_step(config: StepConfig) -> None:
     """The checks `run_step` makes before measuring anything (device,
     backend names, tactic names), for a caller that wants them up front.
     Raises ValueError naming the option."""
-    dev = resolve_device(config.device)
-    reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
-    names = config.backends if config.backends is not None else default_step_backends(dev)
+    _validate(config, resolve_device(config.device))
+
+
+def _validate(config: StepConfig, dev: torch.device) -> None:
+    reduced, names = _selection(config, dev)
     check_backend_names(names)
     check_tactic_names(config, names, loaded_backends(names), reduced=reduced)
 
@@ -290,8 +301,7 @@ def run_rank(
     if not isinstance(config, StepConfig):
         raise TypeError(f"config must be a StepConfig, got {type(config).__name__}")
     dev = resolve_device(device if device is not None else config.device)
-    reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
-    names = config.backends if config.backends is not None else default_step_backends(dev)
+    reduced, names = _selection(config, dev)
     check_backend_names(names)
     backends, reasons = _load_backends(names, dev)
     check_tactic_names(config, names, backends, reduced=reduced)  # before anything is measured
@@ -770,9 +780,8 @@ def launch_ranks(
     dev, devices = rank_devices(config)
     world = config.ranks
     on_gpu = dev.type == "cuda"
-    reduced = config.reduced if config.reduced is not None else not on_gpu
-    names = config.backends if config.backends is not None else default_step_backends(dev)
-    validate_step(config)  # unknown backends or tactics fail here, not in every rank
+    reduced, names = _selection(config, dev)
+    _validate(config, dev)  # unknown backends or tactics fail here, not in every rank
     scratch = Path(tempfile.mkdtemp(prefix="moebench-step-"))
     ctx = mp.get_context("spawn")
     procs = []

@@ -911,12 +911,19 @@ def test_fp8_tactic_name_validity_and_default():
         GemmTactic(16, 4, 2, 4, 3)
 
 
+def _fp8_compile_specs(gemm1, gemm2):
+    """Compile specs of the fp8 tactics `gemm1` / `gemm2` valid for dsv41-flash
+    TP4, plus gemm1[1] at dsv4-flash TP8 compiled for special weight scales
+    (codes 0 / 255)."""
+    shape = GemmShape.of(get_preset("dsv41-flash").shard(4))
+    specs = [("dsv41-flash", 4, 1, False, None, _fields(t)) for t in gemm1 if t.valid_for(shape, 1) is None]
+    specs += [("dsv41-flash", 4, 2, False, None, _fields(t)) for t in gemm2 if t.valid_for(shape, 2) is None]
+    return specs + [("dsv4-flash", 8, 1, True, None, _fields(gemm1[1]))]
+
+
 @pytest.mark.compile
 def test_fp8_tactics_compile_for_sm90a_without_spills():
-    shape = GemmShape.of(get_preset("dsv41-flash").shard(4))
-    specs = [("dsv41-flash", 4, 1, False, None, _fields(t)) for t in F8_1 if t.valid_for(shape, 1) is None]
-    specs += [("dsv41-flash", 4, 2, False, None, _fields(t)) for t in F8_2 if t.valid_for(shape, 2) is None]
-    specs += [("dsv4-flash", 8, 1, True, None, _fields(F8_1[1]))]  # special weight scales (codes 0 / 255)
+    specs = _fp8_compile_specs(F8_1, F8_2)
     assert len(specs) >= 8
     for rep in _checked_reports(specs):  # 16-row warps load 8 bytes per lane and chunk
         assert sass_count(rep, r"LDG\.E\.EF\.(?:64|128)") > 0, f"{rep['spec']}: no evict-first weight loads"
@@ -924,10 +931,7 @@ def test_fp8_tactics_compile_for_sm90a_without_spills():
 
 @pytest.mark.compile
 def test_fp8_bulk_tactics_compile_for_sm90a_without_spills():
-    shape = GemmShape.of(get_preset("dsv41-flash").shard(4))
-    specs = [("dsv41-flash", 4, 1, False, None, _fields(t)) for t in F8_BULK_1 if t.valid_for(shape, 1) is None]
-    specs += [("dsv41-flash", 4, 2, False, None, _fields(t)) for t in F8_BULK_2 if t.valid_for(shape, 2) is None]
-    specs += [("dsv4-flash", 8, 1, True, None, _fields(F8_BULK_1[1]))]  # special weight scales (codes 0 / 255)
+    specs = _fp8_compile_specs(F8_BULK_1, F8_BULK_2)
     assert len(specs) >= 6
     for rep in _checked_reports(specs):  # the weights arrive by bulk copy, the warps read shared memory
         assert rep["ublkcp"] > 0, f"{rep['spec']}: no bulk copy (UBLKCP)"
