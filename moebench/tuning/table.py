@@ -9,18 +9,28 @@ One JSON file per (device, shape class), named like vLLM's tuned MoE configs:
 file holds, per stage ("gemm1", "gemm2") and rows ("1".."8"), the winning
 tactic, its measured µs (median, p10, p90), the runner-up and the margin,
 and the provenance of the measurement (device, driver, versions, commit,
-date). Schema (SCHEMA = 1):
+date). Schema (SCHEMA = 2; schema 1 is schema 2 without the "fp8" part):
 
-    {"kind": "moebench-tuning-table", "schema": 1, "moebench_version": "0.1.0",
+    {"kind": "moebench-tuning-table", "schema": 2, "moebench_version": "0.1.0",
      "tactics_version": 1,
      "shape": {"experts": 384, "hidden": 5120, "intermediate": 576, "top_k": 6, "dtype": "mxfp4"},
      "device": {"name": "NVIDIA H200", "family": "NVIDIA_H200", "sm_count": 132, "capability": "9.0"},
-     "gemm1": {"1": ENTRY, ...}, "gemm2": {"1": ENTRY, ...}}
+     "gemm1": {"1": ENTRY, ...}, "gemm2": {"1": ENTRY, ...},
+     "fp8": {"gemm1": {"1": ENTRY, ...}, "gemm2": {"1": ENTRY, ...}}}
     ENTRY = {"tactic": TACTIC, "median_us": 11.3, "p10_us": 11.1, "p90_us": 11.6,
              "runner_up": TACTIC | null, "runner_up_us": 11.9 | null, "margin_pct": 5.3 | null,
              "separated": true, "candidates": 77, "rejected": 2, "provenance": {...}}
     TACTIC = {"name": "r64_m1_k8_u4_c1", "tile_rows": 64, "warps_m": 1, "warps_k": 8,
               "unroll": 4, "ctas_per_sm": 1, "persistent": true, "pdl": true}
+
+Two kernel families, one layout of the weights each (a layer runs one):
+"gemm1" / "gemm2" hold the BF16 family's tactics (no `_f8`; `_a16` or the
+MXFP8 operand), the optional "fp8" object the FP8 family's (`_f8` only,
+`moebench tune --fp8`, what `RoutedExpertGemm(..., fp8=True)` runs). Each
+family is tuned and merged on its own: re-tuning one keeps the other's
+entries. A table written with FP8 entries says schema 2, one without says
+schema 1 (older moebench versions still read it); an older moebench refuses
+to replace a schema-2 file (it would drop the "fp8" part) unless forced.
 
 Device names are normalized to a family ("NVIDIA H200 NVL", "NVIDIA H200"
 and "NVIDIA H100 80GB HBM3 MIG 1g.10gb" -> NVIDIA_H200 / NVIDIA_H100): a
@@ -57,11 +67,15 @@ from moebench.tuning.space import TACTICS_VERSION
 logger = logging.getLogger("moebench.tuning")
 
 KIND = "moebench-tuning-table"
-SCHEMA = 1
+SCHEMA = 2
+#: The first schema with the "fp8" part (a table without FP8 entries is written as schema 1).
+FP8_SCHEMA = 2
 DTYPE = "mxfp4"
 ENV_DIR = "MOEBENCH_TUNING_DIR"
 PACKAGE_TABLES = Path(__file__).resolve().parent / "tables"
 STAGES = {1: "gemm1", 2: "gemm2"}
+#: The key of the FP8 family's entries in a table file.
+FP8_KEY = "fp8"
 _TACTIC_FIELDS = ("tile_rows", "warps_m", "warps_k", "unroll", "ctas_per_sm", "persistent", "pdl")
 #: Tactic fields a table may omit (older tables), with the value that means.
 _OPTIONAL_FIELDS = {"split_k": 1, "stages": 0, "act_bf16": False, "fp8": False}
@@ -270,7 +284,10 @@ class TuningTable:
     """One device's tactics for one shape class.
 
     device: {"name": raw device name, "sm_count": int, "capability": "9.0"}
-    (the family is derived); entries: {(stage, rows): TableEntry}.
+    (the device family is derived); entries: {(stage, rows): TableEntry} of
+    the BF16 kernel family (tactics without `_f8`); fp8_entries: the same for
+    the FP8 family (`_f8` tactics only; the file's "fp8" part). schema: the
+    schema the table was read as (`written_schema` is what `to_dict` writes).
     """
 
     shape: ShapeClass
@@ -279,6 +296,7 @@ class TuningTable:
     moebench_version: str = __version__
     tactics_version: int = TACTICS_VERSION
     schema: int = SCHEMA
+    fp8_entries: dict[tuple[int, int], TableEntry] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, ShapeClass):
@@ -286,15 +304,27 @@ class TuningTable:
         if not isinstance(self.device, dict) or not isinstance(self.device.get("name"), str):
             raise ValueError(f"device must be a dict with a 'name' string, got {self.device!r}")
         normalize_device_name(self.device["name"])
-        for key, entry in self.entries.items():
-            if not (isinstance(key, tuple) and len(key) == 2 and key[0] in STAGES
-                    and isinstance(key[1], int) and 1 <= key[1] <= MAX_ROWS):  # fmt: skip
-                raise ValueError(f"entries keys must be (stage 1|2, rows 1..{MAX_ROWS}), got {key!r}")
-            if not isinstance(entry, TableEntry):
-                raise TypeError(f"entries[{key}] must be a TableEntry, got {type(entry).__name__}")
-            reason = entry.tactic.valid_for(self.shape.gemm_shape, key[0])
-            if reason:
-                raise ValueError(f"entries[{key}]: {entry.tactic.name} cannot run GEMM{key[0]}: {reason}")
+        for fp8 in (False, True):
+            name = "fp8_entries" if fp8 else "entries"
+            entries = self.entries_of(fp8)
+            if not isinstance(entries, dict):
+                raise TypeError(f"{name} must be a dict, got {type(entries).__name__}")
+            for key, entry in entries.items():
+                if not (isinstance(key, tuple) and len(key) == 2 and key[0] in STAGES
+                        and isinstance(key[1], int) and 1 <= key[1] <= MAX_ROWS):  # fmt: skip
+                    raise ValueError(f"{name} keys must be (stage 1|2, rows 1..{MAX_ROWS}), got {key!r}")
+                if not isinstance(entry, TableEntry):
+                    raise TypeError(f"{name}[{key}] must be a TableEntry, got {type(entry).__name__}")
+                where = entry_path(key[0], key[1], fp8)
+                for what, t in (("tactic", entry.tactic), ("runner_up", entry.runner_up)):
+                    if t is not None and t.fp8 != fp8:
+                        family = ("the FP8 family's part holds fp8 (_f8) tactics only" if fp8 else
+                                  f"the BF16 family's entries hold no fp8 (_f8) tactics; those go in {FP8_KEY!r}")
+                        raise ValueError(f"{where}.{what}: {t.name} is {'not ' if fp8 else ''}an fp8 tactic"
+                                         f" ({family})")  # fmt: skip
+                reason = entry.tactic.valid_for(self.shape.gemm_shape, key[0])
+                if reason:
+                    raise ValueError(f"{where}: {entry.tactic.name} cannot run GEMM{key[0]}: {reason}")
 
     @property
     def family(self) -> str:
@@ -304,33 +334,46 @@ class TuningTable:
     def file_name(self) -> str:
         return table_file_name(self.shape, self.device["name"])
 
-    def entry(self, stage: int, rows: int) -> TableEntry | None:
-        return self.entries.get((stage, rows))
+    def entries_of(self, fp8: bool) -> dict[tuple[int, int], TableEntry]:
+        """The entries of one kernel family: `fp8_entries` or `entries`."""
+        return self.fp8_entries if fp8 else self.entries
+
+    def entry(self, stage: int, rows: int, fp8: bool = False) -> TableEntry | None:
+        """The entry of GEMM`stage` at `rows` of the FP8 (`fp8`) or BF16 family, or None."""
+        return self.entries_of(fp8).get((stage, rows))
+
+    @property
+    def written_schema(self) -> int:
+        """The schema `to_dict` writes: FP8_SCHEMA with FP8 entries, else 1
+        (readable by a moebench from before the "fp8" part)."""
+        return FP8_SCHEMA if self.fp8_entries else 1
 
     def merged_over(self, older: TuningTable) -> TuningTable:
-        """This table with `older`'s entries for the (stage, rows) it lacks
-        (a re-tune of some rows keeps the others). Raises TableConflict when
-        `older` is of another shape class or device."""
+        """This table with `older`'s entries for the (family, stage, rows) it
+        lacks (a re-tune of some rows, or of the other kernel family, keeps
+        the others). Raises TableConflict when `older` is of another shape
+        class or device."""
         if older.shape != self.shape:
             raise TableConflict(f"cannot merge tables of {older.shape.describe()} and {self.shape.describe()}")
         if older.device.get("name") != self.device.get("name"):
             raise TableConflict(f"cannot merge tables of {older.device.get('name')} and {self.device.get('name')}")
-        entries = {**{k: v for k, v in older.entries.items()}, **self.entries}
+        entries = {**older.entries, **self.entries}
+        fp8_entries = {**older.fp8_entries, **self.fp8_entries}
         return TuningTable(self.shape, dict(self.device), entries, self.moebench_version,
-                           self.tactics_version, self.schema)  # fmt: skip
+                           self.tactics_version, self.schema, fp8_entries)  # fmt: skip
 
     def to_dict(self) -> dict:
         out = {
-            "kind": KIND, "schema": self.schema, "moebench_version": self.moebench_version,
+            "kind": KIND, "schema": self.written_schema, "moebench_version": self.moebench_version,
             "tactics_version": self.tactics_version,
             "shape": {"experts": self.shape.experts, "hidden": self.shape.hidden,
                       "intermediate": self.shape.intermediate, "top_k": self.shape.top_k,
                       "dtype": self.shape.dtype},
             "device": {**self.device, "family": self.family},
         }  # fmt: skip
-        for stage, key in STAGES.items():
-            rows = sorted(r for s, r in self.entries if s == stage)
-            out[key] = {str(r): self.entries[stage, r].to_dict() for r in rows}
+        out.update(_stage_maps(self.entries))
+        if self.fp8_entries:
+            out[FP8_KEY] = _stage_maps(self.fp8_entries)
         return out
 
     @classmethod
@@ -360,19 +403,50 @@ class TuningTable:
         if not isinstance(device, dict) or not isinstance(device.get("name"), str):
             raise TableError(f"{where}: device must be an object with a 'name' string")
         device = {k: v for k, v in device.items() if k != "family"}
-        entries: dict[tuple[int, int], TableEntry] = {}
-        for stage, key in STAGES.items():
-            block = data.get(key, {})
-            if not isinstance(block, dict):
-                raise TableError(f"{where}: {key} must be an object keyed by rows")
-            for rows_text, entry in block.items():
-                if not (isinstance(rows_text, str) and rows_text.isdigit() and 1 <= int(rows_text) <= MAX_ROWS):
-                    raise TableError(f"{where}: {key} has rows {rows_text!r} outside 1..{MAX_ROWS}")
-                entries[stage, int(rows_text)] = TableEntry.from_dict(entry, f"{where}: {key}[{rows_text}]")
+        entries = _parse_stage_maps(data, where, "")
+        fp8_part = data.get(FP8_KEY)
+        if fp8_part is not None and schema < FP8_SCHEMA:
+            raise TableError(f"{where}: schema {schema} has no {FP8_KEY!r} part (it came with schema {FP8_SCHEMA})")
+        if fp8_part is not None and not isinstance(fp8_part, dict):
+            raise TableError(f"{where}: {FP8_KEY} must be an object with 'gemm1' / 'gemm2' maps,"
+                             f" got {type(fp8_part).__name__}")  # fmt: skip
+        unknown = sorted(set(fp8_part or {}) - set(STAGES.values()))
+        if unknown:
+            raise TableError(f"{where}: {FP8_KEY} holds {unknown}; expected only 'gemm1' / 'gemm2'")
+        fp8_entries = _parse_stage_maps(fp8_part or {}, where, f"{FP8_KEY}.")
         try:
-            return cls(shape, device, entries, version, tv, schema)
+            return cls(shape, device, entries, version, tv, schema, fp8_entries)
         except (TypeError, ValueError) as error:
             raise TableError(f"{where}: {error}") from error
+
+
+def entry_path(stage: int, rows: int, fp8: bool = False) -> str:
+    """Where an entry lives in a table file: 'gemm1[6]' or 'fp8.gemm1[6]'."""
+    return f"{FP8_KEY + '.' if fp8 else ''}{STAGES[stage]}[{rows}]"
+
+
+def _stage_maps(entries: dict[tuple[int, int], TableEntry]) -> dict:
+    """{"gemm1": {"1": ENTRY, ...}, "gemm2": {...}} of one family's entries."""
+    out = {}
+    for stage, key in STAGES.items():
+        rows = sorted(r for s, r in entries if s == stage)
+        out[key] = {str(r): entries[stage, r].to_dict() for r in rows}
+    return out
+
+
+def _parse_stage_maps(data: dict, where: str, prefix: str) -> dict[tuple[int, int], TableEntry]:
+    """The entries of one family's "gemm1" / "gemm2" maps in `data`
+    (`prefix`: "" or "fp8.", for the messages); raises TableError."""
+    entries: dict[tuple[int, int], TableEntry] = {}
+    for stage, key in STAGES.items():
+        block = data.get(key, {})
+        if not isinstance(block, dict):
+            raise TableError(f"{where}: {prefix}{key} must be an object keyed by rows")
+        for rows_text, entry in block.items():
+            if not (isinstance(rows_text, str) and rows_text.isdigit() and 1 <= int(rows_text) <= MAX_ROWS):
+                raise TableError(f"{where}: {prefix}{key} has rows {rows_text!r} outside 1..{MAX_ROWS}")
+            entries[stage, int(rows_text)] = TableEntry.from_dict(entry, f"{where}: {prefix}{key}[{rows_text}]")
+    return entries
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -423,8 +497,9 @@ def write_table(table: TuningTable, directory: str | Path, *, force: bool = Fals
     """Write `table` atomically to directory/table.file_name; returns the path.
 
     An existing table there is replaced only when it is of the same device
-    (raw name and SM count) and not of a newer moebench / tactics / schema
-    version, or with force=True; else TableConflict (naming the file and
+    (raw name and SM count), not of a newer moebench / tactics / schema
+    version and holds no kernel family's entries that `table` lacks (merge
+    first: `table.merged_over(read_table(path))`), or with force=True; else TableConflict (naming the file and
     why). A corrupt existing file is not replaced without force either.
     Raises OSError from the file system; the target is never left partial.
     """
@@ -477,6 +552,10 @@ def _conflict(target: Path, new: TuningTable) -> str | None:
     if old.tactics_version > new.tactics_version or old.schema > new.schema:
         return (f"it has a newer tactics version / schema ({old.tactics_version}/{old.schema} >"
                 f" {new.tactics_version}/{new.schema})")  # fmt: skip
+    for fp8, family in ((False, "BF16"), (True, "FP8")):
+        if old.entries_of(fp8) and not new.entries_of(fp8):
+            return (f"it holds {len(old.entries_of(fp8))} {family}-family entries this table lacks (writing would"
+                    " drop them; merge with merged_over first, as `moebench tune` does)")  # fmt: skip
     return None
 
 
@@ -511,12 +590,15 @@ def verify_tables(directory: str | Path) -> list[str]:
         if stale:
             problems.append(f"{path}: stale: {stale}")
             continue
-        if not table.entries:
+        if not table.entries and not table.fp8_entries:
             problems.append(f"{path}: holds no entries")
-        for (stage, rows), entry in sorted(table.entries.items()):
-            tactic, source = load_tactic(table.device["name"], table.shape, rows, stage, search=[directory])
-            if tactic != entry.tactic or not source.startswith(f"table {path}"):
-                problems.append(f"{path}: the runtime does not take {STAGES[stage]}[{rows}] from it ({source})")
+        for fp8 in (False, True):
+            for (stage, rows), entry in sorted(table.entries_of(fp8).items()):
+                tactic, source = load_tactic(table.device["name"], table.shape, rows, stage, search=[directory],
+                                             fp8=fp8)  # fmt: skip
+                if tactic != entry.tactic or not source.startswith(f"table {path}"):
+                    problems.append(f"{path}: the runtime does not take {entry_path(stage, rows, fp8)} from it"
+                                    f" ({source})")  # fmt: skip
     return problems
 
 
@@ -599,19 +681,27 @@ def load_tactic(
     search: list | None = None,
     num_sms: int = 132,
     wide_scales: bool = False,
+    fp8: bool = False,
 ) -> tuple[GemmTactic, str]:
     """(tactic, source) for GEMM`stage` at `rows` token rows of `shape` on
     `device_name`: the entry of the first usable table along `search`
     (default: $MOEBENCH_TUNING_DIR, then the package's tables), else the
     built-in default_tactic for the token tiles `rows` allows for.
+    `fp8`: the FP8 kernel family's entry (the table's "fp8" part) and
+    default (`default_fp8_tactic`; `wide_scales` is then the weights'
+    special-scales flag, as `KernelWeights.scale_variant(True)`); else the
+    BF16 family's.
 
-    source: 'table <path> gemm<stage>[rows]' or 'default (...)'. A missing,
+    source: 'table <path> gemm<stage>[rows]' ('... fp8.gemm<stage>[rows]'
+    for the FP8 family) or 'default (...)'. A missing,
     corrupt or stale table or entry logs one warning naming the file and
     falls back; the choice is logged once (INFO). Raises ValueError /
     TypeError only for bad arguments (rows, stage, shape), never for a table.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    if not isinstance(fp8, bool):
+        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
     if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in [1, {MAX_ROWS}], got {rows!r}")
     s = ShapeClass.of(shape, top_k)
@@ -622,20 +712,24 @@ def load_tactic(
         table, path, problems = None, None, [f"tuning table lookup for {name} failed: {type(error).__name__}: {error}"]
     for line in problems:
         _log_once(logging.WARNING, line + "; falling back")
+    family = "fp8 " if fp8 else ""
     if table is not None:
-        entry = table.entry(stage, rows)
-        if entry is None:
-            _log_once(logging.WARNING, f"tuning table {path} has no entry for {STAGES[stage]} rows={rows};"
-                                       " using the built-in default")  # fmt: skip
+        entry = table.entry(stage, rows, fp8)
+        if fp8 and not table.fp8_entries:
+            _log_once(logging.WARNING, f"tuning table {path} holds no FP8-family entries; using the built-in fp8"
+                                       " default tactics (run `moebench tune --fp8` on this GPU)")  # fmt: skip
+        elif entry is None:
+            _log_once(logging.WARNING, f"tuning table {path} has no {family}entry for {STAGES[stage]} rows={rows};"
+                                       f" using the built-in {family}default")  # fmt: skip
         else:
-            source = f"table {path} {STAGES[stage]}[{rows}]"
+            source = f"table {path} {entry_path(stage, rows, fp8)}"
             note = "" if table.device.get("name") == device_name else f" (tuned on {table.device.get('name')})"
             _log_once(logging.INFO, f"moebench tuning: {name} from {path}{note}")
             return entry.tactic, source
     elif not problems:
         dirs = ", ".join(str(d) for d in (default_search_dirs() if search is None else search))
-        _log_once(logging.WARNING, f"no tuning table {name} in {dirs}; using the built-in default tactics"
-                                   " (run `moebench tune` on this GPU)")  # fmt: skip
+        _log_once(logging.WARNING, f"no tuning table {name} in {dirs}; using the built-in {family}default tactics"
+                                   f" (run `moebench tune{' --fp8' if fp8 else ''}` on this GPU)")  # fmt: skip
     ctas = max_ctas(rows, s.top_k, s.experts)
-    tactic = default_tactic(s.gemm_shape, stage, ctas, num_sms, wide_scales)
-    return tactic, f"default ({STAGES[stage]} rows={rows}, {ctas} token tiles)"
+    tactic = default_tactic(s.gemm_shape, stage, ctas, num_sms, wide_scales, fp8=fp8)
+    return tactic, f"default ({family}{STAGES[stage]} rows={rows}, {ctas} token tiles)"

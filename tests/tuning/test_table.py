@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-from moebench.kernels.tactic import GemmTactic, default_tactic
+from moebench.kernels.tactic import GemmTactic, default_fp8_tactic, default_tactic
 from moebench.models import get_preset
 from moebench.record import max_ctas
 from moebench.tuning import table as tb
@@ -279,3 +279,136 @@ def test_read_table_on_a_directory_says_so(tmp_path):
         read_table(d)
     with pytest.raises(FileNotFoundError):
         read_table(tmp_path / "missing.json")
+
+
+# ----------------------------------------------------------------------------- the FP8 family's part
+
+F1 = default_fp8_tactic(SHAPE.gemm_shape, 1)  # r32_m4_k4_u4_c1_b4_f8 at dsv41 TP4
+F2 = default_fp8_tactic(SHAPE.gemm_shape, 2)
+
+
+def fp8_entry(tactic=F1, us=8.0, runner_up=None):
+    return TableEntry(tactic, us, us * 0.98, us * 1.03, runner_up=runner_up,
+                      runner_up_us=None if runner_up is None else us * 1.1, provenance=PROV)  # fmt: skip
+
+
+def make_fp8_table(rows=range(1, 9), bf16_rows=(), **kw) -> TuningTable:
+    """A table of FP8 entries (and BF16 ones at `bf16_rows`)."""
+    fp8 = {(s, r): fp8_entry(F1 if s == 1 else F2, 8.0 + r) for s in (1, 2) for r in rows}
+    bf16 = {(s, r): entry(T1 if s == 1 else T2, 10.0 + r) for s in (1, 2) for r in bf16_rows}
+    return TuningTable(SHAPE, {"name": "NVIDIA H200", "sm_count": 132, "capability": "9.0"}, bf16,
+                       fp8_entries=fp8, **kw)  # fmt: skip
+
+
+def test_both_families_round_trip(tmp_path):
+    t = make_fp8_table(bf16_rows=range(1, 9))
+    path = write_table(t, tmp_path)
+    data = json.loads(path.read_text())
+    assert data["schema"] == tb.FP8_SCHEMA == 2 and set(data["fp8"]) == {"gemm1", "gemm2"}
+    assert data["fp8"]["gemm2"]["6"]["tactic"]["name"] == F2.name and data["fp8"]["gemm2"]["6"]["tactic"]["fp8"]
+    assert data["gemm1"]["6"]["tactic"]["name"] == T1.name
+    back = read_table(path)
+    assert back.entries == t.entries and back.fp8_entries == t.fp8_entries and back.schema == 2
+    assert back.entry(1, 6, fp8=True).tactic == F1 and back.entry(1, 6).tactic == T1
+    assert tb.verify_tables(tmp_path) == []
+
+
+def test_a_table_without_fp8_entries_stays_schema_1_and_old_tables_read(tmp_path):
+    path = write_table(make_table(), tmp_path)
+    data = json.loads(path.read_text())
+    assert data["schema"] == 1 and "fp8" not in data  # what a moebench from before the fp8 part reads
+    back = read_table(path)
+    assert back.schema == 1 and back.fp8_entries == {} and len(back.entries) == 16
+    data["fp8"] = {"gemm1": {}}
+    path.write_text(json.dumps(data))
+    with pytest.raises(TableError, match=r"schema 1 has no 'fp8' part"):
+        read_table(path)
+
+
+def test_every_shipped_table_reads_with_no_fp8_entries():
+    for path in sorted(tb.PACKAGE_TABLES.glob("*.json")):
+        t = read_table(path)
+        assert t.entries and all(not e.tactic.fp8 for e in t.entries.values()), path
+
+
+def test_merge_keeps_the_other_family():
+    bf16, fp8 = make_table(), make_fp8_table()
+    merged = fp8.merged_over(bf16)  # tuning the FP8 family over a BF16-only table
+    assert merged.entries == bf16.entries and merged.fp8_entries == fp8.fp8_entries
+    again = make_table(rows=[6]).merged_over(merged)  # re-tuning BF16 rows 6 keeps the FP8 part
+    assert again.fp8_entries == fp8.fp8_entries and again.entries[1, 6] is not bf16.entries[1, 6]
+    assert len(again.entries) == 16
+    partial = make_fp8_table(rows=[3]).merged_over(merged)
+    assert len(partial.fp8_entries) == 16 and partial.fp8_entries[1, 3].median_us == 11.0
+
+
+def test_write_refuses_to_drop_the_other_familys_entries(tmp_path):
+    write_table(make_table(), tmp_path)
+    with pytest.raises(TableConflict, match=r"16 BF16-family entries this table lacks.*--force"):
+        write_table(make_fp8_table(), tmp_path)
+    write_table(make_fp8_table().merged_over(read_table(tmp_path / NAME)), tmp_path)  # as moebench tune does
+    with pytest.raises(TableConflict, match="FP8-family entries"):
+        write_table(make_table(), tmp_path)
+    back = read_table(tmp_path / NAME)
+    assert len(back.entries) == 16 and len(back.fp8_entries) == 16
+    write_table(make_table(), tmp_path, force=True)
+    assert read_table(tmp_path / NAME).fp8_entries == {}
+
+
+def test_each_family_holds_only_its_tactics(tmp_path):
+    with pytest.raises(ValueError, match=r"^gemm1\[4\]\.tactic: .*_f8 is an fp8 tactic"):
+        TuningTable(SHAPE, {"name": "NVIDIA H200"}, {(1, 4): fp8_entry()})
+    with pytest.raises(ValueError, match=r"^fp8\.gemm2\[2\]\.tactic: r32_m8_k1_u4_c2 is not an fp8 tactic"):
+        TuningTable(SHAPE, {"name": "NVIDIA H200"}, fp8_entries={(2, 2): entry(T2)})
+    with pytest.raises(ValueError, match=r"^fp8\.gemm1\[1\]\.runner_up: .* is not an fp8 tactic"):
+        TuningTable(SHAPE, {"name": "NVIDIA H200"}, fp8_entries={(1, 1): fp8_entry(runner_up=T1)})
+    with pytest.raises(ValueError, match="fp8_entries keys"):
+        TuningTable(SHAPE, {"name": "NVIDIA H200"}, fp8_entries={(3, 1): fp8_entry()})
+    bad = tmp_path / NAME
+    for mutate, needle in [
+        (lambda d: d["fp8"]["gemm1"]["2"].update(tactic=tb.tactic_to_dict(T1)),
+         r"fp8\.gemm1\[2\]\.tactic: r64_m1_k4_u2_c2 is not an fp8 tactic"),
+        (lambda d: d["gemm2"].update({"5": d["fp8"]["gemm2"]["5"]}), r"gemm2\[5\]\.tactic: .*_f8 is an fp8 tactic"),
+        (lambda d: d.update(fp8=[]), "fp8 must be an object"),
+        (lambda d: d["fp8"].update(gemm3={}), r"fp8 holds \['gemm3'\]"),
+        (lambda d: d["fp8"]["gemm1"].update({"9": {}}), r"fp8\.gemm1 has rows '9'"),
+        (lambda d: d["fp8"]["gemm2"]["1"].pop("median_us"), r"fp8\.gemm2\[1\]: entry lacks 'median_us'"),
+    ]:  # fmt: skip
+        data = make_fp8_table(bf16_rows=[5]).to_dict()
+        mutate(data)
+        bad.write_text(json.dumps(data))
+        with pytest.raises(TableError, match=needle) as err:
+            read_table(bad)
+        assert str(err.value).startswith(str(bad))
+
+
+def test_load_tactic_takes_the_fp8_part_for_fp8(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="moebench.tuning")
+    write_table(make_fp8_table(rows=[1, 6], bf16_rows=range(1, 9)), tmp_path)
+    tactic, source = load_tactic("NVIDIA H200", SHAPE, 6, 2, search=[tmp_path], fp8=True)
+    assert tactic == F2 and source == f"table {tmp_path / NAME} fp8.gemm2[6]"
+    tactic, source = load_tactic("NVIDIA H200", SHAPE, 6, 2, search=[tmp_path])  # the BF16 family: its own
+    assert tactic == T2 and source == f"table {tmp_path / NAME} gemm2[6]"
+    tactic, source = load_tactic("NVIDIA H200", SHAPE, 4, 1, search=[tmp_path], fp8=True)
+    ctas = max_ctas(4, SHAPE.top_k, SHAPE.experts)
+    assert tactic == default_fp8_tactic(SHAPE.gemm_shape, 1, ctas) and source.startswith("default (fp8 gemm1")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"tuning table {tmp_path / NAME} has no fp8 entry for gemm1 rows=4; using the built-in"
+                        " fp8 default"]  # fmt: skip
+    with pytest.raises(TypeError, match="fp8 must be a bool"):
+        load_tactic("NVIDIA H200", SHAPE, 4, 1, search=[tmp_path], fp8=1)
+
+
+def test_a_table_without_fp8_entries_gives_the_fp8_defaults_with_one_warning(tmp_path, caplog):
+    write_table(make_table(), tmp_path)
+    for rows in range(1, 9):
+        for stage in (1, 2):
+            tactic, source = load_tactic("NVIDIA H200", SHAPE, rows, stage, search=[tmp_path], fp8=True)
+            ctas = max_ctas(rows, SHAPE.top_k, SHAPE.experts)
+            assert tactic == default_fp8_tactic(SHAPE.gemm_shape, stage, ctas) and source.startswith("default")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "holds no FP8-family entries" in warnings[0] and "tune --fp8" in warnings[0]
+    tb.reset_log_once()
+    (tmp_path / "empty").mkdir()
+    load_tactic("NVIDIA H200", SHAPE, 1, 1, search=[tmp_path / "empty"], fp8=True)
+    assert "run `moebench tune --fp8`" in caplog.records[-1].getMessage()
