@@ -883,7 +883,14 @@ def tune(
     act_bf16: bool = typer.Option(
         True, "--act-bf16/--e4m3",
         help="Time the BF16-activation (_a16) twins, what the runtime runs by default; --e4m3 times the"
-             " MXFP8-operand tactics.",
+             " MXFP8-operand tactics. Ignored with --fp8.",
+    ),
+    fp8: bool = typer.Option(
+        False, "--fp8",
+        help="Tune the FP8 (wgmma, _f8) kernel family instead of the BF16 one: e4m3-layout weights, the MXFP8"
+             " x / H as they are, candidates from the fp8 defaults, the measured warp-specialized variants and"
+             " their neighbours (--space sets how many: ship 10, quick 16, full 48 per stage); the entries go"
+             " to the table's 'fp8' part (what RoutedExpertGemm(..., fp8=True) runs), the BF16 entries stay.",
     ),
     distinct_layers: bool = typer.Option(
         False, "--distinct-layers", help="Generate every rotated weight set (default: copies of the first)."
@@ -909,15 +916,16 @@ def tune(
 ) -> None:
     """Tune the GEMM tactics per rows on this GPU; write tuning tables.
 
-    One table per shape class; prints what tuning buys over the defaults at
-    rows 1, 4, 8."""
+    One table per shape class, holding each kernel family's entries (BF16;
+    with --fp8 the FP8 family's, merged next to them); prints what tuning
+    buys over the defaults at rows 1, 4, 8."""
     import os
 
     from moebench.bench.cases import SweepConfig
     from moebench.models import PRESETS
     from moebench.record import MAX_ROWS
     from moebench.routing import SCENARIOS
-    from moebench.tuning.space import SPACES
+    from moebench.tuning.space import FP8_SPACES, SPACES
 
     try:
         if space not in SPACES:
@@ -956,9 +964,10 @@ def tune(
     configs = [
         tuning_runner.TuneConfig(
             preset=name, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=(t,),
-            rows=row_list, stages=stage_list, scenario=scenario, seed=seed, space=SPACES[space], repeats=repeats,
-            top=top, warmup=warmup, replays=replays, layers=layers, warm_l2=warm_l2, device=device,
-            copy_layers=not distinct_layers, act_bf16=act_bf16,
+            rows=row_list, stages=stage_list, scenario=scenario, seed=seed,
+            space=(FP8_SPACES if fp8 else SPACES)[space], repeats=repeats, top=top, warmup=warmup,
+            replays=replays, layers=layers, warm_l2=warm_l2, device=device, copy_layers=not distinct_layers,
+            act_bf16=act_bf16 and not fp8, fp8=fp8,
         )  # fmt: skip
         for name in names for t in tps
     ]
@@ -970,9 +979,9 @@ def tune(
 
     def finished(config, outcome) -> None:
         for (t, stage), secs in outcome.seconds.items():
-            say(f"{config.preset} TP{t} GEMM{stage}: {len(outcome.results[t, stage].entries)} rows tuned"
+            say(f"{config.preset} TP{t} {config.family} GEMM{stage}: {len(outcome.results[t, stage].entries)} rows tuned"
                 f" in {secs:.1f} s ({outcome.layers[t, stage]} weight sets)")  # fmt: skip
-        problems.extend(_write_tables(outcome, target, force, label=config.preset))
+        problems.extend(_write_tables(outcome, target, force, label=f"{config.preset} {config.family}"))
 
     n_jobs = default_jobs() if jobs is None else jobs
     done = tuning_runner.tune_many(configs, budget=clock, jobs=n_jobs, progress=_progress_filter(say),
@@ -1014,7 +1023,7 @@ def _print_gains(records) -> None:
     table = Table(title="tuned vs built-in default (µs per GEMM1+GEMM2 pair, the other stage at its default, timed"
                         " side by side; both tuned: the pair times both stages' tuned/default ratios, estimated; gain > 0: tuned is"
                         " faster)")
-    for head in ("preset", "TP", "rows", "GEMM1 default", "GEMM1 tuned", "gain", "GEMM2 default", "GEMM2 tuned",
+    for head in ("preset", "family", "TP", "rows", "GEMM1 default", "GEMM1 tuned", "gain", "GEMM2 default", "GEMM2 tuned",
                  "gain", "pair default", "both tuned (est.)", "gain µs", "gain %"):  # fmt: skip
         table.add_column(head)
 
@@ -1024,7 +1033,7 @@ def _print_gains(records) -> None:
     for r in records:
         g1, g2, b = r["gemm1"], r["gemm2"], r["both"]
         table.add_row(
-            r["preset"], str(r["tp"]), str(r["rows"]), _fmt(g1["default_us"], 2), _fmt(g1["tuned_us"], 2), pct(g1),
+            r["preset"], r.get("family", "BF16"), str(r["tp"]), str(r["rows"]), _fmt(g1["default_us"], 2), _fmt(g1["tuned_us"], 2), pct(g1),
             _fmt(g2["default_us"], 2), _fmt(g2["tuned_us"], 2), pct(g2), _fmt(b["default_us"], 2),
             _fmt(b["tuned_us"], 2), "-" if b["gain_us"] is None else f"{b['gain_us']:+.2f}", pct(b),
         )  # fmt: skip
@@ -1033,7 +1042,8 @@ def _print_gains(records) -> None:
 
 def _write_tables(outcome, target: Path, force: bool, label: str = "") -> list[str]:
     """Print each table's picks and write it (merged over an older table of
-    the same device); returns the problems (a table that cannot be written,
+    the same device: the other kernel family's entries and rows not re-tuned
+    stay); returns the problems (a table that cannot be written,
     a row count with no correct tactic)."""
     from moebench.tuning.table import TableError, read_table, write_table
 
@@ -1060,7 +1070,7 @@ def _write_tables(outcome, target: Path, force: bool, label: str = "") -> list[s
             )  # fmt: skip
         Console(highlight=False, width=max(console.width, 150)).print(table)
     for t in outcome.tables:
-        if not t.entries:
+        if not t.entries and not t.fp8_entries:
             continue
         path = target / t.file_name
         try:
@@ -1073,7 +1083,7 @@ def _write_tables(outcome, target: Path, force: bool, label: str = "") -> list[s
         except (TableError, OSError) as error:
             problems.append(str(error))
             continue
-        console.print(f"wrote [bold]{written}[/bold] ({len(t.entries)} entries)")
+        console.print(f"wrote [bold]{written}[/bold] ({len(t.entries)} BF16 + {len(t.fp8_entries)} FP8 entries)")
     if failed:
         problems.append(f"no correct tactic for {', '.join(failed)}")
     return problems

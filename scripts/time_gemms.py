@@ -44,6 +44,7 @@ from moebench.kernels.tactic import GemmShape, GemmTactic, default_fp8_tactic, d
 from moebench.models import get_preset
 from moebench.record import TILE, build_route_record
 from moebench.routing import scenario_topk_ids
+from moebench.tuning import space as tuning_space
 
 #: Split-K variants (v3, docs/perf-notes.md): GEMM1 at 3 CTAs/SM x 4 warps (the
 #: rows 6/8 default, K split 2 / 4 ways) and 1 x 8 warps split 4 (the rows 1-2
@@ -74,13 +75,8 @@ F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(32, 4, 1, 3, 4, split_k
 #: fp8 tactics on the bulk ring (v11, warp-specialized: a producer warp streams the
 #: weights, the warpgroups decode from shared memory): 32- / 16-row warps, one to
 #: four warpgroups, 1-4 CTAs/SM, 2-6 stages.
-F8_BULK_1 = [GemmTactic(32, 4, 4, 2, 1, stages=6, fp8=True), GemmTactic(32, 4, 4, 4, 1, stages=4, fp8=True),
-             GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True), GemmTactic(16, 4, 4, 4, 1, stages=6, fp8=True),
-             GemmTactic(16, 4, 4, 8, 1, stages=4, fp8=True), GemmTactic(16, 4, 2, 4, 2, stages=4, fp8=True),
-             GemmTactic(16, 4, 2, 8, 2, stages=2, fp8=True)]  # fmt: skip
-F8_BULK_2 = [GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True), GemmTactic(32, 4, 1, 3, 4, stages=6, fp8=True),
-             GemmTactic(32, 4, 1, 3, 3, stages=6, fp8=True), GemmTactic(32, 4, 3, 3, 2, stages=4, fp8=True),
-             GemmTactic(32, 4, 1, 6, 4, stages=3, fp8=True), GemmTactic(32, 8, 1, 3, 2, stages=4, fp8=True)]  # fmt: skip
+# The measured warp-specialized fp8 variants live with the tuner's FP8 space (one list for both).
+F8_BULK_1, F8_BULK_2 = list(tuning_space.F8_BULK_1), list(tuning_space.F8_BULK_2)
 COPY_GBPS = 4215.0
 L2_BYTES = 60e6
 TOP_K = 6

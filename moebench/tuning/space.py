@@ -23,6 +23,12 @@ one shape class and stage. The rules:
 of a shape and their nearest neighbours, at most 10 per shape and stage,
 what the shipped tables are tuned over (its docstring says why those).
 
+`Fp8Space` (`FP8_SPACES`, `moebench tune --fp8`) is the FP8 (wgmma)
+family's: its defaults (`default_fp8_tactic`), the warp-specialized variants
+measured in perf-notes v11 (F8_BULK_1 / F8_BULK_2) and their neighbours; the
+rules are `GemmTactic.valid_for` (shape, K chunks, shared memory) and rule 2
+(the BF16 kernels' register estimate and partial-sum model do not apply).
+
 `TACTICS_VERSION` names the meaning of the tactic fields; bump it when the
 kernel changes what a field does, so tuning tables written before are stale.
 """
@@ -33,7 +39,7 @@ import itertools
 import re
 from dataclasses import dataclass, fields, replace
 
-from moebench.kernels.tactic import MAX_WARPS, GemmShape, GemmTactic, default_tactic
+from moebench.kernels.tactic import MAX_STAGES, MAX_WARPS, GemmShape, GemmTactic, default_fp8_tactic, default_tactic
 from moebench.record import MAX_ROWS, MAX_TOP_K, max_ctas
 
 #: Version of the tactic fields' meaning (tuning tables record it).
@@ -222,6 +228,116 @@ class NeighbourSpace:
 SHIP_SPACE = NeighbourSpace()
 SPACES = {"quick": QUICK_SPACE, "full": FULL_SPACE, "ship": SHIP_SPACE}
 
+#: The warp-specialized fp8 tactics (bulk ring, `stages` >= 2) timed in
+#: docs/perf-notes.md v11 (scripts/time_gemms.py --fp8-bulk), per stage.
+F8_BULK_1 = (GemmTactic(32, 4, 4, 2, 1, stages=6, fp8=True), GemmTactic(32, 4, 4, 4, 1, stages=4, fp8=True),
+             GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True), GemmTactic(16, 4, 4, 4, 1, stages=6, fp8=True),
+             GemmTactic(16, 4, 4, 8, 1, stages=4, fp8=True), GemmTactic(16, 4, 2, 4, 2, stages=4, fp8=True),
+             GemmTactic(16, 4, 2, 8, 2, stages=2, fp8=True))  # fmt: skip
+F8_BULK_2 = (GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True), GemmTactic(32, 4, 1, 3, 4, stages=6, fp8=True),
+             GemmTactic(32, 4, 1, 3, 3, stages=6, fp8=True), GemmTactic(32, 4, 3, 3, 2, stages=4, fp8=True),
+             GemmTactic(32, 4, 1, 6, 4, stages=3, fp8=True), GemmTactic(32, 8, 1, 3, 2, stages=4, fp8=True))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Fp8Space:
+    """The FP8 (wgmma) family's candidates: per (shape, stage) one set of at
+    most `limit` fp8 tactics, the same for every row count, in this order:
+
+    1. every tactic `default_fp8_tactic` picks for this shape at any
+       token-tile count (GEMM1: 128- or 64-row items of four warpgroups, K
+       split four ways, on the bulk ring; GEMM2: one warpgroup at 4 CTAs/SM);
+    2. the warp-specialized variants measured in perf-notes v11 (F8_BULK_1 /
+       F8_BULK_2: deeper or shallower rings, unroll 2-8, K split 2);
+    3. one-field changes of each default, round-robin: `stages` +-1 (2..6:
+       the ring depth that hides the weight stream), `unroll` to its
+       neighbours in (2, 3, 4, 6, 8), `ctas_per_sm` +-1, `warps_k` x2 / /2,
+       `tile_rows` 16 <-> 32 (item rows halved / doubled).
+    Every tactic must pass `fp8_why_invalid` (valid_for and the warps per
+    SM); split_k stays 1 (the bulk ring needs it).
+    """
+
+    limit: int = 10
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.limit, int) or isinstance(self.limit, bool) or self.limit < 1:
+            raise ValueError(f"limit must be a positive int, got {self.limit!r}")
+
+    @staticmethod
+    def defaults(shape, stage: int, num_sms: int = 132) -> list[GemmTactic]:
+        """The distinct fp8 defaults of `shape` over every token-tile count
+        rows 1..8 at any top_k can need (and ctas unknown), in the order met."""
+        s = GemmShape.of(shape)
+        out: list[GemmTactic] = []
+        counts = sorted({max_ctas(r, k, s.experts) for r in range(1, MAX_ROWS + 1)
+                         for k in range(1, MAX_TOP_K + 1)})  # fmt: skip
+        for ctas in [*counts, None]:
+            try:
+                t = default_fp8_tactic(s, stage, ctas, num_sms)
+            except ValueError:
+                continue
+            if t not in out:
+                out.append(t)
+        return out
+
+    @staticmethod
+    def changes(t: GemmTactic) -> list[GemmTactic]:
+        """One-field changes of fp8 tactic `t` in the class docstring's order
+        (step 3); not yet checked against any rule."""
+        out = []
+        if t.bulk:
+            out += [replace(t, stages=st) for st in (t.stages + 1, t.stages - 1) if 2 <= st <= min(6, MAX_STAGES)]
+        unrolls = (2, 3, 4, 6, 8)
+        i = unrolls.index(t.unroll) if t.unroll in unrolls else None
+        if i is not None:
+            out += [replace(t, unroll=unrolls[j]) for j in (i + 1, i - 1) if 0 <= j < len(unrolls)]
+        out += [replace(t, ctas_per_sm=c) for c in (t.ctas_per_sm + 1, t.ctas_per_sm - 1) if 1 <= c <= 4]
+        out += [replace(t, warps_k=wk) for wk in (t.warps_k * 2, t.warps_k // 2)
+                if wk >= 1 and t.warps_m * wk <= MAX_WARPS]  # fmt: skip
+        out.append(replace(t, tile_rows=16 if t.tile_rows == 32 else 32))
+        return out
+
+    def tactics_for(self, shape, stage: int, num_sms: int = 132) -> tuple[GemmTactic, ...]:
+        """The set for GEMM`stage` of `shape` (class docstring), at most
+        `limit` fp8 tactics, the defaults first."""
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        s = GemmShape.of(shape)
+        out: list[GemmTactic] = []
+
+        def add(t: GemmTactic) -> None:
+            if len(out) < self.limit and t not in out and fp8_why_invalid(t, s, stage) is None:
+                out.append(t)
+
+        defaults = self.defaults(s, stage, num_sms)
+        for t in [*defaults, *(F8_BULK_1 if stage == 1 else F8_BULK_2)]:
+            add(t)
+        rings = [self.changes(d) for d in defaults]
+        for step in range(max((len(r) for r in rings), default=0)):
+            for ring in rings:
+                if step < len(ring):
+                    add(ring[step])
+        return tuple(out)
+
+
+def fp8_why_invalid(tactic: GemmTactic, shape, stage: int) -> str | None:
+    """None when fp8 `tactic` can run GEMM`stage` of `shape` and its CTAs
+    fit one SM's warps (module rules 1-2), else the reason."""
+    if not tactic.fp8:
+        return f"{tactic.name} is not an fp8 tactic"
+    reason = tactic.valid_for(shape, stage)
+    if reason:
+        return reason
+    if tactic.warps * tactic.ctas_per_sm > MAX_WARPS_PER_SM:
+        return f"{tactic.ctas_per_sm} CTAs of {tactic.warps} warps exceed {MAX_WARPS_PER_SM} resident warps per SM"
+    return None
+
+
+#: The FP8 family's spaces by `--space` name (`moebench tune --fp8`): the
+#: same construction, at most 10 / 16 / 48 tactics per shape and stage.
+FP8_SPACES = {"ship": Fp8Space(10), "quick": Fp8Space(16), "full": Fp8Space(48)}
+DEFAULT_FP8_SPACE = FP8_SPACES["quick"]
+
 
 def smem_bytes(tactic: GemmTactic) -> int:
     """Shared memory of one CTA: fp32 partials [tile_rows/16 * 128][warps][2]."""
@@ -299,20 +415,31 @@ def valid_tactics(
     ctas: int | None = None,
     *,
     num_sms: int = 132,
-    space: TacticSpace | NeighbourSpace = DEFAULT_SPACE,
+    space: TacticSpace | NeighbourSpace | Fp8Space = DEFAULT_SPACE,
     wide_scales: bool = False,
     prune: bool = True,
 ) -> tuple[GemmTactic, ...]:
     """The tactics of `space` that can run GEMM`stage` (1 or 2) of `shape`
     (GemmShape or anything with hidden / intermediate / experts) when `ctas`
     token tiles are allowed for (None: any), on `num_sms` SMs. The built-in
-    `default_tactic` for the same arguments is always included, first.
+    `default_tactic` for the same arguments is always included, first (for
+    an `Fp8Space`: `default_fp8_tactic`, and only fp8 tactics).
     Raises ValueError for a bad stage / ctas / num_sms, TypeError for a bad
     shape or space."""
-    if not isinstance(space, (TacticSpace, NeighbourSpace)):
-        raise TypeError(f"space must be a TacticSpace or NeighbourSpace, got {type(space).__name__}")
+    if not isinstance(space, (TacticSpace, NeighbourSpace, Fp8Space)):
+        raise TypeError(f"space must be a TacticSpace, NeighbourSpace or Fp8Space, got {type(space).__name__}")
     s = GemmShape.of(shape)
     out: list[GemmTactic] = []
+    if isinstance(space, Fp8Space):
+        if stage not in (1, 2):
+            raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+        why_invalid(GemmTactic(), s, stage, ctas, num_sms)  # argument checks (ctas, num_sms)
+        try:
+            out.append(default_fp8_tactic(s, stage, ctas, num_sms))
+        except ValueError:
+            pass
+        out += [t for t in space.tactics_for(s, stage, num_sms) if t not in out]
+        return tuple(out)
     try:
         default = default_tactic(s, stage, ctas, num_sms, wide_scales)
     except ValueError:

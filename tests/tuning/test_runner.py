@@ -199,7 +199,7 @@ def test_tune_command_writes_tables_and_prints_the_gains(monkeypatch, tmp_path):
             g = r[key]
             assert g["default_us"] > 0 and g["tuned_us"] > 0
             assert g["gain_us"] == pytest.approx(g["default_us"] - g["tuned_us"])
-    assert "| dsv4-pro | 4 | 4 |" in summary.read_text()
+    assert "| dsv4-pro | BF16 | 4 | 4 |" in summary.read_text()
 
 
 def test_tune_command_stops_at_the_budget_and_says_what_it_left_out(monkeypatch, tmp_path):
@@ -282,3 +282,135 @@ def test_tuning_specs_compile_the_operand_the_run_times():
     assert a16 and len(a16) == len(e4)
     assert all(t.act_bf16 for _, _, t, _ in a16) and not any(t.act_bf16 for _, _, t, _ in e4)
     assert [t.name for _, _, t, _ in a16] == [t.name + "_a16" for _, _, t, _ in e4]
+
+
+# ----------------------------------------------------------------------------- the FP8 family (--fp8)
+
+
+def test_h_fp8_mismatch_allows_the_fp8_sums_but_not_real_errors():
+    from moebench.formats import quantize_mxfp8
+    from moebench.tuning.runner import h_fp8_mismatch
+
+    ref_q, ref_s = quantize_mxfp8(torch.randn(32, 256, generator=torch.Generator().manual_seed(0)))
+    ref_q = ref_q.view(torch.uint8)
+    assert h_fp8_mismatch(ref_q.clone(), ref_s.clone(), ref_q, ref_s) is None
+    near = ref_q.clone()
+    near[0, :40] ^= 0x01  # 40 of 8192 bytes one code off (~0.5 %): the FP8 tensor cores' sums
+    assert h_fp8_mismatch(near, ref_s, ref_q, ref_s) is None
+    assert h_mismatch(near, ref_s, ref_q, ref_s) is not None  # stricter than the BF16 family's check
+    many = ref_q.clone()
+    many[:, :8] ^= 0x0F
+    assert "of H bytes equal" in h_fp8_mismatch(many, ref_s, ref_q, ref_s)
+    scales = ref_s.clone()
+    scales[:, 0] += 1
+    assert "of H scales equal" in h_fp8_mismatch(ref_q, scales, ref_q, ref_s)
+    big = ref_q.clone()
+    big[:3] = torch.where(big[:3] & 0x7F < 0x70, big[:3] + 0x08, big[:3])  # a few rows far off: the error shows
+    big[3:] = ref_q[3:]
+    why = h_fp8_mismatch(big, ref_s, ref_q, ref_s)
+    assert why is not None and ("relative error" in why or "bytes equal" in why)
+    assert h_fp8_mismatch(ref_q[:0], ref_s[:0], ref_q[:0], ref_s[:0]) is None
+
+
+def test_fp8_config_takes_the_fp8_space_and_refuses_a_bf16_one():
+    from moebench.tuning.space import DEFAULT_FP8_SPACE, FP8_SPACES, SHIP_SPACE, Fp8Space
+
+    cfg = TuneConfig(fp8=True)
+    assert cfg.space is DEFAULT_FP8_SPACE and cfg.family == "FP8" and TuneConfig().family == "BF16"
+    assert TuneConfig(fp8=True, space=FP8_SPACES["ship"]).space.limit == 10
+    with pytest.raises(ValueError, match="fp8=True tunes the FP8 family and needs an Fp8Space"):
+        TuneConfig(fp8=True, space=SHIP_SPACE)
+    with pytest.raises(ValueError, match="fp8=False tunes the BF16 family and needs a TacticSpace"):
+        TuneConfig(space=Fp8Space())
+    with pytest.raises(TypeError, match="fp8 must be a bool"):
+        TuneConfig(fp8=1)
+
+
+def test_fp8_space_holds_valid_fp8_tactics_the_default_first():
+    from moebench.kernels.tactic import GemmShape, default_fp8_tactic
+    from moebench.models import PRESETS
+    from moebench.record import max_ctas
+    from moebench.tuning.space import F8_BULK_1, FP8_SPACES, Fp8Space, fp8_why_invalid, valid_tactics
+
+    for preset in PRESETS:
+        for tp in (1, 2, 4, 8):
+            shape = get_preset(preset).shard(tp)
+            g = GemmShape.of(shape)
+            for stage in (1, 2):
+                for rows in (1, 8):
+                    ctas = max_ctas(rows, shape.top_k, shape.experts)
+                    ts = valid_tactics(g, stage, ctas, space=FP8_SPACES["ship"])
+                    assert ts[0] == default_fp8_tactic(g, stage, ctas) and len(set(ts)) == len(ts)
+                    assert 2 <= len(ts) <= 11 and all(t.fp8 and t.split_k == 1 for t in ts)
+                    assert all(fp8_why_invalid(t, g, stage) is None for t in ts), (preset, tp, stage)
+                assert set(FP8_SPACES["ship"].tactics_for(g, stage)) <= set(FP8_SPACES["full"].tactics_for(g, stage))
+    g = GemmShape.of(get_preset("dsv41-flash").shard(4))
+    assert F8_BULK_1[1] in Fp8Space(10).tactics_for(g, 1)  # the measured variants are candidates
+    assert any(t.stages == 3 for t in Fp8Space(48).tactics_for(g, 1))  # and the defaults' neighbours
+    with pytest.raises(ValueError, match="limit"):
+        Fp8Space(0)
+
+
+def test_run_tune_fp8_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
+    """--fp8's plumbing: e4m3-layout weights, the MXFP8 operands as they are
+    (no BF16 copies), fp8 candidates only, the entries in the fp8 part."""
+    from moebench.tuning import runner as rn
+    from moebench.tuning.space import Fp8Space
+
+    _stand_in_kernels(monkeypatch, wrong=lambda t: t.unroll == 2)
+    seen = []
+    original = rn.GemmStageRunner._launch
+
+    def launch(self, kw, case, tactic):
+        seen.append((kw.operand, tactic))
+        assert "x_deq" not in case and not self.act_bf16
+        return original(self, kw, case, tactic)
+
+    monkeypatch.setattr(rn.GemmStageRunner, "_launch", launch)
+    cfg = TuneConfig(preset="dsv41-flash", hidden=512, intermediate=1024, experts=8, tp=(4,), rows=(1, 6),
+                     space=Fp8Space(6), repeats=1, top=2, replays=3, warmup=0, layers=2, fp8=True)  # fmt: skip
+    outcome = rn.run_tune(cfg)
+    (table,) = outcome.tables
+    assert table.entries == {} and set(table.fp8_entries) == {(1, 1), (1, 6), (2, 1), (2, 6)}
+    assert seen and all(op == "e4m3" and t.fp8 for op, t in seen)
+    for (stage, rows), e in table.fp8_entries.items():
+        assert e.tactic.fp8 and e.tactic.unroll != 2
+        assert e.provenance["timing"]["fp8"] is True and e.provenance["timing"]["act_bf16"] is False
+        res = outcome.results[4, stage].results[rows]
+        assert all(name.endswith("_f8") for name in res.rejected)
+    assert any(outcome.results[4, s].results[r].rejected for s in (1, 2) for r in (1, 6))
+    assert outcome.tables[0].to_dict()["schema"] == 2
+
+
+def test_tune_fp8_command_keeps_the_bf16_entries(monkeypatch, tmp_path):
+    """`moebench tune` then `moebench tune --fp8` into one directory: one
+    table holding both families; the gains say which family."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from moebench.cli import app
+    from moebench.tuning.table import read_table
+
+    _stand_in_kernels(monkeypatch, wrong=lambda t: False)
+    small = [a if a != "256" else "512" for a in SMALL]  # H 512: room for the fp8 tactics' K split
+    small[small.index("--intermediate") + 1] = "1024"
+    out = str(tmp_path / "tables")
+    first = CliRunner().invoke(app, ["tune", *small, "--space", "ship", "--out", out])
+    assert first.exit_code == 0, first.output
+    summary = tmp_path / "gains.md"
+    second = CliRunner().invoke(app, ["tune", "--fp8", *small, "--space", "ship", "--out", out,
+                                      "--summary", str(summary)])  # fmt: skip
+    assert second.exit_code == 0, second.output
+    text = " ".join(second.output.split())
+    assert "(4 BF16 + 4 FP8 entries)" in text and "FP8 GEMM1" in text, second.output
+    (path,) = (tmp_path / "tables").iterdir()
+    table = read_table(path)
+    assert len(table.entries) == 4 and len(table.fp8_entries) == 4
+    assert all(not e.tactic.fp8 for e in table.entries.values())
+    assert all(e.tactic.fp8 for e in table.fp8_entries.values())
+    records = json.loads(summary.with_suffix(".json").read_text())
+    assert {r["family"] for r in records} == {"FP8"} and "| dsv41-flash | FP8 | 4 | 1 |" in summary.read_text()
+    again = CliRunner().invoke(app, ["tune", *small, "--rows", "1", "--space", "ship", "--out", out])
+    assert again.exit_code == 0, again.output  # re-tuning BF16 rows keeps the FP8 part
+    assert len(read_table(path).fp8_entries) == 4
