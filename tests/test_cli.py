@@ -137,8 +137,19 @@ def test_tune_without_a_gpu_fails_with_one_red_line(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_tune_fp8_without_a_gpu_fails_with_one_red_line(tmp_path):
+    result = runner.invoke(app, ["tune", "--fp8", "--space", "ship", "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "needs an sm_90 GPU" in lines[0] and "Traceback" not in result.output
+    assert list(tmp_path.iterdir()) == []
+    assert "--fp8" in runner.invoke(app, ["tune", "--help"]).output
+
+
 @pytest.mark.parametrize("args, needle", [(["--space", "huge"], "--space"), (["--rows", "0"], "--rows"),
-                                          (["--tp", "5"], "tp=5"), (["--stages", "3"], "--stages")])  # fmt: skip
+                                          (["--tp", "5"], "tp=5"), (["--stages", "3"], "--stages"),
+                                          (["--fp8", "--space", "huge"], "--space"),
+                                          (["--fp8", "--rows", "9"], "--rows")])  # fmt: skip
 def test_tune_user_errors_exit_2(tmp_path, args, needle):
     result = runner.invoke(app, ["tune", *args, "--out", str(tmp_path)])
     assert result.exit_code == 2 and needle in result.output and "Traceback" not in result.output

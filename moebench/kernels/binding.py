@@ -134,9 +134,9 @@ class RoutedExpertGemm:
     e4m3 decode; the same bits, 5-12 % less time on the H200, perf-notes v5);
     explicit `tactics` are used as given.
     fp8 (default False): the weights are laid out for the e4m3 operand and
-    built-in fp8 (wgmma) tactics run (`_f8`, `default_fp8_tactic`: FP8 MMA on
-    the MXFP8 x and H, no BF16 copies; act_bf16 is then ignored; a table's
-    BF16 tactics are replaced by the fp8 default); explicit
+    fp8 (wgmma) tactics run (`_f8`: FP8 MMA on the MXFP8 x and H, no BF16
+    copies; act_bf16 is then ignored): the table's FP8-family entries (its
+    "fp8" part, `moebench tune --fp8`), else `default_fp8_tactic`; explicit
     `tactics` must then be fp8 tactics, and without fp8 must not be
     (ValueError naming the stage).
     """
@@ -180,7 +180,7 @@ class RoutedExpertGemm:
                 if tactics is None:
                     tactic, source = load_tactic(
                         props.name, ShapeClass.of(shape, top_k), rows, stage, num_sms=sms,
-                        wide_scales=scale_flag,
+                        wide_scales=scale_flag, fp8=fp8,
                     )
                 elif tactics.get(stage) is not None:
                     tactic, source = tactics[stage], "explicit"
@@ -188,7 +188,7 @@ class RoutedExpertGemm:
                     tactic = default_tactic(shape, stage, ctas, sms, scale_flag, fp8=fp8)
                     source = "default"
                 if source != "explicit" and tactic.fp8 != fp8:
-                    # a table of the other family (the weights hold one layout): this family's default
+                    # never from a valid table (each family's part holds its own tactics): this family's default
                     family = "fp8" if fp8 else "BF16"
                     why = f"; the table's {tactic.name} is not" if source.startswith("table") else ""
                     tactic = default_tactic(shape, stage, ctas, sms, scale_flag, fp8=fp8)

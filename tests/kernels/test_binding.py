@@ -212,15 +212,19 @@ def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypat
     assert gemm.tactics[1, 5] == plain.tactics[1, 5] and gemm.tactic_sources[1, 5].startswith("default")
     builtin = binding.RoutedExpertGemm(w, shape.top_k, {})  # explicit: tables ignored
     assert builtin.tactics == plain.tactics
-    # a table entry of the other family (fp8) on a BF16 layer: that family's default, never an error
+    # the FP8 family's entries (the table's fp8 part) serve fp8 layers only; BF16 layers keep theirs
     f8 = GemmTactic(32, 4, 2, 4, 2, fp8=True)
-    table = tb.TuningTable(tb.ShapeClass.of(shape), {"name": name, "sm_count": 132},
-                           {(1, 6): entry, (1, 4): tb.TableEntry(f8, 10.0, 9.0, 11.0)})
-    tb.write_table(table, tmp_path)  # the same device: replaces the first
+    plain8 = binding.RoutedExpertGemm(w, shape.top_k, fp8=True)  # no fp8 part yet: the fp8 defaults
+    assert all(s.startswith("default") for s in plain8.tactic_sources.values())
+    table = tb.TuningTable(tb.ShapeClass.of(shape), {"name": name, "sm_count": 132}, {(1, 6): entry},
+                           fp8_entries={(1, 4): tb.TableEntry(f8, 10.0, 9.0, 11.0)})
+    tb.write_table(table, tmp_path)  # the same device and the BF16 entry kept: replaces the first
     tb.reset_log_once()
     mixed = binding.RoutedExpertGemm(w, shape.top_k)
-    assert mixed.tactics[1, 4] == plain.tactics[1, 4] and "not" in mixed.tactic_sources[1, 4]
-    assert binding.RoutedExpertGemm(w, shape.top_k, fp8=True).tactics[1, 4] == f8
+    assert mixed.tactics[1, 6] == gemm.tactics[1, 6] and mixed.tactics[1, 4] == plain.tactics[1, 4]
+    fp8 = binding.RoutedExpertGemm(w, shape.top_k, fp8=True)
+    assert fp8.tactics[1, 4] == f8 and fp8.tactic_sources[1, 4] == f"table {path} fp8.gemm1[4]"
+    assert fp8.tactics[1, 6] == plain8.tactics[1, 6] and fp8.tactic_sources[1, 6].startswith("default (fp8")
     tb.reset_log_once()
 
 

@@ -43,29 +43,32 @@ def test_config_shapes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("act_bf16", [True, False], ids=["a16", "e4m3"])
-def test_runner_checks_times_and_tunes_a_small_shape(act_bf16):
+@pytest.mark.parametrize("act_bf16, fp8", [(True, False), (False, False), (True, True)], ids=["a16", "e4m3", "fp8"])
+def test_runner_checks_times_and_tunes_a_small_shape(act_bf16, fp8):
     from moebench.tuning.runner import GemmStageRunner, run_tune
-    from moebench.tuning.space import TacticSpace
+    from moebench.tuning.space import Fp8Space, TacticSpace
 
     shape = get_preset("dsv41-flash", experts=64).shard(8)
     dev = require_tuning_device()
-    space = TacticSpace(tile_rows=(32, 64), warps=((1, 8), (4, 2)), unroll=(2,), ctas_per_sm=(2,),
-                        persistent=(True,))  # fmt: skip
+    space = Fp8Space(4) if fp8 else TacticSpace(tile_rows=(32, 64), warps=((1, 8), (4, 2)), unroll=(2,),
+                                                ctas_per_sm=(2,), persistent=(True,))  # fmt: skip
+    act_bf16 = act_bf16 and not fp8  # the FP8 family ignores it
     for stage in (1, 2):
-        run = GemmStageRunner(shape, stage, dev, layers=2, replays=5, warmup=1, space=space, act_bf16=act_bf16)
+        run = GemmStageRunner(shape, stage, dev, layers=2, replays=5, warmup=1, space=space, act_bf16=act_bf16,
+                              fp8=fp8)  # fmt: skip
         tactics = run.valid_tactics(6)
-        assert tactics[0] == run.default(6) and all(t.act_bf16 == act_bf16 for t in tactics)
+        assert tactics[0] == run.default(6) and all(t.act_bf16 == act_bf16 and t.fp8 == fp8 for t in tactics)
         for t in tactics:
             assert run.check(t, 6) is None, t.name
         timing = run.time(tactics[0], 6)
         assert timing.method == "cuda-graph" and timing.median_us > 0
     cfg = TuneConfig(preset="dsv41-flash", experts=64, tp=(8,), rows=(1, 6), space=space, repeats=1, top=2,
-                     replays=5, warmup=1, layers=2, act_bf16=act_bf16)  # fmt: skip
+                     replays=5, warmup=1, layers=2, act_bf16=act_bf16, fp8=fp8)  # fmt: skip
     outcome = run_tune(cfg)
     (table,) = outcome.tables
-    assert set(table.entries) == {(1, 1), (1, 6), (2, 1), (2, 6)}
-    e = table.entry(2, 6)
+    assert set(table.entries_of(fp8)) == {(1, 1), (1, 6), (2, 1), (2, 6)} and not table.entries_of(not fp8)
+    e = table.entry(2, 6, fp8)
+    assert e.tactic.fp8 == fp8
     assert e.provenance["device"] == torch.cuda.get_device_name(0) and e.provenance["timing"]["layers"] == 2
     assert e.tactic.act_bf16 == act_bf16 and e.provenance["timing"]["act_bf16"] == act_bf16
 
