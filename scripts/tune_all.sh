@@ -6,6 +6,11 @@
 # run held to a wall-time budget. Run from the project root on the H200 host:
 #
 #   MOEBENCH_COMMIT=<sha> BUDGET=400 scripts/tune_all.sh
+#   MOEBENCH_COMMIT=<sha> BUDGET=400 FP8=1 scripts/tune_all.sh   # the FP8 family
+#
+# FP8=1 tunes the FP8 (wgmma) family instead (`moebench tune --fp8`): its
+# entries are merged into the same tables' "fp8" part, the BF16 entries stay
+# (and a BF16 run keeps the FP8 part); the log / gains files get an -fp8 suffix.
 #
 # Writes the tables into moebench/tuning/tables/ (where the package ships them)
 # and prints the tuned-vs-default gains at rows 1, 4, 8 (µs and %). With $OUT
@@ -20,7 +25,7 @@
 # (compile workers, default cores - 1; 0 compiles in-process), PREFLIGHT (1:
 # first check on the GPU that a worker-compiled kernel gives the same bytes as
 # an in-process one, else fall back to JOBS=0), REPLAYS (50), TABLES
-# (moebench/tuning/tables). Extra arguments go to `moebench tune`. Exits with
+# (moebench/tuning/tables), FP8 (0; 1: the FP8 family). Extra arguments go to `moebench tune`. Exits with
 # moebench tune's code (1 when the budget left something out or a table could
 # not be written; what was done is still written and packed).
 #
@@ -32,10 +37,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-}
 tables=${TABLES:-moebench/tuning/tables}
-log=${out:+$out/tune-all.log}
-log=${log:-tune-all.log}
-summary=${out:+$out/tune-gains.md}
-summary=${summary:-tune-gains.md}
+fp8=${FP8:-0}
+case "$fp8" in 0|1) ;; *) echo "tune_all.sh: FP8 must be 0 or 1, got '$fp8'" >&2; exit 2;; esac
+sfx=$([ "$fp8" = 1 ] && echo -fp8)
+log=${out:+$out/tune-all$sfx.log}
+log=${log:-tune-all$sfx.log}
+summary=${out:+$out/tune-gains$sfx.md}
+summary=${summary:-tune-gains$sfx.md}
 
 # The H200 host has no registry: our packages come as bundles (../shared/device/README.md).
 if ! python3 -c 'import cutlass' 2>/dev/null && [ -f .bundles/unpack.sh ]; then
@@ -68,6 +76,7 @@ cmd=(python3 -m moebench tune --preset "${PRESETS:-all}" --tp "${TPS:-1,2,4,8}" 
      --stages 1,2 --space "${SPACE:-ship}" --replays "${REPLAYS:-50}" --warmup 3 --repeats 3 --top 3
      --budget "${BUDGET:-400}" --out "$tables" --summary "$summary")
 [ -n "$jobs" ] && cmd+=(--jobs "$jobs")
+[ "$fp8" = 1 ] && cmd+=(--fp8)
 cmd+=("$@")
 {
   echo "# commit: ${MOEBENCH_COMMIT:-unknown}"
