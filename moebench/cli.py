@@ -410,6 +410,8 @@ def _print_summary(table_df) -> None:
     columns = {"preset": "preset", "tp": "tp", "rows": "rows", "scenario": "scenario",
                "backend": "backend", "tactic": "tactic", "status": "status", "median_us": "µs",
                "gbps": "GB/s", "pct_copy_bw": "%copy", "pct_size_ceiling": "%ceil",
+               "routed_us": "routed µs", "routed_pct_copy_bw": "routed %copy",
+               **{c: c[len("kernel_"):-len("_us")] + " µs" for c in table_df.columns if c.startswith("kernel_")},
                "vs_torch_bf16": "×torch", "max_rel_err": "err", "note": "note"}  # fmt: skip
     constant = [c for c in ("preset", "tp", "scenario", "tactic")
                 if len(table_df) and table_df[c].nunique(dropna=False) == 1]  # fmt: skip
@@ -417,7 +419,7 @@ def _print_summary(table_df) -> None:
     table = Table(title=title)
     empty = [c for c in ("pct_size_ceiling", "vs_torch_bf16", "note")
              if not table_df[c].replace("", None).notna().any()]  # fmt: skip
-    shown = [c for c in columns if c not in constant and c not in empty]
+    shown = [c for c in columns if c in table_df.columns and c not in constant and c not in empty]
     for col in shown:
         table.add_column(columns[col], overflow="fold", no_wrap=col != "note")
     for rec in table_df.to_dict("records"):

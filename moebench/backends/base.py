@@ -19,6 +19,7 @@ Contract of `forward` (what makes it timeable):
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import ClassVar
 
 import torch
@@ -103,6 +104,25 @@ class Backend(abc.ABC):
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
         """Finalized routed-expert output bf16 [rows, H] (module docstring)."""
+
+    def stage_calls(
+        self, prepared: object, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> list[tuple[str, Callable[[], object]]]:
+        """`forward` cut into its stages, in order, for per-kernel timing: one
+        (name, call) per stage, each call bound to inputs an eager run of the
+        stages before it produced (so a stage can be timed alone; names from
+        the sweep's `SWEEP_STAGES`). Runs those earlier stages once, eagerly.
+        Default: [] (the backend is timed as a whole only)."""
+        return []
+
+    def routed_call(
+        self, prepared: object, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> Callable[[], object] | None:
+        """The routed-expert path of `forward` without the finalize (route +
+        GEMM1 + GEMM2 for our kernels), as one call that launches each of its
+        kernels as `forward` does; None (the default) when the backend has no
+        such split."""
+        return None
 
     def check_tactic(self, shape: RankShape, tactic: str) -> None:
         """Raise ValueError unless `tactic` is one of `valid_tactics(shape)`."""

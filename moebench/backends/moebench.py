@@ -98,3 +98,25 @@ class MoebenchBackend(Backend):
         check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.kw.device)
         routed = prepared.gemms(prepared.route(x, topk_ids, topk_weights))
         return finalize(routed)
+
+    def stage_calls(self, prepared, x, topk_ids, topk_weights):
+        """route (MXFP8 x + route record: two launches), gemm1, gemm2,
+        finalize; each bound to an eager run of the stages before it."""
+        from moebench.kernels.finalize import finalize
+
+        check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.kw.device)
+        routing = prepared.route(x, topk_ids, topk_weights)
+        h = prepared.gemm1(routing)
+        h = tuple(t.clone() for t in h)  # an act_bf16 tactic's H lives in buffers the next gemm1 reuses
+        routed = prepared.gemm2(routing, *h)
+        return [
+            ("route", lambda: prepared.route(x, topk_ids, topk_weights)),
+            ("gemm1", lambda: prepared.gemm1(routing)),
+            ("gemm2", lambda: prepared.gemm2(routing, *h)),
+            ("finalize", lambda: finalize(routed)),
+        ]
+
+    def routed_call(self, prepared, x, topk_ids, topk_weights):
+        """route -> GEMM1 -> GEMM2 (the unfinalized output), as `forward` launches them."""
+        check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.kw.device)
+        return lambda: prepared.gemms(prepared.route(x, topk_ids, topk_weights))

@@ -113,7 +113,8 @@ KERNEL_COLUMNS = tuple(f"kernel_{s}_us" for s in STEP_STAGES)
 #: Result columns of a step run: the sweep's, then the step's own.
 STEP_COLUMNS = (
     *COLUMNS, "kind", "routing_path", "shared_path", "ranks", "rank", "gpu_index", "step_with_gate_us", "gate_us",
-    "stage_sum_us", "allreduce_us", "allreduce_share_pct", "shared_bytes", *KERNEL_COLUMNS,
+    "stage_sum_us", "allreduce_us", "allreduce_share_pct", "shared_bytes",
+    *(c for c in KERNEL_COLUMNS if c not in COLUMNS),
 )  # fmt: skip
 #: Backends a step runs on a GPU when none are named (unavailable ones are skipped with the reason).
 GPU_STEP_BACKENDS = ("moebench", "torch-bf16", "flashinfer-w4a16", "flashinfer-w4a8")

@@ -13,7 +13,14 @@ each (backend, tactic):
    timed; on CUDA, when it is to be timed as a graph, the output of one graph
    replay (poisoned first) is gated the same way, since that is what is timed;
 3. is timed as one closure calling forward for every layer in turn on static
-   input buffers (per-call time = replay / layers).
+   input buffers (per-call time = replay / layers);
+4. where the backend splits its forward (`Backend.stage_calls`,
+   `routed_call`; our kernels do), each stage is timed alone the same way
+   (kernel_<stage>_us: a graph of that stage for every layer, fed by an eager
+   run of the stages before it; it includes the stage's launch but not the
+   overlap programmatic dependent launch gives its neighbours), and so is the
+   routed-expert path without the finalize (routed_us: route + GEMM1 + GEMM2
+   in one graph, with its % of copy bandwidth over the same bytes).
 
 Any exception inside a backend marks that case failed with the message; the
 sweep goes on. Without a GPU the sweep runs on the CPU at a reduced geometry
@@ -46,13 +53,20 @@ from moebench.models import MX_BLOCK, RankShape
 from moebench.reference import ORACLE_TOLERANCE, reference_moe, relative_error
 from moebench.routing import scenario_topk_ids, scenario_weights
 
+#: Stages a backend's `stage_calls` may name (kernel_<stage>_us columns), in launch order.
+SWEEP_STAGES = ("route", "gemm1", "gemm2", "finalize")
+#: How kernel_<stage>_us and routed_us are measured (stored in the manifest).
+STAGE_TIMING = ("kernel_<stage>_us: each stage alone, fed by an eager run of the stages before it;"
+                " routed_us: route + GEMM1 + GEMM2 as forward launches them, no finalize;"
+                " both with the case's timing method and layer rotation")
 #: Result columns, in order (DESIGN.md "Store" plus timing/provenance extras).
 COLUMNS = (
     "preset", "hidden", "intermediate", "padded_intermediate", "experts", "top_k", "tp", "rows",
     "scenario", "backend", "tactic", "status", "error", "median_us", "p10_us", "p90_us",
     "unique_experts", "bytes", "gbps", "pct_copy_bw", "ceiling_gbps", "pct_size_ceiling",
     "max_rel_err", "oracle", "device", "sm_count", "commit", "timing_method", "layers",
-    "l2_multiple", "seed",
+    "l2_multiple", "seed", "routed_us", "routed_pct_copy_bw",
+    *(f"kernel_{stage}_us" for stage in SWEEP_STAGES),
 )  # fmt: skip
 STATUSES = ("ok", "failed", "skipped")
 #: The tactic name that stands for every tactic a backend offers for a shape.
@@ -206,6 +220,7 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
         "copy_bw_bytes": copy_bytes,
         "size_ceiling": "triton" if (dev.type == "cuda" and triton_available()) else None,
         "oracle_tolerance": ORACLE_TOLERANCE,  # the mxfp8 / bf16 gate; per backend: Backend.tolerance
+        "stage_timing": STAGE_TIMING,
         "backends": reasons,
         "groups": groups_info,
         "config": _jsonable(asdict(config)),
@@ -216,7 +231,8 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
 
 FLOAT_COLUMNS = (
     "median_us", "p10_us", "p90_us", "gbps", "pct_copy_bw", "ceiling_gbps", "pct_size_ceiling",
-    "max_rel_err", "l2_multiple",
+    "max_rel_err", "l2_multiple", "routed_us", "routed_pct_copy_bw",
+    *(f"kernel_{stage}_us" for stage in SWEEP_STAGES),
 )  # fmt: skip
 STRING_COLUMNS = ("error", "oracle", "timing_method", "commit", "device")
 INT_COLUMNS = ("unique_experts", "bytes", "layers", "sm_count")
@@ -471,6 +487,8 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
                 row["gbps"] = gbps
                 row["pct_copy_bw"] = 100.0 * gbps / copy_bw if copy_bw else None
                 row["pct_size_ceiling"] = 100.0 * gbps / ceiling if ceiling else None
+            if row.get("routed_us") and copy_bw:
+                row["routed_pct_copy_bw"] = 100.0 * nbytes / (row["routed_us"] * 1e-6) / 1e9 / copy_bw
             emit(case, _row(case, shape, base, **common, **row))
     del prepared, weights
     return info
@@ -551,4 +569,36 @@ def _run_case(config, case, backend, prepared, weights0, x, ids, topk_w, oracles
         status="ok", median_us=timing.median_us, p10_us=timing.p10_us, p90_us=timing.p90_us,
         timing_method=timing.method,
     )  # fmt: skip
+    try:
+        row.update(_time_parts(config, backend, prepared, x, ids, topk_w, graph, dev))
+    except Exception as error:  # noqa: BLE001 - the split is extra: the case stays ok, the note says why
+        if dev.type == "cuda":
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize(dev)
+        row["error"] = f"per-stage timing failed: {_error_text(error)}"
     return row
+
+
+def _time_parts(config, backend, prepared, x, ids, topk_w, graph: bool, dev) -> dict:
+    """kernel_<stage>_us and routed_us of a backend that splits its forward
+    (module docstring, step 4), with the case's timing counts; {} otherwise."""
+    per_layer = [backend.stage_calls(p, x, ids, topk_w) for p in prepared]
+    routed = [backend.routed_call(p, x, ids, topk_w) for p in prepared]
+    full = graph and dev.type == "cuda"
+    counts = dict(
+        warmup=config.warmup if full else min(config.warmup, EAGER_WARMUP_CAP),
+        replays=config.replays if full else min(config.replays, EAGER_REPLAYS_CAP),
+        calls_per_replay=len(prepared), use_graph=graph, device=dev,
+    )  # fmt: skip
+    out = {}
+    if per_layer[0]:
+        names = [name for name, _ in per_layer[0]]
+        unknown = [n for n in names if n not in SWEEP_STAGES]
+        if unknown:
+            raise ValueError(f"{backend.name}.stage_calls named {unknown}; the stages are {SWEEP_STAGES}")
+        for i, name in enumerate(names):
+            out[f"kernel_{name}_us"] = time_graph(lambda i=i: [calls[i][1]() for calls in per_layer],
+                                                  **counts).median_us
+    if routed[0] is not None:
+        out["routed_us"] = time_graph(lambda: [call() for call in routed], **counts).median_us
+    return out

@@ -31,8 +31,15 @@ def _with_ratio_and_note(df: pd.DataFrame) -> pd.DataFrame:
     return out.sort_values([*CASE_KEYS, "median_us"], na_position="last", kind="stable")
 
 
+#: A sweep's routed-expert path without the finalize (backends that split their forward).
+ROUTED_COLUMNS = ("routed_us", "routed_pct_copy_bw")
+
+
 def summary_table(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per (case, backend, tactic), sorted by case then median µs.
+    """One row per (case, backend, tactic), sorted by case then median µs:
+    SUMMARY_COLUMNS, with routed_us / routed_pct_copy_bw and the
+    kernel_<stage>_us columns inserted before vs_torch_bf16 where some row
+    has them (runs stored before them, or without a split backend, lack them).
 
     vs_torch_bf16 = the best ok torch-bf16 median of the same (preset, tp,
     rows, scenario) / this median (> 1: faster than torch-bf16; NaN without
@@ -45,7 +52,11 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise ValueError(f"results lack columns {missing}")
     out = _with_ratio_and_note(df)
-    return out[list(SUMMARY_COLUMNS)].reset_index(drop=True)
+    columns = list(SUMMARY_COLUMNS)
+    at = columns.index("vs_torch_bf16")
+    columns[at:at] = [c for c in ROUTED_COLUMNS if c in df.columns
+                      and pd.to_numeric(df[c], errors="coerce").notna().any()] + _kernel_columns(df)  # fmt: skip
+    return out[columns].reset_index(drop=True)
 
 
 #: Step runs (`moebench step`): per-case columns shown, then the present kernel_<stage>_us ones.

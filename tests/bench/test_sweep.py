@@ -204,3 +204,83 @@ def test_gpu_sweep_gates_the_graph_replay():
     wrong = by["test-graph-wrong"]
     assert wrong.status == "failed" and "CUDA-graph replay" in wrong.error and wrong.max_rel_err > 0.5
     assert math.isnan(wrong.median_us)
+
+
+class StagedBackend(TorchBF16Backend):
+    """torch-bf16 cut into three named stages plus a routed path (no finalize),
+    counting how often each is called."""
+
+    name = "test-staged"
+    calls: dict = {}
+
+    def _count(self, name):
+        type(self).calls[name] = type(self).calls.get(name, 0) + 1
+
+    def stage_calls(self, prepared, x, topk_ids, topk_weights):
+        return [(n, lambda n=n: self._count(n)) for n in ("route", "gemm1", "finalize")]
+
+    def routed_call(self, prepared, x, topk_ids, topk_weights):
+        return lambda: self._count("routed")
+
+
+class BadStageBackend(TorchBF16Backend):
+    name = "test-bad-stage"
+
+    def stage_calls(self, prepared, x, topk_ids, topk_weights):
+        return [("warp-drive", lambda: None)]
+
+
+def test_a_split_backend_gets_per_stage_and_routed_times():
+    """kernel_<stage>_us for the stages a backend names (the others NaN),
+    routed_us with its % of copy over the case's bytes; a backend without a
+    split gets none; a stage name outside SWEEP_STAGES leaves the case ok
+    with the reason in its note."""
+    from moebench.bench.sweep import STAGE_TIMING, SWEEP_STAGES
+
+    names = {"test-staged": StagedBackend, "test-bad-stage": BadStageBackend}
+    for name, cls in names.items():
+        register_backend(name, cls)
+    StagedBackend.calls = {}
+    try:
+        result = run_sweep(SweepConfig(backends=("torch-bf16", *names), **{**TINY, "rows": (3,)}))
+    finally:
+        for name in names:
+            unregister_backend(name)
+    by = {r["backend"]: r for r in result.frame.to_dict("records")}
+    staged = by["test-staged"]
+    assert staged["status"] == "ok" and staged["error"] == ""
+    for stage in ("route", "gemm1", "finalize"):
+        assert staged[f"kernel_{stage}_us"] > 0
+    assert math.isnan(staged["kernel_gemm2_us"])
+    assert staged["routed_us"] > 0
+    pct = 100.0 * staged["bytes"] / (staged["routed_us"] * 1e-6) / 1e9 / result.manifest["copy_bw_gbps"]
+    assert math.isclose(staged["routed_pct_copy_bw"], pct)
+    # every timed call ran (warmup + replays, eager on the CPU); routed as often as a stage
+    assert set(StagedBackend.calls) == {"route", "gemm1", "finalize", "routed"}
+    assert len(set(StagedBackend.calls.values())) == 1 and StagedBackend.calls["route"] >= TINY["replays"]
+    plain = by["torch-bf16"]
+    assert all(math.isnan(plain[f"kernel_{s}_us"]) for s in SWEEP_STAGES) and math.isnan(plain["routed_us"])
+    bad = by["test-bad-stage"]
+    assert bad["status"] == "ok" and bad["median_us"] > 0
+    assert "per-stage timing failed" in bad["error"] and "warp-drive" in bad["error"]
+    assert result.manifest["stage_timing"] == STAGE_TIMING
+
+
+@pytest.mark.gpu
+def test_gpu_sweep_times_our_stages_and_routed_path():
+    """dsv41-flash TP8 rows 6: the moebench row carries every stage and the
+    routed path, each positive; the routed path (no finalize) is faster than
+    the layer call and each GEMM than the routed path."""
+    from moebench.bench.sweep import SWEEP_STAGES
+
+    cfg = SweepConfig(presets=("dsv41-flash",), tp=(8,), rows=(6,), scenarios=("correlated",),
+                      backends=("moebench",), tactics=("default", "fp8"), replays=20, warmup=3, device="cuda")
+    df = run_sweep(cfg).frame
+    assert (df["status"] == "ok").all(), df["error"].tolist()
+    for r in df.to_dict("records"):
+        assert r["error"] == "", r["error"]
+        for s in SWEEP_STAGES:
+            assert r[f"kernel_{s}_us"] > 0, (r["tactic"], s)
+        assert r["routed_us"] < r["median_us"], r
+        assert max(r["kernel_gemm1_us"], r["kernel_gemm2_us"]) < r["routed_us"], r
+        assert 0 < r["routed_pct_copy_bw"] < 100

@@ -36,3 +36,18 @@ def test_markdown():
     assert "rel. error 0.5 \\| bad" in text
     table = markdown_table(pd.DataFrame({"a": [1.0, float("nan")], "b": ["x", "y"]}))
     assert table.splitlines() == ["| a | b |", "|---|---|", "| 1.00 | x |", "|  | y |"]
+
+
+def test_summary_shows_the_routed_path_and_stages_only_where_a_row_has_them():
+    from moebench.reports.summary import SUMMARY_COLUMNS
+
+    df = results()
+    assert list(summary_table(df).columns) == list(SUMMARY_COLUMNS)  # older runs: no such columns
+    df["routed_us"] = [float("nan"), float("nan"), 8.0, float("nan"), 9.5]
+    df["routed_pct_copy_bw"] = float("nan")  # present but empty: not shown
+    df["kernel_gemm1_us"] = [float("nan")] * 4 + [5.0]
+    df["kernel_gemm2_us"] = float("nan")
+    s = summary_table(df)
+    cols = list(s.columns)
+    assert cols[cols.index("pct_size_ceiling") + 1:cols.index("vs_torch_bf16")] == ["routed_us", "kernel_gemm1_us"]
+    assert s[s["rows"] == 2]["routed_us"].iloc[0] == 9.5
