@@ -10,8 +10,8 @@ the built-in defaults, tables ignored; "tuned" = the tuning table's tactics,
 skipped (with the reason) when no usable table covers this device and shape
 class, so `sweep --tactics tuned,builtin` measures what tuning buys and
 never times the defaults twice under two names; "fp8" = the opt-in FP8 kernel
-family (`RoutedExpertGemm(fp8=True)`: e4m3 weights for wgmma, built-in fp8
-tactics), skipped with the reason where no fp8 tactic fits the shape, so
+family (`RoutedExpertGemm(fp8=True)`: e4m3 weights for wgmma, the tuning
+table's fp8 part else the built-in fp8 tactics), skipped with the reason where no fp8 tactic fits the shape, so
 `sweep --tactics default,fp8` compares the two families per layer call.
 """
 

@@ -325,10 +325,17 @@ def test_a_table_without_fp8_entries_stays_schema_1_and_old_tables_read(tmp_path
         read_table(path)
 
 
-def test_every_shipped_table_reads_with_no_fp8_entries():
-    for path in sorted(tb.PACKAGE_TABLES.glob("*.json")):
+def test_every_shipped_table_holds_both_families_each_in_its_part():
+    """The shipped tables (tune_all.sh, then FP8=1): BF16 entries for rows
+    1-8 of both stages, FP8 entries likewise, each part only its family's
+    tactics (schema 2)."""
+    paths = sorted(tb.PACKAGE_TABLES.glob("*.json"))
+    assert paths
+    for path in paths:
         t = read_table(path)
-        assert t.entries and all(not e.tactic.fp8 for e in t.entries.values()), path
+        assert t.schema == 2, path
+        assert len(t.entries) == 16 and all(not e.tactic.fp8 for e in t.entries.values()), path
+        assert len(t.fp8_entries) == 16 and all(e.tactic.fp8 for e in t.fp8_entries.values()), path
 
 
 def test_merge_keeps_the_other_family():
