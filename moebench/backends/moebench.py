@@ -1,4 +1,4 @@
-"""The moebench backend: our CuTe DSL kernels (quantize + route, GEMM1, GEMM2)
+"""The moebench backend: our CuTe DSL kernels (route with MXFP8 x, GEMM1, GEMM2)
 through `kernels.binding.RoutedExpertGemm`, then the finalize kernel
 (`kernels.finalize`: top-k weighted sum in fp32, top-k order, bf16 out).
 
@@ -100,7 +100,7 @@ class MoebenchBackend(Backend):
         return finalize(routed)
 
     def stage_calls(self, prepared, x, topk_ids, topk_weights):
-        """route (MXFP8 x + route record: two launches), gemm1, gemm2,
+        """route (MXFP8 x + route record, one launch), gemm1, gemm2,
         finalize; each bound to an eager run of the stages before it."""
         from moebench.kernels.finalize import finalize
 

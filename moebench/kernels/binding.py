@@ -1,9 +1,9 @@
-"""RoutedExpertGemm: the quantize + route kernels (or the fused front) and
-the GEMM pair bound to one MoE layer's routed-expert weights.
+"""RoutedExpertGemm: the route kernel (with the MXFP8 quantization of x fused
+in, or the fused front) and the GEMM pair bound to one MoE layer's
+routed-expert weights.
 
-    x (BF16) ──► quantize (MXFP8 x) ─┐
-    top-k ids ──► route (record, permute map) ─► GEMM1 (SwiGLU, MXFP8 H) ─► GEMM2
-                                                          ─► UnfinalizedMoEOutput
+    x (BF16) + top-k ids ──► route (MXFP8 x, record, permute map) ─► GEMM1 (SwiGLU, MXFP8 H) ─► GEMM2
+                                                                          ─► UnfinalizedMoEOutput
     router logits + x ──► front (top-k, MXFP8 x, record) ─┘   (after set_front)
 
 The weights are converted once from the canonical layout (`formats.ExpertWeights`)
@@ -24,7 +24,6 @@ import torch
 from moebench.formats import ExpertWeights
 from moebench.kernels import front as _front
 from moebench.kernels import gemm as _gemm
-from moebench.kernels import quantize as _quantize
 from moebench.kernels import route as _route
 from moebench.kernels.layout import KernelWeights, to_kernel_layout
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
@@ -111,7 +110,7 @@ def _check_routing(routing) -> None:
 
 
 class RoutedExpertGemm:
-    """The quantize + route kernels and GEMM pair bound to one layer's weights.
+    """The route kernel (quantize fused in) and GEMM pair bound to one layer's weights.
 
     weights: canonical ExpertWeights on a CUDA device (validated by
     `check_weights`); top_k: experts per row; tactics: None = per (stage,
@@ -129,7 +128,7 @@ class RoutedExpertGemm:
     `check_weights`, an invalid tactic or a too small workspace.
     `front_config` is the FrontConfig bound by `set_front` (None: no fused front).
     act_bf16 (default True): table and built-in tactics run with the BF16
-    activation operand (their `_a16` twin: the quantize kernel / fused front
+    activation operand (their `_a16` twin: the route kernel / fused front
     also write x as BF16, GEMM1 also writes H as BF16, and the GEMMs skip the
     e4m3 decode; the same bits, 5-12 % less time on the H200, perf-notes v5);
     explicit `tactics` are used as given.
@@ -243,10 +242,9 @@ class RoutedExpertGemm:
                            torch.empty(n, self.kw.intermediate // 32, dtype=torch.uint8, device=self.kw.device))
         self.front_config: FrontConfig | None = None
         # Compile now, not inside a CUDA-graph capture.
-        _quantize.compile_quantize_kernel()
+        _route.compile_route_kernel(quantize=True)
         if 1 in a16:
-            _quantize.compile_quantize_kernel(deq=True)
-        _route.compile_route_kernel()
+            _route.compile_route_kernel(quantize=True, deq=True)
         for (stage, _), tactic in self.tactics.items():
             _gemm.compile_gemm(shape, tactic, stage, scale_flag)
 
@@ -282,7 +280,8 @@ class RoutedExpertGemm:
     def route(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Routing:
         """Quantize `x` (BF16 [rows, H]) to MXFP8 and build the route record of
         `topk_ids` (int32 [rows, top_k]; ids outside [0, E) are non-local);
-        `topk_weights` fp32 [rows, top_k] is carried to the output. Two launches,
+        `topk_weights` fp32 [rows, top_k] is carried to the output. One launch
+        (`route.launch_route_quantize`),
         no host sync. Raises ValueError unless `accepts(x)` and the top-k
         tensors match (shape, dtype, and x's device: the kernel would read a
         CPU pointer), TypeError for a non-tensor top-k argument."""
@@ -306,12 +305,11 @@ class RoutedExpertGemm:
         x_quant = torch.empty(rows, self.hidden, dtype=torch.uint8, device=device)
         x_scale = torch.empty(rows, self.hidden // 32, dtype=torch.uint8, device=device)
         x_deq = self._x_deq_for(rows, device)
-        _quantize.launch_quantize_mxfp8(x, x_quant, x_scale, x_deq_out=x_deq)
         ids = topk_ids.contiguous()
         ctas = max_ctas(rows, self.top_k, self.experts)
         record = torch.empty(route_words(ctas), dtype=torch.int32, device=device)
         permuted = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
-        _route.launch_route(ids, record, permuted, self.experts)
+        _route.launch_route_quantize(x, x_quant, x_scale, ids, record, permuted, self.experts, x_deq_out=x_deq)
         return Routing(x_quant, x_scale, ids, topk_weights, permuted, record, ctas, x_deq)
 
     def _x_deq_for(self, rows: int, device: torch.device) -> torch.Tensor | None:

@@ -264,6 +264,24 @@ def _check_x(x) -> tuple[int, int]:
     return rows, h
 
 
+def check_quantize_args(
+    x: torch.Tensor, x_q_out: torch.Tensor, x_scale_out: torch.Tensor, x_deq_out: torch.Tensor | None
+) -> tuple[int, int]:
+    """Check a quantization's tensors as `launch_quantize_mxfp8` documents
+    them (also for the route kernel's fused quantization), all but x being
+    on a CUDA device (the caller checks that last); returns (rows, H).
+    Raises TypeError / ValueError naming the argument."""
+    rows, h = _check_x(x)
+    device = x.device
+    check_tensor("x_q_out", x_q_out, (torch.uint8, torch.float8_e4m3fn), (rows, h), device,
+                 device_of="x", align=16)
+    check_tensor("x_scale_out", x_scale_out, torch.uint8, (rows, h // MX_BLOCK), device,
+                 device_of="x", align=16)
+    if x_deq_out is not None:
+        check_tensor("x_deq_out", x_deq_out, torch.bfloat16, (rows, h), device, device_of="x", align=16)
+    return rows, h
+
+
 def launch_quantize_mxfp8(
     x: torch.Tensor,
     x_q_out: torch.Tensor,
@@ -298,14 +316,8 @@ def launch_quantize_mxfp8(
     range, layout, alignment or device (each naming the argument),
     RuntimeError without nvidia-cutlass-dsl.
     """
-    rows, h = _check_x(x)
+    rows, h = check_quantize_args(x, x_q_out, x_scale_out, x_deq_out)
     device = x.device
-    check_tensor("x_q_out", x_q_out, (torch.uint8, torch.float8_e4m3fn), (rows, h), device,
-                 device_of="x", align=16)
-    check_tensor("x_scale_out", x_scale_out, torch.uint8, (rows, h // MX_BLOCK), device,
-                 device_of="x", align=16)
-    if x_deq_out is not None:
-        check_tensor("x_deq_out", x_deq_out, torch.bfloat16, (rows, h), device, device_of="x", align=16)
     check_bool("pdl", pdl)
     check_threads(threads)
     if device.type != "cuda":

@@ -23,6 +23,12 @@ All threads first fill the unused-word defaults; two barriers later the used
 words are scattered over them. That method is the device function
 `build_record`, which the fused front (`front.py`) shares.
 
+Fused with the MXFP8 quantization of x (`quantize=True`, `launch_route_quantize`):
+CTA 0 builds the record as above while CTAs 1.. quantize x, one thread per
+32-element block (`quantize.quantize_block`, the quantize kernel's device
+function), so the route binding's two launches become one (as the fused
+front does with the top-k too). Same bytes as the two kernels.
+
 Programmatic dependent launch (`pdl=True`): the kernel lets its dependents
 launch on entry (the GEMM that follows may prefetch weights; it waits on
 griddepcontrol before reading the record, i.e. for this grid to complete and
@@ -72,7 +78,9 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     import cuda.bindings.driver as _cuda
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Int32
+    from cutlass import BFloat16, Int32, Uint8, Uint32
+
+    from moebench.kernels.quantize import quantize_block
 
     def record_smem(smem):
         """The shared memory `build_record` works in, from a SmemAllocator:
@@ -184,22 +192,33 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             g_rec[3] = top_k
 
     class RouteKernel:
-        """One-CTA route kernel (CuTe DSL, sm_90a).
+        """The route kernel (CuTe DSL, sm_90a): one CTA, or with `quantize`
+        that CTA plus ceil(blocks / threads) CTAs quantizing x.
 
         Static configuration: `pdl` (bool, launch with programmatic dependent
         launch: trigger dependents on entry, griddepcontrol.wait before the
         first global access), `threads` (CTA size, a multiple of 32 with at
         least MAX_SLOTS = 64 threads: one per slot; all of them fill the
-        record's unused words) and `keys_per_step` (keys each thread compares
+        record's unused words), `keys_per_step` (keys each thread compares
         per step of its two scans over the shared keys, one of KEYS_PER_STEP:
         a step's loads go out together; the scans stop at the step holding
-        the last slot). Runtime: the ids / record / permuted int32 pointers
-        and rows, top_k, experts (Int32).
+        the last slot), `quantize` (bool: also MXFP8-quantize x) and `deq`
+        (bool, with `quantize`: also write x_deq, the BF16 operand of act_bf16
+        GEMM tactics). Runtime: the ids / record / permuted int32 pointers,
+        rows, top_k, experts (Int32), and x (bf16) / x_q / x_scale (uint8) /
+        x_deq (bf16) pointers with blocks = rows*H/32 (read only with
+        `quantize`).
         """
 
         def __init__(self, pdl: bool = True, threads: int = 128,
-                     keys_per_step: int = DEFAULT_KEYS_PER_STEP):
+                     keys_per_step: int = DEFAULT_KEYS_PER_STEP, quantize: bool = False, deq: bool = False):
             check_bool("pdl", pdl)
+            check_bool("quantize", quantize)
+            check_bool("deq", deq)
+            if deq and not quantize:
+                raise ValueError("deq=True needs quantize=True (x_deq is written by the quantizing CTAs)")
+            self.quantize = quantize
+            self.deq = deq
             if (not isinstance(threads, int) or isinstance(threads, bool)
                     or threads < MAX_SLOTS or threads % 32 or threads > 1024):
                 raise ValueError(
@@ -230,11 +249,20 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             rows: Int32,
             top_k: Int32,
             experts: Int32,
+            x: cute.Pointer,
+            x_q: cute.Pointer,
+            x_scale: cute.Pointer,
+            x_deq: cute.Pointer,
+            blocks: Int32,
             stream: _cuda.CUstream,
         ):
-            """Launch one CTA of `threads` threads on `stream`."""
-            self.kernel(ids, record, permuted, rows, top_k, experts).launch(
-                grid=[1, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
+            """Launch one CTA of `threads` threads (with `quantize`: 1 +
+            ceil(blocks / threads)) on `stream`."""
+            ctas = 1
+            if cutlass.const_expr(self.quantize):
+                ctas = 1 + (blocks + (self.threads - 1)) // self.threads
+            self.kernel(ids, record, permuted, rows, top_k, experts, x, x_q, x_scale, x_deq, blocks).launch(
+                grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
 
         @cute.kernel
         def kernel(
@@ -245,8 +273,14 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             rows: Int32,
             top_k: Int32,
             experts: Int32,
+            x: cute.Pointer,
+            x_q: cute.Pointer,
+            x_scale: cute.Pointer,
+            x_deq: cute.Pointer,
+            blocks: Int32,
         ):
             tid = cute.arch.thread_idx()[0]
+            cta = cute.arch.block_idx()[0]
             s_key, s_start, s_count = record_smem(cutlass.memory.SmemAllocator())
             g_ids = cute.make_tensor(ids, cute.make_layout(MAX_SLOTS))
 
@@ -254,35 +288,59 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                 cute.arch.griddepcontrol_launch_dependents()
                 cute.arch.griddepcontrol_wait()
 
-            e = Int32(-1)
-            if tid < rows * top_k:
-                e = g_ids[tid]                          # issued before the fill's stores
-            build_record(tid, e, s_key, s_start, s_count, record, permuted, rows, top_k, experts,
-                         self.threads, self.keys_per_step)
+            if cta == 0:
+                e = Int32(-1)
+                if tid < rows * top_k:
+                    e = g_ids[tid]                      # issued before the fill's stores
+                build_record(tid, e, s_key, s_start, s_count, record, permuted, rows, top_k, experts,
+                             self.threads, self.keys_per_step)
+            else:  # only launched with quantize
+                if cutlass.const_expr(self.quantize):
+                    b = (cta - 1) * self.threads + tid
+                    if b < blocks:
+                        quantize_block(cute.recast_ptr(x, dtype=Uint32), cute.recast_ptr(x_q, dtype=Uint32),
+                                       x_scale, b, cute.recast_ptr(x_deq, dtype=Uint32), self.deq)
 
 
 _KERNEL = "the route kernel"
 
 
-@functools.lru_cache(maxsize=None)
-def compile_route_kernel(pdl: bool = True, keys_per_step: int = DEFAULT_KEYS_PER_STEP):
-    """Compile the route kernel once per process, PDL setting and
-    keys_per_step (cached; see RouteKernel).
+def compile_route_kernel(pdl: bool = True, keys_per_step: int = DEFAULT_KEYS_PER_STEP,
+                         quantize: bool = False, deq: bool = False):
+    """Compile the route kernel once per process and (pdl, keys_per_step,
+    quantize, deq) (cached; see RouteKernel).
 
     Without a GPU set CUTE_DSL_ARCH=sm_90a to cross-compile for the H200.
     Returns the compiled function, called as
-    `f(ids_ptr, record_ptr, permuted_ptr, rows, top_k, experts, stream)` with
-    int32 global-memory pointers (cutlass.cute.runtime.make_ptr), Int32
-    counts and a cuda.bindings CUstream; `launch_route` does this for torch
+    `f(ids_ptr, record_ptr, permuted_ptr, rows, top_k, experts, x_ptr,
+    x_q_ptr, x_scale_ptr, x_deq_ptr, blocks, stream)` with int32 (ids,
+    record, permuted), bf16 (x, x_deq; 16-byte aligned) and uint8 (x_q,
+    x_scale; 16-byte aligned) global-memory pointers
+    (cutlass.cute.runtime.make_ptr; the x pointers are read only with
+    `quantize`, x_deq only with `deq`), Int32 counts and a cuda.bindings
+    CUstream; `launch_route` / `launch_route_quantize` do this for torch
     tensors. Raises RuntimeError without nvidia-cutlass-dsl, TypeError for a
-    non-bool `pdl`, ValueError for a `keys_per_step` not in KEYS_PER_STEP."""
+    non-bool pdl / quantize / deq, ValueError for a `keys_per_step` not in
+    KEYS_PER_STEP or deq without quantize."""
+    for name, flag in (("pdl", pdl), ("quantize", quantize), ("deq", deq)):
+        check_bool(name, flag)
+    _check_keys_per_step(keys_per_step)
+    if deq and not quantize:
+        raise ValueError("deq=True needs quantize=True (x_deq is written by the quantizing CTAs)")
+    return _compile(pdl, keys_per_step, quantize, deq)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(pdl: bool, keys_per_step: int, quantize: bool, deq: bool):
     require_dsl(_KERNEL)
 
-    def fake():
-        return gmem_ptr(Int32, 16, 4)
+    def fake(dtype=Int32, align=4):
+        return gmem_ptr(dtype, 16, align)
 
-    return cute.compile(RouteKernel(pdl=pdl, keys_per_step=keys_per_step), fake(), fake(), fake(),
-                        Int32(1), Int32(1), Int32(1), _cuda.CUstream(0))
+    return cute.compile(RouteKernel(pdl=pdl, keys_per_step=keys_per_step, quantize=quantize, deq=deq),
+                        fake(), fake(), fake(), Int32(1), Int32(1), Int32(1),
+                        fake(BFloat16, 16), fake(Uint8, 16), fake(Uint8, 16), fake(BFloat16, 16), Int32(4),
+                        _cuda.CUstream(0))  # fmt: skip
 
 
 def _check_out(name: str, t, shape: tuple[int, ...], device: torch.device) -> None:
@@ -335,8 +393,70 @@ def launch_route(
         raise ValueError(f"topk_ids, record_out and permuted_out must be CUDA tensors, got {device}")
     require_dsl(_KERNEL)
     compiled = compile_route_kernel(pdl, keys_per_step)
+    unused = record_out.data_ptr() // 16 * 16  # x stand-ins, never read without quantize
     compiled(gmem_ptr(Int32, topk_ids, 4), gmem_ptr(Int32, record_out, 4), gmem_ptr(Int32, permuted_out, 4),
-             Int32(rows), Int32(top_k), Int32(experts), cu_stream(stream, device))
+             Int32(rows), Int32(top_k), Int32(experts), gmem_ptr(BFloat16, unused, 16),
+             gmem_ptr(Uint8, unused, 16), gmem_ptr(Uint8, unused, 16), gmem_ptr(BFloat16, unused, 16), Int32(0),
+             cu_stream(stream, device))
+
+
+def launch_route_quantize(
+    x: torch.Tensor,
+    x_q_out: torch.Tensor,
+    x_scale_out: torch.Tensor,
+    topk_ids: torch.Tensor,
+    record_out: torch.Tensor,
+    permuted_out: torch.Tensor,
+    experts: int,
+    *,
+    stream=None,
+    pdl: bool = True,
+    x_deq_out: torch.Tensor | None = None,
+) -> None:
+    """One launch for the route binding: the route record and permute map
+    of `topk_ids` (as `launch_route`) and the MXFP8 quantization of `x` (as
+    `quantize.launch_quantize_mxfp8`: e4m3 bytes + E8M0 scales, and with
+    `x_deq_out` the BF16 operand of act_bf16 GEMM tactics), the same bytes
+    as those two kernels. No host sync, no allocation: CUDA-graph capturable
+    (call it once before capture: the first call loads the kernel).
+
+    x: bfloat16 [rows, H], contiguous, 16-byte aligned, CUDA; 1 <= rows <= 8,
+      H a positive multiple of 128. x_q_out: uint8 (or float8_e4m3fn) [rows,
+      H]; x_scale_out: uint8 [rows, H/32]; x_deq_out: None or bfloat16 [rows,
+      H]; each contiguous, 16-byte aligned, on x's device.
+    topk_ids, record_out, permuted_out, experts, stream, pdl: as `launch_route`
+      (topk_ids' rows must be x's).
+
+    Raises TypeError for a wrong type or dtype, ValueError for a wrong shape,
+    range, layout, alignment or device (each naming the argument),
+    RuntimeError without nvidia-cutlass-dsl.
+    """
+    from moebench.kernels.quantize import check_quantize_args
+
+    rows, h = check_quantize_args(x, x_q_out, x_scale_out, x_deq_out)
+    check_topk_ids(topk_ids, experts)
+    if topk_ids.dtype != torch.int32:
+        raise TypeError(f"topk_ids must be int32, got {topk_ids.dtype}")
+    if not topk_ids.is_contiguous():
+        raise ValueError("topk_ids must be contiguous")
+    if topk_ids.shape[0] != rows:
+        raise ValueError(f"topk_ids must have x's {rows} rows, got {tuple(topk_ids.shape)}")
+    top_k = topk_ids.shape[1]
+    device = x.device
+    _check_out("record_out", record_out, (route_words(max_ctas(rows, top_k, experts)),), device)
+    _check_out("permuted_out", permuted_out, (rows, top_k), device)
+    if topk_ids.device != device:
+        raise ValueError(f"topk_ids must be on {device} (the device of x), got {topk_ids.device}")
+    check_bool("pdl", pdl)
+    if device.type != "cuda":
+        raise ValueError(f"x, topk_ids and the outputs must be CUDA tensors, got {device}")
+    require_dsl(_KERNEL)
+    deq = x_deq_out is not None
+    compiled = compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq)
+    compiled(gmem_ptr(Int32, topk_ids, 4), gmem_ptr(Int32, record_out, 4), gmem_ptr(Int32, permuted_out, 4),
+             Int32(rows), Int32(top_k), Int32(experts), gmem_ptr(BFloat16, x, 16), gmem_ptr(Uint8, x_q_out, 16),
+             gmem_ptr(Uint8, x_scale_out, 16), gmem_ptr(BFloat16, x_deq_out if deq else x, 16),
+             Int32(rows * h // 32), cu_stream(stream, device))
 
 
 def route(topk_ids: torch.Tensor, experts: int, *, stream=None, pdl: bool = True) -> RouteRecord:

@@ -27,34 +27,41 @@ GUARD = 8  # poisoned guard words on each side of every output buffer
 # --------------------------------------------------------------------------- CPU: compile
 
 
-def _compile_sass(pdl: bool, threads: int = 128, keys_per_step: int = 16) -> str:
+def _compile_sass(pdl: bool, threads: int = 128, keys_per_step: int = 16, quantize=False, deq=False) -> str:
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
-    from cutlass import Int32
+    from cutlass import BFloat16, Int32, Uint8
     from cutlass.cute.runtime import make_ptr
 
     from moebench.kernels.route import RouteKernel
 
-    def fake():
-        return make_ptr(Int32, 16, cute.AddressSpace.gmem, assumed_align=4)
+    def fake(dtype=Int32, align=4):
+        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
 
-    kernel = RouteKernel(pdl=pdl, threads=threads, keys_per_step=keys_per_step)
-    sass, _ = compile_sm90a(kernel, fake(), fake(), fake(),
-                            Int32(1), Int32(1), Int32(1), cuda.CUstream(0))
+    kernel = RouteKernel(pdl=pdl, threads=threads, keys_per_step=keys_per_step, quantize=quantize, deq=deq)
+    sass, _ = compile_sm90a(kernel, fake(), fake(), fake(), Int32(1), Int32(1), Int32(1),
+                            fake(BFloat16, 16), fake(Uint8, 16), fake(Uint8, 16), fake(BFloat16, 16), Int32(4),
+                            cuda.CUstream(0))  # fmt: skip
     return sass
 
 
 @pytest.mark.compile
 @pytest.mark.parametrize(
-    "pdl, threads, keys_per_step",
-    [(True, 128, 16), (False, 128, 16), (True, 64, 16), (True, 128, 4), (True, 128, 32)],
+    "pdl, threads, keys_per_step, quantize, deq",
+    [(True, 128, 16, False, False), (False, 128, 16, False, False), (True, 64, 16, False, False),
+     (True, 128, 4, False, False), (True, 128, 32, False, False), (True, 128, 16, True, False),
+     (False, 128, 16, True, False), (True, 128, 16, True, True)],
 )
-def test_compiles_for_sm90a_without_spills(pdl, threads, keys_per_step):
-    sass = _compile_sass(pdl, threads, keys_per_step)
+def test_compiles_for_sm90a_without_spills(pdl, threads, keys_per_step, quantize, deq):
+    sass = _compile_sass(pdl, threads, keys_per_step, quantize, deq)
     instr = sass_instructions(sass)
     text = assert_sass_without_spills(instr, "route")
     assert len(re.findall(r"\bBAR\.SYNC", text)) == 2
     assert_pdl_order(instr, pdl)
+    # the fused quantization: the quantize kernel's 16-byte loads / stores and e4m3 conversions
+    assert len(re.findall(r"\bLDG\.E\.128\b", text)) == (4 if quantize else 0)
+    assert len(re.findall(r"\bSTG\.E\.128\b", text)) == ((6 if deq else 2) if quantize else 0)
+    assert len(re.findall(r"F2FP\.SATFINITE\.E4M3\.F32", text)) == (16 if quantize else 0)
 
 
 @pytest.mark.compile
@@ -63,6 +70,11 @@ def test_compile_route_kernel_is_cached():
 
     assert compile_route_kernel(True) is compile_route_kernel(True)
     assert compile_route_kernel(False) is not compile_route_kernel(True)
+    assert compile_route_kernel(True, quantize=True) is not compile_route_kernel(True)
+    with pytest.raises(TypeError, match="quantize"):
+        compile_route_kernel(True, quantize=1)
+    with pytest.raises(ValueError, match="deq=True needs quantize"):
+        compile_route_kernel(True, deq=True)
     with pytest.raises(TypeError, match="pdl"):
         compile_route_kernel(1)
     with pytest.raises(ValueError, match="keys_per_step"):
@@ -322,3 +334,96 @@ def test_route_cuda_graph_capture_and_replay():
             assert torch.equal(rec, eager_rec) and torch.equal(perm, eager_perm)
         else:
             assert not torch.equal(rec, eager_rec)
+
+
+# --------------------------------------------------------------------------- route + quantize (one launch)
+
+
+def _rq_args(rows=6, top_k=6, experts=384, h=256, device="cpu"):
+    ids, rec, perm = _bufs(rows, top_k, experts, device)
+    return dict(x=torch.zeros(rows, h, dtype=torch.bfloat16, device=device),
+                x_q_out=torch.empty(rows, h, dtype=torch.uint8, device=device),
+                x_scale_out=torch.empty(rows, h // 32, dtype=torch.uint8, device=device),
+                topk_ids=ids, record_out=rec, permuted_out=perm, experts=experts)
+
+
+@pytest.mark.parametrize(
+    "mutate, exc, name",
+    [
+        (lambda a: a.update(x=a["x"].float()), TypeError, "x"),
+        (lambda a: a.update(x=torch.zeros(9, 256, dtype=torch.bfloat16)), ValueError, "rows"),
+        (lambda a: a.update(x=torch.zeros(6, 200, dtype=torch.bfloat16)), ValueError, "128"),
+        (lambda a: a.update(x_q_out=a["x_q_out"][:, :128]), ValueError, "x_q_out"),
+        (lambda a: a.update(x_scale_out=a["x_scale_out"].int()), TypeError, "x_scale_out"),
+        (lambda a: a.update(x_deq_out=torch.empty(6, 256)), TypeError, "x_deq_out"),
+        (lambda a: a.update(topk_ids=torch.zeros(5, 6, dtype=torch.int32)), ValueError, "topk_ids must have x"),
+        (lambda a: a.update(topk_ids=a["topk_ids"].long()), TypeError, "topk_ids"),
+        (lambda a: a.update(record_out=a["record_out"][1:]), ValueError, "record_out"),
+        (lambda a: a.update(permuted_out=a["permuted_out"][:5]), ValueError, "permuted_out"),
+        (lambda a: a.update(experts=513), ValueError, "experts"),
+        (lambda a: a.update(pdl="no"), TypeError, "pdl"),
+        (lambda a: None, ValueError, "CUDA"),  # everything right, but on the CPU
+    ],
+)
+def test_launch_route_quantize_validates(mutate, exc, name):
+    from moebench.kernels.route import launch_route_quantize
+
+    args = _rq_args()
+    mutate(args)
+    with pytest.raises(exc, match=name):
+        launch_route_quantize(**args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [128, 5120, 7168])
+def test_route_quantize_bit_exact(h):
+    """One launch = the route kernel's record and permute map + the quantize
+    kernel's bytes and scales (+ x_deq): every output poisoned and guarded
+    first, compared with the torch builder and formats.quantize_mxfp8 over
+    the routings of the route tests and random x with every special block
+    kind, rows 1-8, PDL on and off."""
+    from test_quantize import GUARD as QGUARD
+    from test_quantize import POISON as QPOISON
+    from test_quantize import _check_deq, _make_input, _reference
+
+    from moebench.kernels.route import launch_route_quantize
+
+    gen = torch.Generator().manual_seed(3000 + h)
+    dev = torch.device("cuda")
+    experts, checked = 384, 0
+    for rows in range(1, 9):
+        for top_k in (1, 6, 8):
+            for i, (name, ids_cpu) in enumerate(_routings(rows, top_k, experts, gen)):
+                deq, pdl = i % 2 == 1, i % 3 != 2
+                x_cpu = _make_input(rows, h, gen)
+                want = build_route_record(ids_cpu, experts)
+                want_q, want_s = _reference(x_cpu)
+                ids = ids_cpu.to(dev)
+                rec_buf, rec = _guarded(route_words(want.ctas), dev)
+                perm_buf, perm = _guarded(rows * top_k, dev)
+                q_buf, q = guarded(rows * h, QPOISON, torch.uint8, QGUARD, dev)
+                s_buf, s = guarded(rows * h // 32, QPOISON, torch.uint8, QGUARD, dev)
+                d_buf = d = None
+                if deq:
+                    d_buf, d = guarded(rows * h, 0x7FA5, torch.int16, 8, dev)
+                    d = d.view(torch.bfloat16).view(rows, h)
+                x = x_cpu.to(dev)
+                launch_route_quantize(x, q.view(rows, h), s.view(rows, h // 32), ids, rec,
+                                      perm.view(rows, top_k), experts, pdl=pdl, x_deq_out=d)
+                torch.cuda.synchronize()
+                ctx = f"{name} rows={rows} top_k={top_k} H={h} deq={deq} pdl={pdl}"
+                assert torch.equal(rec.cpu(), want.record), f"record differs: {ctx}"
+                assert torch.equal(perm.cpu().view(rows, top_k), want.permuted), f"permuted differs: {ctx}"
+                assert torch.equal(s.cpu().view(rows, h // 32), want_s), f"scales differ: {ctx}"
+                assert torch.equal(q.cpu().view(rows, h), want_q), f"bytes differ: {ctx}"
+                for what, buf, n, g, p in (("record", rec_buf, rec.numel(), GUARD, POISON),
+                                           ("permuted", perm_buf, perm.numel(), GUARD, POISON),
+                                           ("x_q", q_buf, q.numel(), QGUARD, QPOISON),
+                                           ("x_scale", s_buf, s.numel(), QGUARD, QPOISON)):
+                    assert_guards_intact(buf, g, n, p, f"{what} written out of bounds: {ctx}")
+                if deq:
+                    _check_deq(d.cpu(), want_q, want_s, ctx)
+                    assert_guards_intact(d_buf, 8, d.numel(), 0x7FA5, f"x_deq written out of bounds: {ctx}")
+                assert torch.equal(x.cpu().view(torch.int16), x_cpu.view(torch.int16)), f"x modified: {ctx}"
+                checked += 1
+    assert checked > 100
