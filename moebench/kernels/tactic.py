@@ -410,3 +410,43 @@ def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int 
         if last is None:
             return t
     raise ValueError(f"no fp8 GEMM{stage} tactic for {s}: {last}")
+
+
+def pair_reason(t1: GemmTactic, t2: GemmTactic, shape) -> str | None:
+    """None when (t1, t2) can run as a `FusedPairKernel` for `shape`,
+    else why not: both fp8 tactics on the bulk ring (stages >= 2), valid
+    for their stage, no split-K, PDL on, and the same warps, stages and
+    CTAs per SM (one CTA shape and one ring serve both)."""
+    for name, t, st in (("t1", t1, 1), ("t2", t2, 2)):
+        if not isinstance(t, GemmTactic):
+            return f"{name} must be a GemmTactic, got {type(t).__name__}"
+        if not (t.fp8 and t.bulk):
+            return f"{name} {t.name} is not an fp8 tactic on the bulk ring (_f8, stages >= 2)"
+        if t.split_k != 1 or not t.pdl:
+            return f"{name} {t.name} splits K or runs without PDL"
+        reason = t.valid_for(shape, st)
+        if reason:
+            return f"{name} {t.name}: {reason}"
+    if (t1.warps, t1.stages, t1.ctas_per_sm) != (t2.warps, t2.stages, t2.ctas_per_sm):
+        return (f"warps / stages / CTAs per SM differ: {t1.warps} / {t1.stages} / {t1.ctas_per_sm} vs"
+                f" {t2.warps} / {t2.stages} / {t2.ctas_per_sm}")
+    return None
+
+
+def fused_gemm2_tactic(shape, t1: GemmTactic) -> GemmTactic | None:
+    """The GEMM2 tactic a fused pair with GEMM1 tactic `t1` runs (the first
+    that `pair_reason` accepts among fp8 bulk tactics of t1's warps, stages
+    and CTAs per SM: 32- then 16-row warps, warps_k 2 / 4 / 1 with warps_m
+    filling t1's warps, unroll 3 / 4 / 2 / 6), or None when there is none
+    (t1 itself cannot be fused, or no such GEMM2 tactic fits the shape)."""
+    if not isinstance(t1, GemmTactic) or not (t1.fp8 and t1.bulk):
+        return None
+    for rows in (32, 16):
+        for wk in (2, 4, 1):
+            if t1.warps % wk:
+                continue
+            for u in (3, 4, 2, 6):
+                t2 = GemmTactic(rows, t1.warps // wk, wk, u, t1.ctas_per_sm, stages=t1.stages, fp8=True)
+                if pair_reason(t1, t2, shape) is None:
+                    return t2
+    return None

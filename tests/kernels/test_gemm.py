@@ -1044,3 +1044,173 @@ def test_fp8_tactic_and_weight_layout_must_match():
     kw8 = dataclasses.replace(kw, operand="e4m3")
     with pytest.raises(ValueError, match="does not match the weights"):
         gemm1(kw8, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=GemmTactic(64, 1, 8, 4, 1))
+
+
+# ---------------------------------------------------------------------- fused pair (GEMM1 + GEMM2, one launch)
+#: (preset, tp, GEMM1 tactic): the fp8 defaults' shapes of GEMM1 (128- and 64-row items, 3 stages for H 7168)
+FUSED_CASES = [("dsv41-flash", 4, "r32_m4_k4_u4_c1_b4_f8"), ("dsv41-flash", 8, "r16_m4_k4_u4_c1_b4_f8"),
+               ("dsv4-pro", 4, "r32_m4_k4_u4_c1_b3_f8"), ("dsv4-flash", 2, "r16_m4_k4_u4_c1_b4_f8")]
+
+
+def test_pair_reason_and_the_fused_gemm2_tactic():
+    from moebench.kernels.tactic import fused_gemm2_tactic, pair_reason
+    from moebench.tuning.space import tactic_from_name
+
+    shape = GemmShape.of(get_preset("dsv41-flash").shard(4))
+    t1 = tactic_from_name("r32_m4_k4_u4_c1_b4_f8")
+    t2 = fused_gemm2_tactic(shape, t1)
+    assert t2.name == "r32_m8_k2_u3_c1_b4_f8" and pair_reason(t1, t2, shape) is None
+    for bad, why in ((tactic_from_name("r32_m4_k4_u4_c1_b4"), "not an fp8 tactic on the bulk ring"),
+                     (tactic_from_name("r32_m4_k2_u4_c2_f8"), "not an fp8 tactic on the bulk ring"),
+                     (tactic_from_name("r32_m4_k1_u3_c4_b4_f8"), "warps / stages / CTAs per SM differ"),
+                     (tactic_from_name("r32_m8_k2_u3_c1_b3_f8"), "warps / stages / CTAs per SM differ")):
+        assert why in pair_reason(t1, bad, shape)
+    assert "t1" in pair_reason("r32", t2, shape)
+    assert fused_gemm2_tactic(shape, tactic_from_name("r32_m4_k2_u4_c2_f8")) is None  # register path
+    for preset, tp, name in FUSED_CASES:
+        s = GemmShape.of(get_preset(preset).shard(tp))
+        assert fused_gemm2_tactic(s, tactic_from_name(name)) is not None, (preset, tp)
+
+
+@pytest.mark.compile
+def test_fused_pairs_compile_for_sm90a_without_spills():
+    import cuda.bindings.driver as cuda
+    from cutlass import BFloat16, Float32, Int32, Uint8
+    from kernel_checks import assert_pdl_order, assert_sass_without_spills, compile_sm90a, sass_instructions
+
+    from moebench.kernels.gemm import FusedPairKernel
+    from moebench.kernels.host import gmem_ptr
+    from moebench.kernels.tactic import fused_gemm2_tactic
+    from moebench.tuning.space import tactic_from_name
+
+    def fake(dtype, align):
+        return gmem_ptr(dtype, 1 << 20, align)
+
+    for preset, tp, name in FUSED_CASES[:3]:
+        shape = GemmShape.of(get_preset(preset).shard(tp))
+        t1 = tactic_from_name(name)
+        kernel = FusedPairKernel(t1, fused_gemm2_tactic(shape, t1), shape)
+        sass, _ = compile_sm90a(kernel, fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16),
+                                fake(Uint8, 16), fake(Uint8, 4), fake(Int32, 16), fake(Float32, 4), fake(Uint8, 16),
+                                fake(Uint8, 4), fake(BFloat16, 16), fake(Int32, 16), Int32(1), Int32(1),
+                                cuda.CUstream(0))  # fmt: skip
+        instr = sass_instructions(sass)
+        text = assert_sass_without_spills(instr, f"fused pair {preset} TP{tp}")
+        assert "QGMMA" in text and "UBLKCP" in text, f"{preset} TP{tp}: no wgmma / bulk copies"
+        assert "RED" in text, f"{preset} TP{tp}: no release add on the tile counters"
+        assert_pdl_order(instr, True)
+
+
+def _pair_case(preset, tp, name, experts=64, seed=7):
+    from moebench.kernels.layout import to_kernel_layout
+    from moebench.kernels.tactic import fused_gemm2_tactic
+    from moebench.tuning.space import tactic_from_name
+
+    shape, weights = _gpu_case(preset, tp, experts, seed=seed)
+    kw8 = to_kernel_layout(weights, operand="e4m3")
+    t1 = tactic_from_name(name)
+    return shape, weights, kw8, t1, fused_gemm2_tactic(GemmShape.of(kw8), t1)
+
+
+def _run_pair(kw8, x_q, x_s, route, t1, t2, ws):
+    from moebench.kernels.gemm import gemm_pair
+
+    n = TILE * route.ctas
+    h_q = torch.full((n, kw8.intermediate), 0xFF, dtype=torch.uint8, device="cuda")  # poison
+    h_s = torch.full((n, kw8.intermediate // 32), 0xFE, dtype=torch.uint8, device="cuda")
+    out = torch.full((n, kw8.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm_pair(kw8, x_q, x_s, route.record, route.ctas, h_q, h_s, out, tactic1=t1, tactic2=t2, workspace=ws)
+    return h_q, h_s, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,tp,name", FUSED_CASES)
+def test_fused_pair_equals_the_two_launches_and_the_oracle(preset, tp, name):
+    """The fused launch gives GEMM1's H and GEMM2's rows bit for bit as the
+    two launches with the same tactics (same math, one grid), on poisoned
+    outputs over every routing shape; the rows match the fp64 oracle; the
+    workspace counters are zero after every launch (many launches share it)."""
+    from moebench.kernels.gemm import alloc_workspace, pair_workspace_bytes
+    from moebench.reference import reference_gemm1, reference_gemm2
+
+    experts = 64
+    shape, weights, kw8, t1, t2 = _pair_case(preset, tp, name, experts)
+    ws = alloc_workspace(pair_workspace_bytes(max_ctas(8, 6, experts)), "cuda")
+    for label, ids in _routings(experts, rows_list=(1, 4, 6, 8)):
+        rows = ids.shape[0]
+        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 3, device="cuda"))
+        route = build_route_record(ids.cuda(), experts)
+        used = TILE * route.tiles_used
+        h_q, h_s = _run_gemm1(kw8, x_q, x_s, route, tactic=t1)
+        out = _run_gemm2(kw8, h_q, h_s, route, tactic=t2)
+        fh_q, fh_s, fout = _run_pair(kw8, x_q, x_s, route, t1, t2, ws)
+        torch.cuda.synchronize()
+        ctx = f"{preset} TP{tp} {t1.name}+{t2.name} {label}"
+        assert torch.equal(fh_q[:used], h_q[:used]) and torch.equal(fh_s[:used], h_s[:used]), f"{ctx}: H differs"
+        assert torch.equal(fout[:used].view(torch.int16), out[:used].view(torch.int16)), f"{ctx}: rows differ"
+        assert int(ws.view(torch.int32).abs().sum()) == 0, f"{ctx}: counters not reset"
+        if label.startswith(("correlated", "one", "nonlocal")):
+            ref_q, ref_s = reference_gemm1(dequantize_mxfp8(x_q, x_s, torch.float64), weights, route)
+            _check_h_fp8(fh_q, fh_s, ref_q, ref_s, used, ctx)
+            oracle = reference_gemm2(dequantize_mxfp8(fh_q[:TILE * route.ctas], fh_s[:TILE * route.ctas],
+                                                      torch.float64), weights, route)
+            _check_rows(fout, oracle, route, ctx)
+
+
+@pytest.mark.gpu
+def test_fused_pair_graph_replays_follow_inputs_and_stay_clean():
+    """A captured fused pair: replays equal the eager launch; new activations
+    between replays change the rows; 20 replays leave the counters at zero."""
+    from moebench.kernels.gemm import alloc_workspace, gemm_pair, pair_workspace_bytes
+
+    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(6, ids_seed=2, operand="e4m3")
+    from moebench.kernels.tactic import fused_gemm2_tactic
+    from moebench.tuning.space import tactic_from_name
+
+    t1 = tactic_from_name("r32_m4_k4_u4_c1_b4_f8")
+    t2 = fused_gemm2_tactic(GemmShape.of(kw), t1)
+    ws = alloc_workspace(pair_workspace_bytes(route.ctas), "cuda")
+
+    def step():
+        gemm_pair(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, out, tactic1=t1, tactic2=t2, workspace=ws)
+
+    step()
+    torch.cuda.synchronize()
+    eager = out.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    used = TILE * route.tiles_used
+    for _ in range(20):
+        out.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[:used].view(torch.int16), eager[:used].view(torch.int16))
+    assert int(ws.view(torch.int32).abs().sum()) == 0
+    x_new = quantize_mxfp8(generate_activations(6, shape.hidden, seed=2, device="cuda"))
+    x_q.copy_(x_new[0])
+    x_s.copy_(x_new[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(out[:used], eager[:used])
+
+
+@pytest.mark.gpu
+def test_fused_pair_checks_its_arguments():
+    from moebench.kernels.gemm import alloc_workspace, gemm_pair
+    from moebench.tuning.space import tactic_from_name
+
+    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(2, ids_seed=1, operand="e4m3")
+    t1 = tactic_from_name("r32_m4_k4_u4_c1_b4_f8")
+    t2 = tactic_from_name("r32_m8_k2_u3_c1_b4_f8")
+    ws = alloc_workspace(16, "cuda")
+    small = route.ctas * 8 > 16
+    with pytest.raises(ValueError, match="tactic1 / tactic2"):
+        gemm_pair(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, out, tactic1=t1,
+                  tactic2=tactic_from_name("r32_m4_k1_u3_c4_b4_f8"), workspace=ws)
+    if small:
+        with pytest.raises(ValueError, match="workspace"):
+            gemm_pair(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, out, tactic1=t1, tactic2=t2, workspace=ws)
+    with pytest.raises(ValueError, match="out"):
+        gemm_pair(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, out[:, :64], tactic1=t1, tactic2=t2,
+                  workspace=ws)
