@@ -69,14 +69,13 @@ def main() -> None:
                 return lambda: [(gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1),
                                  gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)) for kw in sets]
 
-            def fused(sync=True):
-                return lambda: [gemm_pair(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, out, tactic1=t1,
-                                          tactic2=f2, workspace=ws, sync=sync) for kw in sets]
+            def fused():
+                return [gemm_pair(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, out, tactic1=t1, tactic2=f2,
+                                  workspace=ws) for kw in sets]
 
             cases = [(f"two {t1.name}+{d2.name}", two(d2))]
             if f2 is not None:
-                cases += [(f"two {t1.name}+{f2.name}", two(f2)), (f"fused {t1.name}+{f2.name}", fused()),
-                          (f"fused, no sync (timing only) {f2.name}", fused(False))]
+                cases += [(f"two {t1.name}+{f2.name}", two(f2)), (f"fused {t1.name}+{f2.name}", fused)]
             for label, fn in cases:
                 med, p10, p90 = time_graph(fn, n_sets)
                 gbps = nbytes / (med * 1e-6) / 1e9

@@ -240,7 +240,7 @@ def load_u32x4_coherent(ptr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def red_add_release(ptr, value, *, loc=None, ip=None) -> None:
+def red_add_release(ptr, value: int, *, loc=None, ip=None) -> None:
     """`red.release.gpu.global.add.s32` of `value` to the int32 counter at
     `ptr` (a gmem pointer): the caller's earlier (fenced) writes are visible
     to whoever acquires a later value of the counter."""

@@ -886,9 +886,9 @@ if HAVE_DSL:
                                 sB, sXs, tid, warp, lane, unit, count, stride, i0, cnt):
             """`bulk_consume_wgmma`'s loop over `count` units from `unit` (step
             `stride`), ring steps i0, i0 + 1, ... In a fused pair (`pair_role`):
-            GEMM1 adds its items to their token tile's counter `cnt[tile]` once
-            the H of a run of this CTA's items of that tile is written (stores,
-            barrier, gpu fence, release add by one thread); GEMM2, before staging a tile's H rows, waits until that
+            GEMM1 adds 1 to its token tile's counter `cnt[tile]` after each
+            item's H is written (stores, barrier, gpu fence, release add by one
+            thread); GEMM2, before staging a tile's H rows, waits until that
             counter holds all GEMM1 items of the tile (one thread spins with
             ld.acquire.gpu, then a barrier) and reads H with ld.relaxed.gpu;
             after each item it arrives on `cnt[ctas + tile]` (wrapping at the
@@ -914,7 +914,6 @@ if HAVE_DSL:
             top_k = cute.arch.load(record + 3, Int32)
             n_steps = count * NB
             b, parity, staged = Int32(0), Int32(0), Int32(-1)  # staged: the tile whose rows sB holds
-            run = Int32(0)  # GEMM1 of a fused pair: items of the current tile not yet signalled
             for i_ in cutlass.range(0, n_steps, 1, unroll=1):
                 i = i0 + i_
                 s = i % S
@@ -956,22 +955,18 @@ if HAVE_DSL:
                     self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
                     parity = parity ^ 1
                     if cutlass.const_expr(self.pair_role == "signal"):
-                        # once per run of this CTA's items of one tile (its last item, or the next
-                        # item is another tile's): the items' H stores, a barrier, then one thread's
-                        # gpu fence (cumulative: releases every thread's stores) and release add of
-                        # the run's item count on the tile's counter
-                        run += 1
-                        if i_ == n_steps - 1 or (unit + stride) // self.blocks != unit // self.blocks:
-                            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                            if tid == 0:
-                                cute.arch.fence_acq_rel_gpu()
-                                fp4.red_add_release(cnt + unit // self.blocks, run)
-                            run = Int32(0)
+                        # the item's H stores, a barrier, then one thread's gpu fence (cumulative:
+                        # releases every thread's stores) and release add on the tile's counter
+                        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                        if tid == 0:
+                            cute.arch.fence_acq_rel_gpu()
+                            fp4.red_add_release(cnt + unit // self.blocks, 1)
                     if cutlass.const_expr(self.pair_role == "wait"):
                         if tid == 0:  # the tile's last GEMM2 item resets GEMM1's counter
-                            old = fp4.arrive_inc(cnt + (ctas + unit // self.blocks), self.blocks - 1)
+                            tile = unit // self.blocks
+                            old = fp4.arrive_inc(cnt + (ctas + tile), self.blocks - 1)
                             if old == Uint32(self.blocks - 1):
-                                cute.arch.store(cnt + unit // self.blocks, Int32(0))
+                                cute.arch.store(cnt + tile, Int32(0))
                 b = b + 1
                 wrap = Int32(b == NB)
                 b, unit = b - wrap * NB, unit + wrap * stride
@@ -988,16 +983,13 @@ if HAVE_DSL:
         is co-resident once earlier kernels leave. Counters: int32 [2 * ctas]
         at `cnt`, zero before the launch and after it."""
 
-        def __init__(self, t1: GemmTactic, t2: GemmTactic, shape: GemmShape, wide_scales: bool = False,
-                     sync: bool = True):
+        def __init__(self, t1: GemmTactic, t2: GemmTactic, shape: GemmShape, wide_scales: bool = False):
             reason = pair_reason(t1, t2, shape)
             if reason:
                 raise ValueError(f"tactics {t1.name} + {t2.name} cannot run as a fused pair: {reason}")
             self.k1 = StreamingGemmKernel(t1, shape, 1, wide_scales)
             self.k2 = StreamingGemmKernel(t2, shape, 2, wide_scales)
-            # sync=False drops the per-tile counters (GEMM2 then reads H that may not be written
-            # yet): wrong results, only to measure what the synchronization costs
-            self.k1.pair_role, self.k2.pair_role = ("signal", "wait") if sync else (None, None)
+            self.k1.pair_role, self.k2.pair_role = "signal", "wait"
             self.k2.h_items = self.k1.blocks
             self.nw, self.threads = self.k1.nw, self.k1.threads
             self.stages = t1.stages
@@ -1120,7 +1112,7 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
 
 
 @functools.lru_cache(maxsize=None)
-def compile_pair(shape: GemmShape, t1: GemmTactic, t2: GemmTactic, wide_scales: bool = False, sync: bool = True):
+def compile_pair(shape: GemmShape, t1: GemmTactic, t2: GemmTactic, wide_scales: bool = False):
     """Compile the fused GEMM1 + GEMM2 kernel (`FusedPairKernel`) for one
     shape class and tactic pair (cached per process; cross-compiles without
     a GPU when CUTE_DSL_ARCH=sm_90a is set). Returns (kernel, compiled):
@@ -1130,7 +1122,7 @@ def compile_pair(shape: GemmShape, t1: GemmTactic, t2: GemmTactic, wide_scales: 
     ValueError when the pair cannot be fused (`pair_reason`), RuntimeError
     without the DSL."""
     require_dsl(_KERNEL)
-    kernel = FusedPairKernel(t1, t2, shape, wide_scales, sync)
+    kernel = FusedPairKernel(t1, t2, shape, wide_scales)
 
     def fake(dtype, align):
         return gmem_ptr(dtype, 1 << 20, align)
@@ -1155,7 +1147,7 @@ def pair_workspace_bytes(ctas: int) -> int:
 
 def gemm_pair(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: torch.Tensor, ctas: int,
               h_q_out: torch.Tensor, h_scale_out: torch.Tensor, out: torch.Tensor, *, tactic1: GemmTactic,
-              tactic2: GemmTactic, workspace: torch.Tensor, stream=None, sync: bool = True) -> None:
+              tactic2: GemmTactic, workspace: torch.Tensor, stream=None) -> None:
     """GEMM1 and GEMM2 in one launch (`FusedPairKernel`): the same outputs
     as `gemm1` then `gemm2` with these tactics (H into h_q_out / h_scale_out,
     the BF16 rows into out), on `stream`; no host sync, no allocation.
@@ -1165,10 +1157,8 @@ def gemm_pair(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, recor
     a pair `pair_reason` accepts; workspace: zeroed uint8 / int32 of >=
     `pair_workspace_bytes(ctas)` bytes from `alloc_workspace`, allocated
     once (its counters return to zero after every launch; launches sharing
-    it must run one after the other). sync=False (measurement only: wrong
-    results) drops GEMM2's wait for H, to time what the synchronization
-    costs. Raises TypeError / ValueError naming the argument, RuntimeError
-    without nvidia-cutlass-dsl."""
+    it must run one after the other). Raises TypeError / ValueError naming
+    the argument, RuntimeError without nvidia-cutlass-dsl."""
     device = _check_common(kw, record, ctas)
     h, i = kw.hidden, kw.intermediate
     if not isinstance(x_q, torch.Tensor) or x_q.dim() != 2 or not 1 <= x_q.shape[0] <= 8:
@@ -1197,7 +1187,7 @@ def gemm_pair(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, recor
     require_dsl(_KERNEL)
     if ctas == 0:
         return
-    kernel, compiled = compile_pair(shape, tactic1, tactic2, kw.scale_variant(True), bool(sync))
+    kernel, compiled = compile_pair(shape, tactic1, tactic2, kw.scale_variant(True))
     sms = _num_sms(device.index if device.index is not None else 0)
     compiled(gmem_ptr(Uint8, kw.w13, 16), gmem_ptr(Uint8, kw.w13_scale, 16), gmem_ptr(Uint8, kw.w2, 16),
              gmem_ptr(Uint8, kw.w2_scale, 16), gmem_ptr(Uint8, x_q, 16), gmem_ptr(Uint8, x_scale, 4),
