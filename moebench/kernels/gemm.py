@@ -64,7 +64,7 @@ import torch
 from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.tactic import (
-    GemmShape, GemmTactic, default_tactic, pair_reason, workspace_bytes, workspace_bytes_for, workspace_parts,
+    GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
 )  # fmt: skip
 from moebench.record import TILE, route_words
 
@@ -193,9 +193,6 @@ if HAVE_DSL:
                 self.block_threads = self.threads + 32  # + the producer warp
             per_sm = (self.smem_bytes + 1024) * t.ctas_per_sm
             self.smem_carveout = min(100, -(-100 * per_sm // _SMEM_PER_SM))
-            # In a fused pair (`FusedPairKernel`): GEMM1 signals each finished item on its token
-            # tile's counter, GEMM2 waits for the tile's counter and reads H coherently.
-            self.pair_role = None
 
         def warp_of(self, wm, wk):
             """Warp index of (wm, wk): wm-major, except fp8 tactics (wgmma),
@@ -323,23 +320,15 @@ if HAVE_DSL:
             for q in cutlass.range_constexpr(0, 8 * self.nch_s, self.threads):
                 if tid + q < 8 * self.nch_s:
                     ch = ch_lo + (tid + q) // 8
-                    if cutlass.const_expr(self.pair_role == "wait"):  # H written by other CTAs of this grid
-                        lo = fp4.load_u32x4_coherent(src + ch * 8)
-                        hi = fp4.load_u32x4_coherent(src + ch * 8 + 4)
-                    else:
-                        lo = fp4.load_u32x4(src + ch * 8, "evict_last")
-                        hi = fp4.load_u32x4(src + ch * 8 + 4, "evict_last")
+                    lo = fp4.load_u32x4(src + ch * 8, "evict_last")
+                    hi = fp4.load_u32x4(src + ch * 8 + 4, "evict_last")
                     unit0 = sB32 + (16 * ch + n) * 4  # 16-byte unit q = 8 * (2 ch) + n
                     st_shared_u32x4(unit0, lo[0], lo[2], hi[0], hi[2])
                     st_shared_u32x4(unit0 + 32, lo[1], lo[3], hi[1], hi[3])
             srcs = p_as + row * self.nch + ch_lo
             for q in cutlass.range_constexpr(0, 8 * self.nch_s, self.threads):
                 if tid + q < 8 * self.nch_s:
-                    if cutlass.const_expr(self.pair_role == "wait"):
-                        code = Uint32(cute.arch.load(srcs + (tid + q) // 8, Uint8, sem="relaxed", scope="gpu"))
-                    else:
-                        code = Uint32(cute.arch.load(srcs + (tid + q) // 8, Uint8))
-                    code = code & Uint32(0xFF)
+                    code = Uint32(cute.arch.load(srcs + (tid + q) // 8, Uint8)) & Uint32(0xFF)
                     sXs[ch_lo * 8 + tid + q] = fp4.act_scale_f32(code)
 
         @cute.jit
@@ -715,7 +704,9 @@ if HAVE_DSL:
             bars = smem.allocate_array(Int64, 2 * S, byte_alignment=8)  # full[0, S), empty[S, 2S)
             sB = sXs = None
             if cutlass.const_expr(self.fp8):
-                sB = self.smem_b(smem.allocate(8 * self.k, 128))
+                atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, Float8E4M3FN)
+                layout_b = cute.tile_to_shape(atom, (8, self.k), order=(0, 1))
+                sB = smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)
                 sXs = smem.allocate_tensor(Float32, cute.make_layout((8 * self.nch,)), byte_alignment=16)
             if tid == 0:
                 for s in cutlass.range_constexpr(S):
@@ -732,36 +723,21 @@ if HAVE_DSL:
                 self.bulk_consume(act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars,
                                   tid, bid, nblk, warp, lane)
 
-        def smem_b(self, ptr):
-            """fp8 tactics: the wgmma B operand (this stage's 8 activation rows,
-            K-major interleave layout, (8, K) e4m3) on 8*K bytes of shared
-            memory at `ptr` (128-byte aligned; trace-time Python)."""
-            atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, Float8E4M3FN)
-            layout_b = cute.tile_to_shape(atom, (8, self.k), order=(0, 1))
-            return cute.make_tensor(cute.recast_ptr(ptr, layout_b.inner, dtype=Float8E4M3FN), layout_b.outer)
-
         @cute.jit
         def bulk_produce(self, w, ws, record, ring, bars, bid, nblk, lane):
             """The producer warp: for each step, wait until its stage is free,
             arm full[s] with the step's bytes (lane 0), then lanes issue one
             weight and one scale bulk copy per pair (L2 evict-first)."""
+            S, NB, KS, NP = self.tactic.stages, self.nb, self.ks, self.np
+            p_w = cute.recast_ptr(w, dtype=Uint32)
+            p_s = cute.recast_ptr(ws, dtype=Uint32)
             if cutlass.const_expr(self.tactic.pdl and self.stage == 1):
                 cute.arch.griddepcontrol_wait()  # GEMM1's record comes from the previous kernel
             n_units = cute.arch.load(record, Int32) * self.blocks
             unit, count, stride = self.unit_span(n_units, bid, nblk)
-            self.produce_steps(w, ws, record, ring, bars, self.stage_words, unit, count, stride, Int32(0), lane)
-
-        @cute.jit
-        def produce_steps(self, w, ws, record, ring, bars, stage_words, unit, count, stride, i0, lane):
-            """`bulk_produce`'s loop over `count` units from `unit` (step
-            `stride`), ring steps i0, i0 + 1, ... (stages `stage_words` apart)."""
-            S, NB, KS, NP = self.tactic.stages, self.nb, self.ks, self.np
-            p_w = cute.recast_ptr(w, dtype=Uint32)
-            p_s = cute.recast_ptr(ws, dtype=Uint32)
             n_steps = count * NB
             b = Int32(0)
-            for i_ in cutlass.range(0, n_steps, 1, unroll=1):
-                i = i0 + i_
+            for i in cutlass.range(0, n_steps, 1, unroll=1):
                 s = i % S
                 if i >= S:
                     cute.arch.mbarrier_wait(bars + (S + s), (i // S - 1) % 2)
@@ -773,7 +749,7 @@ if HAVE_DSL:
                 if lane == 0:
                     cute.arch.mbarrier_arrive_and_expect_tx(bars + s, nck * (NP * 544))
                 cute.arch.sync_warp()
-                stage = ring + s * stage_words
+                stage = ring + s * self.stage_words
                 for q in cutlass.range_constexpr(0, NP, 32):
                     p = lane + q
                     if p < NP:
@@ -873,27 +849,6 @@ if HAVE_DSL:
             stage at once (empty[s]), then `compute_wgmma` on the registers.
             Warp (wm, wk) (wk-major: a warpgroup shares wk) takes chunks
             b*KS + wk*unroll + j of m-tile(s) wm of the item."""
-            if cutlass.const_expr(self.tactic.pdl):
-                cute.arch.griddepcontrol_wait()
-                cute.arch.griddepcontrol_launch_dependents()
-            n_units = cute.arch.load(record, Int32) * self.blocks
-            unit, count, stride = self.unit_span(n_units, bid, nblk)
-            self.consume_steps_wgmma(act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, self.stage_words,
-                                     sB, sXs, tid, warp, lane, unit, count, stride, Int32(0), record)
-
-        @cute.jit
-        def consume_steps_wgmma(self, act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, stage_words,
-                                sB, sXs, tid, warp, lane, unit, count, stride, i0, cnt):
-            """`bulk_consume_wgmma`'s loop over `count` units from `unit` (step
-            `stride`), ring steps i0, i0 + 1, ... In a fused pair (`pair_role`):
-            GEMM1 adds 1 to its token tile's counter `cnt[tile]` after each
-            item's H is written (stores, barrier, gpu fence, release add by one
-            thread); GEMM2, before staging a tile's H rows, waits until that
-            counter holds all GEMM1 items of the tile (one thread spins with
-            ld.acquire.gpu, then a barrier) and reads H with ld.relaxed.gpu;
-            after each item it arrives on `cnt[ctas + tile]` (wrapping at the
-            tile's GEMM2 item count), and the tile's last item resets
-            `cnt[tile]` to 0: the counters are zero again for the next launch."""
             S, NB, KS, U, tm = self.tactic.stages, self.nb, self.ks, self.u, self.tm
             g = lane // 4
             wm, wk = warp % self.wm, warp // self.wm
@@ -911,27 +866,25 @@ if HAVE_DSL:
             # tile_rows 16 = m-tile wm % 2 of pair wm // 2 (words 2t, 2t+1: 8 bytes per lane)
             pair = wm if tm == 2 else wm // 2
             t16 = 0 if tm == 2 else wm % 2
+            if cutlass.const_expr(self.tactic.pdl):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+            n_units = cute.arch.load(record, Int32) * self.blocks
             top_k = cute.arch.load(record + 3, Int32)
+            unit, count, stride = self.unit_span(n_units, bid, nblk)
             n_steps = count * NB
             b, parity, staged = Int32(0), Int32(0), Int32(-1)  # staged: the tile whose rows sB holds
-            for i_ in cutlass.range(0, n_steps, 1, unroll=1):
-                i = i0 + i_
+            for i in cutlass.range(0, n_steps, 1, unroll=1):
                 s = i % S
                 if b == 0 and unit // self.blocks != staged:  # a unit of a new tile: its activation
                     # rows into shared memory (the previous unit's wgmmas all completed before the
                     # barrier that closed it)
                     staged = unit // self.blocks
-                    if cutlass.const_expr(self.pair_role == "wait"):
-                        if tid == 0:  # GEMM1 has written all of this tile's H (its items' count)
-                            ready = cute.arch.load(cnt + staged, Int32, sem="acquire", scope="gpu")
-                            while ready < self.h_items:
-                                ready = cute.arch.load(cnt + staged, Int32, sem="acquire", scope="gpu")
-                        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                     self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
                     cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 cute.arch.mbarrier_wait(bars + s, (i // S) % 2)
-                stage = ring + s * stage_words
+                stage = ring + s * self.stage_words
                 for j in cutlass.range_constexpr(U):
                     entry = pair * KS + wk * U + j
                     if cutlass.const_expr(tm == 2):
@@ -954,101 +907,9 @@ if HAVE_DSL:
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                     self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
                     parity = parity ^ 1
-                    if cutlass.const_expr(self.pair_role == "signal"):
-                        # the item's H stores, a barrier, then one thread's gpu fence (cumulative:
-                        # releases every thread's stores) and release add on the tile's counter
-                        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                        if tid == 0:
-                            cute.arch.fence_acq_rel_gpu()
-                            fp4.red_add_release(cnt + unit // self.blocks, 1)
-                    if cutlass.const_expr(self.pair_role == "wait"):
-                        if tid == 0:  # the tile's last GEMM2 item resets GEMM1's counter
-                            tile = unit // self.blocks
-                            old = fp4.arrive_inc(cnt + (ctas + tile), self.blocks - 1)
-                            if old == Uint32(self.blocks - 1):
-                                cute.arch.store(cnt + tile, Int32(0))
                 b = b + 1
                 wrap = Int32(b == NB)
                 b, unit = b - wrap * NB, unit + wrap * stride
-
-    class FusedPairKernel:
-        """GEMM1 then GEMM2 in one persistent launch (fp8 tactics on the bulk
-        ring with the same warps, stages and CTAs per SM, no split-K; see
-        `pair_reason`): every CTA runs its GEMM1 units, then its GEMM2 units,
-        on one ring whose step count runs on across the two, so the producer
-        warp streams GEMM2's weights right behind GEMM1's instead of after a
-        launch boundary; GEMM2 waits per token tile (not per grid) for H
-        (`StreamingGemmKernel.consume_steps_wgmma`). Deadlock-free: GEMM1
-        units never wait on other CTAs, and the grid (<= SMs x CTAs per SM)
-        is co-resident once earlier kernels leave. Counters: int32 [2 * ctas]
-        at `cnt`, zero before the launch and after it."""
-
-        def __init__(self, t1: GemmTactic, t2: GemmTactic, shape: GemmShape, wide_scales: bool = False):
-            reason = pair_reason(t1, t2, shape)
-            if reason:
-                raise ValueError(f"tactics {t1.name} + {t2.name} cannot run as a fused pair: {reason}")
-            self.k1 = StreamingGemmKernel(t1, shape, 1, wide_scales)
-            self.k2 = StreamingGemmKernel(t2, shape, 2, wide_scales)
-            self.k1.pair_role, self.k2.pair_role = "signal", "wait"
-            self.k2.h_items = self.k1.blocks
-            self.nw, self.threads = self.k1.nw, self.k1.threads
-            self.stages = t1.stages
-            self.stage_words = max(self.k1.stage_words, self.k2.stage_words)
-            self.tm = max(self.k1.tm, self.k2.tm)
-            self.k_max = max(self.k1.k, self.k2.k)
-            self.nch_max = max(self.k1.nch, self.k2.nch)
-            self.ctas_per_sm = t1.ctas_per_sm
-            self.smem_bytes = (self.tm * 128 * self.nw * 2 * 4 + self.stages * (4 * self.stage_words + 16)
-                               + 8 * self.k_max + 128 + 8 * self.nch_max * 4 + 16)
-            per_sm = (self.smem_bytes + 1024) * self.ctas_per_sm
-            self.smem_carveout = min(100, -(-100 * per_sm // _SMEM_PER_SM))
-
-        def grid(self, ctas: int, num_sms: int) -> int:
-            """Persistent: enough CTAs for the larger stage's units, at most SMs x CTAs per SM."""
-            units = ctas * max(self.k1.blocks, self.k2.blocks)
-            return max(1, min(units, num_sms * self.ctas_per_sm))
-
-        @cute.jit
-        def __call__(self, w1: cute.Pointer, ws1: cute.Pointer, w2: cute.Pointer, ws2: cute.Pointer,
-                     x: cute.Pointer, x_s: cute.Pointer, record: cute.Pointer, clamp: cute.Pointer,
-                     h: cute.Pointer, h_s: cute.Pointer, out: cute.Pointer, cnt: cute.Pointer, ctas: Int32,
-                     grid: Int32, stream: _cuda.CUstream):
-            self.kernel(w1, ws1, w2, ws2, x, x_s, record, clamp, h, h_s, out, cnt, ctas).launch(
-                grid=[grid, 1, 1], block=[self.threads + 32, 1, 1], stream=stream, use_pdl=True,
-                min_blocks_per_mp=self.ctas_per_sm, preferred_smem_carveout=self.smem_carveout)
-
-        @cute.kernel
-        def kernel(self, w1: cute.Pointer, ws1: cute.Pointer, w2: cute.Pointer, ws2: cute.Pointer,
-                   x: cute.Pointer, x_s: cute.Pointer, record: cute.Pointer, clamp: cute.Pointer,
-                   h: cute.Pointer, h_s: cute.Pointer, out: cute.Pointer, cnt: cute.Pointer, ctas: Int32):
-            S = self.stages
-            tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
-            warp, lane = tid // 32, tid % 32
-            smem = cutlass.memory.SmemAllocator()
-            sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
-            ring = smem.allocate_array(Uint32, S * self.stage_words, byte_alignment=128)
-            bars = smem.allocate_array(Int64, 2 * S, byte_alignment=8)  # full[0, S), empty[S, 2S)
-            b_bytes = smem.allocate(8 * self.k_max, 128)  # the B operand: GEMM1's x rows, then GEMM2's H rows
-            sXs = smem.allocate_tensor(Float32, cute.make_layout((8 * self.nch_max,)), byte_alignment=16)
-            if tid == 0:
-                for s in cutlass.range_constexpr(S):
-                    cute.arch.mbarrier_init(bars + s, 1)
-                    cute.arch.mbarrier_init(bars + (S + s), self.nw)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-            cute.arch.griddepcontrol_wait()  # the record and x come from the previous kernel
-            tiles = cute.arch.load(record, Int32)
-            u1, n1, st1 = self.k1.unit_span(tiles * self.k1.blocks, bid, nblk)
-            u2, n2, st2 = self.k2.unit_span(tiles * self.k2.blocks, bid, nblk)
-            if warp == self.nw:
-                self.k1.produce_steps(w1, ws1, record, ring, bars, self.stage_words, u1, n1, st1, Int32(0), lane)
-                self.k2.produce_steps(w2, ws2, record, ring, bars, self.stage_words, u2, n2, st2, n1 * self.k1.nb, lane)
-            else:
-                cute.arch.griddepcontrol_launch_dependents()
-                self.k1.consume_steps_wgmma(x, x_s, record, clamp, h, h_s, ctas, sP, ring, bars, self.stage_words,
-                                       self.k1.smem_b(b_bytes), sXs, tid, warp, lane, u1, n1, st1, Int32(0), cnt)
-                self.k2.consume_steps_wgmma(h, h_s, record, clamp, out, h_s, ctas, sP, ring, bars, self.stage_words,
-                                       self.k2.smem_b(b_bytes), sXs, tid, warp, lane, u2, n2, st2, n1 * self.k1.nb, cnt)
 
 
 # ---------------------------------------------------------------------- host side
@@ -1109,91 +970,6 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
         fake(Int32, 16), fake(Float32, 16), Int32(1), Int32(1), _cuda.CUstream(0),
     )  # fmt: skip
     return kernel, compiled
-
-
-@functools.lru_cache(maxsize=None)
-def compile_pair(shape: GemmShape, t1: GemmTactic, t2: GemmTactic, wide_scales: bool = False):
-    """Compile the fused GEMM1 + GEMM2 kernel (`FusedPairKernel`) for one
-    shape class and tactic pair (cached per process; cross-compiles without
-    a GPU when CUTE_DSL_ARCH=sm_90a is set). Returns (kernel, compiled):
-    `kernel.grid(ctas, num_sms)` sizes the launch; `compiled(w1, ws1, w2,
-    ws2, x, x_s, record, clamp, h, h_s, out, cnt, ctas, grid, stream)` takes
-    cute global pointers (use `gemm_pair` for torch tensors). Raises
-    ValueError when the pair cannot be fused (`pair_reason`), RuntimeError
-    without the DSL."""
-    require_dsl(_KERNEL)
-    kernel = FusedPairKernel(t1, t2, shape, wide_scales)
-
-    def fake(dtype, align):
-        return gmem_ptr(dtype, 1 << 20, align)
-
-    compiled = cute.compile(
-        kernel, fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16),
-        fake(Uint8, 4), fake(Int32, 16), fake(Float32, 4), fake(Uint8, 16), fake(Uint8, 4), fake(BFloat16, 16),
-        fake(Int32, 16), Int32(1), Int32(1), _cuda.CUstream(0),
-    )  # fmt: skip
-    return kernel, compiled
-
-
-def pair_workspace_bytes(ctas: int) -> int:
-    """Bytes of the fused pair's counters for `ctas` token tiles (int32 [2 *
-    ctas]: GEMM1's items done per tile, GEMM2's arrivals per tile), rounded
-    up to 16; zeroed once at allocation (`alloc_workspace`), left at zero by
-    every launch."""
-    if not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 0:
-        raise ValueError(f"ctas must be a non-negative int, got {ctas!r}")
-    return max(16, -(-8 * ctas // 16) * 16)
-
-
-def gemm_pair(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: torch.Tensor, ctas: int,
-              h_q_out: torch.Tensor, h_scale_out: torch.Tensor, out: torch.Tensor, *, tactic1: GemmTactic,
-              tactic2: GemmTactic, workspace: torch.Tensor, stream=None) -> None:
-    """GEMM1 and GEMM2 in one launch (`FusedPairKernel`): the same outputs
-    as `gemm1` then `gemm2` with these tactics (H into h_q_out / h_scale_out,
-    the BF16 rows into out), on `stream`; no host sync, no allocation.
-
-    kw: KernelWeights in the e4m3 layout (fp8 tactics); x_q, x_scale, record,
-    ctas, h_q_out, h_scale_out, out: as `gemm1` / `gemm2`; tactic1 / tactic2:
-    a pair `pair_reason` accepts; workspace: zeroed uint8 / int32 of >=
-    `pair_workspace_bytes(ctas)` bytes from `alloc_workspace`, allocated
-    once (its counters return to zero after every launch; launches sharing
-    it must run one after the other). Raises TypeError / ValueError naming
-    the argument, RuntimeError without nvidia-cutlass-dsl."""
-    device = _check_common(kw, record, ctas)
-    h, i = kw.hidden, kw.intermediate
-    if not isinstance(x_q, torch.Tensor) or x_q.dim() != 2 or not 1 <= x_q.shape[0] <= 8:
-        raise ValueError(f"x_q must be [rows, {h}] with 1 <= rows <= 8, got {getattr(x_q, 'shape', x_q)}")
-    rows = x_q.shape[0]
-    u8 = (torch.uint8, torch.float8_e4m3fn)
-    check_tensor("x_q", x_q, u8, (rows, h), device, align=16)
-    check_tensor("x_scale", x_scale, (torch.uint8,), (rows, h // 32), device, align=4)
-    check_tensor("h_q_out", h_q_out, u8, (TILE * ctas, i), device, align=16)
-    check_tensor("h_scale_out", h_scale_out, (torch.uint8,), (TILE * ctas, i // 32), device, align=4)
-    check_tensor("out", out, (torch.bfloat16,), (TILE * ctas, h), device, align=16)
-    shape = GemmShape.of(kw)
-    if kw.operand != "e4m3":
-        raise ValueError("kw must be in the e4m3 layout (to_kernel_layout(..., operand='e4m3')) for a fused pair")
-    reason = pair_reason(tactic1, tactic2, shape)
-    if reason:
-        raise ValueError(f"tactic1 / tactic2: {reason}")
-    if not isinstance(workspace, torch.Tensor):
-        raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
-    need = pair_workspace_bytes(ctas)
-    if (workspace.dtype not in (torch.uint8, torch.int32) or workspace.dim() != 1 or workspace.device != device
-            or not workspace.is_contiguous() or workspace.data_ptr() % 16
-            or workspace.numel() * workspace.element_size() < need):
-        raise ValueError(f"workspace must be a contiguous, 16-byte aligned 1-D uint8 / int32 tensor of >= {need}"
-                         f" bytes on {device} (alloc_workspace(pair_workspace_bytes({ctas})))")
-    require_dsl(_KERNEL)
-    if ctas == 0:
-        return
-    kernel, compiled = compile_pair(shape, tactic1, tactic2, kw.scale_variant(True))
-    sms = _num_sms(device.index if device.index is not None else 0)
-    compiled(gmem_ptr(Uint8, kw.w13, 16), gmem_ptr(Uint8, kw.w13_scale, 16), gmem_ptr(Uint8, kw.w2, 16),
-             gmem_ptr(Uint8, kw.w2_scale, 16), gmem_ptr(Uint8, x_q, 16), gmem_ptr(Uint8, x_scale, 4),
-             gmem_ptr(Int32, record, 16), gmem_ptr(Float32, kw.clamp, 4), gmem_ptr(Uint8, h_q_out, 16),
-             gmem_ptr(Uint8, h_scale_out, 4), gmem_ptr(BFloat16, out, 16), gmem_ptr(Int32, workspace, 16),
-             Int32(ctas), Int32(kernel.grid(ctas, sms)), cu_stream(stream, device))
 
 
 @functools.lru_cache(maxsize=None)
