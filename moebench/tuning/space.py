@@ -234,7 +234,8 @@ F8_BULK_1 = (GemmTactic(32, 4, 4, 2, 1, stages=6, fp8=True), GemmTactic(32, 4, 4
              GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True), GemmTactic(16, 4, 4, 4, 1, stages=6, fp8=True),
              GemmTactic(16, 4, 4, 8, 1, stages=4, fp8=True), GemmTactic(16, 4, 2, 4, 2, stages=4, fp8=True),
              GemmTactic(16, 4, 2, 8, 2, stages=2, fp8=True))  # fmt: skip
-F8_BULK_2 = (GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True), GemmTactic(32, 4, 1, 3, 4, stages=6, fp8=True),
+F8_BULK_2 = (GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True), GemmTactic(32, 8, 2, 3, 1, stages=4, fp8=True),
+             GemmTactic(32, 4, 1, 3, 4, stages=6, fp8=True),
              GemmTactic(32, 4, 1, 3, 3, stages=6, fp8=True), GemmTactic(32, 4, 3, 3, 2, stages=4, fp8=True),
              GemmTactic(32, 4, 1, 6, 4, stages=3, fp8=True), GemmTactic(32, 8, 1, 3, 2, stages=4, fp8=True))  # fmt: skip
 
@@ -247,8 +248,10 @@ class Fp8Space:
     1. every tactic `default_fp8_tactic` picks for this shape at any
        token-tile count (GEMM1: 128- or 64-row items of four warpgroups, K
        split four ways, on the bulk ring; GEMM2: one warpgroup at 4 CTAs/SM);
-    2. the warp-specialized variants measured in perf-notes v11 (F8_BULK_1 /
-       F8_BULK_2: deeper or shallower rings, unroll 2-8, K split 2);
+    2. the warp-specialized variants measured in perf-notes v11 and v13
+       (F8_BULK_1 / F8_BULK_2: deeper or shallower rings, unroll 2-8, K
+       split 2; GEMM2 as one CTA of four warpgroups, r32_m8_k2_u3_c1_b4,
+       1-2.5 µs faster per pair at dsv41-flash TP4 rows 1-6, v13's log);
     3. one-field changes of each default, round-robin: `stages` +-1 (2..6:
        the ring depth that hides the weight stream), `unroll` to its
        neighbours in (2, 3, 4, 6, 8), `ctas_per_sm` +-1, `warps_k` x2 / /2,

@@ -868,6 +868,7 @@ F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(16, 4, 1, 3, 4, fp8=Tru
 F8_BULK_1 = [GemmTactic(32, 4, 4, 2, 1, stages=4, fp8=True), GemmTactic(16, 4, 2, 4, 2, stages=3, fp8=True),
              GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True)]  # fmt: skip
 F8_BULK_2 = [GemmTactic(32, 4, 1, 3, 2, stages=4, fp8=True), GemmTactic(16, 4, 2, 3, 3, stages=4, fp8=True),
+             GemmTactic(32, 8, 2, 3, 1, stages=4, fp8=True),
              GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True), GemmTactic(16, 8, 1, 2, 2, stages=3, fp8=True)]  # fmt: skip
 
 
