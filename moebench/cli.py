@@ -184,7 +184,26 @@ def _presets_to_run(preset: str, overrides: dict, reduced: bool, backend_list) -
     _check_geometry(names, overrides, reduced)
     if not reduced:
         return names, None
-    return _reduced_presets(names, overrides, ", ".join(backend_list or CPU_BACKENDS))
+    kept, note = _reduced_presets(names, overrides, ", ".join(_cpu_runnable(backend_list or CPU_BACKENDS)) or "")
+    if not _cpu_runnable(backend_list or CPU_BACKENDS):
+        note = (f"No GPU: none of the backends ({', '.join(backend_list)}) runs on the CPU, so every case is"
+                f" stored as skipped with the reason.")  # fmt: skip
+    return kept, note
+
+
+def _cpu_runnable(names) -> list[str]:
+    """The backends among `names` that can run on the CPU (unknown names are
+    kept: the run's own check names them)."""
+    from moebench.backends.registry import backend_names, load_backend
+
+    out = []
+    for name in names:
+        try:
+            if name not in backend_names() or load_backend(name).unavailable_reason("cpu") is None:
+                out.append(name)
+        except Exception:  # noqa: BLE001 - a backend that cannot even load is not runnable
+            continue
+    return out
 
 
 _STATUS_COLORS = {"ok": "green", "failed": "red", "skipped": "yellow"}

@@ -420,15 +420,31 @@ def test_cpu_tp_suggestion_is_the_reduced_geometrys(tmp_path):
 def test_cpu_sweep_notes_the_reduced_geometry_and_drops_repeats(tmp_path):
     from moebench.reports.store import read_run
 
-    result = runner.invoke(app, ["sweep", "--preset", "dsv41-flash,dsv4-flash", "--backends", "reference",
+    result = runner.invoke(app, ["sweep", "--preset", "dsv41-flash,dsv4-flash", "--backends", "moebench,reference",
                                  "--tp", "1", "--rows", "1", "--replays", "2", "--warmup", "0",
                                  "--out", str(tmp_path)])  # fmt: skip
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
+    assert "No GPU: running reference on the CPU" in text  # moebench cannot: its cases are skipped
     assert "(H=512, I=256, E=32, top_k=6) whatever the preset" in text and "only labels" in text
     assert "dsv4-flash (same layer as dsv41-flash)" in text
     frame, _ = read_run(next(tmp_path.iterdir()))
-    assert list(frame["preset"]) == ["dsv41-flash+custom"]
+    assert list(frame["preset"]) == ["dsv41-flash+custom"] * 2
+    assert dict(zip(frame["backend"], frame["status"])) == {"moebench": "skipped", "reference": "ok"}
+
+
+def test_cpu_runs_of_gpu_only_backends_say_every_case_is_skipped(tmp_path):
+    """Without a GPU, `--backends moebench` cannot run: the banner says so
+    (never 'running moebench on the CPU') and the cases are stored as skipped
+    (a runnable backend next to it is the one the banner names: the next test)."""
+    for command in ("sweep", "step"):
+        out = tmp_path / command
+        result = runner.invoke(app, [command, "--backends", "moebench", "--rows", "1", "--replays", "2",
+                                     "--warmup", "0", "--out", str(out)])  # fmt: skip
+        text = " ".join(result.output.split())
+        assert result.exit_code == 1 and "no case ran (every case was skipped)" in text, text
+        assert "none of the backends (moebench) runs on the CPU" in text, text
+        assert "running moebench" not in text
 
 
 def test_version_and_help_texts():

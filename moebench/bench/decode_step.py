@@ -312,7 +312,7 @@ def run_rank(
     reasons = _first_reasons(reasons, world)
     cases = expand_cases(config, names, reduced=reduced)
     if ALL_TACTICS in config.tactics:
-        cases = expand_all_tactics(cases, backends, reasons)  # the same on every rank: reasons agree
+        cases = expand_all_tactics(cases, backends)  # the same on every rank
     total = len(cases)
     rows_out: list[dict] = []
 

@@ -187,7 +187,7 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
 
     cases = expand_cases(config, names, reduced=reduced)
     if ALL_TACTICS in config.tactics:
-        cases = expand_all_tactics(cases, backends, reasons)
+        cases = expand_all_tactics(cases, backends)
     total = len(cases)
     rows_out: list[dict] = []
     groups_info: list[dict] = []
@@ -313,20 +313,23 @@ def _offers(name: str, tactic: str, shapes) -> bool:
     return False
 
 
-def expand_all_tactics(cases: list[Case], backends: dict[str, Backend], reasons: dict[str, str | None]) -> list[Case]:
+def expand_all_tactics(cases: list[Case], backends: dict[str, Backend]) -> list[Case]:
     """Replace each case of tactic "all" by one case per tactic its backend
-    offers for the case's shape (just "default" for an unavailable backend,
-    which is then skipped with its reason); explicit tactics of the same case
-    are not repeated. Order is kept."""
+    offers for the case's shape: also for a backend that loaded but cannot
+    run here (each such case is then skipped with the reason, so the run
+    lists what the backend offers); just "default" for one that did not load.
+    Explicit tactics of the same case are not repeated. Order is kept."""
     out: list[Case] = []
     seen: set[Case] = set()
     for case in cases:
-        if case.tactic != ALL_TACTICS:
-            expanded = [case]
-        elif reasons.get(case.backend) is None and case.backend in backends:
-            expanded = [replace(case, tactic=t) for t in backends[case.backend].valid_tactics(case.shape)]
-        else:
+        expanded = [case]
+        if case.tactic == ALL_TACTICS:
             expanded = [replace(case, tactic=DEFAULT_TACTIC)]
+            if case.backend in backends:
+                try:
+                    expanded = [replace(case, tactic=t) for t in backends[case.backend].valid_tactics(case.shape)]
+                except Exception:  # noqa: BLE001 - a backend that cannot list its tactics here: default only
+                    pass
         for c in expanded:
             if c not in seen:
                 seen.add(c)

@@ -284,3 +284,12 @@ def test_gpu_sweep_times_our_stages_and_routed_path():
         assert r["routed_us"] < r["median_us"], r
         assert max(r["kernel_gemm1_us"], r["kernel_gemm2_us"]) < r["routed_us"], r
         assert 0 < r["routed_pct_copy_bw"] < 100
+
+
+def test_all_tactics_of_a_backend_that_cannot_run_here_are_listed_and_skipped():
+    """`--tactics all` with moebench on the CPU: one skipped row per tactic it
+    offers (default, builtin, tuned, fp8), each with the reason."""
+    cfg = SweepConfig(backends=("moebench",), tactics=("all",), **{**TINY, "rows": (1,)})
+    df = run_sweep(cfg).frame
+    assert set(df["tactic"]) >= {"default", "builtin", "fp8"} and "all" not in set(df["tactic"])
+    assert (df["status"] == "skipped").all() and df["error"].str.contains("CUDA").all()
