@@ -430,7 +430,6 @@ def _print_summary(table_df) -> None:
                "backend": "backend", "tactic": "tactic", "status": "status", "median_us": "µs",
                "gbps": "GB/s", "pct_copy_bw": "%copy", "pct_size_ceiling": "%ceil",
                "routed_us": "routed µs", "routed_pct_copy_bw": "routed %copy",
-               **{c: c[len("kernel_"):-len("_us")] + " µs" for c in table_df.columns if c.startswith("kernel_")},
                "vs_torch_bf16": "×torch", "max_rel_err": "err", "note": "note"}  # fmt: skip
     constant = [c for c in ("preset", "tp", "scenario", "tactic")
                 if len(table_df) and table_df[c].nunique(dropna=False) == 1]  # fmt: skip
@@ -440,11 +439,16 @@ def _print_summary(table_df) -> None:
              if not table_df[c].replace("", None).notna().any()]  # fmt: skip
     shown = [c for c in columns if c in table_df.columns and c not in constant and c not in empty]
     for col in shown:
-        table.add_column(columns[col], overflow="fold", no_wrap=col != "note")
+        table.add_column(columns[col], overflow="fold", no_wrap=col != "note",
+                         min_width=None if col == "note" else len(columns[col]))
     for rec in table_df.to_dict("records"):
         table.add_row(*(_cell(col, rec[col]) for col in shown))
     # Wide enough for the table even when stdout is not a terminal (logs, CI).
-    Console(highlight=False, width=max(console.width, 150)).print(table)
+    out = Console(highlight=False, width=max(console.width, 150))
+    out.print(table)
+    if "routed_us" in shown:
+        out.print("routed = route + GEMM1 + GEMM2 without the finalize; each stage's time alone"
+                  " (kernel_<stage>_us) is in the report's summary.md")
 
 
 @app.command()

@@ -110,9 +110,12 @@ class Backend(abc.ABC):
     ) -> list[tuple[str, Callable[[], object]]]:
         """`forward` cut into its stages, in order, for per-kernel timing: one
         (name, call) per stage, each call bound to inputs an eager run of the
-        stages before it produced (so a stage can be timed alone; names from
-        the sweep's `SWEEP_STAGES`). Runs those earlier stages once, eagerly.
-        Default: [] (the backend is timed as a whole only)."""
+        stages before it produced (so a stage can be timed alone). Names:
+        distinct, from the sweep's `SWEEP_STAGES`, the same list for every
+        weight set; the calls must be CUDA-graph capturable when the backend
+        is `capturable`. Runs those earlier stages once, eagerly. Default: []
+        (the backend is timed as a whole only). The sweep keeps a case whose
+        split fails `ok`, with the reason in its note."""
         return []
 
     def routed_call(

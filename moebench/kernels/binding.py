@@ -2,9 +2,10 @@
 in, or the fused front) and the GEMM pair bound to one MoE layer's
 routed-expert weights.
 
-    x (BF16) + top-k ids ──► route (MXFP8 x, record, permute map) ─► GEMM1 (SwiGLU, MXFP8 H) ─► GEMM2
-                                                                          ─► UnfinalizedMoEOutput
-    router logits + x ──► front (top-k, MXFP8 x, record) ─┘   (after set_front)
+    x (BF16) + top-k ids ──► route (MXFP8 x, record, permute map) ─┐
+    router logits + x ──► front (top-k, MXFP8 x, record) ───────────┤ (after set_front)
+                                                                    ▼
+                         GEMM1 (SwiGLU, MXFP8 H) ─► GEMM2 ─► UnfinalizedMoEOutput
 
 The weights are converted once from the canonical layout (`formats.ExpertWeights`)
 to the kernels' layout; every kernel is compiled when the layer is bound (never

@@ -23,12 +23,13 @@ integer max also detects a non-finite block, where a float max would drop a
 NaN), one IEEE division, 32 fp32 multiplies by 2^(127 - code) built from
 bits (code 254 -> the subnormal 2^-127), 16 paired conversions, two 16-byte
 stores and one scale byte (the device function `quantize_block`, which the
-fused front, `front.py`, shares). The block count rows*H/32 is a runtime value:
+fused front, `front.py`, and the route kernel's fused quantization, `route.py`,
+share). The block count rows*H/32 is a runtime value:
 one compiled kernel serves every shape; the grid is ceil(blocks / threads)
 CTAs (rows 8, H 7168: 1792 blocks, 28 CTAs of 64 threads).
 
 Programmatic dependent launch (`pdl=True`): the kernel lets its dependents
-launch on entry (the route kernel / GEMMs that follow may start their
+launch on entry (the kernels that follow may start their
 prologue; they must griddepcontrol.wait before reading x_q / x_scale, which
 waits for this grid to complete and flush) and waits on griddepcontrol
 before its first global access (x comes from the previous kernel, and the
@@ -111,7 +112,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     def quantize_block(px: cute.Pointer, pq: cute.Pointer, x_scale: cute.Pointer, b: Int32,
                        pd: cute.Pointer, deq: cutlass.Constexpr[bool]):
         """Quantize 32-element block `b` of the flattened input (device code,
-        shared by QuantizeKernel and the fused front): px / pq are Uint32
+        shared by QuantizeKernel, the fused front and the route kernel): px / pq are Uint32
         views of x (16 words a block) and x_q (8 words a block), x_scale the
         Uint8 scale pointer. Four 16-byte loads, two 16-byte stores and one
         scale byte; the rule and its method are in the module docstring.

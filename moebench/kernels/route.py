@@ -443,10 +443,10 @@ def launch_route_quantize(
         raise ValueError(f"topk_ids must have x's {rows} rows, got {tuple(topk_ids.shape)}")
     top_k = topk_ids.shape[1]
     device = x.device
-    _check_out("record_out", record_out, (route_words(max_ctas(rows, top_k, experts)),), device)
-    _check_out("permuted_out", permuted_out, (rows, top_k), device)
     if topk_ids.device != device:
         raise ValueError(f"topk_ids must be on {device} (the device of x), got {topk_ids.device}")
+    _check_out("record_out", record_out, (route_words(max_ctas(rows, top_k, experts)),), device)
+    _check_out("permuted_out", permuted_out, (rows, top_k), device)
     check_bool("pdl", pdl)
     if device.type != "cuda":
         raise ValueError(f"x, topk_ids and the outputs must be CUDA tensors, got {device}")

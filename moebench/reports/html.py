@@ -31,7 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from moebench.reports.compare import Comparison
-from moebench.reports.summary import summary_table
+from moebench.reports.summary import kernel_columns, summary_table
 
 GROUP_KEYS = ("preset", "tp", "scenario")
 KERNEL_COLUMN = re.compile(r"^kernel_(\w+)_us$")
@@ -147,10 +147,6 @@ def plot_speedup(df: pd.DataFrame, path: Path) -> Path | None:
         ax.set_ylabel("speedup vs FlashInfer (x)")
         ax.legend(fontsize=7)
     return _save(fig, path)
-
-
-def kernel_columns(df: pd.DataFrame) -> list[str]:
-    return [c for c in df.columns if KERNEL_COLUMN.match(str(c)) and df[c].notna().any()]
 
 
 def _kernel_panels(df: pd.DataFrame, cols: list[str]) -> list[tuple[tuple, pd.DataFrame]]:

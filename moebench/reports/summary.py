@@ -55,7 +55,7 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     columns = list(SUMMARY_COLUMNS)
     at = columns.index("vs_torch_bf16")
     columns[at:at] = [c for c in ROUTED_COLUMNS if c in df.columns
-                      and pd.to_numeric(df[c], errors="coerce").notna().any()] + _kernel_columns(df)  # fmt: skip
+                      and pd.to_numeric(df[c], errors="coerce").notna().any()] + kernel_columns(df)  # fmt: skip
     return out[columns].reset_index(drop=True)
 
 
@@ -72,9 +72,17 @@ RANK_COLUMNS = (
 )  # fmt: skip
 
 
-def _kernel_columns(df: pd.DataFrame) -> list[str]:
-    return [c for c in df.columns if str(c).startswith("kernel_") and str(c).endswith("_us")
+#: Stages in launch order (a step's and a sweep's): kernel_<stage>_us columns are shown in this order.
+STAGE_ORDER = ("front", "router", "shared", "route", "gemm1", "gemm2", "finalize", "experts", "shared_add")
+
+
+def kernel_columns(df: pd.DataFrame) -> list[str]:
+    """The kernel_<stage>_us columns of `df` that hold a value, in launch
+    order (STAGE_ORDER; stages it does not know last, as they come)."""
+    cols = [c for c in df.columns if str(c).startswith("kernel_") and str(c).endswith("_us")
             and pd.to_numeric(df[c], errors="coerce").notna().any()]  # fmt: skip
+    rank = {f"kernel_{name}_us": i for i, name in enumerate(STAGE_ORDER)}
+    return sorted(cols, key=lambda c: rank.get(c, len(STAGE_ORDER)))
 
 
 def is_step_run(df: pd.DataFrame, manifest: dict | None = None) -> bool:
@@ -97,7 +105,7 @@ def step_summary_table(df: pd.DataFrame) -> pd.DataFrame:
     if missing:
         raise ValueError(f"step results lack columns {missing}")
     out = _with_ratio_and_note(df)
-    columns = [*STEP_SUMMARY_COLUMNS, *_kernel_columns(df), *STEP_TAIL_COLUMNS]
+    columns = [*STEP_SUMMARY_COLUMNS, *kernel_columns(df), *STEP_TAIL_COLUMNS]
     for col in ("routing_path", "shared_path"):  # runs stored before the columns lack them
         if col in df.columns:
             columns.insert(columns.index("status"), col)
@@ -107,7 +115,7 @@ def step_summary_table(df: pd.DataFrame) -> pd.DataFrame:
 def rank_table(ranks: pd.DataFrame) -> pd.DataFrame:
     """Per-rank rows of a TP step (the run's ranks.parquet): the step, the
     all-reduce, the gate and each stage as that rank timed them."""
-    columns = [c for c in RANK_COLUMNS if c in ranks.columns] + _kernel_columns(ranks)
+    columns = [c for c in RANK_COLUMNS if c in ranks.columns] + kernel_columns(ranks)
     if "max_rel_err" in ranks.columns:
         columns.append("max_rel_err")
     keys = [c for c in ("preset", "rows", "scenario", "backend", "tactic", "rank") if c in ranks.columns]
@@ -172,6 +180,9 @@ def to_markdown(df: pd.DataFrame, manifest: dict, ranks: pd.DataFrame | None = N
     if step:
         lines.append(f"- decode step over {manifest.get('ranks', 1)} rank(s); µs exclude the gate (gate_us,"
                      f" step_with_gate_us report it); per-stage split: {manifest.get('stage_timing') or '-'}")  # fmt: skip
+    elif manifest.get("stage_timing") and (set(ROUTED_COLUMNS) | set(kernel_columns(df))) & set(df.columns):
+        lines.append(f"- routed_us = route + GEMM1 + GEMM2 (no finalize); kernel_<stage>_us = one stage;"
+                     f" {manifest['stage_timing']}")  # fmt: skip
     if manifest.get("sharded"):
         workers = manifest.get("workers") or []
         lines.append("- sharded over GPUs " + ", ".join(

@@ -229,6 +229,19 @@ class BadStageBackend(TorchBF16Backend):
     def stage_calls(self, prepared, x, topk_ids, topk_weights):
         return [("warp-drive", lambda: None)]
 
+    def routed_call(self, prepared, x, topk_ids, topk_weights):
+        return lambda: None
+
+
+class RepeatedStageBackend(TorchBF16Backend):
+    name = "test-repeated-stage"
+
+    def stage_calls(self, prepared, x, topk_ids, topk_weights):
+        return [("gemm1", lambda: None), ("gemm1", lambda: None)]
+
+    def routed_call(self, prepared, x, topk_ids, topk_weights):
+        raise RuntimeError("no routed path today")
+
 
 def test_a_split_backend_gets_per_stage_and_routed_times():
     """kernel_<stage>_us for the stages a backend names (the others NaN),
@@ -237,7 +250,8 @@ def test_a_split_backend_gets_per_stage_and_routed_times():
     with the reason in its note."""
     from moebench.bench.sweep import STAGE_TIMING, SWEEP_STAGES
 
-    names = {"test-staged": StagedBackend, "test-bad-stage": BadStageBackend}
+    names = {"test-staged": StagedBackend, "test-bad-stage": BadStageBackend,
+             "test-repeated-stage": RepeatedStageBackend}
     for name, cls in names.items():
         register_backend(name, cls)
     StagedBackend.calls = {}
@@ -263,14 +277,19 @@ def test_a_split_backend_gets_per_stage_and_routed_times():
     bad = by["test-bad-stage"]
     assert bad["status"] == "ok" and bad["median_us"] > 0
     assert "per-stage timing failed" in bad["error"] and "warp-drive" in bad["error"]
+    assert bad["routed_us"] > 0  # the routed path is timed even though the stages failed
+    rep = by["test-repeated-stage"]
+    assert rep["status"] == "ok" and math.isnan(rep["kernel_gemm1_us"]) and math.isnan(rep["routed_us"])
+    assert "distinct names" in rep["error"] and "routed-path timing failed: RuntimeError: no routed path" in rep["error"]
     assert result.manifest["stage_timing"] == STAGE_TIMING
 
 
 @pytest.mark.gpu
 def test_gpu_sweep_times_our_stages_and_routed_path():
     """dsv41-flash TP8 rows 6: the moebench row carries every stage and the
-    routed path, each positive; the routed path (no finalize) is faster than
-    the layer call and each GEMM than the routed path."""
+    routed path, each positive; the routed path (no finalize) is not slower
+    than the layer call by more than noise and PDL effects, each GEMM is
+    faster than the routed path."""
     from moebench.bench.sweep import SWEEP_STAGES
 
     cfg = SweepConfig(presets=("dsv41-flash",), tp=(8,), rows=(6,), scenarios=("correlated",),
@@ -281,7 +300,7 @@ def test_gpu_sweep_times_our_stages_and_routed_path():
         assert r["error"] == "", r["error"]
         for s in SWEEP_STAGES:
             assert r[f"kernel_{s}_us"] > 0, (r["tactic"], s)
-        assert r["routed_us"] < r["median_us"], r
+        assert r["routed_us"] < 1.05 * r["median_us"], r  # no finalize; PDL neighbours differ (sweep docstring)
         assert max(r["kernel_gemm1_us"], r["kernel_gemm2_us"]) < r["routed_us"], r
         assert 0 < r["routed_pct_copy_bw"] < 100
 
