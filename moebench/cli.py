@@ -284,7 +284,9 @@ def sweep(
     """Measure backends over presets x TP x rows x scenarios.
 
     Every case is gated on the fp64 oracle, then timed; the run is stored under
-    OUT/<UTC date>-<label>."""
+    OUT/<UTC date>-<label>. For backends that split their forward (moebench)
+    each stage and the routed path (route + GEMM1 + GEMM2) are timed too:
+    about three times the timing work of such a case."""
     from moebench.backends.registry import backend_names
     from moebench.bench.cases import SweepConfig
     from moebench.bench.sweep import run_sweep, validate_sweep
