@@ -112,7 +112,9 @@ def check_topk_ids(topk_ids: torch.Tensor, experts: int) -> None:
         raise ValueError(f"topk_ids has {rows} rows; the record takes at most {MAX_ROWS}")
     if not 1 <= top_k <= MAX_TOP_K:
         raise ValueError(f"topk_ids: top_k must be in [1, {MAX_TOP_K}], got {top_k}")
-    if not isinstance(experts, int) or not 1 <= experts <= MAX_EXPERTS:
+    if isinstance(experts, bool) or not isinstance(experts, int):
+        raise TypeError(f"experts must be an int in [1, {MAX_EXPERTS}], got {type(experts).__name__} {experts!r}")
+    if not 1 <= experts <= MAX_EXPERTS:
         raise ValueError(f"experts must be an int in [1, {MAX_EXPERTS}], got {experts!r}")
 
 

@@ -238,7 +238,7 @@ def test_builder_keeps_device():
         (torch.zeros(2, 0, dtype=torch.int32), 16, ValueError, "top_k"),
         (torch.zeros(2, 6, dtype=torch.int32), 0, ValueError, "experts"),
         (torch.zeros(2, 6, dtype=torch.int32), 513, ValueError, "experts"),
-        (torch.zeros(2, 6, dtype=torch.int32), 8.0, ValueError, "experts"),
+        (torch.zeros(2, 6, dtype=torch.int32), 8.0, TypeError, "experts"),
     ],
 )
 def test_builder_bad_input(ids, experts, exc, match):
