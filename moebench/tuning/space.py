@@ -251,7 +251,8 @@ class Fp8Space:
     2. the warp-specialized variants measured in perf-notes v11 and v13
        (F8_BULK_1 / F8_BULK_2: deeper or shallower rings, unroll 2-8, K
        split 2; GEMM2 as one CTA of four warpgroups, r32_m8_k2_u3_c1_b4,
-       1-2.5 µs faster per pair at dsv41-flash TP4 rows 1-6, v13's log);
+       1-2.5 µs faster per pair than the fp8 default GEMM2 at dsv41-flash
+       TP4 rows 1-6, v13's log);
     3. one-field changes of each default, round-robin: `stages` +-1 (2..6:
        the ring depth that hides the weight stream), `unroll` to its
        neighbours in (2, 3, 4, 6, 8), `ctas_per_sm` +-1, `warps_k` x2 / /2,
