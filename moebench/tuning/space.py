@@ -121,6 +121,31 @@ QUICK_SPACE = TacticSpace(
 DEFAULT_SPACE = QUICK_SPACE
 
 
+def _distinct_defaults(s: GemmShape, pick) -> list[GemmTactic]:
+    """The distinct tactics `pick(ctas)` returns over every token-tile count
+    rows 1..8 at any top_k can need for `s`, then ctas unknown (None), in the
+    order met; a ctas for which `pick` raises ValueError is left out."""
+    counts = sorted({max_ctas(r, k, s.experts) for r in range(1, MAX_ROWS + 1)
+                     for k in range(1, MAX_TOP_K + 1)})  # fmt: skip
+    out: list[GemmTactic] = []
+    for ctas in [*counts, None]:
+        try:
+            t = pick(ctas)
+        except ValueError:
+            continue
+        if t not in out:
+            out.append(t)
+    return out
+
+
+def _round_robin(rings: list[list[GemmTactic]]):
+    """Step 0 of every ring, then step 1 of every ring, ... (rings of unequal length)."""
+    for step in range(max((len(r) for r in rings), default=0)):
+        for ring in rings:
+            if step < len(ring):
+                yield ring[step]
+
+
 @dataclass(frozen=True)
 class NeighbourSpace:
     """The built-in defaults of a shape and their nearest neighbours: the
@@ -169,17 +194,7 @@ class NeighbourSpace:
         """The distinct default tactics of `shape` over every token-tile count
         rows 1..8 at any top_k can need (and ctas unknown), in the order met."""
         s = GemmShape.of(shape)
-        out: list[GemmTactic] = []
-        counts = sorted({max_ctas(r, k, s.experts) for r in range(1, MAX_ROWS + 1)
-                         for k in range(1, MAX_TOP_K + 1)})  # fmt: skip
-        for ctas in [*counts, None]:
-            try:
-                t = default_tactic(s, stage, ctas, num_sms, wide_scales)
-            except ValueError:
-                continue
-            if t not in out:
-                out.append(t)
-        return out
+        return _distinct_defaults(s, lambda ctas: default_tactic(s, stage, ctas, num_sms, wide_scales))
 
     @staticmethod
     def changes(t: GemmTactic) -> list[GemmTactic]:
@@ -211,15 +226,11 @@ class NeighbourSpace:
         defaults = [d for d in self.defaults(s, stage, num_sms, wide_scales)
                     if why_invalid(d, s, stage, None, num_sms, prune=False) is None]  # fmt: skip
         out = list(defaults[: self.limit])
-        rings = [self.changes(d) for d in defaults]
-        for step in range(max((len(r) for r in rings), default=0)):
-            for ring in rings:
-                if len(out) >= self.limit:
-                    return tuple(out)
-                if step < len(ring):
-                    t = ring[step]
-                    if t not in out and why_invalid(t, s, stage, None, num_sms, prune=True) is None:
-                        out.append(t)
+        for t in _round_robin([self.changes(d) for d in defaults]):
+            if len(out) >= self.limit:
+                break
+            if t not in out and why_invalid(t, s, stage, None, num_sms, prune=True) is None:
+                out.append(t)
         return tuple(out)
 
 
@@ -272,17 +283,7 @@ class Fp8Space:
         """The distinct fp8 defaults of `shape` over every token-tile count
         rows 1..8 at any top_k can need (and ctas unknown), in the order met."""
         s = GemmShape.of(shape)
-        out: list[GemmTactic] = []
-        counts = sorted({max_ctas(r, k, s.experts) for r in range(1, MAX_ROWS + 1)
-                         for k in range(1, MAX_TOP_K + 1)})  # fmt: skip
-        for ctas in [*counts, None]:
-            try:
-                t = default_fp8_tactic(s, stage, ctas, num_sms)
-            except ValueError:
-                continue
-            if t not in out:
-                out.append(t)
-        return out
+        return _distinct_defaults(s, lambda ctas: default_fp8_tactic(s, stage, ctas, num_sms))
 
     @staticmethod
     def changes(t: GemmTactic) -> list[GemmTactic]:
@@ -316,11 +317,8 @@ class Fp8Space:
         defaults = self.defaults(s, stage, num_sms)
         for t in [*defaults, *(F8_BULK_1 if stage == 1 else F8_BULK_2)]:
             add(t)
-        rings = [self.changes(d) for d in defaults]
-        for step in range(max((len(r) for r in rings), default=0)):
-            for ring in rings:
-                if step < len(ring):
-                    add(ring[step])
+        for t in _round_robin([self.changes(d) for d in defaults]):
+            add(t)
         return tuple(out)
 
 
