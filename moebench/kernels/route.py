@@ -343,8 +343,29 @@ def _compile(pdl: bool, keys_per_step: int, quantize: bool, deq: bool):
                         _cuda.CUstream(0))  # fmt: skip
 
 
-def _check_out(name: str, t, shape: tuple[int, ...], device: torch.device) -> None:
-    check_tensor(name, t, torch.int32, shape, device, device_of="topk_ids")
+def _check_ids(topk_ids, experts) -> tuple[int, int]:
+    """`topk_ids` as the route kernel reads it (int32, contiguous; and
+    `check_topk_ids`); returns (rows, top_k)."""
+    check_topk_ids(topk_ids, experts)
+    if topk_ids.dtype != torch.int32:
+        raise TypeError(f"topk_ids must be int32, got {topk_ids.dtype}")
+    if not topk_ids.is_contiguous():
+        raise ValueError("topk_ids must be contiguous")
+    return topk_ids.shape[0], topk_ids.shape[1]
+
+
+def _check_outs(record_out, permuted_out, rows: int, top_k: int, experts: int, device: torch.device) -> None:
+    """The record and permute-map buffers, int32 on topk_ids' `device`."""
+    for name, t, shape in (("record_out", record_out, (route_words(max_ctas(rows, top_k, experts)),)),
+                           ("permuted_out", permuted_out, (rows, top_k))):
+        check_tensor(name, t, torch.int32, shape, device, device_of="topk_ids")
+
+
+def _run(compiled, topk_ids, record_out, permuted_out, experts: int, x_ptrs, blocks: int, stream, device) -> None:
+    """Launch a compiled route kernel; `x_ptrs`: its x, x_q, x_scale, x_deq pointers."""
+    rows, top_k = topk_ids.shape
+    compiled(gmem_ptr(Int32, topk_ids, 4), gmem_ptr(Int32, record_out, 4), gmem_ptr(Int32, permuted_out, 4),
+             Int32(rows), Int32(top_k), Int32(experts), *x_ptrs, Int32(blocks), cu_stream(stream, device))
 
 
 def launch_route(
@@ -378,26 +399,19 @@ def launch_route(
     range, layout or device (each naming the argument), RuntimeError without
     nvidia-cutlass-dsl.
     """
-    check_topk_ids(topk_ids, experts)
-    if topk_ids.dtype != torch.int32:
-        raise TypeError(f"topk_ids must be int32, got {topk_ids.dtype}")
-    if not topk_ids.is_contiguous():
-        raise ValueError("topk_ids must be contiguous")
-    rows, top_k = topk_ids.shape
+    rows, top_k = _check_ids(topk_ids, experts)
     device = topk_ids.device
-    _check_out("record_out", record_out, (route_words(max_ctas(rows, top_k, experts)),), device)
-    _check_out("permuted_out", permuted_out, (rows, top_k), device)
+    _check_outs(record_out, permuted_out, rows, top_k, experts, device)
     check_bool("pdl", pdl)
     _check_keys_per_step(keys_per_step)
     if device.type != "cuda":
         raise ValueError(f"topk_ids, record_out and permuted_out must be CUDA tensors, got {device}")
     require_dsl(_KERNEL)
-    compiled = compile_route_kernel(pdl, keys_per_step)
     unused = record_out.data_ptr() // 16 * 16  # x stand-ins, never read without quantize
-    compiled(gmem_ptr(Int32, topk_ids, 4), gmem_ptr(Int32, record_out, 4), gmem_ptr(Int32, permuted_out, 4),
-             Int32(rows), Int32(top_k), Int32(experts), gmem_ptr(BFloat16, unused, 16),
-             gmem_ptr(Uint8, unused, 16), gmem_ptr(Uint8, unused, 16), gmem_ptr(BFloat16, unused, 16), Int32(0),
-             cu_stream(stream, device))
+    x_ptrs = (gmem_ptr(BFloat16, unused, 16), gmem_ptr(Uint8, unused, 16), gmem_ptr(Uint8, unused, 16),
+              gmem_ptr(BFloat16, unused, 16))
+    _run(compile_route_kernel(pdl, keys_per_step), topk_ids, record_out, permuted_out, experts, x_ptrs, 0,
+         stream, device)
 
 
 def launch_route_quantize(
@@ -434,29 +448,22 @@ def launch_route_quantize(
     from moebench.kernels.quantize import check_quantize_args
 
     rows, h = check_quantize_args(x, x_q_out, x_scale_out, x_deq_out)
-    check_topk_ids(topk_ids, experts)
-    if topk_ids.dtype != torch.int32:
-        raise TypeError(f"topk_ids must be int32, got {topk_ids.dtype}")
-    if not topk_ids.is_contiguous():
-        raise ValueError("topk_ids must be contiguous")
-    if topk_ids.shape[0] != rows:
+    ids_rows, top_k = _check_ids(topk_ids, experts)
+    if ids_rows != rows:
         raise ValueError(f"topk_ids must have x's {rows} rows, got {tuple(topk_ids.shape)}")
-    top_k = topk_ids.shape[1]
     device = x.device
     if topk_ids.device != device:
         raise ValueError(f"topk_ids must be on {device} (the device of x), got {topk_ids.device}")
-    _check_out("record_out", record_out, (route_words(max_ctas(rows, top_k, experts)),), device)
-    _check_out("permuted_out", permuted_out, (rows, top_k), device)
+    _check_outs(record_out, permuted_out, rows, top_k, experts, device)
     check_bool("pdl", pdl)
     if device.type != "cuda":
         raise ValueError(f"x, topk_ids and the outputs must be CUDA tensors, got {device}")
     require_dsl(_KERNEL)
     deq = x_deq_out is not None
-    compiled = compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq)
-    compiled(gmem_ptr(Int32, topk_ids, 4), gmem_ptr(Int32, record_out, 4), gmem_ptr(Int32, permuted_out, 4),
-             Int32(rows), Int32(top_k), Int32(experts), gmem_ptr(BFloat16, x, 16), gmem_ptr(Uint8, x_q_out, 16),
-             gmem_ptr(Uint8, x_scale_out, 16), gmem_ptr(BFloat16, x_deq_out if deq else x, 16),
-             Int32(rows * h // 32), cu_stream(stream, device))
+    x_ptrs = (gmem_ptr(BFloat16, x, 16), gmem_ptr(Uint8, x_q_out, 16), gmem_ptr(Uint8, x_scale_out, 16),
+              gmem_ptr(BFloat16, x_deq_out if deq else x, 16))
+    _run(compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq), topk_ids, record_out, permuted_out, experts,
+         x_ptrs, rows * h // 32, stream, device)
 
 
 def route(topk_ids: torch.Tensor, experts: int, *, stream=None, pdl: bool = True) -> RouteRecord:
