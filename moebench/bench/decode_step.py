@@ -92,9 +92,9 @@ from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_g
 from moebench.bench.cases import CPU_BACKENDS, SweepConfig, expand_cases, unique_bytes, unique_experts
 from moebench.bench.shard import MULTICAST_OFF, free_port, gpu_serial, gpu_uuid, visible_gpu_count, worker_env
 from moebench.bench.sweep import (
-    ALL_TACTICS, COLUMNS, EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
+    ALL_TACTICS, COLUMNS, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
     canonical_bytes, check_backend_names, check_tactic_names, expand_all_tactics, layer_count, loaded_backends,
-    skip_reason,
+    skip_reason, timing_counts,
 )  # fmt: skip
 from moebench.bench.timing import Timing, time_graph
 from moebench.env import environment, resolve_device
@@ -590,11 +590,8 @@ def _time_case(config, steps, capturable, dev, world, rows, hidden) -> dict[str,
     """Every timed quantity of one case (see the module docstring). The
     quantities with collectives come first, in the same order on every rank."""
     graph = config.use_graph and capturable
-    full = graph and dev.type == "cuda"
     counts = dict(
-        warmup=config.warmup if full else min(config.warmup, EAGER_WARMUP_CAP),
-        replays=config.replays if full else min(config.replays, EAGER_REPLAYS_CAP),
-        calls_per_replay=len(steps), use_graph=graph, device=dev,
+        timing_counts(config, len(steps), graph, dev),
         # The NCCL watchdog thread queries events while a rank captures.
         capture_error_mode="thread_local" if world > 1 else "global",
     )  # fmt: skip

@@ -556,16 +556,7 @@ def _run_case(config, case, backend, prepared, weights0, x, ids, topk_w, oracles
                         f"CUDA-graph replay: rel. error {err:.3g} vs the {backend.oracle} oracle exceeds"
                         f" {backend.tolerance:g} (the eager call passed)"))  # fmt: skip
                     return row
-            # Slow eager paths (the reference, anything on the CPU) get capped counts.
-            full = graph and dev.type == "cuda"
-            timing = time_graph(
-                call_all_layers,
-                warmup=config.warmup if full else min(config.warmup, EAGER_WARMUP_CAP),
-                replays=config.replays if full else min(config.replays, EAGER_REPLAYS_CAP),
-                calls_per_replay=len(prepared),
-                use_graph=graph,
-                device=dev,
-            )
+            timing = time_graph(call_all_layers, **timing_counts(config, len(prepared), graph, dev))
     except Exception as error:  # noqa: BLE001 - a backend failure fails its case only
         if dev.type == "cuda":
             with contextlib.suppress(Exception):
@@ -591,12 +582,15 @@ def _run_case(config, case, backend, prepared, weights0, x, ids, topk_w, oracles
     return row
 
 
-def _part_counts(config, prepared, graph: bool, dev) -> dict:
+def timing_counts(config, calls: int, graph: bool, dev) -> dict:
+    """`time_graph` keyword arguments of a case: `calls` calls per replay,
+    the config's warmup / replays, capped for slow eager paths (the
+    reference, anything on the CPU: EAGER_WARMUP_CAP / EAGER_REPLAYS_CAP)."""
     full = graph and dev.type == "cuda"
     return dict(
         warmup=config.warmup if full else min(config.warmup, EAGER_WARMUP_CAP),
         replays=config.replays if full else min(config.replays, EAGER_REPLAYS_CAP),
-        calls_per_replay=len(prepared), use_graph=graph, device=dev,
+        calls_per_replay=calls, use_graph=graph, device=dev,
     )  # fmt: skip
 
 
@@ -615,7 +609,7 @@ def _time_stages(config, backend, prepared, x, ids, topk_w, graph: bool, dev) ->
         if [name for name, _ in calls] != names:
             raise ValueError(f"{backend.name}.stage_calls gave layer {layer} the stages"
                              f" {[name for name, _ in calls]}, layer 0 {names}; expected the same for every layer")
-    counts = _part_counts(config, prepared, graph, dev)
+    counts = timing_counts(config, len(prepared), graph, dev)
     return {f"kernel_{name}_us": time_graph(lambda i=i: [calls[i][1]() for calls in per_layer], **counts).median_us
             for i, name in enumerate(names)}
 
@@ -625,5 +619,5 @@ def _time_routed(config, backend, prepared, x, ids, topk_w, graph: bool, dev) ->
     routed = [backend.routed_call(p, x, ids, topk_w) for p in prepared]
     if routed[0] is None:
         return {}
-    return {"routed_us": time_graph(lambda: [call() for call in routed], **_part_counts(config, prepared, graph,
-                                                                                        dev)).median_us}
+    counts = timing_counts(config, len(prepared), graph, dev)
+    return {"routed_us": time_graph(lambda: [call() for call in routed], **counts).median_us}
