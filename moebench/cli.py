@@ -184,8 +184,9 @@ def _presets_to_run(preset: str, overrides: dict, reduced: bool, backend_list) -
     _check_geometry(names, overrides, reduced)
     if not reduced:
         return names, None
-    kept, note = _reduced_presets(names, overrides, ", ".join(_cpu_runnable(backend_list or CPU_BACKENDS)) or "")
-    if not _cpu_runnable(backend_list or CPU_BACKENDS):
+    runnable = _cpu_runnable(backend_list or CPU_BACKENDS)
+    kept, note = _reduced_presets(names, overrides, ", ".join(runnable))
+    if not runnable:
         note = (f"No GPU: none of the backends ({', '.join(backend_list)}) runs on the CPU, so every case is"
                 f" stored as skipped with the reason.")  # fmt: skip
     return kept, note

@@ -54,8 +54,7 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     out = _with_ratio_and_note(df)
     columns = list(SUMMARY_COLUMNS)
     at = columns.index("vs_torch_bf16")
-    columns[at:at] = [c for c in ROUTED_COLUMNS if c in df.columns
-                      and pd.to_numeric(df[c], errors="coerce").notna().any()] + kernel_columns(df)  # fmt: skip
+    columns[at:at] = [c for c in ROUTED_COLUMNS if _has_values(df, c)] + kernel_columns(df)
     return out[columns].reset_index(drop=True)
 
 
@@ -72,6 +71,11 @@ RANK_COLUMNS = (
 )  # fmt: skip
 
 
+def _has_values(df: pd.DataFrame, col: str) -> bool:
+    """Whether column `col` exists and some row holds a number in it."""
+    return col in df.columns and bool(pd.to_numeric(df[col], errors="coerce").notna().any())
+
+
 #: Stages in launch order (a step's and a sweep's): kernel_<stage>_us columns are shown in this order.
 STAGE_ORDER = ("front", "router", "shared", "route", "gemm1", "gemm2", "finalize", "experts", "shared_add")
 
@@ -79,8 +83,7 @@ STAGE_ORDER = ("front", "router", "shared", "route", "gemm1", "gemm2", "finalize
 def kernel_columns(df: pd.DataFrame) -> list[str]:
     """The kernel_<stage>_us columns of `df` that hold a value, in launch
     order (STAGE_ORDER; stages it does not know last, as they come)."""
-    cols = [c for c in df.columns if str(c).startswith("kernel_") and str(c).endswith("_us")
-            and pd.to_numeric(df[c], errors="coerce").notna().any()]  # fmt: skip
+    cols = [c for c in df.columns if str(c).startswith("kernel_") and str(c).endswith("_us") and _has_values(df, c)]
     rank = {f"kernel_{name}_us": i for i, name in enumerate(STAGE_ORDER)}
     return sorted(cols, key=lambda c: rank.get(c, len(STAGE_ORDER)))
 
