@@ -264,7 +264,6 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             e, k = self.experts, self.top_k
             s_scores = smem.allocate_tensor(Float32, cute.make_layout(e), byte_alignment=16)
             s_keys = smem.allocate_tensor(Uint32, cute.make_layout(e), byte_alignment=16)
-            s_win = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), byte_alignment=16)
             handoff = smem.allocate_array(Int64, 1, byte_alignment=8)
 
             if cutlass.const_expr(self.pdl):
@@ -280,6 +279,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                     cute.arch.mbarrier_init_fence()
                 cute.arch.cluster_arrive_relaxed()
                 expert = Int32(-1)
+                ids = [Int32(0)] * k
                 if cta < rows:
                     # waits on griddepcontrol inside, once the bias loads are out
                     row_scores(
@@ -290,14 +290,14 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                         self.image, self.pdl)
                     cute.arch.sync_threads()
                     if tid < WARP:
-                        expert = row_rounds(s_keys, s_win, tid, e, k)
+                        expert, ids = row_rounds(s_keys, tid, e, k)
                 cute.arch.cluster_wait()
                 if cta < rows and tid < k:
                     # row `cta`'s ids into CTA 0's shared memory (DSMEM), completing
                     # bytes on its handoff mbarrier: no barrier, no fence on this side
                     st_async_cluster(s_ids.iterator + (cta * k + tid), handoff, Int32(0), expert)
                 if cta > 0:  # the weights are off CTA 0's path: after the handoff
-                    self.weights(s_scores, s_win, topk_ids, topk_weights, expert, scale, cta, rows, tid)
+                    self.weights(s_scores, ids, topk_ids, topk_weights, expert, scale, cta, rows, tid)
                 else:
                     cute.arch.mbarrier_wait(handoff, 0)
                     expert_of_slot = Int32(-1)
@@ -305,7 +305,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                         expert_of_slot = s_ids[tid]
                     build_record(tid, expert_of_slot, s_key, s_start, s_count, record, permuted,
                                  rows, Int32(k), Int32(e), THREADS, DEFAULT_KEYS_PER_STEP)
-                    self.weights(s_scores, s_win, topk_ids, topk_weights, expert, scale, cta, rows, tid)
+                    self.weights(s_scores, ids, topk_ids, topk_weights, expert, scale, cta, rows, tid)
             else:
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()
@@ -315,11 +315,11 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                                    x_scale, b, cute.recast_ptr(x_deq, dtype=Uint32), self.deq)
 
         @cute.jit
-        def weights(self, s_scores, s_win, topk_ids, topk_weights, expert, scale, cta, rows, tid):
+        def weights(self, s_scores, ids, topk_ids, topk_weights, expert, scale, cta, rows, tid):
             """Row `cta`'s renormalized weights (`topk.row_weights`, warp 0)
             and its ids and weights to global memory."""
             if cta < rows and tid < WARP:
-                weight = row_weights(s_scores, s_win, tid, scale, self.top_k)
+                weight = row_weights(s_scores, ids, tid, scale, self.top_k)
                 if tid < self.top_k:
                     slot = cta * self.top_k + tid
                     cute.arch.store(topk_ids + slot, expert)

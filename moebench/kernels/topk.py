@@ -37,12 +37,10 @@ their unbiased scores in shared memory. Each of the top_k rounds: every
 lane finds its best key by a balanced tree over its n keys (the lower id of
 equals), `redux.sync.max.u32` gives the warp's best key and
 `redux.sync.min.u32` over the ids of the lanes holding it the winning id
-(the lowest of equals), known to every lane; its holder clears that key.
-Since v3 (`row_rounds`) a round asks for the holders' ids only when several
-lanes hold the best key (`vote.ballot`; one holder wins outright) and the
-winner writes its id to shared memory. Then every lane reads the top_k
-chosen scores back from shared memory and renormalizes (`row_weights`: sum
-in top-k order, +inf count) with no further exchange.
+(the lowest of equals), known to every lane; its holder clears that key
+(`row_rounds`). Then every lane reads the top_k chosen scores back from
+shared memory and renormalizes (`row_weights`: sum in top-k order, +inf
+count) with no further exchange.
 """
 
 from __future__ import annotations
@@ -286,56 +284,52 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
     @cute.jit
     def row_rounds(
         s_keys: cute.Tensor,
-        s_win: cute.Tensor,
         lane: Int32,
         experts: cutlass.Constexpr[int],
         top_k: cutlass.Constexpr[int],
     ):
         """Stage 2 of one row's top-k (device code for one full warp, after
         `row_scores` and a CTA barrier): lane l takes the keys of experts
-        l, l + 32, ... (E/32 of them, conflict-free shared loads); each of
-        the top_k rounds finds every lane's best key (tree), the warp's best
-        (`redux.sync.max`) and its holders (`vote.ballot`): one holder wins
-        outright, several (equal keys) go to the lowest id (`redux.sync.min`
-        over their ids, the rare case). The winning lane writes the id to
-        s_win[r] (Int32 [>= top_k], shared) and clears its key. Returns the
-        id of round `lane` for lanes < top_k (unspecified for the others);
-        s_win holds all top_k ids (read them after a warp sync)."""
+        l, l + 32, ... (E/32 of them, conflict-free shared loads), then the
+        top_k rounds (tree, `redux.sync.max`, `redux.sync.min` over the ids
+        holding the best key). Returns (the id of round `lane` for lanes <
+        top_k, unspecified for the others; the list of the top_k ids, the
+        same in every lane)."""
         n = experts // WARP
         keys = [s_keys[lane + WARP * j] for j in range(n)]
+        my_id = Int32(0)
+        ids = []
         for r in cutlass.range_constexpr(top_k):
             best, best_j, best_id = _best_of(keys, lane, n)
             top = cute.arch.warp_redux_sync(best, "umax")
-            hold = best == top
-            taken = hold
-            if cute.arch.popc(cute.arch.vote_ballot_sync(hold)) != Int32(1):  # equal keys: lowest id
-                cand = Uint32(best_id) if hold else Uint32(0xFFFFFFFF)
-                taken = best_id == Int32(cute.arch.warp_redux_sync(cand, "umin"))
-            if taken:
-                s_win[r] = best_id
+            cand = Uint32(best_id) if best == top else Uint32(0xFFFFFFFF)
+            win = Int32(cute.arch.warp_redux_sync(cand, "umin"))
+            ids.append(win)
+            my_id = win if lane == r else my_id
+            taken = best_id == win
             for j in cutlass.range_constexpr(n):
                 keys[j] = Uint32(_TAKEN_KEY) if (taken and best_j == j) else keys[j]
-        cute.arch.sync_warp()
-        return s_win[cutlass.min(lane, Int32(top_k - 1))]
+        return my_id, ids
 
     @cute.jit
     def row_weights(
         s_scores: cute.Tensor,
-        s_win: cute.Tensor,
+        ids: list,
         lane: Int32,
         scale: Float32,
         top_k: cutlass.Constexpr[int],
     ):
-        """Stage 3 (one full warp, after `row_rounds` of the same warp): the
+        """Stage 3 (one full warp, with `row_rounds`' ids): the
         renormalization (routing._renormalize) of the chosen scores in every
         lane: NaN -> 0, the sum in top-k order, the floor; +inf scores share
         the weight equally; times `scale`. Returns the fp32 weight of round
-        `lane` for lanes < top_k (unspecified for the others). Not needed by
-        the route record, so the front runs it after the ids are handed on."""
+        `lane` for lanes < top_k (unspecified for the others). The route
+        record does not need it, so the front runs it after the ids are
+        handed on."""
         c = []
         n_inf = Int32(0)
         for r in cutlass.range_constexpr(top_k):
-            v_r = s_scores[s_win[r]]
+            v_r = s_scores[ids[r]]
             bits = v_r.bitcast(Uint32)
             if (bits & Uint32(0x7FFFFFFF)) > Uint32(_F32_INF_BITS):
                 v_r = Float32(0.0)
