@@ -12,12 +12,15 @@ rows, with outputs equal to the chain's bit for bit:
 Roles by CTA index, 256 threads each:
   * CTAs 0..7 (cluster 0; the grid launches in clusters of 8): CTA r < rows
     computes row r's scores with all 256 threads (`topk.row_scores`), then
-    its warp 0 the DeepSeek-V4 top-k (`topk.row_select`:
+    its warp 0 the DeepSeek-V4 top-k rounds (`topk.row_rounds`:
     sqrtsoftplus, bias or, for an image row, bias_vl, ties to the lower id,
-    NaN last, renormalized with the 1e-20 floor, times the routed scale) and
-    writes its ids and weights and stores the ids into CTA 0's shared memory
-    (st.shared::cluster); after a cluster barrier the ids feed CTA 0's copy of the route kernel's record builder
-    (`route.build_record`, two more barriers).
+    NaN last) and sends the ids to CTA 0's shared memory with st.async,
+    completing bytes on CTA 0's handoff mbarrier (no second cluster
+    barrier, no fence on the sending side); only then does it renormalize
+    (`topk.row_weights`: the 1e-20 floor, times the routed scale) and write
+    its ids and weights. CTA 0 waits on the mbarrier, runs its copy of the
+    route kernel's record builder (`route.build_record`, two barriers), then
+    its own row's weights.
   * CTAs 8..: one thread per 32-element block of x, as the quantize kernel
     (`quantize.quantize_block`): ceil(rows*H/32 / 256) CTAs.
 Every slot is local (the front routes over all E experts of the rank).
@@ -156,14 +159,14 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     import cuda.bindings.driver as _cuda
     import cutlass
     import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32, Uint8, Uint32
+    from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
 
     from moebench.kernels.quantize import quantize_block
     from moebench.kernels.route import DEFAULT_KEYS_PER_STEP, MAX_SLOTS, build_record, record_smem
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
 
-    from moebench.kernels.topk import row_scores, row_select
+    from moebench.kernels.topk import row_rounds, row_scores, row_weights
 
     class FrontKernel:
         """The fused front (CuTe DSL, sm_90a): top-k, MXFP8 x and route
@@ -261,16 +264,22 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             e, k = self.experts, self.top_k
             s_scores = smem.allocate_tensor(Float32, cute.make_layout(e), byte_alignment=16)
             s_keys = smem.allocate_tensor(Uint32, cute.make_layout(e), byte_alignment=16)
+            handoff = smem.allocate_array(Int64, 1, byte_alignment=8)
 
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
 
             if cta < CLUSTER:
-                # cluster 0: CTA r computes row r; every CTA of the cluster
-                # has started before any writes CTA 0's shared memory
+                # cluster 0: CTA r computes row r; CTA 0's `handoff` mbarrier
+                # expects the rows' ids (rows * top_k words, st.async) before
+                # any CTA of the cluster may write them (the first cluster barrier)
+                if cta == 0 and tid == 0:
+                    cute.arch.mbarrier_init(handoff, 1)
+                    cute.arch.mbarrier_arrive_and_expect_tx(handoff, rows * k * 4)
+                    cute.arch.mbarrier_init_fence()
                 cute.arch.cluster_arrive_relaxed()
                 expert = Int32(-1)
-                weight = Float32(0.0)
+                ids = [Int32(0)] * k
                 if cta < rows:
                     # waits on griddepcontrol inside, once the bias loads are out
                     row_scores(
@@ -281,25 +290,22 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                         self.image, self.pdl)
                     cute.arch.sync_threads()
                     if tid < WARP:
-                        expert, weight = row_select(s_scores, s_keys, tid, scale, e, k)
+                        expert, ids = row_rounds(s_keys, tid, e, k)
                 cute.arch.cluster_wait()
                 if cta < rows and tid < k:
-                    # row `cta`'s ids into CTA 0's shared memory (DSMEM)
-                    store_shared_cluster(s_ids.iterator + (cta * k + tid), Int32(0), expert)
-                # release: the DSMEM stores (a GPU-scope MEMBAR in SASS: the
-                # global stores of the outputs go out after it, not before)
-                cute.arch.cluster_arrive()
-                if cta < rows and tid < k:
-                    slot = cta * k + tid
-                    cute.arch.store(topk_ids + slot, expert)
-                    cute.arch.store(topk_weights + slot, weight)
-                cute.arch.cluster_wait()                    # acquire
-                if cta == 0:
+                    # row `cta`'s ids into CTA 0's shared memory (DSMEM), completing
+                    # bytes on its handoff mbarrier: no barrier, no fence on this side
+                    st_async_cluster(s_ids.iterator + (cta * k + tid), handoff, Int32(0), expert)
+                if cta > 0:  # the weights are off CTA 0's path: after the handoff
+                    self.weights(s_scores, ids, topk_ids, topk_weights, expert, scale, cta, rows, tid)
+                else:
+                    cute.arch.mbarrier_wait(handoff, 0)
                     expert_of_slot = Int32(-1)
                     if tid < rows * k:
                         expert_of_slot = s_ids[tid]
                     build_record(tid, expert_of_slot, s_key, s_start, s_count, record, permuted,
                                  rows, Int32(k), Int32(e), THREADS, DEFAULT_KEYS_PER_STEP)
+                    self.weights(s_scores, ids, topk_ids, topk_weights, expert, scale, cta, rows, tid)
             else:
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()
@@ -308,14 +314,28 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                     quantize_block(cute.recast_ptr(x, dtype=Uint32), cute.recast_ptr(x_q, dtype=Uint32),
                                    x_scale, b, cute.recast_ptr(x_deq, dtype=Uint32), self.deq)
 
+        @cute.jit
+        def weights(self, s_scores, ids, topk_ids, topk_weights, expert, scale, cta, rows, tid):
+            """Row `cta`'s renormalized weights (`topk.row_weights`, warp 0)
+            and its ids and weights to global memory."""
+            if cta < rows and tid < WARP:
+                weight = row_weights(s_scores, ids, tid, scale, self.top_k)
+                if tid < self.top_k:
+                    slot = cta * self.top_k + tid
+                    cute.arch.store(topk_ids + slot, expert)
+                    cute.arch.store(topk_weights + slot, weight)
+
     @dsl_user_op
-    def store_shared_cluster(ptr: cute.Pointer, rank: Int32, value: Int32, *, loc=None, ip=None) -> None:
-        """st.shared::cluster of the Int32 `value` at the shared-memory
-        pointer `ptr` mapped (mapa) to CTA `rank` of the cluster."""
+    def st_async_cluster(ptr: cute.Pointer, mbar, rank: Int32, value: Int32, *, loc=None, ip=None) -> None:
+        """st.async of the Int32 `value` at the shared-memory pointer `ptr`
+        of CTA `rank` of the cluster, completing 4 bytes on that CTA's
+        mbarrier `mbar` (both mapped with mapa)."""
         remote = cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip)
         addr = llvm.ptrtoint(T.i32(), remote.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-        llvm.inline_asm(None, [addr, Int32(value).ir_value(loc=loc, ip=ip)],
-                        "st.shared::cluster.u32 [$0], $1;", "r,r",
+        rbar = cute.arch.map_dsmem_ptr(mbar, rank, loc=loc, ip=ip)
+        baddr = llvm.ptrtoint(T.i32(), rbar.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+        llvm.inline_asm(None, [addr, Int32(value).ir_value(loc=loc, ip=ip), baddr],
+                        "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [$0], $1, [$2];", "r,r,r",
                         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 

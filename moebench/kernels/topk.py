@@ -37,9 +37,10 @@ their unbiased scores in shared memory. Each of the top_k rounds: every
 lane finds its best key by a balanced tree over its n keys (the lower id of
 equals), `redux.sync.max.u32` gives the warp's best key and
 `redux.sync.min.u32` over the ids of the lanes holding it the winning id
-(the lowest of equals), known to every lane; its holder clears that key.
-Then every lane reads the top_k chosen scores back from shared memory and
-renormalizes (sum in top-k order, +inf count) with no further exchange.
+(the lowest of equals), known to every lane; its holder clears that key
+(`row_rounds`). Then every lane reads the top_k chosen scores back from
+shared memory and renormalizes (`row_weights`: sum in top-k order, +inf
+count) with no further exchange.
 """
 
 from __future__ import annotations
@@ -232,7 +233,7 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
     ):
         """Stage 1 of one row's top-k, spread over a whole CTA (device code
         for all `threads` threads; a CTA barrier must follow before
-        `row_select`): thread t computes the scores of experts t, t +
+        `row_rounds`): thread t computes the scores of experts t, t +
         threads, ... (scores_per_thread(experts, threads) of them, 4-byte
         coalesced loads; a thread past the end recomputes expert E-1 and
         stores nothing) and writes the unbiased score to s_scores[e] (fp32
@@ -281,25 +282,21 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
                     s_keys[es[i]] = key
 
     @cute.jit
-    def row_select(
-        s_scores: cute.Tensor,
+    def row_rounds(
         s_keys: cute.Tensor,
         lane: Int32,
-        scale: Float32,
         experts: cutlass.Constexpr[int],
         top_k: cutlass.Constexpr[int],
     ):
         """Stage 2 of one row's top-k (device code for one full warp, after
         `row_scores` and a CTA barrier): lane l takes the keys of experts
-        l, l + 32, ... (E/32 of them, conflict-free shared loads), the
+        l, l + 32, ... (E/32 of them, conflict-free shared loads), then the
         top_k rounds (tree, `redux.sync.max`, `redux.sync.min` over the ids
-        holding the best key) and the renormalization from s_scores.
-        Returns (expert id Int32, weight Float32) of round `lane` for lanes
-        < top_k (unspecified for the others)."""
+        holding the best key). Returns (the id of round `lane` for lanes <
+        top_k, unspecified for the others; the list of the top_k ids, the
+        same in every lane)."""
         n = experts // WARP
         keys = [s_keys[lane + WARP * j] for j in range(n)]
-
-        # rounds: the warp's best key, then the lowest id holding it
         my_id = Int32(0)
         ids = []
         for r in cutlass.range_constexpr(top_k):
@@ -312,9 +309,23 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
             taken = best_id == win
             for j in cutlass.range_constexpr(n):
                 keys[j] = Uint32(_TAKEN_KEY) if (taken and best_j == j) else keys[j]
+        return my_id, ids
 
-        # renormalize (routing._renormalize) in every lane: NaN -> 0, the sum
-        # in top-k order, the floor; +inf scores share the weight equally
+    @cute.jit
+    def row_weights(
+        s_scores: cute.Tensor,
+        ids: list,
+        lane: Int32,
+        scale: Float32,
+        top_k: cutlass.Constexpr[int],
+    ):
+        """Stage 3 (one full warp, with `row_rounds`' ids): the
+        renormalization (routing._renormalize) of the chosen scores in every
+        lane: NaN -> 0, the sum in top-k order, the floor; +inf scores share
+        the weight equally; times `scale`. Returns the fp32 weight of round
+        `lane` for lanes < top_k (unspecified for the others). The route
+        record does not need it, so the front runs it after the ids are
+        handed on."""
         c = []
         n_inf = Int32(0)
         for r in cutlass.range_constexpr(top_k):
@@ -339,7 +350,7 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
         if n_inf > 0:
             one = Float32(1.0) if mine.bitcast(Uint32) == Uint32(_F32_INF_BITS) else Float32(0.0)
             w = div_rn(one, Float32(n_inf))
-        return my_id, mul_rn(w, scale)
+        return mul_rn(w, scale)
 
     @cute.jit
     def is_image_row(
