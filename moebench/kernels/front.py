@@ -11,16 +11,16 @@ rows, with outputs equal to the chain's bit for bit:
 
 Roles by CTA index, 256 threads each:
   * CTAs 0..7 (cluster 0; the grid launches in clusters of 8): CTA r < rows
-    computes row r's scores with all 256 threads (`topk.row_scores`), then
-    its warp 0 the DeepSeek-V4 top-k rounds (`topk.row_rounds`:
-    sqrtsoftplus, bias or, for an image row, bias_vl, ties to the lower id,
-    NaN last) and sends the ids to CTA 0's shared memory with st.async,
-    completing bytes on CTA 0's handoff mbarrier (no second cluster
-    barrier, no fence on the sending side); only then does it renormalize
-    (`topk.row_weights`: the 1e-20 floor, times the routed scale) and write
-    its ids and weights. CTA 0 waits on the mbarrier, runs its copy of the
-    route kernel's record builder (`route.build_record`, two barriers), then
-    its own row's weights.
+    computes row r's DeepSeek-V4 selection keys with all 256 threads
+    (`topk.row_scores`: sqrtsoftplus, plus bias or, for an image row,
+    bias_vl), then its warp 0 the top-k rounds (`topk.row_rounds`: ties to
+    the lower id, NaN last) and sends the ids to CTA 0's shared memory with
+    st.async, completing bytes on CTA 0's handoff mbarrier (no second
+    cluster barrier, no fence on the sending side); only then does it
+    renormalize (`topk.row_weights`: the 1e-20 floor, times the routed
+    scale) and write its ids and weights. CTA 0 does the same for row 0,
+    waits on the mbarrier (acquire at cluster scope) and runs its copy of
+    the route kernel's record builder (`route.build_record`, two barriers).
   * CTAs 8..: one thread per 32-element block of x, as the quantize kernel
     (`quantize.quantize_block`): ceil(rows*H/32 / 256) CTAs.
 Every slot is local (the front routes over all E experts of the rank).
@@ -54,7 +54,7 @@ from moebench.models import MX_BLOCK
 from moebench.record import MAX_ROWS, RouteRecord, max_ctas, route_words
 from moebench.routing import IMAGE_SENTINELS
 
-#: CTA size: one warp per row in CTA 0 (and 256 blocks of x per other CTA).
+#: CTA size: the threads that score one row (and 256 blocks of x per quantize CTA).
 THREADS = MAX_ROWS * WARP
 #: Cluster size: CTAs 0..7 (cluster 0) compute one row each; all CTAs are
 #: launched in clusters of this size (the grid is rounded up to it).
@@ -149,7 +149,7 @@ def front_reason(experts, top_k, rows=1, hidden=H_MULTIPLE) -> str | None:
         if not isinstance(v, int) or isinstance(v, bool):
             return f"{name} must be an int, got {type(v).__name__}"
     if not 1 <= rows <= MAX_ROWS:
-        return f"rows must be in [1, {MAX_ROWS}] (one warp per row), got {rows}"
+        return f"rows must be in [1, {MAX_ROWS}] (one CTA of the 8-CTA cluster per row), got {rows}"
     if hidden <= 0 or hidden % H_MULTIPLE:
         return f"hidden must be a positive multiple of {H_MULTIPLE}, got {hidden}"
     return None
@@ -170,7 +170,8 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
 
     class FrontKernel:
         """The fused front (CuTe DSL, sm_90a): top-k, MXFP8 x and route
-        record in one launch of 1 + ceil(rows*H/32 / 256) CTAs of 256 threads.
+        record in one launch of 8 + ceil(rows*H/32 / 256) CTAs of 256 threads
+        (rounded up to whole 8-CTA clusters).
 
         Static configuration: `experts` (E) and `top_k` (the shape class:
         register arrays and unrolled rounds are sized by them), `image` (read
@@ -225,7 +226,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             blocks: Int32,
             stream: _cuda.CUstream,
         ):
-            """Launch 1 + ceil(blocks / 256) CTAs of 256 threads on `stream`."""
+            """Launch 8 + ceil(blocks / 256) CTAs of 256 threads (whole 8-CTA clusters) on `stream`."""
             ctas = (CLUSTER + (blocks + (THREADS - 1)) // THREADS + (CLUSTER - 1)) // CLUSTER * CLUSTER
             self.kernel(logits, bias, bias_vl, input_ids, ids64, sentinel_lo, scale, x, topk_ids,
                         topk_weights, x_q, x_scale, x_deq, permuted, record, rows, blocks).launch(
@@ -271,11 +272,13 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
 
             if cta < CLUSTER:
                 # cluster 0: CTA r computes row r; CTA 0's `handoff` mbarrier
-                # expects the rows' ids (rows * top_k words, st.async) before
-                # any CTA of the cluster may write them (the first cluster barrier)
+                # expects the rows' ids (rows * top_k words, st.async; rows is
+                # at most CLUSTER, the host checks it, the min keeps a bad launch
+                # from waiting forever) before any CTA of the cluster may write
+                # them (init, fence, then the first cluster barrier)
                 if cta == 0 and tid == 0:
                     cute.arch.mbarrier_init(handoff, 1)
-                    cute.arch.mbarrier_arrive_and_expect_tx(handoff, rows * k * 4)
+                    cute.arch.mbarrier_arrive_and_expect_tx(handoff, cutlass.min(rows, CLUSTER) * k * 4)
                     cute.arch.mbarrier_init_fence()
                 cute.arch.cluster_arrive_relaxed()
                 expert = Int32(-1)
@@ -294,18 +297,23 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                 cute.arch.cluster_wait()
                 if cta < rows and tid < k:
                     # row `cta`'s ids into CTA 0's shared memory (DSMEM), completing
-                    # bytes on its handoff mbarrier: no barrier, no fence on this side
+                    # bytes on its handoff mbarrier: no barrier, no fence on this
+                    # side. A sender may exit before its store lands: the rule on
+                    # distributed shared memory binds the CTA whose memory is
+                    # written (CTA 0 cannot finish before every byte completed).
                     st_async_cluster(s_ids.iterator + (cta * k + tid), handoff, Int32(0), expert)
-                if cta > 0:  # the weights are off CTA 0's path: after the handoff
-                    self.weights(s_scores, ids, topk_ids, topk_weights, expert, scale, cta, rows, tid)
-                else:
-                    cute.arch.mbarrier_wait(handoff, 0)
+                # the weights (not needed by the record) while CTA 0 waits for the ids
+                self.weights(s_scores, ids, topk_ids, topk_weights, expert, scale, cta, rows, tid)
+                if cta == 0:
+                    # acquire at cluster scope: st.async completes its bytes with a
+                    # cluster-scope release
+                    while mbarrier_try_wait_cluster(handoff, Int32(0)) == Uint32(0):
+                        pass
                     expert_of_slot = Int32(-1)
                     if tid < rows * k:
                         expert_of_slot = s_ids[tid]
                     build_record(tid, expert_of_slot, s_key, s_start, s_count, record, permuted,
                                  rows, Int32(k), Int32(e), THREADS, DEFAULT_KEYS_PER_STEP)
-                    self.weights(s_scores, ids, topk_ids, topk_weights, expert, scale, cta, rows, tid)
             else:
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()
@@ -324,6 +332,19 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                     slot = cta * self.top_k + tid
                     cute.arch.store(topk_ids + slot, expert)
                     cute.arch.store(topk_weights + slot, weight)
+
+    @dsl_user_op
+    def mbarrier_try_wait_cluster(mbar, phase: Int32, *, loc=None, ip=None) -> Uint32:
+        """One `mbarrier.try_wait.parity.acquire.cluster` on the CTA-local
+        mbarrier `mbar` for `phase` parity: 1 once the phase completed (with
+        acquire at cluster scope, which pairs with st.async's cluster-scope
+        release of its complete-tx), else 0 (after the hardware's time limit)."""
+        addr = llvm.ptrtoint(T.i32(), mbar.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+        return Uint32(llvm.inline_asm(
+            T.i32(), [addr, Int32(phase).ir_value(loc=loc, ip=ip)],
+            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$1], $2;"
+            " selp.u32 $0, 1, 0, p; }", "=r,r,r",
+            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
     @dsl_user_op
     def st_async_cluster(ptr: cute.Pointer, mbar, rank: Int32, value: Int32, *, loc=None, ip=None) -> None:

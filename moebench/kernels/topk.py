@@ -1,9 +1,10 @@
-"""The DeepSeek-V4 router top-k on the GPU: device code, one warp per token row.
+"""The DeepSeek-V4 router top-k on the GPU: device code, one CTA per token row.
 
 Computes, for one row of fp32 router logits [E] (E a multiple of 32, at most
 512), the same top_k (1..8) expert ids and fp32 weights as
 `moebench.routing.route` with renormalization (DESIGN.md, "Routing"), bit for
-bit. The fused front (`front.py`) calls `row_topk` from one warp per row.
+bit. The fused front (`front.py`) calls, per row, `row_scores` with a whole
+CTA, then `row_rounds` and `row_weights` with its warp 0.
 
 Arithmetic, op for op the reference's torch ops on the GPU:
 
@@ -31,9 +32,10 @@ Selection order, the reference's stable sort: sel descending, ties to the
 lower expert id, NaN below every number (-inf included; among NaNs the
 lower id first). Method: sel maps to an unsigned key that orders like the
 value (sign-magnitude flip; -0.0 cannot occur: scores are >= +0.0 and
-+0.0 + -0.0 = +0.0), NaN to 1, a taken expert to 0. Lane l holds experts
-[l*n, l*n + n) (n = E/32, loaded as 16-, 8- or 4-byte vectors) and keeps
-their unbiased scores in shared memory. Each of the top_k rounds: every
++0.0 + -0.0 = +0.0), NaN to 1, a taken expert to 0. `row_scores` writes
+every expert's unbiased score and key to shared memory (thread t: experts
+t, t + threads, ...); in `row_rounds` lane l holds the keys of experts l,
+l + 32, ... (n = E/32 of them). Each of the top_k rounds: every
 lane finds its best key by a balanced tree over its n keys (the lower id of
 equals), `redux.sync.max.u32` gives the warp's best key and
 `redux.sync.min.u32` over the ids of the lanes holding it the winning id

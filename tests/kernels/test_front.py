@@ -134,16 +134,25 @@ def test_compiles_for_sm90a_without_spills(experts, top_k, image, pdl, deq):
     sass, ptx = _compile(experts, top_k, image, pdl, deq)
     instr = sass_instructions(sass)
     text = assert_sass_without_spills(instr, "front")
-    # one barrier after the scores, two in the record builder; the cluster
+    # one barrier after the scores, two in the record builder (and the cluster
+    # wait's fallback when not launched as a cluster: one more); the cluster
     # handoff (v3): one cluster barrier (arrive relaxed on entry, wait before
     # the ids go out), the ids by st.async completing bytes on CTA 0's
-    # mbarrier, CTA 0 waits on it: no release arrive, no GPU-scope fence
+    # mbarrier (init, expect_tx and the init fence before the arrive), CTA 0
+    # waits on it with a cluster-scope acquire: no release arrive, no
+    # GPU-scope fence
     assert 3 <= len(re.findall(r"\bBAR\.SYNC", text)) <= 4
-    assert len(re.findall(r"barrier\.cluster\.arrive\.relaxed;", ptx)) == 1
-    assert len(re.findall(r"barrier\.cluster\.arrive;", ptx)) == 0
-    assert len(re.findall(r"barrier\.cluster\.wait;", ptx)) == 1
-    assert len(re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.u32", ptx)) == 1
-    assert not re.search(r"MEMBAR\.(ALL\.)?GPU", text)
+    assert len(re.findall(r"barrier\.cluster\.arrive\.relaxed(?:\.aligned)?;", ptx)) == 1
+    assert not re.search(r"barrier\.cluster\.arrive(?:\.release)?(?:\.aligned)?;", ptx)
+    assert len(re.findall(r"barrier\.cluster\.wait(?:\.acquire)?(?:\.aligned)?;", ptx)) == 1
+    order = [r"mbarrier\.init\.", r"mbarrier\.arrive\.expect_tx\.", r"fence\.mbarrier_init\.release\.cluster",
+             r"barrier\.cluster\.arrive\.relaxed", r"barrier\.cluster\.wait",
+             r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.u32",
+             r"mbarrier\.try_wait\.parity\.acquire\.cluster\.shared::cta\.b64"]
+    at = [next((m.start() for m in re.finditer(pat, ptx)), -1) for pat in order]
+    assert -1 not in at and at == sorted(at), dict(zip(order, at))
+    assert len(re.findall(order[-2], ptx)) == 1
+    assert not re.search(r"MEMBAR\.[A-Z.]*GPU", text)
     per = scores_per_thread(experts, THREADS)
     arrays = 3 if image else 2
     _assert_pdl_order_after_bias_loads(instr, pdl, bias_loads=(arrays - 1) * per)
