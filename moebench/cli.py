@@ -267,6 +267,11 @@ def sweep(
     replays: int = typer.Option(100, help="Timed replays per case."),
     warmup: int = typer.Option(10, help="Warm-up calls per case."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
+    split: bool = typer.Option(
+        True, "--split/--no-split", help="Also time each stage alone and the routed path (route + GEMM1 + GEMM2)"
+        " of backends that split their forward (moebench); --no-split: the layer call only, about a third of the"
+        " timing work."
+    ),
     device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
     devices: str = typer.Option(
         None, help="Split the cases over GPUs: 'all' or a list like '0,1' (one worker process per GPU,"
@@ -287,7 +292,7 @@ def sweep(
     Every case is gated on the fp64 oracle, then timed; the run is stored under
     OUT/<UTC date>-<label>. For backends that split their forward (moebench)
     each stage and the routed path (route + GEMM1 + GEMM2) are timed too:
-    about three times the timing work of such a case."""
+    about three times the timing work of such a case (--no-split skips it)."""
     from moebench.backends.registry import backend_names
     from moebench.bench.cases import SweepConfig
     from moebench.bench.sweep import run_sweep, validate_sweep
@@ -329,7 +334,7 @@ def sweep(
             rows=parse_int_list(rows, "--rows", 1, MAX_ROWS), scenarios=parse_names(scenario, "--scenario"),
             backends=backend_list, tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
             layers=layers, device=f"cuda:{gpus[0]}" if gpus else str(dev), reduced=reduced, warmup=warmup,
-            replays=replays, use_graph=graph, trace=trace,
+            replays=replays, use_graph=graph, trace=trace, split=split,
         )  # fmt: skip
         if gpus is None:  # a sharded sweep's workers check the tactics on their own GPU
             validate_sweep(config)
@@ -485,6 +490,10 @@ def step(
     replays: int = typer.Option(100, help="Timed replays per quantity."),
     warmup: int = typer.Option(10, help="Warm-up calls per quantity."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
+    split: bool = typer.Option(
+        True, "--split/--no-split", help="Also time each stage alone (front, shared, GEMM1, GEMM2, finalize);"
+        " --no-split: the whole step and the gate only."
+    ),
     device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any; with --tp N > 1 only"
                                " the kind counts, --devices picks the GPUs)."),
     devices: str = typer.Option(None, help="With --tp N > 1: the N GPUs of the ranks, e.g. '0,1' or 'all'"
@@ -544,7 +553,7 @@ def step(
             scenarios=parse_names(scenario, "--scenario"), backends=backend_list,
             tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
             layers=layers, device=str(dev) if ranks == 1 else dev.type, reduced=reduced, warmup=warmup,
-            replays=replays, use_graph=graph, trace=trace, ranks=ranks, devices=gpu_list,
+            replays=replays, use_graph=graph, trace=trace, ranks=ranks, devices=gpu_list, split=split,
         )  # fmt: skip
         if ranks > 1:
             _, gpu_used = rank_devices(config)  # more ranks than GPUs: error naming both numbers

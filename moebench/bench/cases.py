@@ -82,7 +82,10 @@ class SweepConfig:
     the CPU; reduced: run a reduced geometry (CPU_REDUCED, per-axis overrides
     win), None = only on a CPU; warmup / replays: timing counts; use_graph:
     CUDA-graph replay for capturable backends; memory_fraction: share of free
-    device memory the weight sets may take. Eager timing (a backend that is not
+    device memory the weight sets may take; split: also time each stage alone
+    (and, in a sweep, the routed path) for backends that split their forward
+    (False: the layer call / step only, about a third of a sweep case's
+    timing work). Eager timing (a backend that is not
     capturable, or any CPU run) caps warmup / replays at 2 / 20.
 
     Raises ValueError / TypeError naming the field for a bad value.
@@ -108,6 +111,7 @@ class SweepConfig:
     use_graph: bool = True
     memory_fraction: float = 0.6
     trace: Path | None = None
+    split: bool = True
 
     #: The command this config is for, as its messages name it (a class attribute, not a field).
     _command = "sweep"
@@ -147,6 +151,8 @@ class SweepConfig:
             raise ValueError(f"replays must be an int >= 1, got {self.replays!r}")
         if self.layers is not None and (not isinstance(self.layers, int) or self.layers < 1):
             raise ValueError(f"layers must be an int >= 1, got {self.layers!r}")
+        if not isinstance(self.split, bool):
+            raise TypeError(f"split must be a bool, got {type(self.split).__name__}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         # Validate the geometry now (bad overrides / tp fail here, not mid-run).

@@ -564,7 +564,7 @@ def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, 
         row["allreduce_share_pct"] = 100.0 * ar.median_us / step.median_us if step.median_us > 0 else None
     for name, t in timings.items():
         row[f"kernel_{name}_us"] = t.median_us
-    row["stage_sum_us"] = sum(t.median_us for t in timings.values())
+    row["stage_sum_us"] = sum(t.median_us for t in timings.values()) if timings else None
     gbps = nbytes / (step.median_us * 1e-6) / 1e9 if step.median_us > 0 else None
     row["gbps"] = gbps
     row["pct_copy_bw"] = 100.0 * gbps / copy_bw if gbps and copy_bw else None
@@ -610,9 +610,10 @@ def _time_case(config, steps, capturable, dev, world, rows, hidden) -> dict[str,
         out["allreduce"] = timed(lambda: [dist.all_reduce(buf, op=dist.ReduceOp.SUM) for _ in steps])
     # Local from here on: no collectives.
     out["gate"] = timed(lambda: [s.gate() for s in steps])
-    calls = [s.stage_calls() for s in steps]
-    for i, (name, _) in enumerate(calls[0]):
-        out[name] = timed(lambda i=i: [c[i][1]() for c in calls])
+    if config.split:
+        calls = [s.stage_calls() for s in steps]
+        for i, (name, _) in enumerate(calls[0]):
+            out[name] = timed(lambda i=i: [c[i][1]() for c in calls])
     return out
 
 
@@ -644,7 +645,8 @@ def _manifest(config: StepConfig, info: dict, **extra) -> dict:
         "copy_bw_gbps": info.get("copy_bw_gbps"),
         "copy_bw_bytes": info.get("copy_bw_bytes"),
         "oracle_tolerance": ORACLE_TOLERANCE,
-        "stage_timing": STAGE_TIMING if env.get("device", {}).get("kind") == "cuda" else STAGE_TIMING_CPU,
+        "stage_timing": (None if not config.split else
+                         STAGE_TIMING if env.get("device", {}).get("kind") == "cuda" else STAGE_TIMING_CPU),
         "step_excludes": "the gate (router GEMM): gate_us and step_with_gate_us report it",
         "size_ceiling": "triton" if (env.get("device", {}).get("kind") == "cuda" and triton_available()) else None,
         "backends": info.get("backends"),

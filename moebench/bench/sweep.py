@@ -26,6 +26,7 @@ each (backend, tactic):
    up to ~2 % for the a16 family at rows 6-8): without the finalize between
    layers, the next layer's early-launched kernels meet a different GEMM2
    tail. A failure here leaves the case ok, with the reason in its note.
+   `SweepConfig.split=False` (`--no-split`) skips this step.
 
 Any exception inside a backend marks that case failed with the message; the
 sweep goes on. Without a GPU the sweep runs on the CPU at a reduced geometry
@@ -225,7 +226,7 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
         "copy_bw_bytes": copy_bytes,
         "size_ceiling": "triton" if (dev.type == "cuda" and triton_available()) else None,
         "oracle_tolerance": ORACLE_TOLERANCE,  # the mxfp8 / bf16 gate; per backend: Backend.tolerance
-        "stage_timing": STAGE_TIMING,
+        "stage_timing": STAGE_TIMING if config.split else None,
         "backends": reasons,
         "groups": groups_info,
         "config": _jsonable(asdict(config)),
@@ -569,7 +570,8 @@ def _run_case(config, case, backend, prepared, weights0, x, ids, topk_w, oracles
         timing_method=timing.method,
     )  # fmt: skip
     notes = []
-    for what, part in (("per-stage timing", _time_stages), ("routed-path timing", _time_routed)):
+    parts = (("per-stage timing", _time_stages), ("routed-path timing", _time_routed)) if config.split else ()
+    for what, part in parts:
         try:
             row.update(part(config, backend, prepared, x, ids, topk_w, graph, dev))
         except Exception as error:  # noqa: BLE001 - the split is extra: the case stays ok, the note says why

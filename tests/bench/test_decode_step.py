@@ -233,6 +233,23 @@ def test_cli_step_then_report(tmp_path):
     assert (tmp_path / "rep" / "kernels.png").is_file()
 
 
+def test_cli_step_no_split_then_report(tmp_path):
+    """--no-split: the whole step and the gate only (no per-stage columns, no
+    stage sum, the manifest says so); the report still renders."""
+    result = runner.invoke(app, ["step", *SMALL_ARGS, "--rows", "1", "--backends", "torch-bf16", "--no-split",
+                                 "--out", str(tmp_path), "--label", "s"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (run,) = list(tmp_path.iterdir())
+    df, manifest = read_run(run)
+    assert manifest["stage_timing"] is None and manifest["config"]["split"] is False
+    row = df.iloc[0]
+    assert row["status"] == "ok" and row["median_us"] > 0 and row["gate_us"] > 0
+    assert all(math.isnan(row[c]) for c in KERNEL_COLUMNS) and math.isnan(row["stage_sum_us"])
+    rep = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "rep")])
+    assert rep.exit_code == 0, rep.output
+    assert "## Decode step" in (tmp_path / "rep" / "summary.md").read_text()
+
+
 def test_cli_tp2_step_stores_the_ranks_and_report_renders_them(tmp_path):
     result = runner.invoke(app, ["step", *SMALL_ARGS, "--rows", "1", "--tp", "2", "--backends", "torch-bf16",
                                  "--out", str(tmp_path), "--timeout", "600"])  # fmt: skip

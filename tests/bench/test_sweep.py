@@ -284,6 +284,27 @@ def test_a_split_backend_gets_per_stage_and_routed_times():
     assert result.manifest["stage_timing"] == STAGE_TIMING
 
 
+def test_no_split_times_the_layer_call_only():
+    """split=False (--no-split): a backend that splits its forward is timed
+    as the layer call only: no stage or routed call runs, the columns stay
+    NaN, the manifest says no stage timing; a non-bool split is refused."""
+    from moebench.bench.sweep import SWEEP_STAGES
+
+    register_backend("test-staged", StagedBackend)
+    StagedBackend.calls = {}
+    try:
+        result = run_sweep(SweepConfig(backends=("test-staged",), split=False, **{**TINY, "rows": (3,)}))
+    finally:
+        unregister_backend("test-staged")
+    row = result.frame.to_dict("records")[0]
+    assert row["status"] == "ok" and row["median_us"] > 0 and row["error"] == ""
+    assert all(math.isnan(row[f"kernel_{s}_us"]) for s in SWEEP_STAGES) and math.isnan(row["routed_us"])
+    assert StagedBackend.calls == {}
+    assert result.manifest["stage_timing"] is None and result.manifest["config"]["split"] is False
+    with pytest.raises(TypeError, match="split must be a bool"):
+        SweepConfig(split="no")
+
+
 @pytest.mark.gpu
 def test_gpu_sweep_times_our_stages_and_routed_path():
     """dsv41-flash TP8 rows 6: the moebench row carries every stage and the
