@@ -11,7 +11,10 @@ Plots (matplotlib's Agg canvas, no pyplot, no display), one figure per
 - speedup.png: speedup vs the best FlashInfer backend of the same case
   (only when a flashinfer* backend has ok cases);
 - kernels.png: per-kernel split (stacked µs of the `kernel_<name>_us`
-  columns; only when present);
+  columns, each stage timed alone; only when present), with the case's own
+  time as a black bar marker (the layer call, or the whole step of a step
+  run: PDL overlaps the stages, so the stack may stand above it) and the
+  routed path (`routed_us`) as a hollow one where measured;
 - compare.png: the per-case ratio vs the baseline with its noise band and
   verdict colours (only with a comparison).
 
@@ -170,6 +173,12 @@ def plot_kernels(df: pd.DataFrame, path: Path) -> Path | None:
             vals = sub[col].fillna(0.0).tolist()
             ax.bar(sub["rows"], vals, bottom=bottom, label=KERNEL_COLUMN.match(col)[1])
             bottom = [b + v for b, v in zip(bottom, vals)]
+        step = "kind" in sub.columns and (sub["kind"] == "step").all()
+        ax.plot(sub["rows"], sub["median_us"], linestyle="none", marker="_", markersize=16, markeredgewidth=2.5,
+                color="k", label="whole step" if step else "layer call")
+        if "routed_us" in sub.columns and sub["routed_us"].notna().any():
+            ax.plot(sub["rows"], sub["routed_us"], linestyle="none", marker="o", markersize=5, markerfacecolor="none",
+                    color="k", label="routed path")
         ax.set_title(_title(key[:-1]) + f" {key[-1]}", fontsize=9)
         ax.set_xlabel("token rows")
         ax.set_ylabel("µs")
