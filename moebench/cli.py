@@ -491,8 +491,10 @@ def step(
     warmup: int = typer.Option(10, help="Warm-up calls per quantity."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
     split: bool = typer.Option(
-        True, "--split/--no-split", help="Also time each stage alone (front, shared, GEMM1, GEMM2, finalize);"
-        " --no-split: the whole step and the gate only."
+        True, "--split/--no-split", help="Also time each stage alone (kernel_<stage>_us, stage_sum_us: moebench's"
+        " front, shared, GEMM1, GEMM2, finalize; torch-bf16's router, shared, experts, shared_add)."
+        " --no-split times only the whole step (with and without the gate) and the gate alone: less timing work,"
+        " for when only the step's latency matters."
     ),
     device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any; with --tp N > 1 only"
                                " the kind counts, --devices picks the GPUs)."),
@@ -760,7 +762,10 @@ def report(
     ),
 ) -> None:
     """Summarize a run (table, summary.md, report.html); with --baseline,
-    compare per case and, with --fail-above, exit 1 on a regression."""
+    compare per case and, with --fail-above, exit 1 on a regression. A
+    comparison that cannot judge anything (a baseline recorded another way,
+    no case in common, every compared case unclear) exits 2 with the
+    reason, with or without --fail-above: it is never a pass."""
     from moebench.reports.compare import DEFAULT_THRESHOLD_PCT, compare_runs, comparison_markdown, parse_threshold
     from moebench.reports.html import report_files
     from moebench.reports.store import read_table

@@ -88,6 +88,15 @@ def kernel_columns(df: pd.DataFrame) -> list[str]:
     return sorted(cols, key=lambda c: rank.get(c, len(STAGE_ORDER)))
 
 
+def stage_timing_text(manifest: dict) -> str | None:
+    """How a run timed its stages, for the reports: the manifest's
+    `stage_timing`, "not timed (--no-split)" when the run skipped it
+    (stored as null), None for a run stored before the field existed."""
+    if "stage_timing" not in manifest:
+        return None
+    return manifest["stage_timing"] or "not timed (--no-split)"
+
+
 def is_step_run(df: pd.DataFrame, manifest: dict | None = None) -> bool:
     """Whether a stored run is a `moebench step` run (manifest kind, else a
     `kind` column)."""
@@ -109,6 +118,8 @@ def step_summary_table(df: pd.DataFrame) -> pd.DataFrame:
         raise ValueError(f"step results lack columns {missing}")
     out = _with_ratio_and_note(df)
     columns = [*STEP_SUMMARY_COLUMNS, *kernel_columns(df), *STEP_TAIL_COLUMNS]
+    if not _has_values(df, "stage_sum_us"):  # a --no-split step
+        columns.remove("stage_sum_us")
     for col in ("routing_path", "shared_path"):  # runs stored before the columns lack them
         if col in df.columns:
             columns.insert(columns.index("status"), col)
@@ -180,12 +191,14 @@ def to_markdown(df: pd.DataFrame, manifest: dict, ranks: pd.DataFrame | None = N
     counts = df["status"].value_counts().to_dict() if "status" in df.columns else {}
     lines.append("- cases: " + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "failed", "skipped")))
     step = is_step_run(df, manifest)
+    timing = stage_timing_text(manifest)
     if step:
         lines.append(f"- decode step over {manifest.get('ranks', 1)} rank(s); µs exclude the gate (gate_us,"
-                     f" step_with_gate_us report it); per-stage split: {manifest.get('stage_timing') or '-'}")  # fmt: skip
-    elif manifest.get("stage_timing") and (set(ROUTED_COLUMNS) | set(kernel_columns(df))) & set(df.columns):
-        lines.append(f"- routed_us = route + GEMM1 + GEMM2 (no finalize); kernel_<stage>_us = one stage;"
-                     f" {manifest['stage_timing']}")  # fmt: skip
+                     f" step_with_gate_us report it); per-stage split: {timing or '-'}")  # fmt: skip
+    elif manifest.get("stage_timing") is None and "stage_timing" in manifest:
+        lines.append(f"- stages and routed path: {timing}")
+    elif timing and (_has_values(df, ROUTED_COLUMNS[0]) or kernel_columns(df)):
+        lines.append(f"- stages and routed path: {timing}")
     if manifest.get("sharded"):
         workers = manifest.get("workers") or []
         lines.append("- sharded over GPUs " + ", ".join(

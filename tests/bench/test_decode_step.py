@@ -247,7 +247,10 @@ def test_cli_step_no_split_then_report(tmp_path):
     assert all(math.isnan(row[c]) for c in KERNEL_COLUMNS) and math.isnan(row["stage_sum_us"])
     rep = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "rep")])
     assert rep.exit_code == 0, rep.output
-    assert "## Decode step" in (tmp_path / "rep" / "summary.md").read_text()
+    text = (tmp_path / "rep" / "summary.md").read_text()
+    assert "## Decode step" in text and "per-stage split: not timed (--no-split)" in text
+    assert "stage_sum_us" not in text  # no empty column
+    assert "stage timing: not timed (--no-split)" in (tmp_path / "rep" / "report.html").read_text()
 
 
 def test_cli_tp2_step_stores_the_ranks_and_report_renders_them(tmp_path):
