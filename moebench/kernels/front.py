@@ -137,10 +137,21 @@ class FrontConfig:
         return to_fp32(self.scale)
 
 
+def _check_static(experts, top_k, image, pdl, deq) -> None:
+    """The front's compile-time configuration (FrontKernel and
+    compile_front_kernel): TypeError for a non-bool image / pdl / deq,
+    ValueError for an experts / top_k `topk.topk_reason` refuses."""
+    for name, flag in (("image", image), ("pdl", pdl), ("deq", deq)):
+        check_bool(name, flag)
+    reason = topk_reason(experts, top_k)
+    if reason:
+        raise ValueError(reason)
+
+
 def front_reason(experts, top_k, rows=1, hidden=H_MULTIPLE) -> str | None:
     """Why the fused front cannot take this geometry, or None when it can:
-    `topk.topk_reason(experts, top_k)`, rows an int in [1, 8] (one warp per
-    row in one CTA), hidden a positive int multiple of 128 (the quantize
+    `topk.topk_reason(experts, top_k)`, rows an int in [1, 8] (one CTA of
+    the 8-CTA cluster per row), hidden a positive int multiple of 128 (the quantize
     kernel's granularity)."""
     reason = topk_reason(experts, top_k)
     if reason:
@@ -186,13 +197,8 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         """
 
         def __init__(self, experts: int, top_k: int, image: bool = False, pdl: bool = True, deq: bool = False):
-            check_bool("image", image)
-            check_bool("pdl", pdl)
-            check_bool("deq", deq)
+            _check_static(experts, top_k, image, pdl, deq)
             self.deq = deq
-            reason = topk_reason(experts, top_k)
-            if reason:
-                raise ValueError(reason)
             self.experts = experts
             self.top_k = top_k
             self.image = image
@@ -380,12 +386,7 @@ def compile_front_kernel(experts: int, top_k: int, image: bool = False, pdl: boo
     `launch_front` does this for torch tensors. Raises RuntimeError without
     nvidia-cutlass-dsl, TypeError for a non-bool `image` / `pdl`, ValueError
     for an experts / top_k the kernel cannot take (`topk.topk_reason`)."""
-    check_bool("image", image)
-    check_bool("pdl", pdl)
-    check_bool("deq", deq)
-    reason = topk_reason(experts, top_k)
-    if reason:
-        raise ValueError(reason)
+    _check_static(experts, top_k, image, pdl, deq)  # before the cache (1 == True would hit it)
     return _compile(experts, top_k, image, pdl, deq)
 
 

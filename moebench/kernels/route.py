@@ -74,6 +74,17 @@ def _check_keys_per_step(keys_per_step) -> None:
         raise ValueError(f"keys_per_step must be one of {KEYS_PER_STEP}, got {keys_per_step!r}")
 
 
+def _check_static(pdl, keys_per_step, quantize, deq) -> None:
+    """The route kernel's compile-time switches (RouteKernel and
+    compile_route_kernel): TypeError for a non-bool flag, ValueError for a
+    keys_per_step not in KEYS_PER_STEP or deq without quantize."""
+    for name, flag in (("pdl", pdl), ("quantize", quantize), ("deq", deq)):
+        check_bool(name, flag)
+    _check_keys_per_step(keys_per_step)
+    if deq and not quantize:
+        raise ValueError("deq=True needs quantize=True (x_deq is written by the quantizing CTAs)")
+
+
 if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     import cuda.bindings.driver as _cuda
     import cutlass
@@ -212,18 +223,13 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
 
         def __init__(self, pdl: bool = True, threads: int = 128,
                      keys_per_step: int = DEFAULT_KEYS_PER_STEP, quantize: bool = False, deq: bool = False):
-            check_bool("pdl", pdl)
-            check_bool("quantize", quantize)
-            check_bool("deq", deq)
-            if deq and not quantize:
-                raise ValueError("deq=True needs quantize=True (x_deq is written by the quantizing CTAs)")
+            _check_static(pdl, keys_per_step, quantize, deq)
             self.quantize = quantize
             self.deq = deq
             if (not isinstance(threads, int) or isinstance(threads, bool)
                     or threads < MAX_SLOTS or threads % 32 or threads > 1024):
                 raise ValueError(
                     f"threads must be a multiple of 32 in [{MAX_SLOTS}, 1024], got {threads!r}")
-            _check_keys_per_step(keys_per_step)
             self.pdl = pdl
             self.threads = threads
             self.keys_per_step = keys_per_step
@@ -322,11 +328,7 @@ def compile_route_kernel(pdl: bool = True, keys_per_step: int = DEFAULT_KEYS_PER
     tensors. Raises RuntimeError without nvidia-cutlass-dsl, TypeError for a
     non-bool pdl / quantize / deq, ValueError for a `keys_per_step` not in
     KEYS_PER_STEP or deq without quantize."""
-    for name, flag in (("pdl", pdl), ("quantize", quantize), ("deq", deq)):
-        check_bool(name, flag)
-    _check_keys_per_step(keys_per_step)
-    if deq and not quantize:
-        raise ValueError("deq=True needs quantize=True (x_deq is written by the quantizing CTAs)")
+    _check_static(pdl, keys_per_step, quantize, deq)  # before the cache (1 == True would hit it)
     return _compile(pdl, keys_per_step, quantize, deq)
 
 
@@ -361,11 +363,15 @@ def _check_outs(record_out, permuted_out, rows: int, top_k: int, experts: int, d
         check_tensor(name, t, torch.int32, shape, device, device_of="topk_ids")
 
 
-def _run(compiled, topk_ids, record_out, permuted_out, experts: int, x_ptrs, blocks: int, stream, device) -> None:
-    """Launch a compiled route kernel; `x_ptrs`: its x, x_q, x_scale, x_deq pointers."""
+def _run(compiled, topk_ids, record_out, permuted_out, experts: int, x, x_q, x_scale, x_deq, blocks: int,
+         stream, device) -> None:
+    """Launch a compiled route kernel; x / x_q / x_scale / x_deq: its
+    quantization operands (tensors, or one 16-byte aligned address that a
+    kernel without `quantize` never reads)."""
     rows, top_k = topk_ids.shape
     compiled(gmem_ptr(Int32, topk_ids, 4), gmem_ptr(Int32, record_out, 4), gmem_ptr(Int32, permuted_out, 4),
-             Int32(rows), Int32(top_k), Int32(experts), *x_ptrs, Int32(blocks), cu_stream(stream, device))
+             Int32(rows), Int32(top_k), Int32(experts), gmem_ptr(BFloat16, x, 16), gmem_ptr(Uint8, x_q, 16),
+             gmem_ptr(Uint8, x_scale, 16), gmem_ptr(BFloat16, x_deq, 16), Int32(blocks), cu_stream(stream, device))
 
 
 def launch_route(
@@ -408,10 +414,8 @@ def launch_route(
         raise ValueError(f"topk_ids, record_out and permuted_out must be CUDA tensors, got {device}")
     require_dsl(_KERNEL)
     unused = record_out.data_ptr() // 16 * 16  # x stand-ins, never read without quantize
-    x_ptrs = (gmem_ptr(BFloat16, unused, 16), gmem_ptr(Uint8, unused, 16), gmem_ptr(Uint8, unused, 16),
-              gmem_ptr(BFloat16, unused, 16))
-    _run(compile_route_kernel(pdl, keys_per_step), topk_ids, record_out, permuted_out, experts, x_ptrs, 0,
-         stream, device)
+    _run(compile_route_kernel(pdl, keys_per_step), topk_ids, record_out, permuted_out, experts,
+         unused, unused, unused, unused, 0, stream, device)
 
 
 def launch_route_quantize(
@@ -460,10 +464,8 @@ def launch_route_quantize(
         raise ValueError(f"x, topk_ids and the outputs must be CUDA tensors, got {device}")
     require_dsl(_KERNEL)
     deq = x_deq_out is not None
-    x_ptrs = (gmem_ptr(BFloat16, x, 16), gmem_ptr(Uint8, x_q_out, 16), gmem_ptr(Uint8, x_scale_out, 16),
-              gmem_ptr(BFloat16, x_deq_out if deq else x, 16))
     _run(compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq), topk_ids, record_out, permuted_out, experts,
-         x_ptrs, rows * h // 32, stream, device)
+         x, x_q_out, x_scale_out, x_deq_out if deq else x, rows * h // 32, stream, device)
 
 
 def route(topk_ids: torch.Tensor, experts: int, *, stream=None, pdl: bool = True) -> RouteRecord:
