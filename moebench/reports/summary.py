@@ -195,9 +195,8 @@ def to_markdown(df: pd.DataFrame, manifest: dict, ranks: pd.DataFrame | None = N
     if step:
         lines.append(f"- decode step over {manifest.get('ranks', 1)} rank(s); µs exclude the gate (gate_us,"
                      f" step_with_gate_us report it); per-stage split: {timing or '-'}")  # fmt: skip
-    elif manifest.get("stage_timing") is None and "stage_timing" in manifest:
-        lines.append(f"- stages and routed path: {timing}")
-    elif timing and (_has_values(df, ROUTED_COLUMNS[0]) or kernel_columns(df)):
+    elif timing and (manifest["stage_timing"] is None or _has_values(df, ROUTED_COLUMNS[0]) or kernel_columns(df)):
+        # a --no-split run says so; a split one only where a backend split its forward
         lines.append(f"- stages and routed path: {timing}")
     if manifest.get("sharded"):
         workers = manifest.get("workers") or []
