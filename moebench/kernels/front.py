@@ -20,7 +20,8 @@ Roles by CTA index, 256 threads each:
     renormalize (`topk.row_weights`: the 1e-20 floor, times the routed
     scale) and write its ids and weights. CTA 0 does the same for row 0,
     waits on the mbarrier (acquire at cluster scope) and runs its copy of
-    the route kernel's record builder (`route.build_record`, two barriers).
+    the route kernel's record builder (`route.build_record`: its fast path,
+    as a router's rows name each expert at most once).
   * CTAs 8..: one thread per 32-element block of x, as the quantize kernel
     (`quantize.quantize_block`): ceil(rows*H/32 / 256) CTAs.
 Every slot is local (the front routes over all E experts of the rank).
@@ -267,7 +268,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             cta = cute.arch.block_idx()[0]
             smem = cutlass.memory.SmemAllocator()
             s_ids = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS), byte_alignment=16)
-            s_key, s_start, s_count = record_smem(smem)
+            s_key, s_start, s_count, s_map = record_smem(smem)
             e, k = self.experts, self.top_k
             s_scores = smem.allocate_tensor(Float32, cute.make_layout(e), byte_alignment=16)
             s_keys = smem.allocate_tensor(Uint32, cute.make_layout(e), byte_alignment=16)
@@ -318,7 +319,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                     expert_of_slot = Int32(-1)
                     if tid < rows * k:
                         expert_of_slot = s_ids[tid]
-                    build_record(tid, expert_of_slot, s_key, s_start, s_count, record, permuted,
+                    build_record(tid, expert_of_slot, s_key, s_start, s_count, s_map, record, permuted,
                                  rows, Int32(k), Int32(e), THREADS, DEFAULT_KEYS_PER_STEP)
             else:
                 if cutlass.const_expr(self.pdl):

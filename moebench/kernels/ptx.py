@@ -49,3 +49,17 @@ def st_shared_cluster_f32x4(ptr, rank, a: Float32, b: Float32, c: Float32, d: Fl
     llvm.inline_asm(None, [addr] + [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
                     "st.shared::cluster.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f",
                     has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def sync_threads_or(flag, *, loc=None, ip=None):
+    """Barrier 0 over the whole CTA (as `__syncthreads`) that also ORs `flag`
+    (Int32, nonzero = true) over every thread: returns Int32 1 if any thread's
+    flag was nonzero, else 0, in every thread (`bar.red.or.pred`). Orders
+    shared-memory accesses as a plain barrier does."""
+    from cutlass import Int32
+
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(flag).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p; selp.s32 $0, 1, 0, q; }",
+        "=r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))

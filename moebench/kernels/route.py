@@ -23,6 +23,17 @@ All threads first fill the unused-word defaults; two barriers later the used
 words are scattered over them. That method is the device function
 `build_record`, which the fused front (`front.py`) shares.
 
+Fast path (taken when every slot is local and no row names an expert twice,
+which a router's top-k always satisfies): then every expert has at most
+rows <= 8 slots, so one tile, and its slots ascend by row. Each slot ORs its
+row bit into its expert's 8-bit row mask and its expert's bit into a
+512-bit used-expert map (shared-memory atomics; the old row mask shows a
+repeated expert, and a barrier with an OR reduction sends the whole CTA to
+the method above if any slot saw one). Then, with no scan over the keys:
+  rank  = popcount(row mask & rows below mine),  n = popcount(row mask),
+  tile  = used experts below mine (popcounts of the map's words),
+the same words as the scans give, in constant time per slot.
+
 Fused with the MXFP8 quantization of x (`quantize=True`, `launch_route_quantize`):
 CTA 0 builds the record as above while CTAs 1.. quantize x, one thread per
 32-element block (`quantize.quantize_block`, the quantize kernel's device
@@ -61,6 +72,10 @@ MAX_SLOTS = MAX_ROWS * MAX_TOP_K
 _SLOT_BITS = 6
 #: Key of a non-local slot: above every local key (at most 512 * 64 - 1).
 _SENTINEL = 1 << 30
+#: Words of the fast path's used-expert bitmap (one bit per local expert).
+_USED_WORDS = MAX_EXPERTS // 32
+#: Words of the fast path's shared map: the bitmap, then an 8-bit row mask per expert.
+MAP_WORDS = _USED_WORDS + MAX_EXPERTS // 4
 
 assert MAX_SLOTS <= 1 << _SLOT_BITS and MAX_EXPERTS << _SLOT_BITS < _SENTINEL
 #: Allowed keys per scan step (tactic) and the default.
@@ -91,15 +106,34 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     import cutlass.cute as cute
     from cutlass import BFloat16, Int32, Uint8, Uint32
 
+    from moebench.kernels.ptx import sync_threads_or
     from moebench.kernels.quantize import quantize_block
 
     def record_smem(smem):
         """The shared memory `build_record` works in, from a SmemAllocator:
-        (keys int32 [64], tile starters int32 [64], per-warp counts int32 [4])."""
+        (keys int32 [64], tile starters int32 [64], per-warp counts int32 [4],
+        the fast path's map uint32 [MAP_WORDS]: used-expert bits, then the
+        experts' 8-bit row masks, four per word)."""
         s_key = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS), byte_alignment=16)
         s_start = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS), byte_alignment=16)
         s_count = smem.allocate_tensor(Int32, cute.make_layout(MAX_SLOTS // 16), byte_alignment=16)
-        return s_key, s_start, s_count
+        s_map = smem.allocate_tensor(Uint32, cute.make_layout(MAP_WORDS), byte_alignment=16)
+        return s_key, s_start, s_count, s_map
+
+    @cute.jit
+    def _scatter(tid, slots, local, e, tile, pos, valid_rows, starts, w, g_rec, g_perm):
+        """Slot `tid`'s words: its permute-map entry and permuted row, and
+        for a tile starter the tile's expert and valid rows."""
+        if tid < slots:
+            if local:
+                row = tile * TILE + pos
+                g_perm[tid] = row
+                g_rec[4 + 2 * w + row] = tid
+                if starts:
+                    g_rec[4 + tile] = e
+                    g_rec[4 + w + tile] = valid_rows
+            else:
+                g_perm[tid] = Int32(-1)
 
     @cute.jit
     def build_record(
@@ -108,6 +142,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         s_key: cute.Tensor,
         s_start: cute.Tensor,
         s_count: cute.Tensor,
+        s_map: cute.Tensor,
         record: cute.Pointer,
         permuted: cute.Pointer,
         rows: Int32,
@@ -122,9 +157,9 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         Called by every one of the CTA's `threads` threads (>= 64) with its
         thread index `tid` and, for tid < rows*top_k, the expert id `e` of
         slot tid (any value for the other threads); `s_key` / `s_start` /
-        `s_count` from `record_smem`; record / permuted: int32 global
+        `s_count` / `s_map` from `record_smem`; record / permuted: int32 global
         pointers; rows / top_k / experts as in `RouteKernel`. Two CTA
-        barriers inside; the caller must have made `e` readable (no barrier
+        barriers inside (fast path; the scans take a third); the caller must have made `e` readable (no barrier
         is needed before the call: the first shared store follows the fill)."""
         # record geometry (record.max_ctas / cta_words / route_words)
         slots = rows * top_k
@@ -144,63 +179,86 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             key = (e << _SLOT_BITS) + tid
         if tid < MAX_SLOTS:
             s_key[tid] = key                        # slots .. 63 hold the sentinel
-        cute.arch.sync_threads()
-
-        # pass 1 (keys_per_step keys a step, up to the step holding the
-        # last slot): rank within the expert and the expert's slot count
-        step = keys_per_step
-        steps = (slots + step - 1) // step
+        for i in cutlass.range_constexpr(0, MAP_WORDS, threads):
+            if tid + i < MAP_WORDS:
+                s_map[tid + i] = Uint32(0)
         local = key != _SENTINEL
-        lo = (key >> _SLOT_BITS) << _SLOT_BITS
-        hi = lo + (1 << _SLOT_BITS)
-        c_lo, c_me, c_hi = Int32(0), Int32(0), Int32(0)
-        for g in cutlass.range(steps, unroll=1):
-            for q in cutlass.range_constexpr(step):
-                kj = s_key[g * step + q]
-                c_lo = c_lo + Int32(kj < lo)
-                c_me = c_me + Int32(kj < key)
-                c_hi = c_hi + Int32(kj < hi)
-        rank = c_me - c_lo
-        count = c_hi - c_lo
-        pos = rank % TILE
-        starts = local and pos == 0
-        if tid < MAX_SLOTS:
-            s_start[tid] = key if starts else Int32(_SENTINEL)
-        # per-warp counts of local slots and of tile starters, for the header
         warp = tid // 32
         n_local = cute.arch.popc(cute.arch.vote_ballot_sync(local))
-        n_starts = cute.arch.popc(cute.arch.vote_ballot_sync(starts))
         if tid % 32 == 0 and warp < MAX_SLOTS // 32:
             s_count[warp] = n_local
-            s_count[MAX_SLOTS // 32 + warp] = n_starts
         cute.arch.sync_threads()
 
-        # pass 2: tile index = tile starters with a key <= mine, minus one
-        c_tile = Int32(0)
-        for g in cutlass.range(steps, unroll=1):
-            for q in cutlass.range_constexpr(step):
-                c_tile = c_tile + Int32(s_start[g * step + q] <= key)
-
-        if tid < slots:
+        # fast path: row masks and used-expert bits (module docstring)
+        row_bit = Uint32(1) << Uint32(tid // top_k)
+        shift = Uint32((e & 3) * 8)
+        repeated = Int32(0)
+        if local:
+            old = cute.arch.atomic_or(s_map.iterator + (_USED_WORDS + (e >> 2)), row_bit << shift, scope="cta")
+            repeated = Int32(((old >> shift) & row_bit) != Uint32(0))
+            cute.arch.atomic_or(s_map.iterator + (e >> 5), Uint32(1) << Uint32(e & 31), scope="cta")
+        if sync_threads_or(repeated) == Int32(0):
+            tile, rank, count = Int32(0), Int32(0), Int32(0)
             if local:
-                tile = c_tile - 1
-                row = tile * TILE + pos
-                g_perm[tid] = row
-                g_rec[4 + 2 * w + row] = tid
-                if starts:
-                    g_rec[4 + tile] = e
-                    g_rec[4 + w + tile] = cutlass.min(count - rank, TILE)
-            else:
-                g_perm[tid] = Int32(-1)
-        if tid == 0:
-            tiles, valid = Int32(0), Int32(0)
-            for w_ in cutlass.range_constexpr(MAX_SLOTS // 32):
-                valid = valid + s_count[w_]
-                tiles = tiles + s_count[MAX_SLOTS // 32 + w_]
-            g_rec[0] = tiles
-            g_rec[1] = valid
-            g_rec[2] = rows
-            g_rec[3] = top_k
+                mask = (s_map[_USED_WORDS + (e >> 2)] >> shift) & Uint32(0xFF)
+                rank = Int32(cute.arch.popc(mask & (row_bit - Uint32(1))))
+                count = Int32(cute.arch.popc(mask))
+                word = e >> 5
+                tile = Int32(cute.arch.popc(s_map[word] & ((Uint32(1) << Uint32(e & 31)) - Uint32(1))))
+                for j in cutlass.range_constexpr(_USED_WORDS):
+                    tile = tile + (Int32(cute.arch.popc(s_map[j])) if j < word else Int32(0))
+            _scatter(tid, slots, local, e, tile, rank, count, rank == 0, w, g_rec, g_perm)
+            if tid == 0:
+                tiles = Int32(0)
+                for j in cutlass.range_constexpr(_USED_WORDS):
+                    tiles = tiles + Int32(cute.arch.popc(s_map[j]))
+                _header(g_rec, tiles, s_count[0] + s_count[1], rows, top_k)
+        else:
+            # pass 1 (keys_per_step keys a step, up to the step holding the
+            # last slot): rank within the expert and the expert's slot count
+            step = keys_per_step
+            steps = (slots + step - 1) // step
+            lo = (key >> _SLOT_BITS) << _SLOT_BITS
+            hi = lo + (1 << _SLOT_BITS)
+            c_lo, c_me, c_hi = Int32(0), Int32(0), Int32(0)
+            for g in cutlass.range(steps, unroll=1):
+                for q in cutlass.range_constexpr(step):
+                    kj = s_key[g * step + q]
+                    c_lo = c_lo + Int32(kj < lo)
+                    c_me = c_me + Int32(kj < key)
+                    c_hi = c_hi + Int32(kj < hi)
+            rank = c_me - c_lo
+            count = c_hi - c_lo
+            pos = rank % TILE
+            starts = local and pos == 0
+            if tid < MAX_SLOTS:
+                s_start[tid] = key if starts else Int32(_SENTINEL)
+            n_starts = cute.arch.popc(cute.arch.vote_ballot_sync(starts))
+            if tid % 32 == 0 and warp < MAX_SLOTS // 32:
+                s_count[MAX_SLOTS // 32 + warp] = n_starts
+            cute.arch.sync_threads()
+
+            # pass 2: tile index = tile starters with a key <= mine, minus one
+            c_tile = Int32(0)
+            for g in cutlass.range(steps, unroll=1):
+                for q in cutlass.range_constexpr(step):
+                    c_tile = c_tile + Int32(s_start[g * step + q] <= key)
+            _scatter(tid, slots, local, e, c_tile - 1, pos, cutlass.min(count - rank, TILE), starts, w,
+                     g_rec, g_perm)
+            if tid == 0:
+                tiles, valid = Int32(0), Int32(0)
+                for w_ in cutlass.range_constexpr(MAX_SLOTS // 32):
+                    valid = valid + s_count[w_]
+                    tiles = tiles + s_count[MAX_SLOTS // 32 + w_]
+                _header(g_rec, tiles, valid, rows, top_k)
+
+    @cute.jit
+    def _header(g_rec, tiles, valid, rows, top_k):
+        """The record's four header words."""
+        g_rec[0] = tiles
+        g_rec[1] = valid
+        g_rec[2] = rows
+        g_rec[3] = top_k
 
     class RouteKernel:
         """The route kernel (CuTe DSL, sm_90a): one CTA, or with `quantize`
@@ -287,7 +345,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         ):
             tid = cute.arch.thread_idx()[0]
             cta = cute.arch.block_idx()[0]
-            s_key, s_start, s_count = record_smem(cutlass.memory.SmemAllocator())
+            s_key, s_start, s_count, s_map = record_smem(cutlass.memory.SmemAllocator())
             g_ids = cute.make_tensor(ids, cute.make_layout(MAX_SLOTS))
 
             if cutlass.const_expr(self.pdl):
@@ -298,7 +356,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                 e = Int32(-1)
                 if tid < rows * top_k:
                     e = g_ids[tid]                      # issued before the fill's stores
-                build_record(tid, e, s_key, s_start, s_count, record, permuted, rows, top_k, experts,
+                build_record(tid, e, s_key, s_start, s_count, s_map, record, permuted, rows, top_k, experts,
                              self.threads, self.keys_per_step)
             else:  # only launched with quantize
                 if cutlass.const_expr(self.quantize):

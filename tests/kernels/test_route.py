@@ -57,6 +57,9 @@ def test_compiles_for_sm90a_without_spills(pdl, threads, keys_per_step, quantize
     instr = sass_instructions(sass)
     text = assert_sass_without_spills(instr, "route")
     assert len(re.findall(r"\bBAR\.SYNC", text)) == 2
+    # the fast path: row mask and used-expert bit (shared atomics), then one OR-reducing barrier
+    assert len(re.findall(r"\bATOMS\.OR\b", text)) == 2
+    assert len(re.findall(r"\bBAR\.RED\.OR\b", text)) == 1
     assert_pdl_order(instr, pdl)
     # the fused quantization: the quantize kernel's 16-byte loads / stores and e4m3 conversions
     assert len(re.findall(r"\bLDG\.E\.128\b", text)) == (4 if quantize else 0)
@@ -193,6 +196,13 @@ def _routings(rows, top_k, experts, gen):
     mixed[mask] = nonlocal_ids[ints(0, len(nonlocal_ids), (int(mask.sum()),))]
     out.append(("mixed-nonlocal", mixed))
     out.append(("all-nonlocal", torch.full((rows, top_k), -1)))
+    # a router's rows (distinct ids: the fast path) with non-local slots mixed in
+    if top_k <= experts:
+        sparse = torch.stack([distinct(top_k) for _ in range(rows)]) if rows else torch.empty(0, top_k)
+        sparse = sparse.to(torch.int64)
+        drop = ints(0, 3, (rows, top_k)) == 0
+        sparse[drop] = nonlocal_ids[ints(0, len(nonlocal_ids), (int(drop.sum()),))]
+        out.append(("distinct-nonlocal", sparse))
     out.append(("edges", torch.tensor([0, experts - 1])[ints(0, 2, (rows, top_k))]))
     return [(n, t.to(torch.int32).view(rows, top_k)) for n, t in out]
 
