@@ -20,8 +20,9 @@ Roles by CTA index, 256 threads each:
     renormalize (`topk.row_weights`: the 1e-20 floor, times the routed
     scale) and write its ids and weights. CTA 0 does the same for row 0,
     waits on the mbarrier (acquire at cluster scope) and runs its copy of
-    the route kernel's record builder (`route.build_record`: its fast path,
-    as a router's rows name each expert at most once).
+    the route kernel's record builder (`route.build_record`'s fast path
+    without the repeat check: a top-k row names each expert at most once;
+    the record's defaults and the zeroed map were written before the wait).
   * CTAs 8..: one thread per 32-element block of x, as the quantize kernel
     (`quantize.quantize_block`): ceil(rows*H/32 / 256) CTAs.
 Every slot is local (the front routes over all E experts of the rank).
@@ -174,7 +175,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     from cutlass import BFloat16, Float32, Int32, Int64, Uint8, Uint32
 
     from moebench.kernels.quantize import quantize_block
-    from moebench.kernels.route import DEFAULT_KEYS_PER_STEP, MAX_SLOTS, build_record, record_smem
+    from moebench.kernels.route import DEFAULT_KEYS_PER_STEP, MAX_SLOTS, build_record, record_prologue, record_smem
     from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -298,6 +299,8 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                         cute.recast_ptr(bias_vl, dtype=Uint32),
                         input_ids, ids64, sentinel_lo, s_scores, s_keys, cta, tid, e, THREADS,
                         self.image, self.pdl)
+                    if cta == 0:  # the record's defaults and the zeroed map, before the ids exist
+                        record_prologue(tid, s_map, record, rows, Int32(k), Int32(e), THREADS)
                     cute.arch.sync_threads()
                     if tid < WARP:
                         expert, ids = row_rounds(s_keys, tid, e, k)
@@ -320,7 +323,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                     if tid < rows * k:
                         expert_of_slot = s_ids[tid]
                     build_record(tid, expert_of_slot, s_key, s_start, s_count, s_map, record, permuted,
-                                 rows, Int32(k), Int32(e), THREADS, DEFAULT_KEYS_PER_STEP)
+                                 rows, Int32(k), Int32(e), THREADS, DEFAULT_KEYS_PER_STEP, True)
             else:
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()

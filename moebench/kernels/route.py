@@ -136,6 +136,31 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                 g_perm[tid] = Int32(-1)
 
     @cute.jit
+    def _geometry(rows, top_k, experts):
+        """(slots, w, body) of the record (record.max_ctas / cta_words /
+        route_words): slot count, words per tile table, words after the header."""
+        slots = rows * top_k
+        filled = cutlass.min(experts, slots)
+        ctas = filled + (slots - filled) // TILE
+        w = (ctas + 3) // 4 * 4
+        return slots, w, 2 * w + TILE * ctas
+
+    @cute.jit
+    def record_prologue(tid, s_map, record, rows, top_k, experts, threads: cutlass.Constexpr[int]):
+        """What `build_record` does before it needs the ids: every body word
+        of the record gets its unused default (tile_expert -1,
+        tile_valid_rows 0, tile_slots -1) and the fast path's map is zeroed.
+        Called by every thread of the CTA; a CTA barrier must separate it
+        from `build_record(distinct=True)`."""
+        slots, w, body = _geometry(rows, top_k, experts)
+        g_rec = cute.make_tensor(record, cute.make_layout(4 + 2 * MAX_SLOTS + TILE * MAX_SLOTS))
+        for i in cutlass.range(tid, body, threads, unroll=1):
+            g_rec[4 + i] = Int32(0) if (i >= w and i < 2 * w) else Int32(-1)
+        for i in cutlass.range_constexpr(0, MAP_WORDS, threads):
+            if tid + i < MAP_WORDS:
+                s_map[tid + i] = Uint32(0)
+
+    @cute.jit
     def build_record(
         tid: Int32,
         e: Int32,
@@ -150,6 +175,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         experts: Int32,
         threads: cutlass.Constexpr[int],
         keys_per_step: cutlass.Constexpr[int],
+        distinct: cutlass.Constexpr[bool],
     ):
         """Write the route record and permute map (device code, shared by
         RouteKernel and the fused front; method in the module docstring).
@@ -158,99 +184,117 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         thread index `tid` and, for tid < rows*top_k, the expert id `e` of
         slot tid (any value for the other threads); `s_key` / `s_start` /
         `s_count` / `s_map` from `record_smem`; record / permuted: int32 global
-        pointers; rows / top_k / experts as in `RouteKernel`. Two CTA
-        barriers inside (fast path; the scans take a third); the caller must have made `e` readable (no barrier
-        is needed before the call: the first shared store follows the fill)."""
-        # record geometry (record.max_ctas / cta_words / route_words)
-        slots = rows * top_k
-        filled = cutlass.min(experts, slots)
-        ctas = filled + (slots - filled) // TILE
-        w = (ctas + 3) // 4 * 4
-        body = 2 * w + TILE * ctas                  # words after the 4-word header
+        pointers; rows / top_k / experts as in `RouteKernel`.
+        `distinct=False` (the route kernel: any ids): runs `record_prologue`
+        itself, then the scans when they take one step (slots <=
+        keys_per_step), else the fast path, which falls back to the scans
+        when a row repeats an expert; two or three CTA barriers.
+        `distinct=True` (the fused front): the caller guarantees that every
+        id is local and no row repeats one, and has run `record_prologue`
+        and a CTA barrier since; the fast path without the check, one CTA
+        barrier. The caller must have made `e` readable (no barrier is
+        needed before the call)."""
+        slots, w, body = _geometry(rows, top_k, experts)
         g_rec = cute.make_tensor(record, cute.make_layout(4 + 2 * MAX_SLOTS + TILE * MAX_SLOTS))
         g_perm = cute.make_tensor(permuted, cute.make_layout(MAX_SLOTS))
-
-        # defaults of every body word: tile_expert -1, tile_valid_rows 0, tile_slots -1
-        for i in cutlass.range(tid, body, threads, unroll=1):
-            g_rec[4 + i] = Int32(0) if (i >= w and i < 2 * w) else Int32(-1)
-
-        key = Int32(_SENTINEL)
-        if tid < slots and e >= 0 and e < experts:
-            key = (e << _SLOT_BITS) + tid
-        if tid < MAX_SLOTS:
-            s_key[tid] = key                        # slots .. 63 hold the sentinel
-        for i in cutlass.range_constexpr(0, MAP_WORDS, threads):
-            if tid + i < MAP_WORDS:
-                s_map[tid + i] = Uint32(0)
-        local = key != _SENTINEL
-        warp = tid // 32
-        n_local = cute.arch.popc(cute.arch.vote_ballot_sync(local))
-        if tid % 32 == 0 and warp < MAX_SLOTS // 32:
-            s_count[warp] = n_local
-        cute.arch.sync_threads()
-
-        # fast path: row masks and used-expert bits (module docstring)
         row_bit = Uint32(1) << Uint32(tid // top_k)
         shift = Uint32((e & 3) * 8)
-        repeated = Int32(0)
-        if local:
-            old = cute.arch.atomic_or(s_map.iterator + (_USED_WORDS + (e >> 2)), row_bit << shift, scope="cta")
-            repeated = Int32(((old >> shift) & row_bit) != Uint32(0))
-            cute.arch.atomic_or(s_map.iterator + (e >> 5), Uint32(1) << Uint32(e & 31), scope="cta")
-        if sync_threads_or(repeated) == Int32(0):
-            tile, rank, count = Int32(0), Int32(0), Int32(0)
+        if cutlass.const_expr(distinct):
+            local = tid < slots
             if local:
-                mask = (s_map[_USED_WORDS + (e >> 2)] >> shift) & Uint32(0xFF)
-                rank = Int32(cute.arch.popc(mask & (row_bit - Uint32(1))))
-                count = Int32(cute.arch.popc(mask))
-                word = e >> 5
-                tile = Int32(cute.arch.popc(s_map[word] & ((Uint32(1) << Uint32(e & 31)) - Uint32(1))))
-                for j in cutlass.range_constexpr(_USED_WORDS):
-                    tile = tile + (Int32(cute.arch.popc(s_map[j])) if j < word else Int32(0))
-            _scatter(tid, slots, local, e, tile, rank, count, rank == 0, w, g_rec, g_perm)
-            if tid == 0:
-                tiles = Int32(0)
-                for j in cutlass.range_constexpr(_USED_WORDS):
-                    tiles = tiles + Int32(cute.arch.popc(s_map[j]))
-                _header(g_rec, tiles, s_count[0] + s_count[1], rows, top_k)
-        else:
-            # pass 1 (keys_per_step keys a step, up to the step holding the
-            # last slot): rank within the expert and the expert's slot count
-            step = keys_per_step
-            steps = (slots + step - 1) // step
-            lo = (key >> _SLOT_BITS) << _SLOT_BITS
-            hi = lo + (1 << _SLOT_BITS)
-            c_lo, c_me, c_hi = Int32(0), Int32(0), Int32(0)
-            for g in cutlass.range(steps, unroll=1):
-                for q in cutlass.range_constexpr(step):
-                    kj = s_key[g * step + q]
-                    c_lo = c_lo + Int32(kj < lo)
-                    c_me = c_me + Int32(kj < key)
-                    c_hi = c_hi + Int32(kj < hi)
-            rank = c_me - c_lo
-            count = c_hi - c_lo
-            pos = rank % TILE
-            starts = local and pos == 0
-            if tid < MAX_SLOTS:
-                s_start[tid] = key if starts else Int32(_SENTINEL)
-            n_starts = cute.arch.popc(cute.arch.vote_ballot_sync(starts))
-            if tid % 32 == 0 and warp < MAX_SLOTS // 32:
-                s_count[MAX_SLOTS // 32 + warp] = n_starts
+                cute.arch.atomic_or(s_map.iterator + (_USED_WORDS + (e >> 2)), row_bit << shift, scope="cta")
+                cute.arch.atomic_or(s_map.iterator + (e >> 5), Uint32(1) << Uint32(e & 31), scope="cta")
             cute.arch.sync_threads()
+            _fast(tid, e, local, row_bit, shift, s_map, slots, w, g_rec, g_perm, slots, rows, top_k)
+        else:
+            record_prologue(tid, s_map, record, rows, top_k, experts, threads)
+            key = Int32(_SENTINEL)
+            if tid < slots and e >= 0 and e < experts:
+                key = (e << _SLOT_BITS) + tid
+            if tid < MAX_SLOTS:
+                s_key[tid] = key                        # slots .. 63 hold the sentinel
+            local = key != _SENTINEL
+            warp = tid // 32
+            n_local = cute.arch.popc(cute.arch.vote_ballot_sync(local))
+            if tid % 32 == 0 and warp < MAX_SLOTS // 32:
+                s_count[warp] = n_local
+            cute.arch.sync_threads()
+            scan = Int32(1)
+            if slots > keys_per_step:  # the scans take more than one step: try the fast path
+                repeated = Int32(0)
+                if local:
+                    old = cute.arch.atomic_or(s_map.iterator + (_USED_WORDS + (e >> 2)), row_bit << shift,
+                                              scope="cta")
+                    repeated = Int32(((old >> shift) & row_bit) != Uint32(0))
+                    cute.arch.atomic_or(s_map.iterator + (e >> 5), Uint32(1) << Uint32(e & 31), scope="cta")
+                scan = sync_threads_or(repeated)
+                if scan == Int32(0):
+                    _fast(tid, e, local, row_bit, shift, s_map, slots, w, g_rec, g_perm,
+                          s_count[0] + s_count[1], rows, top_k)
+            if scan != Int32(0):
+                _scans(tid, e, key, local, s_key, s_start, s_count, slots, w, g_rec, g_perm, rows, top_k,
+                       keys_per_step)
 
-            # pass 2: tile index = tile starters with a key <= mine, minus one
-            c_tile = Int32(0)
-            for g in cutlass.range(steps, unroll=1):
-                for q in cutlass.range_constexpr(step):
-                    c_tile = c_tile + Int32(s_start[g * step + q] <= key)
-            _scatter(tid, slots, local, e, c_tile - 1, pos, cutlass.min(count - rank, TILE), starts, w,
-                     g_rec, g_perm)
-            if tid == 0:
-                tiles, valid = Int32(0), Int32(0)
-                for w_ in cutlass.range_constexpr(MAX_SLOTS // 32):
-                    valid = valid + s_count[w_]
-                    tiles = tiles + s_count[MAX_SLOTS // 32 + w_]
-                _header(g_rec, tiles, valid, rows, top_k)
+    @cute.jit
+    def _fast(tid, e, local, row_bit, shift, s_map, slots, w, g_rec, g_perm, valid, rows, top_k):
+        """The fast path after the map is complete (module docstring): rank,
+        slot count and tile of slot `tid` from the map, its words, and (tid 0)
+        the header with `valid` local slots."""
+        tile, rank, count = Int32(0), Int32(0), Int32(0)
+        if local:
+            mask = (s_map[_USED_WORDS + (e >> 2)] >> shift) & Uint32(0xFF)
+            rank = Int32(cute.arch.popc(mask & (row_bit - Uint32(1))))
+            count = Int32(cute.arch.popc(mask))
+            word = e >> 5
+            tile = Int32(cute.arch.popc(s_map[word] & ((Uint32(1) << Uint32(e & 31)) - Uint32(1))))
+            for j in cutlass.range_constexpr(_USED_WORDS):
+                tile = tile + (Int32(cute.arch.popc(s_map[j])) if j < word else Int32(0))
+        _scatter(tid, slots, local, e, tile, rank, count, rank == 0, w, g_rec, g_perm)
+        if tid == 0:
+            tiles = Int32(0)
+            for j in cutlass.range_constexpr(_USED_WORDS):
+                tiles = tiles + Int32(cute.arch.popc(s_map[j]))
+            _header(g_rec, tiles, valid, rows, top_k)
+
+    @cute.jit
+    def _scans(tid, e, key, local, s_key, s_start, s_count, slots, w, g_rec, g_perm, rows, top_k,
+               keys_per_step: cutlass.Constexpr[int]):
+        """The method of the module docstring over the keys in `s_key`: two
+        scans (keys_per_step keys a step, up to the step holding the last
+        slot), one CTA barrier between them, then the words and the header."""
+        step = keys_per_step
+        steps = (slots + step - 1) // step
+        lo = (key >> _SLOT_BITS) << _SLOT_BITS
+        hi = lo + (1 << _SLOT_BITS)
+        c_lo, c_me, c_hi = Int32(0), Int32(0), Int32(0)
+        for g in cutlass.range(steps, unroll=1):
+            for q in cutlass.range_constexpr(step):
+                kj = s_key[g * step + q]
+                c_lo = c_lo + Int32(kj < lo)
+                c_me = c_me + Int32(kj < key)
+                c_hi = c_hi + Int32(kj < hi)
+        rank = c_me - c_lo              # rank within the expert
+        count = c_hi - c_lo             # the expert's slot count
+        pos = rank % TILE
+        starts = local and pos == 0
+        if tid < MAX_SLOTS:
+            s_start[tid] = key if starts else Int32(_SENTINEL)
+        warp = tid // 32
+        n_starts = cute.arch.popc(cute.arch.vote_ballot_sync(starts))
+        if tid % 32 == 0 and warp < MAX_SLOTS // 32:
+            s_count[MAX_SLOTS // 32 + warp] = n_starts
+        cute.arch.sync_threads()
+        c_tile = Int32(0)               # tile starters with a key <= mine
+        for g in cutlass.range(steps, unroll=1):
+            for q in cutlass.range_constexpr(step):
+                c_tile = c_tile + Int32(s_start[g * step + q] <= key)
+        _scatter(tid, slots, local, e, c_tile - 1, pos, cutlass.min(count - rank, TILE), starts, w, g_rec, g_perm)
+        if tid == 0:
+            tiles, valid = Int32(0), Int32(0)
+            for w_ in cutlass.range_constexpr(MAX_SLOTS // 32):
+                valid = valid + s_count[w_]
+                tiles = tiles + s_count[MAX_SLOTS // 32 + w_]
+            _header(g_rec, tiles, valid, rows, top_k)
 
     @cute.jit
     def _header(g_rec, tiles, valid, rows, top_k):
@@ -357,7 +401,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                 if tid < rows * top_k:
                     e = g_ids[tid]                      # issued before the fill's stores
                 build_record(tid, e, s_key, s_start, s_count, s_map, record, permuted, rows, top_k, experts,
-                             self.threads, self.keys_per_step)
+                             self.threads, self.keys_per_step, False)
             else:  # only launched with quantize
                 if cutlass.const_expr(self.quantize):
                     b = (cta - 1) * self.threads + tid
