@@ -146,7 +146,17 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         return slots, w, 2 * w + TILE * ctas
 
     @cute.jit
-    def record_prologue(tid, s_map, record, rows, top_k, experts, threads: cutlass.Constexpr[int]):
+    def _row_bit(tid, top_k):
+        """1 << (tid // top_k): slot tid's row bit, by compares (top_k is a
+        runtime value in the route kernel; no division on the path)."""
+        row = Int32(0)
+        for j in cutlass.range_constexpr(1, MAX_ROWS):
+            row = row + Int32(tid >= j * top_k)
+        return Uint32(1) << Uint32(row)
+
+    @cute.jit
+    def record_prologue(tid, s_map, record, rows, top_k, experts, threads: cutlass.Constexpr[int],
+                        zero_map=True):
         """What `build_record` does before it needs the ids: every body word
         of the record gets its unused default (tile_expert -1,
         tile_valid_rows 0, tile_slots -1) and the fast path's map is zeroed.
@@ -156,9 +166,10 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         g_rec = cute.make_tensor(record, cute.make_layout(4 + 2 * MAX_SLOTS + TILE * MAX_SLOTS))
         for i in cutlass.range(tid, body, threads, unroll=1):
             g_rec[4 + i] = Int32(0) if (i >= w and i < 2 * w) else Int32(-1)
-        for i in cutlass.range_constexpr(0, MAP_WORDS, threads):
-            if tid + i < MAP_WORDS:
-                s_map[tid + i] = Uint32(0)
+        if zero_map:
+            for i in cutlass.range_constexpr(0, MAP_WORDS, threads):
+                if tid + i < MAP_WORDS:
+                    s_map[tid + i] = Uint32(0)
 
     @cute.jit
     def build_record(
@@ -197,17 +208,17 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         slots, w, body = _geometry(rows, top_k, experts)
         g_rec = cute.make_tensor(record, cute.make_layout(4 + 2 * MAX_SLOTS + TILE * MAX_SLOTS))
         g_perm = cute.make_tensor(permuted, cute.make_layout(MAX_SLOTS))
-        row_bit = Uint32(1) << Uint32(tid // top_k)
         shift = Uint32((e & 3) * 8)
         if cutlass.const_expr(distinct):
             local = tid < slots
+            row_bit = _row_bit(tid, top_k)
             if local:
                 cute.arch.atomic_or(s_map.iterator + (_USED_WORDS + (e >> 2)), row_bit << shift, scope="cta")
                 cute.arch.atomic_or(s_map.iterator + (e >> 5), Uint32(1) << Uint32(e & 31), scope="cta")
             cute.arch.sync_threads()
             _fast(tid, e, local, row_bit, shift, s_map, slots, w, g_rec, g_perm, slots, rows, top_k)
         else:
-            record_prologue(tid, s_map, record, rows, top_k, experts, threads)
+            record_prologue(tid, s_map, record, rows, top_k, experts, threads, slots > keys_per_step)
             key = Int32(_SENTINEL)
             if tid < slots and e >= 0 and e < experts:
                 key = (e << _SLOT_BITS) + tid
@@ -221,6 +232,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             cute.arch.sync_threads()
             scan = Int32(1)
             if slots > keys_per_step:  # the scans take more than one step: try the fast path
+                row_bit = _row_bit(tid, top_k)
                 repeated = Int32(0)
                 if local:
                     old = cute.arch.atomic_or(s_map.iterator + (_USED_WORDS + (e >> 2)), row_bit << shift,
