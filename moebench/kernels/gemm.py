@@ -872,44 +872,44 @@ if HAVE_DSL:
             n_units = cute.arch.load(record, Int32) * self.blocks
             top_k = cute.arch.load(record + 3, Int32)
             unit, count, stride = self.unit_span(n_units, bid, nblk)
-            n_steps = count * NB
-            b, parity, staged = Int32(0), Int32(0), Int32(-1)  # staged: the tile whose rows sB holds
-            for i in cutlass.range(0, n_steps, 1, unroll=1):
-                s = i % S
-                if b == 0 and unit // self.blocks != staged:  # a unit of a new tile: its activation
-                    # rows into shared memory (the previous unit's wgmmas all completed before the
-                    # barrier that closed it)
-                    staged = unit // self.blocks
+            # the ring position runs on across units: stage s, phase ph (no division per step)
+            s, ph, parity, staged = Int32(0), Int32(0), Int32(0), Int32(-1)  # staged: the tile in sB
+            for _ in cutlass.range(0, count, 1, unroll=1):
+                tile = unit // self.blocks
+                if tile != staged:  # a unit of a new tile: its activation rows into shared memory
+                    # (the previous unit's wgmmas all completed before the barrier that closed it)
+                    staged = tile
                     self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
                     cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                cute.arch.mbarrier_wait(bars + s, (i // S) % 2)
-                stage = ring + s * self.stage_words
-                for j in cutlass.range_constexpr(U):
-                    entry = pair * KS + wk * U + j
-                    if cutlass.const_expr(tm == 2):
-                        q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
-                        for x in cutlass.range_constexpr(4):
-                            st_w[4 * j + x] = q[x]
-                        st_s[j] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
-                    else:
-                        q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
-                        st_w[2 * j] = q[0]
-                        st_w[2 * j + 1] = q[1]
-                        sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
-                        st_s[j] = sv >> Uint32(16 * t16)
-                cute.arch.sync_warp()
-                if lane == 0:  # the words are in registers: the stage may be refilled
-                    cute.arch.mbarrier_arrive(bars + (S + s))
-                self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, b * KS + wk * U, lane)
-                if b == NB - 1:  # item done: partials to smem, one barrier, epilogue
-                    self.stash_partials(sP, acc, parity, warp, lane)
-                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                    self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
-                    parity = parity ^ 1
-                b = b + 1
-                wrap = Int32(b == NB)
-                b, unit = b - wrap * NB, unit + wrap * stride
+                for b in cutlass.range(0, NB, 1, unroll=1):
+                    cute.arch.mbarrier_wait(bars + s, ph)
+                    stage = ring + s * self.stage_words
+                    for j in cutlass.range_constexpr(U):
+                        entry = pair * KS + wk * U + j
+                        if cutlass.const_expr(tm == 2):
+                            q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
+                            for x in cutlass.range_constexpr(4):
+                                st_w[4 * j + x] = q[x]
+                            st_s[j] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                        else:
+                            q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
+                            st_w[2 * j] = q[0]
+                            st_w[2 * j + 1] = q[1]
+                            sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                            st_s[j] = sv >> Uint32(16 * t16)
+                    cute.arch.sync_warp()
+                    if lane == 0:  # the words are in registers: the stage may be refilled
+                        cute.arch.mbarrier_arrive(bars + (S + s))
+                    self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, b * KS + wk * U, lane)
+                    wrap = Int32(s == S - 1)
+                    s, ph = s + 1 - wrap * S, ph ^ wrap
+                # unit done: partials to smem, one barrier, epilogue
+                self.stash_partials(sP, acc, parity, warp, lane)
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
+                parity = parity ^ 1
+                unit = unit + stride
 
 
 # ---------------------------------------------------------------------- host side
