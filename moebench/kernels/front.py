@@ -300,6 +300,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                         input_ids, ids64, sentinel_lo, s_scores, s_keys, cta, tid, e, THREADS,
                         self.image, self.pdl)
                     if cta == 0:  # the record's defaults and the zeroed map, before the ids exist
+                        # (CTA 0 always gets here: the host admits rows 1..8 only)
                         record_prologue(tid, s_map, record, rows, Int32(k), Int32(e), THREADS)
                     cute.arch.sync_threads()
                     if tid < WARP:

@@ -843,8 +843,10 @@ if HAVE_DSL:
                                tid, bid, nblk, warp, lane):
             """fp8 tactics on the bulk ring (warp-specialized: the producer warp
             streams the weights, these warpgroups only decode and multiply). Per
-            unit: its 8 activation rows into shared memory (`stage_acts`, named
-            barrier 1 over the compute warps). Per step: wait full[s], the
+            unit of a new token tile: its 8 activation rows into shared memory
+            (`stage_acts`, named barrier 1 over the compute warps). Units run
+            in an outer loop, their steps in an inner one, the ring stage and
+            phase carried across units as the producer counts them. Per step: wait full[s], the
             warp's words and scales from the stage into registers, release the
             stage at once (empty[s]), then `compute_wgmma` on the registers.
             Warp (wm, wk) (wk-major: a warpgroup shares wk) takes chunks

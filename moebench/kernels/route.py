@@ -23,9 +23,11 @@ All threads first fill the unused-word defaults; two barriers later the used
 words are scattered over them. That method is the device function
 `build_record`, which the fused front (`front.py`) shares.
 
-Fast path (taken when every slot is local and no row names an expert twice,
-which a router's top-k always satisfies): then every expert has at most
-rows <= 8 slots, so one tile, and its slots ascend by row. Each slot ORs its
+Fast path (the fused front always takes it: its rows are top-k rows; the
+route kernel tries it where the scans would take more than one step, slots >
+keys_per_step, and keeps it unless a row names a local expert twice;
+non-local slots are skipped as above). With no repeats every expert has at
+most rows <= 8 slots, so one tile, and its slots ascend by row. Each slot ORs its
 row bit into its expert's 8-bit row mask and its expert's bit into a
 512-bit used-expert map (shared-memory atomics; the old row mask shows a
 repeated expert, and a barrier with an OR reduction sends the whole CTA to
@@ -147,8 +149,9 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
 
     @cute.jit
     def _row_bit(tid, top_k):
-        """1 << (tid // top_k): slot tid's row bit, by compares (top_k is a
-        runtime value in the route kernel; no division on the path)."""
+        """1 << (tid // top_k) for tid < 8 * top_k (every slot thread): slot
+        tid's row bit, by compares (top_k is a runtime value in the route
+        kernel; no division on the path)."""
         row = Int32(0)
         for j in cutlass.range_constexpr(1, MAX_ROWS):
             row = row + Int32(tid >= j * top_k)
@@ -159,9 +162,10 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                         zero_map=True):
         """What `build_record` does before it needs the ids: every body word
         of the record gets its unused default (tile_expert -1,
-        tile_valid_rows 0, tile_slots -1) and the fast path's map is zeroed.
-        Called by every thread of the CTA; a CTA barrier must separate it
-        from `build_record(distinct=True)`."""
+        tile_valid_rows 0, tile_slots -1) and, with `zero_map` (a runtime or
+        Python bool), the fast path's map is zeroed. Called by every thread
+        of the CTA; a CTA barrier must separate it from
+        `build_record(distinct=True)`."""
         slots, w, body = _geometry(rows, top_k, experts)
         g_rec = cute.make_tensor(record, cute.make_layout(4 + 2 * MAX_SLOTS + TILE * MAX_SLOTS))
         for i in cutlass.range(tid, body, threads, unroll=1):
@@ -327,7 +331,8 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         record's unused words), `keys_per_step` (keys each thread compares
         per step of its two scans over the shared keys, one of KEYS_PER_STEP:
         a step's loads go out together; the scans stop at the step holding
-        the last slot), `quantize` (bool: also MXFP8-quantize x) and `deq`
+        the last slot; more slots than keys_per_step try the fast path
+        first), `quantize` (bool: also MXFP8-quantize x) and `deq`
         (bool, with `quantize`: also write x_deq, the BF16 operand of act_bf16
         GEMM tactics). Runtime: the ids / record / permuted int32 pointers,
         rows, top_k, experts (Int32), and x (bf16) / x_q / x_scale (uint8) /
