@@ -217,8 +217,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             local = tid < slots
             row_bit = _row_bit(tid, top_k)
             if local:
-                cute.arch.atomic_or(s_map.iterator + (_USED_WORDS + (e >> 2)), row_bit << shift, scope="cta")
-                cute.arch.atomic_or(s_map.iterator + (e >> 5), Uint32(1) << Uint32(e & 31), scope="cta")
+                _mark_slot(s_map, e, row_bit, shift)
             cute.arch.sync_threads()
             _fast(tid, e, local, row_bit, shift, s_map, slots, w, g_rec, g_perm, slots, rows, top_k)
         else:
@@ -239,10 +238,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                 row_bit = _row_bit(tid, top_k)
                 repeated = Int32(0)
                 if local:
-                    old = cute.arch.atomic_or(s_map.iterator + (_USED_WORDS + (e >> 2)), row_bit << shift,
-                                              scope="cta")
-                    repeated = Int32(((old >> shift) & row_bit) != Uint32(0))
-                    cute.arch.atomic_or(s_map.iterator + (e >> 5), Uint32(1) << Uint32(e & 31), scope="cta")
+                    repeated = _mark_slot(s_map, e, row_bit, shift)
                 scan = sync_threads_or(repeated)
                 if scan == Int32(0):
                     _fast(tid, e, local, row_bit, shift, s_map, slots, w, g_rec, g_perm,
@@ -250,6 +246,16 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             if scan != Int32(0):
                 _scans(tid, e, key, local, s_key, s_start, s_count, slots, w, g_rec, g_perm, rows, top_k,
                        keys_per_step)
+
+    @cute.jit
+    def _mark_slot(s_map, e, row_bit, shift):
+        """The fast path's map entries of a local slot of expert `e`: its row
+        bit into the expert's row mask, the expert's bit into the used-expert
+        bitmap (shared-memory atomics). Returns Int32 1 if the row bit was
+        already set (the row names `e` twice), else 0."""
+        old = cute.arch.atomic_or(s_map.iterator + (_USED_WORDS + (e >> 2)), row_bit << shift, scope="cta")
+        cute.arch.atomic_or(s_map.iterator + (e >> 5), Uint32(1) << Uint32(e & 31), scope="cta")
+        return Int32(((old >> shift) & row_bit) != Uint32(0))
 
     @cute.jit
     def _fast(tid, e, local, row_bit, shift, s_map, slots, w, g_rec, g_perm, valid, rows, top_k):
