@@ -34,15 +34,13 @@ lower id first). Method: sel maps to an unsigned key that orders like the
 value (sign-magnitude flip; -0.0 cannot occur: scores are >= +0.0 and
 +0.0 + -0.0 = +0.0), NaN to 1, a taken expert to 0. `row_scores` writes
 every expert's unbiased score and key to shared memory (thread t: experts
-t, t + threads, ...); in `row_rounds` lane l holds the keys of experts
-l*n .. l*n + n-1 (n = E/32, contiguous, so a lower lane holds lower ids).
-Each of the top_k rounds: every lane finds its best key by a balanced tree
-over its n keys (the lower id of equals), `redux.sync.max.u32` gives the
-warp's best key, `vote.ballot` the lanes holding it, and the lowest of
-them holds the winning id (the lowest of equals) and clears that key; a
-shuffle hands the id to every lane, off the next round's path (v4: v2-v3
-asked `redux.sync.min.u32` over the holders' ids, a second reduction on
-every round's path). Then every lane reads the top_k chosen scores back from
+t, t + threads, ...); in `row_rounds` lane l holds the keys of experts l,
+l + 32, ... (n = E/32 of them). Each of the top_k rounds: every
+lane finds its best key by a balanced tree over its n keys (the lower id of
+equals), `redux.sync.max.u32` gives the warp's best key and
+`redux.sync.min.u32` over the ids of the lanes holding it the winning id
+(the lowest of equals), known to every lane; its holder clears that key
+(`row_rounds`). Then every lane reads the top_k chosen scores back from
 shared memory and renormalizes (`row_weights`: sum in top-k order, +inf
 count) with no further exchange.
 """
@@ -198,17 +196,9 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
         return key
 
     @cute.jit
-    def key_slot(e: Int32, experts: cutlass.Constexpr[int]) -> Int32:
-        """Where expert e's key lives in s_keys: lane l of `row_rounds` holds
-        the contiguous experts l*n .. l*n + n-1 (n = experts / 32), key j of
-        lane l at j*32 + l (conflict-free reads)."""
-        n = experts // WARP
-        return (e % n) * WARP + e // n
-
-    @cute.jit
     def _best_of(keys: list, lane: Int32, n: cutlass.Constexpr[int]):
         """This lane's best key and the expert id holding it (the lower id of
-        equal keys; lane l holds experts l*n, l*n + 1, ..., so a lower j is a
+        equal keys; lane l holds experts l, l + 32, ..., so a lower j is a
         lower id): a balanced tree over its n keys, log2(n) deep."""
         items = []
         for j in cutlass.range_constexpr(n):
@@ -224,7 +214,7 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
                 merged.append(items[-1])
             items = merged
         best, best_j = items[0]
-        return best, best_j, lane * n + best_j
+        return best, best_j, lane + WARP * best_j
 
     @cute.jit
     def row_scores(
@@ -250,8 +240,8 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
         coalesced loads; a thread past the end recomputes expert E-1 and
         stores nothing) and writes the unbiased score to s_scores[e] (fp32
         [experts], shared) and the selection key (`order_key` of score +
-        bias[e], or bias_vl[e] for an image row) to s_keys[key_slot(e)]
-        (uint32 [experts], shared, in the order `row_rounds` reads it).
+        bias[e], or bias_vl[e] for an image row) to s_keys[e] (uint32
+        [experts], shared).
 
         logits: Uint32 view of the row's fp32 logits [experts]; bias /
         bias_vl: Uint32 views of the fp32 biases (bias_vl read only when
@@ -285,14 +275,13 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
             if cutlass.const_expr(image):
                 b = bvl_raw[i] if image_row else b
             key = order_key(add_rn(s, b.bitcast(Float32)))
-            slot = key_slot(es[i], experts)
             if cutlass.const_expr((i + 1) * threads <= experts):
                 s_scores[es[i]] = s
-                s_keys[slot] = key
+                s_keys[es[i]] = key
             else:
                 if tid + i * threads < experts:
                     s_scores[es[i]] = s
-                    s_keys[slot] = key
+                    s_keys[es[i]] = key
 
     @cute.jit
     def row_rounds(
@@ -303,27 +292,23 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
     ):
         """Stage 2 of one row's top-k (device code for one full warp, after
         `row_scores` and a CTA barrier): lane l takes the keys of experts
-        l*n .. l*n + n-1 (n = E/32; conflict-free shared loads, `key_slot`),
-        then the top_k rounds: every lane's best key (tree, the lower id of
-        equals), the warp's best (`redux.sync.max`), the holders (`vote.ballot`)
-        and the lowest holding lane, which holds the lowest id among them
-        (lanes hold contiguous id ranges): it clears that key. The winning id
-        reaches every lane by a shuffle off the rounds' critical path.
-        Returns (the id of round `lane` for lanes < top_k, unspecified for
-        the others; the list of the top_k ids, the same in every lane)."""
+        l, l + 32, ... (E/32 of them, conflict-free shared loads), then the
+        top_k rounds (tree, `redux.sync.max`, `redux.sync.min` over the ids
+        holding the best key). Returns (the id of round `lane` for lanes <
+        top_k, unspecified for the others; the list of the top_k ids, the
+        same in every lane)."""
         n = experts // WARP
-        keys = [s_keys[j * WARP + lane] for j in range(n)]
+        keys = [s_keys[lane + WARP * j] for j in range(n)]
         my_id = Int32(0)
         ids = []
         for r in cutlass.range_constexpr(top_k):
             best, best_j, best_id = _best_of(keys, lane, n)
             top = cute.arch.warp_redux_sync(best, "umax")
-            holders = Uint32(cute.arch.vote_ballot_sync(best == top))
-            lowest = Int32(cute.arch.popc((holders & (Uint32(0) - holders)) - Uint32(1)))
-            win = Int32(cute.arch.shuffle_sync(best_id, lowest))
+            cand = Uint32(best_id) if best == top else Uint32(0xFFFFFFFF)
+            win = Int32(cute.arch.warp_redux_sync(cand, "umin"))
             ids.append(win)
             my_id = win if lane == r else my_id
-            taken = lane == lowest
+            taken = best_id == win
             for j in cutlass.range_constexpr(n):
                 keys[j] = Uint32(_TAKEN_KEY) if (taken and best_j == j) else keys[j]
         return my_id, ids
