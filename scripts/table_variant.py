@@ -1,0 +1,84 @@
+"""Write copies of tuning tables with one tactic field changed, for an A/B of
+that field in one device call (point MOEBENCH_TUNING_DIR at the output).
+
+    python3 scripts/table_variant.py OUT_DIR --set stages=4 [--family fp8] [--stage 1]
+        [--tables DIR] [--match I=576]
+
+Every entry of the chosen family (`fp8` or `bf16`) and stage whose tactic
+accepts the change (GemmTactic's validation and `valid_for` the
+table's shape and stage) is rewritten; the others
+are kept as they are and listed. Tables are read from DIR (default: the
+package's tables) and only those whose file name contains every --match
+string are written. OUT_DIR must not hold tables already (nothing is
+overwritten). Exits 2 with a message on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+from moebench.kernels.tactic import GemmTactic
+from moebench.tuning.table import PACKAGE_TABLES, read_table, write_table
+
+_FIELDS = {f.name: f.type for f in dataclasses.fields(GemmTactic)}
+
+
+def parse_setting(text: str) -> tuple[str, object]:
+    """'field=value' -> (field, typed value); raises ValueError naming what
+    is wrong."""
+    name, sep, raw = text.partition("=")
+    if not sep or name not in _FIELDS:
+        raise ValueError(f"--set must be FIELD=VALUE with FIELD one of {sorted(_FIELDS)}, got {text!r}")
+    if _FIELDS[name] in ("bool", bool):
+        if raw.lower() not in ("true", "false"):
+            raise ValueError(f"--set {name} takes true or false, got {raw!r}")
+        return name, raw.lower() == "true"
+    try:
+        return name, int(raw)
+    except ValueError:
+        raise ValueError(f"--set {name} takes an int, got {raw!r}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--set", dest="setting", required=True, help="FIELD=VALUE, e.g. stages=4")
+    ap.add_argument("--family", choices=("fp8", "bf16"), default="fp8")
+    ap.add_argument("--stage", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--tables", type=Path, default=PACKAGE_TABLES)
+    ap.add_argument("--match", action="append", default=[], help="substring of the table file names to take")
+    args = ap.parse_args(argv)
+    try:
+        field, value = parse_setting(args.setting)
+    except ValueError as error:
+        ap.error(str(error))
+    if args.out_dir.exists() and any(args.out_dir.glob("*.json")):
+        ap.error(f"out_dir {args.out_dir} already holds tables; give an empty or new directory")
+    paths = sorted(p for p in args.tables.glob("*.json") if all(m in p.name for m in args.match))
+    if not paths:
+        ap.error(f"no table in {args.tables} matches {args.match}")
+    for path in paths:
+        table = read_table(path)
+        entries = table.fp8_entries if args.family == "fp8" else table.entries
+        for (stage, rows), entry in sorted(entries.items()):
+            if stage != args.stage:
+                continue
+            try:
+                tactic = dataclasses.replace(entry.tactic, **{field: value})
+                reason = tactic.valid_for(table.shape, stage)
+            except (TypeError, ValueError) as error:
+                reason = str(error)
+            if reason:
+                print(f"{path.name} gemm{stage} rows {rows}: kept {entry.tactic.name} ({reason})")
+                continue
+            entries[stage, rows] = dataclasses.replace(entry, tactic=tactic)
+            print(f"{path.name} gemm{stage} rows {rows}: {entry.tactic.name} -> {tactic.name}")
+        write_table(table, args.out_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

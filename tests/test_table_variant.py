@@ -1,0 +1,47 @@
+"""scripts/table_variant.py: tuning-table copies with one tactic field changed."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from moebench.tuning.table import PACKAGE_TABLES, read_table
+
+_SPEC = importlib.util.spec_from_file_location(
+    "table_variant", Path(__file__).resolve().parents[1] / "scripts" / "table_variant.py")
+table_variant = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(table_variant)
+
+_NAME = "E=384,H=5120,I=576"
+
+
+def test_variant_changes_only_fp8_gemm1(tmp_path):
+    assert table_variant.main([str(tmp_path), "--set", "stages=2", "--match", _NAME]) == 0
+    (path,) = tmp_path.glob("*.json")
+    new, old = read_table(path), read_table(PACKAGE_TABLES / path.name)
+    assert new.entries == old.entries  # the BF16 family untouched
+    for key, entry in old.fp8_entries.items():
+        got = new.fp8_entries[key].tactic
+        if key[0] == 1:
+            assert got.stages == 2 and got == dataclasses.replace(entry.tactic, stages=2)
+        else:
+            assert got == entry.tactic
+
+
+def test_refusals(tmp_path, capsys):
+    for bad in (["--set", "pdl=maybe"], ["--set", "nonsense=1"], ["--set", "stages"],
+                ["--set", "stages=2", "--match", "no-such-table"]):
+        with pytest.raises(SystemExit) as ex:
+            table_variant.main([str(tmp_path / "a"), *bad])
+        assert ex.value.code == 2
+    assert "pdl takes true or false" in capsys.readouterr().err
+    table_variant.main([str(tmp_path), "--set", "stages=2", "--match", _NAME])
+    with pytest.raises(SystemExit):  # nothing written over
+        table_variant.main([str(tmp_path), "--set", "stages=3", "--match", _NAME])
+    # a change a tactic refuses is kept out, not written: a bulk ring of one stage
+    out = tmp_path / "g2"
+    table_variant.main([str(out), "--set", "stages=1", "--stage", "2", "--match", _NAME])
+    assert "kept" in capsys.readouterr().out
