@@ -496,6 +496,10 @@ def step(
         " --no-split times only the whole step (with and without the gate) and the gate alone: less timing work,"
         " for when only the step's latency matters."
     ),
+    overlap_shared: bool = typer.Option(
+        True, "--overlap-shared/--serial-shared", help="Run the shared expert on a side CUDA stream beside the gate"
+        " and the routed experts (every backend; as serving stacks do), or in order with them."
+    ),
     device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any; with --tp N > 1 only"
                                " the kind counts, --devices picks the GPUs)."),
     devices: str = typer.Option(None, help="With --tp N > 1: the N GPUs of the ranks, e.g. '0,1' or 'all'"
@@ -556,6 +560,7 @@ def step(
             tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
             layers=layers, device=str(dev) if ranks == 1 else dev.type, reduced=reduced, warmup=warmup,
             replays=replays, use_graph=graph, trace=trace, ranks=ranks, devices=gpu_list, split=split,
+            overlap_shared=overlap_shared,
         )  # fmt: skip
         if ranks > 1:
             _, gpu_used = rank_devices(config)  # more ranks than GPUs: error naming both numbers

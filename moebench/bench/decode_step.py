@@ -11,7 +11,9 @@ the same gate / router / shared expert with the backend's routed experts, the
 shared output added after. The routing_path column says which path a case
 took ("front", "router+route: <why not the front>", "router"); the shared_path
 column which path the shared expert took ("kernels": the fused shared-expert
-kernels, "torch: <why not the kernels>"). The routing follows the sweep's scenarios: the gate's
+kernels, "torch: <why not the kernels>"; ", side stream" where the whole step
+runs it beside the gate and the routed experts, `--overlap-shared`, the
+default, as serving stacks do; `--serial-shared` runs it in order). The routing follows the sweep's scenarios: the gate's
 weights are chosen (`scenario_gate_weight`) so the real gate GEMM and router
 pick each row's scenario experts.
 
@@ -140,12 +142,15 @@ class StepConfig(SweepConfig):
     real TP-`tp` step, one process per rank with the all-reduce. devices:
     the CUDA indices of the ranks (as this process numbers them; None = 0..ranks-1;
     ignored on the CPU, where the ranks use gloo). tactics: as the sweep's,
-    per backend (module docstring). Raises ValueError / TypeError naming the
-    field.
+    per backend (module docstring). overlap_shared: the whole step runs the
+    shared expert on a side stream beside the gate and the routed experts
+    (every backend; `DecodeStep`), else in order. Raises ValueError /
+    TypeError naming the field.
     """
 
     ranks: int = 1
     devices: tuple[int, ...] | None = None
+    overlap_shared: bool = True
 
     _command = "step"
 
@@ -156,6 +161,9 @@ class StepConfig(SweepConfig):
         tp = self.tp[0]
         if not isinstance(self.ranks, int) or isinstance(self.ranks, bool) or self.ranks not in (1, tp):
             raise ValueError(f"ranks must be 1 (one rank's shard) or tp={tp} (a real TP-{tp} step), got {self.ranks!r}")
+        if not isinstance(self.overlap_shared, bool):
+            raise TypeError(f"overlap_shared (--overlap-shared/--serial-shared) must be a bool, "
+                            f"got {type(self.overlap_shared).__name__}")
         if self.devices is not None:
             devs = tuple(self.devices)
             if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in devs):
@@ -471,13 +479,16 @@ def _routing_path(step: DecodeStep) -> str:
 def _shared_path(step: DecodeStep) -> str:
     """The shared expert's path (the shared_path column): "kernels" (the fused
     shared-expert kernels of `StepSharedExpert`), "torch: <why not the
-    kernels>", or the shared expert's class name when it does not say."""
+    kernels>", or the shared expert's class name when it does not say;
+    ", side stream" appended where the step overlaps it (`overlap_shared`)."""
     shared = step.runner._shared_experts
     path = getattr(shared, "path", None)
     if path is None:
-        return type(shared).__name__
-    reason = getattr(shared, "kernel_refusal", None)
-    return f"{path}: {reason}" if path != "kernels" and reason else path
+        path = type(shared).__name__
+    else:
+        reason = getattr(shared, "kernel_refusal", None)
+        path = f"{path}: {reason}" if path != "kernels" and reason else path
+    return f"{path}, side stream" if step.overlap_shared else path
 
 
 def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, oracle_weights, x_cpu, ids_cpu,
@@ -505,10 +516,11 @@ def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, 
             gate = scenario_gate_weight(x_cpu, ids_cpu, shape.experts, w.bias, seed).to(dev)
             gates.append(gate)
             runner = build_runner(w, gate, **kw)
+            kind = dict(all_reduce=world > 1, overlap_shared=config.overlap_shared)
             if backend.name == "moebench":
-                steps.append(KernelStep(runner, prepared[layer], x, all_reduce=world > 1))
+                steps.append(KernelStep(runner, prepared[layer], x, **kind))
             else:
-                steps.append(BackendStep(runner, backend, prepared[layer], x, all_reduce=world > 1))
+                steps.append(BackendStep(runner, backend, prepared[layer], x, **kind))
         row["routing_path"] = _routing_path(steps[0])
         row["shared_path"] = _shared_path(steps[0])
         part = steps[0].partial(with_gate=True)

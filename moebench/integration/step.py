@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moebench.integration.reference_layer import Mxfp4Experts
+from moebench.integration.side_stream import SideStream
 from moebench.kernels.front import FrontConfig, to_fp32
 from moebench.moe_output import MoEOutput, UnfinalizedMoEOutput
 
@@ -219,6 +220,10 @@ class MoEStep:
     max_rows: the most rows a call of this step has (the deferral bound).
     `deferrable` = `defers_finalize(layer, max_rows)`; a non-deferrable layer
     never uses `gemm` (its output must be finalized anyway).
+    overlap_shared: on the low-batch kernels, run the shared expert on a side
+    stream beside the routed experts (`side_stream.SideStream`: forked from
+    and joined back into the current stream, so a CUDA graph captures both
+    branches); the output is the same bits either way.
     """
 
     def __init__(
@@ -227,13 +232,19 @@ class MoEStep:
         gemm: RoutedExpertGemm | None,
         max_rows: int,
         experts_classes: tuple[type, ...] = DEFERRABLE_EXPERTS,
+        *,
+        overlap_shared: bool = True,
     ) -> None:
         if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows <= 0:
             raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
+        if not isinstance(overlap_shared, bool):
+            raise TypeError(f"overlap_shared must be a bool, got {type(overlap_shared).__name__}")
         self.layer = layer
         self.max_rows = max_rows
         self.deferrable = defers_finalize(layer, max_rows, experts_classes)
         self.gemm = gemm if self.deferrable else None
+        self.overlap_shared = overlap_shared
+        self._side = SideStream()
 
     def uses_kernels(self, x: torch.Tensor, low_batch: bool) -> bool:
         """Whether `run(x, ..., low_batch)` takes the low-batch kernels: a
@@ -273,8 +284,11 @@ class MoEStep:
         unfinalized routed output and the shared output."""
         layer, gemm = self.layer, self.gemm
         assert gemm is not None
+        if self.overlap_shared:  # beside the gate and the routed experts, joined below
+            shared_output = self._side.fork(layer._shared_experts, x)
         router_logits, _ = layer.gate(x)
-        shared_output = layer._shared_experts(x)
+        if not self.overlap_shared:
+            shared_output = layer._shared_experts(x)
         if front_applies(gemm, layer):
             routing = gemm.front(x, router_logits, input_ids)
         else:
@@ -285,4 +299,7 @@ class MoEStep:
                 input_ids=input_ids,
             )
             routing = gemm.route(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32))
-        return gemm.gemms(routing), shared_output
+        routed = gemm.gemms(routing)
+        if self.overlap_shared:  # what the caller queues next (the finalize) sees the shared output
+            self._side.join(shared_output)
+        return routed, shared_output

@@ -49,6 +49,7 @@ from moebench.formats import ExpertWeights, generate_expert_weights
 from moebench.integration.reference_layer import (
     Mxfp4Experts, ReferenceGate, ReferenceMoELayer, ReferenceRouter, ReferenceSharedExpert,
 )  # fmt: skip
+from moebench.integration.side_stream import SideStream
 from moebench.integration.step import MoEStep, bind_front, front_refusal
 from moebench.integration.tp_step import rank_slice
 from moebench.models import MoEConfig
@@ -341,7 +342,10 @@ class DecodeStep(abc.ABC):
 
     run(with_gate=...) -> BF16 [T, H]: the rank's finalized output (the TP
     partial), all-reduced (SUM, in place) over `group` when `all_reduce`;
-    `partial(with_gate)` is the same without the all-reduce. Without the gate
+    `partial(with_gate)` is the same without the all-reduce. overlap_shared:
+    the whole step runs the shared expert on a side stream beside the gate
+    and the routed experts (`side_stream.SideStream`), as a serving stack
+    does; the stages alone run in order either way. Without the gate
     the step starts from the router logits one eager gate call made at
     construction (`self.logits`). `gate()` runs the gate alone.
     `stage_calls()` runs the stages (`stages`, in order) once eagerly and
@@ -352,13 +356,19 @@ class DecodeStep(abc.ABC):
 
     stages: tuple[str, ...] = ()
 
-    def __init__(self, runner: ReferenceMoELayer, x: torch.Tensor, *, all_reduce: bool = False, group=None) -> None:
+    def __init__(
+        self, runner: ReferenceMoELayer, x: torch.Tensor, *, all_reduce: bool = False, group=None,
+        overlap_shared: bool = True,
+    ) -> None:
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
             raise ValueError(f"x must be BF16 [rows, H], got {getattr(x, 'dtype', type(x))}")
+        if not isinstance(overlap_shared, bool):
+            raise TypeError(f"overlap_shared must be a bool, got {type(overlap_shared).__name__}")
         self.runner = runner
         self.x = x
         self.all_reduce = all_reduce
         self.group = group
+        self.overlap_shared = overlap_shared
         self.logits = runner.gate(x)[0]
 
     def gate(self) -> torch.Tensor:
@@ -431,9 +441,10 @@ class KernelStep(DecodeStep):
     stages = FRONT_STAGES
 
     def __init__(
-        self, runner, gemm, x, *, finalize_fn=None, front: bool = True, all_reduce: bool = False, group=None
+        self, runner, gemm, x, *, finalize_fn=None, front: bool = True, all_reduce: bool = False, group=None,
+        overlap_shared: bool = True,
     ) -> None:
-        super().__init__(runner, x, all_reduce=all_reduce, group=group)
+        super().__init__(runner, x, all_reduce=all_reduce, group=group, overlap_shared=overlap_shared)
         if front:
             bind_front(gemm, runner)  # a refusal is reported by front_refusal below
         self.front_refusal = front_refusal(gemm, runner)
@@ -446,10 +457,10 @@ class KernelStep(DecodeStep):
             finalize_fn = finalize
         self.finalize_fn = finalize_fn
         self.gemm = gemm
-        self.step = MoEStep(runner, gemm, MAX_ROWS)
+        self.step = MoEStep(runner, gemm, MAX_ROWS, overlap_shared=overlap_shared)
         fixed = copy.copy(runner)
         fixed.gate = FixedLogitsGate(self.logits)
-        self.step_no_gate = MoEStep(fixed, gemm, MAX_ROWS)
+        self.step_no_gate = MoEStep(fixed, gemm, MAX_ROWS, overlap_shared=overlap_shared)
         if not self.step.uses_kernels(x, low_batch=True):
             raise ValueError(
                 f"the low-batch kernels do not take this call (x {tuple(x.shape)} {x.dtype} on {x.device}; "
@@ -496,18 +507,26 @@ class BackendStep(DecodeStep):
     stages = ("router", "shared", "experts", "shared_add")
     routing_path = "router"
 
-    def __init__(self, runner, backend, prepared, x, *, all_reduce: bool = False, group=None) -> None:
-        super().__init__(runner, x, all_reduce=all_reduce, group=group)
+    def __init__(
+        self, runner, backend, prepared, x, *, all_reduce: bool = False, group=None, overlap_shared: bool = True
+    ) -> None:
+        super().__init__(runner, x, all_reduce=all_reduce, group=group, overlap_shared=overlap_shared)
         self.backend = backend
         self.prepared = prepared
+        self._side = SideStream()
 
     def partial(self, with_gate: bool = False) -> torch.Tensor:
+        if self.overlap_shared:  # as MoEStep does: beside the gate and the routed experts
+            shared = self._side.fork(self.runner._shared_experts, self.x)
         logits = self.gate() if with_gate else self.logits
         weights, ids = self.runner.router.select_experts(
             hidden_states=self.x, router_logits=logits, topk_indices_dtype=torch.int32
         )
-        shared = self.runner._shared_experts(self.x)
+        if not self.overlap_shared:
+            shared = self.runner._shared_experts(self.x)
         routed = self.backend.forward(self.prepared, self.x, ids, weights)
+        if self.overlap_shared:
+            self._side.join(shared)
         return _add_shared(routed, shared)
 
     def _stage_experts(self, s: dict) -> dict:

@@ -39,6 +39,9 @@ def test_step_config_validation():
     with pytest.raises(ValueError, match="devices"):
         step_config(**SMALL, tp=2, ranks=2, devices=(1, 1))
     assert step_config(**SMALL, tp=1, tactics=("default", "fp8")).tactics == ("default", "fp8")
+    assert step_config(**SMALL, tp=1).overlap_shared is True
+    with pytest.raises(TypeError, match="overlap_shared"):
+        step_config(**SMALL, tp=1, overlap_shared="no")
     with pytest.raises(ValueError, match="tp=3"):
         step_config(**SMALL, tp=3)
     with pytest.raises(ValueError, match="without a GPU the step runs a reduced geometry") as info:
@@ -231,6 +234,17 @@ def test_cli_step_then_report(tmp_path):
     assert "## Decode step" in text and "kernel_experts_us" in text
     assert "Decode step" in (tmp_path / "rep" / "report.html").read_text()
     assert (tmp_path / "rep" / "kernels.png").is_file()
+    assert df["shared_path"].str.endswith(", side stream").all() and manifest["config"]["overlap_shared"]
+
+
+def test_cli_step_serial_shared(tmp_path):
+    result = runner.invoke(app, ["step", *SMALL_ARGS, "--rows", "1", "--backends", "torch-bf16", "--serial-shared",
+                                 "--no-split", "--out", str(tmp_path), "--label", "s"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (run,) = list(tmp_path.iterdir())
+    df, manifest = read_run(run)
+    assert not manifest["config"]["overlap_shared"]
+    assert not df["shared_path"].str.contains("side stream").any(), df["shared_path"].tolist()
 
 
 def test_cli_step_no_split_then_report(tmp_path):

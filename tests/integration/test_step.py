@@ -183,6 +183,16 @@ def test_low_batch_path_uses_the_gemm(layer, rows):
     assert relative_error(out.finalize(torch.bfloat16), layer.forward(x)) < 1e-2
 
 
+@pytest.mark.parametrize("overlap", [True, False])
+def test_low_batch_path_with_and_without_the_side_stream(layer, overlap):
+    gemm = FakeRoutedExpertGemm(layer.routed_experts.expert_weights(), TINY.top_k)
+    x = generate_activations(4, TINY.hidden, seed=1)
+    out = MoEStep(layer, gemm, 8, overlap_shared=overlap).run(x, None, low_batch=True)
+    assert torch.equal(out.shared_output, layer._shared_experts(x))
+    with pytest.raises(TypeError, match="overlap_shared must be a bool"):
+        MoEStep(layer, gemm, 8, overlap_shared=1)
+
+
 def test_low_batch_path_with_image_and_hash_routing():
     for kwargs, ids in (
         ({"image_sentinel_lo": 500}, torch.tensor([3, 500, 504, 9])),
