@@ -56,28 +56,13 @@ class ReferenceMoEConfig:
 
 class ReferenceGate:
     """BF16 linear H -> E: weight BF16 [E, H]; returns (fp32 logits [T, E], None)
-    (fp32 products of the BF16 operands, fp32 accumulation). The fp32 copy of
-    the weight is made once and again only when `weight` is replaced or
-    written in place (a per-call conversion read 4 MB and wrote 8 MB more
-    than the GEMM itself); a CUDA graph captured after the first call reads
-    the copy made then."""
+    (fp32 products of the BF16 operands, fp32 accumulation)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
-        self._w32: torch.Tensor | None = None
-        self._w32_of: tuple | None = None
-
-    def weight_f32(self) -> torch.Tensor:
-        """`weight` as fp32 (exact), cached while weight is the same tensor, data and version."""
-        w = self.weight
-        key = (id(w), w.data_ptr(), w._version, w.dtype, w.device)
-        if self._w32 is None or self._w32_of != key:
-            self._w32 = w.float()
-            self._w32_of = key
-        return self._w32
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return torch.nn.functional.linear(x.float(), self.weight_f32()), None
+        return torch.nn.functional.linear(x.float(), self.weight.float()), None
 
 
 class ReferenceRouter:
