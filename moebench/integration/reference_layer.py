@@ -56,19 +56,13 @@ class ReferenceMoEConfig:
 
 class ReferenceGate:
     """BF16 linear H -> E: weight BF16 [E, H]; returns (fp32 logits [T, E], None)
-    (fp32 products of the BF16 operands, fp32 accumulation). On CUDA with BF16
-    x and weight: one cuBLAS BF16 GEMM with fp32 output (`torch.mm(...,
-    out_dtype=torch.float32)`); elsewhere the fp32 GEMM of the widened
-    operands (cuBLAS's fp32 GEMM took 22-25 µs at 2-8 rows of dsv41-flash)."""
+    (fp32 products of the BF16 operands, fp32 accumulation)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
-        w = self.weight
-        if x.is_cuda and x.dtype == w.dtype == torch.bfloat16 and x.dim() == 2:
-            return torch.mm(x, w.t(), out_dtype=torch.float32), None
-        return torch.nn.functional.linear(x.float(), w.float()), None
+        return torch.nn.functional.linear(x.float(), self.weight.float()), None
 
 
 class ReferenceRouter:
