@@ -1,10 +1,11 @@
 """Write copies of tuning tables with one tactic field changed, for an A/B of
 that field in one device call (point MOEBENCH_TUNING_DIR at the output).
 
-    python3 scripts/table_variant.py OUT_DIR --set stages=4 [--family fp8] [--stage 1]
-        [--tables DIR] [--match I=576]
+    python3 scripts/table_variant.py OUT_DIR --set stages=4 [--family fp8] [--stage 1[,2]]
+        [--only NAME[,NAME...]] [--tables DIR] [--match I=576]
 
-Every entry of the chosen family (`fp8` or `bf16`) and stage whose tactic
+Every entry of the chosen family (`fp8` or `bf16`) and stages (and, with
+--only, whose tactic is one of those named) whose tactic
 accepts the change (GemmTactic's validation and `valid_for` the
 table's shape and stage) is rewritten; the others
 are kept as they are and listed. Tables are read from DIR (default: the
@@ -47,7 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out_dir", type=Path)
     ap.add_argument("--set", dest="setting", required=True, help="FIELD=VALUE, e.g. stages=4")
     ap.add_argument("--family", choices=("fp8", "bf16"), default="fp8")
-    ap.add_argument("--stage", type=int, choices=(1, 2), default=1)
+    ap.add_argument("--stage", default="1", help="1, 2 or 1,2")
+    ap.add_argument("--only", default=None, help="change only entries with these tactic names (comma-separated)")
     ap.add_argument("--tables", type=Path, default=PACKAGE_TABLES)
     ap.add_argument("--match", action="append", default=[], help="substring of the table file names to take")
     args = ap.parse_args(argv)
@@ -55,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         field, value = parse_setting(args.setting)
     except ValueError as error:
         ap.error(str(error))
+    stages = {x.strip() for x in args.stage.split(",")}
+    if not stages or not stages <= {"1", "2"}:
+        ap.error(f"--stage takes 1, 2 or 1,2, got {args.stage!r}")
+    stages = {int(x) for x in stages}
+    only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
     if args.out_dir.exists() and any(args.out_dir.glob("*.json")):
         ap.error(f"out_dir {args.out_dir} already holds tables; give an empty or new directory")
     paths = sorted(p for p in args.tables.glob("*.json") if all(m in p.name for m in args.match))
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         table = read_table(path)
         entries = table.fp8_entries if args.family == "fp8" else table.entries
         for (stage, rows), entry in sorted(entries.items()):
-            if stage != args.stage:
+            if stage not in stages or (only is not None and entry.tactic.name not in only):
                 continue
             try:
                 tactic = dataclasses.replace(entry.tactic, **{field: value})

@@ -45,3 +45,17 @@ def test_refusals(tmp_path, capsys):
     out = tmp_path / "g2"
     table_variant.main([str(out), "--set", "stages=1", "--stage", "2", "--match", _NAME])
     assert "kept" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        table_variant.main([str(tmp_path / "b"), "--set", "stages=2", "--stage", "3"])
+
+
+def test_only_the_named_tactics_of_both_stages(tmp_path):
+    old = read_table(PACKAGE_TABLES / f"{_NAME},top_k=6,device_name=NVIDIA_H200,dtype=mxfp4.json")
+    name1, name2 = old.fp8_entries[1, 6].tactic.name, old.fp8_entries[2, 6].tactic.name
+    table_variant.main([str(tmp_path), "--set", "stages=2", "--stage", "1,2", "--only", f"{name1},{name2}",
+                        "--match", _NAME])  # fmt: skip
+    (path,) = tmp_path.glob("*.json")
+    new = read_table(path)
+    for key, entry in old.fp8_entries.items():
+        changed = entry.tactic.name in (name1, name2)
+        assert (new.fp8_entries[key].tactic.stages == 2) if changed else new.fp8_entries[key].tactic == entry.tactic
