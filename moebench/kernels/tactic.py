@@ -109,12 +109,6 @@ class GemmTactic:
       per warp, 8-byte loads, 64-row items), warps_m a multiple of 4,
       and warps_k * unroll dividing the K chunks of a slice; either load
       path (stages). Excludes act_bf16. Name suffix `_f8`.
-    overlap: fp8 on the bulk ring only: the consumer scales step i-1's
-      wgmma results into the accumulator while step i's wgmmas run, then
-      waits for them (two register sets for the results and the scale
-      words; the A fragments are written only with no wgmma in flight, or
-      ptxas serializes the wgmmas). The same operations in the same order:
-      the same bits. Name suffix `_ov`.
     """
 
     tile_rows: int = 64
@@ -128,10 +122,9 @@ class GemmTactic:
     stages: int = 0
     act_bf16: bool = False
     fp8: bool = False
-    overlap: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("persistent", "pdl", "act_bf16", "fp8", "overlap"):
+        for flag in ("persistent", "pdl", "act_bf16", "fp8"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         if not isinstance(self.tile_rows, int) or isinstance(self.tile_rows, bool):
@@ -154,9 +147,6 @@ class GemmTactic:
             )
         if self.fp8 and self.act_bf16:
             raise ValueError("fp8 (e4m3 x e4m3 MMA on the MXFP8 activations) excludes act_bf16 (BF16 activations)")
-        if self.overlap and not (self.fp8 and self.stages):
-            raise ValueError("overlap (wgmmas of one step in flight while the previous is scaled) needs an fp8"
-                             f" tactic on the bulk ring, got fp8={self.fp8}, stages={self.stages}")
 
     @property
     def warps(self) -> int:
@@ -177,8 +167,7 @@ class GemmTactic:
         return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
                 + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
-                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_ov" if self.overlap else "")
-                + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
+                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:
         """None if this tactic can run GEMM`stage` (1 or 2) of `shape`
