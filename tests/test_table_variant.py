@@ -43,8 +43,9 @@ def test_refusals(tmp_path, capsys):
         table_variant.main([str(tmp_path), "--set", "stages=3", "--match", _NAME])
     # a change a tactic refuses is kept out, not written: a bulk ring of one stage
     out = tmp_path / "g2"
-    table_variant.main([str(out), "--set", "stages=1", "--stage", "2", "--match", _NAME])
-    assert "kept" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # no entry takes it: nothing written
+        table_variant.main([str(out), "--set", "stages=1", "--stage", "2", "--match", _NAME])
+    assert "kept" in capsys.readouterr().out and not out.exists()
     with pytest.raises(SystemExit):
         table_variant.main([str(tmp_path / "b"), "--set", "stages=2", "--stage", "3"])
 
@@ -59,3 +60,19 @@ def test_only_the_named_tactics_of_both_stages(tmp_path):
     for key, entry in old.fp8_entries.items():
         changed = entry.tactic.name in (name1, name2)
         assert (new.fp8_entries[key].tactic.stages == 2) if changed else new.fp8_entries[key].tactic == entry.tactic
+
+
+def test_changes_that_do_nothing_or_break_a_table_write_nothing(tmp_path, capsys):
+    out = tmp_path / "o"
+    for bad, needle in ((["--set", "fp8=false"], "not an fp8 tactic"),  # would put BF16 tactics in the fp8 part
+                        (["--set", "stages=-3"], "no entry changed"),
+                        (["--set", "stages=2", "--only", "r1_nosuch"], "--only: no fp8 entry")):
+        with pytest.raises(SystemExit) as ex:
+            table_variant.main([str(out), *bad, "--match", _NAME])
+        assert ex.value.code == 2 and needle in capsys.readouterr().err, bad
+        assert not out.exists() or not any(out.iterdir())
+    afile = tmp_path / "file"
+    afile.write_text("mine")
+    with pytest.raises(SystemExit):
+        table_variant.main([str(afile), "--set", "stages=2", "--match", _NAME])
+    assert afile.read_text() == "mine" and "not a directory" in capsys.readouterr().err

@@ -480,7 +480,8 @@ def _shared_path(step: DecodeStep) -> str:
     """The shared expert's path (the shared_path column): "kernels" (the fused
     shared-expert kernels of `StepSharedExpert`), "torch: <why not the
     kernels>", or the shared expert's class name when it does not say;
-    ", side stream" appended where the step overlaps it (`overlap_shared`)."""
+    ", side stream" appended where the step overlaps it (`overlap_shared`,
+    on a CUDA device: on the CPU the side stream is a plain call)."""
     shared = step.runner._shared_experts
     path = getattr(shared, "path", None)
     if path is None:
@@ -488,7 +489,7 @@ def _shared_path(step: DecodeStep) -> str:
     else:
         reason = getattr(shared, "kernel_refusal", None)
         path = f"{path}: {reason}" if path != "kernels" and reason else path
-    return f"{path}, side stream" if step.overlap_shared else path
+    return f"{path}, side stream" if step.overlap_shared and step.x.is_cuda else path
 
 
 def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, oracle_weights, x_cpu, ids_cpu,

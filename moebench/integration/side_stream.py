@@ -1,58 +1,65 @@
 """Run one part of a layer (the shared expert) on a side CUDA stream, beside
-the routed experts on the current stream.
+the gate and the routed experts on the current stream.
 
 At 1-8 rows both parts are far from the copy bandwidth (the shared expert's
 two launches are mostly latency), so running them side by side overlaps
 their time; serving stacks do the same (vLLM's shared-experts stream). The
 side stream is forked from the current stream (it starts after everything
 queued there) and joined back into it, so a CUDA graph captures both
-branches and what the caller queues after `join` sees the side output.
+branches and what the caller queues after the join sees the side output.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
-__all__ = ["SideStream"]
+__all__ = ["on_side_stream", "side_stream_for"]
+
+#: Side streams per device, made on first use. torch hands out streams from
+#: pools in turn (32 per priority), and the graph-capture and warm-up streams
+#: come from the default-priority pool, so a pooled default-priority stream
+#: can be the very stream being captured on. Ours come from the
+#: high-priority pool, two per device, and `side_stream_for` never returns
+#: the current stream.
+_STREAMS: dict[torch.device, list[torch.cuda.Stream]] = {}
 
 
-class SideStream:
-    """One side stream per device, made on first use (do that first call
-    outside a graph capture, as the kernels' first calls must be anyway).
+def side_stream_for(device: torch.device) -> torch.cuda.Stream:
+    """A side stream of CUDA `device` that is not its current stream (made
+    on first use: do that first call outside a graph capture, as the
+    kernels' first calls must be anyway)."""
+    streams = _STREAMS.get(device)
+    if streams is None:
+        streams = _STREAMS[device] = [torch.cuda.Stream(device, priority=-1) for _ in range(2)]
+    current = torch.cuda.current_stream(device)
+    return streams[0] if streams[0] != current else streams[1]
 
-    out = side.fork(fn, x): queue fn(x) on the side stream after the work
-    queued so far on x's current stream; side.join(out): make that current
-    stream wait for it. Between the two, the current stream is free for the
-    other branch. Both only queue work (no host sync). On a CPU tensor fork
-    simply calls fn(x) and join does nothing.
-    """
 
-    def __init__(self) -> None:
-        self._streams: dict[torch.device, torch.cuda.Stream] = {}
-
-    def _stream(self, device: torch.device) -> torch.cuda.Stream:
-        stream = self._streams.get(device)
-        if stream is None:
-            stream = self._streams[device] = torch.cuda.Stream(device)
-        return stream
-
-    def fork(self, fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """fn(x) queued on the side stream of x's device (x: a tensor; fn
-        returns a tensor)."""
-        if not x.is_cuda:
-            return fn(x)
-        side = self._stream(x.device)
-        side.wait_stream(torch.cuda.current_stream(x.device))
+@contextmanager
+def on_side_stream(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Iterator[torch.Tensor]:
+    """with on_side_stream(fn, x) as out: ... — queue out = fn(x) on a side
+    stream of x's device (`side_stream_for`), after the work queued so far
+    on x's current stream; the body queues the other branch on the current
+    stream; leaving the block, also by an exception (a graph capture is
+    never left with unjoined work), makes the current stream wait for the
+    side one. x: a tensor (fn's input; kept for the side stream with
+    record_stream); fn returns a tensor (out, recorded on the current
+    stream). Queues work only (no host sync). On a CPU tensor fn(x) is a
+    plain call. Raises what fn or the body raises, after the join."""
+    if not x.is_cuda:
+        yield fn(x)
+        return
+    current = torch.cuda.current_stream(x.device)
+    side = side_stream_for(x.device)
+    side.wait_stream(current)
+    try:
         with torch.cuda.stream(side):
             out = fn(x)
         x.record_stream(side)  # x's memory is not reused before the side stream is done with it
-        return out
-
-    def join(self, out: torch.Tensor) -> None:
-        """The current stream of out's device waits for its side stream."""
-        if not out.is_cuda:
-            return
-        torch.cuda.current_stream(out.device).wait_stream(self._stream(out.device))
-        out.record_stream(torch.cuda.current_stream(out.device))
+        yield out
+        out.record_stream(current)
+    finally:
+        current.wait_stream(side)

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from moebench.integration.reference_layer import Mxfp4Experts
-from moebench.integration.side_stream import SideStream
+from moebench.integration.side_stream import on_side_stream
 from moebench.kernels.front import FrontConfig, to_fp32
 from moebench.moe_output import MoEOutput, UnfinalizedMoEOutput
 
@@ -221,9 +221,11 @@ class MoEStep:
     `deferrable` = `defers_finalize(layer, max_rows)`; a non-deferrable layer
     never uses `gemm` (its output must be finalized anyway).
     overlap_shared: on the low-batch kernels, run the shared expert on a side
-    stream beside the routed experts (`side_stream.SideStream`: forked from
-    and joined back into the current stream, so a CUDA graph captures both
-    branches); the output is the same bits either way.
+    stream beside the gate and the routed experts (`side_stream.on_side_stream`:
+    forked from and joined back into the current stream, so a CUDA graph
+    captures both branches); the output is the same bits either way.
+    Raises ValueError for a bad max_rows, TypeError for a non-bool
+    overlap_shared.
     """
 
     def __init__(
@@ -244,7 +246,6 @@ class MoEStep:
         self.deferrable = defers_finalize(layer, max_rows, experts_classes)
         self.gemm = gemm if self.deferrable else None
         self.overlap_shared = overlap_shared
-        self._side = SideStream()
 
     def uses_kernels(self, x: torch.Tensor, low_batch: bool) -> bool:
         """Whether `run(x, ..., low_batch)` takes the low-batch kernels: a
@@ -280,15 +281,25 @@ class MoEStep:
         self, x: torch.Tensor, input_ids: torch.Tensor | None
     ) -> tuple[UnfinalizedMoEOutput, torch.Tensor]:
         """The runner's body with the routed experts on the low-batch kernels:
-        gate, shared expert and router as the runner runs them. Returns the
+        gate, shared expert and router as the runner runs them (the shared
+        expert on a side stream with `overlap_shared`). Returns the
         unfinalized routed output and the shared output."""
+        layer = self.layer
+        if not self.overlap_shared:
+            router_logits, _ = layer.gate(x)
+            shared_output = layer._shared_experts(x)
+            return self._routed(x, router_logits, input_ids), shared_output
+        with on_side_stream(layer._shared_experts, x) as shared_output:
+            router_logits, _ = layer.gate(x)
+            routed = self._routed(x, router_logits, input_ids)
+        return routed, shared_output
+
+    def _routed(
+        self, x: torch.Tensor, router_logits: torch.Tensor, input_ids: torch.Tensor | None
+    ) -> UnfinalizedMoEOutput:
+        """Front (or the runner's router + route), then the GEMMs."""
         layer, gemm = self.layer, self.gemm
         assert gemm is not None
-        if self.overlap_shared:  # beside the gate and the routed experts, joined below
-            shared_output = self._side.fork(layer._shared_experts, x)
-        router_logits, _ = layer.gate(x)
-        if not self.overlap_shared:
-            shared_output = layer._shared_experts(x)
         if front_applies(gemm, layer):
             routing = gemm.front(x, router_logits, input_ids)
         else:
@@ -299,7 +310,4 @@ class MoEStep:
                 input_ids=input_ids,
             )
             routing = gemm.route(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32))
-        routed = gemm.gemms(routing)
-        if self.overlap_shared:  # what the caller queues next (the finalize) sees the shared output
-            self._side.join(shared_output)
-        return routed, shared_output
+        return gemm.gemms(routing)

@@ -49,7 +49,7 @@ from moebench.formats import ExpertWeights, generate_expert_weights
 from moebench.integration.reference_layer import (
     Mxfp4Experts, ReferenceGate, ReferenceMoELayer, ReferenceRouter, ReferenceSharedExpert,
 )  # fmt: skip
-from moebench.integration.side_stream import SideStream
+from moebench.integration.side_stream import on_side_stream
 from moebench.integration.step import MoEStep, bind_front, front_refusal
 from moebench.integration.tp_step import rank_slice
 from moebench.models import MoEConfig
@@ -344,8 +344,11 @@ class DecodeStep(abc.ABC):
     partial), all-reduced (SUM, in place) over `group` when `all_reduce`;
     `partial(with_gate)` is the same without the all-reduce. overlap_shared:
     the whole step runs the shared expert on a side stream beside the gate
-    and the routed experts (`side_stream.SideStream`), as a serving stack
-    does; the stages alone run in order either way. Without the gate
+    and the routed experts (`side_stream.on_side_stream`), as a serving stack
+    does (then run(with_gate=True) minus run() is not the gate's time alone:
+    the gate overlaps the shared expert); the stages alone run in order
+    either way. Raises ValueError for x not BF16 [rows, H], TypeError for a
+    non-bool overlap_shared. Without the gate
     the step starts from the router logits one eager gate call made at
     construction (`self.logits`). `gate()` runs the gate alone.
     `stage_calls()` runs the stages (`stages`, in order) once eagerly and
@@ -513,21 +516,22 @@ class BackendStep(DecodeStep):
         super().__init__(runner, x, all_reduce=all_reduce, group=group, overlap_shared=overlap_shared)
         self.backend = backend
         self.prepared = prepared
-        self._side = SideStream()
 
     def partial(self, with_gate: bool = False) -> torch.Tensor:
-        if self.overlap_shared:  # as MoEStep does: beside the gate and the routed experts
-            shared = self._side.fork(self.runner._shared_experts, self.x)
+        if not self.overlap_shared:
+            shared = self.runner._shared_experts(self.x)
+            return _add_shared(self._routed(with_gate), shared)
+        with on_side_stream(self.runner._shared_experts, self.x) as shared:  # as MoEStep does
+            routed = self._routed(with_gate)
+        return _add_shared(routed, shared)
+
+    def _routed(self, with_gate: bool) -> torch.Tensor:
+        """Gate (or the fixed logits), the runner's router, the backend's experts."""
         logits = self.gate() if with_gate else self.logits
         weights, ids = self.runner.router.select_experts(
             hidden_states=self.x, router_logits=logits, topk_indices_dtype=torch.int32
         )
-        if not self.overlap_shared:
-            shared = self.runner._shared_experts(self.x)
-        routed = self.backend.forward(self.prepared, self.x, ids, weights)
-        if self.overlap_shared:
-            self._side.join(shared)
-        return _add_shared(routed, shared)
+        return self.backend.forward(self.prepared, self.x, ids, weights)
 
     def _stage_experts(self, s: dict) -> dict:
         return {"routed": self.backend.forward(self.prepared, s["x"], s["topk_ids"], s["topk_weights"])}

@@ -135,11 +135,18 @@ def _ranks(manifest: dict) -> int:
     return ranks if ranks is not None else 1
 
 
+def _shared_overlap(manifest: dict) -> bool:
+    """Whether a step run ran the shared expert on a side stream (runs
+    stored before the option ran it in order)."""
+    return bool((manifest.get("config") or {}).get("overlap_shared", False))
+
+
 def run_mismatches(current: dict, baseline: dict) -> tuple[list[str], list[str]]:
     """(mismatches, notes) between two manifests: device name / SM count /
     reduced CPU geometry / warm-L2 mode / run kind (sweep vs step) / rank
-    count are mismatches (the runs measure different things); driver, CUDA,
-    package versions and the copy bandwidth (beyond 5 %) are notes."""
+    count / a step's shared-expert stream (side or in order) are mismatches
+    (the runs measure different things); driver, CUDA, package versions and
+    the copy bandwidth (beyond 5 %) are notes."""
     mism, notes = [], []
     dc, db = _device(current), _device(baseline)
     if dc.get("name") != db.get("name"):
@@ -155,6 +162,10 @@ def run_mismatches(current: dict, baseline: dict) -> tuple[list[str], list[str]]
                     " a step the whole decode step)")  # fmt: skip
     if _ranks(current) != _ranks(baseline):
         mism.append(f"ranks: {_ranks(current)} vs baseline {_ranks(baseline)}")
+    if _kind(current) == _kind(baseline) == "step" and _shared_overlap(current) != _shared_overlap(baseline):
+        where = {True: "side stream", False: "in order"}
+        mism.append(f"shared expert: {where[_shared_overlap(current)]} vs baseline"
+                    f" {where[_shared_overlap(baseline)]} (moebench step --overlap-shared / --serial-shared)")
     if dc.get("driver") != db.get("driver"):
         notes.append(f"driver {dc.get('driver')} vs baseline {db.get('driver')}")
     if current.get("cuda_runtime") != baseline.get("cuda_runtime"):

@@ -234,7 +234,8 @@ def test_cli_step_then_report(tmp_path):
     assert "## Decode step" in text and "kernel_experts_us" in text
     assert "Decode step" in (tmp_path / "rep" / "report.html").read_text()
     assert (tmp_path / "rep" / "kernels.png").is_file()
-    assert df["shared_path"].str.endswith(", side stream").all() and manifest["config"]["overlap_shared"]
+    # on by default; on the CPU the side stream is a plain call, so the path does not claim it
+    assert manifest["config"]["overlap_shared"] and not df["shared_path"].str.contains("side stream").any()
 
 
 def test_cli_step_serial_shared(tmp_path):

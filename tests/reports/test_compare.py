@@ -165,6 +165,19 @@ def test_other_run_kind_or_rank_count_is_a_mismatch_not_compared():
     assert verdicts(warm)[("moebench", 1)] == "mismatch"
 
 
+def test_a_step_with_the_shared_expert_on_another_stream_is_a_mismatch():
+    cur, base = runs()
+    side = {**MANIFEST, "kind": "step", "ranks": 1, "config": {"overlap_shared": True}}
+    serial = {**MANIFEST, "kind": "step", "ranks": 1, "config": {"overlap_shared": False}}
+    old = {**MANIFEST, "kind": "step", "ranks": 1, "config": {}}  # stored before the option: in order
+    for current, baseline in ((side, serial), (serial, side), (side, old)):
+        comp = compare_runs(cur, current, base, baseline, threshold_pct=5.0)
+        assert any(m.startswith("shared expert:") for m in comp.mismatches), comp.mismatches
+        assert verdicts(comp)[("moebench", 1)] == "mismatch"
+    assert compare_runs(cur, serial, base, old).mismatches == []
+    assert compare_runs(cur, side, base, side).mismatches == []
+
+
 def test_nothing_compared_for_a_run_level_mismatch_says_so():
     cur = pd.DataFrame([case(1, median=12.0), case(2, median=12.0)])
     comp = compare_runs(cur, {**MANIFEST, "kind": "step", "ranks": 2}, cur, MANIFEST)
