@@ -48,7 +48,9 @@ replay / layers:
 - median_us / p10_us / p90_us: the whole step from the router logits on
   (front or router, shared expert, routed experts, finalize; with ranks > 1 the
   all-reduce too): the issue's target, which excludes the gate;
-- step_with_gate_us: the same with the gate GEMM in front; gate_us: the gate alone;
+- step_with_gate_us: the same with the gate GEMM in front (with the shared
+  expert on its side stream the gate overlaps it, so step_with_gate_us -
+  median_us is less than gate_us); gate_us: the gate alone;
 - kernel_<stage>_us: each stage alone (moebench: front, shared, gemm1,
   gemm2, finalize, with router + route instead of front off the front path;
   other backends: router, shared, experts, shared_add) in its own graph, fed

@@ -34,7 +34,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 from moebench.reports.compare import Comparison
-from moebench.reports.summary import kernel_columns, stage_timing_text, summary_table
+from moebench.reports.summary import kernel_columns, shared_stream_text, stage_timing_text, summary_table
 
 GROUP_KEYS = ("preset", "tp", "scenario")
 KERNEL_COLUMN = re.compile(r"^kernel_(\w+)_us$")
@@ -307,6 +307,8 @@ def write_html_report(
     timing = stage_timing_text(manifest)
     if timing:
         facts.append(f"stage timing: {timing}")
+    if manifest.get("kind") == "step":
+        facts.append(f"shared expert: {shared_stream_text(manifest)}")
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1><ul>"]  # fmt: skip
     parts += [f"<li>{html.escape(f)}</li>" for f in facts]

@@ -88,6 +88,15 @@ def kernel_columns(df: pd.DataFrame) -> list[str]:
     return sorted(cols, key=lambda c: rank.get(c, len(STAGE_ORDER)))
 
 
+def shared_stream_text(manifest: dict) -> str:
+    """How a step run ran the shared expert (`moebench step
+    --overlap-shared/--serial-shared`; runs stored before the option ran it
+    in order)."""
+    if (manifest.get("config") or {}).get("overlap_shared", False):
+        return "on a side CUDA stream beside the gate and the routed experts (--overlap-shared)"
+    return "in order with the routed experts (--serial-shared)"
+
+
 def stage_timing_text(manifest: dict) -> str | None:
     """How a run timed its stages, for the reports: the manifest's
     `stage_timing`, "not timed (--no-split)" when the run skipped it
@@ -195,6 +204,7 @@ def to_markdown(df: pd.DataFrame, manifest: dict, ranks: pd.DataFrame | None = N
     if step:
         lines.append(f"- decode step over {manifest.get('ranks', 1)} rank(s); µs exclude the gate (gate_us,"
                      f" step_with_gate_us report it); per-stage split: {timing or '-'}")  # fmt: skip
+        lines.append(f"- shared expert: {shared_stream_text(manifest)}")
     elif timing and (manifest["stage_timing"] is None or _has_values(df, ROUTED_COLUMNS[0]) or kernel_columns(df)):
         # a --no-split run says so; a split one only where a backend split its forward
         lines.append(f"- stages and routed path: {timing}")

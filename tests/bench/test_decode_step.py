@@ -236,6 +236,7 @@ def test_cli_step_then_report(tmp_path):
     assert (tmp_path / "rep" / "kernels.png").is_file()
     # on by default; on the CPU the side stream is a plain call, so the path does not claim it
     assert manifest["config"]["overlap_shared"] and not df["shared_path"].str.contains("side stream").any()
+    assert "- shared expert: on a side CUDA stream" in text
 
 
 def test_cli_step_serial_shared(tmp_path):
@@ -246,6 +247,9 @@ def test_cli_step_serial_shared(tmp_path):
     df, manifest = read_run(run)
     assert not manifest["config"]["overlap_shared"]
     assert not df["shared_path"].str.contains("side stream").any(), df["shared_path"].tolist()
+    rep = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "rep")])
+    assert rep.exit_code == 0, rep.output
+    assert "- shared expert: in order" in (tmp_path / "rep" / "summary.md").read_text()
 
 
 def test_cli_step_no_split_then_report(tmp_path):
