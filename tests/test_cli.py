@@ -413,7 +413,7 @@ def test_cpu_tp_suggestion_is_the_reduced_geometrys(tmp_path):
     for command in ("sweep", "step"):
         result = runner.invoke(app, [command, "--tp", "16", "--out", str(tmp_path)])
         text = result.output.replace("\n", "")
-        assert result.exit_code == 2 and "--tp 1,2,4,8," in text and "9,12" not in text
+        assert result.exit_code == 2 and "valid --tp values on the CPU: 1,2,4,8," in text and "9,12" not in text
         assert f"the {command} runs a reduced geometry" in text
 
 

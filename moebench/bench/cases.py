@@ -176,7 +176,7 @@ class SweepConfig:
                     f"tp={tp} (--tp): without a GPU the {self._command} runs a reduced geometry (intermediate"
                     f" {small.intermediate} instead of {full.name}'s {full.intermediate}, hidden {small.hidden},"
                     f" experts {small.experts}) and {small.intermediate} does not split into {tp} slices of whole"
-                    f" 32-wide MX blocks; on the CPU use --tp {_fmt_tps(small.intermediate, full.intermediate)},"
+                    f" 32-wide MX blocks; valid --tp values on the CPU: {_fmt_tps(small.intermediate, full.intermediate)},"
                     f" or give --intermediate {fit} (a multiple of {32 * tp})"
                 ) from None
         try:

@@ -741,6 +741,8 @@ def _rank_main(rank: int, world: int, env: dict, config: StepConfig, scratch: st
             info.update(gpu_index=gpu, gpu_serial=gpu_serial(gpu), gpu_uuid=gpu_uuid(gpu))
         else:
             device = torch.device("cpu")
+            # the ranks share the host's cores: one rank per core's share, not every core each
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         _write_atomic(out / f"rank-{rank}.json", json.dumps(info))
         kwargs = {}
         if on_gpu:

@@ -92,9 +92,11 @@ def shared_stream_text(manifest: dict) -> str:
     """How a step run ran the shared expert (`moebench step
     --overlap-shared/--serial-shared`; runs stored before the option ran it
     in order)."""
-    if (manifest.get("config") or {}).get("overlap_shared", False):
-        return "on a side CUDA stream beside the gate and the routed experts (--overlap-shared)"
-    return "in order with the routed experts (--serial-shared)"
+    if not (manifest.get("config") or {}).get("overlap_shared", False):
+        return "in order with the routed experts (--serial-shared)"
+    if (manifest.get("device") or {}).get("kind") != "cuda":
+        return "in order: --overlap-shared, but on the CPU the side stream is a plain call"
+    return "on a side CUDA stream beside the gate and the routed experts (--overlap-shared)"
 
 
 def stage_timing_text(manifest: dict) -> str | None:

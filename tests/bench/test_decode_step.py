@@ -236,7 +236,7 @@ def test_cli_step_then_report(tmp_path):
     assert (tmp_path / "rep" / "kernels.png").is_file()
     # on by default; on the CPU the side stream is a plain call, so the path does not claim it
     assert manifest["config"]["overlap_shared"] and not df["shared_path"].str.contains("side stream").any()
-    assert "- shared expert: on a side CUDA stream" in text
+    assert "- shared expert: in order: --overlap-shared, but on the CPU" in text
 
 
 def test_cli_step_serial_shared(tmp_path):

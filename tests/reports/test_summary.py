@@ -60,3 +60,13 @@ def test_kernel_columns_come_in_launch_order():
                        "kernel_finalize_us": [1.0], "kernel_shared_us": [float("nan")], "kernel_gemm1_us": [2.0]})
     assert kernel_columns(df) == ["kernel_front_us", "kernel_gemm1_us", "kernel_gemm2_us", "kernel_finalize_us",
                                   "kernel_warp_us"]
+
+
+def test_shared_stream_text_names_the_setting_and_the_device():
+    from moebench.reports.summary import shared_stream_text
+
+    gpu = {"device": {"kind": "cuda"}}
+    assert "side CUDA stream" in shared_stream_text({**gpu, "config": {"overlap_shared": True}})
+    assert shared_stream_text({**gpu, "config": {"overlap_shared": False}}).startswith("in order")
+    assert shared_stream_text(gpu).startswith("in order")  # stored before the option
+    assert "on the CPU" in shared_stream_text({"device": {"kind": "cpu"}, "config": {"overlap_shared": True}})
