@@ -104,7 +104,7 @@ def parse_names(text: str, option: str) -> tuple[str, ...]:
 #: name the field, the CLI's name the option as typed.
 _FIELD_OPTIONS = {"hidden": "--hidden", "intermediate": "--intermediate", "experts": "--experts",
                   "top_k": "--top-k", "replays": "--replays", "warmup": "--warmup", "layers": "--layers",
-                  "seed": "--seed"}  # fmt: skip
+                  "seed": "--seed", "label": "--label", "threshold": "--fail-above"}  # fmt: skip
 
 
 def _option_message(error: Exception) -> str:
@@ -796,7 +796,7 @@ def report(
             comparison = compare_runs(df, manifest, base[0], base[1], threshold_pct=threshold,
                                       current_label=str(run_dir), baseline_label=str(baseline))  # fmt: skip
     except (FileNotFoundError, ValueError) as error:
-        raise _fail(str(error)) from None
+        raise _fail(_option_message(error)) from None
     target = (out or run_dir) / "summary.md"
     written = [target, *(target.parent / n for n in report_files(df, comparison))] if html else [target]
     taken = [p for p in written if p.exists() or p.is_symlink()]

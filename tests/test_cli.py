@@ -459,3 +459,10 @@ def test_version_and_help_texts():
         help_text = runner.invoke(app, [command, "--help"], env={"COLUMNS": "80"}).output
         text = " ".join(help_text.replace("│", " ").split())  # the whole list, however wrapped
         assert "uniform, zipf, hot, correlated, replay (replay reads --trace)" in text
+
+
+def test_bad_label_and_threshold_name_their_options(tmp_path):
+    result = runner.invoke(app, ["sweep", "--label", "a/b", "--rows", "1", "--tp", "8", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "--label must be" in result.output, result.output
+    result = runner.invoke(app, ["report", str(tmp_path), "--baseline", str(tmp_path), "--fail-above", "abc"])
+    assert result.exit_code == 2 and "--fail-above must be a percentage" in result.output, result.output
