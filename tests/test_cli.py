@@ -220,7 +220,7 @@ def test_report_option_errors(tmp_path):
     run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
     assert runner.invoke(app, ["report", str(run), "--fail-above", "5%"]).exit_code == 2
     bad = runner.invoke(app, ["report", str(run), "--baseline", str(run), "--fail-above", "lots"])
-    assert bad.exit_code == 2 and "threshold" in bad.output
+    assert bad.exit_code == 2 and "--fail-above must be a percentage" in bad.output
     gone = runner.invoke(app, ["report", str(run), "--baseline", str(tmp_path / "nope")])
     assert gone.exit_code == 2 and "does not exist" in gone.output
 
