@@ -25,6 +25,7 @@ TRACKED_PACKAGES = {
     "torch": "torch",
     "nvidia-cutlass-dsl": "cutlass",
     "flashinfer-python": "flashinfer",
+    "humming-kernels": "humming",
     "triton": "triton",
     "nvtx": "nvtx",
     "numpy": "numpy",
