@@ -46,17 +46,22 @@ def parse_setting(text: str) -> tuple[str, object]:
         raise ValueError(f"--set {name} takes an int, got {raw!r}") from None
 
 
+def family_entries(table: TuningTable, family: str) -> dict:
+    """The table's {(stage, rows): TableEntry} of `family` ("fp8" or "bf16"), itself (not a copy)."""
+    return table.fp8_entries if family == "fp8" else table.entries
+
+
 def variants(tables: list[TuningTable], field: str, value, family: str, stages: set[int],
-             only: set[str] | None) -> tuple[list[TuningTable], list[str]]:
+             only: set[str] | None) -> tuple[list[TuningTable], list[str], int]:
     """(the tables with `field` = value in every entry of `family` and
     `stages` (and, with `only`, whose tactic is named there) that accepts it,
-    each checked as a whole table; one line per entry changed or kept).
-    Raises TableError for a table the change makes unreadable (e.g. a
-    non-fp8 tactic in the fp8 part)."""
-    out, lines = [], []
+    each checked as a whole table; one line per entry changed or kept; the
+    number changed). Raises TableError for a table the change makes
+    unreadable (e.g. a non-fp8 tactic in the fp8 part)."""
+    out, lines, changed = [], [], 0
     for table in tables:
         new = TuningTable.from_dict(table.to_dict(), table.file_name)  # a copy
-        entries = new.fp8_entries if family == "fp8" else new.entries
+        entries = family_entries(new, family)
         for (stage, rows), entry in sorted(entries.items()):
             if stage not in stages or (only is not None and entry.tactic.name not in only):
                 continue
@@ -71,8 +76,9 @@ def variants(tables: list[TuningTable], field: str, value, family: str, stages: 
                 continue
             entries[stage, rows] = dataclasses.replace(entry, tactic=tactic)
             lines.append(f"{new.file_name} gemm{stage} rows {rows}: {entry.tactic.name} -> {tactic.name}")
+            changed += 1
         out.append(TuningTable.from_dict(new.to_dict(), new.file_name))  # the whole table checked again
-    return out, lines
+    return out, lines, changed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,16 +111,15 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"no table in {args.tables} matches {args.match}")
     try:
         originals = [read_table(p) for p in paths]
-        tables, lines = variants(originals, field, value, args.family, stages, only)
+        tables, lines, changed = variants(originals, field, value, args.family, stages, only)
     except (OSError, TableError) as error:
         ap.error(f"--set {args.setting}: {error}")
     if only is not None:
-        names = {e.tactic.name for t in originals
-                 for (stage, _), e in (t.fp8_entries if args.family == "fp8" else t.entries).items() if stage in stages}
+        names = {e.tactic.name for t in originals for (stage, _), e in family_entries(t, args.family).items()
+                 if stage in stages}
         if only - names:
             ap.error(f"--only: no {args.family} entry of stage(s) {sorted(stages)} has {sorted(only - names)}")
     print("\n".join(lines))
-    changed = sum("->" in line for line in lines)
     if not changed:
         ap.error(f"--set {args.setting}: no entry changed (see the lines above); nothing written")
     try:

@@ -40,7 +40,9 @@ def side_stream_for(device: torch.device) -> torch.cuda.Stream:
 
 
 @contextmanager
-def on_side_stream(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> Iterator[torch.Tensor]:
+def on_side_stream(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, side: bool = True
+) -> Iterator[torch.Tensor]:
     """with on_side_stream(fn, x) as out: ... — queue out = fn(x) on a side
     stream of x's device (`side_stream_for`), after the work queued so far
     on x's current stream; the body queues the other branch on the current
@@ -48,19 +50,20 @@ def on_side_stream(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) 
     never left with unjoined work), makes the current stream wait for the
     side one. x: a tensor (fn's input; kept for the side stream with
     record_stream); fn returns a tensor (out, recorded on the current
-    stream). Queues work only (no host sync). On a CPU tensor fn(x) is a
-    plain call. Raises what fn or the body raises, after the join."""
-    if not x.is_cuda:
+    stream). Queues work only (no host sync). With side=False, or on a CPU
+    tensor, fn(x) is a plain call on the current stream, before the body
+    (in order). Raises what fn or the body raises, after the join."""
+    if not (side and x.is_cuda):
         yield fn(x)
         return
     current = torch.cuda.current_stream(x.device)
-    side = side_stream_for(x.device)
-    side.wait_stream(current)
+    stream = side_stream_for(x.device)
+    stream.wait_stream(current)
     try:
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(stream):
             out = fn(x)
-        x.record_stream(side)  # x's memory is not reused before the side stream is done with it
+        x.record_stream(stream)  # x's memory is not reused before the side stream is done with it
         yield out
         out.record_stream(current)
     finally:
-        current.wait_stream(side)
+        current.wait_stream(stream)

@@ -281,33 +281,22 @@ class MoEStep:
         self, x: torch.Tensor, input_ids: torch.Tensor | None
     ) -> tuple[UnfinalizedMoEOutput, torch.Tensor]:
         """The runner's body with the routed experts on the low-batch kernels:
-        gate, shared expert and router as the runner runs them (the shared
-        expert on a side stream with `overlap_shared`). Returns the
+        shared expert (on a side stream with `overlap_shared`, else first, in
+        order), gate and router as the runner runs them. Returns the
         unfinalized routed output and the shared output."""
-        layer = self.layer
-        if not self.overlap_shared:
-            router_logits, _ = layer.gate(x)
-            shared_output = layer._shared_experts(x)
-            return self._routed(x, router_logits, input_ids), shared_output
-        with on_side_stream(layer._shared_experts, x) as shared_output:
-            router_logits, _ = layer.gate(x)
-            routed = self._routed(x, router_logits, input_ids)
-        return routed, shared_output
-
-    def _routed(
-        self, x: torch.Tensor, router_logits: torch.Tensor, input_ids: torch.Tensor | None
-    ) -> UnfinalizedMoEOutput:
-        """Front (or the runner's router + route), then the GEMMs."""
         layer, gemm = self.layer, self.gemm
         assert gemm is not None
-        if front_applies(gemm, layer):
-            routing = gemm.front(x, router_logits, input_ids)
-        else:
-            topk_weights, topk_ids = layer.router.select_experts(
-                hidden_states=x,
-                router_logits=router_logits,
-                topk_indices_dtype=torch.int32,
-                input_ids=input_ids,
-            )
-            routing = gemm.route(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32))
-        return gemm.gemms(routing)
+        with on_side_stream(layer._shared_experts, x, self.overlap_shared) as shared_output:
+            router_logits, _ = layer.gate(x)
+            if front_applies(gemm, layer):
+                routing = gemm.front(x, router_logits, input_ids)
+            else:
+                topk_weights, topk_ids = layer.router.select_experts(
+                    hidden_states=x,
+                    router_logits=router_logits,
+                    topk_indices_dtype=torch.int32,
+                    input_ids=input_ids,
+                )
+                routing = gemm.route(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32))
+            routed = gemm.gemms(routing)
+        return routed, shared_output

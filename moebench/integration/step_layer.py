@@ -518,20 +518,13 @@ class BackendStep(DecodeStep):
         self.prepared = prepared
 
     def partial(self, with_gate: bool = False) -> torch.Tensor:
-        if not self.overlap_shared:
-            shared = self.runner._shared_experts(self.x)
-            return _add_shared(self._routed(with_gate), shared)
-        with on_side_stream(self.runner._shared_experts, self.x) as shared:  # as MoEStep does
-            routed = self._routed(with_gate)
+        with on_side_stream(self.runner._shared_experts, self.x, self.overlap_shared) as shared:  # as MoEStep
+            logits = self.gate() if with_gate else self.logits
+            weights, ids = self.runner.router.select_experts(
+                hidden_states=self.x, router_logits=logits, topk_indices_dtype=torch.int32
+            )
+            routed = self.backend.forward(self.prepared, self.x, ids, weights)
         return _add_shared(routed, shared)
-
-    def _routed(self, with_gate: bool) -> torch.Tensor:
-        """Gate (or the fixed logits), the runner's router, the backend's experts."""
-        logits = self.gate() if with_gate else self.logits
-        weights, ids = self.runner.router.select_experts(
-            hidden_states=self.x, router_logits=logits, topk_indices_dtype=torch.int32
-        )
-        return self.backend.forward(self.prepared, self.x, ids, weights)
 
     def _stage_experts(self, s: dict) -> dict:
         return {"routed": self.backend.forward(self.prepared, s["x"], s["topk_ids"], s["topk_weights"])}

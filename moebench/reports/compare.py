@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from moebench.reports.summary import markdown_table
+from moebench.reports.summary import markdown_table, shared_overlap
 
 MATCH_KEYS = ("preset", "tp", "rows", "scenario", "backend", "tactic")
 SHAPE_KEYS = ("hidden", "intermediate", "experts", "top_k")
@@ -135,12 +135,6 @@ def _ranks(manifest: dict) -> int:
     return ranks if ranks is not None else 1
 
 
-def _shared_overlap(manifest: dict) -> bool:
-    """Whether a step run ran the shared expert on a side stream (runs
-    stored before the option ran it in order)."""
-    return bool((manifest.get("config") or {}).get("overlap_shared", False))
-
-
 def run_mismatches(current: dict, baseline: dict) -> tuple[list[str], list[str]]:
     """(mismatches, notes) between two manifests: device name / SM count /
     reduced CPU geometry / warm-L2 mode / run kind (sweep vs step) / rank
@@ -162,10 +156,11 @@ def run_mismatches(current: dict, baseline: dict) -> tuple[list[str], list[str]]
                     " a step the whole decode step)")  # fmt: skip
     if _ranks(current) != _ranks(baseline):
         mism.append(f"ranks: {_ranks(current)} vs baseline {_ranks(baseline)}")
-    if _kind(current) == _kind(baseline) == "step" and _shared_overlap(current) != _shared_overlap(baseline):
+    side = shared_overlap(current), shared_overlap(baseline)
+    if _kind(current) == _kind(baseline) == "step" and side[0] != side[1]:
         where = {True: "side stream", False: "in order"}
-        mism.append(f"shared expert: {where[_shared_overlap(current)]} vs baseline"
-                    f" {where[_shared_overlap(baseline)]} (moebench step --overlap-shared / --serial-shared)")
+        mism.append(f"shared expert: {where[side[0]]} vs baseline {where[side[1]]}"
+                    " (moebench step --overlap-shared / --serial-shared)")
     if dc.get("driver") != db.get("driver"):
         notes.append(f"driver {dc.get('driver')} vs baseline {db.get('driver')}")
     if current.get("cuda_runtime") != baseline.get("cuda_runtime"):

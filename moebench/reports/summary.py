@@ -88,11 +88,17 @@ def kernel_columns(df: pd.DataFrame) -> list[str]:
     return sorted(cols, key=lambda c: rank.get(c, len(STAGE_ORDER)))
 
 
-def shared_stream_text(manifest: dict) -> str:
-    """How a step run ran the shared expert (`moebench step
-    --overlap-shared/--serial-shared`; runs stored before the option ran it
+def shared_overlap(manifest: dict) -> bool:
+    """Whether a step run asked for the shared expert on a side stream
+    (`moebench step --overlap-shared`; runs stored before the option ran it
     in order)."""
-    if not (manifest.get("config") or {}).get("overlap_shared", False):
+    return bool((manifest.get("config") or {}).get("overlap_shared", False))
+
+
+def shared_stream_text(manifest: dict) -> str:
+    """How a step run ran the shared expert (`shared_overlap`, and on the
+    CPU the side stream is a plain call)."""
+    if not shared_overlap(manifest):
         return "in order with the routed experts (--serial-shared)"
     if (manifest.get("device") or {}).get("kind") != "cuda":
         return "in order: --overlap-shared, but on the CPU the side stream is a plain call"
