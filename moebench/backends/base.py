@@ -127,6 +127,12 @@ class Backend(abc.ABC):
         such split."""
         return None
 
+    def kernel_tactics(self, prepared: object, rows: int) -> str | None:
+        """What `prepared` runs at `rows` token rows, in words (e.g. each
+        kernel's tactic and where it came from), for the sweep's
+        `kernel_tactics` column; None (the default) when there is nothing to say."""
+        return None
+
     def check_tactic(self, shape: RankShape, tactic: str) -> None:
         """Raise ValueError unless `tactic` is one of `valid_tactics(shape)`."""
         valid = self.valid_tactics(shape)

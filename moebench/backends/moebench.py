@@ -87,9 +87,20 @@ class MoebenchBackend(Backend):
         self.check_tactic(shape, tactic)
         check_weights(weights, shape)
         compile_finalize_kernel(False)  # compile now, not inside a graph capture
-        if tactic == self.FP8:
-            return RoutedExpertGemm(weights, shape.top_k, {}, fp8=True)
+        if tactic == self.FP8:  # tactics=None: the table's fp8 part, else the built-in fp8 tactics
+            return RoutedExpertGemm(weights, shape.top_k, None, fp8=True)
         return RoutedExpertGemm(weights, shape.top_k, {} if tactic == self.BUILTIN else None)
+
+    def kernel_tactics(self, prepared, rows: int) -> str:
+        """'gemm1 <tactic> (<source>); gemm2 <tactic> (<source>)' at `rows`:
+        source 'table' (the tuning table's entry) or the binding's reason for
+        another ('default ...', 'explicit')."""
+        parts = []
+        for stage in (1, 2):
+            source = prepared.tactic_sources[stage, rows]
+            parts.append(f"gemm{stage} {prepared.tactics[stage, rows].name}"
+                         f" ({'table' if source.startswith('table') else source})")
+        return "; ".join(parts)
 
     def forward(self, prepared, x, topk_ids, topk_weights):
         """bf16 [rows, H]: route (MXFP8 x + record), the GEMM pair, the finalize kernel."""

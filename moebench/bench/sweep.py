@@ -72,7 +72,7 @@ COLUMNS = (
     "unique_experts", "bytes", "gbps", "pct_copy_bw", "ceiling_gbps", "pct_size_ceiling",
     "max_rel_err", "oracle", "device", "sm_count", "commit", "timing_method", "layers",
     "l2_multiple", "seed", "routed_us", "routed_pct_copy_bw",
-    *(f"kernel_{stage}_us" for stage in SWEEP_STAGES),
+    *(f"kernel_{stage}_us" for stage in SWEEP_STAGES), "kernel_tactics",
 )  # fmt: skip
 STATUSES = ("ok", "failed", "skipped")
 #: The tactic name that stands for every tactic a backend offers for a shape.
@@ -240,7 +240,7 @@ FLOAT_COLUMNS = (
     "max_rel_err", "l2_multiple", "routed_us", "routed_pct_copy_bw",
     *(f"kernel_{stage}_us" for stage in SWEEP_STAGES),
 )  # fmt: skip
-STRING_COLUMNS = ("error", "oracle", "timing_method", "commit", "device")
+STRING_COLUMNS = ("error", "oracle", "timing_method", "commit", "device", "kernel_tactics")
 INT_COLUMNS = ("unique_experts", "bytes", "layers", "sm_count")
 
 
@@ -524,7 +524,7 @@ def _graph_output(backend, prepared, x, ids, topk_w) -> torch.Tensor:
 
 def _run_case(config, case, backend, prepared, weights0, x, ids, topk_w, oracles, dev) -> dict:
     """Gate then time one case; returns the case's own columns."""
-    row: dict = {"oracle": backend.oracle}
+    row: dict = {"oracle": backend.oracle, "kernel_tactics": backend.kernel_tactics(prepared[0], case.rows)}
     try:
         with _nvtx_range(case.label()):
             if backend.oracle not in oracles:

@@ -333,3 +333,21 @@ def test_all_tactics_of_a_backend_that_cannot_run_here_are_listed_and_skipped():
     df = run_sweep(cfg).frame
     assert set(df["tactic"]) >= {"default", "builtin", "fp8"} and "all" not in set(df["tactic"])
     assert (df["status"] == "skipped").all() and df["error"].str.contains("CUDA").all()
+
+
+def test_moebench_backend_says_which_kernel_tactics_a_row_ran():
+    """The sweep's kernel_tactics column: each GEMM's tactic at the case's
+    rows and whether the tuning table or a default chose it."""
+    from types import SimpleNamespace
+
+    from moebench.backends.moebench import MoebenchBackend
+    from moebench.kernels.tactic import GemmTactic
+
+    t1, t2 = GemmTactic(16, 4, 4, 4, 1, stages=6, fp8=True), GemmTactic(32, 4, 1, 3, 3, stages=6, fp8=True)
+    prepared = SimpleNamespace(
+        tactics={(1, 6): t1, (2, 6): t2},
+        tactic_sources={(1, 6): "table /x/E=384.json fp8.gemm1[6]", (2, 6): "default (fp8)"},
+    )
+    text = MoebenchBackend().kernel_tactics(prepared, 6)
+    assert text == "gemm1 r16_m4_k4_u4_c1_b6_f8 (table); gemm2 r32_m4_k1_u3_c3_b6_f8 (default (fp8))"
+    assert "kernel_tactics" in COLUMNS

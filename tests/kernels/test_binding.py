@@ -225,6 +225,11 @@ def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypat
     fp8 = binding.RoutedExpertGemm(w, shape.top_k, fp8=True)
     assert fp8.tactics[1, 4] == f8 and fp8.tactic_sources[1, 4] == f"table {path} fp8.gemm1[4]"
     assert fp8.tactics[1, 6] == plain8.tactics[1, 6] and fp8.tactic_sources[1, 6].startswith("default (fp8")
+    # the sweep's / step's "fp8" tactic runs the same (it once passed tactics={}: built-ins, tables ignored)
+    from moebench.backends.moebench import MoebenchBackend
+
+    prepared = MoebenchBackend().prepare(w, shape, "fp8")
+    assert prepared.tactics == fp8.tactics and prepared.tactic_sources == fp8.tactic_sources
     tb.reset_log_once()
 
 
