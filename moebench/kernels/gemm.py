@@ -64,7 +64,7 @@ import torch
 from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.tactic import (
-    MAX_SMS, GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
+    GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
 )  # fmt: skip
 from moebench.record import TILE, route_words
 
@@ -177,7 +177,6 @@ if HAVE_DSL:
             self.bulk = t.bulk
             self.a16 = t.act_bf16
             self.fp8 = t.fp8
-            self.stream_k = t.stream_k
             self.aw = 4 if self.a16 else 2  # activation words per lane and chunk
             if self.fp8:
                 # the unit's 8 activation rows (e4m3, wgmma K-major "interleave" layout: 16-byte
@@ -445,17 +444,12 @@ if HAVE_DSL:
             return tot
 
         @cute.jit
-        def value(self, sP, parity, part, item, r, n, split):
+        def value(self, sP, parity, part, item, r, n):
             """The item's fp32 sum for item row r, token n: from the warps_k
             partials in shared memory, or (split-K) the sum of the split_k slice
-            partials in the workspace, in slice order (deterministic). stream_k:
-            with `split` != 0, plus the other part's sum at `part` ([8][item_rows]
-            fp32): a + b = b + a, so the same bits whichever part ran the epilogue."""
+            partials in the workspace, in slice order (deterministic)."""
             if cutlass.const_expr(self.sk == 1):
                 tot = self.partial(sP, parity, r, n)
-                if cutlass.const_expr(self.stream_k):
-                    if split != 0:
-                        tot = tot + fp4.load_partial(part + (n * self.rm + r))
             else:
                 base = part + (item * (self.sk * TILE * self.rm) + n * self.rm + r)
                 tot = fp4.load_partial(base)
@@ -467,13 +461,8 @@ if HAVE_DSL:
         def store_partials(self, sP, parity, part, unit, tid):
             """Split-K: this unit's [8 tokens][item_rows] fp32 sums (over its
             warps_k partials) to the workspace at unit * 8 * item_rows."""
-            self.store_sums(sP, parity, part + unit * (TILE * self.rm), tid)
-
-        @cute.jit
-        def store_sums(self, sP, parity, base, tid):
-            """The CTA's [8 tokens][item_rows] fp32 sums (over its warps_k
-            partials) to the workspace at `base`."""
             n_vals = TILE * self.rm
+            base = part + unit * n_vals
             for p in cutlass.range_constexpr(0, n_vals, self.threads):
                 f = tid + p
                 if f < n_vals:
@@ -481,17 +470,14 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ epilogues
         @cute.jit
-        def epilogue(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane, tid,
-                     split):
+        def epilogue(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane, tid):
             if cutlass.const_expr(self.stage == 1):
-                self.epilogue_gemm1(sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane,
-                                    split)
+                self.epilogue_gemm1(sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane)
             else:
-                self.epilogue_gemm2(sP, parity, part, rec, out, item, valid_at, tid, split)
+                self.epilogue_gemm2(sP, parity, part, rec, out, item, valid_at, tid)
 
         @cute.jit
-        def epilogue_gemm1(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane,
-                           split):
+        def epilogue_gemm1(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane):
             """SwiGLU + MXFP8 quantization of one item: one warp per (token, 32 columns).
             With tactic.act_bf16 also the BF16 value of each (q, code) to
             out_deq, made by the very instructions GEMM2's e4m3 decode runs
@@ -509,8 +495,8 @@ if HAVE_DSL:
                 if slot < 8 * qblocks:
                     n = slot % 8
                     qb = slot // 8
-                    gate = self.value(sP, parity, part, item, qb * 64 + lane, n, split)
-                    up = self.value(sP, parity, part, item, qb * 64 + 32 + lane, n, split)
+                    gate = self.value(sP, parity, part, item, qb * 64 + lane, n)
+                    up = self.value(sP, parity, part, item, qb * 64 + 32 + lane, n)
                     gc = cutlass.min(gate, lim)
                     uc = cutlass.min(cutlass.max(up, -lim), lim)
                     h = fp4.div_rn(gc, Float32(1.0) + cute.math.exp(-gc, fastmath=True)) * uc
@@ -547,7 +533,7 @@ if HAVE_DSL:
                         cute.arch.store(out_s + (row * (i_cols // 32) + blk * qblocks + qb), Uint8(code))
 
         @cute.jit
-        def epilogue_gemm2(self, sP, parity, part, rec, out, item, valid_at, tid, split):
+        def epilogue_gemm2(self, sP, parity, part, rec, out, item, valid_at, tid):
             """BF16 rows of one item: pairs of adjacent output columns per thread."""
             tile = item // self.blocks
             blk = item % self.blocks
@@ -559,8 +545,8 @@ if HAVE_DSL:
                 if f < 8 * half:
                     n = f // half
                     r = 2 * (f % half)
-                    v0 = self.value(sP, parity, part, item, r, n, split)
-                    v1 = self.value(sP, parity, part, item, r + 1, n, split)
+                    v0 = self.value(sP, parity, part, item, r, n)
+                    v1 = self.value(sP, parity, part, item, r + 1, n)
                     word = fp4.pack_bf16x2(v0, v1)
                     word = Uint32(cutlass.select_(n >= valid, Uint32(0), word))
                     row = TILE * tile + n
@@ -572,7 +558,7 @@ if HAVE_DSL:
                    record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
                    out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ctas: Int32):
             if cutlass.const_expr(self.bulk):
-                self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas)
+                self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, ctas)
             else:
                 self.register_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas)
 
@@ -672,7 +658,7 @@ if HAVE_DSL:
                             cute.arch.sync_threads()
                             if cutlass.const_expr(SK == 1):
                                 self.epilogue(sP, parity, part, record, clamp, out, out_s, out_deq, c_unit,
-                                              valid_at, warp, lane, tid, Int32(0))
+                                              valid_at, warp, lane, tid)
                             else:
                                 # split-K: partial sums to the workspace, then arrive on the item's
                                 # counter; the last of its SK units reduces and runs the epilogue.
@@ -692,7 +678,7 @@ if HAVE_DSL:
                                 cute.arch.sync_threads()
                                 if sLast[0] != 0:  # uniform over the CTA: the last unit of the item
                                     self.epilogue(sP, parity, part, record, clamp, out, out_s, out_deq, item,
-                                                  valid_at, warp, lane, tid, Int32(0))
+                                                  valid_at, warp, lane, tid)
                         last = Int32(c_b == NB - 1)
                         parity = parity ^ last
                         c_b = c_b + 1 - last * NB
@@ -700,7 +686,7 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ bulk-copy load path
         @cute.jit
-        def bulk_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas):
+        def bulk_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, ctas):
             """Bulk load path (tactic.stages = S >= 2). Warps 0..nw-1 compute as in
             the register path; warp nw is the producer. Step i of a CTA (item
             i // NB, K chunks [b*KS, (b+1)*KS), b = i % NB, KS = warps_k*unroll)
@@ -722,9 +708,6 @@ if HAVE_DSL:
                 layout_b = cute.tile_to_shape(atom, (8, self.k), order=(0, 1))
                 sB = smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)
                 sXs = smem.allocate_tensor(Float32, cute.make_layout((8 * self.nch,)), byte_alignment=16)
-            sLast = None
-            if cutlass.const_expr(self.stream_k):
-                sLast = smem.allocate_tensor(Int32, cute.make_layout((1,)), byte_alignment=4)
             if tid == 0:
                 for s in cutlass.range_constexpr(S):
                     cute.arch.mbarrier_init(bars + s, 1)
@@ -734,8 +717,8 @@ if HAVE_DSL:
             if warp == self.nw:
                 self.bulk_produce(w, ws, record, ring, bars, bid, nblk, lane)
             elif cutlass.const_expr(self.fp8):
-                self.bulk_consume_wgmma(act, act_s, record, clamp, out, out_s, cnt, part, ctas, sP, ring, bars, sB,
-                                        sXs, sLast, tid, bid, nblk, warp, lane)
+                self.bulk_consume_wgmma(act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
+                                        tid, bid, nblk, warp, lane)
             else:
                 self.bulk_consume(act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars,
                                   tid, bid, nblk, warp, lane)
@@ -754,9 +737,6 @@ if HAVE_DSL:
             unit, count, stride = self.unit_span(n_units, bid, nblk)
             n_steps = count * NB
             b = Int32(0)
-            if cutlass.const_expr(self.fp8):  # a contiguous range of the launch's steps
-                beg, end = self.step_span(n_units, bid, nblk)
-                unit, b, n_steps = beg // NB, beg % NB, end - beg
             for i in cutlass.range(0, n_steps, 1, unroll=1):
                 s = i % S
                 if i >= S:
@@ -800,24 +780,6 @@ if HAVE_DSL:
                 count = q + Int32(bid < r)
                 stride = Int32(1)
             return first, count, stride
-
-        @cute.jit
-        def step_span(self, n_units, bid, nblk):
-            """fp8 tactics on the bulk ring: (first, end) global step of CTA
-            `bid` (step i = step i % NB of unit i // NB): `unit_span`'s units,
-            or with stream_k, when every CTA gets at least one unit, the
-            balanced cut of the launch's n_units * NB steps (floor or floor + 1
-            each, the remainder to the first CTAs)."""
-            first, count, _ = self.unit_span(n_units, bid, nblk)
-            beg, end = first * self.nb, (first + count) * self.nb
-            if cutlass.const_expr(self.stream_k):
-                if n_units >= nblk:
-                    total = n_units * self.nb
-                    q = total // nblk
-                    r = total % nblk
-                    beg = bid * q + cutlass.min(bid, r)
-                    end = beg + q + Int32(bid < r)
-            return beg, end
 
         @cute.jit
         def bulk_consume(self, act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars,
@@ -870,15 +832,15 @@ if HAVE_DSL:
                     self.stash_partials(sP, acc, parity, warp, lane)
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                     self.epilogue(sP, parity, sP, record, clamp, out, out_s, out_deq, unit, valid_at, warp, lane,
-                                  tid, Int32(0))
+                                  tid)
                     parity = parity ^ 1
                 b = b + 1
                 wrap = Int32(b == NB)
                 b, unit = b - wrap * NB, unit + wrap * nblk
 
         @cute.jit
-        def bulk_consume_wgmma(self, act, act_s, record, clamp, out, out_s, cnt, part, ctas, sP, ring, bars, sB,
-                               sXs, sLast, tid, bid, nblk, warp, lane):
+        def bulk_consume_wgmma(self, act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
+                               tid, bid, nblk, warp, lane):
             """fp8 tactics on the bulk ring (warp-specialized: the producer warp
             streams the weights, these warpgroups only decode and multiply). Per
             unit of a new token tile: its 8 activation rows into shared memory
@@ -888,12 +850,7 @@ if HAVE_DSL:
             warp's words and scales from the stage into registers, release the
             stage at once (empty[s]), then `compute_wgmma` on the registers.
             Warp (wm, wk) (wk-major: a warpgroup shares wk) takes chunks
-            b*KS + wk*unroll + j of m-tile(s) wm of the item. The CTA's steps are
-            `step_span`'s range; with stream_k a unit cut at the range's start
-            (its suffix: boundary bid, part 1) or end (its prefix: boundary
-            bid + 1, part 0) stores the CTA's sums to its slot, arrives on the
-            boundary's counter, and the second arrival runs the epilogue with
-            the other part added (`value`)."""
+            b*KS + wk*unroll + j of m-tile(s) wm of the item."""
             S, NB, KS, U, tm = self.tactic.stages, self.nb, self.ks, self.u, self.tm
             g = lane // 4
             wm, wk = warp % self.wm, warp // self.wm
@@ -916,14 +873,10 @@ if HAVE_DSL:
                 cute.arch.griddepcontrol_launch_dependents()
             n_units = cute.arch.load(record, Int32) * self.blocks
             top_k = cute.arch.load(record + 3, Int32)
-            beg, end = self.step_span(n_units, bid, nblk)
-            unit = beg // NB
-            count = (end + NB - 1) // NB - unit  # units with steps in [beg, end)
+            unit, count, stride = self.unit_span(n_units, bid, nblk)
             # the ring position runs on across units: stage s, phase ph (no division per step)
             s, ph, parity, staged = Int32(0), Int32(0), Int32(0), Int32(-1)  # staged: the tile in sB
             for _ in cutlass.range(0, count, 1, unroll=1):
-                b_lo = cutlass.max(beg - unit * NB, Int32(0))
-                b_hi = cutlass.min(end - unit * NB, Int32(NB))
                 tile = unit // self.blocks
                 if tile != staged:  # a unit of a new tile: its activation rows into shared memory
                     # (the previous unit's wgmmas all completed before the barrier that closed it)
@@ -931,7 +884,7 @@ if HAVE_DSL:
                     self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
                     cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                for b in cutlass.range(b_lo, b_hi, 1, unroll=1):
+                for b in cutlass.range(0, NB, 1, unroll=1):
                     cute.arch.mbarrier_wait(bars + s, ph)
                     stage = ring + s * self.stage_words
                     for j in cutlass.range_constexpr(U):
@@ -956,32 +909,9 @@ if HAVE_DSL:
                 # unit done: partials to smem, one barrier, epilogue
                 self.stash_partials(sP, acc, parity, warp, lane)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                if cutlass.const_expr(self.stream_k):
-                    cut = Int32(b_lo > 0) + 2 * Int32(b_hi < NB)  # 1: the unit's suffix, 2: its prefix
-                    if cut == 0:
-                        self.epilogue(sP, parity, part, record, clamp, out, out_s, out, unit, valid_at, warp, lane,
-                                      tid, Int32(0))
-                    else:
-                        # split-K's ordering: stores, bar.sync, thread 0's gpu fence + acq_rel atomic,
-                        # bar.sync; the other part is read with ld.relaxed.gpu (`value`)
-                        side = Int32(cut == 1)
-                        bnd = bid + 1 - side
-                        n_vals = TILE * self.rm
-                        self.store_sums(sP, parity, part + (bnd * 2 + side) * n_vals, tid)
-                        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                        if tid == 0:
-                            cute.arch.fence_acq_rel_gpu()
-                            old = fp4.arrive_inc(cnt + bnd, 1)
-                            sLast[0] = Int32(old == Uint32(1))
-                        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                        if sLast[0] != 0:  # the second part to arrive: the epilogue with both
-                            self.epilogue(sP, parity, part + (bnd * 2 + 1 - side) * n_vals, record, clamp, out,
-                                          out_s, out, unit, valid_at, warp, lane, tid, Int32(1))
-                else:
-                    self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid,
-                                  Int32(0))
+                self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
                 parity = parity ^ 1
-                unit = unit + 1
+                unit = unit + stride
 
 
 # ---------------------------------------------------------------------- host side
@@ -1075,13 +1005,12 @@ def _split_k_ptrs(workspace, shape: GemmShape, tactic: GemmTactic, stage: int, c
     """(counters, partials) pointers of the split-K workspace for this
     launch (workspace_parts: counters at the front, partials at the back), or
     placeholders (never read) when the tactic does not split K."""
-    if tactic.split_k == 1 and not tactic.stream_k:
+    if tactic.split_k == 1:
         # the kernel ignores them; any 16-byte aligned device pointer will do
         return gmem_ptr(Int32, record, 16), gmem_ptr(Float32, record, 16)
     if workspace is None:
-        how = "balances steps across CTAs (stream_k)" if tactic.stream_k else f"splits K {tactic.split_k} ways"
         raise ValueError(
-            f"workspace is required: tactic {tactic.name} {how}; allocate one"
+            f"workspace is required: tactic {tactic.name} splits K {tactic.split_k} ways; allocate one"
             f" once with alloc_workspace(workspace_bytes(shape, tactic, ctas, {stage})) and pass it"
         )
     if not isinstance(workspace, torch.Tensor):
@@ -1147,9 +1076,6 @@ def _launch(kw: KernelWeights, stage: int, tactic: GemmTactic, sms: int, args, c
         return
     kernel, compiled = compile_gemm(shape, tactic, stage, kw.scale_variant(tactic.fp8))
     grid = kernel.grid(ctas, sms)
-    if tactic.stream_k and grid > MAX_SMS * tactic.ctas_per_sm:
-        raise ValueError(f"tactic {tactic.name}: stream_k workspaces are sized for at most {MAX_SMS} SMs,"
-                         f" this GPU has {sms}; use a tactic without stream_k")
     compiled(*args, *split, Int32(ctas), Int32(grid), cu_stream(stream, device))
 
 

@@ -18,9 +18,6 @@ MAX_WARPS = 16
 MAX_SPLIT_K = 16
 #: Most shared-memory stages of the bulk-copy load path.
 MAX_STAGES = 8
-#: Most SMs a stream_k launch's workspace is sized for (the H200 has 132;
-#: a GPU with more makes the launch raise).
-MAX_SMS = 160
 #: Shared memory one CTA may use (bytes; 227 KB on sm_90).
 SMEM_PER_CTA = 227 * 1024
 
@@ -112,17 +109,6 @@ class GemmTactic:
       per warp, 8-byte loads, 64-row items), warps_m a multiple of 4,
       and warps_k * unroll dividing the K chunks of a slice; either load
       path (stages). Excludes act_bf16. Name suffix `_f8`.
-    stream_k: fp8 tactics on the bulk ring only (persistent): when the
-      launch has at least one unit per CTA, CTA c takes the contiguous range
-      of the launch's units x steps that gives every CTA floor(T/G) or
-      floor(T/G) + 1 of the T steps (Stream-K, Osama et al., PPoPP 2023,
-      without its data-parallel waves), instead of whole units, so the
-      busiest CTA streams the average share rather than one unit more. A
-      unit cut at a CTA boundary (at most two parts: every range holds at
-      least one unit's steps) has each part store its fp32 sums to the
-      workspace (`workspace_parts`) and arrive on the boundary's counter;
-      the second to arrive adds the other part (fp32 a + b = b + a: the same
-      bits whichever arrives first) and runs the epilogue. Name suffix `_sk`.
     """
 
     tile_rows: int = 64
@@ -136,10 +122,9 @@ class GemmTactic:
     stages: int = 0
     act_bf16: bool = False
     fp8: bool = False
-    stream_k: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("persistent", "pdl", "act_bf16", "fp8", "stream_k"):
+        for flag in ("persistent", "pdl", "act_bf16", "fp8"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         if not isinstance(self.tile_rows, int) or isinstance(self.tile_rows, bool):
@@ -162,9 +147,6 @@ class GemmTactic:
             )
         if self.fp8 and self.act_bf16:
             raise ValueError("fp8 (e4m3 x e4m3 MMA on the MXFP8 activations) excludes act_bf16 (BF16 activations)")
-        if self.stream_k and not (self.fp8 and self.stages and self.persistent):
-            raise ValueError("stream_k (balanced step ranges across CTAs) needs a persistent fp8 tactic on the bulk"
-                             f" ring, got fp8={self.fp8}, stages={self.stages}, persistent={self.persistent}")
 
     @property
     def warps(self) -> int:
@@ -185,8 +167,7 @@ class GemmTactic:
         return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
                 + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
-                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_sk" if self.stream_k else "")
-                + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
+                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:
         """None if this tactic can run GEMM`stage` (1 or 2) of `shape`
@@ -229,7 +210,7 @@ class GemmTactic:
             need += 8 * k + 128 + 32 * nch + 16
             what.append("the fp8 activation tile")
         if self.bulk:
-            need += self.stages * (bulk_stage_bytes(self) + 16) + (16 if self.stream_k else 0)
+            need += self.stages * (bulk_stage_bytes(self) + 16)
             what.append(f"{self.stages} bulk stages")
         limit = min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm - 1024)  # 1 KB of each CTA's is reserved
         if need > limit:
@@ -282,10 +263,6 @@ def workspace_parts(shape, tactic: GemmTactic, ctas: int, stage: int) -> tuple[i
     with `tactic` needs for `ctas` token tiles; (0, 0) when
     tactic.split_k == 1.
 
-    stream_k tactics: one counter per CTA boundary (0..G, G the grid,
-    at most min(items, MAX_SMS * ctas_per_sm)) at the front and fp32 part
-    sums [boundary][2 parts][8 tokens][item_rows] at the back.
-
     Layout (one caller-owned buffer of >= sum bytes, 16-byte aligned, size a
     multiple of 16, ZEROED ONCE at allocation): int32 arrival counters, one
     per item (ctas * M / item_rows of them), at the FRONT; fp32 partials
@@ -304,16 +281,12 @@ def workspace_parts(shape, tactic: GemmTactic, ctas: int, stage: int) -> tuple[i
         raise ValueError(f"ctas must be a non-negative int, got {ctas!r}")
     s = GemmShape.of(shape)
     m = _stage_rows(s, stage)
-    if tactic.split_k == 1 and not tactic.stream_k:
+    if tactic.split_k == 1:
         return 0, 0
     reason = tactic.valid_for(s, stage)
     if reason:
         raise ValueError(f"tactic {tactic.name} cannot run GEMM{stage} of {s}: {reason}")
     items = ctas * (m // tactic.item_rows)
-    if tactic.stream_k:
-        # one counter per CTA boundary 0..G and two fp32 part slots behind each (G <= the grid bound)
-        bounds = min(items, MAX_SMS * tactic.ctas_per_sm) + 1
-        return -(-4 * bounds // 16) * 16, bounds * 2 * TILE * tactic.item_rows * 4
     counters = -(-4 * items // 16) * 16
     partials = items * tactic.split_k * TILE * tactic.item_rows * 4
     return counters, partials

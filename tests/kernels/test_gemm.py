@@ -379,22 +379,19 @@ def _graph_case(rows: int, ids_seed: int, operand: str = "bf16"):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("operand", ["bf16", "e4m3", "e4m3-bulk", "e4m3-sk"])
+@pytest.mark.parametrize("operand", ["bf16", "e4m3", "e4m3-bulk"])
 def test_cuda_graph_replay_matches_eager_and_follows_inputs(operand):
-    from moebench.kernels.gemm import alloc_workspace, gemm1, gemm2
+    from moebench.kernels.gemm import gemm1, gemm2
 
-    base, _, kind = operand.partition("-")  # bulk: the warp-specialized fp8 pair (F8_BULK_*); sk: stream_k
-    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(6, ids_seed=2, operand=base)
-    pick = {"bulk": (F8_BULK_1, F8_BULK_2), "sk": (F8_SK_1, F8_SK_2)}.get(kind)
-    t1 = next((t for t in pick[0] if t.valid_for(kw, 1) is None), None) if pick else None
-    t2 = next((t for t in pick[1] if t.valid_for(kw, 2) is None), None) if pick else None
-    assert not pick or (t1 and t2)
-    need = workspace_bytes_for(kw, [(1, t1, route.ctas), (2, t2, route.ctas)]) if pick else 0
-    ws = alloc_workspace(need, "cuda") if need else None
+    bulk = operand.endswith("-bulk")  # the warp-specialized fp8 pair (F8_BULK_*)
+    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(6, ids_seed=2, operand=operand.removesuffix("-bulk"))
+    t1 = next((t for t in F8_BULK_1 if t.valid_for(kw, 1) is None), None) if bulk else None
+    t2 = next((t for t in F8_BULK_2 if t.valid_for(kw, 2) is None), None) if bulk else None
+    assert not bulk or (t1 and t2)
 
     def step():
-        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, workspace=ws)
-        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, workspace=ws)
+        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1)
+        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)
 
     step()
     torch.cuda.synchronize()
@@ -1048,95 +1045,3 @@ def test_fp8_tactic_and_weight_layout_must_match():
     kw8 = dataclasses.replace(kw, operand="e4m3")
     with pytest.raises(ValueError, match="does not match the weights"):
         gemm1(kw8, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=GemmTactic(64, 1, 8, 4, 1))
-
-
-# ---------------------------------------------------------------------- stream_k
-#: stream_k twins of the fp8 bulk tactics the FP8 tables pick at dsv41-flash TP4:
-#: GEMM1 64- / 128-row items of four warpgroups, GEMM2 one warpgroup at 3 / 4 CTAs per SM.
-F8_SK_1 = [GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, stream_k=True),
-           GemmTactic(32, 4, 4, 4, 1, stages=4, fp8=True, stream_k=True)]  # fmt: skip
-F8_SK_2 = [GemmTactic(32, 4, 1, 3, 3, stages=6, fp8=True, stream_k=True),
-           GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True, stream_k=True)]  # fmt: skip
-
-
-def _stream_k_cuts(shape, tactic: GemmTactic, stage: int, tiles: int, ctas: int, sms: int) -> int:
-    """Host model of the kernel's `step_span`: how many units a stream_k
-    launch cuts at a CTA boundary (0: every CTA got whole units)."""
-    s = GemmShape.of(shape)
-    m, k = (2 * s.intermediate, s.hidden) if stage == 1 else (s.hidden, s.intermediate)
-    blocks = m // tactic.item_rows
-    nb = -(-(k // 32) // (tactic.warps_k * tactic.unroll))
-    grid = min(ctas * blocks, sms * tactic.ctas_per_sm)
-    units = tiles * blocks
-    if units < grid:
-        return 0
-    q, r = divmod(units * nb, grid)
-    return sum((c * q + min(c, r)) % nb != 0 for c in range(1, grid))
-
-
-def test_stream_k_tactic_name_validation_and_workspace():
-    from moebench.tuning.space import tactic_from_name
-    from moebench.tuning.table import tactic_from_dict, tactic_to_dict
-
-    t = F8_SK_1[0]
-    assert t.name == "r16_m4_k4_u4_c1_b4_sk_f8" and tactic_from_name(t.name) == t
-    assert tactic_from_dict(tactic_to_dict(t), "test") == t
-    for bad in (dict(fp8=True), dict(stages=4), dict(stages=4, fp8=True, persistent=False)):
-        with pytest.raises(ValueError, match=r"stream_k .* needs a persistent fp8 tactic on the bulk ring"):
-            GemmTactic(32, 4, 4, 4, 1, stream_k=True, **bad)
-    with pytest.raises(TypeError, match="stream_k must be a bool"):
-        GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, stream_k=1)
-    tp4 = GemmShape(5120, 576, 384)
-    # counters for boundaries 0..G and two part slots of [8][item rows] fp32 behind each
-    items = 48 * (2 * 576 // 64)
-    bounds = min(items, 160 * 1) + 1
-    assert workspace_parts(tp4, t, 48, 1) == (-(-4 * bounds // 16) * 16, bounds * 2 * 8 * 64 * 4)
-    assert workspace_parts(tp4, t, 1, 1) == (-(-4 * 19 // 16) * 16, 19 * 2 * 8 * 64 * 4)  # 18 items: G <= 18
-    assert workspace_bytes(tp4, GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True), 48, 1) == 0
-    # the host model cuts where the kernel would: TP4 rows 6 (20 tiles of 18 64-row units, 10 steps) on 132 SMs
-    assert _stream_k_cuts(tp4, t, 1, 20, 36, 132) > 0
-    assert _stream_k_cuts(tp4, t, 1, 7, 36, 132) == 0  # 126 units < 132 CTAs: whole units
-
-
-@pytest.mark.compile
-def test_stream_k_tactics_compile_for_sm90a_without_spills():
-    specs = [("dsv41-flash", 4, st, False, None, _fields(t)) for st, ts in ((1, F8_SK_1), (2, F8_SK_2)) for t in ts]
-    for rep in _checked_reports(specs):  # the boundary counters: a gpu-scope atomic increment
-        assert rep["ublkcp"] > 0 and rep["atom_inc"] > 0, f"{rep['spec']}: no bulk copy / no boundary atomic"
-        assert rep["ldg_strong"] > 0, f"{rep['spec']}: the other part not read with gpu-scope loads"
-
-
-@pytest.mark.gpu
-def test_stream_k_matches_the_oracle_repeats_its_bits_and_self_cleans():
-    """stream_k GEMM1 / GEMM2 on poisoned outputs over every routing shape at
-    rows 1 / 3 / 6 / 8 against the oracle; a second launch gives the same bits
-    (a cut unit's parts add in either order to the same fp32 sum); the
-    boundary counters are zero afterwards; and the routings do cut units (the
-    host model of the kernel's ranges), so the part sums are exercised."""
-    from moebench.kernels.layout import to_kernel_layout
-
-    experts = 64
-    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=43)
-    kw8 = to_kernel_layout(weights, operand="e4m3")
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    counters = max(workspace_parts(kw8, t, 48, st)[0] for st, ts in ((1, F8_SK_1), (2, F8_SK_2)) for t in ts)
-    cuts = 0
-    for label, ids in _routings(experts, rows_list=(1, 3, 6, 8)):
-        rows = ids.shape[0]
-        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 77, device="cuda"))
-        route = build_route_record(ids.cuda(), experts)
-        ws = _fp8_check(kw8, weights, x_q, x_s, route, f"stream_k {label}", F8_SK_1, F8_SK_2)
-        used = TILE * route.tiles_used
-        for t1 in F8_SK_1:
-            a = _run_gemm1(kw8, x_q, x_s, route, tactic=t1, workspace=ws)
-            b = _run_gemm1(kw8, x_q, x_s, route, tactic=t1, workspace=ws)
-            assert torch.equal(a[0][:used], b[0][:used]) and torch.equal(a[1][:used], b[1][:used]), (label, t1.name)
-            cuts += _stream_k_cuts(kw8, t1, 1, route.tiles_used, route.ctas, sms)
-        for t2 in F8_SK_2:
-            a = _run_gemm2(kw8, b[0], b[1], route, tactic=t2, workspace=ws)
-            c = _run_gemm2(kw8, b[0], b[1], route, tactic=t2, workspace=ws)
-            assert torch.equal(a[:used].view(torch.int16), c[:used].view(torch.int16)), (label, t2.name)
-            cuts += _stream_k_cuts(kw8, t2, 2, route.tiles_used, route.ctas, sms)
-        torch.cuda.synchronize()
-        assert int(torch.count_nonzero(ws[:counters])) == 0, f"{label}: boundary counters not reset"
-    assert cuts > 100, f"the routings cut only {cuts} units: the part sums were hardly exercised"
