@@ -79,10 +79,12 @@ if HAVE_DSL:
     from cutlass.experimental import primitives as prims
 
     from moebench.kernels import fp4
-    from moebench.kernels.ptx import st_shared_u32x4
+    from moebench.kernels.ptx import st_shared_u32x4, trap
 
 #: Shared memory + L1 of one H100/H200 SM that the carveout divides (bytes).
 _SMEM_PER_SM = 228 * 1024
+#: Shared words of a `spec` producer's prediction (bitmap 16, row masks 128, prefixes 16).
+SPEC_WORDS = 160
 #: L2 cache policy "evict first" (CUTLASS CacheHintSm90::EVICT_FIRST) for the bulk copies.
 _EVICT_FIRST = 0x12F0000000000000
 
@@ -189,7 +191,7 @@ if HAVE_DSL:
                 self.np = self.rm // 32  # 32-row pairs per item
                 self.sw_words = self.np * self.ks * 128  # weight words of one stage
                 self.stage_words = self.sw_words + self.np * self.ks * 8  # + scale words
-                self.smem_bytes += t.stages * (4 * self.stage_words + 16)
+                self.smem_bytes += t.stages * (4 * self.stage_words + 16) + (4 * SPEC_WORDS if t.spec else 0)
                 self.block_threads = self.threads + 32  # + the producer warp
             per_sm = (self.smem_bytes + 1024) * t.ctas_per_sm
             self.smem_carveout = min(100, -(-100 * per_sm // _SMEM_PER_SM))
@@ -212,9 +214,9 @@ if HAVE_DSL:
         @cute.jit
         def __call__(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
                      record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
-                     out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ctas: Int32, grid: Int32,
-                     stream: _cuda.CUstream):
-            self.kernel(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas).launch(
+                     out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ids: cute.Pointer,
+                     meta: Int32, ctas: Int32, grid: Int32, stream: _cuda.CUstream):
+            self.kernel(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ids, meta, ctas).launch(
                 grid=[grid, 1, 1], block=[self.block_threads, 1, 1], stream=stream,
                 use_pdl=self.tactic.pdl, min_blocks_per_mp=self.tactic.ctas_per_sm,
                 preferred_smem_carveout=self.smem_carveout)
@@ -556,9 +558,10 @@ if HAVE_DSL:
         @cute.kernel
         def kernel(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
                    record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
-                   out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ctas: Int32):
+                   out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ids: cute.Pointer, meta: Int32,
+                   ctas: Int32):
             if cutlass.const_expr(self.bulk):
-                self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, ctas)
+                self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, ids, meta, ctas)
             else:
                 self.register_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas)
 
@@ -686,7 +689,7 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ bulk-copy load path
         @cute.jit
-        def bulk_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, ctas):
+        def bulk_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, ids, meta, ctas):
             """Bulk load path (tactic.stages = S >= 2). Warps 0..nw-1 compute as in
             the register path; warp nw is the producer. Step i of a CTA (item
             i // NB, K chunks [b*KS, (b+1)*KS), b = i % NB, KS = warps_k*unroll)
@@ -702,6 +705,9 @@ if HAVE_DSL:
             sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
             ring = smem.allocate_array(Uint32, S * self.stage_words, byte_alignment=128)
             bars = smem.allocate_array(Int64, 2 * S, byte_alignment=8)  # full[0, S), empty[S, 2S)
+            scratch = None
+            if cutlass.const_expr(self.tactic.spec):  # the producer's own: no other warp touches it
+                scratch = smem.allocate_array(Uint32, SPEC_WORDS, byte_alignment=16)
             sB = sXs = None
             if cutlass.const_expr(self.fp8):
                 atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, Float8E4M3FN)
@@ -715,7 +721,7 @@ if HAVE_DSL:
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == self.nw:
-                self.bulk_produce(w, ws, record, ring, bars, bid, nblk, lane)
+                self.bulk_produce(w, ws, record, ring, bars, bid, nblk, lane, ids, meta, scratch)
             elif cutlass.const_expr(self.fp8):
                 self.bulk_consume_wgmma(act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
                                         tid, bid, nblk, warp, lane)
@@ -724,46 +730,137 @@ if HAVE_DSL:
                                   tid, bid, nblk, warp, lane)
 
         @cute.jit
-        def bulk_produce(self, w, ws, record, ring, bars, bid, nblk, lane):
+        def bulk_produce(self, w, ws, record, ring, bars, bid, nblk, lane, ids, meta, scratch):
             """The producer warp: for each step, wait until its stage is free,
             arm full[s] with the step's bytes (lane 0), then lanes issue one
-            weight and one scale bulk copy per pair (L2 evict-first)."""
-            S, NB, KS, NP = self.tactic.stages, self.nb, self.ks, self.np
+            weight and one scale bulk copy per pair (L2 evict-first). A `spec`
+            tactic first predicts the record's tiles from the top-k ids
+            (`predict_tiles`) and issues its first min(stages, steps) stages
+            before griddepcontrol.wait; after the wait it checks the record's
+            tile count against the prediction (a mismatch traps)."""
+            S, NB = self.tactic.stages, self.nb
             p_w = cute.recast_ptr(w, dtype=Uint32)
             p_s = cute.recast_ptr(ws, dtype=Uint32)
+            start, predicted = Int32(0), Int32(-1)
+            if cutlass.const_expr(self.tactic.spec):
+                tiles, ok = self.predict_tiles(ids, meta, scratch, lane)
+                if ok != Int32(0):
+                    predicted = tiles
+                    unit, count, stride = self.unit_span(tiles * self.blocks, bid, nblk)
+                    start = cutlass.min(Int32(S), count * NB)
+                    b = Int32(0)
+                    for i in cutlass.range(0, start, 1, unroll=1):
+                        e = self.nth_expert(scratch, unit // self.blocks)
+                        self.issue_stage(p_w, p_s, ring, bars, i % S, e, unit % self.blocks, b, lane)
+                        b = b + 1
+                        wrap = Int32(b == NB)
+                        b, unit = b - wrap * NB, unit + wrap * stride
             if cutlass.const_expr(self.tactic.pdl and self.stage == 1):
                 cute.arch.griddepcontrol_wait()  # GEMM1's record comes from the previous kernel
-            n_units = cute.arch.load(record, Int32) * self.blocks
+            tiles_rec = cute.arch.load(record, Int32)
+            if cutlass.const_expr(self.tactic.spec):
+                if predicted >= Int32(0):
+                    if predicted != tiles_rec:
+                        trap()  # the stages issued above hold the wrong experts' weights
+            n_units = tiles_rec * self.blocks
             unit, count, stride = self.unit_span(n_units, bid, nblk)
             n_steps = count * NB
-            b = Int32(0)
-            for i in cutlass.range(0, n_steps, 1, unroll=1):
+            b = start % NB
+            unit = unit + (start // NB) * stride
+            for i in cutlass.range(start, n_steps, 1, unroll=1):
                 s = i % S
                 if i >= S:
                     cute.arch.mbarrier_wait(bars + (S + s), (i // S - 1) % 2)
-                tile = unit // self.blocks
-                blk = unit % self.blocks
-                e = cute.arch.load(record + (4 + tile), Int32)
-                ch0 = b * KS
-                nck = cutlass.min(Int32(KS), self.nch - ch0)
-                if lane == 0:
-                    cute.arch.mbarrier_arrive_and_expect_tx(bars + s, nck * (NP * 544))
-                cute.arch.sync_warp()
-                stage = ring + s * self.stage_words
-                for q in cutlass.range_constexpr(0, NP, 32):
-                    p = lane + q
-                    if p < NP:
-                        pair = blk * NP + p
-                        src_w = p_w + (Int64(e) * self.w_expert + (pair * self.nch + ch0) * 128)
-                        src_s = p_s + (Int64(e) * self.s_expert + (pair * self.nch + ch0) * 8)
-                        prims.cp_async_bulk_shared_cluster_global(
-                            stage + p * (KS * 128), src_w, bars + s, nck * 512, l2_cache_hint=_EVICT_FIRST)
-                        prims.cp_async_bulk_shared_cluster_global(
-                            stage + (self.sw_words + p * (KS * 8)), src_s, bars + s, nck * 32,
-                            l2_cache_hint=_EVICT_FIRST)
+                e = cute.arch.load(record + (4 + unit // self.blocks), Int32)
+                self.issue_stage(p_w, p_s, ring, bars, s, e, unit % self.blocks, b, lane)
                 b = b + 1
                 wrap = Int32(b == NB)
                 b, unit = b - wrap * NB, unit + wrap * stride
+
+        @cute.jit
+        def issue_stage(self, p_w, p_s, ring, bars, s, e, blk, b, lane):
+            """Ring stage `s` <- step b of item block `blk` of expert `e`: lane 0
+            arms full[s] with the step's bytes, then one weight and one scale
+            bulk copy per 32-row pair of the item (lanes over pairs)."""
+            KS, NP = self.ks, self.np
+            ch0 = b * KS
+            nck = cutlass.min(Int32(KS), self.nch - ch0)
+            if lane == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + s, nck * (NP * 544))
+            cute.arch.sync_warp()
+            stage = ring + s * self.stage_words
+            for q in cutlass.range_constexpr(0, NP, 32):
+                p = lane + q
+                if p < NP:
+                    pair = blk * NP + p
+                    src_w = p_w + (Int64(e) * self.w_expert + (pair * self.nch + ch0) * 128)
+                    src_s = p_s + (Int64(e) * self.s_expert + (pair * self.nch + ch0) * 8)
+                    prims.cp_async_bulk_shared_cluster_global(
+                        stage + p * (KS * 128), src_w, bars + s, nck * 512, l2_cache_hint=_EVICT_FIRST)
+                    prims.cp_async_bulk_shared_cluster_global(
+                        stage + (self.sw_words + p * (KS * 8)), src_s, bars + s, nck * 32,
+                        l2_cache_hint=_EVICT_FIRST)
+
+        @cute.jit
+        def predict_tiles(self, ids, meta, scratch, lane):
+            """(tiles, ok) of the route record the top-k ids will make, by the
+            producer warp alone (the route kernel's fast path, `route.py`):
+            `scratch` (shared, SPEC_WORDS words) gets the used-expert bitmap
+            (words 0..15), the experts' 8-bit row masks (16..143) and each
+            bitmap word's exclusive prefix count (144..159). ids: int32
+            [rows, top_k] with meta = rows << 8 | top_k, read with
+            ld.relaxed.gpu. ok = 0 when a row repeats an expert (then an expert
+            may own two tiles and the prediction is not made)."""
+            rows, top_k = meta >> 8, meta & 0xFF
+            slots = rows * top_k
+            for q in cutlass.range_constexpr(0, SPEC_WORDS, 32):
+                scratch[lane + q] = Uint32(0)
+            cute.arch.sync_warp()
+            repeated = Int32(0)
+            for h in cutlass.range_constexpr(2):
+                slot = lane + 32 * h
+                if slot < slots:
+                    e = cute.arch.load(ids + slot, Int32, sem="relaxed", scope="gpu")
+                    if e >= 0 and e < self.shape.experts:
+                        row = Int32(0)
+                        for j in cutlass.range_constexpr(1, 8):
+                            row = row + Int32(slot >= j * top_k)
+                        bit = Uint32(1) << Uint32(row)
+                        shift = Uint32((e & 3) * 8)
+                        old = cute.arch.atomic_or(scratch + (16 + (e >> 2)), bit << shift, scope="cta")
+                        repeated = repeated | Int32(((old >> shift) & bit) != Uint32(0))
+                        cute.arch.atomic_or(scratch + (e >> 5), Uint32(1) << Uint32(e & 31), scope="cta")
+            cute.arch.sync_warp()
+            n = Int32(0)
+            if lane < 16:
+                n = Int32(cute.arch.popc(scratch[lane]))
+            incl = n
+            for d in cutlass.range_constexpr(5):
+                up = cute.arch.shuffle_sync_up(incl, 1 << d)
+                incl = incl + (up if lane >= (1 << d) else Int32(0))
+            if lane < 16:
+                scratch[144 + lane] = Uint32(incl - n)
+            cute.arch.sync_warp()
+            ok = Int32(cute.arch.vote_ballot_sync(repeated != Int32(0)) == Uint32(0))
+            return cute.arch.shuffle_sync(incl, 15), ok
+
+        @cute.jit
+        def nth_expert(self, scratch, tile):
+            """Expert of tile `tile` (the tile-th set bit of the bitmap that
+            `predict_tiles` left in `scratch`); the same in every lane."""
+            word = Int32(0)
+            for j in cutlass.range_constexpr(1, 16):
+                word = word + Int32(Int32(scratch[144 + j]) <= tile)
+            k = tile - Int32(scratch[144 + word])
+            bits = scratch[word]
+            base = Int32(0)
+            for width in cutlass.range_constexpr(5):
+                wd = 16 >> width
+                c = Int32(cute.arch.popc((bits >> Uint32(base)) & Uint32((1 << wd) - 1)))
+                step = Int32(k >= c)
+                k = k - step * c
+                base = base + step * wd
+            return word * 32 + base
 
         @cute.jit
         def unit_span(self, n_units, bid, nblk):
@@ -947,7 +1044,8 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
     Works without a GPU when CUTE_DSL_ARCH=sm_90a is set (cross-compile).
     Returns (kernel, compiled): `kernel.grid(ctas, num_sms)` sizes the
     launch; `compiled(w, ws, act, act_s, record, clamp, out, out_s, out_deq,
-    cnt, part, ctas, grid, stream)` (out_deq: GEMM1's BF16 H with
+    cnt, part, ids, meta, ctas, grid, stream)` (ids / meta: the top-k ids and
+    rows << 8 | top_k of a `spec` tactic, else ignored; out_deq: GEMM1's BF16 H with
     tactic.act_bf16, else ignored; act: BF16 [rows, K] with act_bf16) takes cute global pointers (make_ptr; cnt /
     part: the split-K counters and partials, see `workspace_parts`), Int32
     and a CUstream (use `gemm1` / `gemm2` for torch tensors). Raises ValueError
@@ -969,7 +1067,7 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
     compiled = cute.compile(
         kernel, fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 4),
         fake(Int32, 16), fake(Float32, 4), fake(out_dtype, 16), fake(Uint8, 4), fake(BFloat16, 16),
-        fake(Int32, 16), fake(Float32, 16), Int32(1), Int32(1), _cuda.CUstream(0),
+        fake(Int32, 16), fake(Float32, 16), fake(Int32, 4), Int32(0), Int32(1), Int32(1), _cuda.CUstream(0),
     )  # fmt: skip
     return kernel, compiled
 
@@ -1069,14 +1167,18 @@ def _bf16_act(name: str, t, tactic: GemmTactic, shape: tuple[int, int], device, 
 
 
 def _launch(kw: KernelWeights, stage: int, tactic: GemmTactic, sms: int, args, ctas: int, device, stream,
-            record, workspace) -> None:
+            record, workspace, topk_ids=None) -> None:
     shape = GemmShape.of(kw)
     split = _split_k_ptrs(workspace, shape, tactic, stage, ctas, device, record)
     if ctas == 0:
         return
     kernel, compiled = compile_gemm(shape, tactic, stage, kw.scale_variant(tactic.fp8))
     grid = kernel.grid(ctas, sms)
-    compiled(*args, *split, Int32(ctas), Int32(grid), cu_stream(stream, device))
+    if topk_ids is None:  # the kernel never reads them
+        ids, meta = gmem_ptr(Int32, record, 4), 0
+    else:
+        ids, meta = gmem_ptr(Int32, topk_ids, 4), topk_ids.shape[0] << 8 | topk_ids.shape[1]
+    compiled(*args, *split, ids, Int32(meta), Int32(ctas), Int32(grid), cu_stream(stream, device))
 
 
 def act_to_bf16(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -1124,7 +1226,7 @@ def act_to_bf16(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None =
 def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: torch.Tensor, ctas: int,
           h_q_out: torch.Tensor, h_scale_out: torch.Tensor, *, tactic: GemmTactic | None = None,
           stream=None, workspace: torch.Tensor | None = None, x_deq: torch.Tensor | None = None,
-          h_deq_out: torch.Tensor | None = None) -> None:
+          h_deq_out: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None) -> None:
     """Launch GEMM1 (x . w13^T, SwiGLU with clamp, MXFP8 H) on `stream`
     (torch's current stream when None); no host sync, no allocation.
 
@@ -1148,6 +1250,11 @@ def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: t
     For weights in the e4m3 layout (`to_kernel_layout(..., operand="e4m3")`)
     `tactic` must be an fp8 tactic (None: `default_fp8_tactic`), for the bf16
     layout a BF16 one; a mismatch raises ValueError.
+    topk_ids: int32 [rows, top_k] (top_k <= 8), contiguous, the ids the
+    record was built from; required exactly when tactic.spec (its producer
+    predicts the record from them before griddepcontrol.wait, so they must
+    be complete before the kernel before GEMM1 releases its dependents: the
+    route kernel with `release_after_wait`).
     Raises TypeError / ValueError naming the argument; RuntimeError without
     nvidia-cutlass-dsl.
     """
@@ -1164,12 +1271,19 @@ def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: t
     tactic, sms = _resolve(kw, 1, tactic, ctas, device)
     x_deq = _bf16_act("x_deq", x_deq, tactic, (rows, h), device, "reads x as BF16")
     h_deq_out = _bf16_act("h_deq_out", h_deq_out, tactic, (TILE * ctas, i), device, "writes H as BF16 too")
+    if tactic.spec != (topk_ids is not None):
+        raise ValueError(f"topk_ids is required exactly with a spec tactic (_sp); tactic {tactic.name}"
+                         f" {'is' if tactic.spec else 'is not'} one, topk_ids {'missing' if topk_ids is None else 'given'}")
+    if topk_ids is not None:
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or not 1 <= topk_ids.shape[1] <= 8:
+            raise ValueError(f"topk_ids must be int32 [{rows}, top_k <= 8], got {getattr(topk_ids, 'shape', topk_ids)}")
+        check_tensor("topk_ids", topk_ids, (torch.int32,), (rows, topk_ids.shape[1]), device, align=4)
     require_dsl(_KERNEL)
     args = (gmem_ptr(Uint8, kw.w13, 16), gmem_ptr(Uint8, kw.w13_scale, 16), gmem_ptr(Uint8, x_q if x_deq is None
             else x_deq, 16), gmem_ptr(Uint8, x_scale, 4), gmem_ptr(Int32, record, 16),
             gmem_ptr(Float32, kw.clamp, 4), gmem_ptr(Uint8, h_q_out, 16), gmem_ptr(Uint8, h_scale_out, 4),
             gmem_ptr(BFloat16, h_q_out if h_deq_out is None else h_deq_out, 16))  # placeholder: never written
-    _launch(kw, 1, tactic, sms, args, ctas, device, stream, record, workspace)
+    _launch(kw, 1, tactic, sms, args, ctas, device, stream, record, workspace, topk_ids)
 
 
 def gemm2(kw: KernelWeights, h_q: torch.Tensor, h_scale: torch.Tensor, record: torch.Tensor, ctas: int,

@@ -63,3 +63,11 @@ def sync_threads_or(flag, *, loc=None, ip=None):
         T.i32(), [Int32(flag).ir_value(loc=loc, ip=ip)],
         "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p; selp.s32 $0, 1, 0, q; }",
         "=r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def trap(*, loc=None, ip=None) -> None:
+    """`trap;`: abort the kernel (the launch fails with an illegal-instruction
+    error), for a state the kernel must never compute on."""
+    llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)

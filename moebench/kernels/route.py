@@ -91,11 +91,12 @@ def _check_keys_per_step(keys_per_step) -> None:
         raise ValueError(f"keys_per_step must be one of {KEYS_PER_STEP}, got {keys_per_step!r}")
 
 
-def _check_static(pdl, keys_per_step, quantize, deq) -> None:
+def _check_static(pdl, keys_per_step, quantize, deq, release_after_wait=False) -> None:
     """The route kernel's compile-time switches (RouteKernel and
     compile_route_kernel): TypeError for a non-bool flag, ValueError for a
     keys_per_step not in KEYS_PER_STEP or deq without quantize."""
-    for name, flag in (("pdl", pdl), ("quantize", quantize), ("deq", deq)):
+    for name, flag in (("pdl", pdl), ("quantize", quantize), ("deq", deq),
+                       ("release_after_wait", release_after_wait)):
         check_bool(name, flag)
     _check_keys_per_step(keys_per_step)
     if deq and not quantize:
@@ -347,8 +348,10 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         """
 
         def __init__(self, pdl: bool = True, threads: int = 128,
-                     keys_per_step: int = DEFAULT_KEYS_PER_STEP, quantize: bool = False, deq: bool = False):
-            _check_static(pdl, keys_per_step, quantize, deq)
+                     keys_per_step: int = DEFAULT_KEYS_PER_STEP, quantize: bool = False, deq: bool = False,
+                     release_after_wait: bool = False):
+            _check_static(pdl, keys_per_step, quantize, deq, release_after_wait)
+            self.release_after_wait = release_after_wait
             self.quantize = quantize
             self.deq = deq
             if (not isinstance(threads, int) or isinstance(threads, bool)
@@ -416,8 +419,14 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             g_ids = cute.make_tensor(ids, cute.make_layout(MAX_SLOTS))
 
             if cutlass.const_expr(self.pdl):
-                cute.arch.griddepcontrol_launch_dependents()
-                cute.arch.griddepcontrol_wait()
+                if cutlass.const_expr(self.release_after_wait):
+                    # the ids (from the kernel before) are complete once the wait returns: a
+                    # dependent may then read them before its own wait (GEMM1's `spec` tactics)
+                    cute.arch.griddepcontrol_wait()
+                    cute.arch.griddepcontrol_launch_dependents()
+                else:
+                    cute.arch.griddepcontrol_launch_dependents()
+                    cute.arch.griddepcontrol_wait()
 
             if cta == 0:
                 e = Int32(-1)
@@ -437,7 +446,7 @@ _KERNEL = "the route kernel"
 
 
 def compile_route_kernel(pdl: bool = True, keys_per_step: int = DEFAULT_KEYS_PER_STEP,
-                         quantize: bool = False, deq: bool = False):
+                         quantize: bool = False, deq: bool = False, release_after_wait: bool = False):
     """Compile the route kernel once per process and (pdl, keys_per_step,
     quantize, deq) (cached; see RouteKernel).
 
@@ -453,18 +462,19 @@ def compile_route_kernel(pdl: bool = True, keys_per_step: int = DEFAULT_KEYS_PER
     tensors. Raises RuntimeError without nvidia-cutlass-dsl, TypeError for a
     non-bool pdl / quantize / deq, ValueError for a `keys_per_step` not in
     KEYS_PER_STEP or deq without quantize."""
-    _check_static(pdl, keys_per_step, quantize, deq)  # before the cache (1 == True would hit it)
-    return _compile(pdl, keys_per_step, quantize, deq)
+    _check_static(pdl, keys_per_step, quantize, deq, release_after_wait)  # before the cache (1 == True would hit it)
+    return _compile(pdl, keys_per_step, quantize, deq, release_after_wait)
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(pdl: bool, keys_per_step: int, quantize: bool, deq: bool):
+def _compile(pdl: bool, keys_per_step: int, quantize: bool, deq: bool, release_after_wait: bool = False):
     require_dsl(_KERNEL)
 
     def fake(dtype=Int32, align=4):
         return gmem_ptr(dtype, 16, align)
 
-    return cute.compile(RouteKernel(pdl=pdl, keys_per_step=keys_per_step, quantize=quantize, deq=deq),
+    return cute.compile(RouteKernel(pdl=pdl, keys_per_step=keys_per_step, quantize=quantize, deq=deq,
+                                    release_after_wait=release_after_wait),
                         fake(), fake(), fake(), Int32(1), Int32(1), Int32(1),
                         fake(BFloat16, 16), fake(Uint8, 16), fake(Uint8, 16), fake(BFloat16, 16), Int32(4),
                         _cuda.CUstream(0))  # fmt: skip
@@ -555,6 +565,7 @@ def launch_route_quantize(
     stream=None,
     pdl: bool = True,
     x_deq_out: torch.Tensor | None = None,
+    release_after_wait: bool = False,
 ) -> None:
     """One launch for the route binding: the route record and permute map
     of `topk_ids` (as `launch_route`) and the MXFP8 quantization of `x` (as
@@ -569,6 +580,9 @@ def launch_route_quantize(
       H]; each contiguous, 16-byte aligned, on x's device.
     topk_ids, record_out, permuted_out, experts, stream, pdl: as `launch_route`
       (topk_ids' rows must be x's).
+    release_after_wait: with pdl, let the next kernel launch only after this
+      one's griddepcontrol.wait (not on entry), so that it may read topk_ids
+      before its own wait (GEMM1's `spec` tactics).
 
     Raises TypeError for a wrong type or dtype, ValueError for a wrong shape,
     range, layout, alignment or device (each naming the argument),
@@ -585,11 +599,12 @@ def launch_route_quantize(
         raise ValueError(f"topk_ids must be on {device} (the device of x), got {topk_ids.device}")
     _check_outs(record_out, permuted_out, rows, top_k, experts, device)
     check_bool("pdl", pdl)
+    check_bool("release_after_wait", release_after_wait)
     if device.type != "cuda":
         raise ValueError(f"x, topk_ids and the outputs must be CUDA tensors, got {device}")
     require_dsl(_KERNEL)
     deq = x_deq_out is not None
-    _run(compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq), topk_ids, record_out, permuted_out, experts,
+    _run(compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq, release_after_wait), topk_ids, record_out, permuted_out, experts,
          x, x_q_out, x_scale_out, x_deq_out if deq else x, rows * h // 32, stream, device)
 
 

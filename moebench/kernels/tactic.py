@@ -109,6 +109,13 @@ class GemmTactic:
       per warp, 8-byte loads, 64-row items), warps_m a multiple of 4,
       and warps_k * unroll dividing the K chunks of a slice; either load
       path (stages). Excludes act_bf16. Name suffix `_f8`.
+    spec: GEMM1 on the bulk ring with fp8 and PDL only: the producer warp
+      predicts the route record's tiles from the top-k ids (which must be
+      complete before the previous kernel released its dependents: the route
+      kernel with `release_after_wait`) and issues the first ring stages
+      before griddepcontrol.wait; the launch passes the ids (`gemm1(...,
+      topk_ids=)`). Rows that repeat an expert switch the prediction off; a
+      record that disagrees with it traps. Name suffix `_sp`.
     """
 
     tile_rows: int = 64
@@ -122,9 +129,10 @@ class GemmTactic:
     stages: int = 0
     act_bf16: bool = False
     fp8: bool = False
+    spec: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("persistent", "pdl", "act_bf16", "fp8"):
+        for flag in ("persistent", "pdl", "act_bf16", "fp8", "spec"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         if not isinstance(self.tile_rows, int) or isinstance(self.tile_rows, bool):
@@ -147,6 +155,9 @@ class GemmTactic:
             )
         if self.fp8 and self.act_bf16:
             raise ValueError("fp8 (e4m3 x e4m3 MMA on the MXFP8 activations) excludes act_bf16 (BF16 activations)")
+        if self.spec and not (self.fp8 and self.stages and self.pdl):
+            raise ValueError("spec (GEMM1's first stages before griddepcontrol.wait) needs an fp8 tactic on the"
+                             f" bulk ring with PDL, got fp8={self.fp8}, stages={self.stages}, pdl={self.pdl}")
 
     @property
     def warps(self) -> int:
@@ -167,7 +178,8 @@ class GemmTactic:
         return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
                 + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
-                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
+                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_sp" if self.spec else "")
+                + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:
         """None if this tactic can run GEMM`stage` (1 or 2) of `shape`
@@ -179,6 +191,8 @@ class GemmTactic:
             return f"hidden {s.hidden} is not a multiple of 128"
         if s.intermediate % 32:
             return f"intermediate {s.intermediate} is not a multiple of 32"
+        if self.spec and stage != 1:
+            return "spec predicts GEMM1's first stages only (GEMM2 already streams before its wait)"
         if stage == 1:
             if self.item_rows % 64:
                 return f"GEMM1 work items must cover whole 64-row gate/up blocks, got {self.item_rows} rows"
@@ -210,7 +224,7 @@ class GemmTactic:
             need += 8 * k + 128 + 32 * nch + 16
             what.append("the fp8 activation tile")
         if self.bulk:
-            need += self.stages * (bulk_stage_bytes(self) + 16)
+            need += self.stages * (bulk_stage_bytes(self) + 16) + (640 if self.spec else 0)
             what.append(f"{self.stages} bulk stages")
         limit = min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm - 1024)  # 1 KB of each CTA's is reserved
         if need > limit:

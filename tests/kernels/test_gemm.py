@@ -10,7 +10,7 @@ from moebench.kernels.tactic import (
     GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
 )  # fmt: skip
 from moebench.models import PRESETS, get_preset
-from moebench.record import TILE, build_route_record, max_ctas
+from moebench.record import TILE, build_route_record, max_ctas, route_words
 
 TPS = (1, 2, 4, 8)
 ALL_SHAPES = [(p, tp) for p in sorted(PRESETS) for tp in TPS]
@@ -1045,3 +1045,104 @@ def test_fp8_tactic_and_weight_layout_must_match():
     kw8 = dataclasses.replace(kw, operand="e4m3")
     with pytest.raises(ValueError, match="does not match the weights"):
         gemm1(kw8, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=GemmTactic(64, 1, 8, 4, 1))
+
+
+# ---------------------------------------------------------------- spec: GEMM1's first stages before its wait
+#: spec tactics (fp8 bulk GEMM1) and their plain twins.
+SPEC_1 = [GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, spec=True),
+          GemmTactic(32, 4, 4, 4, 1, stages=4, fp8=True, spec=True),
+          GemmTactic(16, 4, 2, 8, 2, stages=2, fp8=True, spec=True)]  # fmt: skip
+
+
+def test_spec_tactic_validation():
+    from moebench.tuning.space import tactic_from_name
+
+    t = SPEC_1[0]
+    assert t.name == "r16_m4_k4_u4_c1_b4_sp_f8" and tactic_from_name(t.name) == t
+    for bad in (dict(stages=0), dict(fp8=False, tile_rows=32), dict(pdl=False)):
+        with pytest.raises(ValueError, match="spec"):
+            GemmTactic(**{**dict(tile_rows=16, warps_m=4, warps_k=4, unroll=4, ctas_per_sm=1, stages=4,
+                                 fp8=True, spec=True), **bad})
+    with pytest.raises(TypeError, match="spec must be a bool"):
+        GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, spec=1)
+    shape = get_preset("dsv41-flash").shard(4)
+    assert t.valid_for(shape, 1) is None
+    assert "GEMM1" in t.valid_for(shape, 2)
+
+
+@pytest.mark.compile
+def test_spec_tactics_compile_for_sm90a_without_spills():
+    specs = [("dsv41-flash", 4, 1, False, None, _fields(t)) for t in SPEC_1]
+    for rep in _checked_reports(specs):  # the prediction: relaxed gpu loads of the ids, shared atomics,
+        # bulk copies, then the wait (ACQBULK) and the trap on a disagreeing record
+        assert sass_count(rep, r"LDG\.E\.STRONG\.GPU") >= 2, rep["spec"]
+        assert sass_count(rep, r"ATOMS\.OR") >= 2 and sass_count(rep, r"BPT\.TRAP") == 1, rep["spec"]
+
+
+@pytest.mark.gpu
+def test_spec_gemm1_equals_its_plain_twin_and_replays():
+    """A spec GEMM1 (ids read and stages issued before the wait) writes the
+    same H bytes as the same tactic without spec, over routings with
+    distinct, non-local and repeated ids (the last switch the prediction
+    off), eagerly and under graph replay behind the route kernel."""
+    import dataclasses
+
+    from moebench.kernels.gemm import gemm1
+    from moebench.kernels.layout import to_kernel_layout
+    from moebench.kernels.route import launch_route_quantize
+
+    experts = 64
+    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=17)
+    kw = to_kernel_layout(weights, "e4m3")
+    gen = torch.Generator().manual_seed(23)
+    cases = []
+    for rows in (1, 2, 4, 6, 8):
+        distinct = torch.stack([torch.randperm(experts, generator=gen)[:6] for _ in range(rows)])
+        holes = distinct.clone()
+        holes[torch.rand(rows, 6, generator=gen) < 0.3] = -1
+        repeats = torch.randint(0, 4, (rows, 6), generator=gen)
+        cases += [(f"distinct-r{rows}", distinct), (f"non-local-r{rows}", holes), (f"repeats-r{rows}", repeats)]
+    for t in SPEC_1:
+        plain = dataclasses.replace(t, spec=False)
+        for label, ids in cases:
+            ids = ids.to(torch.int32).cuda()
+            route = build_route_record(ids, experts)
+            x_q, x_s = quantize_mxfp8(generate_activations(ids.shape[0], shape.hidden, seed=2, device="cuda"))
+            want = _run_gemm1(kw, x_q, x_s, route, tactic=plain)
+            n = TILE * route.ctas
+            h_q = torch.full((n, kw.intermediate), 0xFF, dtype=torch.uint8, device="cuda")
+            h_s = torch.full((n, kw.intermediate // 32), 0xFE, dtype=torch.uint8, device="cuda")
+            gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t, topk_ids=ids)
+            used = TILE * route.tiles_used
+            assert torch.equal(h_q[:used], want[0][:used]) and torch.equal(h_s[:used], want[1][:used]), (
+                f"{t.name} {label}")
+    # behind the route kernel that releases after its wait, in a graph; new ids between replays
+    t, rows = SPEC_1[0], 6
+    x = generate_activations(rows, shape.hidden, seed=3, device="cuda")
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:6] for _ in range(rows)]).to(torch.int32).cuda()
+    ctas = max_ctas(rows, 6, experts)
+    record = torch.empty(route_words(ctas), dtype=torch.int32, device="cuda")
+    permuted = torch.empty(rows, 6, dtype=torch.int32, device="cuda")
+    x_q = torch.empty(rows, shape.hidden, dtype=torch.uint8, device="cuda")
+    x_s = torch.empty(rows, shape.hidden // 32, dtype=torch.uint8, device="cuda")
+    h_q = torch.empty(TILE * ctas, kw.intermediate, dtype=torch.uint8, device="cuda")
+    h_s = torch.empty(TILE * ctas, kw.intermediate // 32, dtype=torch.uint8, device="cuda")
+
+    def step():
+        launch_route_quantize(x, x_q, x_s, ids, record, permuted, experts, release_after_wait=True)
+        gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, tactic=t, topk_ids=ids)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        ids.copy_(torch.stack([torch.randperm(experts, generator=gen)[:6] for _ in range(rows)]).to(torch.int32))
+        h_q.fill_(0xFF)
+        graph.replay()
+        torch.cuda.synchronize()
+        route = build_route_record(ids, experts)
+        want = _run_gemm1(kw, x_q, x_s, route, tactic=dataclasses.replace(t, spec=False))
+        used = TILE * route.tiles_used
+        assert torch.equal(h_q[:used], want[0][:used]), f"replay {seed}"
