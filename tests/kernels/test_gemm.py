@@ -1146,3 +1146,71 @@ def test_spec_gemm1_equals_its_plain_twin_and_replays():
         want = _run_gemm1(kw, x_q, x_s, route, tactic=dataclasses.replace(t, spec=False))
         used = TILE * route.tiles_used
         assert torch.equal(h_q[:used], want[0][:used]), f"replay {seed}"
+
+
+# ---------------------------------------------------------------- overlap: scale step i-1 while step i's wgmmas run
+#: overlap tactics (fp8 bulk) that fit their registers (the tables' GEMM1 at TP4 rows 2-7, GEMM2 at 3 CTAs / SM)
+OV_1 = [GemmTactic(16, 4, 4, 4, 1, stages=6, fp8=True, overlap=True),
+        GemmTactic(16, 4, 4, 4, 1, stages=3, fp8=True, overlap=True)]  # fmt: skip
+OV_2 = [GemmTactic(32, 4, 1, 3, 3, stages=6, fp8=True, overlap=True),
+        GemmTactic(32, 4, 1, 3, 3, stages=4, fp8=True, overlap=True)]  # fmt: skip
+
+
+def test_overlap_tactic_validation():
+    from moebench.tuning.space import tactic_from_name
+
+    t = OV_1[0]
+    assert t.name == "r16_m4_k4_u4_c1_b6_ov_f8" and tactic_from_name(t.name) == t
+    for bad in (dict(stages=0), dict(fp8=False, tile_rows=32)):
+        with pytest.raises(ValueError, match="overlap"):
+            GemmTactic(**{**dict(tile_rows=16, warps_m=4, warps_k=4, unroll=4, ctas_per_sm=1, stages=4,
+                                 fp8=True, overlap=True), **bad})
+    with pytest.raises(TypeError, match="overlap must be a bool"):
+        GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, overlap=1)
+
+
+@pytest.mark.compile
+def test_overlap_tactics_compile_without_spills_or_serialized_wgmma():
+    """Each ring step keeps its wgmmas unserialized (one WARPGROUP.ARRIVE and
+    one DEPBAR per step, not per wgmma: ptxas serializes them when the A
+    registers are written while a wgmma is in flight)."""
+    specs = [("dsv41-flash", 4, 1, False, None, _fields(t)) for t in OV_1]
+    specs += [("dsv41-flash", 4, 2, False, None, _fields(t)) for t in OV_2]
+    for rep in _checked_reports(specs):
+        if rep["have_sass"]:
+            arrives = sass_count(rep, r"WARPGROUP\.ARRIVE")
+            assert 0 < arrives and rep["qgmma"] >= 3 * arrives, f"{rep['spec']}: {rep['qgmma']} QGMMA, {arrives} ARRIVE"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [4, 8])
+def test_overlap_tactics_give_their_plain_twins_bits(tp):
+    """An overlap tactic writes the same H bytes (GEMM1) and rows (GEMM2) as
+    the same tactic without overlap, over every routing shape, outputs
+    poisoned first; and matches the oracle."""
+    import dataclasses
+
+    from moebench.kernels.layout import to_kernel_layout
+
+    experts = 64
+    shape, weights = _gpu_case("dsv41-flash", tp, experts, seed=tp + 5)
+    kw8 = to_kernel_layout(weights, operand="e4m3")
+    t1s = [t for t in OV_1 if t.valid_for(kw8, 1) is None]
+    t2s = [t for t in OV_2 if t.valid_for(kw8, 2) is None]
+    assert t1s and t2s
+    for label, ids in _routings(experts, rows_list=(1, 4, 6, 8)):
+        rows = ids.shape[0]
+        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 2, device="cuda"))
+        route = build_route_record(ids.cuda(), experts)
+        used = TILE * route.tiles_used
+        for t in t1s:
+            got = _run_gemm1(kw8, x_q, x_s, route, tactic=t)
+            want = _run_gemm1(kw8, x_q, x_s, route, tactic=dataclasses.replace(t, overlap=False))
+            assert torch.equal(got[0][:used], want[0][:used]) and torch.equal(got[1][:used], want[1][:used]), (
+                f"{t.name} {label}")
+        h_q, h_s = want
+        for t in t2s:
+            got = _run_gemm2(kw8, h_q, h_s, route, tactic=t)
+            want2 = _run_gemm2(kw8, h_q, h_s, route, tactic=dataclasses.replace(t, overlap=False))
+            assert torch.equal(got[:used], want2[:used]), f"{t.name} {label}"
+    _fp8_check(kw8, weights, x_q, x_s, route, f"overlap TP{tp}", t1s, t2s)
