@@ -106,16 +106,15 @@ if HAVE_DSL:
             a.fill(0.0)
         return tiled_mma, rA, rB, tCrA, tCrB, acc
 
-    def wgmma_fp8_fragments(n_mma: int, m_tiles: int, result_sets: int = 1):
+    def wgmma_fp8_fragments(n_mma: int, m_tiles: int):
         """(tiled_mma, rA, tCrA, acc, tmp) of the fp8 tactics: wgmma
         m64n8k32 e4m3 x e4m3 (fp32) with A from registers, B (the 8 token
         rows) from shared memory. Per thread: `n_mma` A fragments (16 e4m3:
         rA[i][0..3] = row g k 4c.., row g+8, row g k 16+4c.., row g+8, for
         the warp's 16 rows of the 64: the per-warp order of mma.sync
-        m16n8k32) and `result_sets` times as many fp32 result fragments `tmp`
-        (one per MMA in flight), and `m_tiles` accumulators `acc` (zeroed; one
-        per 16-row m-tile of the warp), each (g, 2c), (g, 2c+1), (g+8, 2c),
-        (g+8, 2c+1)."""
+        m16n8k32) and as many fp32 result fragments `tmp` (one per MMA in
+        flight), and `m_tiles` accumulators `acc` (zeroed; one per 16-row
+        m-tile of the warp), each (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)."""
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             Float8E4M3FN, Float8E4M3FN, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
             tiler_mn=(64, 8), a_source=warpgroup.OperandSource.RMEM)
@@ -123,7 +122,7 @@ if HAVE_DSL:
         shape_c = tiled_mma.partition_shape_C((64, 8))
         tCrA = [tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((64, 32))) for _ in range(n_mma)]
         rA = [cute.recast_tensor(t, Uint32) for t in tCrA]
-        tmp = [cute.make_rmem_tensor(shape_c, Float32) for _ in range(n_mma * result_sets)]
+        tmp = [cute.make_rmem_tensor(shape_c, Float32) for _ in range(n_mma)]
         acc = [cute.make_rmem_tensor(shape_c, Float32) for _ in range(m_tiles)]
         for a in acc:
             a.fill(0.0)
@@ -337,21 +336,13 @@ if HAVE_DSL:
         @cute.jit
         def compute_wgmma(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, ch, lane):
             """fp8 tactics: the unroll chunks from `ch` (global K chunk index)
-            of a register stage: `issue_wgmma`, wait for them, `scale_wgmma`."""
-            self.issue_wgmma(tiled_mma, tmp, rA, tCrA, tCrB, st_w, ch, 0)
-            warpgroup.wait_group(0)
-            self.scale_wgmma(acc, tmp, sXs, st_s, ch, lane, 0)
-
-        @cute.jit
-        def issue_wgmma(self, tiled_mma, tmp, rA, tCrA, tCrB, st_w, ch, p: cutlass.Constexpr[int]):
-            """Weights decoded to e4m3 into tm * unroll A fragments (the warp's
-            tm = tile_rows / 16 m-tiles per chunk), one wgmma m64n8k32 per
-            (chunk, m-tile) into its own zeroed result of result set p (one MX
-            block each), one commit (not waited for here). The A fragments
-            must be free: no wgmma reading them in flight (ptxas serializes
-            wgmmas whose A registers are written while another is in flight)."""
+            of a register stage. Weights decoded to e4m3 into tm * unroll A
+            fragments (the warp's tm = tile_rows / 16 m-tiles per chunk), one wgmma
+            m64n8k32 per (chunk, m-tile) into its own zeroed result (one MX
+            block each), one commit / wait, then acc += result x weight scale
+            (row g / g+8) x activation scale (token 2c / 2c+1, fp32 from
+            shared memory)."""
             tm = self.tm  # m-tiles per warp: 2 (tile_rows 32) or 1 (16)
-            base = p * tm * self.u
             for j in cutlass.range_constexpr(self.u):
                 for tt in cutlass.range_constexpr(tm):
                     r0, r1 = fp4.decode_e2m1_word_e4m3(st_w[j * 2 * tm + 2 * tt])
@@ -365,26 +356,18 @@ if HAVE_DSL:
             for j in cutlass.range_constexpr(self.u):
                 for tt in cutlass.range_constexpr(tm):
                     i = tm * j + tt
-                    cute.gemm(tiled_mma, tmp[base + i], tCrA[i][None, None, 0], tCrB[None, None, ch + j], tmp[base + i])
+                    cute.gemm(tiled_mma, tmp[i], tCrA[i][None, None, 0], tCrB[None, None, ch + j], tmp[i])
             warpgroup.commit_group()
-
-        @cute.jit
-        def scale_wgmma(self, acc, tmp, sXs, st_s, ch, lane, p: cutlass.Constexpr[int]):
-            """acc += result x weight scale (row g / g+8) x activation scale
-            (token 2c / 2c+1, fp32 from shared memory) for the results of
-            register set p (their wgmmas complete; scale words st_s[p * unroll
-            ..]), chunks from `ch`."""
-            tm = self.tm
-            base = p * tm * self.u
+            warpgroup.wait_group(0)
             c = lane % 4
             for j in cutlass.range_constexpr(self.u):
                 xs0 = sXs[(ch + j) * 8 + 2 * c]
                 xs1 = sXs[(ch + j) * 8 + 2 * c + 1]
-                sv = st_s[p * self.u + j]
+                sv = st_s[j]
                 for tt in cutlass.range_constexpr(tm):
                     wg = fp4.weight_scale_f32(sv, 2 * tt, self.wide)
                     w8 = fp4.weight_scale_f32(sv, 2 * tt + 1, self.wide)
-                    t, a = tmp[base + tm * j + tt], acc[tt]
+                    t, a = tmp[tm * j + tt], acc[tt]
                     if cutlass.const_expr(self.wide):
                         # special codes: the scale product first (a weight scale near 2^-127
                         # times a small MMA sum would go subnormal and lose bits)
@@ -953,49 +936,6 @@ if HAVE_DSL:
                 b, unit = b - wrap * NB, unit + wrap * nblk
 
         @cute.jit
-        def ring_step(self, frags, where, s, ph, b, p: cutlass.Constexpr[int], prev: cutlass.Constexpr[bool]):
-            """One step of `bulk_consume_wgmma` on ring stage s (phase ph): wait
-            full[s], the warp's words and scales into registers (scale words
-            into set p), release the stage at once (empty[s]), issue step b's
-            wgmmas into result set p; without `overlap` wait for them and scale
-            them; with it, scale the previous step's results (set 1 - p, their
-            wgmmas complete; `prev`) while these run, then wait for them (the
-            last step's results are scaled by the caller). Returns the next
-            (s, ph)."""
-            tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s = frags
-            ring, bars, pair, t16, wk, lane, g = where
-            S, KS, U, tm = self.tactic.stages, self.ks, self.u, self.tm
-            cute.arch.mbarrier_wait(bars + s, ph)
-            stage = ring + s * self.stage_words
-            for j in cutlass.range_constexpr(U):
-                entry = pair * KS + wk * U + j
-                if cutlass.const_expr(tm == 2):
-                    q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
-                    for x in cutlass.range_constexpr(4):
-                        st_w[4 * j + x] = q[x]
-                    st_s[p * U + j] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
-                else:
-                    q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
-                    st_w[2 * j] = q[0]
-                    st_w[2 * j + 1] = q[1]
-                    sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
-                    st_s[p * U + j] = sv >> Uint32(16 * t16)
-            cute.arch.sync_warp()
-            if lane == 0:  # the words are in registers: the stage may be refilled
-                cute.arch.mbarrier_arrive(bars + (S + s))
-            ch = b * KS + wk * U
-            self.issue_wgmma(tiled_mma, tmp, rA, tCrA, tCrB, st_w, ch, p)
-            if cutlass.const_expr(not self.tactic.overlap):
-                warpgroup.wait_group(0)
-                self.scale_wgmma(acc, tmp, sXs, st_s, ch, lane, p)
-            else:
-                if cutlass.const_expr(prev):
-                    self.scale_wgmma(acc, tmp, sXs, st_s, ch - KS, lane, 1 - p)
-                warpgroup.wait_group(0)  # before the next step writes the A fragments
-            wrap = Int32(s == S - 1)
-            return s + 1 - wrap * S, ph ^ wrap
-
-        @cute.jit
         def bulk_consume_wgmma(self, act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
                                tid, bid, nblk, warp, lane):
             """fp8 tactics on the bulk ring (warp-specialized: the producer warp
@@ -1017,11 +957,10 @@ if HAVE_DSL:
             p_a = cute.recast_ptr(act, dtype=Uint32)
             p_as = cute.recast_ptr(act_s, dtype=Uint8)
             sB32 = cute.recast_ptr(sB.iterator, dtype=Uint32)
-            sets = 2 if self.tactic.overlap else 1  # result sets: the previous step's scaled while this one runs
-            tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(tm * U, tm, sets)
+            tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(tm * U, tm)
             tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
             st_w = cute.make_rmem_tensor((4 * U,), Uint32)
-            st_s = cute.make_rmem_tensor((U * sets,), Uint32)
+            st_s = cute.make_rmem_tensor((U,), Uint32)
             # where warp wm's words sit in a stage: tile_rows 32 = pair wm (16 bytes per lane);
             # tile_rows 16 = m-tile wm % 2 of pair wm // 2 (words 2t, 2t+1: 8 bytes per lane)
             pair = wm if tm == 2 else wm // 2
@@ -1042,20 +981,28 @@ if HAVE_DSL:
                     self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
                     cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                frags = (tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s)
-                where = (ring, bars, pair, t16, wk, lane, g)
-                if cutlass.const_expr(self.tactic.overlap):
-                    # step b's wgmmas run while step b-1's results are scaled; result set b % 2
-                    s, ph = self.ring_step(frags, where, s, ph, 0, 0, False)
-                    for bp in cutlass.range(0, (NB - 1) // 2, 1, unroll=1):
-                        s, ph = self.ring_step(frags, where, s, ph, 2 * bp + 1, 1, True)
-                        s, ph = self.ring_step(frags, where, s, ph, 2 * bp + 2, 0, True)
-                    if cutlass.const_expr((NB - 1) % 2 == 1):
-                        s, ph = self.ring_step(frags, where, s, ph, NB - 1, 1, True)
-                    self.scale_wgmma(acc, tmp, sXs, st_s, (NB - 1) * KS + wk * U, lane, (NB - 1) % 2)
-                else:
-                    for b in cutlass.range(0, NB, 1, unroll=1):
-                        s, ph = self.ring_step(frags, where, s, ph, b, 0, False)
+                for b in cutlass.range(0, NB, 1, unroll=1):
+                    cute.arch.mbarrier_wait(bars + s, ph)
+                    stage = ring + s * self.stage_words
+                    for j in cutlass.range_constexpr(U):
+                        entry = pair * KS + wk * U + j
+                        if cutlass.const_expr(tm == 2):
+                            q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
+                            for x in cutlass.range_constexpr(4):
+                                st_w[4 * j + x] = q[x]
+                            st_s[j] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                        else:
+                            q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
+                            st_w[2 * j] = q[0]
+                            st_w[2 * j + 1] = q[1]
+                            sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                            st_s[j] = sv >> Uint32(16 * t16)
+                    cute.arch.sync_warp()
+                    if lane == 0:  # the words are in registers: the stage may be refilled
+                        cute.arch.mbarrier_arrive(bars + (S + s))
+                    self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, b * KS + wk * U, lane)
+                    wrap = Int32(s == S - 1)
+                    s, ph = s + 1 - wrap * S, ph ^ wrap
                 # unit done: partials to smem, one barrier, epilogue
                 self.stash_partials(sP, acc, parity, warp, lane)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)

@@ -116,12 +116,6 @@ class GemmTactic:
       before griddepcontrol.wait; the launch passes the ids (`gemm1(...,
       topk_ids=)`). Rows that repeat an expert switch the prediction off; a
       record that disagrees with it traps. Name suffix `_sp`.
-    overlap: fp8 on the bulk ring only: the consumer scales step i-1's
-      wgmma results into the accumulator while step i's wgmmas run, then
-      waits for them (two register sets for the results and the scale
-      words; the A fragments are written only with no wgmma in flight, or
-      ptxas serializes the wgmmas). The same operations in the same order:
-      the same bits. Name suffix `_ov`.
     """
 
     tile_rows: int = 64
@@ -136,10 +130,9 @@ class GemmTactic:
     act_bf16: bool = False
     fp8: bool = False
     spec: bool = False
-    overlap: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("persistent", "pdl", "act_bf16", "fp8", "spec", "overlap"):
+        for flag in ("persistent", "pdl", "act_bf16", "fp8", "spec"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         if not isinstance(self.tile_rows, int) or isinstance(self.tile_rows, bool):
@@ -165,9 +158,6 @@ class GemmTactic:
         if self.spec and not (self.fp8 and self.stages and self.pdl):
             raise ValueError("spec (GEMM1's first stages before griddepcontrol.wait) needs an fp8 tactic on the"
                              f" bulk ring with PDL, got fp8={self.fp8}, stages={self.stages}, pdl={self.pdl}")
-        if self.overlap and not (self.fp8 and self.stages):
-            raise ValueError("overlap (wgmmas of one step in flight while the previous is scaled) needs an fp8"
-                             f" tactic on the bulk ring, got fp8={self.fp8}, stages={self.stages}")
 
     @property
     def warps(self) -> int:
@@ -189,7 +179,6 @@ class GemmTactic:
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
                 + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
                 + ("" if self.stages == 0 else f"_b{self.stages}") + ("_sp" if self.spec else "")
-                + ("_ov" if self.overlap else "")
                 + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:
