@@ -1067,11 +1067,11 @@ def _progress_filter(say):
 def _print_gains(records) -> None:
     if not records:
         return
-    table = Table(title="tuned vs built-in default (µs per GEMM1+GEMM2 pair, the other stage at its default, timed"
-                        " side by side; both tuned: the pair times both stages' tuned/default ratios, estimated; gain > 0: tuned is"
-                        " faster)")
+    table = Table(title="tuned vs built-in default (µs per routed path: route + GEMM1 + GEMM2, timed side by side;"
+                        " GEMM1's candidates beside GEMM2's default, GEMM2's beside the tuned GEMM1; both: both defaults"
+                        " vs both tuned, measured (est.: estimated from the two ratios); gain > 0: tuned is faster)")
     for head in ("preset", "family", "TP", "rows", "GEMM1 default", "GEMM1 tuned", "gain", "GEMM2 default", "GEMM2 tuned",
-                 "gain", "pair default", "both tuned (est.)", "gain µs", "gain %"):  # fmt: skip
+                 "gain", "both default", "both tuned", "gain µs", "gain %"):  # fmt: skip
         table.add_column(head)
 
     def pct(g) -> str:
@@ -1082,7 +1082,8 @@ def _print_gains(records) -> None:
         table.add_row(
             r["preset"], r.get("family", "BF16"), str(r["tp"]), str(r["rows"]), _fmt(g1["default_us"], 2), _fmt(g1["tuned_us"], 2), pct(g1),
             _fmt(g2["default_us"], 2), _fmt(g2["tuned_us"], 2), pct(g2), _fmt(b["default_us"], 2),
-            _fmt(b["tuned_us"], 2), "-" if b["gain_us"] is None else f"{b['gain_us']:+.2f}", pct(b),
+            _fmt(b["tuned_us"], 2) + (" (est.)" if b.get("estimated") else ""),
+            "-" if b["gain_us"] is None else f"{b['gain_us']:+.2f}", pct(b),
         )  # fmt: skip
     Console(highlight=False, width=max(console.width, 150)).print(table)
 

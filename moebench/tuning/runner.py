@@ -3,10 +3,14 @@
 `GemmStageRunner` is the runner of FlashInfer's autotuner pattern for one
 (shape, stage): `valid_tactics(rows)` and, for one tactic, `check(tactic,
 rows)` (its output against the fp64 oracle) and `time(tactic, rows)` (the
-GEMM1 + GEMM2 pair with the other stage at its default, under a CUDA graph,
-cycling through enough distinct weight sets that the working set is >= 4 x L2,
-as the sweep does: table times are pair times). `run_tune` tunes GEMM1 and GEMM2 for
-each TP degree and returns one `TuningTable` per shape class.
+routed-expert path as the binding launches it: the route kernel (record +
+MXFP8 x), GEMM1, GEMM2, under a CUDA graph, cycling through enough distinct
+weight sets that the working set is >= 4 x L2: what the sweep's `routed_us`
+measures, so table times are routed-path times). The other stage runs its
+partner tactic: GEMM1's candidates run beside GEMM2's default; GEMM2's beside
+the GEMM1 tactic just tuned for the same rows (`partners`), so a table's pair
+is timed together. `run_tune` tunes GEMM1 then GEMM2 for each TP degree and
+returns one `TuningTable` per shape class.
 
 Rotated weight sets: layer 0 is generated (and is what the checks use); by
 default the other layers are device copies of its kernel layout
@@ -144,7 +148,7 @@ class GemmStageRunner:
                  seed: int = 0, layers: int | None = None, warm_l2: bool = False, warmup: int = 10,
                  replays: int = 50, space: TacticSpace | NeighbourSpace = DEFAULT_SPACE,
                  weight_sets: list | None = None, copy_layers: bool = True, act_bf16: bool = True,
-                 fp8: bool = False) -> None:  # fmt: skip
+                 fp8: bool = False, partners: dict[int, GemmTactic] | None = None) -> None:  # fmt: skip
         from moebench.bench.cases import unique_bytes
         from moebench.bench.sweep import canonical_bytes, layer_count
         from moebench.env import device_info
@@ -191,6 +195,7 @@ class GemmStageRunner:
         # the kernels' compile-time scale flag (fp8: special scales, else wide scales)
         self.wide = any(kw.scale_variant(self.fp8) for kw in self.kws)
         self.seed = seed
+        self.partners = dict(partners or {})  # rows -> the other stage's tactic (else its default)
         self._inputs: dict[int, dict] = {}
 
     def valid_tactics(self, rows: int) -> tuple[GemmTactic, ...]:
@@ -222,7 +227,9 @@ class GemmStageRunner:
         ref_q, ref_s = reference_gemm1(dequantize_mxfp8(x_q, x_s, torch.float64), self.weights0, route)
         case = {"route": route, "x_q": x_q.view(torch.uint8).contiguous(), "x_s": x_s.contiguous(),
                 "ref_q": ref_q.view(torch.uint8).contiguous(), "ref_s": ref_s.contiguous(),
-                "used": TILE * route.tiles_used}  # fmt: skip
+                "used": TILE * route.tiles_used, "x": x.contiguous(),
+                "ids": self.ids[rows].to(dev, torch.int32).contiguous(),
+                "permuted": torch.empty(rows, s.top_k, dtype=torch.int32, device=dev)}  # fmt: skip
         n = TILE * route.ctas
         if self.act_bf16:  # the BF16 operands the binding feeds a16 tactics (gemm.act_to_bf16: the kernels' bits)
             from moebench.kernels.gemm import act_to_bf16
@@ -230,7 +237,7 @@ class GemmStageRunner:
             case["x_deq"] = act_to_bf16(case["x_q"], case["x_s"])
             case["ref_deq"] = act_to_bf16(case["ref_q"], case["ref_s"])
             case["h_deq"] = torch.zeros(n, s.intermediate, dtype=torch.bfloat16, device=dev)
-        # both stages' buffers: `time` runs the GEMM1 + GEMM2 pair
+        # both stages' buffers: `time` runs the routed path (route, GEMM1, GEMM2)
         case["h_q"] = torch.zeros(n, s.intermediate, dtype=torch.uint8, device=dev)
         case["h_s"] = torch.zeros(n, s.intermediate // 32, dtype=torch.uint8, device=dev)
         case["out"] = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=dev)
@@ -250,7 +257,7 @@ class GemmStageRunner:
         if self.stage == 1:
             a16 = dict(x_deq=case["x_deq"], h_deq_out=case["h_deq"]) if tactic.act_bf16 else {}
             gemm1(kw, case["x_q"], case["x_s"], route.record, route.ctas, case["h_q"], case["h_s"], tactic=tactic,
-                  **a16)
+                  topk_ids=case["ids"] if tactic.spec else None, **a16)
         else:
             a16 = dict(h_deq=case["ref_deq"]) if tactic.act_bf16 else {}
             gemm2(kw, case["ref_q"], case["ref_s"], route.record, route.ctas, case["out"], tactic=tactic, **a16)
@@ -283,32 +290,51 @@ class GemmStageRunner:
                 return f"padding rows of tile {t} not zero"
         return None
 
+    def partner(self, rows: int) -> GemmTactic:
+        """The other stage's tactic in `time` at `rows`: `partners[rows]`, else
+        that stage's default (as run: its `_a16` twin with the BF16 operand)."""
+        if rows in self.partners:
+            return self.partners[rows]
+        ctas = max_ctas(rows, self.shape.top_k, self.shape.experts)
+        return operand_twins([default_tactic(self.gshape, 3 - self.stage, ctas, self.num_sms, self.wide,
+                                             fp8=self.fp8)], self.act_bf16)[0]  # fmt: skip
+
     def time(self, tactic: GemmTactic, rows: int):
-        """Timing (µs per GEMM1 + GEMM2 pair) of `tactic` at `rows` in its
-        context: a CUDA graph that runs, per rotated weight set, GEMM1 then
-        GEMM2 as the binding does, this stage with `tactic` and the other
-        with its default. The pair, not the kernel alone, because programmatic
-        dependent launch overlaps GEMM2's start with GEMM1's tail and a tactic
-        changes that overlap (docs/perf-notes.md v4: a bulk-ring GEMM2 is slower
-        alone but faster after GEMM1). Candidates of one stage share the other
-        stage's tactic, so their differences are the tactic's own."""
+        """Timing (µs per routed-expert path) of `tactic` at `rows` in its
+        context: a CUDA graph that runs, per rotated weight set, the route
+        kernel (record + MXFP8 x; released after its wait for a `spec`
+        GEMM1), GEMM1 and GEMM2 as the binding does, this stage with `tactic`
+        and the other with `partner(rows)`. The path, not the kernel alone,
+        because programmatic dependent launch overlaps each kernel's start
+        with the previous one's tail and a tactic changes that overlap
+        (docs/perf-notes.md v4: a bulk-ring GEMM2 is slower alone but faster
+        after GEMM1; session 11: a 2-CTA/SM GEMM1 is 2.8 µs slower behind
+        the route kernel than alone, and `spec` only helps behind it).
+        Candidates of one stage share the rest, so their differences are the
+        tactic's own."""
         from moebench.bench.timing import time_graph
         from moebench.kernels.gemm import gemm1, gemm2
+        from moebench.kernels.route import launch_route_quantize
 
         case = self._case(rows)
         route = case["route"]
         ctas = route.ctas
-        other = operand_twins([default_tactic(self.gshape, 3 - self.stage, ctas, self.num_sms, self.wide,
-                                              fp8=self.fp8)], self.act_bf16)[0]  # fmt: skip
+        other = self.partner(rows)
         t1, t2 = (tactic, other) if self.stage == 1 else (other, tactic)
         if t2.act_bf16 and not t1.act_bf16:
             raise ValueError(f"an a16 GEMM2 ({t2.name}) needs an a16 GEMM1 to write its BF16 H, got {t1.name}")
         a1 = dict(x_deq=case["x_deq"], h_deq_out=case["h_deq"]) if t1.act_bf16 else {}
         a2 = dict(h_deq=case["h_deq"]) if t2.act_bf16 else {}
+        ids = case["ids"]
 
         def launch_all() -> None:
             for kw in self.kws:
-                gemm1(kw, case["x_q"], case["x_s"], route.record, ctas, case["h_q"], case["h_s"], tactic=t1, **a1)
+                # rewrites the record and x_q / x_s with the bytes they hold (the torch builder's, bit-exact)
+                launch_route_quantize(case["x"], case["x_q"], case["x_s"], ids, route.record, case["permuted"],
+                                      self.shape.experts, x_deq_out=case["x_deq"] if t1.act_bf16 else None,
+                                      release_after_wait=t1.spec)
+                gemm1(kw, case["x_q"], case["x_s"], route.record, ctas, case["h_q"], case["h_s"], tactic=t1,
+                      topk_ids=ids if t1.spec else None, **a1)
                 gemm2(kw, case["h_q"], case["h_s"], route.record, ctas, case["out"], tactic=t2, **a2)
 
         return time_graph(launch_all, warmup=self.warmup, replays=self.replays, calls_per_replay=len(self.kws),
@@ -467,11 +493,13 @@ def run_tune(
                 continue
             start = time.perf_counter()
             say(f"{shape.describe()} {config.family} GEMM{stage}: preparing weights")
+            # GEMM2's candidates run beside the GEMM1 tactic just tuned for their rows
+            partners = {r: e.tactic for (st, r), e in entries.items() if st == 1} if stage == 2 else None
             runner = GemmStageRunner(shape, stage, dev, scenario=config.scenario, seed=config.seed,
                                      layers=config.layers, warm_l2=config.warm_l2, warmup=config.warmup,
                                      replays=config.replays, space=config.space,
                                      weight_sets=weight_sets, copy_layers=config.copy_layers,
-                                     act_bf16=config.act_bf16, fp8=config.fp8)  # fmt: skip
+                                     act_bf16=config.act_bf16, fp8=config.fp8, partners=partners)  # fmt: skip
             weight_sets = runner.weight_sets
             if probe is not None:
                 probe(runner)
@@ -602,13 +630,14 @@ def gains(done: list[tuple[TuneConfig, TuneOutcome]], rows=GAIN_ROWS) -> list[di
     """What tuning buys over the built-in defaults, per (preset, kernel
     family ("BF16" / "FP8", the config's), tp, rows in `rows`): for GEMM1 and GEMM2, the default's and the tuned tactic's pooled
     µs (timed side by side: tuner.RowsResult.baseline) -- each a time of the
-    GEMM1 + GEMM2 pair with the other stage at its default
-    (`GemmStageRunner.time`) -- the gain in µs and %, and the tactic names;
-    "both": the pair with both defaults (the mean of the two stages' default
-    timings) and the estimate with both tuned, that pair scaled by each
-    stage's tuned/default ratio (`estimated`: the two tuned tactics were not
-    timed together; the sweep's `--tactics tuned,builtin` measures that). A stage whose default failed
-    its check or was not timed has None times."""
+    routed path (route + GEMM1 + GEMM2) with the other stage at its partner
+    (`GemmStageRunner.time`: GEMM1's beside GEMM2's default, GEMM2's beside
+    GEMM1's tuned tactic) -- the gain in µs and %, and the tactic names;
+    "both": both defaults (GEMM1's default timing) against both tuned
+    (GEMM2's tuned timing), measured, when the config tuned both stages;
+    else (`estimated`) the mean of the two default timings scaled by each
+    stage's tuned/default ratio. A stage whose default failed its check or
+    was not timed has None times."""
     out = []
     for config, outcome in done:
         for tp in sorted({tp for tp, _ in outcome.results}):
@@ -637,11 +666,15 @@ def gains(done: list[tuple[TuneConfig, TuneOutcome]], rows=GAIN_ROWS) -> list[di
                         gains_us.append(t_us / d_us)  # this stage's tuned/default ratio
                 if not any(rec[f"gemm{s}"]["tuned"] for s in (1, 2)):
                     continue
-                pair = sum(defaults) / len(defaults) if complete else None
-                tuned = pair * gains_us[0] * gains_us[1] if complete else None
+                measured = complete and {1, 2} <= set(config.stages)  # GEMM2 timed beside tuned GEMM1
+                if measured:
+                    pair, tuned = rec["gemm1"]["default_us"], rec["gemm2"]["tuned_us"]
+                else:
+                    pair = sum(defaults) / len(defaults) if complete else None
+                    tuned = pair * gains_us[0] * gains_us[1] if complete else None
                 rec["both"] = {
                     "default_us": pair, "tuned_us": tuned, "gain_us": pair - tuned if complete else None,
-                    "gain_pct": 100.0 * (pair - tuned) / pair if complete else None, "estimated": True,
+                    "gain_pct": 100.0 * (pair - tuned) / pair if complete else None, "estimated": not measured,
                 }  # fmt: skip
                 out.append(rec)
     return out
@@ -655,13 +688,14 @@ def gains_markdown(records: list[dict]) -> str:
             return "-"
         return f"{g['default_us']:.1f} -> {g['tuned_us']:.1f} ({g['gain_us']:+.1f} µs, {g['gain_pct']:+.1f} %)"
 
-    lines = ["| preset | family | TP | rows | pair µs, GEMM1 default -> tuned (gain) | pair µs, GEMM2 default -> tuned"
-             " | both tuned (estimated: the two ratios applied) | tuned GEMM1 / GEMM2 |",
+    lines = ["| preset | family | TP | rows | routed µs, GEMM1 default -> tuned (gain) | routed µs, GEMM2 default -> tuned"
+             " | both default -> both tuned (* estimated: the two ratios applied) | tuned GEMM1 / GEMM2 |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in records:
         names = " / ".join(r[f"gemm{s}"]["tuned"] or "-" for s in (1, 2))
+        both = cell(r["both"]) + (" *" if r["both"].get("estimated") else "")
         lines.append(f"| {r['preset']} | {r.get('family', 'BF16')} | {r['tp']} | {r['rows']} | {cell(r['gemm1'])} | {cell(r['gemm2'])}"
-                     f" | {cell(r['both'])} | {names} |")  # fmt: skip
+                     f" | {both} | {names} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 

@@ -269,7 +269,10 @@ class Fp8Space:
        neighbours in (2, 3, 4, 6, 8), `ctas_per_sm` +-1, `warps_k` x2 / /2,
        `tile_rows` 16 <-> 32 (item rows halved / doubled).
     Every tactic must pass `fp8_why_invalid` (valid_for and the warps per
-    SM); split_k stays 1 (the bulk ring needs it).
+    SM); split_k stays 1 (the bulk ring needs it). GEMM1's set then gets
+    the `spec` twin of each of its bulk-ring tactics with PDL (the first
+    stages before griddepcontrol.wait: measurable only behind the route
+    kernel, which the tuner's routed-path timing has), up to 2 x `limit`.
     """
 
     limit: int = 10
@@ -319,6 +322,8 @@ class Fp8Space:
             add(t)
         for t in _round_robin([self.changes(d) for d in defaults]):
             add(t)
+        if stage == 1:
+            out += [replace(t, spec=True) for t in list(out) if t.bulk and t.pdl and not t.spec]
         return tuple(out)
 
 

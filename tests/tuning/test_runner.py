@@ -82,7 +82,7 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
     from moebench.tuning import runner as rn
     from moebench.tuning.space import TacticSpace
 
-    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic, x_deq=None, h_deq_out=None):
+    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic, x_deq=None, h_deq_out=None, topk_ids=None):
         case = next(c for c in live if c["route"].record is record)
         h_q.copy_(case["ref_q"])
         h_s.copy_(case["ref_s"])
@@ -106,8 +106,16 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
             live.append(case)
         return case
 
+    routes = []  # the timed path starts with the route kernel (record + MXFP8 x), as the binding's
+
+    def launch_route_quantize(x, x_q, x_s, ids, record, permuted, experts, *, x_deq_out=None,
+                              release_after_wait=False):
+        routes.append((tuple(ids.shape), release_after_wait))
+
     monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.gemm",
                         types.SimpleNamespace(gemm1=gemm1, gemm2=gemm2, act_to_bf16=act_to_bf16))  # fmt: skip
+    monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.route",
+                        types.SimpleNamespace(launch_route_quantize=launch_route_quantize))  # fmt: skip
     monkeypatch.setattr(rn.GemmStageRunner, "_case", tracking_case)
     monkeypatch.setattr(rn, "require_tuning_device", lambda device=None: torch.device("cpu"))
     space = TacticSpace(tile_rows=(32, 64), warps=((1, 4), (4, 1)), unroll=(2, 4), ctas_per_sm=(2,),
@@ -123,6 +131,7 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
         res = outcome.results[4, stage].results[rows]
         assert all("incorrect" in why for why in res.rejected.values())
         assert any(name.endswith("_u4_c2_a16") for name in res.rejected)  # (the a16 twins: act_bf16 default)
+    assert {shape for shape, _ in routes} == {(1, 6), (6, 6)}  # every timing ran the route kernel first
     assert table.shape.intermediate == 128 and table.file_name.startswith("E=8,H=256,I=128,top_k=6,")
 
 
@@ -138,7 +147,7 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
     def case_of(record):
         return next(c for c in live if c["route"].record is record)
 
-    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic, x_deq=None, h_deq_out=None):
+    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic, x_deq=None, h_deq_out=None, topk_ids=None):
         case = case_of(record)
         h_q.copy_(case["ref_q"])
         h_s.copy_(case["ref_s"])
@@ -161,8 +170,16 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
             live.append(case)
         return case
 
+    routes = []  # the timed path starts with the route kernel (record + MXFP8 x), as the binding's
+
+    def launch_route_quantize(x, x_q, x_s, ids, record, permuted, experts, *, x_deq_out=None,
+                              release_after_wait=False):
+        routes.append((tuple(ids.shape), release_after_wait))
+
     monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.gemm",
                         types.SimpleNamespace(gemm1=gemm1, gemm2=gemm2, act_to_bf16=act_to_bf16))  # fmt: skip
+    monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.route",
+                        types.SimpleNamespace(launch_route_quantize=launch_route_quantize))  # fmt: skip
     monkeypatch.setattr(rn.GemmStageRunner, "_case", tracking_case)
     monkeypatch.setattr(rn, "require_tuning_device", lambda device=None: torch.device("cpu"))
 
@@ -202,6 +219,10 @@ def test_tune_command_writes_tables_and_prints_the_gains(monkeypatch, tmp_path):
             g = r[key]
             assert g["default_us"] > 0 and g["tuned_us"] > 0
             assert g["gain_us"] == pytest.approx(g["default_us"] - g["tuned_us"])
+        # both stages tuned: GEMM2 was timed beside the tuned GEMM1, so "both" is measured, not estimated
+        both = r["both"]
+        assert not both["estimated"]
+        assert (both["default_us"], both["tuned_us"]) == (r["gemm1"]["default_us"], r["gemm2"]["tuned_us"])
     assert "| dsv4-pro | BF16 | 4 | 4 |" in summary.read_text()
 
 
@@ -344,7 +365,10 @@ def test_fp8_space_holds_valid_fp8_tactics_the_default_first():
                     ctas = max_ctas(rows, shape.top_k, shape.experts)
                     ts = valid_tactics(g, stage, ctas, space=FP8_SPACES["ship"])
                     assert ts[0] == default_fp8_tactic(g, stage, ctas) and len(set(ts)) == len(ts)
-                    assert 2 <= len(ts) <= 11 and all(t.fp8 and t.split_k == 1 for t in ts)
+                    assert 2 <= len(ts) <= (22 if stage == 1 else 11) and all(t.fp8 and t.split_k == 1 for t in ts)
+                    if stage == 1:  # the spec twin of each bulk-ring tactic with PDL
+                        plain = [t for t in ts if not t.spec]
+                        assert {t for t in ts if t.spec} == {replace(t, spec=True) for t in plain if t.bulk and t.pdl}
                     assert all(fp8_why_invalid(t, g, stage) is None for t in ts), (preset, tp, stage)
                 assert set(FP8_SPACES["ship"].tactics_for(g, stage)) <= set(FP8_SPACES["full"].tactics_for(g, stage))
     g = GemmShape.of(get_preset("dsv41-flash").shard(4))
