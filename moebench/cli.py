@@ -936,7 +936,8 @@ def tune(
         False, "--fp8",
         help="Tune the FP8 (wgmma, _f8) kernel family instead of the BF16 one: e4m3-layout weights, the MXFP8"
              " x / H as they are, candidates from the fp8 defaults, the measured warp-specialized variants and"
-             " their neighbours (--space sets how many: ship 10, quick 16, full 48 per stage); the entries go"
+             " their neighbours (--space sets how many: ship 10, quick 16, full 48 per stage, GEMM1 twice that"
+             " with the spec twins); the entries go"
              " to the table's 'fp8' part (what RoutedExpertGemm(..., fp8=True) runs), the BF16 entries stay.",
     ),
     distinct_layers: bool = typer.Option(
@@ -1069,7 +1070,8 @@ def _print_gains(records) -> None:
         return
     table = Table(title="tuned vs built-in default (µs per routed path: route + GEMM1 + GEMM2, timed side by side;"
                         " GEMM1's candidates beside GEMM2's default, GEMM2's beside the tuned GEMM1; both: both defaults"
-                        " vs both tuned, measured (est.: estimated from the two ratios); gain > 0: tuned is faster)")
+                        " (GEMM1's pass) vs both tuned (GEMM2's pass), est.: estimated from the two ratios; gain > 0: tuned"
+                        " is faster)")
     for head in ("preset", "family", "TP", "rows", "GEMM1 default", "GEMM1 tuned", "gain", "GEMM2 default", "GEMM2 tuned",
                  "gain", "both default", "both tuned", "gain µs", "gain %"):  # fmt: skip
         table.add_column(head)
@@ -1082,7 +1084,7 @@ def _print_gains(records) -> None:
         table.add_row(
             r["preset"], r.get("family", "BF16"), str(r["tp"]), str(r["rows"]), _fmt(g1["default_us"], 2), _fmt(g1["tuned_us"], 2), pct(g1),
             _fmt(g2["default_us"], 2), _fmt(g2["tuned_us"], 2), pct(g2), _fmt(b["default_us"], 2),
-            _fmt(b["tuned_us"], 2) + (" (est.)" if b.get("estimated") else ""),
+            _fmt(b["tuned_us"], 2) + (" (est.)" if b.get("estimated") and b["tuned_us"] is not None else ""),
             "-" if b["gain_us"] is None else f"{b['gain_us']:+.2f}", pct(b),
         )  # fmt: skip
     Console(highlight=False, width=max(console.width, 150)).print(table)

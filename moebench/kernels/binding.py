@@ -250,8 +250,12 @@ class RoutedExpertGemm:
         _route.compile_route_kernel(quantize=True)
         if 1 in a16:
             _route.compile_route_kernel(quantize=True, deq=True)
+        if any(t.spec for (stage, _), t in self.tactics.items() if stage == 1):
+            _route.compile_route_kernel(quantize=True, release_after_wait=True)  # `route` before a spec GEMM1
         for (stage, _), tactic in self.tactics.items():
             _gemm.compile_gemm(shape, tactic, stage, scale_flag)
+            if tactic.spec:  # the front's routing runs its plain twin (`gemm1`: the ids come with the record)
+                _gemm.compile_gemm(shape, replace(tactic, spec=False), stage, scale_flag)
 
     @property
     def experts(self) -> int:

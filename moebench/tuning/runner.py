@@ -9,8 +9,11 @@ weight sets that the working set is >= 4 x L2: what the sweep's `routed_us`
 measures, so table times are routed-path times). The other stage runs its
 partner tactic: GEMM1's candidates run beside GEMM2's default; GEMM2's beside
 the GEMM1 tactic just tuned for the same rows (`partners`), so a table's pair
-is timed together. `run_tune` tunes GEMM1 then GEMM2 for each TP degree and
-returns one `TuningTable` per shape class.
+is timed together when one run tunes both stages (a run of GEMM2 alone times
+it beside GEMM1's default). The timed path has its own copies of the record
+and the MXFP8 x, which the route kernel rewrites; `check` reads the torch
+builder's. `run_tune` tunes GEMM1 then GEMM2 for each TP degree and returns
+one `TuningTable` per shape class.
 
 Rotated weight sets: layer 0 is generated (and is what the checks use); by
 default the other layers are device copies of its kernel layout
@@ -230,11 +233,14 @@ class GemmStageRunner:
                 "used": TILE * route.tiles_used, "x": x.contiguous(),
                 "ids": self.ids[rows].to(dev, torch.int32).contiguous(),
                 "permuted": torch.empty(rows, s.top_k, dtype=torch.int32, device=dev)}  # fmt: skip
+        # the timed path's own record and MXFP8 x (the route kernel rewrites them each replay)
+        case.update(t_record=route.record.clone(), t_x_q=case["x_q"].clone(), t_x_s=case["x_s"].clone())
         n = TILE * route.ctas
         if self.act_bf16:  # the BF16 operands the binding feeds a16 tactics (gemm.act_to_bf16: the kernels' bits)
             from moebench.kernels.gemm import act_to_bf16
 
             case["x_deq"] = act_to_bf16(case["x_q"], case["x_s"])
+            case["t_x_deq"] = case["x_deq"].clone()
             case["ref_deq"] = act_to_bf16(case["ref_q"], case["ref_s"])
             case["h_deq"] = torch.zeros(n, s.intermediate, dtype=torch.bfloat16, device=dev)
         # both stages' buffers: `time` runs the routed path (route, GEMM1, GEMM2)
@@ -323,19 +329,18 @@ class GemmStageRunner:
         t1, t2 = (tactic, other) if self.stage == 1 else (other, tactic)
         if t2.act_bf16 and not t1.act_bf16:
             raise ValueError(f"an a16 GEMM2 ({t2.name}) needs an a16 GEMM1 to write its BF16 H, got {t1.name}")
-        a1 = dict(x_deq=case["x_deq"], h_deq_out=case["h_deq"]) if t1.act_bf16 else {}
+        a1 = dict(x_deq=case["t_x_deq"], h_deq_out=case["h_deq"]) if t1.act_bf16 else {}
         a2 = dict(h_deq=case["h_deq"]) if t2.act_bf16 else {}
-        ids = case["ids"]
+        ids, record, x_q, x_s = case["ids"], case["t_record"], case["t_x_q"], case["t_x_s"]
 
         def launch_all() -> None:
             for kw in self.kws:
-                # rewrites the record and x_q / x_s with the bytes they hold (the torch builder's, bit-exact)
-                launch_route_quantize(case["x"], case["x_q"], case["x_s"], ids, route.record, case["permuted"],
-                                      self.shape.experts, x_deq_out=case["x_deq"] if t1.act_bf16 else None,
+                launch_route_quantize(case["x"], x_q, x_s, ids, record, case["permuted"], self.shape.experts,
+                                      x_deq_out=case["t_x_deq"] if t1.act_bf16 else None,
                                       release_after_wait=t1.spec)
-                gemm1(kw, case["x_q"], case["x_s"], route.record, ctas, case["h_q"], case["h_s"], tactic=t1,
+                gemm1(kw, x_q, x_s, record, ctas, case["h_q"], case["h_s"], tactic=t1,
                       topk_ids=ids if t1.spec else None, **a1)
-                gemm2(kw, case["h_q"], case["h_s"], route.record, ctas, case["out"], tactic=t2, **a2)
+                gemm2(kw, case["h_q"], case["h_s"], record, ctas, case["out"], tactic=t2, **a2)
 
         return time_graph(launch_all, warmup=self.warmup, replays=self.replays, calls_per_replay=len(self.kws),
                           use_graph=True, device=self.device)  # fmt: skip
@@ -634,9 +639,10 @@ def gains(done: list[tuple[TuneConfig, TuneOutcome]], rows=GAIN_ROWS) -> list[di
     (`GemmStageRunner.time`: GEMM1's beside GEMM2's default, GEMM2's beside
     GEMM1's tuned tactic) -- the gain in µs and %, and the tactic names;
     "both": both defaults (GEMM1's default timing) against both tuned
-    (GEMM2's tuned timing), measured, when the config tuned both stages;
-    else (`estimated`) the mean of the two default timings scaled by each
-    stage's tuned/default ratio. A stage whose default failed its check or
+    (GEMM2's tuned timing), each measured, though in the two stages' passes
+    rather than side by side, when the config tuned both stages; else
+    (`estimated`) the mean of the two default timings scaled by each stage's
+    tuned/default ratio. A stage whose default failed its check or
     was not timed has None times."""
     out = []
     for config, outcome in done:

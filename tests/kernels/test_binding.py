@@ -346,3 +346,24 @@ def test_fp8_binding_runs_fp8_twins_and_matches_the_oracle(bound):
     for given in ({}, {1: GemmTactic(32, 4, 2, 4, 2, fp8=True)}):
         g = binding.RoutedExpertGemm(w, shape.top_k, given, fp8=True)
         assert all(t.fp8 and not t.act_bf16 for t in g.tactics.values())
+
+
+@pytest.mark.gpu
+def test_spec_tactics_compile_their_route_kernel_and_plain_twin_when_bound():
+    """A spec GEMM1 needs the route kernel that releases after its wait and,
+    behind the fused front, its plain twin: both compiled when the layer is
+    bound (a later call hits the cache), never inside a graph capture."""
+    from moebench.kernels import gemm as _g
+    from moebench.kernels import route as _r
+    from moebench.kernels.tactic import GemmShape, GemmTactic
+
+    shape = get_preset("dsv41-flash", experts=64).shard(4)
+    w = generate_expert_weights(shape, seed=5, device="cuda")
+    t = GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, spec=True)
+    bound = binding.RoutedExpertGemm(w, shape.top_k, {1: t}, fp8=True)
+    hits = _r._compile.cache_info().hits
+    _r.compile_route_kernel(quantize=True, release_after_wait=True)
+    assert _r._compile.cache_info().hits == hits + 1
+    hits = _g.compile_gemm.cache_info().hits
+    _g.compile_gemm(GemmShape.of(bound.kw), dataclasses.replace(t, spec=False), 1, bound.kw.scale_variant(True))
+    assert _g.compile_gemm.cache_info().hits == hits + 1

@@ -83,14 +83,14 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
     from moebench.tuning.space import TacticSpace
 
     def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic, x_deq=None, h_deq_out=None, topk_ids=None):
-        case = next(c for c in live if c["route"].record is record)
+        case = next(c for c in live if any(record is r for r in (c["route"].record, c["t_record"])))
         h_q.copy_(case["ref_q"])
         h_s.copy_(case["ref_s"])
         if tactic.unroll == 4:
             h_q[: case["used"], :8] ^= 0x0F
 
     def gemm2(kw, h_q, h_s, record, ctas, out, *, tactic, h_deq=None):
-        case = next(c for c in live if c["route"].record is record)
+        case = next(c for c in live if any(record is r for r in (c["route"].record, c["t_record"])))
         if "oracle" not in case:  # the pair of a GEMM1 timing (GEMM2 at its default): no output needed
             return
         out.copy_(case["oracle"].to(out.dtype))
@@ -137,17 +137,22 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
 
 def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
     """Stand-in GEMMs copying the oracle's output (wrong for `wrong` tactics)
-    and a CPU 'tuning device': the runner's plumbing without a GPU."""
+    and a CPU 'tuning device': the runner's plumbing without a GPU. Returns
+    (routes, misuse): each stand-in route launch's (ids shape,
+    release_after_wait), and the GEMM1 tactics given topk_ids without spec or
+    spec without them."""
     import types
 
     from moebench.tuning import runner as rn
 
-    live = []
+    live, misuse = [], []
 
-    def case_of(record):
-        return next(c for c in live if c["route"].record is record)
+    def case_of(record):  # the checks read the torch builder's record, the timed path its own copy
+        return next(c for c in live if any(record is r for r in (c["route"].record, c["t_record"])))
 
     def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic, x_deq=None, h_deq_out=None, topk_ids=None):
+        if (topk_ids is not None) != tactic.spec:
+            misuse.append(tactic.name)  # a spec GEMM1 reads the ids; any other must not be given them
         case = case_of(record)
         h_q.copy_(case["ref_q"])
         h_s.copy_(case["ref_s"])
@@ -182,6 +187,7 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
                         types.SimpleNamespace(launch_route_quantize=launch_route_quantize))  # fmt: skip
     monkeypatch.setattr(rn.GemmStageRunner, "_case", tracking_case)
     monkeypatch.setattr(rn, "require_tuning_device", lambda device=None: torch.device("cpu"))
+    return routes, misuse
 
 
 SMALL = ["--hidden", "256", "--intermediate", "512", "--experts", "8", "--tp", "4", "--rows", "1,4",
@@ -384,9 +390,16 @@ def test_run_tune_fp8_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
     from moebench.tuning import runner as rn
     from moebench.tuning.space import Fp8Space
 
-    _stand_in_kernels(monkeypatch, wrong=lambda t: t.unroll == 2)
-    seen = []
+    routes, misuse = _stand_in_kernels(monkeypatch, wrong=lambda t: t.unroll == 2)
+    seen, timed = [], []
     original = rn.GemmStageRunner._launch
+    original_time = rn.GemmStageRunner.time
+
+    def time(self, tactic, rows):
+        timed.append((self.stage, rows, tactic, self.partner(rows), dict(self.partners)))
+        return original_time(self, tactic, rows)
+
+    monkeypatch.setattr(rn.GemmStageRunner, "time", time)
 
     def launch(self, kw, case, tactic):
         seen.append((kw.operand, tactic))
@@ -407,6 +420,14 @@ def test_run_tune_fp8_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
         assert all(name.endswith("_f8") for name in res.rejected)
     assert any(outcome.results[4, s].results[r].rejected for s in (1, 2) for r in (1, 6))
     assert outcome.tables[0].to_dict()["schema"] == 2
+    # GEMM1's candidates include spec twins, launched with the ids and behind a route kernel that
+    # releases after its wait; GEMM2's were all timed beside the GEMM1 the table holds for their rows
+    assert any(t.spec for st, _, t, _, _ in timed if st == 1) and not misuse
+    spec_timed = sum(t.spec for st, _, t, _, _ in timed if st == 1)
+    assert sum(release for _, release in routes) >= spec_timed * 2  # layers=2: one route launch per layer
+    assert all(st == 1 and not ps or st == 2 and r in ps for st, r, _, _, ps in timed)  # stage 2 got partners
+    partners = {(r, p) for st, r, _, p, _ in timed if st == 2}
+    assert partners == {(r, table.fp8_entries[1, r].tactic) for r in (1, 6)}
 
 
 def test_tune_fp8_command_keeps_the_bf16_entries(monkeypatch, tmp_path):
