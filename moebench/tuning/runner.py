@@ -210,9 +210,12 @@ class GemmStageRunner:
                            wide_scales=self.wide)  # fmt: skip
         return operand_twins(ts, self.act_bf16)
 
-    def default(self, rows: int) -> GemmTactic:
+    def default(self, rows: int, stage: int | None = None) -> GemmTactic:
+        """GEMM`stage`'s (default: this runner's) built-in default at `rows`, as
+        run: its `_a16` twin with the BF16 operand."""
         ctas = max_ctas(rows, self.shape.top_k, self.shape.experts)
-        return operand_twins([default_tactic(self.gshape, self.stage, ctas, self.num_sms, self.wide, fp8=self.fp8)],
+        st = self.stage if stage is None else stage
+        return operand_twins([default_tactic(self.gshape, st, ctas, self.num_sms, self.wide, fp8=self.fp8)],
                              self.act_bf16)[0]
 
     def _case(self, rows: int) -> dict:
@@ -298,12 +301,8 @@ class GemmStageRunner:
 
     def partner(self, rows: int) -> GemmTactic:
         """The other stage's tactic in `time` at `rows`: `partners[rows]`, else
-        that stage's default (as run: its `_a16` twin with the BF16 operand)."""
-        if rows in self.partners:
-            return self.partners[rows]
-        ctas = max_ctas(rows, self.shape.top_k, self.shape.experts)
-        return operand_twins([default_tactic(self.gshape, 3 - self.stage, ctas, self.num_sms, self.wide,
-                                             fp8=self.fp8)], self.act_bf16)[0]  # fmt: skip
+        that stage's default (`default`)."""
+        return self.partners[rows] if rows in self.partners else self.default(rows, 3 - self.stage)
 
     def time(self, tactic: GemmTactic, rows: int):
         """Timing (µs per routed-expert path) of `tactic` at `rows` in its

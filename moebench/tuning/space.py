@@ -324,8 +324,8 @@ class Fp8Space:
         for t in _round_robin([self.changes(d) for d in defaults]):
             add(t)
         if stage == 1:  # spec needs 640 more bytes of shared memory: checked like the rest
-            out += [t2 for t in list(out) if t.bulk and t.pdl and not t.spec
-                    for t2 in [replace(t, spec=True)] if fp8_why_invalid(t2, s, stage) is None]
+            twins = [replace(t, spec=True) for t in out if t.bulk and t.pdl and not t.spec]
+            out += [t for t in twins if fp8_why_invalid(t, s, stage) is None]
         return tuple(out)
 
 
