@@ -12,8 +12,10 @@ the GEMM1 tactic just tuned for the same rows (`partners`), so a table's pair
 is timed together when one run tunes both stages (a run of GEMM2 alone times
 it beside GEMM1's default). The timed path has its own copies of the record
 and the MXFP8 x, which the route kernel rewrites; `check` reads the torch
-builder's. `run_tune` tunes GEMM1 then GEMM2 for each TP degree and returns
-one `TuningTable` per shape class.
+builder's. `run_tune` tunes GEMM1 then GEMM2 for each TP degree, then
+re-times GEMM1's finalists beside the tuned GEMM2 (`_revisit_gemm1`: one more
+round of the stage-by-stage search), and returns one `TuningTable` per shape
+class.
 
 Rotated weight sets: layer 0 is generated (and is what the checks use); by
 default the other layers are device copies of its kernel layout
@@ -432,6 +434,8 @@ class TuneOutcome:
 
     tables: list[TuningTable] = field(default_factory=list)
     results: dict[tuple[int, int], TuneResult] = field(default_factory=dict)
+    #: tp -> GEMM1's finalists re-timed beside the tuned GEMM2 (`run_tune`'s revisit)
+    revisits: dict[int, TuneResult] = field(default_factory=dict)
     layers: dict[tuple[int, int], int] = field(default_factory=dict)
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     stopped: list[str] = field(default_factory=list)
@@ -531,6 +535,14 @@ def run_tune(
             for rows, entry in result.entries.items():
                 entries[stage, rows] = entry
             del runner
+            if stage == 2 and 1 in config.stages and not stop():
+                revisit = _revisit_gemm1(config, shape, dev, weight_sets, outcome.results.get((shape.tp, 1)),
+                                         entries, base, say, stop)  # fmt: skip
+                if revisit is not None:
+                    outcome.revisits[shape.tp] = revisit
+                    for rows, entry in revisit.entries.items():  # the first pass's candidate counts stay
+                        first = entries[1, rows]
+                        entries[1, rows] = replace(entry, candidates=first.candidates, rejected=first.rejected)
         del weight_sets
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -540,6 +552,33 @@ def run_tune(
                  else TuningTable(sclass, device, entries))  # fmt: skip
         outcome.tables.append(table)
     return outcome
+
+
+def _revisit_gemm1(config, shape, dev, weight_sets, first, entries, base, say, stop) -> TuneResult | None:
+    """One more round of the stage-by-stage search: GEMM1's finalists at
+    each row count (the first pass's re-timed ones) timed again beside the
+    GEMM2 tuned for those rows, the first pass's pick preferred (kept unless
+    another is faster beyond the noise). The first pass timed GEMM1 beside
+    GEMM2's default, so a GEMM1 that wins there may lose beside the GEMM2 the
+    table holds (session 11: dsv41-flash TP8 rows 4 / 8). None when there is
+    nothing to revisit."""
+    if first is None:
+        return None
+    rows = [r for r, res in first.results.items() if res.entry is not None and (2, r) in entries
+            and len(res.finalists) > 1]  # fmt: skip
+    if not rows:
+        return None
+    finalists = {r: tuple(m.tactic for m in first.results[r].finalists) for r in rows}
+    picks = {r: entries[1, r].tactic for r in rows}
+    runner = GemmStageRunner(shape, 1, dev, scenario=config.scenario, seed=config.seed, layers=config.layers,
+                             warm_l2=config.warm_l2, warmup=config.warmup, replays=config.replays,
+                             space=config.space, weight_sets=weight_sets, copy_layers=config.copy_layers,
+                             act_bf16=config.act_bf16, fp8=config.fp8,
+                             partners={r: entries[2, r].tactic for r in rows})  # fmt: skip
+    say(f"{shape.describe()} {config.family} GEMM1: revisiting {len(rows)} row counts beside the tuned GEMM2")
+    prov = {**base, "timing": {**entries[1, rows[0]].provenance.get("timing", {}), "revisit": True}}
+    return tune(shape, rows, lambda _s, r: finalists[r], runner.time, runner.check, repeats=config.repeats,
+                top=max(2, config.top), prefer=lambda r: picks[r], provenance=prov, should_stop=stop)
 
 
 class Budget:
@@ -638,8 +677,10 @@ def gains(done: list[tuple[TuneConfig, TuneOutcome]], rows=GAIN_ROWS) -> list[di
     (`GemmStageRunner.time`: GEMM1's beside GEMM2's default, GEMM2's beside
     GEMM1's tuned tactic) -- the gain in µs and %, and the tactic names;
     "both": both defaults (GEMM1's default timing) against both tuned
-    (GEMM2's tuned timing), each measured, though in the two stages' passes
-    rather than side by side, when the config tuned both stages; else
+    (the revisit's GEMM1 pick beside the tuned GEMM2, else GEMM2's tuned
+    timing), each measured, though in different passes rather than side by
+    side, when the config tuned both stages ("revisit": GEMM1's final pick,
+    its time and whether it changed); else
     (`estimated`) the mean of the two default timings scaled by each stage's
     tuned/default ratio. A stage whose default failed its check or
     was not timed has None times."""
@@ -672,8 +713,14 @@ def gains(done: list[tuple[TuneConfig, TuneOutcome]], rows=GAIN_ROWS) -> list[di
                 if not any(rec[f"gemm{s}"]["tuned"] for s in (1, 2)):
                     continue
                 measured = complete and {1, 2} <= set(config.stages)  # GEMM2 timed beside tuned GEMM1
+                revisit = outcome.revisits.get(tp)
+                final = revisit.results[r].entry if revisit is not None and r in revisit.results else None
+                if final is not None:  # GEMM1 re-picked beside the tuned GEMM2: the table's pair
+                    rec["revisit"] = {"tuned": final.tactic.name, "tuned_us": final.median_us,
+                                      "changed": final.tactic.name != rec["gemm1"]["tuned"]}  # fmt: skip
                 if measured:
-                    pair, tuned = rec["gemm1"]["default_us"], rec["gemm2"]["tuned_us"]
+                    pair = rec["gemm1"]["default_us"]
+                    tuned = final.median_us if final is not None else rec["gemm2"]["tuned_us"]
                 else:
                     pair = sum(defaults) / len(defaults) if complete else None
                     tuned = pair * gains_us[0] * gains_us[1] if complete else None
@@ -697,7 +744,7 @@ def gains_markdown(records: list[dict]) -> str:
              " | both default -> both tuned (* estimated: the two ratios applied) | tuned GEMM1 / GEMM2 |",
              "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in records:
-        names = " / ".join(r[f"gemm{s}"]["tuned"] or "-" for s in (1, 2))
+        names = " / ".join([r.get("revisit", r["gemm1"])["tuned"] or "-", r["gemm2"]["tuned"] or "-"])
         both = cell(r["both"]) + (" *" if r["both"].get("estimated") else "")
         lines.append(f"| {r['preset']} | {r.get('family', 'BF16')} | {r['tp']} | {r['rows']} | {cell(r['gemm1'])} | {cell(r['gemm2'])}"
                      f" | {both} | {names} |")  # fmt: skip
