@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from moebench.record import TILE
 
 #: Most warps of one CTA (512 threads).
-MAX_WARPS = 16
+MAX_WARPS = 24
 #: Most K slices of one item (split-K across CTAs).
 MAX_SPLIT_K = 16
 #: Most shared-memory stages of the bulk-copy load path.

@@ -267,7 +267,12 @@ class Fp8Space:
     3. one-field changes of each default, round-robin: `stages` +-1 (2..6:
        the ring depth that hides the weight stream), `unroll` to its
        neighbours in (2, 3, 4, 6, 8), `ctas_per_sm` +-1, `warps_k` x2 / /2,
-       `tile_rows` 16 <-> 32 (item rows halved / doubled).
+       `tile_rows` 16 <-> 32 (item rows halved / doubled);
+    4. the warps per SM moved by less than a factor of two, or kept while
+       the CTA size changes: `warps_k` +-1 (5 / 3 warpgroups), 5-6 CTAs
+       per SM, (2 x CTAs, warps_k / 2) and (CTAs / 2, 2 x warps_k);
+    5. while the limit leaves room (the 'full' space), the changes of steps
+       3-4 applied to every non-default tactic so far (second neighbours).
     Every tactic must pass `fp8_why_invalid` (valid_for and the warps per
     SM); split_k stays 1 (the bulk ring needs it). GEMM1's set then gets
     the `spec` twin of each of its bulk-ring tactics with PDL (the first
@@ -303,6 +308,16 @@ class Fp8Space:
         out += [replace(t, warps_k=wk) for wk in (t.warps_k * 2, t.warps_k // 2)
                 if wk >= 1 and t.warps_m * wk <= MAX_WARPS]  # fmt: skip
         out.append(replace(t, tile_rows=16 if t.tile_rows == 32 else 32))
+        # step 4: the warps per SM moved without doubling: warps_k +-1 (5 or 3
+        # warpgroups where the K chunks divide), 5-6 CTAs per SM, and the
+        # same warps per SM as more, smaller CTAs or fewer, larger ones.
+        out += [replace(t, warps_k=wk) for wk in (t.warps_k + 1, t.warps_k - 1)
+                if wk >= 1 and wk & (wk - 1) and t.warps_m * wk <= MAX_WARPS]  # fmt: skip
+        out += [replace(t, ctas_per_sm=c) for c in (t.ctas_per_sm + 1,) if 5 <= c <= 6]
+        if t.warps_k % 2 == 0:
+            out.append(replace(t, ctas_per_sm=t.ctas_per_sm * 2, warps_k=t.warps_k // 2))
+        if t.ctas_per_sm % 2 == 0 and t.warps_m * t.warps_k * 2 <= MAX_WARPS:
+            out.append(replace(t, ctas_per_sm=t.ctas_per_sm // 2, warps_k=t.warps_k * 2))
         return out
 
     def tactics_for(self, shape, stage: int, num_sms: int = 132) -> tuple[GemmTactic, ...]:
@@ -322,6 +337,8 @@ class Fp8Space:
         for t in [*defaults, *(F8_BULK_1 if stage == 1 else F8_BULK_2)]:
             add(t)
         for t in _round_robin([self.changes(d) for d in defaults]):
+            add(t)
+        for t in _round_robin([self.changes(v) for v in out[len(defaults):]]):  # step 5
             add(t)
         if stage == 1:  # spec needs 640 more bytes of shared memory: checked like the rest
             twins = [replace(t, spec=True) for t in out if t.bulk and t.pdl and not t.spec]
