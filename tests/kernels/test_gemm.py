@@ -864,9 +864,9 @@ F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(16, 4, 1, 3, 4, fp8=Tru
         GemmTactic(16, 8, 1, 3, 3, fp8=True), GemmTactic(16, 4, 2, 3, 4, fp8=True),
         GemmTactic(16, 4, 1, 3, 4, split_k=3, fp8=True)]  # fmt: skip
 #: fp8 tactics on the bulk ring (warp-specialized): 32- and 16-row warps, one to
-#: four warpgroups, 1-3 CTAs per SM (the oracle test skips those a shape rejects).
+#: five warpgroups (20 compute warps), 1-3 CTAs per SM (the oracle test skips those a shape rejects).
 F8_BULK_1 = [GemmTactic(32, 4, 4, 2, 1, stages=4, fp8=True), GemmTactic(16, 4, 2, 4, 2, stages=3, fp8=True),
-             GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True)]  # fmt: skip
+             GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True), GemmTactic(16, 4, 5, 4, 1, stages=6, fp8=True)]  # fmt: skip
 F8_BULK_2 = [GemmTactic(32, 4, 1, 3, 2, stages=4, fp8=True), GemmTactic(16, 4, 2, 3, 3, stages=4, fp8=True),
              GemmTactic(32, 8, 2, 3, 1, stages=4, fp8=True),
              GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True), GemmTactic(16, 8, 1, 2, 2, stages=3, fp8=True)]  # fmt: skip
@@ -1045,6 +1045,80 @@ def test_fp8_tactic_and_weight_layout_must_match():
     kw8 = dataclasses.replace(kw, operand="e4m3")
     with pytest.raises(ValueError, match="does not match the weights"):
         gemm1(kw8, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=GemmTactic(64, 1, 8, 4, 1))
+
+
+# ---------------------------------------------------------------- dense: every token row as GEMM1's B operand
+#: dense tactics (fp8 bulk GEMM1; one with spec) and, by dataclasses.replace, their gathered-row twins.
+DENSE_1 = [GemmTactic(16, 4, 4, 4, 1, stages=3, fp8=True, dense=True),
+           GemmTactic(32, 4, 2, 4, 2, stages=3, fp8=True, dense=True),
+           GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, spec=True, dense=True)]  # fmt: skip
+
+
+def test_dense_tactic_validation():
+    from moebench.tuning.space import tactic_from_name
+
+    t = DENSE_1[2]
+    assert t.name == "r16_m4_k4_u4_c1_b4_sp_dn_f8" and tactic_from_name(t.name) == t
+    for bad in (dict(stages=0), dict(fp8=False, tile_rows=32, spec=False)):
+        with pytest.raises(ValueError, match="dense"):
+            GemmTactic(**{**dict(tile_rows=16, warps_m=4, warps_k=4, unroll=4, ctas_per_sm=1, stages=4,
+                                 fp8=True, dense=True), **bad})
+    with pytest.raises(TypeError, match="dense must be a bool"):
+        GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, dense=1)
+    shape = get_preset("dsv41-flash").shard(4)
+    assert t.valid_for(shape, 1) is None
+    assert "GEMM1" in t.valid_for(shape, 2)
+
+
+@pytest.mark.compile
+def test_dense_tactics_compile_for_sm90a_without_spills():
+    specs = [("dsv41-flash", 4, 1, False, None, _fields(t)) for t in DENSE_1]
+    for rep in _checked_reports(specs):
+        assert rep["ublkcp"] > 0, rep["spec"]
+
+
+@pytest.mark.gpu
+def test_dense_gemm1_equals_its_gathered_twin_and_the_oracle():
+    """A dense GEMM1 (B = the token rows, staged once per CTA; the epilogue
+    picks each slot's token column) writes the same H bytes as the same
+    tactic staging each tile's gathered rows, over routings with distinct,
+    non-local and repeated ids (a token twice in one tile) at rows 1-8 with
+    poisoned outputs; and passes the fp8 oracle check."""
+    import dataclasses
+
+    from moebench.kernels.gemm import gemm1
+    from moebench.kernels.layout import to_kernel_layout
+
+    experts = 64
+    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=19)
+    kw = to_kernel_layout(weights, "e4m3")
+    gen = torch.Generator().manual_seed(29)
+    cases = []
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8):
+        distinct = torch.stack([torch.randperm(experts, generator=gen)[:6] for _ in range(rows)])
+        holes = distinct.clone()
+        holes[torch.rand(rows, 6, generator=gen) < 0.3] = -1
+        repeats = torch.randint(0, 4, (rows, 6), generator=gen)
+        cases += [(f"distinct-r{rows}", distinct), (f"non-local-r{rows}", holes), (f"repeats-r{rows}", repeats)]
+    for t in DENSE_1:
+        gathered = dataclasses.replace(t, dense=False)
+        for label, ids in cases:
+            ids = ids.to(torch.int32).cuda()
+            route = build_route_record(ids, experts)
+            x_q, x_s = quantize_mxfp8(generate_activations(ids.shape[0], shape.hidden, seed=5, device="cuda"))
+            want = _run_gemm1(kw, x_q, x_s, route, tactic=gathered)
+            n = TILE * route.ctas
+            h_q = torch.full((n, kw.intermediate), 0xFF, dtype=torch.uint8, device="cuda")
+            h_s = torch.full((n, kw.intermediate // 32), 0xFE, dtype=torch.uint8, device="cuda")
+            gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t,
+                  topk_ids=ids if t.spec else None)  # fmt: skip
+            used = TILE * route.tiles_used
+            assert torch.equal(h_q[:used], want[0][:used]) and torch.equal(h_s[:used], want[1][:used]), (
+                f"{t.name} {label}")
+    for label, ids in _routings(experts, rows_list=(1, 4, 8)):
+        x_q, x_s = quantize_mxfp8(generate_activations(ids.shape[0], shape.hidden, seed=7, device="cuda"))
+        route = build_route_record(ids.cuda(), experts)
+        _fp8_check(kw, weights, x_q, x_s, route, f"dense {label}", DENSE_1[:2], [])
 
 
 # ---------------------------------------------------------------- spec: GEMM1's first stages before its wait
