@@ -56,7 +56,7 @@ if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else
   echo "tune_all.sh: needs a CUDA GPU (sm_90) and torch with CUDA; nothing written" >&2
   exit 2
 fi
-mkdir -p "$tables"
+mkdir -p "$tables" ${out:+"$out"}  # $OUT may name a folder not made yet (the log goes there first)
 
 # Preflight (~20 s): a kernel compiled by a worker process, loaded here, must
 # launch and give the same bytes as one compiled here; else compile in-process.

@@ -311,9 +311,7 @@ if HAVE_DSL:
             tile = item // self.blocks
             n = tid % 8
             row = TILE * tile + n
-            if cutlass.const_expr(self.tactic.dense):  # token row n (columns past the rows repeat the last)
-                row = cutlass.min(n, cute.arch.load(rec + 2, Int32) - 1)
-            elif cutlass.const_expr(self.stage == 1):
+            if cutlass.const_expr(self.stage == 1):
                 slot = cute.arch.load(rec + (slots_at + row), Int32)
                 row = cutlass.max(slot, Int32(0)) // top_k  # padding slots read token row 0
             # The A registers hold k 8c .. 8c+7 of each chunk in k slots (4c .. 4c+3, 16+4c .. 16+4c+3)
@@ -499,13 +497,8 @@ if HAVE_DSL:
                 if slot < 8 * qblocks:
                     n = slot % 8
                     qb = slot // 8
-                    col_n = n  # the B column of tile slot n: the slot itself, or (dense) its token
-                    if cutlass.const_expr(self.tactic.dense):
-                        slots_at = valid_at + (valid_at - 4)  # the record's tile_slots (valid_at = 4 + W)
-                        tslot = cute.arch.load(rec + (slots_at + TILE * tile + n), Int32)
-                        col_n = cutlass.max(tslot, Int32(0)) // cute.arch.load(rec + 3, Int32)
-                    gate = self.value(sP, parity, part, item, qb * 64 + lane, col_n)
-                    up = self.value(sP, parity, part, item, qb * 64 + 32 + lane, col_n)
+                    gate = self.value(sP, parity, part, item, qb * 64 + lane, n)
+                    up = self.value(sP, parity, part, item, qb * 64 + 32 + lane, n)
                     gc = cutlass.min(gate, lim)
                     uc = cutlass.min(cutlass.max(up, -lim), lim)
                     h = fp4.div_rn(gc, Float32(1.0) + cute.math.exp(-gc, fastmath=True)) * uc
@@ -982,8 +975,6 @@ if HAVE_DSL:
             s, ph, parity, staged = Int32(0), Int32(0), Int32(0), Int32(-1)  # staged: the tile in sB
             for _ in cutlass.range(0, count, 1, unroll=1):
                 tile = unit // self.blocks
-                if cutlass.const_expr(self.tactic.dense):
-                    tile = Int32(0)  # every unit multiplies the same token rows: staged once
                 if tile != staged:  # a unit of a new tile: its activation rows into shared memory
                     # (the previous unit's wgmmas all completed before the barrier that closed it)
                     staged = tile

@@ -116,12 +116,6 @@ class GemmTactic:
       before griddepcontrol.wait; the launch passes the ids (`gemm1(...,
       topk_ids=)`). Rows that repeat an expert switch the prediction off; a
       record that disagrees with it traps. Name suffix `_sp`.
-    dense: GEMM1 on the bulk ring with fp8 only: the wgmma B operand holds
-      the launch's token rows 0..rows-1 in token order (rows <= 8 = N),
-      staged once per CTA, instead of each tile's gathered rows staged at
-      every tile change; the epilogue takes the column of the token of each
-      tile slot (the tile's other columns are computed and dropped). Name
-      suffix `_dn`.
     """
 
     tile_rows: int = 64
@@ -136,10 +130,9 @@ class GemmTactic:
     act_bf16: bool = False
     fp8: bool = False
     spec: bool = False
-    dense: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("persistent", "pdl", "act_bf16", "fp8", "spec", "dense"):
+        for flag in ("persistent", "pdl", "act_bf16", "fp8", "spec"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         if not isinstance(self.tile_rows, int) or isinstance(self.tile_rows, bool):
@@ -165,9 +158,6 @@ class GemmTactic:
         if self.spec and not (self.fp8 and self.stages and self.pdl):
             raise ValueError("spec (GEMM1's first stages before griddepcontrol.wait) needs an fp8 tactic on the"
                              f" bulk ring with PDL, got fp8={self.fp8}, stages={self.stages}, pdl={self.pdl}")
-        if self.dense and not (self.fp8 and self.stages):
-            raise ValueError("dense (every token row as the wgmma B operand) needs an fp8 tactic on the bulk ring,"
-                             f" got fp8={self.fp8}, stages={self.stages}")
 
     @property
     def warps(self) -> int:
@@ -188,7 +178,7 @@ class GemmTactic:
         return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
                 + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
-                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_sp" if self.spec else "") + ("_dn" if self.dense else "")
+                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_sp" if self.spec else "")
                 + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:
@@ -203,8 +193,6 @@ class GemmTactic:
             return f"intermediate {s.intermediate} is not a multiple of 32"
         if self.spec and stage != 1:
             return "spec predicts GEMM1's first stages only (GEMM2 already streams before its wait)"
-        if self.dense and stage != 1:
-            return "dense stages the token rows of GEMM1 (GEMM2's B rows are H's permuted rows)"
         if stage == 1:
             if self.item_rows % 64:
                 return f"GEMM1 work items must cover whole 64-row gate/up blocks, got {self.item_rows} rows"
