@@ -381,6 +381,13 @@ def test_fp8_space_holds_valid_fp8_tactics_the_default_first():
     g = GemmShape.of(get_preset("dsv41-flash").shard(4))
     assert F8_BULK_1[1] in Fp8Space(10).tactics_for(g, 1)  # the measured variants are candidates
     assert any(t.stages == 3 for t in Fp8Space(48).tactics_for(g, 1))  # and the defaults' neighbours
+    # step 4: five warpgroups where the 160 K chunks divide, 5 CTAs per SM, CTA size for CTAs per SM
+    full1, full2 = FP8_SPACES["full"].tactics_for(g, 1), FP8_SPACES["full"].tactics_for(g, 2)
+    assert any(t.warps_k == 5 and t.warps == 20 for t in full1)
+    assert any(t.ctas_per_sm == 5 for t in full2) and any(t.ctas_per_sm == 2 and t.warps_k == 2 for t in full1)
+    assert not any(t.warps_k == 5 for t in FP8_SPACES["ship"].tactics_for(g, 1))  # ship: steps 1-3 fill it
+    assert len(full1) > len(FP8_SPACES["quick"].tactics_for(g, 1))  # step 5 (second neighbours) in 'full'
+    assert all(t.warps * t.ctas_per_sm <= 64 for t in full1 + full2)
     with pytest.raises(ValueError, match="limit"):
         Fp8Space(0)
 
