@@ -472,32 +472,14 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ epilogues
         @cute.jit
-        def epilogue(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane, tid,
-                     pre=None):
-            """The stage's epilogue of `item`. pre: (valid rows, expert, clamp) of the item's tile when the
-            caller loaded them ahead (`epilogue_operands`), else they are loaded here."""
+        def epilogue(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane, tid):
             if cutlass.const_expr(self.stage == 1):
-                self.epilogue_gemm1(sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane,
-                                    pre)  # fmt: skip
+                self.epilogue_gemm1(sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane)
             else:
-                self.epilogue_gemm2(sP, parity, part, rec, out, item, valid_at, tid, pre)
+                self.epilogue_gemm2(sP, parity, part, rec, out, item, valid_at, tid)
 
         @cute.jit
-        def epilogue_operands(self, rec, clamp, item, valid_at):
-            """(valid rows, expert, clamp) of `item`'s tile from the record (the clamp for GEMM1 only, else
-            0.0): issued at the start of a unit so that their latency (two dependent loads for GEMM1's clamp)
-            passes under the unit's steps instead of stalling every warp at its epilogue."""
-            tile = item // self.blocks
-            valid = cute.arch.load(rec + (valid_at + tile), Int32)
-            e = cute.arch.load(rec + (4 + tile), Int32)
-            lim = Float32(0.0)
-            if cutlass.const_expr(self.stage == 1):
-                lim = cute.arch.load(clamp + e, Float32)
-            return valid, e, lim
-
-        @cute.jit
-        def epilogue_gemm1(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane,
-                           pre=None):
+        def epilogue_gemm1(self, sP, parity, part, rec, clamp, out, out_s, out_deq, item, valid_at, warp, lane):
             """SwiGLU + MXFP8 quantization of one item: one warp per (token, 32 columns).
             With tactic.act_bf16 also the BF16 value of each (q, code) to
             out_deq, made by the very instructions GEMM2's e4m3 decode runs
@@ -505,10 +487,9 @@ if HAVE_DSL:
             same bits by construction, NaN for code 255."""
             tile = item // self.blocks
             blk = item % self.blocks
-            if cutlass.const_expr(pre is None):
-                valid, _e, lim = self.epilogue_operands(rec, clamp, item, valid_at)
-            else:
-                valid, _e, lim = pre
+            valid = cute.arch.load(rec + (valid_at + tile), Int32)
+            e = cute.arch.load(rec + (4 + tile), Int32)
+            lim = cute.arch.load(clamp + e, Float32)
             qblocks = self.rm // 64
             i_cols = self.shape.intermediate
             for sl in cutlass.range_constexpr(0, 8 * qblocks, self.nw):
@@ -554,14 +535,11 @@ if HAVE_DSL:
                         cute.arch.store(out_s + (row * (i_cols // 32) + blk * qblocks + qb), Uint8(code))
 
         @cute.jit
-        def epilogue_gemm2(self, sP, parity, part, rec, out, item, valid_at, tid, pre=None):
+        def epilogue_gemm2(self, sP, parity, part, rec, out, item, valid_at, tid):
             """BF16 rows of one item: pairs of adjacent output columns per thread."""
             tile = item // self.blocks
             blk = item % self.blocks
-            if cutlass.const_expr(pre is None):
-                valid = cute.arch.load(rec + (valid_at + tile), Int32)
-            else:
-                valid = pre[0]
+            valid = cute.arch.load(rec + (valid_at + tile), Int32)
             half = self.rm // 2
             out32 = cute.recast_ptr(out, dtype=Uint32)
             for p in cutlass.range_constexpr(0, 8 * half, self.threads):
@@ -997,9 +975,6 @@ if HAVE_DSL:
             s, ph, parity, staged = Int32(0), Int32(0), Int32(0), Int32(-1)  # staged: the tile in sB
             for _ in cutlass.range(0, count, 1, unroll=1):
                 tile = unit // self.blocks
-                pre = None  # GEMM1: the epilogue's record and clamp loads, issued now, used at the unit's end
-                if cutlass.const_expr(self.stage == 1):
-                    pre = self.epilogue_operands(record, clamp, unit, valid_at)
                 if tile != staged:  # a unit of a new tile: its activation rows into shared memory
                     # (the previous unit's wgmmas all completed before the barrier that closed it)
                     staged = tile
@@ -1031,7 +1006,7 @@ if HAVE_DSL:
                 # unit done: partials to smem, one barrier, epilogue
                 self.stash_partials(sP, acc, parity, warp, lane)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid, pre)
+                self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
                 parity = parity ^ 1
                 unit = unit + stride
 
