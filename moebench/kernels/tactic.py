@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from moebench.record import TILE
 
-#: Most warps of one CTA (512 threads).
+#: Most compute warps of one CTA (768 threads; the bulk ring adds a producer warp).
 MAX_WARPS = 24
 #: Most K slices of one item (split-K across CTAs).
 MAX_SPLIT_K = 16
