@@ -82,7 +82,8 @@ def parse_int_list(text: str, option: str, lo: int, hi: int) -> tuple[int, ...]:
     for part in (p.strip() for p in str(text).split(",")):
         match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
         if not match or (match[2] is not None and int(match[1]) > int(match[2])):
-            raise ValueError(f"{option}: cannot parse {part!r} (expected e.g. '1-8', '1,2,4' or '6')")
+            raise ValueError(f"{option}: cannot parse {part!r} (expected a list of integers in [{lo}, {hi}]"
+                             f" such as '{lo}-{min(hi, lo + 3)}', '{lo},{min(hi, lo + 1)}' or '{lo}')")
         start = int(match[1])
         values.update(range(start, int(match[2] or start) + 1))
     bad = sorted(v for v in values if not lo <= v <= hi)
@@ -93,11 +94,14 @@ def parse_int_list(text: str, option: str, lo: int, hi: int) -> tuple[int, ...]:
 
 def parse_names(text: str, option: str) -> tuple[str, ...]:
     """'a,b' -> ('a', 'b') (order kept, duplicates dropped). Raises ValueError
-    naming `option` when empty."""
-    names = tuple(dict.fromkeys(p.strip() for p in str(text).split(",") if p.strip()))
-    if not names:
+    naming `option` when empty or when an item is empty ('a,,b', 'a,'), as
+    parse_int_list does."""
+    parts = [p.strip() for p in str(text).split(",")]
+    if not any(parts):
         raise ValueError(f"{option}: expected a comma-separated list, got {text!r}")
-    return names
+    if not all(parts):
+        raise ValueError(f"{option}: empty item in {text!r} (expected e.g. 'a,b')")
+    return tuple(dict.fromkeys(parts))
 
 
 #: Config fields set by the option of the same name: the library's messages
@@ -115,6 +119,17 @@ def _option_message(error: Exception) -> str:
     if match and match[1] in _FIELD_OPTIONS:
         return _FIELD_OPTIONS[match[1]] + text[len(match[1]) :]
     return text
+
+
+def _check_out(out, option: str = "--out") -> None:
+    """`out` must take files before anything is measured (a long run is never
+    measured and then lost): ValueError naming `option`, else the directory exists."""
+    from moebench.reports.store import check_run_root
+
+    try:
+        check_run_root(out)
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{option}: {error}") from None
 
 
 def _check_geometry(presets, overrides: dict, reduced: bool) -> None:
@@ -179,8 +194,9 @@ def _presets_to_run(preset: str, overrides: dict, reduced: bool, backend_list) -
     naming their options) and, on the CPU (`reduced`), those whose reduced
     layer is new with the note line saying what runs (else None)."""
     from moebench.bench.cases import CPU_BACKENDS
+    from moebench.models import PRESETS
 
-    names = parse_names(preset, "--preset")
+    names = tuple(PRESETS) if str(preset).strip() == "all" else parse_names(preset, "--preset")
     _check_geometry(names, overrides, reduced)
     if not reduced:
         return names, None
@@ -242,7 +258,7 @@ _TACTICS_HELP = (
 
 @app.command()
 def sweep(
-    preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated (see `moebench presets`)."),
+    preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
     hidden: int = typer.Option(None, help="Override hidden size H."),
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
     experts: int = typer.Option(None, help="Override routed experts E."),
@@ -345,6 +361,10 @@ def sweep(
             check_backend_names(backend_list)
     except (ValueError, TypeError) as error:
         raise _fail(_option_message(error)) from None
+    try:  # last of the checks (a refused command creates nothing), before any case runs
+        _check_out(out)
+    except ValueError as error:
+        raise _fail(str(error)) from None
     if gpus is not None:
         _sharded_sweep(config, gpus, backend_list, out, label, worker_timeout)
         return
@@ -461,7 +481,7 @@ def _print_summary(table_df) -> None:
 
 @app.command()
 def step(
-    preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated (see `moebench presets`)."),
+    preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
     hidden: int = typer.Option(None, help="Override hidden size H."),
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
     experts: int = typer.Option(None, help="Override routed experts E."),
@@ -567,6 +587,10 @@ def step(
         validate_step(config)  # unknown backends or tactics
     except (ValueError, TypeError) as error:
         raise _fail(_option_message(error)) from None
+    try:  # last of the checks (a refused command creates nothing), before any rank runs
+        _check_out(out)
+    except ValueError as error:
+        raise _fail(str(error)) from None
 
     where = (f"{ranks} ranks on GPUs {', '.join(map(str, gpu_used))} (NCCL)" if ranks > 1 and dev.type == "cuda"
              else f"{ranks} ranks on the CPU (gloo)" if ranks > 1 else f"one rank on {dev}")  # fmt: skip
@@ -757,8 +781,8 @@ def report(
     run_dir: Path = typer.Argument(..., help="A run directory (results.parquet + manifest.json)."),
     baseline: Path = typer.Option(None, help="A baseline run directory to compare with (per-case verdicts)."),
     fail_above: str = typer.Option(
-        None, "--fail-above", help="Exit 1 when a case is slower than the baseline by more than this (e.g. '5%'),"
-        " or failed."
+        None, "--fail-above", help="Exit 1 when a case is slower than the baseline by more than this percentage"
+        " ('5%' or '5'; a bare number is percent, so 0.05 means 0.05 %), or failed."
     ),
     out: Path = typer.Option(None, help="Where summary.md (and report.html + plots) go (default: the run directory)."),
     html: bool = typer.Option(True, "--html/--no-html", help="Also write report.html with PNG plots."),
@@ -826,6 +850,11 @@ def report(
                 tables["Decode step (µs; the step excludes the gate)"] = step_table
                 if ranks is not None and len(ranks):
                     tables["Per rank (µs)"] = rank_table(ranks)
+            from moebench.reports.summary import kernel_tactics_table
+
+            kt = kernel_tactics_table(df)
+            if len(kt):
+                tables["Kernel tactics (GEMM tactic per case and where it came from)"] = kt
             paths = write_html_report(df, manifest, target.parent, comparison=comparison,
                                       title=f"moebench run {run_dir.name}", tables=tables)  # fmt: skip
             console.print(f"wrote [bold]{paths[0]}[/bold] ({len(paths) - 1} plots)")
@@ -1009,6 +1038,12 @@ def tune(
     except RuntimeError as error:
         raise _fail(str(error)) from None
     target = out or Path(os.environ.get("MOEBENCH_TUNING_DIR", "").split(os.pathsep)[0] or "tuning-tables")
+    try:  # tables and the summary must be writable before minutes of tuning, not after
+        _check_out(target)
+        if summary is not None:
+            _check_out(summary.parent, "--summary")
+    except ValueError as error:
+        raise _fail(str(error)) from None
     configs = [
         tuning_runner.TuneConfig(
             preset=name, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=(t,),

@@ -364,6 +364,64 @@ def test_sweep_out_pointing_at_a_file_fails_before_measuring(tmp_path):
     assert target.read_text() == "mine"
 
 
+@pytest.mark.parametrize("command", ["sweep", "step"])
+def test_unwritable_out_fails_before_anything_is_measured(tmp_path, command, monkeypatch):
+    """An --out that cannot take a run is refused up front (exit 2), not after
+    the measuring; a command refused for another reason creates no directory."""
+    import moebench.reports.store as store
+
+    measured = []
+    if command == "sweep":
+        import moebench.bench.sweep as sw
+
+        monkeypatch.setattr(sw, "run_sweep", lambda *a, **k: measured.append(1))
+    else:
+        import moebench.bench.decode_step as ds
+
+        monkeypatch.setattr(ds, "run_step", lambda *a, **k: measured.append(1))
+
+    def refuse(root):
+        raise OSError(f"cannot write runs under {root}: Permission denied")
+
+    monkeypatch.setattr(store, "check_run_root", refuse)
+    result = runner.invoke(app, [command, *TINY, "--out", str(tmp_path / "runs")])
+    assert result.exit_code == 2 and "--out: cannot write runs under" in result.output, result.output
+    assert not measured and "Traceback" not in result.output
+
+
+def test_check_run_root_makes_the_directory_and_leaves_no_probe(tmp_path):
+    from moebench.reports.store import check_run_root
+
+    root = check_run_root(tmp_path / "a" / "b")
+    assert root.is_dir() and list(root.iterdir()) == []
+    (tmp_path / "f").write_text("mine")
+    with pytest.raises(ValueError, match="not a directory"):
+        check_run_root(tmp_path / "f")
+    assert (tmp_path / "f").read_text() == "mine"
+
+
+def test_name_lists_reject_empty_items_and_presets_take_all(tmp_path):
+    from moebench.cli import parse_names
+
+    assert parse_names("a, b,a", "--preset") == ("a", "b")
+    for bad in ("a,,b", "a,", ",", ""):
+        with pytest.raises(ValueError, match="--preset"):
+            parse_names(bad, "--preset")
+    result = runner.invoke(app, ["sweep", *TINY[2:], "--preset", "dsv4-flash,,", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "empty item" in result.output and not (tmp_path / "x").exists()
+    result = runner.invoke(app, ["sweep", "--preset", "all", "--rows", "1", "--tp", "1", "--backends", "torch-bf16",
+                                 "--out", str(tmp_path / "all")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    import pandas as pd
+
+    from moebench.models import PRESETS
+
+    df = pd.read_parquet(next((tmp_path / "all").iterdir()) / "results.parquet")
+    # the CPU runs each distinct reduced ("+custom") layer once: more than the default preset, all known ones
+    ran = {p.split("+")[0] for p in df["preset"]}
+    assert len(ran) >= 2 and ran <= set(PRESETS)
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU the moebench backend runs")
 def test_sweep_where_every_case_is_skipped_exits_nonzero(tmp_path):
     result = runner.invoke(

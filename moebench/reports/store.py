@@ -61,6 +61,25 @@ def current_umask() -> int:
     return mask
 
 
+def check_run_root(root: str | Path) -> Path:
+    """Make sure runs can be stored under `root` BEFORE anything is measured:
+    creates the directory (and its parents) and writes and removes a probe
+    file there. Returns the Path. Raises ValueError when `root` exists and is
+    not a directory, OSError (naming `root`) when it cannot be created or
+    written; nothing is left behind but the directory itself."""
+    path = Path(root)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".moebench-probe-", dir=path)
+        os.close(fd)
+        os.remove(probe)
+    except OSError as error:
+        raise OSError(f"cannot write runs under {path}: {error.strerror or error}") from error
+    return path
+
+
 def run_dir_name(label: str, when: datetime | None = None) -> str:
     """'<UTC date>-<label>'; raises ValueError for a label that is not
     1-100 characters of letters, digits, '.', '_' or '-' (starting with a

@@ -182,6 +182,21 @@ def _error_cell(value) -> str:
     return f"{value:.2e}" if text and isinstance(value, float) else text
 
 
+#: Columns naming a case in the kernel-tactics table (those present are shown).
+TACTIC_KEY_COLUMNS = ("preset", "tp", "rows", "scenario", "backend", "tactic")
+
+
+def kernel_tactics_table(df: pd.DataFrame) -> pd.DataFrame:
+    """The cases whose backend recorded the kernels' tactics (`kernel_tactics`,
+    e.g. 'gemm1 r16_m4_k4_u4_c1_b3_f8 (table); gemm2 ... (table)'), with the
+    columns that name the case; empty when no case recorded them."""
+    if "kernel_tactics" not in df.columns:
+        return pd.DataFrame()
+    keep = df["kernel_tactics"].notna() & (df["kernel_tactics"].astype(str).str.strip() != "")
+    cols = [c for c in TACTIC_KEY_COLUMNS if c in df.columns] + ["kernel_tactics"]
+    return df.loc[keep, cols].reset_index(drop=True)
+
+
 def to_markdown(df: pd.DataFrame, manifest: dict, ranks: pd.DataFrame | None = None) -> str:
     """A markdown report of a run: provenance, then `summary_table(df)`; for
     a step run also `step_summary_table(df)` and, given its per-rank table,
@@ -222,6 +237,10 @@ def to_markdown(df: pd.DataFrame, manifest: dict, ranks: pd.DataFrame | None = N
             f"{w.get('gpu_index')} ({w.get('gpu_serial') or 'serial ?'})" + (" DIED" if w.get("error") else "")
             for w in workers))  # fmt: skip
     lines += ["", markdown_table(summary_table(df)), ""]
+    tactics = kernel_tactics_table(df)
+    if len(tactics):
+        lines += ["## Kernel tactics (GEMM tactic per case and where it came from)", "",
+                  markdown_table(tactics), ""]  # fmt: skip
     if step:
         lines += ["## Decode step (µs)", "", markdown_table(step_summary_table(df)), ""]
         if ranks is not None and len(ranks):

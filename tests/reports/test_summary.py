@@ -70,3 +70,16 @@ def test_shared_stream_text_names_the_setting_and_the_device():
     assert shared_stream_text({**gpu, "config": {"overlap_shared": False}}).startswith("in order")
     assert shared_stream_text(gpu).startswith("in order")  # stored before the option
     assert "on the CPU" in shared_stream_text({"device": {"kind": "cpu"}, "config": {"overlap_shared": True}})
+
+
+def test_kernel_tactics_table_lists_the_cases_that_recorded_them():
+    import pandas as pd
+
+    from moebench.reports.summary import kernel_tactics_table
+
+    df = pd.DataFrame({"tp": [4, 4, 8], "rows": [1, 6, 1], "backend": ["moebench", "torch-bf16", "moebench"],
+                       "kernel_tactics": ["gemm1 A (table); gemm2 B (table)", None, " "]})  # fmt: skip
+    t = kernel_tactics_table(df)
+    assert list(t.columns) == ["tp", "rows", "backend", "kernel_tactics"] and len(t) == 1
+    assert t["kernel_tactics"].iloc[0].startswith("gemm1 A")
+    assert kernel_tactics_table(df.drop(columns="kernel_tactics")).empty
