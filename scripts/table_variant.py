@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--stage takes 1, 2 or 1,2, got {args.stage!r}")
     stages = {int(x) for x in stages}
     only = None if args.only is None else {x.strip() for x in args.only.split(",") if x.strip()}
+    if only is not None and not only:
+        ap.error(f"--only: expected tactic names (comma-separated), got {args.only!r}")
+    if not args.tables.is_dir():
+        ap.error(f"--tables: {args.tables} is not a directory of tuning tables")
     if args.out_dir.exists() and not args.out_dir.is_dir():
         ap.error(f"out_dir {args.out_dir} exists and is not a directory")
     if args.out_dir.exists() and any(args.out_dir.glob("*.json")):

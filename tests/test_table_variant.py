@@ -48,6 +48,12 @@ def test_refusals(tmp_path, capsys):
     assert "kept" in capsys.readouterr().out and not out.exists()
     with pytest.raises(SystemExit):
         table_variant.main([str(tmp_path / "b"), "--set", "stages=2", "--stage", "3"])
+    capsys.readouterr()
+    for bad, says in ((["--only", ","], "--only: expected tactic names"),
+                      (["--tables", str(tmp_path / "none")], "--tables: ")):  # fmt: skip
+        with pytest.raises(SystemExit) as ex:
+            table_variant.main([str(tmp_path / "c"), "--set", "stages=2", *bad])
+        assert ex.value.code == 2 and says in capsys.readouterr().err and not (tmp_path / "c").exists()
 
 
 def test_only_the_named_tactics_of_both_stages(tmp_path):
