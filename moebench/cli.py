@@ -123,13 +123,15 @@ def _option_message(error: Exception) -> str:
 
 def _check_out(out, option: str = "--out") -> None:
     """`out` must take files before anything is measured (a long run is never
-    measured and then lost): ValueError naming `option`, else the directory exists."""
+    measured and then lost): exits with a usage error naming `option`, else
+    the directory exists. Call it after the other checks, so that a refused
+    command creates nothing."""
     from moebench.reports.store import check_run_root
 
     try:
         check_run_root(out)
     except (OSError, ValueError) as error:
-        raise ValueError(f"{option}: {error}") from None
+        raise _fail(f"{option}: {error}") from None
 
 
 def _check_geometry(presets, overrides: dict, reduced: bool) -> None:
@@ -361,10 +363,7 @@ def sweep(
             check_backend_names(backend_list)
     except (ValueError, TypeError) as error:
         raise _fail(_option_message(error)) from None
-    try:  # last of the checks (a refused command creates nothing), before any case runs
-        _check_out(out)
-    except ValueError as error:
-        raise _fail(str(error)) from None
+    _check_out(out)  # last of the checks, before any case runs
     if gpus is not None:
         _sharded_sweep(config, gpus, backend_list, out, label, worker_timeout)
         return
@@ -587,10 +586,7 @@ def step(
         validate_step(config)  # unknown backends or tactics
     except (ValueError, TypeError) as error:
         raise _fail(_option_message(error)) from None
-    try:  # last of the checks (a refused command creates nothing), before any rank runs
-        _check_out(out)
-    except ValueError as error:
-        raise _fail(str(error)) from None
+    _check_out(out)  # last of the checks, before any rank runs
 
     where = (f"{ranks} ranks on GPUs {', '.join(map(str, gpu_used))} (NCCL)" if ranks > 1 and dev.type == "cuda"
              else f"{ranks} ranks on the CPU (gloo)" if ranks > 1 else f"one rank on {dev}")  # fmt: skip
@@ -1038,12 +1034,9 @@ def tune(
     except RuntimeError as error:
         raise _fail(str(error)) from None
     target = out or Path(os.environ.get("MOEBENCH_TUNING_DIR", "").split(os.pathsep)[0] or "tuning-tables")
-    try:  # tables and the summary must be writable before minutes of tuning, not after
-        _check_out(target)
-        if summary is not None:
-            _check_out(summary.parent, "--summary")
-    except ValueError as error:
-        raise _fail(str(error)) from None
+    _check_out(target)  # tables and the summary must be writable before minutes of tuning, not after
+    if summary is not None:
+        _check_out(summary.parent, "--summary")
     configs = [
         tuning_runner.TuneConfig(
             preset=name, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=(t,),

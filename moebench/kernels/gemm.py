@@ -64,7 +64,7 @@ import torch
 from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.tactic import (
-    GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
+    SPEC_WORDS, GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
 )  # fmt: skip
 from moebench.record import TILE, route_words
 
@@ -83,8 +83,6 @@ if HAVE_DSL:
 
 #: Shared memory + L1 of one H100/H200 SM that the carveout divides (bytes).
 _SMEM_PER_SM = 228 * 1024
-#: Shared words of a `spec` producer's prediction (bitmap 16, row masks 128, prefixes 16).
-SPEC_WORDS = 160
 #: L2 cache policy "evict first" (CUTLASS CacheHintSm90::EVICT_FIRST) for the bulk copies.
 _EVICT_FIRST = 0x12F0000000000000
 

@@ -16,6 +16,8 @@ from moebench.record import TILE
 MAX_WARPS = 24
 #: Most K slices of one item (split-K across CTAs).
 MAX_SPLIT_K = 16
+#: Shared words of a `spec` producer's prediction (bitmap 16, row masks 128, prefixes 16).
+SPEC_WORDS = 160
 #: Most shared-memory stages of the bulk-copy load path.
 MAX_STAGES = 8
 #: Shared memory one CTA may use (bytes; 227 KB on sm_90).
@@ -224,7 +226,7 @@ class GemmTactic:
             need += 8 * k + 128 + 32 * nch + 16
             what.append("the fp8 activation tile")
         if self.bulk:
-            need += self.stages * (bulk_stage_bytes(self) + 16) + (640 if self.spec else 0)
+            need += self.stages * (bulk_stage_bytes(self) + 16) + (4 * SPEC_WORDS if self.spec else 0)
             what.append(f"{self.stages} bulk stages")
         limit = min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm - 1024)  # 1 KB of each CTA's is reserved
         if need > limit:

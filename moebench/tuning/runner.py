@@ -503,11 +503,7 @@ def run_tune(
             say(f"{shape.describe()} {config.family} GEMM{stage}: preparing weights")
             # GEMM2's candidates run beside the GEMM1 tactic just tuned for their rows
             partners = {r: e.tactic for (st, r), e in entries.items() if st == 1} if stage == 2 else None
-            runner = GemmStageRunner(shape, stage, dev, scenario=config.scenario, seed=config.seed,
-                                     layers=config.layers, warm_l2=config.warm_l2, warmup=config.warmup,
-                                     replays=config.replays, space=config.space,
-                                     weight_sets=weight_sets, copy_layers=config.copy_layers,
-                                     act_bf16=config.act_bf16, fp8=config.fp8, partners=partners)  # fmt: skip
+            runner = _stage_runner(config, shape, stage, dev, weight_sets, partners)
             weight_sets = runner.weight_sets
             if probe is not None:
                 probe(runner)
@@ -554,6 +550,15 @@ def run_tune(
     return outcome
 
 
+def _stage_runner(config: TuneConfig, shape, stage: int, dev, weight_sets, partners) -> GemmStageRunner:
+    """The GemmStageRunner of GEMM`stage` of `shape` with `config`'s timing
+    settings, on the run's shared weight sets, beside `partners`."""
+    return GemmStageRunner(shape, stage, dev, scenario=config.scenario, seed=config.seed, layers=config.layers,
+                           warm_l2=config.warm_l2, warmup=config.warmup, replays=config.replays,
+                           space=config.space, weight_sets=weight_sets, copy_layers=config.copy_layers,
+                           act_bf16=config.act_bf16, fp8=config.fp8, partners=partners)  # fmt: skip
+
+
 def _revisit_gemm1(config, shape, dev, weight_sets, first, entries, base, say, stop) -> TuneResult | None:
     """One more round of the stage-by-stage search: GEMM1's finalists at
     each row count (the first pass's re-timed ones) timed again beside the
@@ -570,11 +575,7 @@ def _revisit_gemm1(config, shape, dev, weight_sets, first, entries, base, say, s
         return None
     finalists = {r: tuple(m.tactic for m in first.results[r].finalists) for r in rows}
     picks = {r: entries[1, r].tactic for r in rows}
-    runner = GemmStageRunner(shape, 1, dev, scenario=config.scenario, seed=config.seed, layers=config.layers,
-                             warm_l2=config.warm_l2, warmup=config.warmup, replays=config.replays,
-                             space=config.space, weight_sets=weight_sets, copy_layers=config.copy_layers,
-                             act_bf16=config.act_bf16, fp8=config.fp8,
-                             partners={r: entries[2, r].tactic for r in rows})  # fmt: skip
+    runner = _stage_runner(config, shape, 1, dev, weight_sets, {r: entries[2, r].tactic for r in rows})
     say(f"{shape.describe()} {config.family} GEMM1: revisiting {len(rows)} row counts beside the tuned GEMM2")
     prov = {**base, "timing": {**entries[1, rows[0]].provenance.get("timing", {}), "revisit": True}}
     return tune(shape, rows, lambda _s, r: finalists[r], runner.time, runner.check, repeats=config.repeats,

@@ -338,9 +338,9 @@ class Fp8Space:
             add(t)
         for t in _round_robin([self.changes(d) for d in defaults]):
             add(t)
-        for t in _round_robin([self.changes(v) for v in out[len(defaults):]]):  # step 5
+        for t in _round_robin([self.changes(v) for v in out if v not in defaults]):  # step 5
             add(t)
-        if stage == 1:  # spec needs 640 more bytes of shared memory: checked like the rest
+        if stage == 1:  # spec needs 4 * SPEC_WORDS more bytes of shared memory: checked like the rest
             twins = [replace(t, spec=True) for t in out if t.bulk and t.pdl and not t.spec]
             out += [t for t in twins if fp8_why_invalid(t, s, stage) is None]
         return tuple(out)
