@@ -98,7 +98,7 @@ from moebench.bench.shard import MULTICAST_OFF, free_port, gpu_serial, gpu_uuid,
 from moebench.bench.sweep import (
     ALL_TACTICS, COLUMNS, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
     canonical_bytes, check_backend_names, check_tactic_names, expand_all_tactics, layer_count, loaded_backends,
-    skip_reason, timing_counts,
+    skip_reason, timing_counts, timing_methods,
 )  # fmt: skip
 from moebench.bench.timing import Timing, time_graph
 from moebench.env import environment, resolve_device
@@ -691,7 +691,9 @@ def run_step(config: StepConfig, progress: ProgressFn | None = None, *, timeout_
         # The device made current, as a rank process does: every launch and stream lands on it.
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             rows, info = run_rank(config, 0, 1, dev, progress=progress)
-        return StepResult(_frame(rows), None, _manifest(config, info, devices=[str(dev)]))
+        frame = _frame(rows)
+        manifest = _manifest(config, info, devices=[str(dev)], timing_methods=timing_methods(frame))
+        return StepResult(frame, None, manifest)
     return launch_ranks(config, progress=progress, timeout_s=timeout_s)
 
 
@@ -921,7 +923,7 @@ def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str
     ranks_frame = _frame(pd.concat(ranks, ignore_index=True).to_dict("records")) if ranks else _frame([])
     info0 = (infos.get(0) or {}).get("info") or next(
         ((i.get("info") or {}) for i in infos.values() if i.get("info")), {"reduced": reduced})
-    manifest = _manifest(config, info0, devices=devices, workers=workers,
+    manifest = _manifest(config, info0, devices=devices, workers=workers, timing_methods=timing_methods(frame),
                          rank_manifests=[{k: (i.get("info") or {}).get(k) for k in ("copy_bw_gbps", "groups")}
                                          for i in infos.values()])  # fmt: skip
     return StepResult(frame, ranks_frame, manifest)

@@ -227,12 +227,23 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
         "size_ceiling": "triton" if (dev.type == "cuda" and triton_available()) else None,
         "oracle_tolerance": ORACLE_TOLERANCE,  # the mxfp8 / bf16 gate; per backend: Backend.tolerance
         "stage_timing": STAGE_TIMING if config.split else None,
+        # what the rows were timed with (config.use_graph is what was asked for: a CPU run
+        # or a backend that cannot be captured times eagerly)
+        "timing_methods": timing_methods(frame),
         "backends": reasons,
         "groups": groups_info,
         "config": _jsonable(asdict(config)),
         **env,
     }
     return SweepResult(frame, manifest)
+
+
+def timing_methods(frame: pd.DataFrame) -> list[str]:
+    """The distinct `timing_method` values of a run's rows (sorted; the rows
+    that were not timed have none)."""
+    if "timing_method" not in frame:
+        return []
+    return sorted({str(m) for m in frame["timing_method"].dropna() if str(m)})
 
 
 FLOAT_COLUMNS = (

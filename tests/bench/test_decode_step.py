@@ -261,6 +261,7 @@ def test_cli_step_no_split_then_report(tmp_path):
     (run,) = list(tmp_path.iterdir())
     df, manifest = read_run(run)
     assert manifest["stage_timing"] is None and manifest["config"]["split"] is False
+    assert manifest["timing_methods"] == sorted(set(df["timing_method"])) and len(manifest["timing_methods"]) == 1
     row = df.iloc[0]
     assert row["status"] == "ok" and row["median_us"] > 0 and row["gate_us"] > 0
     assert all(math.isnan(row[c]) for c in KERNEL_COLUMNS) and math.isnan(row["stage_sum_us"])

@@ -165,6 +165,7 @@ def test_run_sharded_sweep_writes_complete_store(tmp_path):
     assert {"gpu_index", "gpu_serial"} <= set(df.columns)
     assert (df.status == "failed").any() and (df.status == "ok").any()
     assert sum(w["error"] is not None for w in manifest["workers"]) >= 1
+    assert manifest["timing_methods"] == sorted({m for m in df["timing_method"].dropna() if m})
     assert not [p for p in (tmp_path / "runs").iterdir() if p.name.startswith(".")]
 
 

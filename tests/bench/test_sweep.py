@@ -301,6 +301,9 @@ def test_no_split_times_the_layer_call_only():
     assert all(math.isnan(row[f"kernel_{s}_us"]) for s in SWEEP_STAGES) and math.isnan(row["routed_us"])
     assert StagedBackend.calls == {}
     assert result.manifest["stage_timing"] is None and result.manifest["config"]["split"] is False
+    # what the rows were timed with, not what was asked for (no CUDA graph on the CPU)
+    assert result.manifest["config"]["use_graph"] is True
+    assert result.manifest["timing_methods"] == [row["timing_method"]] and "graph" not in row["timing_method"]
     with pytest.raises(TypeError, match="split must be a bool"):
         SweepConfig(split="no")
 
