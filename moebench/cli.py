@@ -794,7 +794,10 @@ def report(
     from moebench.reports.compare import DEFAULT_THRESHOLD_PCT, compare_runs, comparison_markdown, parse_threshold
     from moebench.reports.html import report_files
     from moebench.reports.store import read_table
-    from moebench.reports.summary import is_step_run, rank_table, step_summary_table, summary_table, to_markdown
+    from moebench.reports.summary import (
+        KERNEL_TACTICS_TITLE, is_step_run, kernel_tactics_table, rank_table, step_summary_table, summary_table,
+        to_markdown,
+    )  # fmt: skip
 
     try:
         threshold = parse_threshold(fail_above) if fail_above is not None else DEFAULT_THRESHOLD_PCT
@@ -846,11 +849,9 @@ def report(
                 tables["Decode step (µs; the step excludes the gate)"] = step_table
                 if ranks is not None and len(ranks):
                     tables["Per rank (µs)"] = rank_table(ranks)
-            from moebench.reports.summary import kernel_tactics_table
-
             kt = kernel_tactics_table(df)
             if len(kt):
-                tables["Kernel tactics (GEMM tactic per case and where it came from)"] = kt
+                tables[KERNEL_TACTICS_TITLE] = kt
             paths = write_html_report(df, manifest, target.parent, comparison=comparison,
                                       title=f"moebench run {run_dir.name}", tables=tables)  # fmt: skip
             console.print(f"wrote [bold]{paths[0]}[/bold] ({len(paths) - 1} plots)")

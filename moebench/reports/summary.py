@@ -184,6 +184,8 @@ def _error_cell(value) -> str:
 
 #: Columns naming a case in the kernel-tactics table (those present are shown).
 TACTIC_KEY_COLUMNS = ("preset", "tp", "rows", "scenario", "backend", "tactic")
+#: The kernel-tactics table's title in summary.md and report.html.
+KERNEL_TACTICS_TITLE = "Kernel tactics (GEMM tactic per case and where it came from)"
 
 
 def kernel_tactics_table(df: pd.DataFrame) -> pd.DataFrame:
@@ -239,7 +241,7 @@ def to_markdown(df: pd.DataFrame, manifest: dict, ranks: pd.DataFrame | None = N
     lines += ["", markdown_table(summary_table(df)), ""]
     tactics = kernel_tactics_table(df)
     if len(tactics):
-        lines += ["## Kernel tactics (GEMM tactic per case and where it came from)", "",
+        lines += [f"## {KERNEL_TACTICS_TITLE}", "",
                   markdown_table(tactics), ""]  # fmt: skip
     if step:
         lines += ["## Decode step (µs)", "", markdown_table(step_summary_table(df)), ""]

@@ -77,47 +77,10 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
     """The runner's plumbing (routing, oracle, poisoned buffers, checks,
     timing, tuner, table) with stand-in GEMMs that copy the oracle's output;
     tactics with unroll 4 corrupt it and must never be picked."""
-    import types
-
     from moebench.tuning import runner as rn
     from moebench.tuning.space import TacticSpace
 
-    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic, x_deq=None, h_deq_out=None, topk_ids=None):
-        case = next(c for c in live if any(record is r for r in (c["route"].record, c["t_record"])))
-        h_q.copy_(case["ref_q"])
-        h_s.copy_(case["ref_s"])
-        if tactic.unroll == 4:
-            h_q[: case["used"], :8] ^= 0x0F
-
-    def gemm2(kw, h_q, h_s, record, ctas, out, *, tactic, h_deq=None):
-        case = next(c for c in live if any(record is r for r in (c["route"].record, c["t_record"])))
-        if "oracle" not in case:  # the pair of a GEMM1 timing (GEMM2 at its default): no output needed
-            return
-        out.copy_(case["oracle"].to(out.dtype))
-        if tactic.unroll == 4:
-            out[: case["used"]] *= 1.5
-
-    live = []
-    original = rn.GemmStageRunner._case
-
-    def tracking_case(self, rows):
-        case = original(self, rows)
-        if all(case is not c for c in live):
-            live.append(case)
-        return case
-
-    routes = []  # the timed path starts with the route kernel (record + MXFP8 x), as the binding's
-
-    def launch_route_quantize(x, x_q, x_s, ids, record, permuted, experts, *, x_deq_out=None,
-                              release_after_wait=False):
-        routes.append((tuple(ids.shape), release_after_wait))
-
-    monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.gemm",
-                        types.SimpleNamespace(gemm1=gemm1, gemm2=gemm2, act_to_bf16=act_to_bf16))  # fmt: skip
-    monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.route",
-                        types.SimpleNamespace(launch_route_quantize=launch_route_quantize))  # fmt: skip
-    monkeypatch.setattr(rn.GemmStageRunner, "_case", tracking_case)
-    monkeypatch.setattr(rn, "require_tuning_device", lambda device=None: torch.device("cpu"))
+    routes, _ = _stand_in_kernels(monkeypatch)  # unroll-4 tactics corrupt the output
     space = TacticSpace(tile_rows=(32, 64), warps=((1, 4), (4, 1)), unroll=(2, 4), ctas_per_sm=(2,),
                         persistent=(True,))  # fmt: skip
     cfg = TuneConfig(preset="dsv41-flash", hidden=256, intermediate=512, experts=8, tp=(4,), rows=(1, 6),
