@@ -1146,3 +1146,173 @@ def test_spec_gemm1_equals_its_plain_twin_and_replays():
         want = _run_gemm1(kw, x_q, x_s, route, tactic=dataclasses.replace(t, spec=False))
         used = TILE * route.tiles_used
         assert torch.equal(h_q[:used], want[0][:used]), f"replay {seed}"
+
+
+# ---------------------------------------------------------------- tile_deps: per-tile waits between GEMM1 and GEMM2
+#: tile_deps pairs (fp8 bulk): the shipped dsv41-flash TP4 shapes of rows 4, 6 (spec) and 8 (two CTAs / SM).
+TD_PAIRS = [(GemmTactic(16, 4, 4, 4, 1, stages=3, fp8=True, tile_deps=True),
+             GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True, tile_deps=True)),
+            (GemmTactic(16, 4, 5, 4, 1, stages=6, fp8=True, spec=True, tile_deps=True),
+             GemmTactic(32, 4, 1, 3, 3, stages=5, fp8=True, tile_deps=True)),
+            (GemmTactic(32, 4, 2, 4, 2, stages=3, fp8=True, spec=True, tile_deps=True),
+             GemmTactic(32, 8, 2, 3, 1, stages=4, fp8=True, tile_deps=True))]  # fmt: skip
+
+
+def test_tile_deps_tactic_validation_and_workspace():
+    from moebench.kernels.tactic import TILE_COUNTER_STRIDE, tile_counter_words
+    from moebench.tuning.space import tactic_from_name
+    from moebench.tuning.table import tactic_from_dict
+
+    t1, t2 = TD_PAIRS[0]
+    assert t1.name == "r16_m4_k4_u4_c1_b3_td_f8" and tactic_from_name(t1.name) == t1
+    assert TD_PAIRS[1][0].name == "r16_m4_k5_u4_c1_b6_sp_td_f8" and tactic_from_name(TD_PAIRS[1][0].name)
+    import dataclasses
+
+    assert tactic_from_dict(dataclasses.asdict(t2) | {"name": t2.name}, "t") == t2
+    plain = {k: v for k, v in dataclasses.asdict(t2).items() if k != "tile_deps"}
+    assert tactic_from_dict(plain, "old table").tile_deps is False  # tables before the field
+    for bad in (dict(stages=0), dict(fp8=False, tile_rows=32), dict(pdl=False)):
+        with pytest.raises(ValueError, match="tile_deps"):
+            GemmTactic(**{**dict(tile_rows=16, warps_m=4, warps_k=4, unroll=4, ctas_per_sm=1, stages=4,
+                                 fp8=True, tile_deps=True), **bad})
+    with pytest.raises(TypeError, match="tile_deps must be a bool"):
+        GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, tile_deps=1)
+    shape = get_preset("dsv41-flash").shard(4)
+    assert t1.valid_for(shape, 1) is None and t2.valid_for(shape, 2) is None
+    # counters only, one 128-byte line per token tile, the same for both GEMMs
+    assert tile_counter_words(24) == 24 * TILE_COUNTER_STRIDE and TILE_COUNTER_STRIDE * 4 == 128
+    assert workspace_parts(shape, t1, 24, 1) == workspace_parts(shape, t2, 24, 2) == (24 * 128, 0)
+    assert workspace_bytes(shape, dataclasses.replace(t1, tile_deps=False), 24, 1) == 0
+
+
+@pytest.mark.compile
+def test_tile_deps_tactics_compile_for_sm90a_without_spills():
+    specs = [("dsv41-flash", 4, 1, False, None, _fields(t1)) for t1, _ in TD_PAIRS]
+    specs += [("dsv41-flash", 4, 2, False, None, _fields(t2)) for _, t2 in TD_PAIRS]
+    for rep in _checked_reports(specs):
+        stage = rep["spec"][2]
+        if stage == 1:  # the signal: gpu fence, then a relaxed red.add on the tile's counter
+            assert sass_count(rep, r"MEMBAR\.ALL\.GPU") >= 1, rep["spec"]
+            assert sass_count(rep, r"REDG\.E\.ADD\.S32\.STRONG\.GPU") == 1, rep["spec"]
+        else:  # the wait: acquire polls (L1 invalidated) with nanosleep, the arrival atom.inc, a trap
+            assert sass_count(rep, r"LDG\.E\.STRONG\.GPU") >= 2 and sass_count(rep, r"CCTL\.IVALL") >= 2, rep["spec"]
+            assert sass_count(rep, r"NANOSLEEP 0x100") == 1 and rep["atom_inc"] == 1, rep["spec"]
+            assert sass_count(rep, r"BPT\.TRAP") == 1, rep["spec"]
+
+
+def _td_cases(experts, gen):
+    """(label, ids) over rows 1-8: distinct, non-local (-1) and repeated ids, and the scenarios."""
+    cases = []
+    for rows in (1, 2, 4, 6, 8):
+        distinct = torch.stack([torch.randperm(experts, generator=gen)[:6] for _ in range(rows)])
+        holes = distinct.clone()
+        holes[torch.rand(rows, 6, generator=gen) < 0.3] = -1
+        repeats = torch.randint(0, 4, (rows, 6), generator=gen)
+        cases += [(f"distinct-r{rows}", distinct), (f"non-local-r{rows}", holes), (f"repeats-r{rows}", repeats)]
+    return cases + _routings(experts, rows_list=(3, 8))
+
+
+@pytest.mark.gpu
+def test_tile_deps_pair_equals_its_plain_twins_and_cleans_its_counters():
+    """A tile_deps pair (GEMM2 waiting per tile on GEMM1's signals, no grid
+    wait) writes the same H and rows bits as the same tactics without
+    tile_deps, on poisoned outputs, over every routing shape; the shared
+    workspace is all zero after every pair."""
+    import dataclasses
+
+    from moebench.kernels.gemm import alloc_workspace, gemm1, gemm2
+    from moebench.kernels.layout import to_kernel_layout
+
+    experts = 64
+    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=41)
+    kw = to_kernel_layout(weights, "e4m3")
+    gen = torch.Generator().manual_seed(43)
+    ws = alloc_workspace(workspace_bytes_for(GemmShape.of(kw), [(1, TD_PAIRS[0][0], 64)]), "cuda")
+    for t1, t2 in TD_PAIRS:
+        p1, p2 = dataclasses.replace(t1, tile_deps=False), dataclasses.replace(t2, tile_deps=False)
+        for label, ids in _td_cases(experts, gen):
+            ids = ids.to(torch.int32).cuda()
+            route = build_route_record(ids, experts)
+            x_q, x_s = quantize_mxfp8(generate_activations(ids.shape[0], shape.hidden, seed=5, device="cuda"))
+            want_h = _run_gemm1(kw, x_q, x_s, route, tactic=p1, workspace=ws)
+            want = _run_gemm2(kw, *want_h, route, tactic=p2, workspace=ws)
+            n = TILE * route.ctas
+            h_q = torch.full((n, kw.intermediate), 0xFF, dtype=torch.uint8, device="cuda")
+            h_s = torch.full((n, kw.intermediate // 32), 0xFE, dtype=torch.uint8, device="cuda")
+            out = torch.full((n, kw.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+            gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1, workspace=ws,
+                  topk_ids=ids if t1.spec else None)
+            gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, workspace=ws)
+            torch.cuda.synchronize()
+            used = TILE * route.tiles_used
+            what = f"{t1.name} + {t2.name} {label}"
+            assert torch.equal(h_q[:used], want_h[0][:used]) and torch.equal(h_s[:used], want_h[1][:used]), what
+            assert torch.equal(out[:used], want[:used]), what
+            assert not ws.any(), f"{what}: counters left at {ws.view(torch.int32).nonzero().flatten().tolist()}"
+
+
+@pytest.mark.gpu
+def test_tile_deps_graph_replays_two_layers_on_one_workspace():
+    """route -> tile_deps GEMM1 -> GEMM2 for two layers sharing one
+    workspace, captured once; replays with new ids and activations give the
+    plain twins' rows, and leave the counters at zero."""
+    import dataclasses
+
+    from moebench.kernels.gemm import alloc_workspace, gemm1, gemm2
+    from moebench.kernels.layout import to_kernel_layout
+    from moebench.kernels.route import launch_route_quantize
+
+    experts, rows = 64, 6
+    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=47)
+    kw = to_kernel_layout(weights, "e4m3")
+    t1, t2 = TD_PAIRS[1]  # spec GEMM1: the route kernel releases after its wait
+    gen = torch.Generator().manual_seed(53)
+    ctas = max_ctas(rows, 6, experts)
+    ws = alloc_workspace(workspace_bytes_for(GemmShape.of(kw), [(1, t1, ctas), (2, t2, ctas)]), "cuda")
+
+    def buffers():
+        return dict(x=generate_activations(rows, shape.hidden, seed=7, device="cuda"),
+                    ids=torch.zeros(rows, 6, dtype=torch.int32, device="cuda"),
+                    record=torch.empty(route_words(ctas), dtype=torch.int32, device="cuda"),
+                    permuted=torch.empty(rows, 6, dtype=torch.int32, device="cuda"),
+                    x_q=torch.empty(rows, shape.hidden, dtype=torch.uint8, device="cuda"),
+                    x_s=torch.empty(rows, shape.hidden // 32, dtype=torch.uint8, device="cuda"),
+                    h_q=torch.empty(TILE * ctas, kw.intermediate, dtype=torch.uint8, device="cuda"),
+                    h_s=torch.empty(TILE * ctas, kw.intermediate // 32, dtype=torch.uint8, device="cuda"),
+                    out=torch.empty(TILE * ctas, kw.hidden, dtype=torch.bfloat16, device="cuda"))
+
+    layers = [buffers(), buffers()]
+
+    def new_inputs(seed):
+        for b in layers:
+            b["ids"].copy_(torch.stack([torch.randperm(experts, generator=gen)[:6] for _ in range(rows)]))
+            b["x"].copy_(generate_activations(rows, shape.hidden, seed=seed, device="cuda"))
+            seed += 1
+            b["out"].fill_(float("nan"))
+
+    def step():
+        for b in layers:
+            launch_route_quantize(b["x"], b["x_q"], b["x_s"], b["ids"], b["record"], b["permuted"], experts,
+                                  release_after_wait=True)
+            gemm1(kw, b["x_q"], b["x_s"], b["record"], ctas, b["h_q"], b["h_s"], tactic=t1, workspace=ws,
+                  topk_ids=b["ids"])
+            gemm2(kw, b["h_q"], b["h_s"], b["record"], ctas, b["out"], tactic=t2, workspace=ws)
+
+    new_inputs(0)
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for replay in range(4):
+        new_inputs(10 * replay + 1)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not ws.any(), f"replay {replay}: counters not zero"
+        for i, b in enumerate(layers):
+            route = build_route_record(b["ids"], experts)
+            x_q, x_s = quantize_mxfp8(b["x"])
+            h = _run_gemm1(kw, x_q, x_s, route, tactic=dataclasses.replace(t1, spec=False, tile_deps=False))
+            want = _run_gemm2(kw, *h, route, tactic=dataclasses.replace(t2, tile_deps=False))
+            used = TILE * route.tiles_used
+            assert torch.equal(b["out"][:used], want[:used]), f"replay {replay} layer {i}"
