@@ -124,12 +124,9 @@ class RoutedExpertGemm:
     tactics {1: GemmTactic, 2: GemmTactic} (a missing stage: the built-in
     default; `{}` = the built-in defaults, no table). `tactic_sources`
     records where each (stage, rows) tactic came from.
-    When a chosen tactic splits K (split_k > 1) or has tile_deps, the layer
-    owns one zeroed workspace (`self.workspace`, sized for every row count
-    and both GEMMs by `workspace_bytes_for`, allocated here once, None
-    otherwise); tile_deps (`_td`) runs only as a pair, in `gemms`: explicit
-    tactics with it on one GEMM only raise ValueError, table ones run
-    without it;
+    When a chosen tactic splits K (split_k > 1) the layer owns one zeroed
+    split-K workspace (`self.workspace`, sized for every row count and both
+    GEMMs by `workspace_bytes_for`, allocated here once, None otherwise);
     `workspace=` passes a caller's buffer instead (e.g. one shared by layers
     that always run one after the other on one stream; never share it between
     layers that may run concurrently). Raises ValueError / TypeError from
@@ -210,7 +207,6 @@ class RoutedExpertGemm:
                     raise ValueError(f"tactics[{stage}] ({tactic.name}) cannot run GEMM{stage}: {reason}")
                 self.tactics[stage, rows] = tactic
                 self.tactic_sources[stage, rows] = source
-            self._pair_tile_deps(rows, tactics is not None)
         need = workspace_bytes_for(
             shape, ((stage, t, max_ctas(rows, top_k, self.experts)) for (stage, rows), t in self.tactics.items())
         )
@@ -391,37 +387,16 @@ class RoutedExpertGemm:
                             x_quant, x_scale, record, permuted, x_deq_out=x_deq)
         return Routing(x_quant, x_scale, topk_ids, topk_weights, permuted, record, ctas, x_deq)
 
-    def _pair_tile_deps(self, rows: int, explicit: bool) -> None:
-        """A tile_deps tactic works only as a pair (GEMM2 waits on what GEMM1
-        signals): where one GEMM of `rows` has it and the other not, explicit
-        tactics raise ValueError; table / default ones run without it."""
-        t1, t2 = self.tactics[1, rows], self.tactics[2, rows]
-        if t1.tile_deps == t2.tile_deps:
-            return
-        if explicit:
-            raise ValueError(f"tactics {{1: {t1.name}, 2: {t2.name}}}: tile_deps (_td) must be set on both GEMMs"
-                             " or on neither (GEMM2 waits per tile on what GEMM1 signals)")
-        for stage, t in ((1, t1), (2, t2)):
-            if t.tile_deps:
-                self.tactics[stage, rows] = replace(t, tile_deps=False)
-                self.tactic_sources[stage, rows] += f" (tile_deps off: GEMM{3 - stage}'s tactic lacks it)"
-
     def gemm1(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch GEMM1; returns H (uint8 e4m3 [8*ctas, I]) and its E8M0
         scales (uint8 [8*ctas, I/32]), by permuted row. With an act_bf16
         tactic these are views of buffers the layer owns (as its BF16 copy of
-        H is): the next GEMM1 call of this layer overwrites them. A tile_deps
-        tactic runs without its per-tile signals here (they need GEMM2 right
-        after it: `gemms`). Raises TypeError for a non-Routing."""
-        return self._gemm1(routing, paired=False)
-
-    def _gemm1(self, routing: Routing, paired: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        H is): the next GEMM1 call of this layer overwrites them. Raises
+        TypeError for a non-Routing."""
         _check_routing(routing)
         device = routing.x_quant.device
         rows = TILE * routing.ctas
         tactic = self.tactics[1, routing.x_quant.shape[0]]
-        if tactic.tile_deps and not paired:
-            tactic = replace(tactic, tile_deps=False)
         if tactic.spec and not routing.early_ids:  # e.g. the front's routing: its ids come with its record
             tactic = replace(tactic, spec=False)
         if tactic.act_bf16:
@@ -445,15 +420,9 @@ class RoutedExpertGemm:
 
     def gemm2(self, routing: Routing, h_q: torch.Tensor, h_scale: torch.Tensor) -> UnfinalizedMoEOutput:
         """Launch GEMM2 on GEMM1's outputs; returns the unweighted BF16 rows
-        [8*ctas, H] with the routing weights and permute map. A tile_deps
-        tactic waits for GEMM1's whole grid here, as the others do (`gemms`
-        runs the pair's per-tile waits). Raises TypeError for a non-Routing,
-        ValueError for h_q / h_scale not of GEMM1's shape, dtype and
-        device."""
-        return self._gemm2(routing, h_q, h_scale, paired=False)
-
-    def _gemm2(self, routing: Routing, h_q: torch.Tensor, h_scale: torch.Tensor,
-               paired: bool) -> UnfinalizedMoEOutput:
+        [8*ctas, H] with the routing weights and permute map. Raises TypeError
+        for a non-Routing, ValueError for h_q / h_scale not of GEMM1's shape,
+        dtype and device."""
         _check_routing(routing)
         n, inter = TILE * routing.ctas, self.kw.intermediate
         for name, t, want in (("h_q", h_q, (n, inter)), ("h_scale", h_scale, (n, inter // 32))):
@@ -468,8 +437,6 @@ class RoutedExpertGemm:
                 )
         out = torch.empty(TILE * routing.ctas, self.hidden, dtype=torch.bfloat16, device=h_q.device)
         tactic = self.tactics[2, routing.x_quant.shape[0]]
-        if tactic.tile_deps and not paired:
-            tactic = replace(tactic, tile_deps=False)
         h_deq = None
         if tactic.act_bf16:
             h_deq = self.h_deq[: TILE * routing.ctas]
@@ -481,9 +448,8 @@ class RoutedExpertGemm:
         return UnfinalizedMoEOutput(out, routing.topk_weights, routing.permuted)
 
     def gemms(self, routing: Routing) -> UnfinalizedMoEOutput:
-        """GEMM1 then GEMM2, right after the kernel that built `routing`
-        (a tile_deps pair with its per-tile waits)."""
-        return self._gemm2(routing, *self._gemm1(routing, paired=True), paired=True)
+        """GEMM1 then GEMM2, right after the kernel that built `routing`."""
+        return self.gemm2(routing, *self.gemm1(routing))
 
 
 def build_routed_expert_gemms(

@@ -64,8 +64,7 @@ import torch
 from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.tactic import (
-    SPEC_WORDS, TILE_COUNTER_STRIDE, GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for,
-    workspace_parts,
+    SPEC_WORDS, GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
 )  # fmt: skip
 from moebench.record import TILE, route_words
 
@@ -80,13 +79,10 @@ if HAVE_DSL:
     from cutlass.experimental import primitives as prims
 
     from moebench.kernels import fp4
-    from moebench.kernels.ptx import arrive_inc_if, nanosleep, st_shared_u32x4, trap
+    from moebench.kernels.ptx import st_shared_u32x4, trap
 
 #: Shared memory + L1 of one H100/H200 SM that the carveout divides (bytes).
 _SMEM_PER_SM = 228 * 1024
-#: A tile_deps GEMM2's poll of a tile counter: nanoseconds asleep between polls, most polls (~1 s) before a trap.
-TILE_WAIT_NS = 256
-TILE_WAIT_POLLS = 1 << 22
 #: L2 cache policy "evict first" (CUTLASS CacheHintSm90::EVICT_FIRST) for the bulk copies.
 _EVICT_FIRST = 0x12F0000000000000
 
@@ -563,7 +559,7 @@ if HAVE_DSL:
                    out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ids: cute.Pointer, meta: Int32,
                    ctas: Int32):
             if cutlass.const_expr(self.bulk):
-                self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, ids, meta, ctas)
+                self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, ids, meta, ctas)
             else:
                 self.register_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas)
 
@@ -691,7 +687,7 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ bulk-copy load path
         @cute.jit
-        def bulk_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, ids, meta, ctas):
+        def bulk_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, ids, meta, ctas):
             """Bulk load path (tactic.stages = S >= 2). Warps 0..nw-1 compute as in
             the register path; warp nw is the producer. Step i of a CTA (item
             i // NB, K chunks [b*KS, (b+1)*KS), b = i % NB, KS = warps_k*unroll)
@@ -725,7 +721,7 @@ if HAVE_DSL:
             if warp == self.nw:
                 self.bulk_produce(w, ws, record, ring, bars, bid, nblk, lane, ids, meta, scratch)
             elif cutlass.const_expr(self.fp8):
-                self.bulk_consume_wgmma(act, act_s, record, clamp, out, out_s, cnt, ctas, sP, ring, bars, sB, sXs,
+                self.bulk_consume_wgmma(act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
                                         tid, bid, nblk, warp, lane)
             else:
                 self.bulk_consume(act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars,
@@ -870,11 +866,9 @@ if HAVE_DSL:
             round-robin (bid, bid + nblk, ...), or for fp8 tactics on the bulk
             ring a contiguous range (equal sizes within one), so that a CTA's
             consecutive units mostly share a token tile and its staged
-            activation rows (`bulk_consume_wgmma` stages them once per tile);
-            but round-robin for a tile_deps GEMM1, whose first wave then
-            finishes whole tiles for GEMM2."""
+            activation rows (`bulk_consume_wgmma` stages them once per tile)."""
             first, count, stride = bid, (n_units + nblk - 1 - bid) // nblk, Int32(nblk)
-            if cutlass.const_expr(self.fp8 and not (self.tactic.tile_deps and self.stage == 1)):
+            if cutlass.const_expr(self.fp8):
                 q = n_units // nblk
                 r = n_units % nblk
                 first = bid * q + cutlass.min(bid, r)
@@ -940,7 +934,7 @@ if HAVE_DSL:
                 b, unit = b - wrap * NB, unit + wrap * nblk
 
         @cute.jit
-        def bulk_consume_wgmma(self, act, act_s, record, clamp, out, out_s, cnt, ctas, sP, ring, bars, sB, sXs,
+        def bulk_consume_wgmma(self, act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
                                tid, bid, nblk, warp, lane):
             """fp8 tactics on the bulk ring (warp-specialized: the producer warp
             streams the weights, these warpgroups only decode and multiply). Per
@@ -951,14 +945,8 @@ if HAVE_DSL:
             warp's words and scales from the stage into registers, release the
             stage at once (empty[s]), then `compute_wgmma` on the registers.
             Warp (wm, wk) (wk-major: a warpgroup shares wk) takes chunks
-            b*KS + wk*unroll + j of m-tile(s) wm of the item.
-            tile_deps (`GemmTactic`): GEMM1 signals each item's tile
-            (`signal_tile`); GEMM2 waits per tile instead of per grid
-            (`wait_tile`) and arrives per unit (the tile's last arrival
-            zeroes its rows-done counter)."""
+            b*KS + wk*unroll + j of m-tile(s) wm of the item."""
             S, NB, KS, U, tm = self.tactic.stages, self.nb, self.ks, self.u, self.tm
-            deps1 = self.tactic.tile_deps and self.stage == 1
-            deps2 = self.tactic.tile_deps and self.stage == 2
             g = lane // 4
             wm, wk = warp % self.wm, warp // self.wm
             words = (ctas + 3) // 4 * 4
@@ -976,13 +964,11 @@ if HAVE_DSL:
             pair = wm if tm == 2 else wm // 2
             t16 = 0 if tm == 2 else wm % 2
             if cutlass.const_expr(self.tactic.pdl):
-                if cutlass.const_expr(not deps2):  # tile_deps: GEMM2 waits per tile below
-                    cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
             n_units = cute.arch.load(record, Int32) * self.blocks
             top_k = cute.arch.load(record + 3, Int32)
             unit, count, stride = self.unit_span(n_units, bid, nblk)
-            last = Uint32(0)  # tile_deps GEMM2: thread 0's arrival on the unit's tile (the old count)
             # the ring position runs on across units: stage s, phase ph (no division per step)
             s, ph, parity, staged = Int32(0), Int32(0), Int32(0), Int32(-1)  # staged: the tile in sB
             for _ in cutlass.range(0, count, 1, unroll=1):
@@ -990,15 +976,9 @@ if HAVE_DSL:
                 if tile != staged:  # a unit of a new tile: its activation rows into shared memory
                     # (the previous unit's wgmmas all completed before the barrier that closed it)
                     staged = tile
-                    if cutlass.const_expr(deps2):  # H of the tile complete: thread 0 acquires, all read
-                        if tid == 0:
-                            self.wait_tile(cnt, tile)
-                        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                     self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
                     cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                if cutlass.const_expr(deps2):  # after this unit's check: issued now, its answer read at the end
-                    last = arrive_inc_if(cnt + (tile * TILE_COUNTER_STRIDE + 1), self.blocks - 1, Int32(tid == 0))
                 for b in cutlass.range(0, NB, 1, unroll=1):
                     cute.arch.mbarrier_wait(bars + s, ph)
                     stage = ring + s * self.stage_words
@@ -1025,46 +1005,8 @@ if HAVE_DSL:
                 self.stash_partials(sP, acc, parity, warp, lane)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
-                if cutlass.const_expr(deps1):
-                    self.signal_tile(cnt, tile, tid)
-                if cutlass.const_expr(deps2):
-                    if tid == 0:
-                        if last == Uint32(self.blocks - 1):  # the tile's last GEMM2 unit: every check is done
-                            # release: after its own arrival, which read every other unit's (each
-                            # made after that unit's acquire of the count)
-                            cute.arch.store(cnt + tile * TILE_COUNTER_STRIDE, Int32(0), sem="release", scope="gpu")
                 parity = parity ^ 1
                 unit = unit + stride
-
-        @cute.jit
-        def signal_tile(self, cnt, tile, tid):
-            """GEMM1 tile_deps: after an item's epilogue, add its rows to the
-            tile's rows-done counter once every compute warp's H stores are
-            done (CUTLASS's generic-barrier arrive: CTA barrier, then thread
-            0's gpu-scope fence, cumulative over the CTA's stores, and a
-            relaxed red.add)."""
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-            if tid == 0:
-                cute.arch.fence_acq_rel_gpu()
-                cute.arch.red(cnt + tile * TILE_COUNTER_STRIDE, Int32(self.rm), op="add", dtype=Int32,
-                              sem="relaxed", scope="gpu")
-
-        @cute.jit
-        def wait_tile(self, cnt, tile):
-            """GEMM2 tile_deps, one thread: poll (ld.acquire.gpu, nanosleep
-            between polls) until the tile's rows-done counter holds all 2I
-            rows of H; traps after TILE_WAIT_POLLS polls (a GEMM1 that never
-            signals, e.g. without tile_deps, must not hang the GPU)."""
-            need = Int32(2 * self.shape.intermediate)
-            ptr = cnt + tile * TILE_COUNTER_STRIDE
-            done = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-            polls = Int32(0)
-            while done < need and polls < TILE_WAIT_POLLS:
-                nanosleep(TILE_WAIT_NS)
-                done = cute.arch.load(ptr, Int32, sem="acquire", scope="gpu")
-                polls = polls + 1
-            if done < need:
-                trap()
 
 
 # ---------------------------------------------------------------------- host side
@@ -1156,18 +1098,15 @@ def alloc_workspace(nbytes: int, device) -> torch.Tensor:
 
 
 def _split_k_ptrs(workspace, shape: GemmShape, tactic: GemmTactic, stage: int, ctas: int, device, record):
-    """(counters, partials) pointers of the workspace for this launch
-    (workspace_parts: counters at the front, partials at the back), or
-    placeholders (never read) when the tactic neither splits K nor has
-    tile_deps."""
-    if tactic.split_k == 1 and not tactic.tile_deps:
+    """(counters, partials) pointers of the split-K workspace for this
+    launch (workspace_parts: counters at the front, partials at the back), or
+    placeholders (never read) when the tactic does not split K."""
+    if tactic.split_k == 1:
         # the kernel ignores them; any 16-byte aligned device pointer will do
         return gmem_ptr(Int32, record, 16), gmem_ptr(Float32, record, 16)
     if workspace is None:
-        why = (f"splits K {tactic.split_k} ways" if tactic.split_k > 1
-               else "keeps per-tile counters (tile_deps)")
         raise ValueError(
-            f"workspace is required: tactic {tactic.name} {why}; allocate one"
+            f"workspace is required: tactic {tactic.name} splits K {tactic.split_k} ways; allocate one"
             f" once with alloc_workspace(workspace_bytes(shape, tactic, ctas, {stage})) and pass it"
         )
     if not isinstance(workspace, torch.Tensor):
@@ -1296,14 +1235,10 @@ def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: t
     uint8 [8*ctas, I/32], by permuted row: rows of used tiles are all written
     (padding rows zero), rows of unused tiles untouched. tactic: GemmTactic
     (default_tactic(shape, 1, ctas, SMs) when None). stream: None, torch.cuda.Stream or
-    CUstream. workspace: required when tactic.split_k > 1 or tactic.tile_deps
-    (ignored otherwise): a zeroed buffer of >= workspace_bytes(shape, tactic,
-    ctas, 1) bytes from `alloc_workspace`, allocated once and reused (the
-    kernel leaves its counters at zero); launches sharing one must run one
-    after the other. A tile_deps GEMM1 (`GemmTactic.tile_deps`) must be
-    followed on the same stream by a tile_deps `gemm2` of the same record
-    and workspace: GEMM2 returns the per-tile counters to zero (without it
-    the next tile_deps GEMM2 would read stale counts).
+    CUstream. workspace: required when tactic.split_k > 1 (ignored otherwise):
+    a zeroed buffer of >= workspace_bytes(shape, tactic, ctas, 1) bytes from
+    `alloc_workspace`, allocated once and reused (the kernel leaves its
+    counters at zero); launches sharing one must run one after the other.
     x_deq, h_deq_out: required exactly when tactic.act_bf16 (ValueError
     otherwise): x_deq bfloat16 [rows, H], x dequantized (`act_to_bf16(x_q,
     x_scale)`: the kernel reads it instead of x_q / x_scale, which are still
@@ -1363,9 +1298,6 @@ def gemm2(kw: KernelWeights, h_q: torch.Tensor, h_scale: torch.Tensor, record: t
     when tactic.act_bf16 (ValueError otherwise): bfloat16 [8*ctas, I], H
     dequantized (an act_bf16 GEMM1's h_deq_out, or act_to_bf16(h_q, h_scale));
     the kernel reads it instead of h_q / h_scale (still checked).
-    A tile_deps tactic must come right after a tile_deps `gemm1` on the same
-    stream, record and workspace (it waits on the counters that GEMM1 fills,
-    and traps after about a second if they never fill).
     """
     device = _check_common(kw, record, ctas)
     h, i = kw.hidden, kw.intermediate

@@ -4,7 +4,7 @@ the DSL is present."""
 
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Float32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -57,6 +57,8 @@ def sync_threads_or(flag, *, loc=None, ip=None):
     (Int32, nonzero = true) over every thread: returns Int32 1 if any thread's
     flag was nonzero, else 0, in every thread (`bar.red.or.pred`). Orders
     shared-memory accesses as a plain barrier does."""
+    from cutlass import Int32
+
     return Int32(llvm.inline_asm(
         T.i32(), [Int32(flag).ir_value(loc=loc, ip=ip)],
         "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p; selp.s32 $0, 1, 0, q; }",
@@ -69,30 +71,3 @@ def trap(*, loc=None, ip=None) -> None:
     error), for a state the kernel must never compute on."""
     llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def nanosleep(ns: int, *, loc=None, ip=None) -> None:
-    """`nanosleep.u32 ns;`: suspend the thread for about `ns` nanoseconds
-    (a hint, 0 to 2 * ns on sm_70+), for polling loops that should leave
-    issue slots to the other warps of the SM."""
-    llvm.inline_asm(None, [], f"nanosleep.u32 {int(ns)};", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
-
-
-@dsl_user_op
-def arrive_inc_if(ptr, bound: int, pred, *, loc=None, ip=None) -> Uint32:
-    """Where `pred` (Int32) is nonzero: `atom.relaxed.gpu.global.inc.u32` on
-    the int32 counter at `ptr` (a gmem pointer) with wrap value `bound`
-    (stores old >= bound ? 0 : old + 1) -> old; elsewhere nothing, -> 0.
-    Relaxed: no fence before it (the caller orders what it must, e.g. an
-    acquire load before, a release store after); the thread waits for `old`
-    only where it reads it, so the round trip overlaps other work."""
-
-    addr = Int64(ptr.toint(loc=loc, ip=ip))
-    return Uint32(llvm.inline_asm(
-        T.i32(), [addr.ir_value(loc=loc, ip=ip), Uint32(bound).ir_value(loc=loc, ip=ip),
-                  Int32(pred).ir_value(loc=loc, ip=ip)],
-        "{ .reg .pred p; setp.ne.s32 p, $3, 0; mov.u32 $0, 0;"
-        " @p atom.relaxed.gpu.global.inc.u32 $0, [$1], $2; }",
-        "=&r,l,r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))

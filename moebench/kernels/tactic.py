@@ -20,8 +20,6 @@ MAX_SPLIT_K = 16
 SPEC_WORDS = 160
 #: Most shared-memory stages of the bulk-copy load path.
 MAX_STAGES = 8
-#: int32 words between two token tiles' counters of a `tile_deps` pair (one 128-byte L2 line each).
-TILE_COUNTER_STRIDE = 32
 #: Shared memory one CTA may use (bytes; 227 KB on sm_90).
 SMEM_PER_CTA = 227 * 1024
 
@@ -120,19 +118,6 @@ class GemmTactic:
       before griddepcontrol.wait; the launch passes the ids (`gemm1(...,
       topk_ids=)`). Rows that repeat an expert switch the prediction off; a
       record that disagrees with it traps. Name suffix `_sp`.
-    tile_deps: per-tile dependencies between GEMM1 and GEMM2 instead of
-      GEMM2's whole-grid wait (fp8 on the bulk ring with PDL; set on BOTH
-      GEMMs of a layer, which share one workspace). GEMM1 takes its units
-      round-robin (wave by wave, so whole token tiles finish early) and,
-      after each item's H is written, adds the item's rows to its tile's
-      counter (CTA barrier, gpu-scope fence, red.add: CUTLASS's
-      generic-barrier arrive). GEMM2 skips griddepcontrol.wait: before it
-      stages a tile's H, one thread waits until the counter holds all 2I
-      rows (ld.acquire.gpu, then a CTA barrier), so GEMM2's CTAs compute on
-      the SMs GEMM1 has left while GEMM1's last wave still runs. Every
-      GEMM2 unit also arrives on a second per-tile counter (atom.inc,
-      wrapping); the tile's last one zeroes the first, so the workspace is
-      clean for the next launch or graph replay. Name suffix `_td`.
     """
 
     tile_rows: int = 64
@@ -147,10 +132,9 @@ class GemmTactic:
     act_bf16: bool = False
     fp8: bool = False
     spec: bool = False
-    tile_deps: bool = False
 
     def __post_init__(self) -> None:
-        for flag in ("persistent", "pdl", "act_bf16", "fp8", "spec", "tile_deps"):
+        for flag in ("persistent", "pdl", "act_bf16", "fp8", "spec"):
             if not isinstance(getattr(self, flag), bool):
                 raise TypeError(f"{flag} must be a bool, got {type(getattr(self, flag)).__name__}")
         if not isinstance(self.tile_rows, int) or isinstance(self.tile_rows, bool):
@@ -176,9 +160,6 @@ class GemmTactic:
         if self.spec and not (self.fp8 and self.stages and self.pdl):
             raise ValueError("spec (GEMM1's first stages before griddepcontrol.wait) needs an fp8 tactic on the"
                              f" bulk ring with PDL, got fp8={self.fp8}, stages={self.stages}, pdl={self.pdl}")
-        if self.tile_deps and not (self.fp8 and self.stages and self.pdl):
-            raise ValueError("tile_deps (per-tile waits between GEMM1 and GEMM2) needs an fp8 tactic on the"
-                             f" bulk ring with PDL, got fp8={self.fp8}, stages={self.stages}, pdl={self.pdl}")
 
     @property
     def warps(self) -> int:
@@ -200,7 +181,6 @@ class GemmTactic:
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
                 + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
                 + ("" if self.stages == 0 else f"_b{self.stages}") + ("_sp" if self.spec else "")
-                + ("_td" if self.tile_deps else "")
                 + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:
@@ -297,7 +277,7 @@ def _stage_rows(shape: GemmShape, stage: int) -> int:
 def workspace_parts(shape, tactic: GemmTactic, ctas: int, stage: int) -> tuple[int, int]:
     """(counter bytes, partial bytes) of the split-K workspace GEMM`stage`
     with `tactic` needs for `ctas` token tiles; (0, 0) when
-    tactic.split_k == 1 and not tactic.tile_deps.
+    tactic.split_k == 1.
 
     Layout (one caller-owned buffer of >= sum bytes, 16-byte aligned, size a
     multiple of 16, ZEROED ONCE at allocation): int32 arrival counters, one
@@ -310,19 +290,13 @@ def workspace_parts(shape, tactic: GemmTactic, ctas: int, stage: int) -> tuple[i
     tactic, ctas) if its size is at least the largest counter bytes plus the
     largest partial bytes among them (`workspace_bytes_for`), as long as
     those launches run one after the other (same stream; with PDL every
-    workspace access follows griddepcontrol.wait).
-    A `tile_deps` tactic (split_k 1) needs counters only:
-    `tile_counter_words(ctas)` int32 per-tile counters (GEMM1's rows done,
-    GEMM2's units arrived), the same for both GEMMs of a layer, which must
-    share the buffer; GEMM2 leaves them at zero."""
+    workspace access follows griddepcontrol.wait)."""
     if not isinstance(tactic, GemmTactic):
         raise TypeError(f"tactic must be a GemmTactic, got {type(tactic).__name__}")
     if not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 0:
         raise ValueError(f"ctas must be a non-negative int, got {ctas!r}")
     s = GemmShape.of(shape)
     m = _stage_rows(s, stage)
-    if tactic.tile_deps:
-        return tile_counter_words(ctas) * 4, 0
     if tactic.split_k == 1:
         return 0, 0
     reason = tactic.valid_for(s, stage)
@@ -332,14 +306,6 @@ def workspace_parts(shape, tactic: GemmTactic, ctas: int, stage: int) -> tuple[i
     counters = -(-4 * items // 16) * 16
     partials = items * tactic.split_k * TILE * tactic.item_rows * 4
     return counters, partials
-
-
-def tile_counter_words(ctas: int) -> int:
-    """int32 words of a `tile_deps` pair's counters for `ctas` token tiles:
-    one 128-byte line per tile (TILE_COUNTER_STRIDE words, so that polls
-    of different tiles hit different L2 lines), word 0 = GEMM1's rows done,
-    word 1 = GEMM2's units arrived."""
-    return TILE_COUNTER_STRIDE * ctas
 
 
 def workspace_bytes(shape, tactic: GemmTactic, ctas: int, stage: int) -> int:

@@ -367,35 +367,3 @@ def test_spec_tactics_compile_their_route_kernel_and_plain_twin_when_bound():
     hits = _g.compile_gemm.cache_info().hits
     _g.compile_gemm(GemmShape.of(bound.kw), dataclasses.replace(t, spec=False), 1, bound.kw.scale_variant(True))
     assert _g.compile_gemm.cache_info().hits == hits + 1
-
-
-@pytest.mark.gpu
-def test_tile_deps_pair_runs_in_gemms_only_and_matches_its_plain_twin(bound):
-    """Explicit tile_deps tactics: one zeroed workspace; `gemms` (the pair
-    with per-tile waits) and gemm1 / gemm2 called apart (run without
-    tile_deps) give the plain twins' rows bit for bit; the counters are zero
-    after each; a tactic with tile_deps on one GEMM only is refused."""
-    from moebench.kernels.tactic import GemmTactic
-
-    shape, w, _ = bound
-    t1 = GemmTactic(16, 4, 4, 4, 1, stages=3, fp8=True, tile_deps=True)
-    t2 = GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True, tile_deps=True)
-    gemm = binding.RoutedExpertGemm(w, shape.top_k, {1: t1, 2: t2}, fp8=True)
-    twin = binding.RoutedExpertGemm(w, shape.top_k, {1: dataclasses.replace(t1, tile_deps=False),
-                                                     2: dataclasses.replace(t2, tile_deps=False)}, fp8=True)
-    assert gemm.workspace is not None and not gemm.workspace.any()
-    for rows in (1, 4, 6, 8):
-        ids = scenario_topk_ids("correlated", rows, shape.top_k, shape.experts, seed=rows).cuda()
-        tw = scenario_weights(rows, shape.top_k, seed=rows).cuda()
-        x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
-        routing, out = _run(gemm, x, ids, tw)
-        apart = gemm.gemm2(routing, *gemm.gemm1(routing))
-        _, want = _run(twin, x, ids, tw)
-        torch.cuda.synchronize()
-        idx = want.expanded_idx_to_permuted_idx.flatten()
-        idx = idx[idx >= 0].long()
-        assert torch.equal(out.gemm2_permuted[idx], want.gemm2_permuted[idx]), rows
-        assert torch.equal(apart.gemm2_permuted[idx], want.gemm2_permuted[idx]), rows
-        assert not gemm.workspace.any(), rows
-    with pytest.raises(ValueError, match="tile_deps"):
-        binding.RoutedExpertGemm(w, shape.top_k, {1: t1, 2: dataclasses.replace(t2, tile_deps=False)}, fp8=True)
