@@ -9,7 +9,10 @@ rotation: seed 0, `moebench sweep` defaults).
 
 Prints per case the per-kernel medians over the rotation's layers (duration,
 gap before it) and the replay's span per layer; `--events` also prints every
-launch of one replay. `--routed` drops the finalize (route + GEMM1 + GEMM2).
+launch of one replay. `--routed` drops the finalize (route + GEMM1 + GEMM2); `--gemms-only` also
+drops the route kernel (each layer's routing built once, before capture:
+GEMM1 then follows the previous layer's GEMM2 directly), which bounds what
+taking the route off GEMM1's critical path could save.
 """
 
 from __future__ import annotations
@@ -78,6 +81,8 @@ def main() -> None:
     ap.add_argument("--tactics", default="fp8")
     ap.add_argument("--scenario", default="correlated")
     ap.add_argument("--routed", action="store_true", help="route + GEMM1 + GEMM2 only (no finalize)")
+    ap.add_argument("--gemms-only", action="store_true",
+                    help="GEMM1 + GEMM2 only, on routings built before capture (no route kernel)")
     ap.add_argument("--events", action="store_true", help="print every launch of the replay")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -98,7 +103,10 @@ def main() -> None:
             ids = routings[rows].cuda()
             w = scenario_weights(rows, shape.top_k, 0, scale=shape.routed_scaling_factor).cuda()
             x = generate_activations(rows, shape.hidden, 0, "cuda")
-            if args.routed:
+            if args.gemms_only:
+                routed = [(p, p.route(x, ids, w)) for p in prepared]
+                calls = [lambda p=p, r=r: p.gemms(r) for p, r in routed]
+            elif args.routed:
                 calls = [backend.routed_call(p, x, ids, w) for p in prepared]
             else:
                 calls = [lambda p=p: backend.forward(p, x, ids, w) for p in prepared]
