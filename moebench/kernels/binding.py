@@ -54,9 +54,7 @@ class Routing:
     launch as x_quant when the GEMM1 tactic of this row count reads it) or None;
     early_ids: the launch that made the record released its dependents only
     after its own griddepcontrol.wait (`route` for a `spec` GEMM1 tactic), so
-    GEMM1 may read topk_ids and x before its wait; x: bf16 [rows, H], the
-    input x_quant quantizes, set with early_ids (a spec GEMM1 quantizes its
-    first tiles' rows itself).
+    GEMM1 may read topk_ids before its wait.
     """
 
     x_quant: torch.Tensor
@@ -68,7 +66,6 @@ class Routing:
     ctas: int
     x_deq: torch.Tensor | None = None
     early_ids: bool = False
-    x: torch.Tensor | None = None
 
 
 def check_weights(weights: ExpertWeights, top_k: int) -> None:
@@ -324,8 +321,7 @@ class RoutedExpertGemm:
         spec = self.tactics[1, rows].spec  # GEMM1 reads the ids before its wait: release after ours
         _route.launch_route_quantize(x, x_quant, x_scale, ids, record, permuted, self.experts, x_deq_out=x_deq,
                                      release_after_wait=spec)
-        return Routing(x_quant, x_scale, ids, topk_weights, permuted, record, ctas, x_deq, early_ids=spec,
-                       x=x if spec else None)
+        return Routing(x_quant, x_scale, ids, topk_weights, permuted, record, ctas, x_deq, early_ids=spec)
 
     def _x_deq_for(self, rows: int, device: torch.device) -> torch.Tensor | None:
         """A fresh bf16 [rows, H] for the producer to write x_deq into when the
@@ -401,7 +397,7 @@ class RoutedExpertGemm:
         device = routing.x_quant.device
         rows = TILE * routing.ctas
         tactic = self.tactics[1, routing.x_quant.shape[0]]
-        if tactic.spec and (not routing.early_ids or routing.x is None):  # e.g. the front's routing
+        if tactic.spec and not routing.early_ids:  # e.g. the front's routing: its ids come with its record
             tactic = replace(tactic, spec=False)
         if tactic.act_bf16:
             h_q, h_scale = self._h_out[0][:rows], self._h_out[1][:rows]
@@ -418,8 +414,7 @@ class RoutedExpertGemm:
             h_deq = self.h_deq[:rows]
         _gemm.gemm1(self.kw, routing.x_quant, routing.x_scale, routing.record, routing.ctas,
                     h_q, h_scale, tactic=tactic, workspace=self.workspace, x_deq=x_deq,
-                    h_deq_out=h_deq, topk_ids=routing.topk_ids if tactic.spec else None,
-                    x=routing.x if tactic.spec else None)  # fmt: skip
+                    h_deq_out=h_deq, topk_ids=routing.topk_ids if tactic.spec else None)  # fmt: skip
         self._h_deq_of = h_q.data_ptr() if tactic.act_bf16 else None
         return h_q, h_scale
 

@@ -64,7 +64,7 @@ import torch
 from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.tactic import (
-    SPEC_OK, SPEC_TILES, SPEC_WORDS, GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
+    SPEC_WORDS, GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
 )  # fmt: skip
 from moebench.record import TILE, route_words
 
@@ -80,7 +80,6 @@ if HAVE_DSL:
 
     from moebench.kernels import fp4
     from moebench.kernels.ptx import st_shared_u32x4, trap
-    from moebench.kernels.quantize import quantize_words
 
 #: Shared memory + L1 of one H100/H200 SM that the carveout divides (bytes).
 _SMEM_PER_SM = 228 * 1024
@@ -214,9 +213,8 @@ if HAVE_DSL:
         def __call__(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
                      record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
                      out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ids: cute.Pointer,
-                     xb: cute.Pointer, meta: Int32, ctas: Int32, grid: Int32, stream: _cuda.CUstream):
-            self.kernel(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ids, xb, meta,
-                        ctas).launch(
+                     meta: Int32, ctas: Int32, grid: Int32, stream: _cuda.CUstream):
+            self.kernel(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ids, meta, ctas).launch(
                 grid=[grid, 1, 1], block=[self.block_threads, 1, 1], stream=stream,
                 use_pdl=self.tactic.pdl, min_blocks_per_mp=self.tactic.ctas_per_sm,
                 preferred_smem_carveout=self.smem_carveout)
@@ -332,37 +330,6 @@ if HAVE_DSL:
                 if tid + q < 8 * self.nch_s:
                     code = Uint32(cute.arch.load(srcs + (tid + q) // 8, Uint8)) & Uint32(0xFF)
                     sXs[ch_lo * 8 + tid + q] = fp4.act_scale_f32(code)
-
-        @cute.jit
-        def stage_acts_x(self, sB32, sXs, xb, scratch, tile, tid):
-            """`stage_acts` of a spec GEMM1 before its wait: the tile's 8
-            activation rows quantized here from x (bf16 [rows, K]) by the route
-            kernel's rule and code (`quantize.quantize_words`: the same bits
-            as its x_q / x_scale), its token rows from the producer's
-            prediction in `scratch` (the tile's expert = the tile-th used
-            expert; position n = the n-th set bit of its row mask, ascending
-            token rows as the record's ascending slots; padding positions read
-            row 0, which the epilogue zeroes). Thread tid serves position tid % 8."""
-            e = self.nth_expert(scratch, tile)
-            mask = (scratch[16 + (e >> 2)] >> Uint32((e & 3) * 8)) & Uint32(0xFF)
-            n = tid % 8
-            row, seen = Int32(0), Int32(0)
-            for j in cutlass.range_constexpr(8):
-                bit = Int32((mask >> Uint32(j)) & Uint32(1))
-                row = cutlass.select_(bit * Int32(seen == n) != Int32(0), Int32(j), row)
-                seen = seen + bit
-            src = cute.recast_ptr(xb, dtype=Uint32) + row * (self.k // 2)  # 16 words per 32-element block
-            for q in cutlass.range_constexpr(0, 8 * self.nch_s, self.threads):
-                if tid + q < 8 * self.nch_s:
-                    ch = (tid + q) // 8
-                    w = []
-                    for j in cutlass.range_constexpr(4):
-                        w.extend(fp4.load_u32x4(src + (ch * 16 + 4 * j), "evict_last"))
-                    qw, code = quantize_words(w)
-                    unit0 = sB32 + (16 * ch + n) * 4  # as stage_acts: words 0, 2, 4, 6 then 1, 3, 5, 7
-                    st_shared_u32x4(unit0, qw[0], qw[2], qw[4], qw[6])
-                    st_shared_u32x4(unit0 + 32, qw[1], qw[3], qw[5], qw[7])
-                    sXs[ch * 8 + n] = fp4.act_scale_f32(code)
 
         @cute.jit
         def compute_wgmma(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, ch, lane):
@@ -589,10 +556,10 @@ if HAVE_DSL:
         @cute.kernel
         def kernel(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
                    record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
-                   out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ids: cute.Pointer,
-                   xb: cute.Pointer, meta: Int32, ctas: Int32):
+                   out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ids: cute.Pointer, meta: Int32,
+                   ctas: Int32):
             if cutlass.const_expr(self.bulk):
-                self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, ids, xb, meta, ctas)
+                self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, ids, meta, ctas)
             else:
                 self.register_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas)
 
@@ -720,7 +687,7 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ bulk-copy load path
         @cute.jit
-        def bulk_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, ids, xb, meta, ctas):
+        def bulk_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, ids, meta, ctas):
             """Bulk load path (tactic.stages = S >= 2). Warps 0..nw-1 compute as in
             the register path; warp nw is the producer. Step i of a CTA (item
             i // NB, K chunks [b*KS, (b+1)*KS), b = i % NB, KS = warps_k*unroll)
@@ -736,10 +703,9 @@ if HAVE_DSL:
             sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
             ring = smem.allocate_array(Uint32, S * self.stage_words, byte_alignment=128)
             bars = smem.allocate_array(Int64, 2 * S, byte_alignment=8)  # full[0, S), empty[S, 2S)
-            scratch = pbar = None
-            if cutlass.const_expr(self.tactic.spec):  # the producer writes it, the consumers read it after pbar
+            scratch = None
+            if cutlass.const_expr(self.tactic.spec):  # the producer's own: no other warp touches it
                 scratch = smem.allocate_array(Uint32, SPEC_WORDS, byte_alignment=16)
-                pbar = smem.allocate_array(Int64, 1, byte_alignment=8)  # the prediction is made
             sB = sXs = None
             if cutlass.const_expr(self.fp8):
                 atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, Float8E4M3FN)
@@ -750,40 +716,32 @@ if HAVE_DSL:
                 for s in cutlass.range_constexpr(S):
                     cute.arch.mbarrier_init(bars + s, 1)
                     cute.arch.mbarrier_init(bars + (S + s), self.nw)
-                if cutlass.const_expr(self.tactic.spec):
-                    cute.arch.mbarrier_init(pbar, 1)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             if warp == self.nw:
-                self.bulk_produce(w, ws, record, ring, bars, bid, nblk, lane, ids, meta, scratch, pbar)
+                self.bulk_produce(w, ws, record, ring, bars, bid, nblk, lane, ids, meta, scratch)
             elif cutlass.const_expr(self.fp8):
                 self.bulk_consume_wgmma(act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
-                                        tid, bid, nblk, warp, lane, xb, scratch, pbar)
+                                        tid, bid, nblk, warp, lane)
             else:
                 self.bulk_consume(act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars,
                                   tid, bid, nblk, warp, lane)
 
         @cute.jit
-        def bulk_produce(self, w, ws, record, ring, bars, bid, nblk, lane, ids, meta, scratch, pbar):
+        def bulk_produce(self, w, ws, record, ring, bars, bid, nblk, lane, ids, meta, scratch):
             """The producer warp: for each step, wait until its stage is free,
             arm full[s] with the step's bytes (lane 0), then lanes issue one
             weight and one scale bulk copy per pair (L2 evict-first). A `spec`
             tactic first predicts the record's tiles from the top-k ids
-            (`predict_tiles`), hands it to the consumers (scratch words
-            SPEC_TILES / SPEC_OK, then an arrival on `pbar`) and issues its
-            first min(stages, steps) stages before griddepcontrol.wait; after
-            the wait it checks the record's tile count against the
-            prediction (a mismatch traps)."""
+            (`predict_tiles`) and issues its first min(stages, steps) stages
+            before griddepcontrol.wait; after the wait it checks the record's
+            tile count against the prediction (a mismatch traps)."""
             S, NB = self.tactic.stages, self.nb
             p_w = cute.recast_ptr(w, dtype=Uint32)
             p_s = cute.recast_ptr(ws, dtype=Uint32)
             start, predicted = Int32(0), Int32(-1)
             if cutlass.const_expr(self.tactic.spec):
                 tiles, ok = self.predict_tiles(ids, meta, scratch, lane)
-                if lane == 0:
-                    scratch[SPEC_TILES] = Uint32(tiles)
-                    scratch[SPEC_OK] = Uint32(ok)
-                    cute.arch.mbarrier_arrive(pbar)  # release (CTA): the scratch the warp wrote above
                 if ok != Int32(0):
                     predicted = tiles
                     unit, count, stride = self.unit_span(tiles * self.blocks, bid, nblk)
@@ -853,7 +811,7 @@ if HAVE_DSL:
             may own two tiles and the prediction is not made)."""
             rows, top_k = meta >> 8, meta & 0xFF
             slots = rows * top_k
-            for q in cutlass.range_constexpr(0, SPEC_TILES, 32):  # bitmap, row masks, prefixes
+            for q in cutlass.range_constexpr(0, SPEC_WORDS, 32):
                 scratch[lane + q] = Uint32(0)
             cute.arch.sync_warp()
             repeated = Int32(0)
@@ -977,7 +935,7 @@ if HAVE_DSL:
 
         @cute.jit
         def bulk_consume_wgmma(self, act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
-                               tid, bid, nblk, warp, lane, xb, scratch, pbar):
+                               tid, bid, nblk, warp, lane):
             """fp8 tactics on the bulk ring (warp-specialized: the producer warp
             streams the weights, these warpgroups only decode and multiply). Per
             unit of a new token tile: its 8 activation rows into shared memory
@@ -987,14 +945,7 @@ if HAVE_DSL:
             warp's words and scales from the stage into registers, release the
             stage at once (empty[s]), then `compute_wgmma` on the registers.
             Warp (wm, wk) (wk-major: a warpgroup shares wk) takes chunks
-            b*KS + wk*unroll + j of m-tile(s) wm of the item.
-            A `spec` GEMM1 whose prediction holds (no row repeats an expert)
-            does not wait for the route kernel to start: its units come from
-            the prediction and it quantizes its tiles' token rows of x itself
-            (`stage_acts_x`, the route kernel's rule and code); it waits
-            (griddepcontrol.wait, then releases its dependents) before its
-            first epilogue, which reads the record, and stages later tiles
-            from the route kernel's x_q as usual."""
+            b*KS + wk*unroll + j of m-tile(s) wm of the item."""
             S, NB, KS, U, tm = self.tactic.stages, self.nb, self.ks, self.u, self.tm
             g = lane // 4
             wm, wk = warp % self.wm, warp // self.wm
@@ -1012,20 +963,11 @@ if HAVE_DSL:
             # tile_rows 16 = m-tile wm % 2 of pair wm // 2 (words 2t, 2t+1: 8 bytes per lane)
             pair = wm if tm == 2 else wm // 2
             t16 = 0 if tm == 2 else wm % 2
-            early = Int32(0)  # 1: running on the producer's prediction, not yet waited on the route kernel
-            tiles = Int32(0)
-            if cutlass.const_expr(self.tactic.spec):
-                cute.arch.mbarrier_wait(pbar, 0)
-                early = Int32(scratch[SPEC_OK])
-                tiles = Int32(scratch[SPEC_TILES])
-            top_k = Int32(0)
-            if early == Int32(0):
-                if cutlass.const_expr(self.tactic.pdl):
-                    cute.arch.griddepcontrol_wait()
-                    cute.arch.griddepcontrol_launch_dependents()
-                tiles = cute.arch.load(record, Int32)
-                top_k = cute.arch.load(record + 3, Int32)
-            n_units = tiles * self.blocks
+            if cutlass.const_expr(self.tactic.pdl):
+                cute.arch.griddepcontrol_wait()
+                cute.arch.griddepcontrol_launch_dependents()
+            n_units = cute.arch.load(record, Int32) * self.blocks
+            top_k = cute.arch.load(record + 3, Int32)
             unit, count, stride = self.unit_span(n_units, bid, nblk)
             # the ring position runs on across units: stage s, phase ph (no division per step)
             s, ph, parity, staged = Int32(0), Int32(0), Int32(0), Int32(-1)  # staged: the tile in sB
@@ -1034,13 +976,7 @@ if HAVE_DSL:
                 if tile != staged:  # a unit of a new tile: its activation rows into shared memory
                     # (the previous unit's wgmmas all completed before the barrier that closed it)
                     staged = tile
-                    if cutlass.const_expr(self.tactic.spec):
-                        if early != Int32(0):
-                            self.stage_acts_x(sB32, sXs, xb, scratch, tile, tid)
-                        else:
-                            self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
-                    else:
-                        self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
+                    self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
                     cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 for b in cutlass.range(0, NB, 1, unroll=1):
@@ -1068,12 +1004,6 @@ if HAVE_DSL:
                 # unit done: partials to smem, one barrier, epilogue
                 self.stash_partials(sP, acc, parity, warp, lane)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                if cutlass.const_expr(self.tactic.spec):
-                    if early != Int32(0):  # the epilogue reads the record: the route kernel must be done
-                        cute.arch.griddepcontrol_wait()
-                        cute.arch.griddepcontrol_launch_dependents()
-                        top_k = cute.arch.load(record + 3, Int32)
-                        early = Int32(0)
                 self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
                 parity = parity ^ 1
                 unit = unit + stride
@@ -1112,8 +1042,8 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
     Works without a GPU when CUTE_DSL_ARCH=sm_90a is set (cross-compile).
     Returns (kernel, compiled): `kernel.grid(ctas, num_sms)` sizes the
     launch; `compiled(w, ws, act, act_s, record, clamp, out, out_s, out_deq,
-    cnt, part, ids, xb, meta, ctas, grid, stream)` (ids / xb / meta: the top-k
-    ids, x (bf16) and rows << 8 | top_k of a `spec` tactic, else ignored; out_deq: GEMM1's BF16 H with
+    cnt, part, ids, meta, ctas, grid, stream)` (ids / meta: the top-k ids and
+    rows << 8 | top_k of a `spec` tactic, else ignored; out_deq: GEMM1's BF16 H with
     tactic.act_bf16, else ignored; act: BF16 [rows, K] with act_bf16) takes cute global pointers (make_ptr; cnt /
     part: the split-K counters and partials, see `workspace_parts`), Int32
     and a CUstream (use `gemm1` / `gemm2` for torch tensors). Raises ValueError
@@ -1135,8 +1065,7 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
     compiled = cute.compile(
         kernel, fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 4),
         fake(Int32, 16), fake(Float32, 4), fake(out_dtype, 16), fake(Uint8, 4), fake(BFloat16, 16),
-        fake(Int32, 16), fake(Float32, 16), fake(Int32, 4), fake(BFloat16, 16), Int32(0), Int32(1), Int32(1),
-        _cuda.CUstream(0),
+        fake(Int32, 16), fake(Float32, 16), fake(Int32, 4), Int32(0), Int32(1), Int32(1), _cuda.CUstream(0),
     )  # fmt: skip
     return kernel, compiled
 
@@ -1236,7 +1165,7 @@ def _bf16_act(name: str, t, tactic: GemmTactic, shape: tuple[int, int], device, 
 
 
 def _launch(kw: KernelWeights, stage: int, tactic: GemmTactic, sms: int, args, ctas: int, device, stream,
-            record, workspace, topk_ids=None, x=None) -> None:
+            record, workspace, topk_ids=None) -> None:
     shape = GemmShape.of(kw)
     split = _split_k_ptrs(workspace, shape, tactic, stage, ctas, device, record)
     if ctas == 0:
@@ -1244,11 +1173,10 @@ def _launch(kw: KernelWeights, stage: int, tactic: GemmTactic, sms: int, args, c
     kernel, compiled = compile_gemm(shape, tactic, stage, kw.scale_variant(tactic.fp8))
     grid = kernel.grid(ctas, sms)
     if topk_ids is None:  # the kernel never reads them
-        ids, xb, meta = gmem_ptr(Int32, record, 4), gmem_ptr(BFloat16, record, 16), 0
+        ids, meta = gmem_ptr(Int32, record, 4), 0
     else:
         ids, meta = gmem_ptr(Int32, topk_ids, 4), topk_ids.shape[0] << 8 | topk_ids.shape[1]
-        xb = gmem_ptr(BFloat16, x, 16)
-    compiled(*args, *split, ids, xb, Int32(meta), Int32(ctas), Int32(grid), cu_stream(stream, device))
+    compiled(*args, *split, ids, Int32(meta), Int32(ctas), Int32(grid), cu_stream(stream, device))
 
 
 def act_to_bf16(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -1296,8 +1224,7 @@ def act_to_bf16(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None =
 def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: torch.Tensor, ctas: int,
           h_q_out: torch.Tensor, h_scale_out: torch.Tensor, *, tactic: GemmTactic | None = None,
           stream=None, workspace: torch.Tensor | None = None, x_deq: torch.Tensor | None = None,
-          h_deq_out: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
-          x: torch.Tensor | None = None) -> None:
+          h_deq_out: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None) -> None:
     """Launch GEMM1 (x . w13^T, SwiGLU with clamp, MXFP8 H) on `stream`
     (torch's current stream when None); no host sync, no allocation.
 
@@ -1321,13 +1248,11 @@ def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: t
     For weights in the e4m3 layout (`to_kernel_layout(..., operand="e4m3")`)
     `tactic` must be an fp8 tactic (None: `default_fp8_tactic`), for the bf16
     layout a BF16 one; a mismatch raises ValueError.
-    topk_ids, x: int32 [rows, top_k] (top_k <= 8) and bf16 [rows, H],
-    contiguous, the ids the record was built from and the x that x_q / x_scale
-    quantize; both required exactly when tactic.spec: its producer predicts
-    the record from the ids and its consumers quantize their tiles' rows of x
-    themselves, all before griddepcontrol.wait, so both must be complete
-    before the kernel before GEMM1 releases its dependents (the route kernel
-    with `release_after_wait`).
+    topk_ids: int32 [rows, top_k] (top_k <= 8), contiguous, the ids the
+    record was built from; required exactly when tactic.spec (its producer
+    predicts the record from them before griddepcontrol.wait, so they must
+    be complete before the kernel before GEMM1 releases its dependents: the
+    route kernel with `release_after_wait`).
     Raises TypeError / ValueError naming the argument; RuntimeError without
     nvidia-cutlass-dsl.
     """
@@ -1351,18 +1276,12 @@ def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: t
         if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or not 1 <= topk_ids.shape[1] <= 8:
             raise ValueError(f"topk_ids must be int32 [{rows}, top_k <= 8], got {getattr(topk_ids, 'shape', topk_ids)}")
         check_tensor("topk_ids", topk_ids, (torch.int32,), (rows, topk_ids.shape[1]), device, align=4)
-    if tactic.spec != (x is not None):
-        raise ValueError(f"x (bf16 [{rows}, {h}]) is required exactly with a spec tactic (_sp); tactic"
-                         f" {tactic.name} {'is' if tactic.spec else 'is not'} one, x"
-                         f" {'missing' if x is None else 'given'}")
-    if x is not None:
-        check_tensor("x", x, (torch.bfloat16,), (rows, h), device, align=16)
     require_dsl(_KERNEL)
     args = (gmem_ptr(Uint8, kw.w13, 16), gmem_ptr(Uint8, kw.w13_scale, 16), gmem_ptr(Uint8, x_q if x_deq is None
             else x_deq, 16), gmem_ptr(Uint8, x_scale, 4), gmem_ptr(Int32, record, 16),
             gmem_ptr(Float32, kw.clamp, 4), gmem_ptr(Uint8, h_q_out, 16), gmem_ptr(Uint8, h_scale_out, 4),
             gmem_ptr(BFloat16, h_q_out if h_deq_out is None else h_deq_out, 16))  # placeholder: never written
-    _launch(kw, 1, tactic, sms, args, ctas, device, stream, record, workspace, topk_ids, x)
+    _launch(kw, 1, tactic, sms, args, ctas, device, stream, record, workspace, topk_ids)
 
 
 def gemm2(kw: KernelWeights, h_q: torch.Tensor, h_scale: torch.Tensor, record: torch.Tensor, ctas: int,

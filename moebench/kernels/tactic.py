@@ -16,11 +16,8 @@ from moebench.record import TILE
 MAX_WARPS = 24
 #: Most K slices of one item (split-K across CTAs).
 MAX_SPLIT_K = 16
-#: Shared words of a `spec` producer's prediction (bitmap 16, row masks 128, prefixes 16, then the
-#: predicted tile count and whether the prediction holds, for the consumers; 4 words rounded to 16 bytes).
-SPEC_WORDS = 164
-SPEC_TILES = 160
-SPEC_OK = 161
+#: Shared words of a `spec` producer's prediction (bitmap 16, row masks 128, prefixes 16).
+SPEC_WORDS = 160
 #: Most shared-memory stages of the bulk-copy load path.
 MAX_STAGES = 8
 #: Shared memory one CTA may use (bytes; 227 KB on sm_90).

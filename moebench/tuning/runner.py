@@ -268,7 +268,7 @@ class GemmStageRunner:
         if self.stage == 1:
             a16 = dict(x_deq=case["x_deq"], h_deq_out=case["h_deq"]) if tactic.act_bf16 else {}
             gemm1(kw, case["x_q"], case["x_s"], route.record, route.ctas, case["h_q"], case["h_s"], tactic=tactic,
-                  topk_ids=case["ids"] if tactic.spec else None, x=case["x"] if tactic.spec else None, **a16)
+                  topk_ids=case["ids"] if tactic.spec else None, **a16)
         else:
             a16 = dict(h_deq=case["ref_deq"]) if tactic.act_bf16 else {}
             gemm2(kw, case["ref_q"], case["ref_s"], route.record, route.ctas, case["out"], tactic=tactic, **a16)
@@ -340,7 +340,7 @@ class GemmStageRunner:
                                       x_deq_out=case["t_x_deq"] if t1.act_bf16 else None,
                                       release_after_wait=t1.spec)
                 gemm1(kw, x_q, x_s, record, ctas, case["h_q"], case["h_s"], tactic=t1,
-                      topk_ids=ids if t1.spec else None, x=case["x"] if t1.spec else None, **a1)
+                      topk_ids=ids if t1.spec else None, **a1)
                 gemm2(kw, case["h_q"], case["h_s"], record, ctas, case["out"], tactic=t2, **a2)
 
         return time_graph(launch_all, warmup=self.warmup, replays=self.replays, calls_per_replay=len(self.kws),

@@ -1051,9 +1051,7 @@ def test_fp8_tactic_and_weight_layout_must_match():
 #: spec tactics (fp8 bulk GEMM1) and their plain twins.
 SPEC_1 = [GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, spec=True),
           GemmTactic(32, 4, 4, 4, 1, stages=4, fp8=True, spec=True),
-          GemmTactic(16, 4, 2, 8, 2, stages=2, fp8=True, spec=True),
-          GemmTactic(16, 4, 5, 4, 1, stages=6, fp8=True, spec=True),   # the shipped TP4 rows 6
-          GemmTactic(32, 4, 2, 4, 2, stages=3, fp8=True, spec=True)]   # and rows 8  # fmt: skip
+          GemmTactic(16, 4, 2, 8, 2, stages=2, fp8=True, spec=True)]  # fmt: skip
 
 
 def test_spec_tactic_validation():
@@ -1083,12 +1081,10 @@ def test_spec_tactics_compile_for_sm90a_without_spills():
 
 @pytest.mark.gpu
 def test_spec_gemm1_equals_its_plain_twin_and_replays():
-    """A spec GEMM1 (ids read, stages issued and, while the prediction
-    holds, its first tiles' rows of x quantized by its own consumers, all
-    before the wait) writes the same H bytes as the same tactic without
-    spec, over routings with distinct, non-local and repeated ids (the last
-    switch the prediction off) and activations with zero, tiny, huge and
-    infinite blocks, eagerly and under graph replay behind the route kernel."""
+    """A spec GEMM1 (ids read and stages issued before the wait) writes the
+    same H bytes as the same tactic without spec, over routings with
+    distinct, non-local and repeated ids (the last switch the prediction
+    off), eagerly and under graph replay behind the route kernel."""
     import dataclasses
 
     from moebench.kernels.gemm import gemm1
@@ -1111,18 +1107,12 @@ def test_spec_gemm1_equals_its_plain_twin_and_replays():
         for label, ids in cases:
             ids = ids.to(torch.int32).cuda()
             route = build_route_record(ids, experts)
-            x = generate_activations(ids.shape[0], shape.hidden, seed=2, device="cuda")
-            if ids.shape[0] >= 4:  # blocks the quantization treats apart: zero, tiny, huge, infinite
-                x[0, :32] = 0.0
-                x[1, 64:96] *= 1e-30
-                x[2, 100] = 3e38
-                x[3, 4000] = float("inf")
-            x_q, x_s = quantize_mxfp8(x)
+            x_q, x_s = quantize_mxfp8(generate_activations(ids.shape[0], shape.hidden, seed=2, device="cuda"))
             want = _run_gemm1(kw, x_q, x_s, route, tactic=plain)
             n = TILE * route.ctas
             h_q = torch.full((n, kw.intermediate), 0xFF, dtype=torch.uint8, device="cuda")
             h_s = torch.full((n, kw.intermediate // 32), 0xFE, dtype=torch.uint8, device="cuda")
-            gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t, topk_ids=ids, x=x)
+            gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t, topk_ids=ids)
             used = TILE * route.tiles_used
             assert torch.equal(h_q[:used], want[0][:used]) and torch.equal(h_s[:used], want[1][:used]), (
                 f"{t.name} {label}")
@@ -1140,7 +1130,7 @@ def test_spec_gemm1_equals_its_plain_twin_and_replays():
 
     def step():
         launch_route_quantize(x, x_q, x_s, ids, record, permuted, experts, release_after_wait=True)
-        gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, tactic=t, topk_ids=ids, x=x)
+        gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, tactic=t, topk_ids=ids)
 
     step()
     torch.cuda.synchronize()

@@ -102,8 +102,8 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
     """Stand-in GEMMs copying the oracle's output (wrong for `wrong` tactics)
     and a CPU 'tuning device': the runner's plumbing without a GPU. Returns
     (routes, misuse): each stand-in route launch's (ids shape,
-    release_after_wait), and the GEMM1 tactics given topk_ids / x without
-    spec or spec without them."""
+    release_after_wait), and the GEMM1 tactics given topk_ids without spec or
+    spec without them."""
     import types
 
     from moebench.tuning import runner as rn
@@ -113,10 +113,9 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
     def case_of(record):  # the checks read the torch builder's record, the timed path its own copy
         return next(c for c in live if any(record is r for r in (c["route"].record, c["t_record"])))
 
-    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic, x_deq=None, h_deq_out=None, topk_ids=None,
-              x=None):
-        if (topk_ids is not None) != tactic.spec or (x is not None) != tactic.spec:
-            misuse.append(tactic.name)  # a spec GEMM1 reads the ids and x; any other must not be given them
+    def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic, x_deq=None, h_deq_out=None, topk_ids=None):
+        if (topk_ids is not None) != tactic.spec:
+            misuse.append(tactic.name)  # a spec GEMM1 reads the ids; any other must not be given them
         case = case_of(record)
         h_q.copy_(case["ref_q"])
         h_s.copy_(case["ref_s"])
