@@ -25,6 +25,13 @@ from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
 
+#: The route kernel reads x and the top-k ids before its griddepcontrol.wait
+#: (`RoutedExpertGemm.route(inputs_ready=True)`): a backend's forward takes
+#: them as arguments made before its launches, and the kernel launched just
+#: before the route kernel (the previous layer's GEMM2 or finalize in the
+#: benchmarks' rotation) never writes them.
+INPUTS_READY = True
+
 
 class MoebenchBackend(Backend):
     """Our kernels: prepare binds a RoutedExpertGemm (weights converted and
@@ -107,7 +114,7 @@ class MoebenchBackend(Backend):
         from moebench.kernels.finalize import finalize
 
         check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.kw.device)
-        routed = prepared.gemms(prepared.route(x, topk_ids, topk_weights))
+        routed = prepared.gemms(prepared.route(x, topk_ids, topk_weights, inputs_ready=INPUTS_READY))
         return finalize(routed)
 
     def stage_calls(self, prepared, x, topk_ids, topk_weights):
@@ -116,13 +123,13 @@ class MoebenchBackend(Backend):
         from moebench.kernels.finalize import finalize
 
         check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.kw.device)
-        routing = prepared.route(x, topk_ids, topk_weights)
+        routing = prepared.route(x, topk_ids, topk_weights, inputs_ready=INPUTS_READY)
         # (an act_bf16 tactic's H lives in the layer's buffers, which the gemm1 call
         # below rewrites with the same bytes; a copy would make gemm2 dequantize H itself)
         h = prepared.gemm1(routing)
         routed = prepared.gemm2(routing, *h)
         return [
-            ("route", lambda: prepared.route(x, topk_ids, topk_weights)),
+            ("route", lambda: prepared.route(x, topk_ids, topk_weights, inputs_ready=INPUTS_READY)),
             ("gemm1", lambda: prepared.gemm1(routing)),
             ("gemm2", lambda: prepared.gemm2(routing, *h)),
             ("finalize", lambda: finalize(routed)),
@@ -131,4 +138,4 @@ class MoebenchBackend(Backend):
     def routed_call(self, prepared, x, topk_ids, topk_weights):
         """route -> GEMM1 -> GEMM2 (the unfinalized output), as `forward` launches them."""
         check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.kw.device)
-        return lambda: prepared.gemms(prepared.route(x, topk_ids, topk_weights))
+        return lambda: prepared.gemms(prepared.route(x, topk_ids, topk_weights, inputs_ready=INPUTS_READY))

@@ -26,6 +26,7 @@ from moebench.formats import ExpertWeights
 from moebench.kernels import front as _front
 from moebench.kernels import gemm as _gemm
 from moebench.kernels import route as _route
+from moebench.kernels.host import check_bool
 from moebench.kernels.layout import KernelWeights, to_kernel_layout
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
 from moebench.moe_output import UnfinalizedMoEOutput
@@ -286,12 +287,18 @@ class RoutedExpertGemm:
             )
         return bool(ok)
 
-    def route(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> Routing:
+    def route(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+              inputs_ready: bool = False) -> Routing:
         """Quantize `x` (BF16 [rows, H]) to MXFP8 and build the route record of
         `topk_ids` (int32 [rows, top_k]; ids outside [0, E) are non-local);
         `topk_weights` fp32 [rows, top_k] is carried to the output. One launch
         (`route.launch_route_quantize`),
-        no host sync. Raises ValueError unless `accepts(x)` and the top-k
+        no host sync. inputs_ready: the caller promises that x and topk_ids
+        are complete when the launch starts (the kernel launched just before
+        does not write them, or releases its dependents only at its end, as
+        every torch kernel does): the kernel then reads and quantizes before
+        its griddepcontrol.wait and lets GEMM1 launch at once (see
+        `route.launch_route_quantize`); a broken promise gives stale results. Raises ValueError unless `accepts(x)` and the top-k
         tensors match (shape, dtype, and x's device: the kernel would read a
         CPU pointer), TypeError for a non-tensor top-k argument."""
         if not self.accepts(x):
@@ -318,9 +325,10 @@ class RoutedExpertGemm:
         ctas = max_ctas(rows, self.top_k, self.experts)
         record = torch.empty(route_words(ctas), dtype=torch.int32, device=device)
         permuted = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
+        check_bool("inputs_ready", inputs_ready)
         spec = self.tactics[1, rows].spec  # GEMM1 reads the ids before its wait: release after ours
         _route.launch_route_quantize(x, x_quant, x_scale, ids, record, permuted, self.experts, x_deq_out=x_deq,
-                                     release_after_wait=spec)
+                                     release_after_wait=spec and not inputs_ready, inputs_ready=inputs_ready)
         return Routing(x_quant, x_scale, ids, topk_weights, permuted, record, ctas, x_deq, early_ids=spec)
 
     def _x_deq_for(self, rows: int, device: torch.device) -> torch.Tensor | None:

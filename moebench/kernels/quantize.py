@@ -109,20 +109,13 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         cute.arch.store(ptr, vec, loc=loc, ip=ip)
 
     @cute.jit
-    def quantize_block(px: cute.Pointer, pq: cute.Pointer, x_scale: cute.Pointer, b: Int32,
-                       pd: cute.Pointer, deq: cutlass.Constexpr[bool]):
-        """Quantize 32-element block `b` of the flattened input (device code,
-        shared by QuantizeKernel, the fused front and the route kernel): px / pq are Uint32
-        views of x (16 words a block) and x_q (8 words a block), x_scale the
-        Uint8 scale pointer. Four 16-byte loads, two 16-byte stores and one
-        scale byte; the rule and its method are in the module docstring.
-        With `deq`, also the BF16 value the GEMMs decode from these bytes
-        (`fp4.e4m3x4_to_bf16x2`, then x m1 x m2 of `fp4.act_multipliers`,
-        exactly as their MXFP8 operand path does) into pd, a Uint32 view of
-        x_deq (16 words a block): four more 16-byte stores."""
-        w = []
-        for j in cutlass.range_constexpr(4):
-            w.extend(_ld_v4(px + (b * 16 + j * 4)))
+    def quantize_words(w):
+        """The rule (module docstring) on one 32-element block in registers:
+        `w`, its 16 words of bf16 pairs (element 2i in the low half of w[i])
+        -> (8 words of e4m3 bytes in element order, the E8M0 code as
+        Uint32). Device code of `quantize_block`; the route kernel calls
+        it between `load_block` and `store_block` when it quantizes before
+        its griddepcontrol.wait."""
         # amax bits (bf16 magnitude): integer max over both halves of every word
         m = w[0] & Uint32(0x7FFF7FFF)
         for i in cutlass.range_constexpr(1, 16):
@@ -150,6 +143,37 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             out.append(q)
         if not finite:
             code = Uint32(_E8M0_NAN)
+        return out, code
+
+    @cute.jit
+    def quantize_block(px: cute.Pointer, pq: cute.Pointer, x_scale: cute.Pointer, b: Int32,
+                       pd: cute.Pointer, deq: cutlass.Constexpr[bool]):
+        """Quantize 32-element block `b` of the flattened input (device code,
+        shared by QuantizeKernel, the fused front and the route kernel): px / pq are Uint32
+        views of x (16 words a block) and x_q (8 words a block), x_scale the
+        Uint8 scale pointer. Four 16-byte loads, two 16-byte stores and one
+        scale byte; the rule and its method are in the module docstring.
+        With `deq`, also the BF16 value the GEMMs decode from these bytes
+        (`fp4.e4m3x4_to_bf16x2`, then x m1 x m2 of `fp4.act_multipliers`,
+        exactly as their MXFP8 operand path does) into pd, a Uint32 view of
+        x_deq (16 words a block): four more 16-byte stores."""
+        out, code = quantize_words(load_block(px, b))
+        store_block(pq, x_scale, b, out, code, pd, deq)
+
+    @cute.jit
+    def load_block(px: cute.Pointer, b: Int32):
+        """The 16 words (bf16 pairs) of 32-element block `b` of x (px: a
+        Uint32 view): four 16-byte loads."""
+        w = []
+        for j in cutlass.range_constexpr(4):
+            w.extend(_ld_v4(px + (b * 16 + j * 4)))
+        return w
+
+    @cute.jit
+    def store_block(pq: cute.Pointer, x_scale: cute.Pointer, b: Int32, out, code, pd: cute.Pointer,
+                    deq: cutlass.Constexpr[bool]):
+        """Block `b`'s bytes and scale (from `quantize_words`) to x_q / x_scale
+        (and with `deq` its BF16 value to x_deq), as `quantize_block` writes them."""
         _st_v4(pq + b * 8, out[0], out[1], out[2], out[3])
         _st_v4(pq + (b * 8 + 4), out[4], out[5], out[6], out[7])
         cute.arch.store(x_scale + b, Uint8(code))

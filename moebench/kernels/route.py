@@ -47,7 +47,12 @@ launch on entry (the GEMM that follows may prefetch weights; it waits on
 griddepcontrol before reading the record, i.e. for this grid to complete and
 flush) and waits on griddepcontrol before touching global memory (the ids
 come from the previous kernel, and the record buffer may still be read by an
-earlier kernel).
+earlier kernel). With `inputs_ready` (the caller's promise that topk_ids and
+x were complete when this kernel launched: the kernel before it does not
+write them, or releases its dependents only at its end, as every torch
+kernel does) it reads the ids and x and quantizes before the wait and lets
+its dependents launch on entry; after the wait it only builds and writes.
+GEMM1's `spec` producer may then read the ids before its own wait, too.
 """
 
 from __future__ import annotations
@@ -91,12 +96,12 @@ def _check_keys_per_step(keys_per_step) -> None:
         raise ValueError(f"keys_per_step must be one of {KEYS_PER_STEP}, got {keys_per_step!r}")
 
 
-def _check_static(pdl, keys_per_step, quantize, deq, release_after_wait=False) -> None:
+def _check_static(pdl, keys_per_step, quantize, deq, release_after_wait=False, inputs_ready=False) -> None:
     """The route kernel's compile-time switches (RouteKernel and
     compile_route_kernel): TypeError for a non-bool flag, ValueError for a
     keys_per_step not in KEYS_PER_STEP or deq without quantize."""
     for name, flag in (("pdl", pdl), ("quantize", quantize), ("deq", deq),
-                       ("release_after_wait", release_after_wait)):
+                       ("release_after_wait", release_after_wait), ("inputs_ready", inputs_ready)):
         check_bool(name, flag)
     _check_keys_per_step(keys_per_step)
     if deq and not quantize:
@@ -110,7 +115,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     from cutlass import BFloat16, Int32, Uint8, Uint32
 
     from moebench.kernels.ptx import sync_threads_or
-    from moebench.kernels.quantize import quantize_block
+    from moebench.kernels.quantize import load_block, quantize_block, quantize_words, store_block
 
     def record_smem(smem):
         """The shared memory `build_record` works in, from a SmemAllocator:
@@ -344,14 +349,17 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         GEMM tactics). Runtime: the ids / record / permuted int32 pointers,
         rows, top_k, experts (Int32), and x (bf16) / x_q / x_scale (uint8) /
         x_deq (bf16) pointers with blocks = rows*H/32 (read only with
-        `quantize`).
+        `quantize`). `inputs_ready` (with pdl): read and quantize before
+        griddepcontrol.wait, release the dependents on entry (module
+        docstring).
         """
 
         def __init__(self, pdl: bool = True, threads: int = 128,
                      keys_per_step: int = DEFAULT_KEYS_PER_STEP, quantize: bool = False, deq: bool = False,
-                     release_after_wait: bool = False):
-            _check_static(pdl, keys_per_step, quantize, deq, release_after_wait)
+                     release_after_wait: bool = False, inputs_ready: bool = False):
+            _check_static(pdl, keys_per_step, quantize, deq, release_after_wait, inputs_ready)
             self.release_after_wait = release_after_wait
+            self.inputs_ready = inputs_ready
             self.quantize = quantize
             self.deq = deq
             if (not isinstance(threads, int) or isinstance(threads, bool)
@@ -418,8 +426,11 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             s_key, s_start, s_count, s_map = record_smem(cutlass.memory.SmemAllocator())
             g_ids = cute.make_tensor(ids, cute.make_layout(MAX_SLOTS))
 
+            early = self.pdl and self.inputs_ready  # reads before the wait (module docstring)
             if cutlass.const_expr(self.pdl):
-                if cutlass.const_expr(self.release_after_wait):
+                if cutlass.const_expr(early):
+                    cute.arch.griddepcontrol_launch_dependents()
+                elif cutlass.const_expr(self.release_after_wait):
                     # the ids (from the kernel before) are complete once the wait returns: a
                     # dependent may then read them before its own wait (GEMM1's `spec` tactics)
                     cute.arch.griddepcontrol_wait()
@@ -432,21 +443,32 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                 e = Int32(-1)
                 if tid < rows * top_k:
                     e = g_ids[tid]                      # issued before the fill's stores
+                if cutlass.const_expr(early):
+                    cute.arch.griddepcontrol_wait()     # the record buffers may still be read before
                 build_record(tid, e, s_key, s_start, s_count, s_map, record, permuted, rows, top_k, experts,
                              self.threads, self.keys_per_step, False)
             else:  # only launched with quantize
                 if cutlass.const_expr(self.quantize):
                     b = (cta - 1) * self.threads + tid
-                    if b < blocks:
-                        quantize_block(cute.recast_ptr(x, dtype=Uint32), cute.recast_ptr(x_q, dtype=Uint32),
-                                       x_scale, b, cute.recast_ptr(x_deq, dtype=Uint32), self.deq)
+                    px, pq = cute.recast_ptr(x, dtype=Uint32), cute.recast_ptr(x_q, dtype=Uint32)
+                    pd = cute.recast_ptr(x_deq, dtype=Uint32)
+                    if cutlass.const_expr(early):  # load and quantize now, store after the wait
+                        bb = cutlass.min(b, blocks - 1)  # a thread past the end quantizes the last block, unstored
+                        out, code = quantize_words(load_block(px, bb))
+                        cute.arch.griddepcontrol_wait()
+                        if b < blocks:
+                            store_block(pq, x_scale, b, out, code, pd, self.deq)
+                    else:
+                        if b < blocks:
+                            quantize_block(px, pq, x_scale, b, pd, self.deq)
 
 
 _KERNEL = "the route kernel"
 
 
 def compile_route_kernel(pdl: bool = True, keys_per_step: int = DEFAULT_KEYS_PER_STEP,
-                         quantize: bool = False, deq: bool = False, release_after_wait: bool = False):
+                         quantize: bool = False, deq: bool = False, release_after_wait: bool = False,
+                         inputs_ready: bool = False):
     """Compile the route kernel once per process and (pdl, keys_per_step,
     quantize, deq) (cached; see RouteKernel).
 
@@ -462,19 +484,20 @@ def compile_route_kernel(pdl: bool = True, keys_per_step: int = DEFAULT_KEYS_PER
     tensors. Raises RuntimeError without nvidia-cutlass-dsl, TypeError for a
     non-bool pdl / quantize / deq, ValueError for a `keys_per_step` not in
     KEYS_PER_STEP or deq without quantize."""
-    _check_static(pdl, keys_per_step, quantize, deq, release_after_wait)  # before the cache (1 == True would hit it)
-    return _compile(pdl, keys_per_step, quantize, deq, release_after_wait)
+    _check_static(pdl, keys_per_step, quantize, deq, release_after_wait, inputs_ready)  # before the cache
+    return _compile(pdl, keys_per_step, quantize, deq, release_after_wait, inputs_ready)
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(pdl: bool, keys_per_step: int, quantize: bool, deq: bool, release_after_wait: bool = False):
+def _compile(pdl: bool, keys_per_step: int, quantize: bool, deq: bool, release_after_wait: bool = False,
+             inputs_ready: bool = False):
     require_dsl(_KERNEL)
 
     def fake(dtype=Int32, align=4):
         return gmem_ptr(dtype, 16, align)
 
     return cute.compile(RouteKernel(pdl=pdl, keys_per_step=keys_per_step, quantize=quantize, deq=deq,
-                                    release_after_wait=release_after_wait),
+                                    release_after_wait=release_after_wait, inputs_ready=inputs_ready),
                         fake(), fake(), fake(), Int32(1), Int32(1), Int32(1),
                         fake(BFloat16, 16), fake(Uint8, 16), fake(Uint8, 16), fake(BFloat16, 16), Int32(4),
                         _cuda.CUstream(0))  # fmt: skip
@@ -566,6 +589,7 @@ def launch_route_quantize(
     pdl: bool = True,
     x_deq_out: torch.Tensor | None = None,
     release_after_wait: bool = False,
+    inputs_ready: bool = False,
 ) -> None:
     """One launch for the route binding: the route record and permute map
     of `topk_ids` (as `launch_route`) and the MXFP8 quantization of `x` (as
@@ -583,6 +607,14 @@ def launch_route_quantize(
     release_after_wait: with pdl, let the next kernel launch only after this
       one's griddepcontrol.wait (not on entry), so that it may read topk_ids
       before its own wait (GEMM1's `spec` tactics).
+    inputs_ready: with pdl, the caller promises that x and topk_ids were
+      complete when this kernel launches (the kernel launched before it does
+      not write them, or releases its dependents only at its end, as every
+      torch kernel does); the kernel then reads and quantizes them before
+      its griddepcontrol.wait and lets the next kernel launch on entry, which
+      may read topk_ids at any time (a `spec` GEMM1; release_after_wait is
+      then not needed). A broken promise gives stale results, so it is off
+      by default.
 
     Raises TypeError for a wrong type or dtype, ValueError for a wrong shape,
     range, layout, alignment or device (each naming the argument),
@@ -600,11 +632,13 @@ def launch_route_quantize(
     _check_outs(record_out, permuted_out, rows, top_k, experts, device)
     check_bool("pdl", pdl)
     check_bool("release_after_wait", release_after_wait)
+    check_bool("inputs_ready", inputs_ready)
     if device.type != "cuda":
         raise ValueError(f"x, topk_ids and the outputs must be CUDA tensors, got {device}")
     require_dsl(_KERNEL)
     deq = x_deq_out is not None
-    _run(compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq, release_after_wait), topk_ids, record_out, permuted_out, experts,
+    _run(compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq, release_after_wait, inputs_ready), topk_ids,
+         record_out, permuted_out, experts,
          x, x_q_out, x_scale_out, x_deq_out if deq else x, rows * h // 32, stream, device)
 
 

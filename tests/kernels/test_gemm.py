@@ -1128,21 +1128,29 @@ def test_spec_gemm1_equals_its_plain_twin_and_replays():
     h_q = torch.empty(TILE * ctas, kw.intermediate, dtype=torch.uint8, device="cuda")
     h_s = torch.empty(TILE * ctas, kw.intermediate // 32, dtype=torch.uint8, device="cuda")
 
-    def step():
-        launch_route_quantize(x, x_q, x_s, ids, record, permuted, experts, release_after_wait=True)
-        gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, tactic=t, topk_ids=ids)
+    # two layers per replay: the second route kernel follows the first GEMM1 under PDL; with
+    # inputs_ready it reads ids and x before its wait and lets GEMM1 launch on entry
+    for ready in (False, True):
+        def step():
+            for _ in range(2):
+                launch_route_quantize(x, x_q, x_s, ids, record, permuted, experts, release_after_wait=not ready,
+                                      inputs_ready=ready)
+                gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, tactic=t, topk_ids=ids)
 
-    step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
         step()
-    for seed in range(3):
-        ids.copy_(torch.stack([torch.randperm(experts, generator=gen)[:6] for _ in range(rows)]).to(torch.int32))
-        h_q.fill_(0xFF)
-        graph.replay()
         torch.cuda.synchronize()
-        route = build_route_record(ids, experts)
-        want = _run_gemm1(kw, x_q, x_s, route, tactic=dataclasses.replace(t, spec=False))
-        used = TILE * route.tiles_used
-        assert torch.equal(h_q[:used], want[0][:used]), f"replay {seed}"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        for seed in range(3):
+            ids.copy_(torch.stack([torch.randperm(experts, generator=gen)[:6] for _ in range(rows)]).to(torch.int32))
+            x.copy_(generate_activations(rows, shape.hidden, seed=seed + 11, device="cuda"))
+            h_q.fill_(0xFF)
+            graph.replay()
+            torch.cuda.synchronize()
+            route = build_route_record(ids, experts)
+            want_q, want_s = quantize_mxfp8(x)
+            assert torch.equal(x_q, want_q.view(torch.uint8)) and torch.equal(x_s, want_s), f"replay {seed} {ready}"
+            want = _run_gemm1(kw, x_q, x_s, route, tactic=dataclasses.replace(t, spec=False))
+            used = TILE * route.tiles_used
+            assert torch.equal(h_q[:used], want[0][:used]), f"replay {seed} inputs_ready={ready}"

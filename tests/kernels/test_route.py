@@ -27,7 +27,8 @@ GUARD = 8  # poisoned guard words on each side of every output buffer
 # --------------------------------------------------------------------------- CPU: compile
 
 
-def _compile_sass(pdl: bool, threads: int = 128, keys_per_step: int = 16, quantize=False, deq=False) -> str:
+def _compile_sass(pdl: bool, threads: int = 128, keys_per_step: int = 16, quantize=False, deq=False,
+                  inputs_ready=False) -> str:
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass import BFloat16, Int32, Uint8
@@ -38,7 +39,8 @@ def _compile_sass(pdl: bool, threads: int = 128, keys_per_step: int = 16, quanti
     def fake(dtype=Int32, align=4):
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
 
-    kernel = RouteKernel(pdl=pdl, threads=threads, keys_per_step=keys_per_step, quantize=quantize, deq=deq)
+    kernel = RouteKernel(pdl=pdl, threads=threads, keys_per_step=keys_per_step, quantize=quantize, deq=deq,
+                         inputs_ready=inputs_ready)
     sass, _ = compile_sm90a(kernel, fake(), fake(), fake(), Int32(1), Int32(1), Int32(1),
                             fake(BFloat16, 16), fake(Uint8, 16), fake(Uint8, 16), fake(BFloat16, 16), Int32(4),
                             cuda.CUstream(0))  # fmt: skip
@@ -65,6 +67,20 @@ def test_compiles_for_sm90a_without_spills(pdl, threads, keys_per_step, quantize
     assert len(re.findall(r"\bLDG\.E\.128\b", text)) == (4 if quantize else 0)
     assert len(re.findall(r"\bSTG\.E\.128\b", text)) == ((6 if deq else 2) if quantize else 0)
     assert len(re.findall(r"F2FP\.SATFINITE\.E4M3\.F32", text)) == (16 if quantize else 0)
+
+
+@pytest.mark.compile
+def test_inputs_ready_reads_before_the_wait_and_writes_after_it():
+    """inputs_ready: the ids and x loads come before griddepcontrol.wait
+    (ACQBULK), every global store after it; no spills."""
+    instr = sass_instructions(_compile_sass(True, quantize=True, deq=True, inputs_ready=True))
+    text = assert_sass_without_spills(instr, "route")
+    assert text.count("ACQBULK") == 2 and "PREEXIT" in text  # CTA 0's wait and the quantizers'
+    first_wait = instr.index("ACQBULK")
+    first_load = min(i for i, s in enumerate(instr) if re.search(r"\bLDG\.", s))
+    first_store = min(i for i, s in enumerate(instr) if re.search(r"\bSTG\.", s))
+    assert first_load < first_wait < first_store
+    assert len(re.findall(r"\bLDG\.E\.128\b", text)) == 4
 
 
 @pytest.mark.compile
@@ -393,7 +409,7 @@ def test_route_quantize_bit_exact(h):
     kernel's bytes and scales (+ x_deq): every output poisoned and guarded
     first, compared with the torch builder and formats.quantize_mxfp8 over
     the routings of the route tests and random x with every special block
-    kind, rows 1-8, PDL on and off."""
+    kind, rows 1-8, PDL on and off, inputs read before the wait or after."""
     from test_quantize import GUARD as QGUARD
     from test_quantize import POISON as QPOISON
     from test_quantize import _check_deq, _make_input, _reference
@@ -407,6 +423,7 @@ def test_route_quantize_bit_exact(h):
         for top_k in (1, 6, 8):
             for i, (name, ids_cpu) in enumerate(_routings(rows, top_k, experts, gen)):
                 deq, pdl = i % 2 == 1, i % 3 != 2
+                ready = pdl and i % 4 < 2  # inputs_ready: reads and quantizes before the wait
                 x_cpu = _make_input(rows, h, gen)
                 want = build_route_record(ids_cpu, experts)
                 want_q, want_s = _reference(x_cpu)
@@ -421,9 +438,9 @@ def test_route_quantize_bit_exact(h):
                     d = d.view(torch.bfloat16).view(rows, h)
                 x = x_cpu.to(dev)
                 launch_route_quantize(x, q.view(rows, h), s.view(rows, h // 32), ids, rec,
-                                      perm.view(rows, top_k), experts, pdl=pdl, x_deq_out=d)
+                                      perm.view(rows, top_k), experts, pdl=pdl, x_deq_out=d, inputs_ready=ready)
                 torch.cuda.synchronize()
-                ctx = f"{name} rows={rows} top_k={top_k} H={h} deq={deq} pdl={pdl}"
+                ctx = f"{name} rows={rows} top_k={top_k} H={h} deq={deq} pdl={pdl} inputs_ready={ready}"
                 assert torch.equal(rec.cpu(), want.record), f"record differs: {ctx}"
                 assert torch.equal(perm.cpu().view(rows, top_k), want.permuted), f"permuted differs: {ctx}"
                 assert torch.equal(s.cpu().view(rows, h // 32), want_s), f"scales differ: {ctx}"
