@@ -101,9 +101,9 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
 def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
     """Stand-in GEMMs copying the oracle's output (wrong for `wrong` tactics)
     and a CPU 'tuning device': the runner's plumbing without a GPU. Returns
-    (routes, misuse): each stand-in route launch's (ids shape,
-    release_after_wait), and the GEMM1 tactics given topk_ids without spec or
-    spec without them."""
+    (routes, misuse): each stand-in route launch's (ids shape, whether the
+    ids are readable early: release_after_wait or inputs_ready), and the
+    GEMM1 tactics given topk_ids without spec or spec without them."""
     import types
 
     from moebench.tuning import runner as rn
@@ -141,8 +141,9 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
     routes = []  # the timed path starts with the route kernel (record + MXFP8 x), as the binding's
 
     def launch_route_quantize(x, x_q, x_s, ids, record, permuted, experts, *, x_deq_out=None,
-                              release_after_wait=False):
-        routes.append((tuple(ids.shape), release_after_wait))
+                              release_after_wait=False, inputs_ready=False):
+        # whether a spec GEMM1 may read the ids before its wait: either promise gives it
+        routes.append((tuple(ids.shape), release_after_wait or inputs_ready))
 
     monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.gemm",
                         types.SimpleNamespace(gemm1=gemm1, gemm2=gemm2, act_to_bf16=act_to_bf16))  # fmt: skip
