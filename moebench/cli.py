@@ -282,8 +282,8 @@ def sweep(
     seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
     layers: int = typer.Option(None, help="Force the number of rotated weight sets (default: >= 4x L2)."),
-    replays: int = typer.Option(100, help="Timed replays per case."),
-    warmup: int = typer.Option(10, help="Warm-up calls per case."),
+    replays: int = typer.Option(100, help="Timed replays per case under CUDA graphs; eager timing (the CPU, --no-graph, an uncapturable backend) takes at most 20 (the manifest's timing_counts says what ran)."),
+    warmup: int = typer.Option(10, help="Warm-up calls per case (eager timing: at most 2)."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
     split: bool = typer.Option(
         True, "--split/--no-split", help="Also time each stage alone and the routed path (route + GEMM1 + GEMM2)"
@@ -506,8 +506,8 @@ def step(
     seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one layer's weights over and over (warm L2)."),
     layers: int = typer.Option(None, help="Force the number of rotated layers (default: >= 4x L2)."),
-    replays: int = typer.Option(100, help="Timed replays per quantity."),
-    warmup: int = typer.Option(10, help="Warm-up calls per quantity."),
+    replays: int = typer.Option(100, help="Timed replays per quantity under CUDA graphs; eager timing (the CPU, --no-graph) takes at most 20 (the manifest's timing_counts says what ran)."),
+    warmup: int = typer.Option(10, help="Warm-up calls per quantity (eager timing: at most 2)."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
     split: bool = typer.Option(
         True, "--split/--no-split", help="Also time each stage alone (kernel_<stage>_us, stage_sum_us: moebench's"
@@ -553,7 +553,9 @@ def step(
         gpu_list = None
         if devices is not None:
             if ranks == 1:
-                raise ValueError("--devices: only with --tp N > 1 (one GPU per rank); use --device for one rank")
+                why = "--one-rank times one rank" if one_rank else "--tp 1 is one rank"
+                raise ValueError(f"--devices: only for several ranks (--tp N > 1 without --one-rank; {why});"
+                                 " use --device for one rank")
             if dev.type != "cuda":
                 raise ValueError("--devices: the ranks run on the CPU here (no GPU, or --device cpu)")
             gpu_list = tuple(parse_devices(devices, visible_gpu_count()))
@@ -805,8 +807,14 @@ def report(
             raise ValueError("--fail-above needs --baseline RUN")
         if out is not None:
             _check_out_dir(out)
+            try:  # before any output: a report that cannot be written is not a comparison's verdict
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as error:
+                raise ValueError(f"--out: cannot create {out}: {error.strerror or error}") from None
         df, manifest = _read_report_run(run_dir, "RUN_DIR")
         ranks = read_table(run_dir, "ranks")
+        if ranks is not None and "rank" not in ranks.columns:
+            raise ValueError(f"RUN_DIR: {run_dir / 'ranks.parquet'} lacks the 'rank' column")
         step_run = is_step_run(df, manifest)
         try:  # the tables printed below: a run lacking their columns fails here, before any output
             summary = summary_table(df)
@@ -856,7 +864,7 @@ def report(
                                       title=f"moebench run {run_dir.name}", tables=tables)  # fmt: skip
             console.print(f"wrote [bold]{paths[0]}[/bold] ({len(paths) - 1} plots)")
     except OSError as error:
-        raise _fail(f"cannot write the report under {target.parent}: {error}", 1) from None
+        raise _fail(f"cannot write the report under {target.parent}: {error}") from None
     if comparison is None:
         return
     if comparison.mismatches:

@@ -16,6 +16,10 @@
 #   python3 -m moebench report $OUT/runs/<date>-h200x2-tp2-<preset>
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)' 2>/dev/null; then
+  echo "step_tp2.sh: needs two CUDA GPUs and torch with CUDA; nothing run" >&2
+  exit 2
+fi
 root="${OUT:+$OUT/runs}"
 root="${root:-reports/runs}"
 presets=("$@")

@@ -16,6 +16,10 @@
 # `moebench report RUN --baseline OTHER`).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)' 2>/dev/null; then
+  echo "sweep_shard_walltime.sh: needs two CUDA GPUs and torch with CUDA; nothing run" >&2
+  exit 2
+fi
 mode="${1:-both}"
 root="${OUT:+$OUT/runs}"
 root="${root:-reports/runs}"

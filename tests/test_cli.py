@@ -223,6 +223,22 @@ def test_report_option_errors(tmp_path):
     assert bad.exit_code == 2 and "--fail-above must be a percentage" in bad.output
     gone = runner.invoke(app, ["report", str(run), "--baseline", str(tmp_path / "nope")])
     assert gone.exit_code == 2 and "does not exist" in gone.output
+    # an --out that cannot be created: exit 2 before any table, never the regression code 1
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        out = ro / "report"
+        import os
+
+        if os.access(ro, os.W_OK):  # root ignores the mode: use a path no one can create
+            out = Path("/proc/moebench-cannot-create")
+        result = runner.invoke(app, ["report", str(run), "--baseline", str(run), "--fail-above", "5",
+                                     "--out", str(out)])
+        assert result.exit_code == 2 and "--out: cannot create" in result.output, result.output
+        assert "wrote" not in result.output and not out.exists()
+    finally:
+        ro.chmod(0o700)
 
 
 @pytest.mark.parametrize("cur_extra, base_extra, needle", [
@@ -286,6 +302,34 @@ def test_report_refuses_to_replace_any_file_it_writes(tmp_path):
     assert not (out / "summary.md").exists() and {p.name: p.read_bytes() for p in out.iterdir()} == plots
     assert "vs baseline" not in again.output  # refused before any work
     assert runner.invoke(app, [*args, "--force"]).exit_code == 0 and (out / "summary.md").is_file()
+
+
+def test_report_of_a_run_with_corrupt_fields_names_the_file(tmp_path):
+    """A manifest whose device / packages is not an object, a results column
+    of strings, a ranks table without its rank column: exit 2 naming the
+    file, no traceback (and never 1, the regression code)."""
+    import json
+
+    import pandas as pd
+
+    for n, (what, needle) in enumerate([
+        ("device", "'device' must be a JSON object"), ("packages", "'packages' must be a JSON object"),
+        ("median", "column 'median_us' must be numeric"), ("ranks", "lacks the 'rank' column"),
+    ]):  # fmt: skip
+        run = _stored_run(tmp_path / f"runs{n}", "x", {1: 20.0})
+        manifest = json.loads((run / "manifest.json").read_text())
+        if what in ("device", "packages"):
+            manifest[what] = "cpu" if what == "device" else ["torch"]
+            (run / "manifest.json").write_text(json.dumps(manifest))
+        elif what == "median":
+            df = pd.read_parquet(run / "results.parquet")
+            df["median_us"] = df["median_us"].astype(str)
+            df.to_parquet(run / "results.parquet")
+        else:
+            pd.DataFrame({"x": [1]}).to_parquet(run / "ranks.parquet")
+        result = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / f"out{n}")])
+        assert result.exit_code == 2 and needle in result.output, (what, result.output)
+        assert "Traceback" not in result.output
 
 
 def test_report_run_that_is_a_file_or_out_that_is_a_file(tmp_path):
@@ -436,6 +480,8 @@ def test_sweep_where_every_case_is_skipped_exits_nonzero(tmp_path):
         ("sweep", ["--replays", "0"], "--replays must be an int >= 1, got 0"),
         ("sweep", ["--warmup", "-1"], "--warmup must be"),
         ("sweep", ["--layers", "0"], "--layers must be"),
+        ("sweep", ["--layers", "3", "--warm-l2"], "--layers must not be set with warm_l2 (--warm-l2"),
+        ("step", ["--layers", "3", "--warm-l2"], "--layers must not be set with warm_l2 (--warm-l2"),
         ("sweep", ["--seed", "-1"], "--seed must be"),
         ("sweep", ["--hidden", "100"], "--hidden must be a multiple of 128, got 100"),
         ("sweep", ["--intermediate", "100"], "--intermediate must be a multiple of 32"),

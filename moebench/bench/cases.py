@@ -151,6 +151,9 @@ class SweepConfig:
             raise ValueError(f"replays must be an int >= 1, got {self.replays!r}")
         if self.layers is not None and (not isinstance(self.layers, int) or self.layers < 1):
             raise ValueError(f"layers must be an int >= 1, got {self.layers!r}")
+        if self.layers is not None and self.warm_l2 is True:
+            raise ValueError(f"layers must not be set with warm_l2 (--warm-l2 times one weight set with the L2"
+                             f" warm), got {self.layers}: drop one of them")
         if not isinstance(self.split, bool):
             raise TypeError(f"split must be a bool, got {type(self.split).__name__}")
         if not 0 < self.memory_fraction <= 1:

@@ -98,7 +98,7 @@ from moebench.bench.shard import MULTICAST_OFF, free_port, gpu_serial, gpu_uuid,
 from moebench.bench.sweep import (
     ALL_TACTICS, COLUMNS, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
     canonical_bytes, check_backend_names, check_tactic_names, expand_all_tactics, layer_count, loaded_backends,
-    skip_reason, timing_counts, timing_methods,
+    skip_reason, timing_counts, timing_counts_used, timing_methods,
 )  # fmt: skip
 from moebench.bench.timing import Timing, time_graph
 from moebench.env import environment, resolve_device
@@ -692,7 +692,9 @@ def run_step(config: StepConfig, progress: ProgressFn | None = None, *, timeout_
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             rows, info = run_rank(config, 0, 1, dev, progress=progress)
         frame = _frame(rows)
-        manifest = _manifest(config, info, devices=[str(dev)], timing_methods=timing_methods(frame))
+        methods = timing_methods(frame)
+        manifest = _manifest(config, info, devices=[str(dev)], timing_methods=methods,
+                             timing_counts=timing_counts_used(config, methods))
         return StepResult(frame, None, manifest)
     return launch_ranks(config, progress=progress, timeout_s=timeout_s)
 
@@ -923,7 +925,9 @@ def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str
     ranks_frame = _frame(pd.concat(ranks, ignore_index=True).to_dict("records")) if ranks else _frame([])
     info0 = (infos.get(0) or {}).get("info") or next(
         ((i.get("info") or {}) for i in infos.values() if i.get("info")), {"reduced": reduced})
-    manifest = _manifest(config, info0, devices=devices, workers=workers, timing_methods=timing_methods(frame),
+    methods = timing_methods(frame)
+    manifest = _manifest(config, info0, devices=devices, workers=workers, timing_methods=methods,
+                         timing_counts=timing_counts_used(config, methods),
                          rank_manifests=[{k: (i.get("info") or {}).get(k) for k in ("copy_bw_gbps", "groups")}
                                          for i in infos.values()])  # fmt: skip
     return StepResult(frame, ranks_frame, manifest)

@@ -614,7 +614,7 @@ def run_sharded_sweep(
         launched = launch_workers(shards, devices, runner or sweep_runner(config), scratch / "parts",
                                   timeout_s=timeout_s, base_env=base_env, progress=progress)  # fmt: skip
         frame = merge_results(launched.frames, launched.failures)
-        from moebench.bench.sweep import timing_methods
+        from moebench.bench.sweep import timing_counts_used, timing_methods
 
         manifests = [json.loads(p.read_text()) for p in sorted(mdir.glob("manifest-*.json"))]
         manifest = dict(manifests[0]) if manifests else {}
@@ -627,6 +627,7 @@ def run_sharded_sweep(
             plan=[[c.label() for c in s] for s in shards],
             worker_manifests=[{k: m.get(k) for k in ("device", "copy_bw_gbps", "groups")} for m in manifests],
             timing_methods=timing_methods(frame),  # of every worker's rows, not the first worker's
+            timing_counts=timing_counts_used(config, timing_methods(frame)),
         )  # fmt: skip
         manifest.update(manifest_extra or {})
         return write_run(frame, manifest, root, label)

@@ -230,12 +230,24 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
         # what the rows were timed with (config.use_graph is what was asked for: a CPU run
         # or a backend that cannot be captured times eagerly)
         "timing_methods": timing_methods(frame),
+        "timing_counts": timing_counts_used(config, timing_methods(frame)),
         "backends": reasons,
         "groups": groups_info,
         "config": _jsonable(asdict(config)),
         **env,
     }
     return SweepResult(frame, manifest)
+
+
+def timing_counts_used(config, methods: list[str]) -> dict[str, dict[str, int]]:
+    """{method: {"warmup": n, "replays": n}}: the counts the rows timed with
+    each of `methods` really ran (config.warmup / config.replays for CUDA
+    graphs; an eager timing, on the CPU, with --no-graph or for a backend
+    that cannot be captured, caps them at EAGER_WARMUP_CAP /
+    EAGER_REPLAYS_CAP, `timing_counts`)."""
+    return {m: {"warmup": config.warmup if m == "cuda-graph" else min(config.warmup, EAGER_WARMUP_CAP),
+                "replays": config.replays if m == "cuda-graph" else min(config.replays, EAGER_REPLAYS_CAP)}
+            for m in methods}
 
 
 def timing_methods(frame: pd.DataFrame) -> list[str]:

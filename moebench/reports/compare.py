@@ -222,7 +222,7 @@ def _case_mismatch(cur: dict, base: dict) -> str | None:
     for k in SHAPE_KEYS:
         if k in cur and k in base and cur[k] != base[k]:
             diffs.append(f"{k} {cur[k]} vs {base[k]}")
-    for k in ("seed", "unique_experts"):
+    for k in ("seed", "unique_experts", "layers"):  # layers: the weight sets a replay walks (the L2 working set)
         a, b = cur.get(k), base.get(k)
         if a is not None and b is not None and not (pd.isna(a) or pd.isna(b)) and a != b:
             diffs.append(f"{k} {a} vs {b}")

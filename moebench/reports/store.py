@@ -202,7 +202,18 @@ def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"{results} lacks required columns {missing}")
+    for key in _MANIFEST_OBJECTS:
+        if key in manifest and manifest[key] is not None and not isinstance(manifest[key], dict):
+            raise ValueError(f"{manifest_path}: {key!r} must be a JSON object, got {type(manifest[key]).__name__}")
+    for col in _NUMERIC_COLUMNS:
+        if col in df.columns and not (pd.api.types.is_numeric_dtype(df[col]) or df[col].isna().all()):
+            raise ValueError(f"{results}: column {col!r} must be numeric, got {df[col].dtype}")
     return df, manifest
+
+
+#: Manifest entries the reports read as objects, and results columns they compute with.
+_MANIFEST_OBJECTS = ("device", "packages", "config")
+_NUMERIC_COLUMNS = ("median_us", "p10_us", "p90_us", "max_rel_err", "gbps", "pct_copy_bw", "rows", "tp")
 
 
 def read_table(path: str | Path, name: str) -> pd.DataFrame | None:

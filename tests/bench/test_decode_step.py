@@ -262,6 +262,7 @@ def test_cli_step_no_split_then_report(tmp_path):
     df, manifest = read_run(run)
     assert manifest["stage_timing"] is None and manifest["config"]["split"] is False
     assert manifest["timing_methods"] == sorted(set(df["timing_method"])) and len(manifest["timing_methods"]) == 1
+    assert set(manifest["timing_counts"]) == set(manifest["timing_methods"])
     row = df.iloc[0]
     assert row["status"] == "ok" and row["median_us"] > 0 and row["gate_us"] > 0
     assert all(math.isnan(row[c]) for c in KERNEL_COLUMNS) and math.isnan(row["stage_sum_us"])
@@ -292,6 +293,7 @@ def test_cli_tp2_step_stores_the_ranks_and_report_renders_them(tmp_path):
     (["--rows", "9"], "--rows"), (["--backends", "nope"], "backends"), (["--tp", "0"], "--tp"),
     (["--scenario", "nope"], "scenario"), (["--label", "../x"], "label"), (["--tactics", "nope"], "--tactics"),
     (["--tactics", "fp8"], "--tactics"), (["--tactics", ","], "--tactics"),
+    (["--one-rank", "--tp", "2", "--devices", "0"], "--one-rank times one rank"),
 ])  # fmt: skip
 def test_cli_step_user_errors(tmp_path, args, needle):
     result = runner.invoke(app, ["step", *args, "--out", str(tmp_path)])

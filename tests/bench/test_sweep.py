@@ -293,7 +293,8 @@ def test_no_split_times_the_layer_call_only():
     register_backend("test-staged", StagedBackend)
     StagedBackend.calls = {}
     try:
-        result = run_sweep(SweepConfig(backends=("test-staged",), split=False, **{**TINY, "rows": (3,)}))
+        result = run_sweep(SweepConfig(backends=("test-staged",), split=False,
+                                       **{**TINY, "rows": (3,), "replays": 30, "warmup": 5}))
     finally:
         unregister_backend("test-staged")
     row = result.frame.to_dict("records")[0]
@@ -304,6 +305,9 @@ def test_no_split_times_the_layer_call_only():
     # what the rows were timed with, not what was asked for (no CUDA graph on the CPU)
     assert result.manifest["config"]["use_graph"] is True
     assert result.manifest["timing_methods"] == [row["timing_method"]] and "graph" not in row["timing_method"]
+    # and with what counts: eager timing caps what --replays / --warmup asked
+    assert result.manifest["config"]["replays"] == 30 and result.manifest["config"]["warmup"] == 5
+    assert result.manifest["timing_counts"] == {row["timing_method"]: {"warmup": 2, "replays": 20}}
     with pytest.raises(TypeError, match="split must be a bool"):
         SweepConfig(split="no")
 

@@ -44,6 +44,16 @@ def runs():
     return cur, base
 
 
+def test_another_layer_count_is_a_mismatch():
+    """--layers changes the L2 working set a replay walks: not the same measurement."""
+    base = pd.DataFrame([case(1, layers=9), case(2, layers=9)])
+    cur = pd.DataFrame([case(1, layers=3), case(2, layers=9, median=10.1)])
+    comp = compare_runs(cur, MANIFEST, base, MANIFEST, threshold_pct=5.0)
+    f = comp.frame.set_index("rows")
+    assert f.loc[1, "verdict"] == "mismatch" and "layers 3 vs 9" in f.loc[1, "note"]
+    assert f.loc[2, "verdict"] != "mismatch"
+
+
 def verdicts(comp):
     return {(r["backend"], r["rows"]): r["verdict"] for r in comp.frame.to_dict("records")}
 
