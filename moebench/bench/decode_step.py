@@ -925,8 +925,17 @@ def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str
     ranks_frame = _frame(pd.concat(ranks, ignore_index=True).to_dict("records")) if ranks else _frame([])
     info0 = (infos.get(0) or {}).get("info") or next(
         ((i.get("info") or {}) for i in infos.values() if i.get("info")), {"reduced": reduced})
+    extra = {}
+    if not info0.get("env"):
+        # no rank reported its environment (every rank died or timed out): the host's, so that the
+        # run keeps its device, versions and commit and still compares with runs of this device
+        from moebench.env import environment
+
+        first = rank_devices(config)[1]
+        info0 = {**info0, "env": environment(f"cuda:{first[0]}" if first else "cpu")}
+        extra["provenance_from"] = "the launching process (no rank reported its environment)"
     methods = timing_methods(frame)
-    manifest = _manifest(config, info0, devices=devices, workers=workers, timing_methods=methods,
+    manifest = _manifest(config, info0, devices=devices, workers=workers, timing_methods=methods, **extra,
                          timing_counts=timing_counts_used(config, methods),
                          rank_manifests=[{k: (i.get("info") or {}).get(k) for k in ("copy_bw_gbps", "groups")}
                                          for i in infos.values()])  # fmt: skip

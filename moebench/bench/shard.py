@@ -618,6 +618,14 @@ def run_sharded_sweep(
 
         manifests = [json.loads(p.read_text()) for p in sorted(mdir.glob("manifest-*.json"))]
         manifest = dict(manifests[0]) if manifests else {}
+        if not manifests:  # every worker died before writing one: the host's provenance
+            from moebench.env import environment
+
+            try:
+                env = environment(f"cuda:{devices[0]}")
+            except ValueError:  # the workers' device is not this process's (a test's stand-in runner)
+                env = environment(None)
+            manifest.update(env, provenance_from="the launching process (no worker wrote a manifest)")
         manifest.setdefault("schema", 1)
         manifest.setdefault("reduced", bool(config.reduced))
         manifest.setdefault("seed", config.seed)

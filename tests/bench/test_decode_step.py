@@ -217,6 +217,9 @@ def test_tp2_step_over_gloo_and_a_dead_rank(monkeypatch):
     res = run_step(cfg, timeout_s=0.5)
     assert (res.frame["status"] == "failed").all() and list(zip(res.frame["backend"], res.frame["tactic"])) == pairs
     assert res.frame["error"].str.contains("stopped after the 0.5 s timeout").all(), res.frame["error"].tolist()
+    # no rank reported its environment: the run keeps the host's provenance (device, versions, commit)
+    assert res.manifest["device"]["name"] and res.manifest["packages"] and "commit" in res.manifest
+    assert "no rank reported" in res.manifest["provenance_from"]
 
 
 def test_cli_step_then_report(tmp_path):
