@@ -849,6 +849,9 @@ def report(
             text += "\n" + comparison_markdown(comparison)
         target.write_text(text, encoding="utf-8")
         console.print(f"wrote [bold]{target}[/bold]")
+        stale = target.parent / "report.html"
+        if not html and stale.exists():
+            console.print(f"[yellow]{stale} is from an earlier report (--no-html leaves it as it is)[/yellow]")
         if html:
             from moebench.reports.html import write_html_report
 

@@ -332,6 +332,16 @@ def test_report_of_a_run_with_corrupt_fields_names_the_file(tmp_path):
         assert "Traceback" not in result.output
 
 
+def test_report_no_html_says_an_older_report_html_is_left(tmp_path):
+    run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.html").write_text("an older report")
+    result = runner.invoke(app, ["report", str(run), "--out", str(out), "--no-html"])
+    assert result.exit_code == 0 and "from an earlier report" in result.output, result.output
+    assert (out / "report.html").read_text() == "an older report"
+
+
 def test_report_run_that_is_a_file_or_out_that_is_a_file(tmp_path):
     import pandas as pd
 

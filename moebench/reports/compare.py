@@ -91,11 +91,19 @@ class Comparison:
     def unclear_note(self) -> str | None:
         """The sentence to show when unclear cases leave regressions not
         ruled out (None without unclear cases)."""
-        n = int((self.frame["verdict"] == "unclear").sum())
+        unclear = self.frame[self.frame["verdict"] == "unclear"]
+        n = len(unclear)
         if not n:
             return None
-        return (f"{n} case{'s' if n != 1 else ''} unclear (noise above the {self.threshold_pct:g} % threshold):"
-                " regressions not ruled out")
+        bad = int((unclear["note"] == NO_VALID_TIME).sum())
+        why = (f"noise above the {self.threshold_pct:g} % threshold" if not bad else
+               f"{bad} without a valid time" if bad == n else
+               f"noise above the {self.threshold_pct:g} % threshold, or {bad} without a valid time")
+        return f"{n} case{'s' if n != 1 else ''} unclear ({why}): regressions not ruled out"
+
+
+#: The note of an "unclear" case whose times cannot be compared at all.
+NO_VALID_TIME = "no valid time: a median / p10 / p90 missing, not finite or not positive"
 
 
 def parse_threshold(text: str | float | int) -> float:
@@ -275,6 +283,8 @@ def compare_runs(
                 row["base_p90_us"], threshold_pct,
             )  # fmt: skip
             row.update(verdict=verdict, ratio=ratio, delta_pct=delta, noise_pct=noise)
+            if verdict == "unclear" and math.isnan(ratio):
+                row["note"] = NO_VALID_TIME
             why = _case_mismatch(cur, base)
             if runs_differ or why:
                 row["verdict"] = "mismatch"

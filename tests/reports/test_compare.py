@@ -44,6 +44,18 @@ def runs():
     return cur, base
 
 
+def test_a_case_without_a_valid_time_says_so():
+    """An ok case with a NaN, zero or negative median is unclear for that reason, not for noise."""
+    from moebench.reports.compare import NO_VALID_TIME
+
+    base = pd.DataFrame([case(1), case(2), case(3)])
+    cur = pd.DataFrame([case(1, median=0.0), case(2, median=math.nan), case(3, median=10.0)])
+    comp = compare_runs(cur, MANIFEST, base, MANIFEST, threshold_pct=5.0)
+    f = comp.frame.set_index("rows")
+    assert (f.loc[[1, 2], "verdict"] == "unclear").all() and (f.loc[[1, 2], "note"] == NO_VALID_TIME).all()
+    assert "2 without a valid time" in comp.unclear_note and "noise" not in comp.unclear_note
+
+
 def test_another_layer_count_is_a_mismatch():
     """--layers changes the L2 working set a replay walks: not the same measurement."""
     base = pd.DataFrame([case(1, layers=9), case(2, layers=9)])
