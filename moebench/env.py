@@ -174,6 +174,16 @@ def git_commit() -> str | None:
     return f"{head}+dirty" if dirty else head or None
 
 
+def launcher_environment(device: str) -> dict:
+    """`environment(device)` for a process that launched workers on `device`
+    and lost them before they reported theirs; the default device's when
+    `device` is not one this process sees (a stand-in worker's)."""
+    try:
+        return environment(device)
+    except ValueError:
+        return environment(None)
+
+
 def environment(device: torch.device | str | None = None) -> dict:
     """Provenance of a run as a JSON-ready dict: device (DeviceInfo fields),
     python, platform, torch CUDA runtime, package versions, git commit."""

@@ -929,10 +929,10 @@ def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str
     if not info0.get("env"):
         # no rank reported its environment (every rank died or timed out): the host's, so that the
         # run keeps its device, versions and commit and still compares with runs of this device
-        from moebench.env import environment
+        from moebench.env import launcher_environment
 
         first = rank_devices(config)[1]
-        info0 = {**info0, "env": environment(f"cuda:{first[0]}" if first else "cpu")}
+        info0 = {**info0, "env": launcher_environment(f"cuda:{first[0]}" if first else "cpu")}
         extra["provenance_from"] = "the launching process (no rank reported its environment)"
     methods = timing_methods(frame)
     manifest = _manifest(config, info0, devices=devices, workers=workers, timing_methods=methods, **extra,

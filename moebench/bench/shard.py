@@ -616,16 +616,14 @@ def run_sharded_sweep(
         frame = merge_results(launched.frames, launched.failures)
         from moebench.bench.sweep import timing_counts_used, timing_methods
 
+        methods = timing_methods(frame)
         manifests = [json.loads(p.read_text()) for p in sorted(mdir.glob("manifest-*.json"))]
         manifest = dict(manifests[0]) if manifests else {}
         if not manifests:  # every worker died before writing one: the host's provenance
-            from moebench.env import environment
+            from moebench.env import launcher_environment
 
-            try:
-                env = environment(f"cuda:{devices[0]}")
-            except ValueError:  # the workers' device is not this process's (a test's stand-in runner)
-                env = environment(None)
-            manifest.update(env, provenance_from="the launching process (no worker wrote a manifest)")
+            manifest.update(launcher_environment(f"cuda:{devices[0]}"),
+                            provenance_from="the launching process (no worker wrote a manifest)")
         manifest.setdefault("schema", 1)
         manifest.setdefault("reduced", bool(config.reduced))
         manifest.setdefault("seed", config.seed)
@@ -634,8 +632,8 @@ def run_sharded_sweep(
             kind="sweep", sharded=True, devices=list(devices), workers=launched.workers,
             plan=[[c.label() for c in s] for s in shards],
             worker_manifests=[{k: m.get(k) for k in ("device", "copy_bw_gbps", "groups")} for m in manifests],
-            timing_methods=timing_methods(frame),  # of every worker's rows, not the first worker's
-            timing_counts=timing_counts_used(config, timing_methods(frame)),
+            timing_methods=methods,  # of every worker's rows, not the first worker's
+            timing_counts=timing_counts_used(config, methods),
         )  # fmt: skip
         manifest.update(manifest_extra or {})
         return write_run(frame, manifest, root, label)

@@ -215,6 +215,7 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
             _release(dev)
 
     frame = _typed(pd.DataFrame(rows_out, columns=list(COLUMNS)))
+    methods = timing_methods(frame)
     manifest = {
         "schema": 1,
         "kind": "sweep",
@@ -229,8 +230,8 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
         "stage_timing": STAGE_TIMING if config.split else None,
         # what the rows were timed with (config.use_graph is what was asked for: a CPU run
         # or a backend that cannot be captured times eagerly)
-        "timing_methods": timing_methods(frame),
-        "timing_counts": timing_counts_used(config, timing_methods(frame)),
+        "timing_methods": methods,
+        "timing_counts": timing_counts_used(config, methods),
         "backends": reasons,
         "groups": groups_info,
         "config": _jsonable(asdict(config)),
@@ -245,9 +246,14 @@ def timing_counts_used(config, methods: list[str]) -> dict[str, dict[str, int]]:
     graphs; an eager timing, on the CPU, with --no-graph or for a backend
     that cannot be captured, caps them at EAGER_WARMUP_CAP /
     EAGER_REPLAYS_CAP, `timing_counts`)."""
-    return {m: {"warmup": config.warmup if m == "cuda-graph" else min(config.warmup, EAGER_WARMUP_CAP),
-                "replays": config.replays if m == "cuda-graph" else min(config.replays, EAGER_REPLAYS_CAP)}
-            for m in methods}
+    return {m: capped_counts(config, m == "cuda-graph") for m in methods}
+
+
+def capped_counts(config, full: bool) -> dict[str, int]:
+    """{"warmup", "replays"} of `config`, as given for CUDA-graph timing
+    (`full`), else capped at EAGER_WARMUP_CAP / EAGER_REPLAYS_CAP."""
+    return {"warmup": config.warmup if full else min(config.warmup, EAGER_WARMUP_CAP),
+            "replays": config.replays if full else min(config.replays, EAGER_REPLAYS_CAP)}
 
 
 def timing_methods(frame: pd.DataFrame) -> list[str]:
@@ -612,12 +618,8 @@ def timing_counts(config, calls: int, graph: bool, dev) -> dict:
     """`time_graph` keyword arguments of a case: `calls` calls per replay,
     the config's warmup / replays, capped for slow eager paths (the
     reference, anything on the CPU: EAGER_WARMUP_CAP / EAGER_REPLAYS_CAP)."""
-    full = graph and dev.type == "cuda"
-    return dict(
-        warmup=config.warmup if full else min(config.warmup, EAGER_WARMUP_CAP),
-        replays=config.replays if full else min(config.replays, EAGER_REPLAYS_CAP),
-        calls_per_replay=calls, use_graph=graph, device=dev,
-    )  # fmt: skip
+    return dict(**capped_counts(config, graph and dev.type == "cuda"), calls_per_replay=calls, use_graph=graph,
+                device=dev)
 
 
 def _time_stages(config, backend, prepared, x, ids, topk_w, graph: bool, dev) -> dict:

@@ -26,7 +26,6 @@ from moebench.formats import ExpertWeights
 from moebench.kernels import front as _front
 from moebench.kernels import gemm as _gemm
 from moebench.kernels import route as _route
-from moebench.kernels.host import check_bool
 from moebench.kernels.layout import KernelWeights, to_kernel_layout
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
 from moebench.moe_output import UnfinalizedMoEOutput
@@ -298,7 +297,8 @@ class RoutedExpertGemm:
         does not write them, or releases its dependents only at its end, as
         every torch kernel does): the kernel then reads and quantizes before
         its griddepcontrol.wait and lets GEMM1 launch at once (see
-        `route.launch_route_quantize`); a broken promise gives stale results. Raises ValueError unless `accepts(x)` and the top-k
+        `route.launch_route_quantize`, which checks the flag); a broken
+        promise gives stale results. Raises ValueError unless `accepts(x)` and the top-k
         tensors match (shape, dtype, and x's device: the kernel would read a
         CPU pointer), TypeError for a non-tensor top-k argument."""
         if not self.accepts(x):
@@ -325,10 +325,9 @@ class RoutedExpertGemm:
         ctas = max_ctas(rows, self.top_k, self.experts)
         record = torch.empty(route_words(ctas), dtype=torch.int32, device=device)
         permuted = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
-        check_bool("inputs_ready", inputs_ready)
         spec = self.tactics[1, rows].spec  # GEMM1 reads the ids before its wait: release after ours
         _route.launch_route_quantize(x, x_quant, x_scale, ids, record, permuted, self.experts, x_deq_out=x_deq,
-                                     release_after_wait=spec and not inputs_ready, inputs_ready=inputs_ready)
+                                     release_after_wait=spec, inputs_ready=inputs_ready)
         return Routing(x_quant, x_scale, ids, topk_weights, permuted, record, ctas, x_deq, early_ids=spec)
 
     def _x_deq_for(self, rows: int, device: torch.device) -> torch.Tensor | None:

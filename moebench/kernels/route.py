@@ -637,7 +637,8 @@ def launch_route_quantize(
         raise ValueError(f"x, topk_ids and the outputs must be CUDA tensors, got {device}")
     require_dsl(_KERNEL)
     deq = x_deq_out is not None
-    _run(compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq, release_after_wait, inputs_ready), topk_ids,
+    release = release_after_wait and not inputs_ready  # inputs_ready releases on entry (one compiled kernel)
+    _run(compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq, release, inputs_ready), topk_ids,
          record_out, permuted_out, experts,
          x, x_q_out, x_scale_out, x_deq_out if deq else x, rows * h // 32, stream, device)
 

@@ -49,8 +49,8 @@ from datetime import datetime, timezone
 
 import torch
 
-from moebench.backends.moebench import INPUTS_READY  # the route launch the sweep times
 from moebench import __version__
+from moebench.backends.moebench import INPUTS_READY  # the route launch the sweep times
 from moebench.env import environment, resolve_device
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
 from moebench.models import RankShape, get_preset
@@ -339,7 +339,7 @@ class GemmStageRunner:
             for kw in self.kws:
                 launch_route_quantize(case["x"], x_q, x_s, ids, record, case["permuted"], self.shape.experts,
                                       x_deq_out=case["t_x_deq"] if t1.act_bf16 else None,
-                                      release_after_wait=t1.spec and not INPUTS_READY, inputs_ready=INPUTS_READY)
+                                      release_after_wait=t1.spec, inputs_ready=INPUTS_READY)
                 gemm1(kw, x_q, x_s, record, ctas, case["h_q"], case["h_s"], tactic=t1,
                       topk_ids=ids if t1.spec else None, **a1)
                 gemm2(kw, case["h_q"], case["h_s"], record, ctas, case["out"], tactic=t2, **a2)
