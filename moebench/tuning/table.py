@@ -78,7 +78,7 @@ STAGES = {1: "gemm1", 2: "gemm2"}
 FP8_KEY = "fp8"
 _TACTIC_FIELDS = ("tile_rows", "warps_m", "warps_k", "unroll", "ctas_per_sm", "persistent", "pdl")
 #: Tactic fields a table may omit (older tables), with the value that means.
-_OPTIONAL_FIELDS = {"split_k": 1, "stages": 0, "act_bf16": False, "fp8": False, "spec": False, "l2_prefetch": 0}
+_OPTIONAL_FIELDS = {"split_k": 1, "stages": 0, "act_bf16": False, "fp8": False, "spec": False}
 #: Tokens of a device name that name a board, memory size or slice, not the chip.
 _BOARD_TOKEN = re.compile(r"^(NVL|SXM\d*|PCIE|HBM\d*E?|\d+GB|NVLINK)$", re.IGNORECASE)
 
