@@ -768,40 +768,12 @@ if HAVE_DSL:
             for i in cutlass.range(start, n_steps, 1, unroll=1):
                 s = i % S
                 if i >= S:
-                    if cutlass.const_expr(self.tactic.l2_prefetch > 0):
-                        if i == S:  # the first stages are out: now the later CTAs' units
-                            self.prefetch_later(p_w, p_s, record, n_units, bid, nblk, lane)
                     cute.arch.mbarrier_wait(bars + (S + s), (i // S - 1) % 2)
                 e = cute.arch.load(record + (4 + unit // self.blocks), Int32)
                 self.issue_stage(p_w, p_s, ring, bars, s, e, unit % self.blocks, b, lane)
                 b = b + 1
                 wrap = Int32(b == NB)
                 b, unit = b - wrap * NB, unit + wrap * stride
-            if cutlass.const_expr(self.tactic.l2_prefetch > 0):
-                if n_steps <= S:
-                    self.prefetch_later(p_w, p_s, record, n_units, bid, nblk, lane)
-
-        @cute.jit
-        def prefetch_later(self, p_w, p_s, record, n_units, bid, nblk, lane):
-            """`l2_prefetch` = P: CTA `bid` of the grid's first W = nblk /
-            ctas_per_sm prefetches into L2 the weights and scales of every unit
-            of CTAs bid + W, ..., bid + P * W (one bulk prefetch per 32-row pair
-            and unit for each, lanes over them). A hint: nothing waits on it."""
-            NP, P = self.np, self.tactic.l2_prefetch
-            W = nblk // self.tactic.ctas_per_sm
-            if bid < W:
-                for j in cutlass.range_constexpr(1, P + 1):
-                    c = bid + j * W
-                    if c < nblk:
-                        first, count, stride = self.unit_span(n_units, c, nblk)
-                        for q in cutlass.range(lane, count * NP, 32, unroll=1):
-                            unit = first + (q // NP) * stride
-                            e = cute.arch.load(record + (4 + unit // self.blocks), Int32)
-                            pair = (unit % self.blocks) * NP + q % NP
-                            prims.cp_async_bulk_prefetch(
-                                p_w + (Int64(e) * self.w_expert + pair * self.nch * 128), self.nch * 512)
-                            prims.cp_async_bulk_prefetch(
-                                p_s + (Int64(e) * self.s_expert + pair * self.nch * 8), self.nch * 32)
 
         @cute.jit
         def issue_stage(self, p_w, p_s, ring, bars, s, e, blk, b, lane):

@@ -118,16 +118,6 @@ class GemmTactic:
       before griddepcontrol.wait; the launch passes the ids (`gemm1(...,
       topk_ids=)`). Rows that repeat an expert switch the prediction off; a
       record that disagrees with it traps. Name suffix `_sp`.
-    l2_prefetch: P >= 1 (bulk ring only, P < ctas_per_sm): each of the grid's
-      first grid / ctas_per_sm CTAs (the ones that find room first, beside
-      the kernel before, one per SM at full grid) prefetches into L2
-      (`cp.async.bulk.prefetch.L2`) the weights and scales of the units of
-      the CTAs bid + W, ..., bid + P * W (W = grid / ctas_per_sm), which
-      start only when the SMs empty. The producer issues them right after
-      its first ring stages, before its first wait on a free stage: for
-      GEMM2 that is while GEMM1 still runs, whose consumers leave HBM
-      bandwidth spare (perf-notes v23). A hint only: results do not depend
-      on it. 0 = off. Name suffix `_pf<P>`.
     """
 
     tile_rows: int = 64
@@ -142,7 +132,6 @@ class GemmTactic:
     act_bf16: bool = False
     fp8: bool = False
     spec: bool = False
-    l2_prefetch: int = 0
 
     def __post_init__(self) -> None:
         for flag in ("persistent", "pdl", "act_bf16", "fp8", "spec"):
@@ -158,7 +147,6 @@ class GemmTactic:
         _check_int("ctas_per_sm", self.ctas_per_sm, 1, 8)
         _check_int("split_k", self.split_k, 1, MAX_SPLIT_K)
         _check_int("stages", self.stages, 0, MAX_STAGES)
-        _check_int("l2_prefetch", self.l2_prefetch, 0, 7)
         if self.stages == 1:
             raise ValueError("stages must be 0 (register loads) or >= 2 (bulk-copy ring), got 1")
         if self.stages and self.split_k != 1:
@@ -172,11 +160,6 @@ class GemmTactic:
         if self.spec and not (self.fp8 and self.stages and self.pdl):
             raise ValueError("spec (GEMM1's first stages before griddepcontrol.wait) needs an fp8 tactic on the"
                              f" bulk ring with PDL, got fp8={self.fp8}, stages={self.stages}, pdl={self.pdl}")
-        if self.l2_prefetch and not self.stages:
-            raise ValueError(f"l2_prefetch {self.l2_prefetch} needs the bulk ring (stages >= 2), got stages 0")
-        if self.l2_prefetch >= self.ctas_per_sm:
-            raise ValueError(f"l2_prefetch {self.l2_prefetch} must be less than ctas_per_sm {self.ctas_per_sm}"
-                             " (it prefetches for the CTAs that start after the grid's first SM's worth)")
 
     @property
     def warps(self) -> int:
@@ -198,7 +181,6 @@ class GemmTactic:
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
                 + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
                 + ("" if self.stages == 0 else f"_b{self.stages}") + ("_sp" if self.spec else "")
-                + ("" if self.l2_prefetch == 0 else f"_pf{self.l2_prefetch}")
                 + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:

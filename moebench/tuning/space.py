@@ -56,7 +56,7 @@ MAX_REGISTERS_PER_THREAD = 255
 #: (addresses, loop state, the decode and the activation fragments).
 REGISTER_OVERHEAD = 40
 
-_NAME = re.compile(r"^r(\d+)_m(\d+)_k(\d+)_u(\d+)_c(\d+)((?:_np)?)((?:_nopdl)?)(?:_s(\d+))?(?:_b(\d+))?((?:_sp)?)(?:_pf(\d+))?((?:_a16)?)((?:_f8)?)$")
+_NAME = re.compile(r"^r(\d+)_m(\d+)_k(\d+)_u(\d+)_c(\d+)((?:_np)?)((?:_nopdl)?)(?:_s(\d+))?(?:_b(\d+))?((?:_sp)?)((?:_a16)?)((?:_f8)?)$")
 
 
 @dataclass(frozen=True)
@@ -511,14 +511,14 @@ def tactic_from_name(name: str) -> GemmTactic:
     if not match:
         raise ValueError(
             f"cannot parse tactic name {name!r} (expected r<tile_rows>_m<warps_m>_k<warps_k>_u<unroll>"
-            "_c<ctas_per_sm>[_np][_nopdl][_s<split_k>][_b<stages>][_sp][_pf<P>][_a16|_f8], e.g. r64_m1_k8_u4_c1)"
+            "_c<ctas_per_sm>[_np][_nopdl][_s<split_k>][_b<stages>][_sp][_a16|_f8], e.g. r64_m1_k8_u4_c1)"
         )
     t, m, k, u, c = (int(match[i]) for i in range(1, 6))
     try:
         tactic = GemmTactic(tile_rows=t, warps_m=m, warps_k=k, unroll=u, ctas_per_sm=c,
                             persistent=not match[6], pdl=not match[7], split_k=int(match[8] or 1),
-                            stages=int(match[9] or 0), spec=bool(match[10]), l2_prefetch=int(match[11] or 0),
-                            act_bf16=bool(match[12]), fp8=bool(match[13]))  # fmt: skip
+                            stages=int(match[9] or 0), spec=bool(match[10]), act_bf16=bool(match[11]),
+                            fp8=bool(match[12]))  # fmt: skip
     except (ValueError, TypeError) as error:
         raise ValueError(f"tactic {name!r}: {error}") from error
     if tactic.name != name.strip():  # one spelling per tactic: tables and reports compare names

@@ -600,7 +600,7 @@ def test_split_k_launch_needs_a_large_enough_workspace():
 BULK_1 = [GemmTactic(64, 1, 8, 2, 2, stages=4), GemmTactic(64, 2, 4, 2, 2, stages=3),
           GemmTactic(64, 1, 4, 2, 3, stages=2)]  # fmt: skip
 BULK_2 = [GemmTactic(64, 8, 1, 2, 2, stages=4), GemmTactic(64, 1, 8, 2, 2, stages=4),
-          GemmTactic(32, 8, 1, 2, 3, stages=4), GemmTactic(32, 8, 1, 2, 3, stages=4, l2_prefetch=2)]  # fmt: skip
+          GemmTactic(32, 8, 1, 2, 3, stages=4)]  # fmt: skip
 
 
 def test_bulk_tactic_validation():
@@ -641,27 +641,6 @@ def test_bulk_tactics_compile_for_sm90a_without_spills():
     specs.append(("dsv4-pro", 8, 1, True, None, _fields(BULK_1[0])))  # two-multiply decode
     for rep in _checked_reports(specs):
         assert rep["ublkcp"] > 0, f"{rep['spec']}: no bulk copy (UBLKCP)"
-        prefetches = sass_count(rep, r"UBLKPF\.L2")
-        assert (prefetches > 0) == bool(rep["spec"][5].get("l2_prefetch")), f"{rep['spec']}: {prefetches} UBLKPF"
-
-
-def test_l2_prefetch_tactic_validation():
-    from moebench.tuning.space import tactic_from_name
-
-    t = GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True, l2_prefetch=3)
-    assert t.name == "r32_m4_k1_u3_c4_b4_pf3_f8" and tactic_from_name(t.name) == t
-    assert tactic_from_name("r32_m4_k1_u3_c4_b4_f8").l2_prefetch == 0
-    with pytest.raises(ValueError, match="l2_prefetch 1 needs the bulk ring"):
-        GemmTactic(32, 4, 1, 3, 4, fp8=True, l2_prefetch=1)
-    with pytest.raises(ValueError, match="l2_prefetch 4 must be less than ctas_per_sm 4"):
-        GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True, l2_prefetch=4)
-    for bad, err in ((-1, ValueError), (8, ValueError), (True, TypeError), (1.0, TypeError)):
-        with pytest.raises(err, match="l2_prefetch"):
-            GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True, l2_prefetch=bad)
-    with pytest.raises(ValueError, match="canonical form"):
-        tactic_from_name("r32_m4_k1_u3_c4_b4_pf0_f8")
-    shape = get_preset("dsv41-flash").shard(4)
-    assert t.valid_for(shape, 2) is None  # GEMM1 too, where its ctas_per_sm allows (compile test)
 
 
 @pytest.mark.gpu
@@ -887,12 +866,10 @@ F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(16, 4, 1, 3, 4, fp8=Tru
 #: fp8 tactics on the bulk ring (warp-specialized): 32- and 16-row warps, one to
 #: five warpgroups (20 compute warps), 1-3 CTAs per SM (the oracle test skips those a shape rejects).
 F8_BULK_1 = [GemmTactic(32, 4, 4, 2, 1, stages=4, fp8=True), GemmTactic(16, 4, 2, 4, 2, stages=3, fp8=True),
-             GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True), GemmTactic(16, 4, 5, 4, 1, stages=6, fp8=True),
-             GemmTactic(16, 4, 2, 4, 2, stages=3, fp8=True, l2_prefetch=1)]  # fmt: skip
+             GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True), GemmTactic(16, 4, 5, 4, 1, stages=6, fp8=True)]  # fmt: skip
 F8_BULK_2 = [GemmTactic(32, 4, 1, 3, 2, stages=4, fp8=True), GemmTactic(16, 4, 2, 3, 3, stages=4, fp8=True),
              GemmTactic(32, 8, 2, 3, 1, stages=4, fp8=True),
-             GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True), GemmTactic(16, 8, 1, 2, 2, stages=3, fp8=True),
-             GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True, l2_prefetch=3)]  # fmt: skip
+             GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True), GemmTactic(16, 8, 1, 2, 2, stages=3, fp8=True)]  # fmt: skip
 
 
 def test_fp8_tactic_name_validity_and_default():
@@ -960,8 +937,6 @@ def test_fp8_bulk_tactics_compile_for_sm90a_without_spills():
     for rep in _checked_reports(specs):  # the weights arrive by bulk copy, the warps read shared memory
         assert rep["ublkcp"] > 0, f"{rep['spec']}: no bulk copy (UBLKCP)"
         assert sass_count(rep, r"LDS\.(?:64|128)") > 0, f"{rep['spec']}: no 8/16-byte shared loads"
-        prefetches = sass_count(rep, r"UBLKPF\.L2")  # cp.async.bulk.prefetch.L2: l2_prefetch tactics only
-        assert (prefetches > 0) == bool(rep["spec"][5].get("l2_prefetch")), f"{rep['spec']}: {prefetches} UBLKPF"
 
 
 def _check_h_fp8(h_q, h_s, ref_q, ref_s, used_rows, label):
