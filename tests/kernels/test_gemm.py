@@ -864,12 +864,14 @@ F8_2 = [GemmTactic(32, 4, 1, 3, 4, fp8=True), GemmTactic(16, 4, 1, 3, 4, fp8=Tru
         GemmTactic(16, 8, 1, 3, 3, fp8=True), GemmTactic(16, 4, 2, 3, 4, fp8=True),
         GemmTactic(16, 4, 1, 3, 4, split_k=3, fp8=True)]  # fmt: skip
 #: fp8 tactics on the bulk ring (warp-specialized): 32- and 16-row warps, one to
-#: five warpgroups (20 compute warps), 1-3 CTAs per SM (the oracle test skips those a shape rejects).
+#: five warpgroups (20 compute warps), 1-3 CTAs per SM (the oracle test skips those a shape rejects);
+#: F8_BULK_2's last is dsv41-flash TP4's rows 4-5 GEMM2 pick (two stages of unroll 6).
 F8_BULK_1 = [GemmTactic(32, 4, 4, 2, 1, stages=4, fp8=True), GemmTactic(16, 4, 2, 4, 2, stages=3, fp8=True),
              GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True), GemmTactic(16, 4, 5, 4, 1, stages=6, fp8=True)]  # fmt: skip
 F8_BULK_2 = [GemmTactic(32, 4, 1, 3, 2, stages=4, fp8=True), GemmTactic(16, 4, 2, 3, 3, stages=4, fp8=True),
              GemmTactic(32, 8, 2, 3, 1, stages=4, fp8=True),
-             GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True), GemmTactic(16, 8, 1, 2, 2, stages=3, fp8=True)]  # fmt: skip
+             GemmTactic(32, 4, 2, 2, 2, stages=4, fp8=True), GemmTactic(16, 8, 1, 2, 2, stages=3, fp8=True),
+             GemmTactic(32, 4, 1, 6, 4, stages=2, fp8=True)]  # fmt: skip
 
 
 def test_fp8_tactic_name_validity_and_default():
@@ -1048,10 +1050,11 @@ def test_fp8_tactic_and_weight_layout_must_match():
 
 
 # ---------------------------------------------------------------- spec: GEMM1's first stages before its wait
-#: spec tactics (fp8 bulk GEMM1) and their plain twins.
+#: spec tactics (fp8 bulk GEMM1) and their plain twins (the last: dsv41-flash TP4's rows 4-5 pick).
 SPEC_1 = [GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, spec=True),
           GemmTactic(32, 4, 4, 4, 1, stages=4, fp8=True, spec=True),
-          GemmTactic(16, 4, 2, 8, 2, stages=2, fp8=True, spec=True)]  # fmt: skip
+          GemmTactic(16, 4, 2, 8, 2, stages=2, fp8=True, spec=True),
+          GemmTactic(16, 4, 2, 8, 1, stages=4, fp8=True, spec=True)]  # fmt: skip
 
 
 def test_spec_tactic_validation():
