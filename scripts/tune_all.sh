@@ -21,9 +21,11 @@
 #
 # Env: BUDGET (seconds for the tuning itself, default 400: with the bundles'
 # unpack, the ~20-30 s preflight and the tar this stays under a 9-minute
-# call), PRESETS (default all), TPS (1,2,4,8), ROWS (1-8), SPACE (ship; with
-# FP8=1 full: the fp8 ship space missed dsv41-flash TP4 rows 4's pair by 1.6 µs,
-# docs/perf-notes.md session 15; full took 38-47 s per preset and TP at rows 1-8), JOBS
+# call), PRESETS (default all), TPS (1,2,4,8), ROWS (1-8), SPACE (ship; for
+# FP8=1 on one preset, full: the fp8 ship space missed dsv41-flash TP4 rows 4's
+# pair by 1.6 µs, docs/perf-notes.md session 15; full took 38 / 47 s for
+# dsv41-flash TP4 rows 1-7 / TP8 rows 1-8, too long for every preset and TP
+# in one BUDGET), JOBS
 # (compile workers, default cores - 1; 0 compiles in-process), PREFLIGHT (1:
 # first check on the GPU that a worker-compiled kernel gives the same bytes as
 # an in-process one, else fall back to JOBS=0), REPLAYS (50), TABLES
@@ -75,7 +77,7 @@ if [ "${PREFLIGHT:-1}" = 1 ] && [ "$jobs" != 0 ]; then
 fi
 
 cmd=(python3 -m moebench tune --preset "${PRESETS:-all}" --tp "${TPS:-1,2,4,8}" --rows "${ROWS:-1-8}"
-     --stages 1,2 --space "${SPACE:-$([ "$fp8" = 1 ] && echo full || echo ship)}" --replays "${REPLAYS:-50}" --warmup 3 --repeats 3 --top 3
+     --stages 1,2 --space "${SPACE:-ship}" --replays "${REPLAYS:-50}" --warmup 3 --repeats 3 --top 3
      --budget "${BUDGET:-400}" --out "$tables" --summary "$summary")
 [ -n "$jobs" ] && cmd+=(--jobs "$jobs")
 [ "$fp8" = 1 ] && cmd+=(--fp8)
