@@ -865,7 +865,8 @@ def report(
                 tables[KERNEL_TACTICS_TITLE] = kt
             paths = write_html_report(df, manifest, target.parent, comparison=comparison,
                                       title=f"moebench run {run_dir.name}", tables=tables)  # fmt: skip
-            console.print(f"wrote [bold]{paths[0]}[/bold] ({len(paths) - 1} plots)")
+            plots = f"{len(paths) - 1} plots" if len(paths) > 1 else "no plots: no case was timed or failed"
+            console.print(f"wrote [bold]{paths[0]}[/bold] ({plots})")
     except OSError as error:
         raise _fail(f"cannot write the report under {target.parent}: {error}") from None
     if comparison is None:

@@ -246,11 +246,23 @@ img { max-width: 100%; border: 1px solid #ddd; margin: 0.5em 0; }
 """
 
 
+def _drawn(df: pd.DataFrame) -> bool:
+    """Whether the latency / bandwidth plots have anything to show: an ok case
+    with a time or a failed case (drawn as a cross). A run whose cases were
+    all skipped gets no empty axes."""
+    if "status" not in df.columns:
+        return False
+    timed = (df["status"] == "ok") & df["median_us"].notna() if "median_us" in df.columns else False
+    return bool((timed | (df["status"] == "failed")).any())
+
+
 def report_files(df: pd.DataFrame, comparison: Comparison | None = None) -> list[str]:
     """Names of the files `write_html_report` writes for this run
     (report.html first), so that a caller can refuse to replace them all
     before writing any."""
-    names = ["report.html", "latency.png", "bandwidth.png"]
+    names = ["report.html"]
+    if _drawn(df):
+        names += ["latency.png", "bandwidth.png"]
     if not speedup_frame(df).empty:
         names.append("speedup.png")
     if _kernel_panels(df, kernel_columns(df)):
@@ -278,10 +290,9 @@ def write_html_report(
     copy_bw = manifest.get("copy_bw_gbps")
     copy_bw = float(copy_bw) if isinstance(copy_bw, (int, float)) and copy_bw > 0 else None
     table = summary_table(df)
-    pngs: list[Path] = [
-        plot_latency(df, copy_bw, out / "latency.png"),
-        plot_bandwidth(df, copy_bw, out / "bandwidth.png"),
-    ]
+    pngs: list[Path] = []
+    if _drawn(df):
+        pngs += [plot_latency(df, copy_bw, out / "latency.png"), plot_bandwidth(df, copy_bw, out / "bandwidth.png")]
     captions = {
         "latency.png": "Latency per layer call vs rows (median, p10-p90 band; floor = unique bytes / copy bandwidth)",
         "bandwidth.png": "Achieved bandwidth over the unique bytes, % of the measured copy bandwidth",
@@ -333,6 +344,8 @@ def write_html_report(
         parts.append(f"<h3>Regressions ({len(reg)})</h3>" + (_table_html(reg) if len(reg) else none))
         parts.append("<h3>All cases</h3>" + _table_html(comparison.frame))
     parts.append("<h2>Plots</h2>")
+    if not pngs:
+        parts.append("<p>none: no case was timed or failed (every case was skipped; the table below says why)</p>")
     for p in pngs:
         parts.append(f"<figure><img src='{html.escape(p.name)}' alt='{html.escape(p.stem)}'>"
                      f"<figcaption>{html.escape(captions.get(p.name, p.stem))}</figcaption></figure>")  # fmt: skip

@@ -58,6 +58,19 @@ def test_optional_plots_are_left_out(tmp_path):
     assert "copy bandwidth: not measured" in paths[0].read_text()
 
 
+def test_a_run_whose_cases_were_all_skipped_gets_no_empty_plots(tmp_path):
+    df = frame(with_kernels=False).assign(status="skipped", error="needs a CUDA device, got cpu", median_us=math.nan,
+                                          p10_us=math.nan, p90_us=math.nan, gbps=math.nan, pct_copy_bw=math.nan)
+    paths = write_html_report(df, MANIFEST, tmp_path)
+    assert [p.name for p in paths] == report_files(df) == ["report.html"]
+    assert not list(tmp_path.glob("*.png"))
+    text = paths[0].read_text()
+    assert "every case was skipped" in text and "needs a CUDA device, got cpu" in text
+    one = df.copy()
+    one.loc[0, "status"] = "failed"  # a failed case is drawn (a cross at 0)
+    assert report_files(one)[:3] == ["report.html", "latency.png", "bandwidth.png"]
+
+
 def test_speedup_and_kernel_columns():
     df = frame()
     sp = speedup_frame(df)
