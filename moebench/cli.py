@@ -27,6 +27,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP  # torch-free: the help texts quote them
+
 app = typer.Typer(
     name="moebench",
     help="Microbenchmarks and tuning for low-batch MXFP4 routed-expert MoE decode on Hopper.",
@@ -282,8 +284,9 @@ def sweep(
     seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
     layers: int = typer.Option(None, help="Force the number of rotated weight sets (default: >= 4x L2)."),
-    replays: int = typer.Option(100, help="Timed replays per case under CUDA graphs; eager timing (the CPU, --no-graph, an uncapturable backend) takes at most 20 (the manifest's timing_counts says what ran)."),
-    warmup: int = typer.Option(10, help="Warm-up calls per case (eager timing: at most 2)."),
+    replays: int = typer.Option(100, help="Timed replays per case under CUDA graphs; eager timing (the CPU, --no-graph, an uncapturable backend) takes at most "
+        f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."),
+    warmup: int = typer.Option(10, help=f"Warm-up calls per case (eager timing: at most {EAGER_WARMUP_CAP})."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
     split: bool = typer.Option(
         True, "--split/--no-split", help="Also time each stage alone and the routed path (route + GEMM1 + GEMM2)"
@@ -506,8 +509,9 @@ def step(
     seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one layer's weights over and over (warm L2)."),
     layers: int = typer.Option(None, help="Force the number of rotated layers (default: >= 4x L2)."),
-    replays: int = typer.Option(100, help="Timed replays per quantity under CUDA graphs; eager timing (the CPU, --no-graph) takes at most 20 (the manifest's timing_counts says what ran)."),
-    warmup: int = typer.Option(10, help="Warm-up calls per quantity (eager timing: at most 2)."),
+    replays: int = typer.Option(100, help="Timed replays per quantity under CUDA graphs; eager timing (the CPU, --no-graph) takes at most "
+        f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."),
+    warmup: int = typer.Option(10, help=f"Warm-up calls per quantity (eager timing: at most {EAGER_WARMUP_CAP})."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
     split: bool = typer.Option(
         True, "--split/--no-split", help="Also time each stage alone (kernel_<stage>_us, stage_sum_us: moebench's"

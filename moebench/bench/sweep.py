@@ -50,6 +50,7 @@ import torch
 
 from moebench.backends.base import DEFAULT_TACTIC, Backend, BackendUnavailable
 from moebench.backends.registry import backend_names, load_backend
+from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
 from moebench.bench.cases import CPU_BACKENDS, Case, SweepConfig, expand_cases, unique_bytes, unique_experts
 from moebench.bench.timing import time_graph
@@ -83,9 +84,6 @@ L2_MULTIPLE = 4
 MAX_LAYERS = 64
 #: Seed stride between rotation layers' weight sets.
 LAYER_SEED_STRIDE = 1_000_003
-#: Timing counts cap for eager timing (backends that cannot be graph-captured, or the CPU).
-EAGER_REPLAYS_CAP = 20
-EAGER_WARMUP_CAP = 2
 
 ProgressFn = Callable[[int, int, Case, str], None]
 
