@@ -157,9 +157,8 @@ def _check_geometry(presets, overrides: dict, reduced: bool) -> None:
                 if "top_k" not in given:
                     raise ValueError(f"--experts {experts} is below {name}'s top_k {top_k}; expected --experts >="
                                      f" {top_k} (or a smaller --top-k)") from None  # fmt: skip
-                origin = (f"--experts {experts}" if "experts" in given else
-                          f"the {experts} experts of the reduced geometry that runs without a GPU" if small else
-                          f"{name}'s {experts} experts")  # fmt: skip
+                # top_k <= MAX_TOP_K (8) is below every preset's and the reduced geometry's experts
+                origin = f"--experts {experts}" if "experts" in given else f"{name}'s {experts} experts"
                 raise ValueError(f"--top-k {top_k} exceeds {origin}; expected --top-k <= {experts}") from None
 
 
@@ -265,8 +264,8 @@ def sweep(
     preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
     hidden: int = typer.Option(None, help="Override hidden size H."),
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help="Override routed experts E."),
-    top_k: int = typer.Option(None, "--top-k", help="Override top_k."),
+    experts: int = typer.Option(None, help="Override routed experts E (at most 512)."),
+    top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
     rows: str = typer.Option(
         None, help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU)."
     ),
@@ -399,9 +398,7 @@ def sweep(
         f"copy bandwidth {result.manifest['copy_bw_gbps']:.1f} GB/s"
     )
     console.print(f"run stored in [bold]{path}[/bold]")
-    if counts.get("ok", 0) + counts.get("failed", 0) == 0:
-        reasons = sorted(set(result.frame["error"].dropna().astype(str)))[:3]
-        raise _fail("no case ran (every case was skipped): " + "; ".join(reasons), 1)
+    _fail_unless_every_case_passed(result.frame, path)
 
 
 def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s) -> None:
@@ -441,9 +438,23 @@ def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s)
     dead = [w for w in manifest.get("workers") or [] if w.get("error")]
     if dead:
         raise _fail(f"{len(dead)} worker(s) died; their unfinished cases are stored as failed in {path}", 1)
-    if counts.get("ok", 0) + counts.get("failed", 0) == 0:
+    _fail_unless_every_case_passed(frame, path)
+
+
+def _fail_unless_every_case_passed(frame, path) -> None:
+    """After a run is stored at `path`: exit 1 when no case ran (every case
+    skipped) or when a case failed its correctness gate (a failed check, as
+    the module docstring says), with up to three of the reasons; return
+    otherwise. Skipped cases beside ok ones are not an error."""
+    status = frame["status"].astype(str)
+    failed = frame[status == "failed"]
+    if not ((status == "ok") | (status == "failed")).any():
         reasons = sorted(set(frame["error"].dropna().astype(str)))[:3]
         raise _fail("no case ran (every case was skipped): " + "; ".join(reasons), 1)
+    if len(failed):
+        reasons = sorted(set(failed["error"].dropna().astype(str)))[:3]
+        raise _fail(f"{len(failed)} case(s) failed their correctness gate (stored as failed in {path}): "
+                    + "; ".join(reasons), 1)
 
 
 def escape_markup(text) -> str:
@@ -486,8 +497,8 @@ def step(
     preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
     hidden: int = typer.Option(None, help="Override hidden size H."),
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help="Override routed experts E."),
-    top_k: int = typer.Option(None, "--top-k", help="Override top_k."),
+    experts: int = typer.Option(None, help="Override routed experts E (at most 512)."),
+    top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
     tp: int = typer.Option(
         1, help="Tensor-parallel degree N: N ranks, one process per GPU (gloo processes on the CPU), each"
         " holding all experts at I/N, with the all-reduce of the layer output."
@@ -626,9 +637,7 @@ def step(
     dead = [w for w in manifest.get("workers") or [] if w.get("error")]
     if dead:
         raise _fail("; ".join(w["error"] for w in dead) + f" (their cases are stored as failed in {path})", 1)
-    if counts.get("ok", 0) + counts.get("failed", 0) == 0:
-        reasons = sorted(set(result.frame["error"].dropna().astype(str)))[:3]
-        raise _fail("no case ran (every case was skipped): " + "; ".join(reasons), 1)
+    _fail_unless_every_case_passed(result.frame, path)
 
 
 _STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows", "scenario": "scenario",
@@ -953,8 +962,8 @@ def tune(
     ),
     hidden: int = typer.Option(None, help="Override hidden size H."),
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help="Override routed experts E."),
-    top_k: int = typer.Option(None, "--top-k", help="Override top_k."),
+    experts: int = typer.Option(None, help="Override routed experts E (at most 512)."),
+    top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
     tp: str = typer.Option("4", help="Tensor-parallel degrees: one table per rank shape."),
     rows: str = typer.Option("1-8", help="Token rows to tune (1..8)."),
     stages: str = typer.Option("1,2", help="GEMM stages to tune (1, 2)."),

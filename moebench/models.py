@@ -17,6 +17,12 @@ INTERMEDIATE_ALIGN = 128
 MX_BLOCK = 32
 
 
+#: Most routed experts per token (top_k) and routed experts that the routing,
+#: the route record and the kernels support (`moebench.record` re-exports them).
+MAX_TOP_K = 8
+MAX_EXPERTS = 512
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """Full (unsliced) routed-expert geometry of one MoE layer.
@@ -46,6 +52,11 @@ class MoEConfig:
             raise ValueError(
                 f"intermediate must be a multiple of {MX_BLOCK}, got {self.intermediate}"
             )
+        if self.experts > MAX_EXPERTS:
+            raise ValueError(f"experts must be at most {MAX_EXPERTS} (the routing and the route record), got"
+                             f" {self.experts}")
+        if self.top_k > MAX_TOP_K:
+            raise ValueError(f"top_k must be at most {MAX_TOP_K} (the routing and the route record), got {self.top_k}")
         if self.top_k > self.experts:
             raise ValueError(f"top_k ({self.top_k}) exceeds experts ({self.experts})")
         if not isinstance(self.name, str):

@@ -26,13 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from moebench.models import MAX_EXPERTS, MAX_TOP_K
+
 #: Permuted rows per token tile.
 TILE = 8
 #: Most token rows the low-batch path takes.
 MAX_ROWS = 8
-#: Most experts per row (top_k) and local experts the record supports.
-MAX_TOP_K = 8
-MAX_EXPERTS = 512
 HEADER_WORDS = 4
 
 

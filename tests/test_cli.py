@@ -496,14 +496,17 @@ def test_sweep_where_every_case_is_skipped_exits_nonzero(tmp_path):
         ("sweep", ["--hidden", "100"], "--hidden must be a multiple of 128, got 100"),
         ("sweep", ["--intermediate", "100"], "--intermediate must be a multiple of 32"),
         ("sweep", ["--experts", "0"], "--experts must be a positive int"),
-        ("sweep", ["--top-k", "500"], "--top-k 500 exceeds the 32 experts of the reduced geometry"),
+        ("sweep", ["--top-k", "500"], "--top-k must be at most 8 (the routing and the route record), got 500"),
+        ("sweep", ["--top-k", "9"], "--top-k must be at most 8"),  # every case would fail inside the routing
+        ("sweep", ["--experts", "513"], "--experts must be at most 512"),
         ("sweep", ["--experts", "4"], "--experts 4 is below dsv41-flash's top_k 6"),
         ("sweep", ["--experts", "4", "--top-k", "8"], "--top-k 8 exceeds --experts 4"),
         ("step", ["--replays", "0"], "--replays must be"),
         ("step", ["--hidden", "100"], "--hidden must be"),
-        ("step", ["--top-k", "500"], "--top-k 500 exceeds"),
+        ("step", ["--top-k", "9"], "--top-k must be at most 8"),
         ("tune", ["--hidden", "100"], "--hidden must be"),
-        ("tune", ["--top-k", "500"], "--top-k 500 exceeds dsv41-flash's 384 experts; expected --top-k <= 384"),
+        ("tune", ["--top-k", "9"], "--top-k must be at most 8"),
+        ("tune", ["--experts", "4", "--top-k", "6"], "--top-k 6 exceeds --experts 4; expected --top-k <= 4"),
         ("tune", ["--tp", "5"], "(--tp)"),
     ],
 )
@@ -580,3 +583,27 @@ def test_bad_label_and_threshold_name_their_options(tmp_path):
     assert result.exit_code == 2 and "--label must be" in result.output, result.output
     result = runner.invoke(app, ["report", str(tmp_path), "--baseline", str(tmp_path), "--fail-above", "abc"])
     assert result.exit_code == 2 and "--fail-above must be a percentage" in result.output, result.output
+
+
+def test_a_run_with_a_failed_or_no_case_exits_1_after_it_is_stored(capsys):
+    """A sweep / step stores its run, then exits 1 when a case failed its
+    correctness gate or when every case was skipped; ok cases beside skipped
+    ones are not an error."""
+    import pandas as pd
+    import typer
+
+    from moebench.cli import _fail_unless_every_case_passed
+
+    def frame(*statuses):
+        return pd.DataFrame({"status": list(statuses),
+                             "error": ["" if s == "ok" else f"why {s} {i}" for i, s in enumerate(statuses)]})
+
+    _fail_unless_every_case_passed(frame("ok", "skipped"), "RUN")  # returns
+    with pytest.raises(typer.Exit) as exc:
+        _fail_unless_every_case_passed(frame("ok", "failed", "skipped"), "RUN")
+    assert exc.value.exit_code == 1
+    err = capsys.readouterr().err
+    assert "1 case(s) failed their correctness gate (stored as failed in RUN): why failed 1" in err
+    with pytest.raises(typer.Exit) as exc:
+        _fail_unless_every_case_passed(frame("skipped", "skipped"), "RUN")
+    assert exc.value.exit_code == 1 and "no case ran (every case was skipped)" in capsys.readouterr().err
