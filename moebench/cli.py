@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP  # torch-free: the help texts quote them
+from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, check_seed  # torch-free (help texts, checks)
 
 app = typer.Typer(
     name="moebench",
@@ -280,7 +280,7 @@ def sweep(
         " (replay reads --trace)."
     ),
     tactics: str = typer.Option("default", help=_TACTICS_HELP),
-    seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
+    seed: int = typer.Option(0, help="Seed of weights, routing and activations (0 to 2**32 - 1)."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
     layers: int = typer.Option(None, help="Force the number of rotated weight sets (default: >= 4x L2)."),
     replays: int = typer.Option(100, help="Timed replays per case under CUDA graphs; eager timing (the CPU, --no-graph, an uncapturable backend) takes at most "
@@ -517,7 +517,7 @@ def step(
         " torch-bf16), 'all', or a list."
     ),
     tactics: str = typer.Option("default", help=_TACTICS_HELP),
-    seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
+    seed: int = typer.Option(0, help="Seed of weights, routing and activations (0 to 2**32 - 1)."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one layer's weights over and over (warm L2)."),
     layers: int = typer.Option(None, help="Force the number of rotated layers (default: >= 4x L2)."),
     replays: int = typer.Option(100, help="Timed replays per quantity under CUDA graphs; eager timing (the CPU, --no-graph) takes at most "
@@ -994,7 +994,7 @@ def tune(
     distinct_layers: bool = typer.Option(
         False, "--distinct-layers", help="Generate every rotated weight set (default: copies of the first)."
     ),
-    seed: int = typer.Option(0, help="Seed of weights, routing and activations."),
+    seed: int = typer.Option(0, help="Seed of weights, routing and activations (0 to 2**32 - 1)."),
     budget: float = typer.Option(
         None, help="Wall-time budget in seconds: no new step starts that would end past it; the tables keep"
         " what was done (exit 1 lists what was left out)."
@@ -1044,6 +1044,9 @@ def tune(
                             ("--warmup", warmup, 0)):  # fmt: skip
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
+        if layers is not None and layers < 1:
+            raise ValueError(f"--layers must be >= 1, got {layers}")
+        check_seed(seed)  # before the GPU check: a bad option is named on any machine
         if budget is not None and not budget > 0:
             raise ValueError(f"--budget must be a positive number of seconds, got {budget}")
         if jobs is not None and jobs < 0:

@@ -493,6 +493,10 @@ def test_sweep_where_every_case_is_skipped_exits_nonzero(tmp_path):
         ("sweep", ["--layers", "3", "--warm-l2"], "--layers must not be set with warm_l2 (--warm-l2"),
         ("step", ["--layers", "3", "--warm-l2"], "--layers must not be set with warm_l2 (--warm-l2"),
         ("sweep", ["--seed", "-1"], "--seed must be"),
+        ("sweep", ["--seed", "18446744073709551615"], "--seed must be an int in [0, 4294967295]"),
+        ("step", ["--seed", "4294967296"], "--seed must be an int in [0, 4294967295]"),
+        ("tune", ["--seed", "-1"], "--seed must be an int in [0, 4294967295]"),  # before the GPU check
+        ("tune", ["--layers", "0"], "--layers must be >= 1, got 0"),
         ("sweep", ["--hidden", "100"], "--hidden must be a multiple of 128, got 100"),
         ("sweep", ["--intermediate", "100"], "--intermediate must be a multiple of 32"),
         ("sweep", ["--experts", "0"], "--experts must be a positive int"),

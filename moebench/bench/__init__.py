@@ -4,3 +4,16 @@ stays free of torch so that the CLI can read its constants at start-up."""
 #: Timing counts cap for eager timing (backends that cannot be graph-captured, or the CPU).
 EAGER_REPLAYS_CAP = 20
 EAGER_WARMUP_CAP = 2
+#: Largest seed of weights, routing and activations: 32 bits, so that two seeds
+#: never name the same generator state (torch's manual_seed takes seeds modulo
+#: 2**64, and the per-layer / per-case offsets added to a seed must stay in range).
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(seed) -> None:
+    """Raise ValueError (TypeError for a non-int) unless `seed` is an int in
+    [0, MAX_SEED]; the message names `seed`."""
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+    if not 0 <= seed <= MAX_SEED:
+        raise ValueError(f"seed must be an int in [0, {MAX_SEED}] (2**32 - 1), got {seed!r}")

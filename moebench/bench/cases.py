@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from moebench.bench import check_seed
 from moebench.models import PRESETS, MoEConfig, RankShape, get_preset
 from moebench.record import MAX_ROWS
 from moebench.routing import SCENARIOS
@@ -143,10 +144,9 @@ class SweepConfig:
         if self.backends is not None:
             set_("backends", _tuple_of("backends", self.backends, str))
         set_("tactics", _tuple_of("tactics", self.tactics, str))
-        for name in ("seed", "warmup"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 0:
+            raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
+        check_seed(self.seed)
         if not isinstance(self.replays, int) or self.replays < 1:
             raise ValueError(f"replays must be an int >= 1, got {self.replays!r}")
         if self.layers is not None and (not isinstance(self.layers, int) or self.layers < 1):
