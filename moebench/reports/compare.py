@@ -307,9 +307,15 @@ def compare_runs(
         errors.append("no case could be compared with the baseline ("
                       + ", ".join(f"{n} {v}" for v, n in counts.items()) + "): " + why)  # fmt: skip
     elif not errors and (compared == "unclear").all():
-        errors.append(f"no case could be judged: all {len(compared)} compared cases are unclear (noise above the"
-                      f" {threshold_pct:g} % threshold), so regressions are not ruled out; re-run with more"
-                      " --replays on a quiet GPU")  # fmt: skip
+        invalid = int((frame.loc[compared.index, "note"] == NO_VALID_TIME).sum())
+        if invalid == len(compared):
+            errors.append(f"no case could be judged: all {len(compared)} compared cases are unclear ({NO_VALID_TIME}"
+                          "), so regressions are not ruled out; check how those runs were timed")  # fmt: skip
+        else:
+            why = f"noise above the {threshold_pct:g} % threshold" + (
+                f", {invalid} of them without a valid time" if invalid else "")
+            errors.append(f"no case could be judged: all {len(compared)} compared cases are unclear ({why}), so"
+                          " regressions are not ruled out; re-run with more --replays on a quiet GPU")  # fmt: skip
     return Comparison(frame, float(threshold_pct), mismatches, notes, current_label, baseline_label, errors)
 
 

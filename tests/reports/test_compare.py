@@ -54,6 +54,9 @@ def test_a_case_without_a_valid_time_says_so():
     f = comp.frame.set_index("rows")
     assert (f.loc[[1, 2], "verdict"] == "unclear").all() and (f.loc[[1, 2], "note"] == NO_VALID_TIME).all()
     assert "2 without a valid time" in comp.unclear_note and "noise" not in comp.unclear_note
+    invalid = compare_runs(cur.iloc[:2], MANIFEST, base, MANIFEST, threshold_pct=5.0)  # every case: the headline
+    assert invalid.errors and "all 2 compared cases are unclear (no valid time" in invalid.errors[0]
+    assert "noise" not in invalid.errors[0] and "--replays" not in invalid.errors[0]
 
 
 def test_another_layer_count_is_a_mismatch():
