@@ -576,8 +576,11 @@ def step(
             gpu_list = tuple(parse_devices(devices, visible_gpu_count()))
             if len(gpu_list) != ranks:
                 raise ValueError(f"--devices: --tp {tp} needs {ranks} GPUs, got {len(gpu_list)} ({devices!r})")
-        if timeout is not None and (ranks == 1 or not timeout > 0):
-            raise ValueError("--timeout: needs --tp N > 1 and a positive number of seconds")
+        if timeout is not None and ranks == 1:
+            raise ValueError("--timeout: only for a real TP step (--tp N > 1 without --one-rank: it bounds the"
+                             " rank processes)" if one_rank and tp > 1 else "--timeout: needs --tp N > 1")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"--timeout must be a positive number of seconds, got {timeout}")
         reduced = dev.type == "cpu"
         rows = ("1,4,8" if reduced else "1-8") if rows is None else rows
         backend_list = None

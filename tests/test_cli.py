@@ -497,6 +497,9 @@ def test_sweep_where_every_case_is_skipped_exits_nonzero(tmp_path):
         ("step", ["--seed", "4294967296"], "--seed must be an int in [0, 4294967295]"),
         ("tune", ["--seed", "-1"], "--seed must be an int in [0, 4294967295]"),  # before the GPU check
         ("tune", ["--layers", "0"], "--layers must be >= 1, got 0"),
+        ("step", ["--tp", "2", "--one-rank", "--timeout", "3"], "--timeout: only for a real TP step"),
+        ("step", ["--tp", "1", "--timeout", "3"], "--timeout: needs --tp N > 1"),
+        ("step", ["--tp", "2", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),
         ("sweep", ["--hidden", "100"], "--hidden must be a multiple of 128, got 100"),
         ("sweep", ["--intermediate", "100"], "--intermediate must be a multiple of 32"),
         ("sweep", ["--experts", "0"], "--experts must be a positive int"),
