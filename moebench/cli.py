@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, check_seed  # torch-free (help texts, checks)
+from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP  # torch-free: the help texts quote them
 
 app = typer.Typer(
     name="moebench",
@@ -1038,18 +1038,16 @@ def tune(
         tps = parse_int_list(tp, "--tp", 1, 64)
         _check_geometry(names, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
                                 "top_k": top_k}, reduced=False)  # fmt: skip
-        # The sweep's checks of the presets and TP degrees (messages naming --preset / --tp).
+        # The sweep's checks of the presets, TP degrees and seed (messages naming --preset / --tp / --seed),
+        # before the GPU check, so that a bad option is named on any machine.
         SweepConfig(presets=names, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
-                    tp=tps, reduced=False)  # fmt: skip
+                    tp=tps, seed=seed, reduced=False)  # fmt: skip
         row_list = parse_int_list(rows, "--rows", 1, MAX_ROWS)
         stage_list = parse_int_list(stages, "--stages", 1, 2)
         for name, v, lo in (("--repeats", repeats, 1), ("--top", top, 2), ("--replays", replays, 1),
-                            ("--warmup", warmup, 0)):  # fmt: skip
+                            ("--warmup", warmup, 0), *((("--layers", layers, 1),) if layers is not None else ())):
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
-        if layers is not None and layers < 1:
-            raise ValueError(f"--layers must be >= 1, got {layers}")
-        check_seed(seed)  # before the GPU check: a bad option is named on any machine
         if budget is not None and not budget > 0:
             raise ValueError(f"--budget must be a positive number of seconds, got {budget}")
         if jobs is not None and jobs < 0:

@@ -17,3 +17,10 @@ def check_seed(seed) -> None:
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed <= MAX_SEED:
         raise ValueError(f"seed must be an int in [0, {MAX_SEED}] (2**32 - 1), got {seed!r}")
+
+
+def check_layers(layers) -> None:
+    """Raise ValueError unless `layers` (the rotated weight sets a replay walks)
+    is None or an int >= 1; the message names `layers`."""
+    if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
+        raise ValueError(f"layers must be an int >= 1, got {layers!r}")

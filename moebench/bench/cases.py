@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from moebench.bench import check_seed
+from moebench.bench import check_layers, check_seed
 from moebench.models import PRESETS, MoEConfig, RankShape, get_preset
 from moebench.record import MAX_ROWS
 from moebench.routing import SCENARIOS
@@ -149,8 +149,7 @@ class SweepConfig:
         check_seed(self.seed)
         if not isinstance(self.replays, int) or self.replays < 1:
             raise ValueError(f"replays must be an int >= 1, got {self.replays!r}")
-        if self.layers is not None and (not isinstance(self.layers, int) or self.layers < 1):
-            raise ValueError(f"layers must be an int >= 1, got {self.layers!r}")
+        check_layers(self.layers)
         if self.layers is not None and self.warm_l2 is True:
             raise ValueError(f"layers must not be set with warm_l2 (--warm-l2 times one weight set with the L2"
                              f" warm), got {self.layers}: drop one of them")

@@ -51,7 +51,7 @@ import torch
 
 from moebench import __version__
 from moebench.backends.moebench import INPUTS_READY  # the route launch the sweep times
-from moebench.bench import check_seed
+from moebench.bench import check_layers, check_seed
 from moebench.env import environment, resolve_device
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
 from moebench.models import RankShape, get_preset
@@ -125,9 +125,7 @@ class TuneConfig:
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
-        if self.layers is not None and (not isinstance(self.layers, int) or isinstance(self.layers, bool)
-                                        or self.layers < 1):  # fmt: skip
-            raise ValueError(f"layers must be an int >= 1, got {self.layers!r}")
+        check_layers(self.layers)
         for name in ("act_bf16", "fp8", "warm_l2", "copy_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
