@@ -358,3 +358,19 @@ def test_moebench_backend_says_which_kernel_tactics_a_row_ran():
     text = MoebenchBackend().kernel_tactics(prepared, 6)
     assert text == "gemm1 r16_m4_k4_u4_c1_b6_f8 (table); gemm2 r32_m4_k1_u3_c3_b6_f8 (default (fp8))"
     assert "kernel_tactics" in COLUMNS
+
+
+def test_graph_timing_counts_carry_the_warm_up_by_time():
+    """CUDA-graph timing gets the config's warmup_ms (recorded in the
+    manifest's timing_counts); eager timing has no warm-up by time; a bad
+    warmup_ms is refused naming the field."""
+    from moebench.bench import WARMUP_MS
+    from moebench.bench.sweep import capped_counts
+
+    assert SweepConfig().warmup_ms == WARMUP_MS > 0
+    config = SweepConfig(warmup=4, warmup_ms=7.5, replays=30)
+    assert capped_counts(config, True) == {"warmup": 4, "warmup_ms": 7.5, "replays": 30}
+    assert capped_counts(config, False) == {"warmup": 2, "replays": 20}
+    for bad in (-0.5, float("inf"), float("nan"), True, "25"):
+        with pytest.raises(ValueError, match="warmup_ms must be a finite number >= 0"):
+            SweepConfig(warmup_ms=bad)
