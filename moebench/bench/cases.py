@@ -241,3 +241,18 @@ def unique_bytes(shape: RankShape, topk_ids: torch.Tensor) -> int:
         )
     rows = topk_ids.shape[0]
     return unique_experts(topk_ids, shape.experts) * shape.expert_bytes() + 2 * rows * shape.hidden * 2
+
+
+def rotation_bytes(shape: RankShape, routings) -> int:
+    """The touched bytes that size a replay's weight-set rotation
+    (`sweep.layer_count`): those of one row over top_k distinct experts (the
+    fewest any normal routing of the shape touches), or fewer if one of
+    `routings` (iterable of [rows, top_k] id tensors) touches fewer (-1 ids,
+    a replayed trace). So the rotation, and with it the share of a replay's
+    boundary (graph launch, the first layer's ramp, the last one's tail) that
+    each layer call carries, is a property of the shape, not of which row
+    counts a sweep happens to hold: TP4 rows 4 timed alone rotated 4 layers
+    and read 25.7 µs against 24.2 with 9 layers in a rows 1-8 sweep
+    (docs/perf-notes.md, session 16). Raises ValueError as unique_bytes."""
+    one_row = torch.arange(shape.top_k, dtype=torch.int64).reshape(1, shape.top_k)
+    return min([unique_bytes(shape, one_row), *(unique_bytes(shape, ids) for ids in routings)])

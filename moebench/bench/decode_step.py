@@ -93,7 +93,7 @@ import torch.distributed as dist
 from moebench.backends.base import DEFAULT_TACTIC, BackendUnavailable
 from moebench.backends.registry import backend_names, load_backend
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
-from moebench.bench.cases import CPU_BACKENDS, SweepConfig, expand_cases, unique_bytes, unique_experts
+from moebench.bench.cases import CPU_BACKENDS, SweepConfig, expand_cases, rotation_bytes, unique_bytes, unique_experts
 from moebench.bench.shard import MULTICAST_OFF, free_port, gpu_serial, gpu_uuid, visible_gpu_count, worker_env
 from moebench.bench.sweep import (
     ALL_TACTICS, COLUMNS, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
@@ -377,7 +377,7 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, re
     ids = {(r, s): scenario_topk_ids(s, r, shape.top_k, shape.experts, config.seed, config.trace) for r, s in cases}
     xs = {r: generate_activations(r, shape.hidden, config.seed) for r in config.rows}  # CPU: same bits on every rank
     shared_bytes = 3 * shape.intermediate * shape.hidden * 2
-    min_touched = min(unique_bytes(shape, v) for v in ids.values()) + shared_bytes
+    min_touched = rotation_bytes(shape, ids.values()) + shared_bytes
     # Canonical experts + shared expert + a case's gate (BF16 + its fp32 copy) per layer;
     # each (backend, tactic) pair's prepared copy is budgeted below, per pair.
     per_layer = canonical_bytes(shape) + shared_bytes + 6 * shape.experts * shape.hidden

@@ -1,8 +1,12 @@
 """The sweep: every case of a SweepConfig, gated for correctness, then timed.
 
 Per (preset, tp) group: `layers` distinct seeded weight sets are generated on
-the device (enough that one replay's working set is >= 4 x L2, capped by a
-memory budget; 1 with warm_l2), each backend is prepared once per weight set,
+the device (enough that one replay's working set is >= 4 x L2 for a routing
+that touches the shape's fewest bytes, one row over top_k experts
+(`cases.rotation_bytes`), so that the count, and the share of a replay's
+boundary each layer call carries, does not depend on which row counts the
+sweep holds; capped by a memory budget; 1 with warm_l2), each backend is
+prepared once per weight set,
 then per (rows, scenario) the routing, weights and activations are drawn and
 each (backend, tactic):
 
@@ -52,7 +56,9 @@ from moebench.backends.base import DEFAULT_TACTIC, Backend, BackendUnavailable
 from moebench.backends.registry import backend_names, load_backend
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
-from moebench.bench.cases import CPU_BACKENDS, Case, SweepConfig, expand_cases, unique_bytes, unique_experts
+from moebench.bench.cases import (
+    CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes, unique_experts,
+)
 from moebench.bench.timing import time_graph
 from moebench.env import environment, resolve_device
 from moebench.formats import generate_activations, generate_expert_weights
@@ -429,14 +435,14 @@ def _row(case: Case, shape: RankShape, base: dict, **values) -> dict:
 
 def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, base, emit) -> dict:
     """Measure one (preset, tp) group; returns what the manifest records of it."""
-    # Routing first (CPU, cheap): the smallest touched set sizes the rotation.
+    # Routing first (CPU, cheap); the rotation is sized by the shape's fewest touched bytes.
     routings = {}
     for case in group:
         key = (case.rows, case.scenario)
         if key not in routings:
             ids = scenario_topk_ids(case.scenario, case.rows, shape.top_k, shape.experts, config.seed, config.trace)
             routings[key] = ids
-    min_touched = min(unique_bytes(shape, ids) for ids in routings.values())
+    min_touched = rotation_bytes(shape, routings.values())
 
     # Which (backend, tactic) pairs run here, and why the others do not.
     skip: dict[tuple[str, str], str] = {}

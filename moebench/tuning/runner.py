@@ -158,7 +158,7 @@ class GemmStageRunner:
                  replays: int = 50, space: TacticSpace | NeighbourSpace = DEFAULT_SPACE,
                  weight_sets: list | None = None, copy_layers: bool = True, act_bf16: bool = True,
                  fp8: bool = False, partners: dict[int, GemmTactic] | None = None) -> None:  # fmt: skip
-        from moebench.bench.cases import unique_bytes
+        from moebench.bench.cases import rotation_bytes
         from moebench.bench.sweep import canonical_bytes, layer_count
         from moebench.env import device_info
         from moebench.formats import generate_expert_weights
@@ -183,7 +183,7 @@ class GemmStageRunner:
                 n = layers
             else:
                 free, _ = torch.cuda.mem_get_info(device)
-                min_touched = min(unique_bytes(shape, ids) for ids in self.ids.values())
+                min_touched = rotation_bytes(shape, self.ids.values())
                 n, _ = layer_count(min_touched, info.l2_bytes, 2 * canonical_bytes(shape),
                                    int(free * MEMORY_FRACTION))  # fmt: skip
             weights0 = generate_expert_weights(shape, seed, device)

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from moebench.bench.cases import SweepConfig, expand_cases, unique_bytes, unique_experts
+from moebench.bench.cases import SweepConfig, expand_cases, rotation_bytes, unique_bytes, unique_experts
 from moebench.models import get_preset
 
 
@@ -14,6 +14,18 @@ def test_unique_bytes_counts_distinct_local_experts_and_activations():
     # Logical bytes: the TP4 padding (576 -> 640) is not counted.
     i, h = 576, 5120
     assert shape.expert_bytes() == 3 * i * h // 2 + 3 * i * h // 32
+
+
+def test_rotation_bytes_is_the_shapes_fewest_not_the_sweeps():
+    """The rotation is sized by one row over top_k experts whatever rows a
+    sweep holds; a routing that touches fewer (-1 ids) lowers it."""
+    shape = get_preset("dsv41-flash").shard(4)
+    one_row = 6 * shape.expert_bytes() + 2 * shape.hidden * 2
+    rows4 = torch.arange(24, dtype=torch.int32).reshape(4, 6)
+    assert rotation_bytes(shape, [rows4]) == one_row == rotation_bytes(shape, [])
+    assert rotation_bytes(shape, [rows4, torch.arange(6).reshape(1, 6)]) == one_row
+    sparse = torch.tensor([[3, -1, -1, -1, -1, -1]], dtype=torch.int32)
+    assert rotation_bytes(shape, [rows4, sparse]) == unique_bytes(shape, sparse) < one_row
 
 
 def test_unique_bytes_rejects_wrong_top_k():

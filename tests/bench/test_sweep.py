@@ -374,3 +374,16 @@ def test_graph_timing_counts_carry_the_warm_up_by_time():
     for bad in (-0.5, float("inf"), float("nan"), True, "25"):
         with pytest.raises(ValueError, match="warmup_ms must be a finite number >= 0"):
             SweepConfig(warmup_ms=bad)
+
+
+def test_the_rotation_does_not_depend_on_the_rows_in_the_sweep():
+    """A case's replay rotates the same weight-set count alone or beside
+    other row counts: the manifest's min_touched_bytes is the shape's."""
+    from moebench.bench.cases import rotation_bytes
+
+    touched = []
+    for rows in ((3,), (1, 3)):
+        result = run_sweep(SweepConfig(backends=("torch-bf16",), **{**TINY, "rows": rows}))
+        (group,) = result.manifest["groups"]
+        touched.append(group["min_touched_bytes"])
+    assert touched[0] == touched[1] > 0
