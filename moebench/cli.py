@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, WARMUP_MS  # torch-free: the help texts quote them
+from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP  # torch-free: the help texts quote them
 
 app = typer.Typer(
     name="moebench",
@@ -109,8 +109,7 @@ def parse_names(text: str, option: str) -> tuple[str, ...]:
 #: Config fields set by the option of the same name: the library's messages
 #: name the field, the CLI's name the option as typed.
 _FIELD_OPTIONS = {"hidden": "--hidden", "intermediate": "--intermediate", "experts": "--experts",
-                  "top_k": "--top-k", "replays": "--replays", "warmup": "--warmup", "warmup_ms": "--warmup-ms",
-                  "layers": "--layers",
+                  "top_k": "--top-k", "replays": "--replays", "warmup": "--warmup", "layers": "--layers",
                   "seed": "--seed", "label": "--label", "threshold": "--fail-above"}  # fmt: skip
 
 
@@ -287,8 +286,6 @@ def sweep(
     replays: int = typer.Option(100, help="Timed replays per case under CUDA graphs; eager timing (the CPU, --no-graph, an uncapturable backend) takes at most "
         f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."),
     warmup: int = typer.Option(10, help=f"Warm-up calls per case (eager timing: at most {EAGER_WARMUP_CAP})."),
-    warmup_ms: float = typer.Option(WARMUP_MS, "--warmup-ms", help="GPU time (ms) each captured graph replays"
-                                    " back to back before it is timed (an idle GPU clocks down)."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
     split: bool = typer.Option(
         True, "--split/--no-split", help="Also time each stage alone and the routed path (route + GEMM1 + GEMM2)"
@@ -357,7 +354,7 @@ def sweep(
             rows=parse_int_list(rows, "--rows", 1, MAX_ROWS), scenarios=parse_names(scenario, "--scenario"),
             backends=backend_list, tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
             layers=layers, device=f"cuda:{gpus[0]}" if gpus else str(dev), reduced=reduced, warmup=warmup,
-            warmup_ms=warmup_ms, replays=replays, use_graph=graph, trace=trace, split=split,
+            replays=replays, use_graph=graph, trace=trace, split=split,
         )  # fmt: skip
         if gpus is None:  # a sharded sweep's workers check the tactics on their own GPU
             validate_sweep(config)
@@ -526,8 +523,6 @@ def step(
     replays: int = typer.Option(100, help="Timed replays per quantity under CUDA graphs; eager timing (the CPU, --no-graph) takes at most "
         f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."),
     warmup: int = typer.Option(10, help=f"Warm-up calls per quantity (eager timing: at most {EAGER_WARMUP_CAP})."),
-    warmup_ms: float = typer.Option(WARMUP_MS, "--warmup-ms", help="GPU time (ms) each captured graph replays"
-                                    " back to back before it is timed (an idle GPU clocks down)."),
     graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
     split: bool = typer.Option(
         True, "--split/--no-split", help="Also time each stage alone (kernel_<stage>_us, stage_sum_us: moebench's"
@@ -603,7 +598,7 @@ def step(
             scenarios=parse_names(scenario, "--scenario"), backends=backend_list,
             tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
             layers=layers, device=str(dev) if ranks == 1 else dev.type, reduced=reduced, warmup=warmup,
-            warmup_ms=warmup_ms, replays=replays, use_graph=graph, trace=trace, ranks=ranks, devices=gpu_list, split=split,
+            replays=replays, use_graph=graph, trace=trace, ranks=ranks, devices=gpu_list, split=split,
             overlap_shared=overlap_shared,
         )  # fmt: skip
         if ranks > 1:

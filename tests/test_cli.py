@@ -489,8 +489,6 @@ def test_sweep_where_every_case_is_skipped_exits_nonzero(tmp_path):
     [
         ("sweep", ["--replays", "0"], "--replays must be an int >= 1, got 0"),
         ("sweep", ["--warmup", "-1"], "--warmup must be"),
-        ("sweep", ["--warmup-ms", "-1"], "--warmup-ms must be a finite number >= 0, got -1.0"),
-        ("step", ["--warmup-ms", "nan"], "--warmup-ms must be a finite number >= 0, got nan"),
         ("sweep", ["--layers", "0"], "--layers must be"),
         ("sweep", ["--layers", "3", "--warm-l2"], "--layers must not be set with warm_l2 (--warm-l2"),
         ("step", ["--layers", "3", "--warm-l2"], "--layers must not be set with warm_l2 (--warm-l2"),

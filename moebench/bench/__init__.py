@@ -4,9 +4,6 @@ stays free of torch so that the CLI can read its constants at start-up."""
 #: Timing counts cap for eager timing (backends that cannot be graph-captured, or the CPU).
 EAGER_REPLAYS_CAP = 20
 EAGER_WARMUP_CAP = 2
-#: GPU time (ms) a captured CUDA graph replays back to back before it is
-#: timed (`moebench.bench.timing`: an idle GPU clocks down).
-WARMUP_MS = 25.0
 #: Largest seed of weights, routing and activations: 32 bits, so that two seeds
 #: never name the same generator state (torch's manual_seed takes seeds modulo
 #: 2**64, and the per-layer / per-case offsets added to a seed must stay in range).
@@ -20,14 +17,6 @@ def check_seed(seed) -> None:
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     if not 0 <= seed <= MAX_SEED:
         raise ValueError(f"seed must be an int in [0, {MAX_SEED}] (2**32 - 1), got {seed!r}")
-
-
-def check_warmup_ms(warmup_ms) -> None:
-    """Raise ValueError unless `warmup_ms` is a finite int or float >= 0; the
-    message names `warmup_ms`."""
-    if (isinstance(warmup_ms, bool) or not isinstance(warmup_ms, (int, float))
-            or not 0 <= warmup_ms < float("inf")):  # NaN fails both
-        raise ValueError(f"warmup_ms must be a finite number >= 0, got {warmup_ms!r}")
 
 
 def check_layers(layers) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from moebench.bench import WARMUP_MS, check_layers, check_seed, check_warmup_ms
+from moebench.bench import check_layers, check_seed
 from moebench.models import PRESETS, MoEConfig, RankShape, get_preset
 from moebench.record import MAX_ROWS
 from moebench.routing import SCENARIOS
@@ -81,8 +81,7 @@ class SweepConfig:
     over (else rotate >= 4 x L2 of distinct layers); layers: force the
     rotation count; device: "cpu" / "cuda[:N]", None = the GPU if any, else
     the CPU; reduced: run a reduced geometry (CPU_REDUCED, per-axis overrides
-    win), None = only on a CPU; warmup / replays: timing counts; warmup_ms:
-    GPU time (ms) each captured graph replays before it is timed; use_graph:
+    win), None = only on a CPU; warmup / replays: timing counts; use_graph:
     CUDA-graph replay for capturable backends; memory_fraction: share of free
     device memory the weight sets may take; split: also time each stage alone
     (and, in a sweep, the routed path) for backends that split their forward
@@ -109,7 +108,6 @@ class SweepConfig:
     device: str | None = None
     reduced: bool | None = None
     warmup: int = 10
-    warmup_ms: float = WARMUP_MS
     replays: int = 100
     use_graph: bool = True
     memory_fraction: float = 0.6
@@ -149,7 +147,6 @@ class SweepConfig:
         if not isinstance(self.warmup, int) or isinstance(self.warmup, bool) or self.warmup < 0:
             raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
         check_seed(self.seed)
-        check_warmup_ms(self.warmup_ms)
         if not isinstance(self.replays, int) or self.replays < 1:
             raise ValueError(f"replays must be an int >= 1, got {self.replays!r}")
         check_layers(self.layers)

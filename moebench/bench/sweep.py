@@ -253,13 +253,11 @@ def timing_counts_used(config, methods: list[str]) -> dict[str, dict[str, int]]:
     return {m: capped_counts(config, m == "cuda-graph") for m in methods}
 
 
-def capped_counts(config, full: bool) -> dict:
+def capped_counts(config, full: bool) -> dict[str, int]:
     """{"warmup", "replays"} of `config`, as given for CUDA-graph timing
-    (`full`, with "warmup_ms": the graph's warm-up by time),
-    else capped at EAGER_WARMUP_CAP / EAGER_REPLAYS_CAP."""
-    if full:
-        return {"warmup": config.warmup, "warmup_ms": config.warmup_ms, "replays": config.replays}
-    return {"warmup": min(config.warmup, EAGER_WARMUP_CAP), "replays": min(config.replays, EAGER_REPLAYS_CAP)}
+    (`full`), else capped at EAGER_WARMUP_CAP / EAGER_REPLAYS_CAP."""
+    return {"warmup": config.warmup if full else min(config.warmup, EAGER_WARMUP_CAP),
+            "replays": config.replays if full else min(config.replays, EAGER_REPLAYS_CAP)}
 
 
 def timing_methods(frame: pd.DataFrame) -> list[str]:

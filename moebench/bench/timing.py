@@ -1,24 +1,15 @@
 """Timing of callables: CUDA-graph replay with device events, or CPU wall clock.
 
 Knows callables, not kernels. On CUDA, `fn` is warmed up eagerly on a side
-stream (as torch requires before capture), captured once into a CUDA graph,
-the graph is replayed back to back for `warmup_ms` of GPU time, then replayed
-`replays` times, each replay between two device events; one sample = replay
-time / calls_per_replay (so a `fn` that runs several layers' calls reports the
-time of one call). Without a GPU the eager calls are timed with the wall
-clock, and `Timing.method` says so.
-
-Why a warm-up by time (as `triton.testing.do_bench` does): an idle GPU clocks
-down (the H200 reads 345 MHz idle, 1980 MHz under load), and the host work
-before a case (compiling kernels, building weights) leaves it idle. A count of
-warm-up replays is microseconds for a small graph, too short for the clocks to
-come back, so the first case a process timed read high (TP4 rows 4: 25.6 µs
-alone against 24.2 behind rows 1-2, docs/perf-notes.md, session 16).
+stream (as torch requires before capture), captured once into a CUDA graph and
+the graph is replayed `replays` times, each replay between two device events;
+one sample = replay time / calls_per_replay (so a `fn` that runs several
+layers' calls reports the time of one call). Without a GPU the eager calls are
+timed with the wall clock, and `Timing.method` says so.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,14 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from moebench.bench import WARMUP_MS, check_warmup_ms
-
 METHODS = ("cuda-graph", "cuda-events", "cpu-wallclock")
 #: torch.cuda.graph capture error modes.
 CAPTURE_MODES = ("global", "thread_local", "relaxed")
-#: Most warm-up replays whatever their length (a graph of a few µs would
-#: otherwise queue tens of thousands).
-MAX_WARMUP_REPLAYS = 5000
 
 
 @dataclass(frozen=True)
@@ -82,7 +68,6 @@ def time_graph(
     use_graph: bool = True,
     device: torch.device | str | None = None,
     capture_error_mode: str = "global",
-    warmup_ms: float | None = None,
 ) -> Timing:
     """Time `fn` (no arguments; it may launch many calls) and return per-call µs.
 
@@ -94,20 +79,14 @@ def time_graph(
     capture_error_mode: torch.cuda.graph's mode; "thread_local" when other
     threads may touch CUDA during the capture (e.g. the NCCL watchdog of a
     process group whose collectives `fn` captures).
-    warmup_ms: GPU time (ms) the captured graph replays back to back before
-    the timed replays (module docstring); None = WARMUP_MS, 0 = none beyond
-    three replays. Eager timing ("cuda-events", "cpu-wallclock") warms up by
-    `warmup` calls only.
-    Raises ValueError for non-positive counts, a negative or non-finite
-    warmup_ms or an unknown capture mode, TypeError if `fn` is not callable.
+    Raises ValueError for non-positive counts or an unknown capture mode,
+    TypeError if `fn` is not callable.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     _check_count("warmup", warmup, 0)
     _check_count("replays", replays, 1)
     _check_count("calls_per_replay", calls_per_replay, 1)
-    warmup_ms = WARMUP_MS if warmup_ms is None else warmup_ms
-    check_warmup_ms(warmup_ms)
     if capture_error_mode not in CAPTURE_MODES:
         raise ValueError(f"capture_error_mode must be one of {CAPTURE_MODES}, got {capture_error_mode!r}")
     if device is None:
@@ -117,7 +96,7 @@ def time_graph(
     if dev.type == "cuda":
         with torch.cuda.device(dev):
             if use_graph:
-                return _time_cuda_graph(fn, warmup, replays, calls_per_replay, capture_error_mode, warmup_ms)
+                return _time_cuda_graph(fn, warmup, replays, calls_per_replay, capture_error_mode)
             return _time_cuda_events(fn, warmup, replays, calls_per_replay)
     if dev.type != "cpu":
         raise ValueError(f"device must be cpu or cuda, got {dev}")
@@ -154,24 +133,7 @@ def _time_cuda_events(fn, warmup: int, replays: int, calls: int) -> Timing:
     return _replay_with_events(fn, replays, calls, "cuda-events")
 
 
-def _warm_graph(replay, warmup_ms: float) -> None:
-    """Replay (a graph's `replay`) three times, timed, then back to back
-    until about `warmup_ms` of GPU time has passed (at most
-    MAX_WARMUP_REPLAYS more); returns without synchronizing, so the timed
-    replays queue right behind."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(3):
-        replay()
-    end.record()
-    end.synchronize()
-    per_ms = max(start.elapsed_time(end) / 3, 1e-4)
-    for _ in range(min(MAX_WARMUP_REPLAYS, math.ceil(max(0.0, warmup_ms - 3 * per_ms) / per_ms))):
-        replay()
-
-
-def _time_cuda_graph(fn, warmup: int, replays: int, calls: int, capture_error_mode: str = "global",
-                     warmup_ms: float = WARMUP_MS) -> Timing:
+def _time_cuda_graph(fn, warmup: int, replays: int, calls: int, capture_error_mode: str = "global") -> Timing:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -186,7 +148,9 @@ def _time_cuda_graph(fn, warmup: int, replays: int, calls: int, capture_error_mo
     except Exception as error:  # noqa: BLE001 - re-raised with the cause attached
         torch.cuda.synchronize()
         raise RuntimeError(f"fn is not CUDA-graph capturable: {type(error).__name__}: {error}") from error
-    _warm_graph(graph.replay, warmup_ms)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
     timing = _replay_with_events(graph.replay, replays, calls, "cuda-graph")
     del graph
     return timing

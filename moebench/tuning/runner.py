@@ -51,7 +51,7 @@ import torch
 
 from moebench import __version__
 from moebench.backends.moebench import INPUTS_READY  # the route launch the sweep times
-from moebench.bench import WARMUP_MS, check_layers, check_seed
+from moebench.bench import check_layers, check_seed
 from moebench.env import environment, resolve_device
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
 from moebench.models import RankShape, get_preset
@@ -512,8 +512,7 @@ def run_tune(
             if probe is not None:
                 probe(runner)
             prov = {**base, "timing": {
-                "method": "cuda-graph", "warmup": config.warmup, "warmup_ms": WARMUP_MS,
-                "replays": config.replays,
+                "method": "cuda-graph", "warmup": config.warmup, "replays": config.replays,
                 "layers": runner.layers, "layer_copies": config.copy_layers and runner.layers > 1,
                 "warm_l2": config.warm_l2, "scenario": config.scenario, "seed": config.seed,
                 "repeats": config.repeats, "top": config.top, "wide_scales": runner.wide,

@@ -360,27 +360,9 @@ def test_moebench_backend_says_which_kernel_tactics_a_row_ran():
     assert "kernel_tactics" in COLUMNS
 
 
-def test_graph_timing_counts_carry_the_warm_up_by_time():
-    """CUDA-graph timing gets the config's warmup_ms (recorded in the
-    manifest's timing_counts); eager timing has no warm-up by time; a bad
-    warmup_ms is refused naming the field."""
-    from moebench.bench import WARMUP_MS
-    from moebench.bench.sweep import capped_counts
-
-    assert SweepConfig().warmup_ms == WARMUP_MS > 0
-    config = SweepConfig(warmup=4, warmup_ms=7.5, replays=30)
-    assert capped_counts(config, True) == {"warmup": 4, "warmup_ms": 7.5, "replays": 30}
-    assert capped_counts(config, False) == {"warmup": 2, "replays": 20}
-    for bad in (-0.5, float("inf"), float("nan"), True, "25"):
-        with pytest.raises(ValueError, match="warmup_ms must be a finite number >= 0"):
-            SweepConfig(warmup_ms=bad)
-
-
 def test_the_rotation_does_not_depend_on_the_rows_in_the_sweep():
     """A case's replay rotates the same weight-set count alone or beside
     other row counts: the manifest's min_touched_bytes is the shape's."""
-    from moebench.bench.cases import rotation_bytes
-
     touched = []
     for rows in ((3,), (1, 3)):
         result = run_sweep(SweepConfig(backends=("torch-bf16",), **{**TINY, "rows": rows}))
