@@ -47,11 +47,14 @@ class GemmShape:
         if isinstance(obj, GemmShape):
             return obj
         try:
-            return cls(int(obj.hidden), int(obj.intermediate), int(obj.experts))
+            values = {name: getattr(obj, name) for name in ("hidden", "intermediate", "experts")}
         except AttributeError as err:
             raise TypeError(
                 f"shape must have hidden, intermediate and experts, got {type(obj).__name__}"
             ) from err
+        # ints as they are (numpy / torch integers too); a float is refused by __post_init__, not truncated
+        return cls(**{k: int(v) if hasattr(v, "__index__") and not isinstance(v, bool) else v
+                      for k, v in values.items()})
 
 
 def _check_int(name: str, v, lo: int, hi: int) -> None:
