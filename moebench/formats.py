@@ -41,6 +41,18 @@ def _check_float_blocks(x: torch.Tensor, name: str) -> None:
         )
 
 
+def _to_fp32_blocks(x: torch.Tensor, name: str) -> torch.Tensor:
+    """x as fp32 [..., K/32, 32] (the rule scales in fp32). Raises ValueError
+    naming `name` when a finite value lies beyond the fp32 range (a float64
+    input): it would become inf and its block NaN, a silent wrong answer."""
+    if x.dtype == torch.float64:
+        big = x.isfinite() & (x.abs() > torch.finfo(torch.float32).max)
+        if bool(big.any()):
+            raise ValueError(f"{name} holds finite values beyond the fp32 range (max |{name}| ="
+                             f" {float(x[big].abs().max()):.6g} > 3.4028e38); the MX rule scales in fp32")
+    return x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
+
+
 def _check_u8(t: torch.Tensor, name: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -96,11 +108,12 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns (values float8_e4m3fn [..., K], scales uint8 [..., K/32]), bit-exact
     with the rule in this module's docstring. Raises TypeError / ValueError
-    naming `x` on a bad dtype or shape.
+    naming `x` on a bad dtype or shape, or on finite float64 values beyond the
+    fp32 range (the rule scales in fp32: they would become NaN blocks).
     """
     _check_float_blocks(x, "x")
     shape = x.shape
-    blocks = x.to(torch.float32).reshape(*shape[:-1], shape[-1] // MX_BLOCK, MX_BLOCK)
+    blocks = _to_fp32_blocks(x, "x")
     code = _block_scale_codes(blocks, E4M3_MAX)
     q = _scaled(blocks, code, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
     bad = (code == E8M0_NAN).unsqueeze(-1)
@@ -144,10 +157,11 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4-quantize `w` [..., K] (K % 32 == 0) by the same round-up scale rule
     with 6.0 in place of 448. Returns (packed uint8 [..., K/2] with the even
     element in the low nibble, scales uint8 [..., K/32]). Negative values that
-    round to zero keep their sign (code 8)."""
+    round to zero keep their sign (code 8). Raises TypeError / ValueError
+    naming `w` as quantize_mxfp8 does."""
     _check_float_blocks(w, "w")
     shape = w.shape
-    blocks = w.to(torch.float32).reshape(*shape[:-1], shape[-1] // MX_BLOCK, MX_BLOCK)
+    blocks = _to_fp32_blocks(w, "w")
     code = _block_scale_codes(blocks, E2M1_MAX)
     scaled = _scaled(blocks, code, E2M1_MAX)
     nib = _round_e2m1(scaled.abs()) | ((blocks < 0).to(torch.int32) << 3)

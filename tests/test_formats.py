@@ -694,3 +694,19 @@ def test_generators_reject_wrong_argument_types():
         generate_expert_weights(shape, seed=None)
     with pytest.raises(TypeError, match="rows"):
         generate_activations(2.5, 256)
+
+
+@pytest.mark.parametrize("quantize, name", [(quantize_mxfp8, "x"), (quantize_mxfp4, "w")])
+def test_quantizers_refuse_finite_values_beyond_fp32(quantize, name):
+    """A finite float64 value beyond the fp32 range would become inf in the
+    fp32 rule and its block NaN: refused, naming the argument. inf itself
+    keeps its defined NaN block, and fp64 values in range quantize as fp32."""
+    x = torch.ones(1, 32, dtype=torch.float64)
+    x[0, 3] = 1e39
+    with pytest.raises(ValueError, match=f"{name} holds finite values beyond the fp32 range"):
+        quantize(x)
+    x[0, 3] = float("inf")
+    assert int(quantize(x)[1][0, 0]) == 255
+    y = torch.randn(2, 64, dtype=torch.float64)
+    for a, b in zip(quantize(y), quantize(y.float())):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
