@@ -181,7 +181,8 @@ def get_preset(
     top_k: int | None = None,
 ) -> MoEConfig:
     """The preset `name`, with any of hidden / intermediate / experts / top_k
-    overridden (the overridden config is renamed `name+custom`).
+    overridden (the overridden config is renamed `name+custom`; an override
+    equal to the preset's own value changes nothing, the name included).
 
     Raises ValueError for an unknown preset or an invalid override.
     """
@@ -195,6 +196,8 @@ def get_preset(
         if v is not None
     }
     config = PRESETS[name]
+    overrides = {k: v for k, v in overrides.items()
+                 if isinstance(v, bool) or type(v) is not type(getattr(config, k)) or v != getattr(config, k)}
     if not overrides:
         return config
     return replace(config, name=f"{name}+custom", **overrides)

@@ -70,6 +70,11 @@ def test_overrides():
     assert (d.hidden, d.intermediate, d.experts, d.top_k) == (7168, 3072, 64, 6)
     # presets themselves are untouched
     assert get_preset("dsv4-pro").experts == 384
+    # an override equal to the preset's own value is no override (same name, same config)
+    assert get_preset("dsv41-flash", hidden=5120, top_k=6) is get_preset("dsv41-flash")
+    assert get_preset("dsv41-flash", hidden=5120, top_k=4).name == "dsv41-flash+custom"
+    with pytest.raises(ValueError, match="hidden"):
+        get_preset("dsv41-flash", hidden=5120.0)  # a float is refused, not taken as the preset's 5120
     assert c.shard(2).intermediate == 96 and c.shard(2).padded_intermediate == 128
 
 
