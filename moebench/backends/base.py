@@ -78,6 +78,12 @@ class Backend(abc.ABC):
         """Tactic names `prepare` accepts for `shape`; "default" is always one."""
         return (DEFAULT_TACTIC,)
 
+    def default_alias(self, shape: RankShape) -> str | None:
+        """The other offered tactic that "default" runs for `shape` (the same
+        computation under its own name), or None when "default" is not one of
+        them. `--tactics all` then times it once, under that name. Default: None."""
+        return None
+
     def tactic_unavailable_reason(self, shape: RankShape, tactic: str, device: torch.device | str) -> str | None:
         """Why an offered `tactic` cannot run `shape` on `device` right now
         (e.g. it needs a tuning table there is none of), or None. The sweep

@@ -90,6 +90,10 @@ class TorchBF16Backend(Backend):
     def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
         return TACTICS if has_grouped_mm() else (DEFAULT_TACTIC, "gather")
 
+    def default_alias(self, shape: RankShape) -> str:
+        """"grouped" where torch has `_grouped_mm`, else "gather"."""
+        return "grouped" if has_grouped_mm() else "gather"
+
     def prepared_bytes(self, shape: RankShape) -> int:
         return shape.experts * 3 * shape.intermediate * shape.hidden * 2
 
@@ -97,7 +101,7 @@ class TorchBF16Backend(Backend):
         """BF16 weights of `shape` (raises ValueError for a bad tactic or shape)."""
         self.check_tactic(shape, tactic)
         check_weights(weights, shape)
-        mode = tactic if tactic != DEFAULT_TACTIC else ("grouped" if has_grouped_mm() else "gather")
+        mode = tactic if tactic != DEFAULT_TACTIC else self.default_alias(shape)
         w13, w2 = dequantize_bf16(weights)
         return TorchBF16Weights(w13, w2, weights.clamp.to(torch.float32).contiguous(), mode)
 

@@ -357,7 +357,10 @@ def expand_all_tactics(cases: list[Case], backends: dict[str, Backend]) -> list[
     offers for the case's shape: also for a backend that loaded but cannot
     run here (each such case is then skipped with the reason, so the run
     lists what the backend offers); just "default" for one that did not load.
-    Explicit tactics of the same case are not repeated. Order is kept."""
+    "default" is left out where it only names another offered tactic
+    (`Backend.default_alias`: torch-bf16's "grouped"), so that one kernel is
+    not timed twice. Explicit tactics of the same case are not repeated.
+    Order is kept."""
     out: list[Case] = []
     seen: set[Case] = set()
     for case in cases:
@@ -366,7 +369,11 @@ def expand_all_tactics(cases: list[Case], backends: dict[str, Backend]) -> list[
             expanded = [replace(case, tactic=DEFAULT_TACTIC)]
             if case.backend in backends:
                 try:
-                    expanded = [replace(case, tactic=t) for t in backends[case.backend].valid_tactics(case.shape)]
+                    backend = backends[case.backend]
+                    names = backend.valid_tactics(case.shape)
+                    if backend.default_alias(case.shape) in names:
+                        names = tuple(t for t in names if t != DEFAULT_TACTIC)
+                    expanded = [replace(case, tactic=t) for t in names]
                 except Exception:  # noqa: BLE001 - a backend that cannot list its tactics here: default only
                     pass
         for c in expanded:
