@@ -976,7 +976,8 @@ def tune(
     ),
     scenario: str = typer.Option("correlated", help="Routing scenario of the timed cases."),
     repeats: int = typer.Option(3, help="Extra timings of each finalist."),
-    top: int = typer.Option(3, help="Finalists re-timed per row count (the default is always re-timed too)."),
+    top: int = typer.Option(3, help="Finalists re-timed per row count, at least 2 (the default is always re-timed"
+                            " too)."),
     replays: int = typer.Option(50, help="Timed CUDA-graph replays per timing."),
     warmup: int = typer.Option(10, help="Warm-up calls per timing."),
     layers: int = typer.Option(None, help="Force the number of rotated weight sets (default: >= 4x L2)."),
