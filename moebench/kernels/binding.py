@@ -171,11 +171,12 @@ class RoutedExpertGemm:
         shape = GemmShape.of(self.kw)
         props = torch.cuda.get_device_properties(self.kw.device)
         sms = props.multi_processor_count
-        # One tactic per (stage, rows). No `tactics`: the tuning table of this
-        # device and shape class ($MOEBENCH_TUNING_DIR, then the package's),
-        # else the built-in default (load_tactic warns and falls back, never
-        # raises for a table). With `tactics`: the caller's per stage, else the
-        # built-in default for the token tiles that row count allows for.
+        # One tactic per (stage, rows). No `tactics`: the entry of the first
+        # tuning table of this device and shape class that holds it
+        # ($MOEBENCH_TUNING_DIR, then the package's), else the built-in
+        # default (load_tactic warns and falls back, never raises for a
+        # table). With `tactics`: the caller's per stage, else the built-in
+        # default for the token tiles that row count allows for.
         self.tactics: dict[tuple[int, int], GemmTactic] = {}
         self.tactic_sources: dict[tuple[int, int], str] = {}
         for rows in range(1, MAX_ROWS + 1):

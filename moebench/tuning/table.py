@@ -39,12 +39,17 @@ the same directory, fsynced, renamed over the target) and refuse to replace
 a table of another device, or of a newer moebench / tactics version, unless
 forced.
 
-The runtime (`load_tactic`) looks in $MOEBENCH_TUNING_DIR (one or more
-directories, os.pathsep-separated), then the tables shipped in the package
-(moebench/tuning/tables/), then falls back to the built-in
-`default_tactic`. A missing, corrupt or stale table (or entry) falls back
-with one warning naming the file; nothing here raises for a table. Which
-table and entry were used is logged once per process.
+The runtime (`load_tactic`) looks each entry (family, stage, rows) up on its
+own along the search path: $MOEBENCH_TUNING_DIR (one or more directories,
+os.pathsep-separated, in order), then the tables shipped in the package
+(moebench/tuning/tables/). The first usable table that holds the entry
+serves it, so a table there that holds only some rows, or only one kernel
+family, overrides just those and leaves the rest to the tables after it;
+an entry no table holds gets the built-in `default_tactic`. A corrupt or
+stale table is skipped with one warning naming the file; an entry no table
+holds warns once naming the tables looked in (no table at all: the
+directories); nothing here raises for a table. Each table used is logged once per process (INFO), and the source
+`load_tactic` returns names the file and entry.
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ import math
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -643,32 +649,53 @@ def _read_cached(path: Path) -> TuningTable:
     return hit
 
 
-def find_table(
-    device_name: str, shape, *, top_k: int | None = None, search: list | None = None
-) -> tuple[TuningTable | None, Path | None, list[str]]:
-    """(the first usable table for `device_name` and `shape` along `search`
-    (default: default_search_dirs()) or None, its path, the problems met on
-    the way: one line each naming the file). Never raises for a file."""
-    name = table_file_name(shape, device_name, top_k)
-    problems: list[str] = []
+def _walk(name: str, search: list | None) -> Iterator[tuple[Path, TuningTable | str]]:
+    """The table file `name` along `search` (default: default_search_dirs()),
+    in order, read as the walk reaches it: (path, the usable table) or (path,
+    the problem: one line naming the file, or a directory that does not
+    exist). A directory without the file yields nothing. Never raises for a
+    file."""
     for directory in default_search_dirs() if search is None else search:
         directory = Path(directory)
         path = directory / name
         if not path.exists():
             if directory != PACKAGE_TABLES and not directory.is_dir():
-                problems.append(f"tuning directory {directory} does not exist (${ENV_DIR} or the search path)")
+                yield directory, f"tuning directory {directory} does not exist (${ENV_DIR} or the search path)"
             continue
         try:
             table = _read_cached(path)
         except (TableError, OSError) as error:
-            problems.append(f"tuning table {path} is unusable: {error}")
+            yield path, f"tuning table {path} is unusable: {error}"
             continue
         stale = stale_reason(table)
         if stale:
-            problems.append(f"tuning table {path} is stale: {stale}")
+            yield path, f"tuning table {path} is stale: {stale}"
             continue
-        return table, path, problems
+        yield path, table
+
+
+def find_table(
+    device_name: str, shape, *, top_k: int | None = None, search: list | None = None
+) -> tuple[TuningTable | None, Path | None, list[str]]:
+    """(the first usable table for `device_name` and `shape` along `search`
+    (default: default_search_dirs()) or None, its path or None, the problems
+    met on the way: one line each naming the file). The whole first table,
+    e.g. to say whether any table covers the shape; which table serves one
+    entry is `load_tactic`'s per-entry lookup. Never raises for a file;
+    TypeError / ValueError for a bad shape."""
+    problems: list[str] = []
+    for path, hit in _walk(table_file_name(shape, device_name, top_k), search):
+        if isinstance(hit, str):
+            problems.append(hit)
+        else:
+            return hit, path, problems
     return None, None, problems
+
+
+def _tables_phrase(paths: list[Path], singular: str, plural: str) -> str:
+    """'tuning table A <singular>' or 'tuning tables A, B <plural>'."""
+    listed = ", ".join(str(p) for p in paths)
+    return f"tuning table {listed} {singular}" if len(paths) == 1 else f"tuning tables {listed} {plural}"
 
 
 def load_tactic(
@@ -685,18 +712,20 @@ def load_tactic(
 ) -> tuple[GemmTactic, str]:
     """(tactic, source) for GEMM`stage` at `rows` token rows of `shape` on
     `device_name`: the entry of the first usable table along `search`
-    (default: $MOEBENCH_TUNING_DIR, then the package's tables), else the
-    built-in default_tactic for the token tiles `rows` allows for.
-    `fp8`: the FP8 kernel family's entry (the table's "fp8" part) and
+    (default: $MOEBENCH_TUNING_DIR, then the package's tables) that holds
+    it, else the built-in default_tactic for the token tiles `rows` allows
+    for. `fp8`: the FP8 kernel family's entry (the table's "fp8" part) and
     default (`default_fp8_tactic`; `wide_scales` is then the weights'
     special-scales flag, as `KernelWeights.scale_variant(True)`); else the
     BF16 family's.
 
     source: 'table <path> gemm<stage>[rows]' ('... fp8.gemm<stage>[rows]'
-    for the FP8 family) or 'default (...)'. A missing,
-    corrupt or stale table or entry logs one warning naming the file and
-    falls back; the choice is logged once (INFO). Raises ValueError /
-    TypeError only for bad arguments (rows, stage, shape), never for a table.
+    for the FP8 family), <path> the file the entry came from, or 'default
+    (...)'. A corrupt or stale table met on the way is skipped with one
+    warning naming the file; an entry no table holds warns once naming the
+    tables looked in; each table used is logged once (INFO). Raises
+    ValueError / TypeError only for bad arguments (rows, stage, shape),
+    never for a table.
     """
     if stage not in STAGES:
         raise ValueError(f"stage must be 1 or 2, got {stage!r}")
@@ -706,26 +735,35 @@ def load_tactic(
         raise ValueError(f"rows must be an int in [1, {MAX_ROWS}], got {rows!r}")
     s = ShapeClass.of(shape, top_k)
     name = table_file_name(s, device_name)
+    found: tuple[Path, TuningTable] | None = None
+    lacking: list[tuple[Path, TuningTable]] = []  # usable tables without the entry, in search order
+    problems: list[str] = []
     try:
-        table, path, problems = find_table(device_name, s, search=search)
+        for path, hit in _walk(name, search):
+            if isinstance(hit, str):
+                problems.append(hit)
+            elif hit.entry(stage, rows, fp8) is None:
+                lacking.append((path, hit))
+            else:
+                found = path, hit
+                break
     except Exception as error:  # noqa: BLE001 - a table must never break the runtime
-        table, path, problems = None, None, [f"tuning table lookup for {name} failed: {type(error).__name__}: {error}"]
+        problems.append(f"tuning table lookup for {name} failed: {type(error).__name__}: {error}")
     for line in problems:
         _log_once(logging.WARNING, line + "; falling back")
     family = "fp8 " if fp8 else ""
-    if table is not None:
-        entry = table.entry(stage, rows, fp8)
-        if fp8 and not table.fp8_entries:
-            _log_once(logging.WARNING, f"tuning table {path} holds no FP8-family entries; using the built-in fp8"
-                                       " default tactics (run `moebench tune --fp8` on this GPU)")  # fmt: skip
-        elif entry is None:
-            _log_once(logging.WARNING, f"tuning table {path} has no {family}entry for {STAGES[stage]} rows={rows};"
-                                       f" using the built-in {family}default")  # fmt: skip
-        else:
-            source = f"table {path} {entry_path(stage, rows, fp8)}"
-            note = "" if table.device.get("name") == device_name else f" (tuned on {table.device.get('name')})"
-            _log_once(logging.INFO, f"moebench tuning: {name} from {path}{note}")
-            return entry.tactic, source
+    if found is not None:
+        path, table = found
+        note = "" if table.device.get("name") == device_name else f" (tuned on {table.device.get('name')})"
+        _log_once(logging.INFO, f"moebench tuning: {name} from {path}{note}")
+        return table.entry(stage, rows, fp8).tactic, f"table {path} {entry_path(stage, rows, fp8)}"
+    paths = [path for path, _ in lacking]
+    if fp8 and lacking and not any(table.fp8_entries for _, table in lacking):
+        _log_once(logging.WARNING, _tables_phrase(paths, "holds", "hold") + " no FP8-family entries; using the"
+                                   " built-in fp8 default tactics (run `moebench tune --fp8` on this GPU)")  # fmt: skip
+    elif lacking:
+        _log_once(logging.WARNING, _tables_phrase(paths, "has", "have") + f" no {family}entry for {STAGES[stage]}"
+                                   f" rows={rows}; using the built-in {family}default")  # fmt: skip
     elif not problems:
         dirs = ", ".join(str(d) for d in (default_search_dirs() if search is None else search))
         _log_once(logging.WARNING, f"no tuning table {name} in {dirs}; using the built-in {family}default tactics"

@@ -419,3 +419,79 @@ def test_a_table_without_fp8_entries_gives_the_fp8_defaults_with_one_warning(tmp
     (tmp_path / "empty").mkdir()
     load_tactic("NVIDIA H200", SHAPE, 1, 1, search=[tmp_path / "empty"], fp8=True)
     assert "run `moebench tune --fp8`" in caplog.records[-1].getMessage()
+
+
+# ----------------------------------------------------------------------------- per-entry lookup along the path
+
+T3 = GemmTactic(tile_rows=64, warps_m=1, warps_k=8, unroll=2, ctas_per_sm=2)  # a GEMM1 tactic T1 is not
+
+
+def test_a_bf16_only_override_leaves_the_fp8_entries_to_the_package_table(tmp_path, monkeypatch, caplog):
+    """A table in $MOEBENCH_TUNING_DIR without an "fp8" part overrides the
+    BF16 family only: FP8 lookups take the package table's entries."""
+    caplog.set_level(logging.INFO, logger="moebench.tuning")
+    env_dir, pkg = tmp_path / "env", tmp_path / "pkg"
+    write_table(make_table(), env_dir)  # BF16 entries only (schema 1)
+    package = make_fp8_table(bf16_rows=range(1, 9))
+    package.entries[1, 6] = entry(T3)
+    write_table(package, pkg)
+    monkeypatch.setattr(tb, "PACKAGE_TABLES", pkg)
+    monkeypatch.setenv(tb.ENV_DIR, str(env_dir))
+    tactic, source = load_tactic("NVIDIA H200", SHAPE, 6, 1, fp8=True)
+    assert tactic == F1 and source == f"table {pkg / NAME} fp8.gemm1[6]"  # not the fp8 default (r16 at rows 6)
+    tactic, source = load_tactic("NVIDIA H200", SHAPE, 6, 1)  # the override's BF16 entry still wins
+    assert tactic == T1 and source == f"table {env_dir / NAME} gemm1[6]"
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    infos = sorted(r.getMessage() for r in caplog.records if r.levelno == logging.INFO)
+    assert infos == sorted(f"moebench tuning: {NAME} from {d / NAME}" for d in (env_dir, pkg))
+    table, path, problems = tb.find_table("NVIDIA H200", SHAPE)  # the first table is still the override
+    assert path == env_dir / NAME and table.fp8_entries == {} and problems == []
+
+
+def test_rows_an_override_lacks_come_from_the_next_table(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="moebench.tuning")
+    first, second = tmp_path / "a", tmp_path / "b"
+    write_table(make_table(rows=range(1, 5)), first)
+    full = make_table()
+    for rows in range(1, 9):
+        full.entries[1, rows] = entry(T3, 10.0 + rows)
+    write_table(full, second)
+    for rows in range(1, 9):
+        tactic, source = load_tactic("NVIDIA H200", SHAPE, rows, 1, search=[first, second])
+        where = first if rows <= 4 else second
+        assert (tactic, source) == (T1 if rows <= 4 else T3, f"table {where / NAME} gemm1[{rows}]"), rows
+    tactic, source = load_tactic("NVIDIA H200", SHAPE, 8, 2, search=[first, second])
+    assert tactic == T2 and source == f"table {second / NAME} gemm2[8]"
+    assert tactic != default_for(8, 2) and T3 != default_for(5, 1)
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len([r for r in caplog.records if r.levelno == logging.INFO]) == 2  # each table logged once
+
+
+def test_a_stale_override_is_skipped_and_the_next_table_serves(tmp_path, caplog):
+    first, second = tmp_path / "a", tmp_path / "b"
+    write_table(make_table(rows=[1]), second)
+    write_table(make_table(tactics_version=tb.TACTICS_VERSION + 1), first, force=True)
+    for rows in (1, 2):
+        tactic, source = load_tactic("NVIDIA H200", SHAPE, rows, 1, search=[first, second])
+        assert source.startswith(f"table {second / NAME}" if rows == 1 else "default")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2 and "stale" in warnings[0] and str(first / NAME) in warnings[0]
+    assert warnings[1] == f"tuning table {second / NAME} has no entry for gemm1 rows=2; using the built-in default"
+
+
+def test_an_entry_no_table_holds_gets_the_default_with_one_warning_naming_the_tables(tmp_path, caplog):
+    first, second = tmp_path / "a", tmp_path / "b"
+    write_table(make_table(rows=range(1, 5)), first)
+    write_table(make_table(rows=range(1, 4)), second)
+    for _ in range(2):
+        tactic, source = load_tactic("NVIDIA H200", SHAPE, 6, 1, search=[first, second])
+        assert tactic == default_for(6, 1) and source.startswith("default (gemm1 rows=6")
+    tactic, source = load_tactic("NVIDIA H200", SHAPE, 2, 1, search=[first, second], fp8=True)
+    assert tactic == default_fp8_tactic(SHAPE.gemm_shape, 1, max_ctas(2, SHAPE.top_k, SHAPE.experts))
+    assert source.startswith("default (fp8 gemm1 rows=2")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        f"tuning tables {first / NAME}, {second / NAME} have no entry for gemm1 rows=6; using the built-in default",
+        f"tuning tables {first / NAME}, {second / NAME} hold no FP8-family entries; using the built-in fp8"
+        " default tactics (run `moebench tune --fp8` on this GPU)",
+    ]  # fmt: skip
