@@ -315,11 +315,12 @@ def test_report_of_a_run_with_corrupt_fields_names_the_file(tmp_path):
     for n, (what, needle) in enumerate([
         ("device", "'device' must be a JSON object"), ("packages", "'packages' must be a JSON object"),
         ("median", "column 'median_us' must be numeric"), ("ranks", "lacks the 'rank' column"),
+        ("reduced", "'reduced' must be true or false, got \"no\""),
     ]):  # fmt: skip
         run = _stored_run(tmp_path / f"runs{n}", "x", {1: 20.0})
         manifest = json.loads((run / "manifest.json").read_text())
-        if what in ("device", "packages"):
-            manifest[what] = "cpu" if what == "device" else ["torch"]
+        if what in ("device", "packages", "reduced"):
+            manifest[what] = {"device": "cpu", "packages": ["torch"], "reduced": "no"}[what]
             (run / "manifest.json").write_text(json.dumps(manifest))
         elif what == "median":
             df = pd.read_parquet(run / "results.parquet")
@@ -330,6 +331,8 @@ def test_report_of_a_run_with_corrupt_fields_names_the_file(tmp_path):
         result = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / f"out{n}")])
         assert result.exit_code == 2 and needle in result.output, (what, result.output)
         assert "Traceback" not in result.output
+        if what == "reduced":
+            assert "manifest.json" in result.output.replace("\n", "")
 
 
 def test_report_no_html_says_an_older_report_html_is_left(tmp_path):

@@ -177,7 +177,9 @@ def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
 
     Raises FileNotFoundError naming the missing directory or file (or a path
     that is not a directory); ValueError naming the file when it is corrupt
-    or lacks REQUIRED_COLUMNS.
+    or lacks REQUIRED_COLUMNS, and naming the file and the field when a
+    manifest field the reports rely on is of the wrong type or value
+    (`check_manifest`).
     """
     path = Path(path)
     if not path.exists():
@@ -202,9 +204,7 @@ def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
     missing = [c for c in REQUIRED_COLUMNS if c not in df.columns]
     if missing:
         raise ValueError(f"{results} lacks required columns {missing}")
-    for key in _MANIFEST_OBJECTS:
-        if key in manifest and manifest[key] is not None and not isinstance(manifest[key], dict):
-            raise ValueError(f"{manifest_path}: {key!r} must be a JSON object, got {type(manifest[key]).__name__}")
+    check_manifest(manifest, manifest_path)
     for col in _NUMERIC_COLUMNS:
         if col in df.columns and not (pd.api.types.is_numeric_dtype(df[col]) or df[col].isna().all()):
             raise ValueError(f"{results}: column {col!r} must be numeric, got {df[col].dtype}")
@@ -214,6 +214,42 @@ def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
 #: Manifest entries the reports read as objects, and results columns they compute with.
 _MANIFEST_OBJECTS = ("device", "packages", "config")
 _NUMERIC_COLUMNS = ("median_us", "p10_us", "p90_us", "max_rel_err", "gbps", "pct_copy_bw", "rows", "tp")
+#: The manifest schemas this moebench reads (every run it stores says 1) and the run
+#: kinds it knows (a sweep run stored before "kind" existed lacks the key).
+SCHEMAS = (1,)
+KINDS = ("sweep", "step")
+#: Manifest flags the reports read as booleans (null or absent: not recorded, false),
+#: at the top level and in "config".
+_MANIFEST_FLAGS = ("reduced", "warm_l2", "sharded")
+_CONFIG_FLAGS = ("overlap_shared",)
+
+
+def check_manifest(manifest: dict, path: str | Path = MANIFEST) -> None:
+    """Check the manifest fields the reports rely on, where present: "schema"
+    one of SCHEMAS, "kind" one of KINDS, "device" / "packages" / "config" JSON
+    objects, the flags (reduced, warm_l2, sharded, config.overlap_shared)
+    true, false or null (never a truthy string such as "no"), "ranks" an
+    integer >= 1 or null. Raises ValueError naming `path` and the field."""
+
+    def bad(field: str, expected: str, value) -> ValueError:
+        return ValueError(f"{path}: {field!r} must be {expected}, got {json.dumps(value, default=str)}")
+
+    if "schema" in manifest and not (type(manifest["schema"]) is int and manifest["schema"] in SCHEMAS):
+        raise bad("schema", f"one of the supported schemas {list(SCHEMAS)}", manifest["schema"])
+    if "kind" in manifest and manifest["kind"] not in KINDS:
+        raise bad("kind", f"one of {list(KINDS)}", manifest["kind"])
+    for key in _MANIFEST_OBJECTS:
+        if key in manifest and manifest[key] is not None and not isinstance(manifest[key], dict):
+            raise ValueError(f"{path}: {key!r} must be a JSON object, got {type(manifest[key]).__name__}")
+    config = manifest.get("config") or {}
+    flags = [(key, manifest[key]) for key in _MANIFEST_FLAGS if key in manifest]
+    flags += [(f"config.{key}", config[key]) for key in _CONFIG_FLAGS if key in config]
+    for field, value in flags:
+        if value is not None and not isinstance(value, bool):
+            raise bad(field, "true or false", value)
+    ranks = manifest.get("ranks")
+    if ranks is not None and not (type(ranks) is int and ranks >= 1):
+        raise bad("ranks", "an integer >= 1", ranks)
 
 
 def read_table(path: str | Path, name: str) -> pd.DataFrame | None:

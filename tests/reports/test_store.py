@@ -116,3 +116,33 @@ def test_extra_tables_travel_with_the_run(tmp_path):
     (path / "ranks.parquet").write_bytes(b"junk")
     with pytest.raises(ValueError, match="ranks.parquet"):
         read_table(path, "ranks")
+
+
+@pytest.mark.parametrize("manifest, field", [
+    ({"reduced": "no"}, "reduced"),  # a truthy string is not true
+    ({"warm_l2": 1}, "warm_l2"),
+    ({"sharded": "false"}, "sharded"),
+    ({"kind": "sweeps"}, "kind"),
+    ({"kind": None}, "kind"),
+    ({"schema": 2}, "schema"),
+    ({"schema": "1"}, "schema"),
+    ({"schema": True}, "schema"),
+    ({"ranks": "2"}, "ranks"),
+    ({"ranks": 0}, "ranks"),
+    ({"config": {"overlap_shared": "no"}}, "config.overlap_shared"),
+])  # fmt: skip
+def test_read_run_refuses_a_manifest_field_of_the_wrong_type_or_value(tmp_path, manifest, field):
+    path = write_run(frame(), {"schema": 1, "kind": "sweep", **manifest}, root=tmp_path, label="m", when=WHEN)
+    with pytest.raises(ValueError) as info:
+        read_run(path)
+    assert str(path / "manifest.json") in str(info.value) and f"{field!r}" in str(info.value), info.value
+
+
+@pytest.mark.parametrize("manifest", [
+    {},  # a run stored before the fields existed (or a hand-made one): defaults
+    {"schema": 1, "kind": "sweep", "reduced": False, "warm_l2": False, "sharded": True},
+    {"schema": 1, "kind": "step", "reduced": None, "warm_l2": True, "ranks": 2, "config": {"overlap_shared": True}},
+])  # fmt: skip
+def test_read_run_takes_the_manifests_moebench_writes(tmp_path, manifest):
+    path = write_run(frame(), manifest, root=tmp_path, label="m", when=WHEN)
+    assert read_run(path)[1] == manifest
