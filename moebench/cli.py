@@ -823,10 +823,6 @@ def report(
             raise ValueError("--fail-above needs --baseline RUN")
         if out is not None:
             _check_out_dir(out)
-            try:  # before any output: a report that cannot be written is not a comparison's verdict
-                out.mkdir(parents=True, exist_ok=True)
-            except OSError as error:
-                raise ValueError(f"--out: cannot create {out}: {error.strerror or error}") from None
         df, manifest = _read_report_run(run_dir, "RUN_DIR")
         ranks = read_table(run_dir, "ranks")
         if ranks is not None and "rank" not in ranks.columns:
@@ -851,6 +847,11 @@ def report(
         where = "--out" if out is not None else "RUN_DIR (the report goes there without --out)"
         raise _fail(f"{where}: {', '.join(map(str, taken))} exist{'s' if len(taken) == 1 else ''}; pass --force"
                     " to replace the report files, or give another --out directory")  # fmt: skip
+    if out is not None:
+        try:  # only now that every check passed (a refused report creates nothing), before any output:
+            out.mkdir(parents=True, exist_ok=True)  # a report that cannot be written is not a verdict
+        except OSError as error:
+            raise _fail(f"--out: cannot create {out}: {error.strerror or error}") from None
     if manifest.get("reduced"):
         console.print("[yellow]This run used a reduced geometry on the CPU.[/yellow]")
     _print_summary(summary)
@@ -907,7 +908,8 @@ def report(
 
 
 def _check_out_dir(out: Path) -> None:
-    """Raise ValueError naming --out unless it is a directory or can be made one."""
+    """Raise ValueError naming --out unless it is a directory or can be made
+    one. Creates nothing: `report` creates --out once every check passed."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory; give a directory for the report files"
                          " (created when missing)")  # fmt: skip

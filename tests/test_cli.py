@@ -366,6 +366,23 @@ def test_report_run_that_is_a_file_or_out_that_is_a_file(tmp_path):
     assert result.exit_code == 2 and "RUN_DIR" in result.output and "gate_us" in result.output
 
 
+def test_a_refused_report_creates_no_out_directory(tmp_path):
+    """Every usage error is found before --out (or a missing parent of it)
+    is created."""
+    run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
+    for n, args in enumerate([
+        [str(run), "--baseline", str(run), "--fail-above", "lots"],
+        [str(run), "--fail-above", "5%"],  # needs --baseline
+        [str(run), "--baseline", str(tmp_path / "nope")],
+        [str(tmp_path / "no-such-run")],
+        [str(run), "--baseline", str(run / "results.parquet")],
+    ]):  # fmt: skip
+        out = tmp_path / "new" / f"out{n}"
+        result = runner.invoke(app, ["report", *args, "--out", str(out)])
+        assert result.exit_code == 2, (args, result.output)
+        assert not (tmp_path / "new").exists(), args
+
+
 def test_sweep_tactics_all_expands_per_backend(tmp_path):
     args = [a for a in TINY if a not in ("--rows", "1,2")] + ["--rows", "1"]
     result = runner.invoke(app, ["sweep", *args, "--backends", "torch-bf16", "--tactics", "all",
