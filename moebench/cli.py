@@ -822,7 +822,7 @@ def report(
         if fail_above is not None and baseline is None:
             raise ValueError("--fail-above needs --baseline RUN")
         if out is not None:
-            _check_out_dir(out)
+            _check_out_dir(out, run_dir)
         df, manifest = _read_report_run(run_dir, "RUN_DIR")
         ranks = read_table(run_dir, "ranks")
         if ranks is not None and "rank" not in ranks.columns:
@@ -907,9 +907,20 @@ def report(
         raise _fail("; ".join(parts), 1)
 
 
-def _check_out_dir(out: Path) -> None:
+def _check_out_dir(out: Path, run_dir: Path) -> None:
     """Raise ValueError naming --out unless it is a directory or can be made
-    one. Creates nothing: `report` creates --out once every check passed."""
+    one, outside every stored run directory (the baseline's, RUN_DIR's: the
+    report files would be mixed into a run). Creates nothing: `report`
+    creates --out once every check passed."""
+    from moebench.reports.store import MANIFEST, RESULTS, enclosing_run
+
+    run = enclosing_run(out)
+    if run is not None:
+        itself = enclosing_run(out.parent) != run  # out is the run, not a folder inside it
+        where = "a stored run directory" if itself else f"inside a stored run directory, {run}"
+        hint = " (without --out the report goes into RUN_DIR)" if itself and enclosing_run(run_dir) == run else ""
+        raise ValueError(f"--out: {out} is {where} (it holds {RESULTS} and {MANIFEST}); give a directory outside"
+                         f" any run for the report files{hint}")  # fmt: skip
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory; give a directory for the report files"
                          " (created when missing)")  # fmt: skip

@@ -172,6 +172,29 @@ def _move_into_place(tmp: Path, root: Path, name: str, overwrite: bool) -> Path:
         n += 1
 
 
+def is_run_dir(path: str | Path) -> bool:
+    """Whether `path` is a stored run directory (it holds RESULTS and MANIFEST)."""
+    path = Path(path)
+    return (path / RESULTS).is_file() and (path / MANIFEST).is_file()
+
+
+def enclosing_run(path: str | Path) -> Path | None:
+    """The stored run directory that `path` is or lies inside (links and '..'
+    resolved; `path` need not exist), else None. Never raises for a path that
+    cannot be read: an unreadable directory is not taken for a run."""
+    try:
+        resolved = Path(path).resolve()
+    except (OSError, RuntimeError):  # a link loop: judge the path as written
+        resolved = Path(path).absolute()
+    for candidate in (resolved, *resolved.parents):
+        try:
+            if is_run_dir(candidate):
+                return candidate
+        except OSError:
+            continue
+    return None
+
+
 def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
     """(results, manifest) of the run directory `path`.
 

@@ -146,3 +146,17 @@ def test_read_run_refuses_a_manifest_field_of_the_wrong_type_or_value(tmp_path, 
 def test_read_run_takes_the_manifests_moebench_writes(tmp_path, manifest):
     path = write_run(frame(), manifest, root=tmp_path, label="m", when=WHEN)
     assert read_run(path)[1] == manifest
+
+
+def test_enclosing_run_finds_the_run_a_path_is_or_lies_in(tmp_path):
+    from moebench.reports.store import enclosing_run, is_run_dir
+
+    run = write_run(frame(), {}, root=tmp_path / "runs", label="r", when=WHEN)
+    (tmp_path / "link").symlink_to(run)
+    assert is_run_dir(run) and not is_run_dir(tmp_path / "runs")
+    for path in (run, run / "a" / "b", tmp_path / "runs" / "x" / ".." / run.name, tmp_path / "link" / "c"):
+        assert enclosing_run(path) == run.resolve(), path
+    for path in (tmp_path / "runs", tmp_path / "runs" / "other", tmp_path / "nope"):
+        assert enclosing_run(path) is None, path
+    (run / "results.parquet").unlink()  # half a run is not a run
+    assert enclosing_run(run / "a") is None
