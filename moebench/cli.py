@@ -801,7 +801,8 @@ def report(
     out: Path = typer.Option(None, help="Where summary.md (and report.html + plots) go (default: the run directory)."),
     html: bool = typer.Option(True, "--html/--no-html", help="Also write report.html with PNG plots."),
     force: bool = typer.Option(
-        False, "--force", help="Replace existing report files (summary.md, report.html, the plots)."
+        False, "--force", help="Replace an earlier report: its files (summary.md, report.html, the plots) are"
+        " overwritten, and those this report does not write are removed."
     ),
 ) -> None:
     """Summarize a run (table, summary.md, report.html); with --baseline,
@@ -867,8 +868,9 @@ def report(
         target.write_text(text, encoding="utf-8")
         console.print(f"wrote [bold]{target}[/bold]")
         stale = target.parent / "report.html"
-        if not html and stale.exists():
+        if not html and not force and stale.exists():
             console.print(f"[yellow]{stale} is from an earlier report (--no-html leaves it as it is)[/yellow]")
+        paths = []
         if html:
             from moebench.reports.html import write_html_report
 
@@ -884,6 +886,8 @@ def report(
                                       title=f"moebench run {run_dir.name}", tables=tables)  # fmt: skip
             plots = f"{len(paths) - 1} plots" if len(paths) > 1 else "no plots: no case was timed or failed"
             console.print(f"wrote [bold]{paths[0]}[/bold] ({plots})")
+        if force:
+            _remove_stale_report_files(target.parent, [target, *paths])
     except OSError as error:
         raise _fail(f"cannot write the report under {target.parent}: {error}") from None
     if comparison is None:
@@ -905,6 +909,27 @@ def report(
         if len(failed):
             parts.append(f"{len(failed)} case(s) failed their correctness gate in this run")
         raise _fail("; ".join(parts), 1)
+
+
+def _remove_stale_report_files(out: Path, written: list[Path]) -> None:
+    """`report --force`: remove the files of an earlier report in `out` that
+    this report did not write (`written`), so that none of its plots stands
+    beside the new report (compare.png after a report without --baseline,
+    report.html after --no-html). Only the report's own names (HTML_FILES)
+    are touched, and only files or links: whatever else is in `out` stays.
+    Raises OSError from the file system."""
+    from moebench.reports.html import HTML_FILES
+
+    names = {p.name for p in written}
+    removed = []
+    for name in HTML_FILES:
+        path = out / name
+        if name not in names and (path.is_symlink() or path.is_file()):
+            path.unlink()
+            removed.append(name)
+    if removed:
+        console.print(f"removed {', '.join(removed)} from {out} (an earlier report's; this one does not write"
+                      f" {'it' if len(removed) == 1 else 'them'})")  # fmt: skip
 
 
 def _check_out_dir(out: Path, run_dir: Path) -> None:

@@ -404,6 +404,40 @@ def test_a_refused_report_creates_no_out_directory(tmp_path):
         assert not (tmp_path / "new").exists(), args
 
 
+def test_report_force_removes_the_files_of_an_earlier_report_it_does_not_write(tmp_path):
+    """--force over an earlier report: its plots that the new report does not
+    draw (compare.png without --baseline; every plot of a run whose cases
+    were all skipped; report.html with --no-html) are removed, anything
+    else in --out is left alone."""
+    import pandas as pd
+
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0})
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 20.1, 6: 39.0})
+    out = tmp_path / "r"
+    out.mkdir()
+    mine = {"notes.txt": "mine", "figure.png": "mine too"}
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    assert runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--out", str(out)]).exit_code == 0
+    assert (out / "compare.png").is_file()
+    result = runner.invoke(app, ["report", str(cur), "--out", str(out), "--force"])
+    assert result.exit_code == 0, result.output
+    assert not (out / "compare.png").exists() and (out / "latency.png").is_file()
+    assert "compare.png" not in (out / "report.html").read_text()
+
+    skipped = _stored_run(tmp_path / "runs", "skipped", {1: 20.0})
+    df = pd.read_parquet(skipped / "results.parquet")
+    df = df.assign(status="skipped", median_us=float("nan"), p10_us=float("nan"), p90_us=float("nan"))
+    df.to_parquet(skipped / "results.parquet", index=False)
+    result = runner.invoke(app, ["report", str(skipped), "--out", str(out), "--force"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == sorted(["summary.md", "report.html", *mine])
+    result = runner.invoke(app, ["report", str(cur), "--out", str(out), "--force", "--no-html"])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == sorted(["summary.md", *mine])
+    assert {name: (out / name).read_text() for name in mine} == mine
+
+
 def test_sweep_tactics_all_expands_per_backend(tmp_path):
     args = [a for a in TINY if a not in ("--rows", "1,2")] + ["--rows", "1"]
     result = runner.invoke(app, ["sweep", *args, "--backends", "torch-bf16", "--tactics", "all",

@@ -256,6 +256,10 @@ def _drawn(df: pd.DataFrame) -> bool:
     return bool((timed | (df["status"] == "failed")).any())
 
 
+#: Every file `write_html_report` may write (report_files: those it writes for a given run).
+HTML_FILES = ("report.html", "latency.png", "bandwidth.png", "speedup.png", "kernels.png", "compare.png")
+
+
 def report_files(df: pd.DataFrame, comparison: Comparison | None = None) -> list[str]:
     """Names of the files `write_html_report` writes for this run
     (report.html first), so that a caller can refuse to replace them all
@@ -358,4 +362,4 @@ def write_html_report(
     return [report, *pngs]
 
 
-__all__ = ["write_html_report", "speedup_frame", "kernel_columns"]
+__all__ = ["HTML_FILES", "report_files", "write_html_report", "speedup_frame", "kernel_columns"]

@@ -5,7 +5,7 @@ import math
 import pandas as pd
 
 from moebench.reports.compare import compare_runs
-from moebench.reports.html import kernel_columns, report_files, speedup_frame, write_html_report
+from moebench.reports.html import HTML_FILES, kernel_columns, report_files, speedup_frame, write_html_report
 
 PNG = b"\x89PNG\r\n\x1a\n"
 MANIFEST = {"device": {"name": "NVIDIA H200", "sm_count": 132}, "copy_bw_gbps": 4000.0, "commit": "abc<def>"}
@@ -40,6 +40,7 @@ def test_report_and_plots_are_written(tmp_path):
     names = [p.name for p in paths]
     assert names == ["report.html", "latency.png", "bandwidth.png", "speedup.png", "kernels.png", "compare.png"]
     assert report_files(df, comp) == names  # named before writing, so that the CLI can refuse to replace them
+    assert set(names) <= set(HTML_FILES)  # every name, so that `report --force` can remove an earlier report's
     for p in paths[1:]:
         data = p.read_bytes()
         assert data.startswith(PNG) and len(data) > 5000, p
