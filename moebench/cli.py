@@ -934,18 +934,18 @@ def _remove_stale_report_files(out: Path, written: list[Path]) -> None:
 
 def _check_out_dir(out: Path, run_dir: Path) -> None:
     """Raise ValueError naming --out unless it is a directory or can be made
-    one, outside every stored run directory (the baseline's, RUN_DIR's: the
-    report files would be mixed into a run). Creates nothing: `report`
-    creates --out once every check passed."""
+    one, outside every stored run directory (the baseline's, a folder inside
+    a run: the report files would be mixed into another run's files) except
+    RUN_DIR itself, where a report goes without --out. Creates nothing:
+    `report` creates --out once every check passed."""
     from moebench.reports.store import MANIFEST, RESULTS, enclosing_run
 
     run = enclosing_run(out)
-    if run is not None:
-        itself = enclosing_run(out.parent) != run  # out is the run, not a folder inside it
+    if run is not None and not (enclosing_run(out.parent) != run and run == enclosing_run(run_dir)):
+        itself = enclosing_run(out.parent) != run  # out is a run, not a folder inside one
         where = "a stored run directory" if itself else f"inside a stored run directory, {run}"
-        hint = " (without --out the report goes into RUN_DIR)" if itself and enclosing_run(run_dir) == run else ""
         raise ValueError(f"--out: {out} is {where} (it holds {RESULTS} and {MANIFEST}); give a directory outside"
-                         f" any run for the report files{hint}")  # fmt: skip
+                         " any run for the report files (without --out the report goes into RUN_DIR)")  # fmt: skip
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory; give a directory for the report files"
                          " (created when missing)")  # fmt: skip
