@@ -853,6 +853,12 @@ def report(
             out.mkdir(parents=True, exist_ok=True)  # a report that cannot be written is not a verdict
         except OSError as error:
             raise _fail(f"--out: cannot create {out}: {error.strerror or error}") from None
+    try:  # --force replaces a link itself, never the file it points to (which may be anywhere)
+        for path in taken:
+            if path.is_symlink():
+                path.unlink()
+    except OSError as error:
+        raise _fail(f"cannot replace the link {path}: {error}", 1) from None
     if manifest.get("reduced"):
         console.print("[yellow]This run used a reduced geometry on the CPU.[/yellow]")
     _print_summary(summary)
@@ -888,8 +894,8 @@ def report(
             console.print(f"wrote [bold]{paths[0]}[/bold] ({plots})")
         if force:
             _remove_stale_report_files(target.parent, [target, *paths])
-    except OSError as error:
-        raise _fail(f"cannot write the report under {target.parent}: {error}") from None
+    except OSError as error:  # exit 1, as the module docstring and docs/ci.md say: not a usage error
+        raise _fail(f"cannot write the report under {target.parent}: {error}", 1) from None
     if comparison is None:
         return
     if comparison.mismatches:

@@ -694,3 +694,28 @@ def test_a_run_with_a_failed_or_no_case_exits_1_after_it_is_stored(capsys):
     with pytest.raises(typer.Exit) as exc:
         _fail_unless_every_case_passed(frame("skipped", "skipped"), "RUN")
     assert exc.value.exit_code == 1 and "no case ran (every case was skipped)" in capsys.readouterr().err
+
+
+def test_report_force_replaces_links_not_the_files_they_point_to(tmp_path):
+    """A report file that is a link (to a file outside the run) is replaced
+    by --force as a link: the file it pointed to is left as it was."""
+    run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
+    precious = tmp_path / "precious.md"
+    precious.write_text("mine", encoding="utf-8")
+    (run / "summary.md").symlink_to(precious)
+    refused = runner.invoke(app, ["report", str(run), "--no-html"])
+    assert refused.exit_code == 2 and "--force" in refused.output
+    result = runner.invoke(app, ["report", str(run), "--no-html", "--force"])
+    assert result.exit_code == 0, result.output
+    assert precious.read_text(encoding="utf-8") == "mine"
+    assert not (run / "summary.md").is_symlink() and (run / "summary.md").read_text(encoding="utf-8") != "mine"
+
+
+def test_report_that_cannot_be_written_exits_1(tmp_path):
+    """An unwritable report file is an error of the run, not of the usage:
+    exit 1, as docs/ci.md says."""
+    run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
+    out = tmp_path / "rep"
+    (out / "summary.md").mkdir(parents=True)
+    result = runner.invoke(app, ["report", str(run), "--out", str(out), "--no-html", "--force"])
+    assert result.exit_code == 1 and "cannot write the report" in result.output, result.output
