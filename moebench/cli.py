@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP  # torch-free: the help texts quote them
+from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
 
 app = typer.Typer(
     name="moebench",
@@ -282,7 +282,7 @@ def sweep(
     tactics: str = typer.Option("default", help=_TACTICS_HELP),
     seed: int = typer.Option(0, help="Seed of weights, routing and activations (0 to 2**32 - 1)."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
-    layers: int = typer.Option(None, help="Force the number of rotated weight sets (default: >= 4x L2)."),
+    layers: int = typer.Option(None, help=f"Force the number of rotated weight sets, 1 to {MAX_LAYERS} (default: >= 4x L2)."),
     replays: int = typer.Option(100, help="Timed replays per case under CUDA graphs; eager timing (the CPU, --no-graph, an uncapturable backend) takes at most "
         f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."),
     warmup: int = typer.Option(10, help=f"Warm-up calls per case (eager timing: at most {EAGER_WARMUP_CAP})."),
@@ -519,7 +519,7 @@ def step(
     tactics: str = typer.Option("default", help=_TACTICS_HELP),
     seed: int = typer.Option(0, help="Seed of weights, routing and activations (0 to 2**32 - 1)."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one layer's weights over and over (warm L2)."),
-    layers: int = typer.Option(None, help="Force the number of rotated layers (default: >= 4x L2)."),
+    layers: int = typer.Option(None, help=f"Force the number of rotated layers, 1 to {MAX_LAYERS} (default: >= 4x L2)."),
     replays: int = typer.Option(100, help="Timed replays per quantity under CUDA graphs; eager timing (the CPU, --no-graph) takes at most "
         f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."),
     warmup: int = typer.Option(10, help=f"Warm-up calls per quantity (eager timing: at most {EAGER_WARMUP_CAP})."),
@@ -1024,7 +1024,7 @@ def tune(
                             " too)."),
     replays: int = typer.Option(50, help="Timed CUDA-graph replays per timing."),
     warmup: int = typer.Option(10, help="Warm-up calls per timing."),
-    layers: int = typer.Option(None, help="Force the number of rotated weight sets (default: >= 4x L2)."),
+    layers: int = typer.Option(None, help=f"Force the number of rotated weight sets, 1 to {MAX_LAYERS} (default: >= 4x L2)."),
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
     act_bf16: bool = typer.Option(
         True, "--act-bf16/--e4m3",
@@ -1086,11 +1086,11 @@ def tune(
         # The sweep's checks of the presets, TP degrees and seed (messages naming --preset / --tp / --seed),
         # before the GPU check, so that a bad option is named on any machine.
         SweepConfig(presets=names, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
-                    tp=tps, seed=seed, reduced=False)  # fmt: skip
+                    tp=tps, seed=seed, layers=layers, reduced=False)  # fmt: skip
         row_list = parse_int_list(rows, "--rows", 1, MAX_ROWS)
         stage_list = parse_int_list(stages, "--stages", 1, 2)
         for name, v, lo in (("--repeats", repeats, 1), ("--top", top, 2), ("--replays", replays, 1),
-                            ("--warmup", warmup, 0), *((("--layers", layers, 1),) if layers is not None else ())):
+                            ("--warmup", warmup, 0)):
             if v < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {v}")
         if budget is not None and not budget > 0:

@@ -576,7 +576,10 @@ def test_sweep_where_every_case_is_skipped_exits_nonzero(tmp_path):
         ("sweep", ["--seed", "18446744073709551615"], "--seed must be an int in [0, 4294967295]"),
         ("step", ["--seed", "4294967296"], "--seed must be an int in [0, 4294967295]"),
         ("tune", ["--seed", "-1"], "--seed must be an int in [0, 4294967295]"),  # before the GPU check
-        ("tune", ["--layers", "0"], "--layers must be >= 1, got 0"),
+        ("tune", ["--layers", "0"], "--layers must be an int in [1, 64], got 0"),
+        ("tune", ["--layers", "1000000"], "--layers must be an int in [1, 64], got 1000000"),
+        ("sweep", ["--layers", "65"], "--layers must be an int in [1, 64], got 65"),
+        ("step", ["--layers", "1000000"], "--layers must be an int in [1, 64]"),
         ("step", ["--tp", "2", "--one-rank", "--timeout", "3"], "--timeout: only for a real TP step"),
         ("step", ["--tp", "1", "--timeout", "3"], "--timeout: needs --tp N > 1"),
         ("step", ["--tp", "2", "--timeout", "0"], "--timeout must be a positive number of seconds, got 0"),

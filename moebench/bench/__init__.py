@@ -19,8 +19,14 @@ def check_seed(seed) -> None:
         raise ValueError(f"seed must be an int in [0, {MAX_SEED}] (2**32 - 1), got {seed!r}")
 
 
+#: Most weight sets a replay rotates through (a forced --layers included):
+#: 4 x L2 of the smallest shapes is reached well below it.
+MAX_LAYERS = 64
+
+
 def check_layers(layers) -> None:
     """Raise ValueError unless `layers` (the rotated weight sets a replay walks)
-    is None or an int >= 1; the message names `layers`."""
-    if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
-        raise ValueError(f"layers must be an int >= 1, got {layers!r}")
+    is None or an int in [1, MAX_LAYERS]; the message names `layers`."""
+    if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool)
+                               or not 1 <= layers <= MAX_LAYERS):
+        raise ValueError(f"layers must be an int in [1, {MAX_LAYERS}], got {layers!r}")

@@ -54,7 +54,7 @@ import torch
 
 from moebench.backends.base import DEFAULT_TACTIC, Backend, BackendUnavailable
 from moebench.backends.registry import backend_names, load_backend
-from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP
+from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
 from moebench.bench.cases import (
     CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes, unique_experts,
@@ -87,7 +87,6 @@ ALL_TACTICS = "all"
 #: Working set of one replay, in L2 sizes, for cold-cache timing.
 L2_MULTIPLE = 4
 #: Most distinct weight sets one group rotates through (a real model has ~60 layers).
-MAX_LAYERS = 64
 #: Seed stride between rotation layers' weight sets.
 LAYER_SEED_STRIDE = 1_000_003
 
@@ -479,6 +478,19 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
         layers, capped = layer_count(min_touched, dinfo["l2_bytes"], per_layer, budget)
     info = {"layers": layers, "layers_capped": capped, "min_touched_bytes": min_touched}
 
+    def fail_group(message: str) -> dict:
+        """Every case of the group failed with `message` (skipped ones keep their reason)."""
+        for case in group:
+            key = (case.backend, case.tactic)
+            status, text = ("skipped", skip[key]) if key in skip else ("failed", message)
+            emit(case, _row(case, shape, base, status=status, error=text, layers=layers))
+        return {**info, "error": message}
+
+    if budget is not None and layers * per_layer > budget:  # only a forced --layers gets here
+        return fail_group(f"layers (--layers) {layers} need {layers * per_layer / 1e9:.1f} GB of weights, more than"
+                          f" the {budget / 1e9:.1f} GB budget (memory_fraction {config.memory_fraction} of the free"
+                          " device memory)")  # fmt: skip
+
     failed_prepare: dict[tuple[str, str], str] = {}
     prepared: dict[tuple[str, str], list] = {}
     weights = []
@@ -486,14 +498,9 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
         for layer in range(layers):
             weights.append(generate_expert_weights(shape, config.seed + LAYER_SEED_STRIDE * layer, dev))
     except Exception as error:  # noqa: BLE001 - e.g. out of memory: the whole group fails
-        message = f"weight generation failed ({layers} layers): {_error_text(error)}"
         weights.clear()
         _release(dev)
-        for case in group:
-            key = (case.backend, case.tactic)
-            status, text = ("skipped", skip[key]) if key in skip else ("failed", message)
-            emit(case, _row(case, shape, base, status=status, error=text, layers=layers))
-        return {**info, "error": message}
+        return fail_group(f"weight generation failed ({layers} layers): {_error_text(error)}")
     for key in active:
         name, tactic = key
         try:

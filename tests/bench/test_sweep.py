@@ -174,7 +174,7 @@ def test_gpu_sweep_torch_bf16_small():
 
 
 def test_layer_count_is_bounded_for_tiny_shapes():
-    from moebench.bench.sweep import MAX_LAYERS
+    from moebench.bench import MAX_LAYERS
 
     assert layer_count(1024, 60 << 20, 4096, None) == (MAX_LAYERS, True)
     assert layer_count(1024, 60 << 20, 4096, 8 * 4096) == (8, True)
