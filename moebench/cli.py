@@ -443,8 +443,9 @@ def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s)
 
 def _fail_unless_every_case_passed(frame, path) -> None:
     """After a run is stored at `path`: exit 1 when no case ran (every case
-    skipped) or when a case failed its correctness gate (a failed check, as
-    the module docstring says), with up to three of the reasons; return
+    skipped) or when a case failed (an error, e.g. out of memory, or its
+    correctness gate: a failed check, as the module docstring says), with up
+    to three of the reasons; return
     otherwise. Skipped cases beside ok ones are not an error."""
     status = frame["status"].astype(str)
     failed = frame[status == "failed"]
@@ -453,8 +454,8 @@ def _fail_unless_every_case_passed(frame, path) -> None:
         raise _fail("no case ran (every case was skipped): " + "; ".join(reasons), 1)
     if len(failed):
         reasons = sorted(set(failed["error"].dropna().astype(str)))[:3]
-        raise _fail(f"{len(failed)} case(s) failed their correctness gate (stored as failed in {path}): "
-                    + "; ".join(reasons), 1)
+        raise _fail(f"{len(failed)} case(s) failed: an error, or an output off the oracle (stored as failed in"
+                    f" {path}): " + "; ".join(reasons), 1)
 
 
 def escape_markup(text) -> str:

@@ -693,7 +693,7 @@ def test_a_run_with_a_failed_or_no_case_exits_1_after_it_is_stored(capsys):
         _fail_unless_every_case_passed(frame("ok", "failed", "skipped"), "RUN")
     assert exc.value.exit_code == 1
     err = capsys.readouterr().err
-    assert "1 case(s) failed their correctness gate (stored as failed in RUN): why failed 1" in err
+    assert "1 case(s) failed: an error, or an output off the oracle (stored as failed in RUN): why failed 1" in err
     with pytest.raises(typer.Exit) as exc:
         _fail_unless_every_case_passed(frame("skipped", "skipped"), "RUN")
     assert exc.value.exit_code == 1 and "no case ran (every case was skipped)" in capsys.readouterr().err
