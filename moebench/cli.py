@@ -113,6 +113,17 @@ _FIELD_OPTIONS = {"hidden": "--hidden", "intermediate": "--intermediate", "exper
                   "seed": "--seed", "label": "--label", "threshold": "--fail-above"}  # fmt: skip
 
 
+def _path(text) -> Path:
+    """A path option's value (typer `parser`): an empty one is refused, since
+    Path("") is the current directory and the user meant something else;
+    click then names the option (exit 2)."""
+    if isinstance(text, Path):  # a default
+        return text
+    if not str(text).strip():
+        raise typer.BadParameter("the path is empty; give a path ('.' for the current directory)")
+    return Path(text)
+
+
 def _option_message(error: Exception) -> str:
     """`error`'s text with a leading config field renamed to its option
     ('replays must be an int >= 1, got 0' -> '--replays must be ...')."""
@@ -302,10 +313,11 @@ def sweep(
         " (their unfinished cases are stored as failed)."
     ),
     trace: Path = typer.Option(
-        None, help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario."
+        None, parser=_path,
+        help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario."
     ),
     label: str = typer.Option("sweep", help="Run label: the run goes to OUT/<UTC date>-<label>."),
-    out: Path = typer.Option(Path("reports/runs"), help="Root directory of stored runs."),
+    out: Path = typer.Option(Path("reports/runs"), parser=_path, help="Root directory of stored runs."),
 ) -> None:
     """Measure backends over presets x TP x rows x scenarios.
 
@@ -541,10 +553,11 @@ def step(
                                 " (default: the first N)."),
     timeout: float = typer.Option(None, help="With --tp N > 1: stop the ranks after this many seconds."),
     trace: Path = typer.Option(
-        None, help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario."
+        None, parser=_path,
+        help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario."
     ),
     label: str = typer.Option("step", help="Run label: the run goes to OUT/<UTC date>-<label>."),
-    out: Path = typer.Option(Path("reports/runs"), help="Root directory of stored runs."),
+    out: Path = typer.Option(Path("reports/runs"), parser=_path, help="Root directory of stored runs."),
 ) -> None:
     """Time a whole decode-step MoE layer; store the run.
 
@@ -793,13 +806,17 @@ def check(
 
 @app.command()
 def report(
-    run_dir: Path = typer.Argument(..., help="A run directory (results.parquet + manifest.json)."),
-    baseline: Path = typer.Option(None, help="A baseline run directory to compare with (per-case verdicts)."),
+    run_dir: Path = typer.Argument(..., parser=_path, help="A run directory (results.parquet + manifest.json)."),
+    baseline: Path = typer.Option(
+        None, parser=_path, help="A baseline run directory to compare with (per-case verdicts)."
+    ),
     fail_above: str = typer.Option(
         None, "--fail-above", help="Exit 1 when a case is slower than the baseline by more than this percentage"
         " ('5%' or '5'; a bare number is percent, so 0.05 means 0.05 %), or failed."
     ),
-    out: Path = typer.Option(None, help="Where summary.md (and report.html + plots) go (default: the run directory)."),
+    out: Path = typer.Option(
+        None, parser=_path, help="Where summary.md (and report.html + plots) go (default: the run directory)."
+    ),
     html: bool = typer.Option(True, "--html/--no-html", help="Also write report.html with PNG plots."),
     force: bool = typer.Option(
         False, "--force", help="Replace an earlier report: its files (summary.md, report.html, the plots) are"
@@ -1053,11 +1070,11 @@ def tune(
         " in this process)."
     ),
     summary: Path = typer.Option(
-        None, help="Also write the tuned-vs-default gains here (markdown; a .json beside it)."
+        None, parser=_path, help="Also write the tuned-vs-default gains here (markdown; a .json beside it)."
     ),
     device: str = typer.Option(None, help="'cuda[:N]' (default: the current GPU)."),
     out: Path = typer.Option(
-        None, help="Directory of the tables (default: $MOEBENCH_TUNING_DIR, else ./tuning-tables;"
+        None, parser=_path, help="Directory of the tables (default: $MOEBENCH_TUNING_DIR, else ./tuning-tables;"
         " moebench/tuning/tables ships them with the package)."
     ),
     force: bool = typer.Option(False, "--force", help="Replace a table of another device or a newer version."),

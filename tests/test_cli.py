@@ -722,3 +722,20 @@ def test_report_that_cannot_be_written_exits_1(tmp_path):
     (out / "summary.md").mkdir(parents=True)
     result = runner.invoke(app, ["report", str(run), "--out", str(out), "--no-html", "--force"])
     assert result.exit_code == 1 and "cannot write the report" in result.output, result.output
+
+
+@pytest.mark.parametrize("args, option", [
+    (["sweep", "--out", ""], "'--out'"), (["step", "--out", " "], "'--out'"), (["report", ""], "'run_dir'"),
+    (["report", ".", "--baseline", ""], "'--baseline'"), (["sweep", "--trace", "", "--scenario", "replay"], "'--trace'"),
+    (["tune", "--summary", ""], "'--summary'"), (["tune", "--out", ""], "'--out'"),
+])  # fmt: skip
+def test_an_empty_path_is_a_usage_error_naming_the_option(tmp_path, monkeypatch, args, option):
+    """Path("") is the current directory: an empty path option would write a
+    run or a report into wherever the command was started. Refused (exit 2)
+    before anything is written."""
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"Invalid value for {option}" in text and "the path is empty" in text
+    assert list(tmp_path.iterdir()) == []
