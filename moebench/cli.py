@@ -812,7 +812,8 @@ def report(
     ),
     fail_above: str = typer.Option(
         None, "--fail-above", help="Exit 1 when a case is slower than the baseline by more than this percentage"
-        " ('5%' or '5'; a bare number is percent, so 0.05 means 0.05 %), or failed."
+        " ('5%' or '5'; a bare number is percent, so 0.05 means 0.05 %), failed, or lost (ok in the baseline,"
+        " skipped or absent now)."
     ),
     out: Path = typer.Option(
         None, parser=_path, help="Where summary.md (and report.html + plots) go (default: the run directory)."
@@ -824,7 +825,9 @@ def report(
     ),
 ) -> None:
     """Summarize a run (table, summary.md, report.html); with --baseline,
-    compare per case and, with --fail-above, exit 1 on a regression. A
+    compare per case and, with --fail-above, exit 1 on a regression (a case
+    slower beyond the threshold, failed, or lost: ok in the baseline but
+    skipped or absent in RUN_DIR). A
     comparison that cannot judge anything (a baseline recorded another way,
     no case in common, every compared case unclear) exits 2 with the
     reason, with or without --fail-above: it is never a pass."""
@@ -926,13 +929,26 @@ def report(
         raise _fail("; ".join(comparison.errors))
     if fail_above is not None and len(comparison.regressions):
         reg = comparison.regressions
-        failed = reg[reg["verdict"] == "failed"]
+        failed, lost = reg[reg["verdict"] == "failed"], reg[reg["verdict"] == "lost"]
         parts = []
-        if len(reg) > len(failed):
-            parts.append(f"{len(reg) - len(failed)} case(s) slower than the baseline by more than {threshold:g} %")
+        if len(reg) > len(failed) + len(lost):
+            parts.append(f"{len(reg) - len(failed) - len(lost)} case(s) slower than the baseline by more than"
+                         f" {threshold:g} %")  # fmt: skip
         if len(failed):
             parts.append(f"{len(failed)} case(s) failed their correctness gate in this run")
+        if len(lost):
+            parts.append(f"{len(lost)} case(s) ok in the baseline were not timed in this run (lost): "
+                         + _case_list(lost))  # fmt: skip
         raise _fail("; ".join(parts), 1)
+
+
+def _case_list(frame, most: int = 5) -> str:
+    """'backend preset TP rows scenario tactic (note)' for the first `most`
+    cases of a comparison frame, then how many more."""
+    names = [f"{r['backend']} {r['preset']} TP{r['tp']} rows {r['rows']} {r['scenario']} {r['tactic']} ({r['note']})"
+             for r in frame.head(most).to_dict("records")]  # fmt: skip
+    more = len(frame) - most
+    return "; ".join(names) + (f"; and {more} more (see the report)" if more > 0 else "")
 
 
 def _remove_stale_report_files(out: Path, written: list[Path]) -> None:
@@ -1001,8 +1017,8 @@ def _print_comparison(comp) -> None:
         console.print(f"[yellow]mismatch: {m}[/yellow]", soft_wrap=True)
     for n in comp.notes:
         console.print(f"[dim]note: {n}[/dim]", soft_wrap=True)
-    colors = {"faster": "green", "slower": "red", "failed": "red", "same": "white", "unclear": "yellow",
-              "mismatch": "yellow", "fixed": "cyan"}  # fmt: skip
+    colors = {"faster": "green", "slower": "red", "failed": "red", "lost": "red", "same": "white",
+              "unclear": "yellow", "mismatch": "yellow", "fixed": "cyan"}  # fmt: skip
     table = Table(title=f"vs baseline (threshold {comp.threshold_pct:g} %)")
     for head in ("preset", "tp", "rows", "scenario", "backend", "tactic", "base µs", "µs", "ratio", "Δ%",
                  "noise%", "verdict", "note"):  # fmt: skip

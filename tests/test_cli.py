@@ -186,6 +186,35 @@ def test_report_failed_case_is_a_regression(tmp_path):
     assert not (tmp_path / "r" / "report.html").exists()
 
 
+def test_report_case_ok_in_the_baseline_but_not_timed_now_fails_the_gate(tmp_path):
+    """A case timed in the baseline that is skipped or absent now (a backend that stopped running) is
+    "lost": exit 1 naming the cases and why, shown in the summary and the HTML; new cases stay informational."""
+    import pandas as pd
+
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 2: 30.0, 6: 40.0})
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 20.0, 2: 30.0, 7: 45.0})  # rows 6 gone, rows 7 new
+    df = pd.read_parquet(cur / "results.parquet")
+    df.loc[df["rows"] == 2, ["status", "error", "median_us", "p10_us", "p90_us"]] = [
+        "skipped", "flashinfer not installed", float("nan"), float("nan"), float("nan")]
+    df.to_parquet(cur / "results.parquet", index=False)
+    result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--fail-above", "5%",
+                                 "--out", str(tmp_path / "r")])  # fmt: skip
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.output.split())
+    assert "2 case(s) ok in the baseline were not timed in this run (lost)" in message
+    assert "moebench dsv41-flash TP4 rows 2 correlated default (skipped in this run; ok in the baseline:" \
+           " flashinfer not installed)" in message
+    assert "rows 6 correlated default (not in this run; ok in the baseline)" in message and "rows 7" not in message
+    assert "1 same, 2 lost, 1 new" in message
+    text = (tmp_path / "r" / "summary.md").read_text()
+    assert "### Regressions (2)" in text and "2 lost" in text
+    assert 'class="lost"' in (tmp_path / "r" / "report.html").read_text()
+    new_only = _stored_run(tmp_path / "runs", "more", {1: 20.0, 2: 30.0, 6: 40.0, 7: 45.0})  # a new case: a pass
+    ok = runner.invoke(app, ["report", str(new_only), "--baseline", str(base), "--fail-above", "5%",
+                             "--out", str(tmp_path / "r2"), "--no-html"])  # fmt: skip
+    assert ok.exit_code == 0 and "1 new" in ok.output, ok.output
+
+
 def test_report_other_device_is_reported_not_compared(tmp_path):
     base = _stored_run(tmp_path / "runs", "base", {1: 20.0}, device="NVIDIA H100 80GB HBM3")
     cur = _stored_run(tmp_path / "runs", "cur", {1: 40.0})
@@ -213,7 +242,7 @@ def test_report_with_nothing_in_common_is_an_error(tmp_path):
     result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--fail-above", "5%",
                                  "--out", str(tmp_path / "r"), "--no-html"])  # fmt: skip
     assert result.exit_code == 2 and "no case could be compared" in result.output
-    assert "1 new" in result.output and "1 missing" in result.output
+    assert "1 new" in result.output and "1 lost" in result.output
 
 
 def test_report_option_errors(tmp_path):

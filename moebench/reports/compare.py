@@ -14,13 +14,17 @@ case ok in both runs:
                                      the change hides in it
 
 Other verdicts: "failed" (the current case failed its correctness gate or
-did not run: shown as failed, never as a time), "fixed" (failed in the
-baseline, ok now), "skipped" (skipped in either run), "new" / "missing"
-(only in one run), "mismatch" (the case's shape H/I/E/top_k, seed or
-touched experts differ between the runs, or the runs differ as a whole:
-device, geometry, L2 mode, run kind (sweep vs step) or rank count;
-reported, not compared). A regression is a "slower" case with
-delta_pct > threshold_pct, or a "failed" case.
+did not run: shown as failed, never as a time), "lost" (ok in the baseline,
+but skipped in the current run or absent from it: a backend that stopped
+running must not pass unnoticed), "fixed" (failed in the baseline, ok now),
+"skipped" (skipped in the current run but not ok in the baseline, or
+skipped in the baseline), "new" (only in the current run: informational),
+"missing" (only in the baseline, where it was not ok), "mismatch" (the
+case's shape H/I/E/top_k, seed or touched experts differ between the runs,
+or the runs differ as a whole: device, geometry, L2 mode, run kind (sweep
+vs step) or rank count; reported, not compared). A regression is a
+"slower" case with delta_pct > threshold_pct, a "failed" case or a "lost"
+one.
 
 A comparison that compared nothing (an empty baseline or current run, or
 no case of one with a time, or a failure, in the other) or judged nothing
@@ -40,7 +44,9 @@ from moebench.reports.summary import markdown_table, shared_overlap
 
 MATCH_KEYS = ("preset", "tp", "rows", "scenario", "backend", "tactic")
 SHAPE_KEYS = ("hidden", "intermediate", "experts", "top_k")
-VERDICTS = ("faster", "slower", "same", "unclear", "failed", "fixed", "skipped", "new", "missing", "mismatch")
+VERDICTS = (
+    "faster", "slower", "same", "unclear", "failed", "lost", "fixed", "skipped", "new", "missing", "mismatch",
+)  # fmt: skip
 COLUMNS = (
     *MATCH_KEYS, "verdict", "ratio", "delta_pct", "noise_pct", "median_us", "p10_us", "p90_us",
     "base_median_us", "base_p10_us", "base_p90_us", "status", "base_status", "note",
@@ -71,7 +77,7 @@ class Comparison:
     def regressions(self) -> pd.DataFrame:
         f = self.frame
         slower = (f["verdict"] == "slower") & (f["delta_pct"] > self.threshold_pct)
-        return f[slower | (f["verdict"] == "failed")]
+        return f[slower | f["verdict"].isin(("failed", "lost"))]
 
     @property
     def counts(self) -> dict[str, int]:
@@ -225,6 +231,12 @@ def _index(df: pd.DataFrame, which: str) -> dict[tuple, dict]:
     return out
 
 
+def _error_text(rec: dict) -> str:
+    """The row's error text ('' when none: None, NaN or empty)."""
+    error = rec.get("error")
+    return "" if error is None or (isinstance(error, float) and math.isnan(error)) else str(error)
+
+
 def _case_mismatch(cur: dict, base: dict) -> str | None:
     diffs = []
     for k in SHAPE_KEYS:
@@ -266,12 +278,17 @@ def compare_runs(
         row["status"] = cur["status"] if cur is not None else ""
         row["base_status"] = base["status"] if base is not None else ""
         if cur is None:
-            row["verdict"], row["note"] = "missing", "only in the baseline"
+            row["verdict"], row["note"] = ("lost", "not in this run; ok in the baseline") if base["status"] == "ok" \
+                else ("missing", "only in the baseline")
         elif base is None:
             row["verdict"], row["note"] = ("failed", str(cur.get("error") or "")) if cur["status"] == "failed" else (
                 "new", "not in the baseline")  # fmt: skip
         elif cur["status"] == "failed":
             row["verdict"], row["note"] = "failed", str(cur.get("error") or "")
+        elif cur["status"] != "ok" and base["status"] == "ok":
+            why = _error_text(cur)
+            row["verdict"], row["note"] = "lost", f"{cur['status']} in this run; ok in the baseline" + (
+                f": {why}" if why else "")
         elif cur["status"] != "ok" or base["status"] == "skipped":
             row["verdict"] = "skipped"
             row["note"] = str((cur.get("error") if cur["status"] != "ok" else base.get("error")) or "")
@@ -337,7 +354,7 @@ def comparison_markdown(comp: Comparison) -> str:
     """Markdown section: verdict counts, mismatches / notes, regressions,
     then every case."""
     lines = [f"## Comparison: {comp.current_label} vs {comp.baseline_label}", ""]
-    lines.append(f"- threshold: {comp.threshold_pct:g} % (slower beyond it, or failed, is a regression)")
+    lines.append(f"- threshold: {comp.threshold_pct:g} % (slower beyond it, failed, or lost is a regression)")
     lines.append("- verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
     for e in comp.errors:
         lines.append(f"- **error**: {e}")

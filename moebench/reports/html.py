@@ -40,7 +40,7 @@ GROUP_KEYS = ("preset", "tp", "scenario")
 KERNEL_COLUMN = re.compile(r"^kernel_(\w+)_us$")
 VERDICT_COLORS = {
     "faster": "#2e7d32", "slower": "#c62828", "same": "#757575", "unclear": "#f9a825", "failed": "#6a1b9a",
-    "fixed": "#1565c0", "mismatch": "#ef6c00",
+    "fixed": "#1565c0", "mismatch": "#ef6c00", "lost": "#c62828",
 }  # fmt: skip
 
 
@@ -237,7 +237,7 @@ body { font-family: sans-serif; margin: 1.5em; }
 table { border-collapse: collapse; font-size: 12px; margin: 0.5em 0 1.5em; }
 th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
 th { background: #f0f0f0; }
-tr.failed td, tr.slower td { background: #fde0e0; }
+tr.failed td, tr.slower td, tr.lost td { background: #fde0e0; }
 tr.faster td { background: #e3f5e3; }
 tr.unclear td, tr.mismatch td { background: #fff6d5; }
 tr.skipped td { color: #888; }

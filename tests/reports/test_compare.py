@@ -80,8 +80,8 @@ def test_verdicts_from_known_ratios_and_noise():
     assert v == {
         ("moebench", 1): "slower", ("moebench", 2): "faster", ("moebench", 3): "same", ("moebench", 4): "unclear",
         ("moebench", 5): "slower", ("moebench", 6): "failed", ("moebench", 7): "fixed",
-        ("moebench", 8): "mismatch", ("torch-bf16", 1): "same", ("new-one", 1): "new", ("gone", 2): "missing",
-        ("torch-bf16", 3): "skipped",
+        ("moebench", 8): "mismatch", ("torch-bf16", 1): "same", ("new-one", 1): "new", ("gone", 2): "lost",
+        ("torch-bf16", 3): "lost",
     }  # fmt: skip
     f = comp.frame.set_index(["backend", "rows"])
     assert f.loc[("moebench", 1), "ratio"] == pytest.approx(1.2)
@@ -89,12 +89,40 @@ def test_verdicts_from_known_ratios_and_noise():
     assert f.loc[("moebench", 4), "noise_pct"] == pytest.approx(30.0)
     assert "rel. error 0.5" in f.loc[("moebench", 6), "note"]
     assert "unique_experts 99 vs 48" in f.loc[("moebench", 8), "note"]
-    # regressions: slower beyond 5 % (rows 1, not rows 5 at +3 %) and the failed case
-    assert sorted(comp.regressions["rows"].tolist()) == [1, 6]
+    # regressions: slower beyond 5 % (rows 1, not rows 5 at +3 %), the failed case and the two lost ones
+    assert sorted(comp.regressions["rows"].tolist()) == [1, 2, 3, 6]
     assert comp.mismatches == [] and not comp.device_mismatch
     strict = compare_runs(cur, MANIFEST, base, MANIFEST, threshold_pct=1.0)
-    assert sorted(strict.regressions["rows"].tolist()) == [1, 5, 6]
+    assert sorted(strict.regressions["rows"].tolist()) == [1, 2, 3, 5, 6]
     assert verdicts(strict)[("moebench", 4)] == "unclear"
+
+
+def test_a_case_ok_in_the_baseline_but_not_timed_now_is_lost_and_a_regression():
+    """A backend that stopped running (skipped now, or gone from the run) must not pass the gate unnoticed;
+    a case new in the run stays informational, and one not ok in the baseline is no loss."""
+    base = pd.DataFrame([
+        case(1), case(2), case(3), case(4, status="skipped", error="no kernels"),
+        case(5, status="failed", error="rel. error 0.3"), case(6), case(7, status="skipped", error="no kernels"),
+    ])  # fmt: skip
+    cur = pd.DataFrame([
+        case(1),  # same
+        case(2, status="skipped", error="flashinfer not installed"),  # lost: skipped now
+        # rows 3: gone from the run (--backends changed): lost
+        case(4, status="skipped", error="no kernels"),  # skipped in both: skipped
+        case(5, status="skipped", error="no kernels"),  # not ok in the baseline: skipped
+        case(6, status="failed", error="rel. error 0.5"),  # failed: its own regression, not "lost"
+        case(8),  # only in this run: new
+    ])  # fmt: skip
+    comp = compare_runs(cur, MANIFEST, base, MANIFEST, threshold_pct=5.0)
+    v = {rows: verdict for (_, rows), verdict in verdicts(comp).items()}
+    assert v == {1: "same", 2: "lost", 3: "lost", 4: "skipped", 5: "skipped", 6: "failed", 7: "missing", 8: "new"}
+    f = comp.frame.set_index("rows")
+    assert f.loc[2, "note"] == "skipped in this run; ok in the baseline: flashinfer not installed"
+    assert f.loc[3, "note"] == "not in this run; ok in the baseline"
+    assert sorted(comp.regressions["rows"].tolist()) == [2, 3, 6] and comp.errors == []
+    assert comp.counts["lost"] == 2
+    text = comparison_markdown(comp)
+    assert "### Regressions (3)" in text and "2 lost" in text and "lost is a regression" in text
 
 
 def test_mismatched_devices_are_reported_not_compared():
@@ -154,7 +182,7 @@ def test_bad_inputs():
 def test_markdown_lists_regressions_and_mismatches():
     cur, base = runs()
     text = comparison_markdown(compare_runs(cur, MANIFEST, base, MANIFEST, baseline_label="runs/base"))
-    assert "vs runs/base" in text and "### Regressions (2)" in text and "1 failed" in text
+    assert "vs runs/base" in text and "### Regressions (4)" in text and "1 failed" in text
     assert "slower" in text and "unclear" in text
 
 
@@ -166,7 +194,7 @@ def test_an_empty_baseline_or_nothing_in_common_is_an_error_not_a_pass():
     assert "not a pass" in comparison_markdown(comp) and "No regressions" not in comparison_markdown(comp)
     assert compare_runs(empty, MANIFEST, cur, MANIFEST).errors[0].startswith("the run current holds no cases")
     apart = compare_runs(cur[cur["rows"] == 1], MANIFEST, cur[cur["rows"] == 2], MANIFEST)
-    assert "no case could be compared" in apart.errors[0] and "1 new, 1 missing" in apart.errors[0]
+    assert "no case could be compared" in apart.errors[0] and "1 new, 1 lost" in apart.errors[0]
     cur, base = runs()
     assert compare_runs(cur, MANIFEST, base, MANIFEST).errors == []
 
