@@ -215,6 +215,36 @@ def test_report_case_ok_in_the_baseline_but_not_timed_now_fails_the_gate(tmp_pat
     assert ok.exit_code == 0 and "1 new" in ok.output, ok.output
 
 
+def test_report_of_runs_timed_with_too_few_replays_is_unclear_not_a_false_alarm(tmp_path):
+    """Two --replays 1 runs of the same code (p10 = p90 = median: noise 0 %) were judged "slower by 28 %"
+    (exit 1); the cases are now unclear for too few replays, and a gate that judged nothing exits 2."""
+    one = {"timing_methods": ["cpu-wallclock"], "timing_counts": {"cpu-wallclock": {"warmup": 0, "replays": 1}}}
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0}, spread=0.0, manifest_extra=one)
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 25.6, 6: 40.0}, spread=0.0, manifest_extra=one)
+    result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--fail-above", "5%",
+                                 "--out", str(tmp_path / "r"), "--no-html"])  # fmt: skip
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "slower than the baseline" not in message and "2 unclear" in message
+    assert "no case could be judged" in message and "2 timed with fewer than 10 replays" in message
+    assert "too few replays to judge" in (tmp_path / "r" / "summary.md").read_text()
+
+
+def test_report_of_real_sweeps_with_too_few_replays_is_unclear(tmp_path):
+    """The same through `moebench sweep`: its manifest's timing_counts say how the rows were timed."""
+    runs = []
+    for label in ("one", "two"):
+        result = runner.invoke(app, ["sweep", *TINY, "--backends", "torch-bf16", "--out", str(tmp_path / "runs"),
+                                     "--label", label])  # fmt: skip  # TINY: --replays 2
+        assert result.exit_code == 0, result.output
+        runs.append(next((tmp_path / "runs").glob(f"*-{label}")))
+    result = runner.invoke(app, ["report", str(runs[1]), "--baseline", str(runs[0]), "--fail-above", "5%",
+                                 "--out", str(tmp_path / "r"), "--no-html"])  # fmt: skip
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2 and "fewer than 10 replays" in message, result.output
+    assert "slower" not in message.split("verdicts:")[1] and "faster" not in message.split("verdicts:")[1]
+
+
 def test_report_other_device_is_reported_not_compared(tmp_path):
     base = _stored_run(tmp_path / "runs", "base", {1: 20.0}, device="NVIDIA H100 80GB HBM3")
     cur = _stored_run(tmp_path / "runs", "cur", {1: 40.0})

@@ -11,7 +11,17 @@ case ok in both runs:
     verdict   = "slower" / "faster"  when |delta_pct| > noise_pct
                 "same"               when |delta_pct| <= noise_pct <= threshold_pct
                 "unclear"            when the noise exceeds the threshold and
-                                     the change hides in it
+                                     the change hides in it, or when either
+                                     run timed the case with fewer than
+                                     MIN_REPLAYS replays (its p10-p90 spread
+                                     is no noise estimate: with one replay it
+                                     is 0 and any change would read as
+                                     slower / faster)
+
+The replays of a row are the manifest's "timing_counts"[row's
+"timing_method"]["replays"]; runs stored before timing_counts fall back to
+the manifest's ["config"]["replays"] (the count asked for); a run that records
+neither is judged as before, without the check.
 
 Other verdicts: "failed" (the current case failed its correctness gate or
 did not run: shown as failed, never as a time), "lost" (ok in the baseline,
@@ -52,6 +62,13 @@ COLUMNS = (
     "base_median_us", "base_p10_us", "base_p90_us", "status", "base_status", "note",
 )  # fmt: skip
 DEFAULT_THRESHOLD_PCT = 5.0
+#: Fewest timed replays (samples) per run for a case to be judged slower / faster / same. The noise is
+#: the p10-p90 spread, and p10 / p90 of fewer than 10 samples are not percentiles: below 10 samples
+#: less than one sample lies under p10 (over p90), so they are interpolated from the extreme samples,
+#: and with one sample p10 = p90 = median (noise 0 %). Eager timings cap replays at
+#: EAGER_REPLAYS_CAP (20, moebench.bench), at or above this minimum, so CPU and --no-graph runs
+#: with the default --replays are judged.
+MIN_REPLAYS = 10
 #: Verdicts of cases that were actually compared (or failed: a regression either way).
 COMPARED = ("faster", "slower", "same", "unclear", "fixed", "failed")
 
@@ -101,15 +118,28 @@ class Comparison:
         n = len(unclear)
         if not n:
             return None
-        bad = int((unclear["note"] == NO_VALID_TIME).sum())
-        why = (f"noise above the {self.threshold_pct:g} % threshold" if not bad else
-               f"{bad} without a valid time" if bad == n else
-               f"noise above the {self.threshold_pct:g} % threshold, or {bad} without a valid time")
+        why = _unclear_why(unclear["note"], self.threshold_pct)
         return f"{n} case{'s' if n != 1 else ''} unclear ({why}): regressions not ruled out"
 
 
 #: The note of an "unclear" case whose times cannot be compared at all.
 NO_VALID_TIME = "no valid time: a median / p10 / p90 missing, not finite or not positive"
+#: The start of the note of an "unclear" case timed with fewer than MIN_REPLAYS replays.
+FEW_REPLAYS = f"too few replays to judge (fewer than {MIN_REPLAYS}: p10 / p90 are no noise estimate)"
+
+
+def _unclear_why(notes: pd.Series, threshold_pct: float) -> str:
+    """Why the unclear cases with these notes are unclear: noise, too few
+    replays and / or no valid time, with counts ('noise above the 5 %
+    threshold, or 2 timed with fewer than 10 replays')."""
+    invalid = int((notes == NO_VALID_TIME).sum())
+    few = int(notes.str.startswith(FEW_REPLAYS).sum())
+    parts = [f"noise above the {threshold_pct:g} % threshold"] if len(notes) > invalid + few else []
+    if few:
+        parts.append(f"{few} timed with fewer than {MIN_REPLAYS} replays")
+    if invalid:
+        parts.append(f"{invalid} without a valid time")
+    return ", or ".join(parts)
 
 
 def parse_threshold(text: str | float | int) -> float:
@@ -218,6 +248,38 @@ def classify(
     return verdict, ratio, delta, noise
 
 
+def timing_method(row: dict, manifest: dict) -> str | None:
+    """How `row` was timed ("cuda-graph", "cuda-events", "cpu-wallclock"):
+    its "timing_method", else the run's only entry of "timing_methods" (runs
+    stored before the column); None when unknown."""
+    method = row.get("timing_method")
+    if isinstance(method, str) and method:
+        return method
+    methods = manifest.get("timing_methods")
+    return methods[0] if isinstance(methods, list) and len(methods) == 1 and isinstance(methods[0], str) else None
+
+
+def timed_replays(row: dict, manifest: dict) -> int | None:
+    """How many replays (samples) timed `row`: "timing_counts" of its
+    timing_method in the manifest (the only entry when the method is
+    unknown), else the run's "config" "replays" (runs stored before
+    timing_counts; an eager timing capped it at EAGER_REPLAYS_CAP, which is
+    at least MIN_REPLAYS, so the cap never changes the verdict); None when
+    the run records neither."""
+
+    def count(value) -> int | None:
+        return int(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    counts = manifest.get("timing_counts")
+    if isinstance(counts, dict) and counts:
+        method = timing_method(row, manifest)
+        entry = counts.get(method) if method else next(iter(counts.values())) if len(counts) == 1 else None
+        if isinstance(entry, dict) and count(entry.get("replays")) is not None:
+            return count(entry.get("replays"))
+    config = manifest.get("config")
+    return count(config.get("replays")) if isinstance(config, dict) else None
+
+
 def _index(df: pd.DataFrame, which: str) -> dict[tuple, dict]:
     missing = [c for c in (*MATCH_KEYS, "status", "median_us", "p10_us", "p90_us") if c not in df.columns]
     if missing:
@@ -300,8 +362,13 @@ def compare_runs(
                 row["base_p90_us"], threshold_pct,
             )  # fmt: skip
             row.update(verdict=verdict, ratio=ratio, delta_pct=delta, noise_pct=noise)
+            replays = timed_replays(cur, current_manifest), timed_replays(base, baseline_manifest)
             if verdict == "unclear" and math.isnan(ratio):
                 row["note"] = NO_VALID_TIME
+            elif any(n is not None and n < MIN_REPLAYS for n in replays):
+                row["verdict"] = "unclear"
+                shown = ["?" if n is None else n for n in replays]
+                row["note"] = f"{FEW_REPLAYS}: replays {shown[0]} in this run, {shown[1]} in the baseline"
             why = _case_mismatch(cur, base)
             if runs_differ or why:
                 row["verdict"] = "mismatch"
@@ -324,15 +391,16 @@ def compare_runs(
         errors.append("no case could be compared with the baseline ("
                       + ", ".join(f"{n} {v}" for v, n in counts.items()) + "): " + why)  # fmt: skip
     elif not errors and (compared == "unclear").all():
-        invalid = int((frame.loc[compared.index, "note"] == NO_VALID_TIME).sum())
-        if invalid == len(compared):
+        unclear_notes = frame.loc[compared.index, "note"]
+        if (unclear_notes == NO_VALID_TIME).all():
             errors.append(f"no case could be judged: all {len(compared)} compared cases are unclear ({NO_VALID_TIME}"
                           "), so regressions are not ruled out; check how those runs were timed")  # fmt: skip
         else:
-            why = f"noise above the {threshold_pct:g} % threshold" + (
-                f", {invalid} of them without a valid time" if invalid else "")
-            errors.append(f"no case could be judged: all {len(compared)} compared cases are unclear ({why}), so"
-                          " regressions are not ruled out; re-run with more --replays on a quiet GPU")  # fmt: skip
+            few = unclear_notes.str.startswith(FEW_REPLAYS).all()
+            advice = (f"time both runs with --replays {MIN_REPLAYS} or more (100 recommended; each case's note"
+                      " says which run had fewer)" if few else "re-run with more --replays on a quiet GPU")  # fmt: skip
+            errors.append(f"no case could be judged: all {len(compared)} compared cases are unclear"
+                          f" ({_unclear_why(unclear_notes, threshold_pct)}), so regressions are not ruled out; {advice}")
     return Comparison(frame, float(threshold_pct), mismatches, notes, current_label, baseline_label, errors)
 
 

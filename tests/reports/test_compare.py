@@ -125,6 +125,49 @@ def test_a_case_ok_in_the_baseline_but_not_timed_now_is_lost_and_a_regression():
     assert "### Regressions (3)" in text and "2 lost" in text and "lost is a regression" in text
 
 
+def test_too_few_replays_are_unclear_not_a_false_alarm():
+    """With --replays 1, p10 = p90 = median: a noise of 0 % would make any change "slower" / "faster".
+    Fewer than MIN_REPLAYS replays on either side (manifest timing_counts of the row's timing_method;
+    older runs: config.replays; neither recorded: judged as before) make the case unclear, with the reason."""
+
+    def counts(replays, method="cpu-wallclock"):
+        return {**MANIFEST, "timing_methods": [method], "timing_counts": {method: {"warmup": 0, "replays": replays}}}
+
+    base = pd.DataFrame([case(1, spread=0.0, timing_method="cpu-wallclock"),
+                         case(2, spread=0.0, timing_method="cpu-wallclock")])  # fmt: skip
+    cur = base.assign(median_us=[12.8, 10.0], p10_us=[12.8, 10.0], p90_us=[12.8, 10.0])  # +28 %, +0 %
+    one = compare_runs(cur, counts(1), base, counts(1), threshold_pct=5.0)
+    f = one.frame.set_index("rows")
+    assert (f["verdict"] == "unclear").all() and len(one.regressions) == 0
+    assert f.loc[1, "note"].startswith("too few replays to judge (fewer than 10")
+    assert "replays 1 in this run, 1 in the baseline" in f.loc[1, "note"]
+    assert f.loc[1, "delta_pct"] == pytest.approx(28.0)  # still shown, just not judged
+    assert "all 2 compared cases are unclear (2 timed with fewer than 10 replays)" in one.errors[0]
+    assert "--replays 10 or more" in one.errors[0]
+    # one side is enough; MIN_REPLAYS on both is judged
+    assert set(compare_runs(cur, counts(100), base, counts(9)).frame["verdict"]) == {"unclear"}
+    assert verdicts(compare_runs(cur, counts(10), base, counts(100)))[("moebench", 1)] == "slower"
+    # the count of the row's own timing method; mixed with a judged case: a note, not an error
+    eager = pd.concat([base.iloc[:1], base.iloc[1:].assign(timing_method="cuda-events")])
+    two = {**MANIFEST, "timing_counts": {"cpu-wallclock": {"replays": 100}, "cuda-events": {"replays": 3}}}
+    mixed = compare_runs(cur.assign(timing_method=eager["timing_method"].tolist()),
+                         {**two, "timing_counts": {"cpu-wallclock": {"replays": 100}, "cuda-events": {"replays": 100}}},
+                         eager, two)  # fmt: skip
+    assert verdicts(mixed) == {("moebench", 1): "slower", ("moebench", 2): "unclear"} and not mixed.errors
+    assert "1 case unclear (1 timed with fewer than 10 replays)" in mixed.unclear_note
+    assert one.notes == [] and mixed.notes == []  # the run-level notes (driver, versions) stay a list
+    # runs stored before timing_counts: the config's replays; a run that records neither is judged as before
+    old, old_ok = {**MANIFEST, "config": {"replays": 1, "warmup": 0}}, {**MANIFEST, "config": {"replays": 100}}
+    assert set(compare_runs(cur.drop(columns="timing_method"), old, base, MANIFEST).frame["verdict"]) == {"unclear"}
+    assert verdicts(compare_runs(cur, old_ok, base, MANIFEST))[("moebench", 1)] == "slower"
+    assert verdicts(compare_runs(cur, MANIFEST, base, MANIFEST))[("moebench", 1)] == "slower"
+
+    from moebench.bench import EAGER_REPLAYS_CAP
+    from moebench.reports.compare import MIN_REPLAYS
+
+    assert MIN_REPLAYS == 10 and MIN_REPLAYS <= EAGER_REPLAYS_CAP  # CPU / --no-graph runs stay judged
+
+
 def test_mismatched_devices_are_reported_not_compared():
     cur, base = runs()
     other = {**MANIFEST, "device": {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "driver": "570.1"}}
