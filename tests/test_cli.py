@@ -245,6 +245,20 @@ def test_report_of_real_sweeps_with_too_few_replays_is_unclear(tmp_path):
     assert "slower" not in message.split("verdicts:")[1] and "faster" not in message.split("verdicts:")[1]
 
 
+def test_report_of_a_run_timed_another_way_is_not_judged_slower(tmp_path):
+    """A --no-graph run (cuda-events) against a CUDA-graph baseline was judged slower (exit 1): now each
+    case is a mismatch naming both timing methods, and a gate that compared nothing exits 2."""
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0}, manifest_extra={"timing_methods": ["cuda-graph"]})
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 26.0, 6: 50.0}, manifest_extra={"timing_methods": ["cuda-events"]})
+    result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--fail-above", "5%",
+                                 "--out", str(tmp_path / "r"), "--no-html"])  # fmt: skip
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "slower than the baseline" not in message and "2 mismatch" in message
+    assert "timed with cuda-events vs cuda-graph" in message
+    assert "timed with cuda-events vs cuda-graph" in (tmp_path / "r" / "summary.md").read_text()
+
+
 def test_report_other_device_is_reported_not_compared(tmp_path):
     base = _stored_run(tmp_path / "runs", "base", {1: 20.0}, device="NVIDIA H100 80GB HBM3")
     cur = _stored_run(tmp_path / "runs", "cur", {1: 40.0})

@@ -31,7 +31,9 @@ running must not pass unnoticed), "fixed" (failed in the baseline, ok now),
 skipped in the baseline), "new" (only in the current run: informational),
 "missing" (only in the baseline, where it was not ok), "mismatch" (the
 case's shape H/I/E/top_k, seed or touched experts differ between the runs,
-or the runs differ as a whole: device, geometry, L2 mode, run kind (sweep
+or its timing_method: "cuda-graph" vs "cuda-events" (--no-graph, an
+uncapturable backend) vs "cpu-wallclock" time different things; or the
+runs differ as a whole: device, geometry, L2 mode, run kind (sweep
 vs step) or rank count; reported, not compared). A regression is a
 "slower" case with delta_pct > threshold_pct, a "failed" case or a "lost"
 one.
@@ -299,8 +301,13 @@ def _error_text(rec: dict) -> str:
     return "" if error is None or (isinstance(error, float) and math.isnan(error)) else str(error)
 
 
-def _case_mismatch(cur: dict, base: dict) -> str | None:
+def _case_mismatch(cur: dict, base: dict, methods: tuple[str | None, str | None] = (None, None)) -> str | None:
+    """Why a case ok in both runs is not comparable ('differs from the
+    baseline: ...'), None when it is. methods: the two rows' timing methods
+    (`timing_method`), compared when both are known."""
     diffs = []
+    if None not in methods and methods[0] != methods[1]:
+        diffs.append(f"timed with {methods[0]} vs {methods[1]}")
     for k in SHAPE_KEYS:
         if k in cur and k in base and cur[k] != base[k]:
             diffs.append(f"{k} {cur[k]} vs {base[k]}")
@@ -369,7 +376,8 @@ def compare_runs(
                 row["verdict"] = "unclear"
                 shown = ["?" if n is None else n for n in replays]
                 row["note"] = f"{FEW_REPLAYS}: replays {shown[0]} in this run, {shown[1]} in the baseline"
-            why = _case_mismatch(cur, base)
+            why = _case_mismatch(cur, base, (timing_method(cur, current_manifest),
+                                             timing_method(base, baseline_manifest)))
             if runs_differ or why:
                 row["verdict"] = "mismatch"
                 row["note"] = why or f"the runs differ ({runs_differ}): not compared"
@@ -386,6 +394,9 @@ def compare_runs(
         counts = frame["verdict"].value_counts().to_dict()
         if mismatches:
             why = f"the runs differ in {runs_differ} (see the mismatches)"
+        elif counts.get("mismatch"):
+            why = ("every case timed in both runs differs from the baseline in what it measured; "
+                   + frame.loc[frame["verdict"] == "mismatch", "note"].iloc[0])  # fmt: skip
         else:
             why = "the runs share no case that has a time in both" + _key_hint(cur_ix, base_ix)
         errors.append("no case could be compared with the baseline ("
@@ -399,8 +410,9 @@ def compare_runs(
             few = unclear_notes.str.startswith(FEW_REPLAYS).all()
             advice = (f"time both runs with --replays {MIN_REPLAYS} or more (100 recommended; each case's note"
                       " says which run had fewer)" if few else "re-run with more --replays on a quiet GPU")  # fmt: skip
-            errors.append(f"no case could be judged: all {len(compared)} compared cases are unclear"
-                          f" ({_unclear_why(unclear_notes, threshold_pct)}), so regressions are not ruled out; {advice}")
+            why = _unclear_why(unclear_notes, threshold_pct)
+            errors.append(f"no case could be judged: all {len(compared)} compared cases are unclear ({why}), so"
+                          f" regressions are not ruled out; {advice}")  # fmt: skip
     return Comparison(frame, float(threshold_pct), mismatches, notes, current_label, baseline_label, errors)
 
 

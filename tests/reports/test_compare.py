@@ -168,6 +168,25 @@ def test_too_few_replays_are_unclear_not_a_false_alarm():
     assert MIN_REPLAYS == 10 and MIN_REPLAYS <= EAGER_REPLAYS_CAP  # CPU / --no-graph runs stay judged
 
 
+def test_a_case_timed_another_way_is_a_mismatch_not_slower_or_faster():
+    """A --no-graph (cuda-events) row against a CUDA-graph one measures launch overhead too: the rows'
+    timing_method (or the run's only timing_methods entry, for runs stored before the column) must match."""
+    graph = pd.DataFrame([case(1, timing_method="cuda-graph"), case(2, timing_method="cuda-graph")])
+    eager = pd.DataFrame([case(1, median=14.0, timing_method="cuda-events"), case(2, timing_method="cuda-graph")])
+    comp = compare_runs(eager, MANIFEST, graph, MANIFEST, threshold_pct=5.0)
+    f = comp.frame.set_index("rows")
+    assert f.loc[1, "verdict"] == "mismatch" and "timed with cuda-events vs cuda-graph" in f.loc[1, "note"]
+    assert f.loc[2, "verdict"] == "same" and len(comp.regressions) == 0 and comp.errors == []
+    # rows without the column: the manifest's timing_methods
+    bare = eager.drop(columns="timing_method").assign(median_us=14.0, p10_us=13.9, p90_us=14.1)
+    whole = compare_runs(bare, {**MANIFEST, "timing_methods": ["cuda-events"]}, graph, MANIFEST, threshold_pct=5.0)
+    assert set(whole.frame["verdict"]) == {"mismatch"} and len(whole.regressions) == 0
+    assert "no case could be compared" in whole.errors[0] and "timed with cuda-events vs cuda-graph" in whole.errors[0]
+    # unknown on either side: compared as before
+    unknown = compare_runs(bare, MANIFEST, graph, MANIFEST, threshold_pct=5.0)
+    assert set(unknown.frame["verdict"]) == {"slower"}
+
+
 def test_mismatched_devices_are_reported_not_compared():
     cur, base = runs()
     other = {**MANIFEST, "device": {"name": "NVIDIA H100 80GB HBM3", "sm_count": 132, "driver": "570.1"}}
