@@ -97,7 +97,8 @@ from moebench.bench.cases import CPU_BACKENDS, SweepConfig, expand_cases, rotati
 from moebench.bench.shard import MULTICAST_OFF, free_port, gpu_serial, gpu_uuid, visible_gpu_count, worker_env
 from moebench.bench.sweep import (
     ALL_TACTICS, COLUMNS, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
-    canonical_bytes, check_backend_names, check_tactic_names, expand_all_tactics, layer_count, loaded_backends,
+    canonical_bytes, check_backend_names, check_tactic_names, expand_all_tactics, forced_layers_error, layer_count,
+    loaded_backends,
     skip_reason, timing_counts, timing_counts_used, timing_methods,
 )  # fmt: skip
 from moebench.bench.timing import Timing, time_graph
@@ -416,9 +417,10 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, re
     # Which pairs run here, and why the others do not (as the sweep says it), the same on every rank.
     skip = _first_reasons({(n, t): skip_reason(backends, reasons, n, t, shape, dev) for n, t in pairs}, world)
 
-    weights, oracle_weights, error = [], None, None
+    weights, oracle_weights = [], None
+    error = forced_layers_error(layers, per_layer, budget, config.memory_fraction)
     try:
-        for layer in range(layers):
+        for layer in range(layers if error is None else 0):
             seed = config.seed + LAYER_SEED_STRIDE * layer
             if sliced:
                 full = generate_full_layer(cfg, seed, dev)
@@ -428,7 +430,7 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, re
                 del full
             else:
                 weights.append(generate_shard_layer(cfg, tp, seed, dev))
-        if oracle_weights is None and not sliced:
+        if oracle_weights is None and not sliced and weights:
             oracle_weights = weights[0]
     except Exception as e:  # noqa: BLE001 - e.g. out of memory: the whole preset fails
         error = f"weight generation failed ({layers} layers): {_error_text(e)}"

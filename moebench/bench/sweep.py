@@ -86,7 +86,6 @@ STATUSES = ("ok", "failed", "skipped")
 ALL_TACTICS = "all"
 #: Working set of one replay, in L2 sizes, for cold-cache timing.
 L2_MULTIPLE = 4
-#: Most distinct weight sets one group rotates through (a real model has ~60 layers).
 #: Seed stride between rotation layers' weight sets.
 LAYER_SEED_STRIDE = 1_000_003
 
@@ -136,6 +135,18 @@ def layer_count(
     want = 1 if not l2_bytes else max(1, math.ceil(L2_MULTIPLE * l2_bytes / min_touched_bytes))
     fit = MAX_LAYERS if budget_bytes is None else max(1, min(MAX_LAYERS, budget_bytes // per_layer_bytes))
     return min(want, fit), fit < want
+
+
+def forced_layers_error(
+    layers: int, per_layer_bytes: int, budget_bytes: int | None, memory_fraction: float
+) -> str | None:
+    """Why `layers` weight sets of `per_layer_bytes` each do not fit
+    `budget_bytes` (None: no budget, the CPU), naming --layers, or None. Only
+    a forced --layers can exceed it: `layer_count` caps its own count."""
+    if budget_bytes is None or layers * per_layer_bytes <= budget_bytes:
+        return None
+    return (f"layers (--layers) {layers} need {layers * per_layer_bytes / 1e9:.1f} GB of weights, more than the"
+            f" {budget_bytes / 1e9:.1f} GB budget (memory_fraction {memory_fraction} of the free device memory)")
 
 
 @contextlib.contextmanager
@@ -486,10 +497,9 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
             emit(case, _row(case, shape, base, status=status, error=text, layers=layers))
         return {**info, "error": message}
 
-    if budget is not None and layers * per_layer > budget:  # only a forced --layers gets here
-        return fail_group(f"layers (--layers) {layers} need {layers * per_layer / 1e9:.1f} GB of weights, more than"
-                          f" the {budget / 1e9:.1f} GB budget (memory_fraction {config.memory_fraction} of the free"
-                          " device memory)")  # fmt: skip
+    too_many = forced_layers_error(layers, per_layer, budget, config.memory_fraction)
+    if too_many is not None:
+        return fail_group(too_many)
 
     failed_prepare: dict[tuple[str, str], str] = {}
     prepared: dict[tuple[str, str], list] = {}

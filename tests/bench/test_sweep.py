@@ -369,3 +369,15 @@ def test_the_rotation_does_not_depend_on_the_rows_in_the_sweep():
         (group,) = result.manifest["groups"]
         touched.append(group["min_touched_bytes"])
     assert touched[0] == touched[1] > 0
+
+
+def test_forced_layers_error_names_layers_only_beyond_the_budget():
+    """The sweep's and the step's check of a forced --layers against the memory
+    budget: None when it fits or there is no budget (the CPU), else the sizes."""
+    from moebench.bench.sweep import forced_layers_error
+
+    assert forced_layers_error(4, 10**9, 4 * 10**9, 0.6) is None
+    assert forced_layers_error(64, 10**9, None, 0.6) is None
+    text = forced_layers_error(5, 10**9, 4 * 10**9, 0.6)
+    assert text == ("layers (--layers) 5 need 5.0 GB of weights, more than the 4.0 GB budget (memory_fraction 0.6"
+                    " of the free device memory)")
