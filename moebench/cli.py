@@ -981,8 +981,8 @@ def _check_out_dir(out: Path, run_dir: Path) -> None:
     from moebench.reports.store import MANIFEST, RESULTS, enclosing_run
 
     run = enclosing_run(out)
-    if run is not None and not (enclosing_run(out.parent) != run and run == enclosing_run(run_dir)):
-        itself = enclosing_run(out.parent) != run  # out is a run, not a folder inside one
+    itself = run is not None and enclosing_run(out.parent) != run  # out is a run, not a folder inside one
+    if run is not None and not (itself and run == enclosing_run(run_dir)):
         where = "a stored run directory" if itself else f"inside a stored run directory, {run}"
         raise ValueError(f"--out: {out} is {where} (it holds {RESULTS} and {MANIFEST}); give a directory outside"
                          " any run for the report files (without --out the report goes into RUN_DIR)")  # fmt: skip
