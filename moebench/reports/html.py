@@ -256,8 +256,16 @@ def _drawn(df: pd.DataFrame) -> bool:
     return bool((timed | (df["status"] == "failed")).any())
 
 
+#: Every plot `write_html_report` may draw, with its caption.
+PLOT_CAPTIONS = {
+    "latency.png": "Latency per layer call vs rows (median, p10-p90 band; floor = unique bytes / copy bandwidth)",
+    "bandwidth.png": "Achieved bandwidth over the unique bytes, % of the measured copy bandwidth",
+    "speedup.png": "Speedup vs the best FlashInfer backend of the same case",
+    "kernels.png": "Per-kernel split (µs)",
+    "compare.png": "Median vs the baseline (bar: ratio - 1; whisker: noise; colour: verdict)",
+}  # fmt: skip
 #: Every file `write_html_report` may write (report_files: those it writes for a given run).
-HTML_FILES = ("report.html", "latency.png", "bandwidth.png", "speedup.png", "kernels.png", "compare.png")
+HTML_FILES = ("report.html", *PLOT_CAPTIONS)
 
 
 def report_files(df: pd.DataFrame, comparison: Comparison | None = None) -> list[str]:
@@ -297,13 +305,6 @@ def write_html_report(
     pngs: list[Path] = []
     if _drawn(df):
         pngs += [plot_latency(df, copy_bw, out / "latency.png"), plot_bandwidth(df, copy_bw, out / "bandwidth.png")]
-    captions = {
-        "latency.png": "Latency per layer call vs rows (median, p10-p90 band; floor = unique bytes / copy bandwidth)",
-        "bandwidth.png": "Achieved bandwidth over the unique bytes, % of the measured copy bandwidth",
-        "speedup.png": "Speedup vs the best FlashInfer backend of the same case",
-        "kernels.png": "Per-kernel split (µs)",
-        "compare.png": "Median vs the baseline (bar: ratio - 1; whisker: noise; colour: verdict)",
-    }  # fmt: skip
     for extra in (plot_speedup(df, out / "speedup.png"), plot_kernels(df, out / "kernels.png"),
                   plot_comparison(comparison, out / "compare.png") if comparison is not None else None):  # fmt: skip
         if extra is not None:
@@ -352,7 +353,7 @@ def write_html_report(
         parts.append("<p>none: no case was timed or failed (every case was skipped; the table below says why)</p>")
     for p in pngs:
         parts.append(f"<figure><img src='{html.escape(p.name)}' alt='{html.escape(p.stem)}'>"
-                     f"<figcaption>{html.escape(captions.get(p.name, p.stem))}</figcaption></figure>")  # fmt: skip
+                     f"<figcaption>{html.escape(PLOT_CAPTIONS.get(p.name, p.stem))}</figcaption></figure>")  # fmt: skip
     for heading, frame in (tables or {}).items():
         parts.append(f"<h2>{html.escape(heading)}</h2>" + _table_html(frame))
     parts.append("<h2>Cases</h2>" + _table_html(table))
