@@ -131,6 +131,8 @@ def _option_message(error: Exception) -> str:
     match = re.match(r"(\w+) must\b", text)
     if match and match[1] in _FIELD_OPTIONS:
         return _FIELD_OPTIONS[match[1]] + text[len(match[1]) :]
+    if text.startswith("trace "):  # routing's replay trace: 'trace PATH: ...'
+        return "--" + text
     return text
 
 
@@ -396,7 +398,7 @@ def sweep(
 
             result = run_sweep(config, progress=progress)
     except (ValueError, TypeError) as error:
-        raise _fail(str(error)) from None
+        raise _fail(_option_message(error)) from None
 
     manifest = {**result.manifest, "command": shlex.join(["moebench", *sys.argv[1:]])}
     try:
@@ -432,7 +434,7 @@ def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s)
                 progress=lambda done, total: bar.update(task, completed=min(done, total), total=total),
             )  # fmt: skip
     except (ValueError, TypeError) as error:
-        raise _fail(str(error)) from None
+        raise _fail(_option_message(error)) from None
     except OSError as error:
         raise _fail(f"cannot write the run under {out}: {error}", 1) from None
     frame, manifest = read_run(path)
@@ -639,7 +641,7 @@ def step(
 
             result = run_step(config, progress=progress, timeout_s=timeout)
     except (ValueError, TypeError) as error:
-        raise _fail(str(error)) from None
+        raise _fail(_option_message(error)) from None
 
     manifest = {**result.manifest, "command": shlex.join(["moebench", *sys.argv[1:]])}
     tables = {"ranks": result.ranks} if result.ranks is not None else None
@@ -744,7 +746,7 @@ def env(
     try:
         dev = resolve_device(device)
     except ValueError as error:
-        raise _fail(str(error)) from None
+        raise _fail(_option_message(error)) from None
     info = environment(dev)
     d = info["device"]
     table = Table(show_header=False, title="environment")
@@ -786,7 +788,7 @@ def check(
     try:
         dev = resolve_device(device)
     except ValueError as error:
-        raise _fail(str(error)) from None
+        raise _fail(_option_message(error)) from None
     with console.status("checking ..."):
         results = run_checks(dev)
     table = Table(title=f"moebench check ({dev})")
@@ -1010,9 +1012,8 @@ def _read_report_run(path: Path, what: str):
 
 
 def _print_comparison(comp) -> None:
-    """Render a Comparison: errors / mismatches / notes, then one row per case."""
-    for e in comp.errors:
-        console.print(f"[red]error: {e}[/red]", soft_wrap=True)
+    """Render a Comparison: mismatches / notes, then one row per case (its
+    errors are the report's exit message, printed once, last)."""
     for m in comp.mismatches:
         console.print(f"[yellow]mismatch: {m}[/yellow]", soft_wrap=True)
     for n in comp.notes:
@@ -1032,7 +1033,7 @@ def _print_comparison(comp) -> None:
         )  # fmt: skip
     Console(highlight=False, width=max(console.width, 150)).print(table)
     console.print("verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
-    if comp.unclear_note and not len(comp.regressions):
+    if comp.unclear_note and not len(comp.regressions) and not comp.errors:  # an all-unclear error says it already
         console.print(f"[yellow]{comp.unclear_note}[/yellow]", soft_wrap=True)
 
 
@@ -1141,7 +1142,7 @@ def tune(
     try:
         tuning_runner.require_tuning_device(device)
     except RuntimeError as error:
-        raise _fail(str(error)) from None
+        raise _fail(_option_message(error)) from None
     target = out or Path(os.environ.get("MOEBENCH_TUNING_DIR", "").split(os.pathsep)[0] or "tuning-tables")
     _check_out(target)  # tables and the summary must be writable before minutes of tuning, not after
     if summary is not None:

@@ -250,7 +250,11 @@ def _replay(trace: str | Path | None, rows: int, top_k: int, experts: int, seed:
         with np.load(path) as data:
             ids = np.asarray(data["topk_ids"])
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
-        raise ValueError(f"cannot read topk_ids from trace {path}: {error}") from error
+        why = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip("'\"")
+        if isinstance(error, ValueError) and "pickle" in why:  # np.load of a file that is not .npy / .npz
+            why = "not an .npz archive"
+        raise ValueError(f"trace {path}: cannot read topk_ids ({why}); expected an .npz archive (numpy.savez)"
+                         " holding an integer array topk_ids [steps, rows, top_k]") from error
     if ids.ndim != 3 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"trace {path}: topk_ids must be integer [steps, rows, top_k], got {ids.shape} {ids.dtype}")
     steps, trace_rows, trace_k = ids.shape

@@ -3,6 +3,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from moebench.backends.registry import load_backend
 from moebench.cli import app, parse_int_list
 
 runner = CliRunner()
@@ -338,6 +339,8 @@ def test_report_where_every_case_is_unclear_is_an_error_not_a_pass(tmp_path):
     result = runner.invoke(app, ["report", str(noisy), "--baseline", str(base), "--fail-above", "5%",
                                  "--out", str(tmp_path / "r"), "--no-html"])  # fmt: skip
     assert result.exit_code == 2 and "no case could be judged" in result.output
+    message = " ".join(result.output.split())
+    assert "regressions are not ruled out" in message and message.count("unclear (") == 1  # said once, not twice
     assert "No regressions" not in (tmp_path / "r" / "summary.md").read_text()
 
 
@@ -525,6 +528,14 @@ def test_sweep_tactics_all_expands_per_backend(tmp_path):
     # "default" only names "grouped" (or "gather" without torch._grouped_mm): that kernel is timed once
     assert len(df) >= 2 and "default" not in set(df["tactic"]) and "all" not in set(df["tactic"])
     assert set(df["tactic"]) <= {"grouped", "gather"} and df["tactic"].is_unique
+
+    # listed by hand, too: "default" beside the tactic it names is timed once, under that name
+    alias = load_backend("torch-bf16").default_alias(None)
+    result = runner.invoke(app, ["sweep", *args, "--backends", "torch-bf16", "--tactics", f"default,{alias},default",
+                                 "--out", str(tmp_path / "listed")])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    df = pd.read_parquet(next((tmp_path / "listed").iterdir()) / "results.parquet")
+    assert list(df["tactic"]) == [alias]
 
 
 def test_step_tactics_as_the_sweeps(tmp_path):

@@ -78,7 +78,9 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -321,9 +323,7 @@ def run_rank(
     copy_bytes, copy_repeats = ((1 << 30), 20) if dev.type == "cuda" else ((64 << 20), 5)
     copy_bw = copy_bandwidth_gbps(dev, copy_bytes, copy_repeats)
     reasons = _first_reasons(reasons, world)
-    cases = expand_cases(config, names, reduced=reduced)
-    if ALL_TACTICS in config.tactics:
-        cases = expand_all_tactics(cases, backends)  # the same on every rank
+    cases = expand_all_tactics(expand_cases(config, names, reduced=reduced), backends)  # the same on every rank
     total = len(cases)
     rows_out: list[dict] = []
 
@@ -805,25 +805,45 @@ def launch_ranks(
     on_gpu = dev.type == "cuda"
     reduced, names = _selection(config, dev)
     _validate(config, dev)  # unknown backends or tactics fail here, not in every rank
-    scratch = Path(tempfile.mkdtemp(prefix="moebench-step-"))
     ctx = mp.get_context("spawn")
     procs = []
+    with _terminate_raises():  # a SIGTERM'd run stops its ranks and removes its scratch too
+        scratch = Path(tempfile.mkdtemp(prefix="moebench-step-"))
+        try:
+            port = free_port()
+            for rank in range(world):
+                env = worker_env(rank, world, master_port=port, gpu_index=devices[rank] if devices else rank)
+                p = ctx.Process(target=_rank_main, args=(rank, world, env, config, str(scratch), on_gpu),
+                                name=f"moebench-step-rank{rank}")  # fmt: skip
+                p.start()
+                procs.append(p)
+            timed_out = _wait(procs, scratch, progress, timeout_s, poll_s)
+            stopped = f"stopped after the {timeout_s:g} s timeout (--timeout)" if timed_out else None
+            return _collect(config, procs, scratch, names, reduced, devices, stopped)
+        except BaseException:
+            _stop(procs)
+            raise
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _terminate_raises():
+    """Within: SIGTERM raises SystemExit(143) (in the main thread; elsewhere
+    nothing changes), so that cleanup in `finally` runs as it does for
+    Ctrl-C; the previous handler is restored on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
-        port = free_port()
-        for rank in range(world):
-            env = worker_env(rank, world, master_port=port, gpu_index=devices[rank] if devices else rank)
-            p = ctx.Process(target=_rank_main, args=(rank, world, env, config, str(scratch), on_gpu),
-                            name=f"moebench-step-rank{rank}")  # fmt: skip
-            p.start()
-            procs.append(p)
-        timed_out = _wait(procs, scratch, progress, timeout_s, poll_s)
-        stopped = f"stopped after the {timeout_s:g} s timeout (--timeout)" if timed_out else None
-        return _collect(config, procs, scratch, names, reduced, devices, stopped)
-    except BaseException:
-        _stop(procs)
-        raise
+        yield
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stop(procs) -> None:

@@ -205,9 +205,7 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
         copy_bytes, copy_repeats = 64 << 20, 5
     copy_bw = copy_bandwidth_gbps(dev, copy_bytes, copy_repeats)
 
-    cases = expand_cases(config, names, reduced=reduced)
-    if ALL_TACTICS in config.tactics:
-        cases = expand_all_tactics(cases, backends)
+    cases = expand_all_tactics(expand_cases(config, names, reduced=reduced), backends)
     total = len(cases)
     rows_out: list[dict] = []
     groups_info: list[dict] = []
@@ -367,30 +365,34 @@ def expand_all_tactics(cases: list[Case], backends: dict[str, Backend]) -> list[
     offers for the case's shape: also for a backend that loaded but cannot
     run here (each such case is then skipped with the reason, so the run
     lists what the backend offers); just "default" for one that did not load.
-    "default" is left out where it only names another offered tactic
-    (`Backend.default_alias`: torch-bf16's "grouped"), so that one kernel is
-    not timed twice. Explicit tactics of the same case are not repeated.
-    Order is kept."""
+    "default" is left out where it only names another tactic the cases
+    hold, from "all" or listed (`Backend.default_alias`: torch-bf16's
+    "grouped"), so that one kernel is not timed twice; the same tactic
+    is not repeated either. Order is kept."""
     out: list[Case] = []
-    seen: set[Case] = set()
+    held: set[Case] = set()
     for case in cases:
         expanded = [case]
         if case.tactic == ALL_TACTICS:
             expanded = [replace(case, tactic=DEFAULT_TACTIC)]
             if case.backend in backends:
                 try:
-                    backend = backends[case.backend]
-                    names = backend.valid_tactics(case.shape)
-                    if backend.default_alias(case.shape) in names:
-                        names = tuple(t for t in names if t != DEFAULT_TACTIC)
-                    expanded = [replace(case, tactic=t) for t in names]
+                    expanded = [replace(case, tactic=t) for t in backends[case.backend].valid_tactics(case.shape)]
                 except Exception:  # noqa: BLE001 - a backend that cannot list its tactics here: default only
                     pass
         for c in expanded:
-            if c not in seen:
-                seen.add(c)
+            if c not in held:
+                held.add(c)
                 out.append(c)
-    return out
+    return [c for c in out if c.tactic != DEFAULT_TACTIC or replace(c, tactic=_alias(backends, c)) not in held]
+
+
+def _alias(backends: dict[str, Backend], case: Case) -> str | None:
+    """The tactic "default" names for `case` (`Backend.default_alias`), or
+    None for a backend that did not load or cannot say."""
+    with contextlib.suppress(Exception):
+        return backends[case.backend].default_alias(case.shape)
+    return None
 
 
 def skip_reason(

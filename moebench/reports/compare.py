@@ -155,7 +155,7 @@ def parse_threshold(text: str | float | int) -> float:
         value = float(number)
     except ValueError:
         raise ValueError(f"threshold must be a percentage like '5%', got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
+    if not math.isfinite(value) or math.copysign(1.0, value) < 0:  # -0 too: a sign says the user meant something else
         raise ValueError(f"threshold must be a finite percentage >= 0, got {text!r}")
     return value
 
@@ -337,6 +337,7 @@ def compare_runs(
     mismatches, notes = run_mismatches(current_manifest, baseline_manifest)
     runs_differ = mismatch_kinds(mismatches)
     rows = []
+    timed_with: set[str | None] = set()  # the timing methods of the cases ok in both runs
     for key in list(cur_ix) + [k for k in base_ix if k not in cur_ix]:
         cur, base = cur_ix.get(key), base_ix.get(key)
         row = dict(zip(MATCH_KEYS, key))
@@ -350,19 +351,19 @@ def compare_runs(
             row["verdict"], row["note"] = ("lost", "not in this run; ok in the baseline") if base["status"] == "ok" \
                 else ("missing", "only in the baseline")
         elif base is None:
-            row["verdict"], row["note"] = ("failed", str(cur.get("error") or "")) if cur["status"] == "failed" else (
+            row["verdict"], row["note"] = ("failed", _error_text(cur)) if cur["status"] == "failed" else (
                 "new", "not in the baseline")  # fmt: skip
         elif cur["status"] == "failed":
-            row["verdict"], row["note"] = "failed", str(cur.get("error") or "")
+            row["verdict"], row["note"] = "failed", _error_text(cur)
         elif cur["status"] != "ok" and base["status"] == "ok":
             why = _error_text(cur)
             row["verdict"], row["note"] = "lost", f"{cur['status']} in this run; ok in the baseline" + (
                 f": {why}" if why else "")
         elif cur["status"] != "ok" or base["status"] == "skipped":
             row["verdict"] = "skipped"
-            row["note"] = str((cur.get("error") if cur["status"] != "ok" else base.get("error")) or "")
+            row["note"] = _error_text(cur if cur["status"] != "ok" else base)
         elif base["status"] != "ok":
-            row["verdict"], row["note"] = "fixed", f"failed in the baseline: {base.get('error') or ''}".strip()
+            row["verdict"], row["note"] = "fixed", f"failed in the baseline: {_error_text(base)}".strip()
         else:
             verdict, ratio, delta, noise = classify(
                 row["median_us"], row["p10_us"], row["p90_us"], row["base_median_us"], row["base_p10_us"],
@@ -376,8 +377,9 @@ def compare_runs(
                 row["verdict"] = "unclear"
                 shown = ["?" if n is None else n for n in replays]
                 row["note"] = f"{FEW_REPLAYS}: replays {shown[0]} in this run, {shown[1]} in the baseline"
-            why = _case_mismatch(cur, base, (timing_method(cur, current_manifest),
-                                             timing_method(base, baseline_manifest)))
+            methods = timing_method(cur, current_manifest), timing_method(base, baseline_manifest)
+            timed_with.update(methods)
+            why = _case_mismatch(cur, base, methods)
             if runs_differ or why:
                 row["verdict"] = "mismatch"
                 row["note"] = why or f"the runs differ ({runs_differ}): not compared"
@@ -408,8 +410,14 @@ def compare_runs(
                           "), so regressions are not ruled out; check how those runs were timed")  # fmt: skip
         else:
             few = unclear_notes.str.startswith(FEW_REPLAYS).all()
-            advice = (f"time both runs with --replays {MIN_REPLAYS} or more (100 recommended; each case's note"
-                      " says which run had fewer)" if few else "re-run with more --replays on a quiet GPU")  # fmt: skip
+            if few:
+                advice = (f"time both runs with --replays {MIN_REPLAYS} or more (100 recommended; each case's note"
+                          " says which run had fewer)")  # fmt: skip
+            elif timed_with == {"cpu-wallclock"}:  # no GPU: eager timing, which more --replays cannot steady
+                advice = ("these are CPU wall-clock times, too noisy for this threshold: compare runs timed on a"
+                          " GPU (cuda-graph), or raise --fail-above")  # fmt: skip
+            else:
+                advice = "re-run with more --replays on a quiet GPU"
             why = _unclear_why(unclear_notes, threshold_pct)
             errors.append(f"no case could be judged: all {len(compared)} compared cases are unclear ({why}), so"
                           f" regressions are not ruled out; {advice}")  # fmt: skip

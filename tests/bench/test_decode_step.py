@@ -4,7 +4,9 @@ GPU tests with our kernels (one GPU) and a real TP-2 NCCL step (two GPUs)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -366,3 +368,39 @@ def test_a_dead_rank0_leaves_every_undelivered_case_failed(tmp_path):
     offered = [t for t in decode_step.load_backend("torch-bf16").valid_tactics(shape) if t != "gather"]
     assert got == sorted([(r, "gather", "ok") for r in (1, 4)] + [(r, t, "failed") for r in (1, 4) for t in offered])
     assert res.frame[res.frame["status"] == "failed"]["error"].str.contains("rank 0 died: boom").all()
+
+
+def test_a_terminated_tp_step_stops_its_ranks_and_removes_its_scratch(tmp_path):
+    """SIGTERM to `moebench step --tp 2` (a CI job cancelled, `timeout`) left
+    the rank processes' scratch directory behind; the ranks are now stopped
+    and the scratch removed, as on Ctrl-C."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    cmd = [sys.executable, "-m", "moebench", "step", *SMALL_ARGS, "--tp", "2", "--rows", "1-8",
+           "--backends", "reference", "--out", str(tmp_path / "runs")]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    children: set[int] = set()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and len(children) < 2 and proc.poll() is None:
+        time.sleep(0.2)
+        with contextlib.suppress(OSError):
+            children = {int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()}
+    assert list(tmp_path.glob("moebench-step-*")) and len(children) >= 2, proc.communicate()[0]
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    assert not list(tmp_path.glob("moebench-step-*"))
+    def running(pid: int) -> bool:  # a zombie awaiting its new parent has stopped
+        with contextlib.suppress(FileNotFoundError):
+            return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+        return False
+
+    deadline = time.monotonic() + 10  # a process being torn down reads "R" for a moment
+    while any(map(running, children)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in children if running(pid)]

@@ -225,8 +225,8 @@ def test_classify_edges():
 
 
 def test_parse_threshold():
-    assert parse_threshold("5%") == 5.0 and parse_threshold("0.5 %") == 0.5 and parse_threshold(3) == 3.0
-    for bad in ("x", "-1%", "nan", "", True):
+    assert parse_threshold("5%") == 5.0 and parse_threshold("0.5 %") == 0.5 and parse_threshold(3) == 3.0 and parse_threshold("0") == 0.0
+    for bad in ("x", "-1%", "-0", "-0.0%", "nan", "inf", "", True):
         with pytest.raises(ValueError, match="threshold"):
             parse_threshold(bad)
 
@@ -323,4 +323,9 @@ def test_unclear_cases_never_read_as_no_regressions():
     text = comparison_markdown(mixed)
     assert "No regressions." not in text and "regressions not ruled out" in text
     assert compare_runs(base, MANIFEST, base, MANIFEST).unclear_note is None
+    assert "re-run with more --replays on a quiet GPU" in comp.errors[0]
+    # CPU runs: more replays cannot steady wall-clock times (and eager timing caps them at 20)
+    cpu = {**MANIFEST, "timing_methods": ["cpu-wallclock"]}
+    on_cpu = compare_runs(noisy, cpu, base, cpu, threshold_pct=5.0)
+    assert "CPU wall-clock times" in on_cpu.errors[0] and "--replays" not in on_cpu.errors[0]
     assert "No regressions." in comparison_markdown(compare_runs(base, MANIFEST, base, MANIFEST))
