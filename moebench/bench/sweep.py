@@ -5,10 +5,13 @@ the device (enough that one replay's working set is >= 4 x L2 for a routing
 that touches the shape's fewest bytes, one row over top_k experts
 (`cases.rotation_bytes`), so that the count, and the share of a replay's
 boundary each layer call carries, does not depend on which row counts the
-sweep holds; capped by a memory budget; 1 with warm_l2), each backend is
-prepared once per weight set,
-then per (rows, scenario) the routing, weights and activations are drawn and
-each (backend, tactic):
+sweep holds; capped by a memory budget; 1 with warm_l2). Then one
+(backend, tactic) pair at a time is prepared once per weight set (fewer
+sets where its prepared copies do not fit the budget beside them: the
+`layers` column), runs its cases and is released, so that a pair's
+rotation does not depend on which other backends share the sweep; per
+(rows, scenario) the routing, weights and activations are drawn once, and
+each case:
 
 1. is skipped with a reason when unavailable or the tactic is not offered;
 2. runs layer 0 once and is compared with the fp64 oracle of its family
@@ -211,8 +214,12 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
     groups_info: list[dict] = []
     base = {"device": dinfo["name"], "sm_count": dinfo["sm_count"], "commit": env["commit"], "seed": config.seed}
 
+    position = {case: i for i, case in enumerate(cases)}
+    placed: list[int] = []  # each row's case position: rows come pair by pair, the frame keeps case order
+
     def emit(case: Case, row: dict) -> None:
         rows_out.append(row)
+        placed.append(position[case])
         if progress is not None:
             progress(len(rows_out), total, case, row["status"])
 
@@ -226,6 +233,7 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
             groups_info.append({"preset": cfg.name, "tp": tp, **info})
             _release(dev)
 
+    rows_out = [row for _, row in sorted(zip(placed, rows_out), key=lambda pr: pr[0])]
     frame = _typed(pd.DataFrame(rows_out, columns=list(COLUMNS)))
     methods = timing_methods(frame)
     manifest = {
@@ -478,18 +486,23 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
                             unique_experts=unique_experts(ids, shape.experts), bytes=unique_bytes(shape, ids)))
         return {"layers": 0, "layers_capped": False, "min_touched_bytes": min_touched}
 
-    per_layer = canonical_bytes(shape) + sum(backends[b].prepared_bytes(shape) for b, _ in active)
+    # The canonical weight sets are held for the whole group; each (backend,
+    # tactic) pair's prepared copies only while its cases run (one pair at a
+    # time, as in the step), so a pair's rotation does not depend on which
+    # other backends share the sweep.
+    per_layer = canonical_bytes(shape)
     budget = None
     if dev.type == "cuda":
         free, _ = torch.cuda.mem_get_info(dev)
         budget = int(free * config.memory_fraction)
+    forced = config.warm_l2 or config.layers is not None
     if config.warm_l2:
         layers, capped = 1, False
     elif config.layers is not None:
         layers, capped = config.layers, False
     else:
         layers, capped = layer_count(min_touched, dinfo["l2_bytes"], per_layer, budget)
-    info = {"layers": layers, "layers_capped": capped, "min_touched_bytes": min_touched}
+    info = {"layers": layers, "layers_capped": capped, "min_touched_bytes": min_touched, "layers_per_backend": {}}
 
     def fail_group(message: str) -> dict:
         """Every case of the group failed with `message` (skipped ones keep their reason)."""
@@ -503,8 +516,15 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
     if too_many is not None:
         return fail_group(too_many)
 
-    failed_prepare: dict[tuple[str, str], str] = {}
-    prepared: dict[tuple[str, str], list] = {}
+    def pair_layers(name: str) -> int:
+        """The weight sets a pair walks: all generated, fewer where its
+        prepared copies do not fit the budget beside them (a forced count
+        is kept: a copy that does not fit fails its prepare)."""
+        extra = backends[name].prepared_bytes(shape)
+        if budget is None or extra <= 0 or forced:
+            return layers
+        return max(1, min(layers, (budget - layers * per_layer) // extra))
+
     weights = []
     try:
         for layer in range(layers):
@@ -513,52 +533,64 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
         weights.clear()
         _release(dev)
         return fail_group(f"weight generation failed ({layers} layers): {_error_text(error)}")
-    for key in active:
-        name, tactic = key
-        try:
-            prepared[key] = [backends[name].prepare(w, shape, tactic) for w in weights]
-        except Exception as error:  # noqa: BLE001
-            failed_prepare[key] = f"prepare failed: {_error_text(error)}"
-            prepared.pop(key, None)
-            _release(dev)
 
     l2 = dinfo["l2_bytes"]
+    inputs: dict[tuple[int, str], tuple] = {}  # (rows, scenario) -> device inputs and the case's common columns
     for (rows, scenario), ids_cpu in routings.items():
-        ids = ids_cpu.to(dev)
-        topk_w = scenario_weights(rows, shape.top_k, config.seed, scale=shape.routed_scaling_factor).to(dev)
-        x = generate_activations(rows, shape.hidden, config.seed, dev)
         nbytes = unique_bytes(shape, ids_cpu)
-        n_experts = unique_experts(ids_cpu, shape.experts)
         ceiling = None
         if dev.type == "cuda":
             try:
                 ceiling = size_matched_ceiling_gbps(nbytes, dev)
             except Exception:  # noqa: BLE001 - the ceiling is optional
                 ceiling = None
-        oracles: dict[str, torch.Tensor] = {}
-        common = {
-            "unique_experts": n_experts, "bytes": nbytes, "ceiling_gbps": ceiling, "layers": layers,
-            "l2_multiple": (layers * (nbytes - 4 * rows * shape.hidden) / l2) if l2 else None,
-        }  # fmt: skip
-        for case in (c for c in group if (c.rows, c.scenario) == (rows, scenario)):
-            key = (case.backend, case.tactic)
-            if key in skip:
-                emit(case, _row(case, shape, base, status="skipped", error=skip[key], **common))
+        inputs[(rows, scenario)] = (
+            ids_cpu.to(dev),
+            scenario_weights(rows, shape.top_k, config.seed, scale=shape.routed_scaling_factor).to(dev),
+            generate_activations(rows, shape.hidden, config.seed, dev),
+            {"unique_experts": unique_experts(ids_cpu, shape.experts), "bytes": nbytes, "ceiling_gbps": ceiling},
+        )
+    oracles: dict[tuple[int, str], dict[str, torch.Tensor]] = {key: {} for key in routings}
+    for case in group:  # the skipped pairs first: they hold no memory
+        key = (case.backend, case.tactic)
+        if key in skip:
+            emit(case, _row(case, shape, base, status="skipped", error=skip[key], layers=layers,
+                            **inputs[(case.rows, case.scenario)][3]))  # fmt: skip
+    for key in active:
+        name, tactic = key
+        backend = backends[name]
+        n_layers = pair_layers(name)
+        info["layers_per_backend"][f"{name}:{tactic}"] = n_layers
+        mine = [c for c in group if (c.backend, c.tactic) == key]
+        prepared, failed = [], None
+        try:
+            prepared = [backend.prepare(w, shape, tactic) for w in weights[:n_layers]]
+        except Exception as error:  # noqa: BLE001
+            failed = f"prepare failed: {_error_text(error)}"
+            prepared = []
+            _release(dev)
+        for case in mine:
+            ids, topk_w, x, common = inputs[(case.rows, case.scenario)]
+            common = {**common, "layers": n_layers,
+                      "l2_multiple": (n_layers * (common["bytes"] - 4 * case.rows * shape.hidden) / l2) if l2 else None}  # fmt: skip
+            if failed is not None:
+                emit(case, _row(case, shape, base, status="failed", error=failed, **common))
                 continue
-            if key in failed_prepare:
-                emit(case, _row(case, shape, base, status="failed", error=failed_prepare[key], **common))
-                continue
-            backend = backends[case.backend]
-            row = _run_case(config, case, backend, prepared[key], weights[0], x, ids, topk_w, oracles, dev)
+            row = _run_case(config, case, backend, prepared, weights[0], x, ids, topk_w,
+                            oracles[(case.rows, case.scenario)], dev)  # fmt: skip
+            nbytes = common["bytes"]
             if row.get("median_us") is not None:
                 gbps = nbytes / (row["median_us"] * 1e-6) / 1e9
                 row["gbps"] = gbps
                 row["pct_copy_bw"] = 100.0 * gbps / copy_bw if copy_bw else None
+                ceiling = common["ceiling_gbps"]
                 row["pct_size_ceiling"] = 100.0 * gbps / ceiling if ceiling else None
             if row.get("routed_us") and copy_bw:
                 row["routed_pct_copy_bw"] = 100.0 * nbytes / (row["routed_us"] * 1e-6) / 1e9 / copy_bw
             emit(case, _row(case, shape, base, **common, **row))
-    del prepared, weights
+        del prepared
+        _release(dev)
+    del weights, inputs, oracles
     return info
 
 

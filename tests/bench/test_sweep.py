@@ -381,3 +381,37 @@ def test_forced_layers_error_names_layers_only_beyond_the_budget():
     text = forced_layers_error(5, 10**9, 4 * 10**9, 0.6)
     assert text == ("layers (--layers) 5 need 5.0 GB of weights, more than the 4.0 GB budget (memory_fraction 0.6"
                     " of the free device memory)")
+
+
+def test_one_pair_is_prepared_at_a_time_and_the_frame_keeps_case_order(monkeypatch):
+    """Each (backend, tactic) pair's prepared copies are made, timed and
+    released before the next pair's (so a pair's rotation does not depend on
+    the backends beside it: a GPU sweep with torch-bf16 gave moebench 6
+    weight sets instead of 9), while the rows keep the cases' order."""
+    from moebench.bench import sweep
+
+    events = []
+    real_prepare, real_release = TorchBF16Backend.prepare, sweep._release
+
+    def prepare(self, weights, shape, tactic="default"):
+        events.append(f"prepare {tactic}")
+        return real_prepare(self, weights, shape, tactic)
+
+    def release(device):
+        events.append("release")
+        real_release(device)
+
+    monkeypatch.setattr(TorchBF16Backend, "prepare", prepare)
+    monkeypatch.setattr(sweep, "_release", release)
+    cfg = SweepConfig(backends=("torch-bf16",), tactics=("default", "gather"), layers=2,
+                      **{k: v for k, v in TINY.items() if k != "rows"}, rows=(1, 2, 3))  # fmt: skip
+    result = run_sweep(cfg)
+    pairs = [e for e in events if e != "release"]
+    assert pairs == ["prepare default"] * 2 + ["prepare gather"] * 2, events
+    first_gather = events.index("prepare gather")
+    assert "release" in events[:first_gather], events  # the default copies went before the gather ones came
+    df = result.frame
+    assert list(zip(df["rows"], df["tactic"])) == [(r, t) for r in (1, 2, 3) for t in ("default", "gather")]
+    assert (df["status"] == "ok").all() and (df["layers"] == 2).all()
+    (group,) = result.manifest["groups"]
+    assert group["layers_per_backend"] == {"torch-bf16:default": 2, "torch-bf16:gather": 2}
