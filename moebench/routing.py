@@ -247,7 +247,10 @@ def _replay(trace: str | Path | None, rows: int, top_k: int, experts: int, seed:
         raise ValueError("scenario 'replay' needs trace=<path to .npz with topk_ids>")
     path = Path(trace)
     try:
-        with np.load(path) as data:
+        data = np.load(path)
+        if not isinstance(data, np.lib.npyio.NpzFile):  # a .npy file loads as a bare array
+            raise ValueError("not an .npz archive: a single array, as numpy.save writes")
+        with data:
             ids = np.asarray(data["topk_ids"])
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:
         why = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip("'\"")

@@ -422,6 +422,10 @@ def test_replay_bad_files_name_the_path(tmp_path):
     np.savez(empty, topk_ids=np.zeros((0, 8, 6), dtype=np.int32))
     with pytest.raises(ValueError, match=str(empty)):
         scenario_topk_ids("replay", 1, 6, 384, trace=empty)
+    plain = tmp_path / "plain.npy"  # numpy.save: one bare array, not an archive (was a TypeError)
+    np.save(plain, np.zeros((2, 8, 6), dtype=np.int64))
+    with pytest.raises(ValueError, match="not an .npz archive"):
+        scenario_topk_ids("replay", 1, 6, 384, trace=plain)
 
 
 def test_scenario_bad_input():

@@ -81,7 +81,7 @@ class Backend(abc.ABC):
     def default_alias(self, shape: RankShape) -> str | None:
         """The other offered tactic that "default" runs for `shape` (the same
         computation under its own name), or None when "default" is not one of
-        them. `--tactics all` then times it once, under that name. Default: None."""
+        them. `--tactics all` then times it once, as "default". Default: None."""
         return None
 
     def tactic_unavailable_reason(self, shape: RankShape, tactic: str, device: torch.device | str) -> str | None:

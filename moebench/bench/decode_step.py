@@ -215,6 +215,11 @@ def _validate(config: StepConfig, dev: torch.device) -> None:
     reduced, names = _selection(config, dev)
     check_backend_names(names)
     check_tactic_names(config, names, loaded_backends(names), reduced=reduced)
+    if "replay" in config.scenarios:  # a bad --trace fails here, not in every rank (the CPU routings are cheap)
+        for preset in config.presets:
+            shape = config.config_for(preset, reduced=reduced).shard(config.tp[0])
+            for rows in config.rows:
+                scenario_topk_ids("replay", rows, shape.top_k, shape.experts, config.seed, config.trace)
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -899,7 +904,10 @@ def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str
         part = scratch / f"rank-{rank}.parquet"
         frames[rank] = pd.read_parquet(part) if part.exists() else None
         error = None
-        if p.exitcode != 0:
+        # a rank that reported its results (info, no error) and was stopped while it shut down
+        # (the timeout, or a peer's death) finished its work: not a failure
+        finished = bool(info.get("info")) and not info.get("error")
+        if p.exitcode != 0 and not (finished and p.exitcode is not None and p.exitcode < 0):
             killed = p.exitcode is not None and p.exitcode < 0
             why = info.get("error") or (stopped if killed and stopped else f"killed by signal {-p.exitcode}"
                                         if killed else f"exit code {p.exitcode}")  # fmt: skip

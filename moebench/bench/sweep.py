@@ -373,9 +373,11 @@ def expand_all_tactics(cases: list[Case], backends: dict[str, Backend]) -> list[
     offers for the case's shape: also for a backend that loaded but cannot
     run here (each such case is then skipped with the reason, so the run
     lists what the backend offers); just "default" for one that did not load.
-    "default" is left out where it only names another tactic the cases
-    hold, from "all" or listed (`Backend.default_alias`: torch-bf16's
-    "grouped"), so that one kernel is not timed twice; the same tactic
+    Where "default" and the tactic it only names (`Backend.default_alias`:
+    torch-bf16's "grouped") are both held, from "all" or listed, that tactic
+    is left out, so one kernel is not timed twice and is stored as
+    "default" however the list was spelled (a baseline recorded with
+    `--tactics all` matches one recorded with the default); the same tactic
     is not repeated either. Order is kept."""
     out: list[Case] = []
     held: set[Case] = set()
@@ -392,7 +394,8 @@ def expand_all_tactics(cases: list[Case], backends: dict[str, Backend]) -> list[
             if c not in held:
                 held.add(c)
                 out.append(c)
-    return [c for c in out if c.tactic != DEFAULT_TACTIC or replace(c, tactic=_alias(backends, c)) not in held]
+    return [c for c in out if c.tactic in (DEFAULT_TACTIC, ALL_TACTICS) or c.tactic != _alias(backends, c)
+            or replace(c, tactic=DEFAULT_TACTIC) not in held]  # fmt: skip
 
 
 def _alias(backends: dict[str, Backend], case: Case) -> str | None:
