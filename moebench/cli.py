@@ -11,15 +11,20 @@
                       routed experts, finalize; --tp N: N ranks with the all-reduce)
 
 User errors print one red line and exit 2; failed checks, regressions
-beyond --fail-above and unwritable outputs exit 1.
+beyond --fail-above and unwritable outputs exit 1. A sweep or step
+interrupted by Ctrl-C or SIGTERM stores the cases it measured (the rest
+skipped, the manifest marked "interrupted") and exits 130 / 143.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import shlex
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import typer
@@ -386,6 +391,7 @@ def sweep(
 
     if reduced:
         console.print(f"[yellow]{escape_markup(note)}[/yellow]")
+    signals: list[int] = []
     try:
         with Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -396,9 +402,13 @@ def sweep(
             def progress(done: int, total: int, case, status: str) -> None:
                 bar.update(task, completed=done, total=total, description=f"{case.label()}: {status}")
 
-            result = run_sweep(config, progress=progress)
+            with _terminate_interrupts() as signals:
+                result = run_sweep(config, progress=progress)
     except (ValueError, TypeError) as error:
         raise _fail(_option_message(error)) from None
+    except KeyboardInterrupt:  # before the first case was measured (the run keeps what it measured)
+        raise _fail("interrupted before any case was measured; nothing stored",
+                    128 + (signals[-1] if signals else signal.SIGINT)) from None
 
     manifest = {**result.manifest, "command": shlex.join(["moebench", *sys.argv[1:]])}
     try:
@@ -412,7 +422,43 @@ def sweep(
         f"copy bandwidth {result.manifest['copy_bw_gbps']:.1f} GB/s"
     )
     console.print(f"run stored in [bold]{path}[/bold]")
+    _fail_if_interrupted(result.frame, result.manifest, path, signals)
     _fail_unless_every_case_passed(result.frame, path)
+
+
+@contextlib.contextmanager
+def _terminate_interrupts():
+    """Within: SIGTERM raises KeyboardInterrupt as Ctrl-C does (main thread
+    only), so that a sweep or step killed by a job runner keeps its measured
+    cases. Yields the list of signals received (SIGINT for a Ctrl-C is seen
+    only as the interrupt: an interrupted run with none listed was Ctrl-C)."""
+    seen: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield seen
+        return
+
+    def terminate(signum, frame):
+        seen.append(signum)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield seen
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _fail_if_interrupted(frame, manifest: dict, path, signals: list[int]) -> None:
+    """After an interrupted run was stored at `path`: exit 128 + the signal
+    (130 for Ctrl-C, 143 for SIGTERM), saying how many cases were measured."""
+    if not manifest.get("interrupted"):
+        return
+    from moebench.bench.sweep import INTERRUPTED
+
+    reached = int((frame["error"].astype(str) != INTERRUPTED).sum())
+    signum = signals[-1] if signals else signal.SIGINT
+    raise _fail(f"interrupted ({signal.Signals(signum).name}): {reached} of {len(frame)} cases ran; the rest are"
+                f" stored as skipped in {path}", 128 + signum)
 
 
 def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s) -> None:
@@ -629,6 +675,7 @@ def step(
     console.print(f"decode step, TP{tp}: {where}")
     if reduced:
         console.print(f"[yellow]{escape_markup(note)}[/yellow]")
+    signals: list[int] = []
     try:
         with Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -639,9 +686,13 @@ def step(
             def progress(done: int, total: int, label_: str, status: str) -> None:
                 bar.update(task, completed=done, total=total, description=f"{label_}: {status}")
 
-            result = run_step(config, progress=progress, timeout_s=timeout)
+            with _terminate_interrupts() as signals:
+                result = run_step(config, progress=progress, timeout_s=timeout)
     except (ValueError, TypeError) as error:
         raise _fail(_option_message(error)) from None
+    except KeyboardInterrupt:  # before the first case was measured (the run keeps what it measured)
+        raise _fail("interrupted before any case was measured; nothing stored",
+                    128 + (signals[-1] if signals else signal.SIGINT)) from None
 
     manifest = {**result.manifest, "command": shlex.join(["moebench", *sys.argv[1:]])}
     tables = {"ranks": result.ranks} if result.ranks is not None else None
@@ -653,6 +704,7 @@ def step(
     counts = result.frame["status"].value_counts().to_dict()
     console.print(f"{counts.get('ok', 0)} ok, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped")
     console.print(f"run stored in [bold]{path}[/bold]")
+    _fail_if_interrupted(result.frame, result.manifest, path, signals)
     dead = [w for w in manifest.get("workers") or [] if w.get("error")]
     if dead:
         raise _fail("; ".join(w["error"] for w in dead) + f" (their cases are stored as failed in {path})", 1)
@@ -876,6 +928,8 @@ def report(
             out.mkdir(parents=True, exist_ok=True)  # a report that cannot be written is not a verdict
         except OSError as error:
             raise _fail(f"--out: cannot create {out}: {error.strerror or error}") from None
+    page = target.parent / "report.html"
+    earlier_html = page.exists() or page.is_symlink()  # an earlier report's plots may stand beside it
     try:  # --force replaces a link itself, never the file it points to (which may be anywhere)
         for path in taken:
             if path.is_symlink():
@@ -916,7 +970,7 @@ def report(
             plots = f"{len(paths) - 1} plots" if len(paths) > 1 else "no plots: no case was timed or failed"
             console.print(f"wrote [bold]{paths[0]}[/bold] ({plots})")
         if force:
-            _remove_stale_report_files(target.parent, [target, *paths])
+            _remove_stale_report_files(target.parent, [target, *paths], earlier_html)
     except OSError as error:  # exit 1, as the module docstring and docs/ci.md say: not a usage error
         raise _fail(f"cannot write the report under {target.parent}: {error}", 1) from None
     if comparison is None:
@@ -953,13 +1007,17 @@ def _case_list(frame, most: int = 5) -> str:
     return "; ".join(names) + (f"; and {more} more (see the report)" if more > 0 else "")
 
 
-def _remove_stale_report_files(out: Path, written: list[Path]) -> None:
+def _remove_stale_report_files(out: Path, written: list[Path], earlier_html: bool) -> None:
     """`report --force`: remove the files of an earlier report in `out` that
     this report did not write (`written`), so that none of its plots stands
     beside the new report (compare.png after a report without --baseline,
     report.html after --no-html). Only the report's own names (HTML_FILES)
-    are touched, and only files or links: whatever else is in `out` stays.
-    Raises OSError from the file system."""
+    are touched, only files or links, and only where `out` held an earlier
+    HTML report (`earlier_html`, looked up before this one was written):
+    without one, same-named files are the user's. Whatever else is in `out`
+    stays. Raises OSError from the file system."""
+    if not earlier_html:
+        return
     from moebench.reports.html import HTML_FILES
 
     names = {p.name for p in written}
@@ -983,7 +1041,8 @@ def _check_out_dir(out: Path, run_dir: Path) -> None:
     from moebench.reports.store import MANIFEST, RESULTS, enclosing_run
 
     run = enclosing_run(out)
-    itself = run is not None and enclosing_run(out.parent) != run  # out is a run, not a folder inside one
+    itself = run is not None and enclosing_run(out.absolute().parent) != run  # a run, not a folder inside one
+    # (absolute first: Path(".").parent is "." itself, so `--out .` inside RUN_DIR read as inside a run)
     if run is not None and not (itself and run == enclosing_run(run_dir)):
         where = "a stored run directory" if itself else f"inside a stored run directory, {run}"
         raise ValueError(f"--out: {out} is {where} (it holds {RESULTS} and {MANIFEST}); give a directory outside"

@@ -462,6 +462,10 @@ def test_report_out_that_is_or_is_inside_a_run_directory_is_refused(tmp_path):
     assert result.exit_code == 2 and "without --out the report goes into RUN_DIR" in result.output.replace("\n", " ")
     same = runner.invoke(app, ["report", str(cur), "--out", str(cur)])
     assert same.exit_code == 0 and (cur / "report.html").exists(), same.output  # = no --out
+    with pytest.MonkeyPatch.context() as mp:  # the same, spelled from inside it (Path(".").parent is ".")
+        mp.chdir(cur)
+        here = runner.invoke(app, ["report", str(cur), "--out", ".", "--force"])
+    assert here.exit_code == 0, here.output
     ok = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--out", str(tmp_path / "runs" / "r")])
     assert ok.exit_code == 0, ok.output  # beside the runs is fine
 
@@ -515,6 +519,15 @@ def test_report_force_removes_the_files_of_an_earlier_report_it_does_not_write(t
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in out.iterdir()) == sorted(["summary.md", *mine])
     assert {name: (out / name).read_text() for name in mine} == mine
+
+    # files that only share a plot's name, with no earlier HTML report beside them, are the user's
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    for name in ("summary.md", "compare.png", "speedup.png"):
+        (theirs / name).write_text("mine")
+    result = runner.invoke(app, ["report", str(cur), "--out", str(theirs), "--force"])
+    assert result.exit_code == 0 and "removed" not in result.output, result.output
+    assert (theirs / "compare.png").read_text() == "mine" and (theirs / "speedup.png").read_text() == "mine"
 
 
 def test_sweep_tactics_all_expands_per_backend(tmp_path):

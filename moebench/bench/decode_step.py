@@ -98,7 +98,7 @@ from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_g
 from moebench.bench.cases import CPU_BACKENDS, SweepConfig, expand_cases, rotation_bytes, unique_bytes, unique_experts
 from moebench.bench.shard import MULTICAST_OFF, free_port, gpu_serial, gpu_uuid, visible_gpu_count, worker_env
 from moebench.bench.sweep import (
-    ALL_TACTICS, COLUMNS, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
+    ALL_TACTICS, COLUMNS, INTERRUPTED, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
     canonical_bytes, check_backend_names, check_tactic_names, expand_all_tactics, forced_layers_error, layer_count,
     loaded_backends,
     skip_reason, timing_counts, timing_counts_used, timing_methods,
@@ -345,14 +345,27 @@ def run_rank(
             "seed": config.seed, "kind": "step", "ranks": world, "rank": rank,
             "gpu_index": dev.index if dev.type == "cuda" else None}  # fmt: skip
     groups = []
-    for preset in config.presets:
-        cfg = config.config_for(preset, reduced=reduced)
-        pairs = list(dict.fromkeys((c.backend, c.tactic) for c in cases if c.config == cfg))
-        groups.append(_run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, reasons,
-                                  base, record))  # fmt: skip
-        _release(dev)
+    interrupted = False
+    try:
+        for preset in config.presets:
+            cfg = config.config_for(preset, reduced=reduced)
+            pairs = list(dict.fromkeys((c.backend, c.tactic) for c in cases if c.config == cfg))
+            groups.append(_run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, reasons,
+                                      base, record))  # fmt: skip
+            _release(dev)
+    except KeyboardInterrupt:
+        if world > 1:  # the launching process collects what the ranks delivered
+            raise
+        interrupted = True  # one rank here: the measured cases are kept, the rest skipped
+        have = {(r["preset"], r["rows"], r["scenario"], r["backend"], r["tactic"]) for r in rows_out}
+        for c in cases:
+            if (c.config.name, c.rows, c.scenario, c.backend, c.tactic) not in have:
+                rows_out.append(_row(base, c.config, c.config.shard(c.tp), c.rows, c.scenario, c.backend, c.tactic,
+                                     status="skipped", error=INTERRUPTED))  # fmt: skip
     info = {"copy_bw_gbps": copy_bw, "copy_bw_bytes": copy_bytes, "reduced": reduced, "backends": reasons,
             "groups": groups, "env": env, "rank": rank}  # fmt: skip
+    if interrupted:
+        info["interrupted"] = True
     return rows_out, info
 
 
@@ -702,6 +715,8 @@ def run_step(config: StepConfig, progress: ProgressFn | None = None, *, timeout_
         methods = timing_methods(frame)
         manifest = _manifest(config, info, devices=[str(dev)], timing_methods=methods,
                              timing_counts=timing_counts_used(config, methods))
+        if info.get("interrupted"):
+            manifest["interrupted"] = True
         return StepResult(frame, None, manifest)
     return launch_ranks(config, progress=progress, timeout_s=timeout_s)
 
@@ -812,7 +827,7 @@ def launch_ranks(
     _validate(config, dev)  # unknown backends or tactics fail here, not in every rank
     ctx = mp.get_context("spawn")
     procs = []
-    with _terminate_raises():  # a SIGTERM'd run stops its ranks and removes its scratch too
+    with _terminate_raises():  # SIGTERM as Ctrl-C: the ranks stopped, the scratch removed, the cases kept
         scratch = Path(tempfile.mkdtemp(prefix="moebench-step-"))
         try:
             port = free_port()
@@ -825,6 +840,10 @@ def launch_ranks(
             timed_out = _wait(procs, scratch, progress, timeout_s, poll_s)
             stopped = f"stopped after the {timeout_s:g} s timeout (--timeout)" if timed_out else None
             return _collect(config, procs, scratch, names, reduced, devices, stopped)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the ranks stopped, what rank 0 delivered is kept
+            _stop(procs)
+            return _collect(config, procs, scratch, names, reduced, devices, "stopped: interrupted",
+                            interrupted=True)  # fmt: skip
         except BaseException:
             _stop(procs)
             raise
@@ -834,17 +853,22 @@ def launch_ranks(
 
 @contextlib.contextmanager
 def _terminate_raises():
-    """Within: SIGTERM raises SystemExit(143) (in the main thread; elsewhere
-    nothing changes), so that cleanup in `finally` runs as it does for
-    Ctrl-C; the previous handler is restored on exit."""
+    """Within: SIGTERM raises KeyboardInterrupt, as Ctrl-C does (in the main
+    thread; elsewhere nothing changes), so that the ranks are stopped and
+    what they delivered is kept; the previous handler is called too (the
+    CLI's records the signal) and restored on exit."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
+    previous = signal.getsignal(signal.SIGTERM)
 
     def terminate(signum, frame):
-        raise SystemExit(128 + signum)
+        if callable(previous):
+            with contextlib.suppress(KeyboardInterrupt):
+                previous(signum, frame)
+        raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, terminate)
+    signal.signal(signal.SIGTERM, terminate)
     try:
         yield
     finally:
@@ -894,7 +918,8 @@ def _wait(procs, scratch: Path, progress, timeout_s, poll_s) -> bool:
     return timed_out
 
 
-def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str | None = None) -> StepResult:
+def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str | None = None, *,
+             interrupted: bool = False) -> StepResult:
     world = config.ranks
     frames, infos, workers = {}, {}, []
     for rank, p in enumerate(procs):
@@ -946,8 +971,9 @@ def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str
                     for tactic in want:
                         if (cfg.name, r, s, name, tactic) in have:
                             continue
+                        status, why = ("skipped", INTERRUPTED) if interrupted else ("failed", error)
                         missing.append(_row({"kind": "step", "ranks": world, "rank": 0, "seed": config.seed}, cfg,
-                                            shape, r, s, name, tactic, status="failed", error=error))  # fmt: skip
+                                            shape, r, s, name, tactic, status=status, error=why))  # fmt: skip
     if missing:
         parts.append(_frame(missing))
     frame = _frame(pd.concat(parts, ignore_index=True).to_dict("records")) if parts else _frame([])
@@ -969,6 +995,8 @@ def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str
                          timing_counts=timing_counts_used(config, methods),
                          rank_manifests=[{k: (i.get("info") or {}).get(k) for k in ("copy_bw_gbps", "groups")}
                                          for i in infos.values()])  # fmt: skip
+    if interrupted:
+        manifest["interrupted"] = True
     return StepResult(frame, ranks_frame, manifest)
 
 

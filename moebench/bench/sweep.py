@@ -175,12 +175,19 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+#: The note of a case a sweep or step did not reach because it was interrupted.
+INTERRUPTED = "not run: interrupted (Ctrl-C or SIGTERM) before this case"
+
+
 def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepResult:
     """Run every case of `config`; see the module docstring.
 
     progress(done, total, case, status) is called after each case.
     Raises TypeError for a bad config, ValueError for unknown backend names
-    or an unusable device; failures inside cases never raise.
+    or an unusable device; failures inside cases never raise. A
+    KeyboardInterrupt while measuring ends the sweep early: the measured
+    cases are returned, the others skipped (INTERRUPTED), and the manifest
+    says "interrupted": true.
     """
     if not isinstance(config, SweepConfig):
         raise TypeError(f"config must be a SweepConfig, got {type(config).__name__}")
@@ -226,12 +233,21 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
     group_keys = list(dict.fromkeys((c.config, c.tp) for c in cases))
     # The sweep's GPU made current (a no-op when it already is, e.g. in a
     # `--devices` worker): kernels launched through the driver API land in its context.
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        for cfg, tp in group_keys:
-            group = [c for c in cases if c.config == cfg and c.tp == tp]
-            info = _run_group(config, cfg.shard(tp), group, backends, reasons, dev, dinfo, copy_bw, base, emit)
-            groups_info.append({"preset": cfg.name, "tp": tp, **info})
-            _release(dev)
+    interrupted = False
+    try:
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            for cfg, tp in group_keys:
+                group = [c for c in cases if c.config == cfg and c.tp == tp]
+                info = _run_group(config, cfg.shard(tp), group, backends, reasons, dev, dinfo, copy_bw, base, emit)
+                groups_info.append({"preset": cfg.name, "tp": tp, **info})
+                _release(dev)
+    except KeyboardInterrupt:  # Ctrl-C (or SIGTERM, as the CLI maps it): the measured cases are kept
+        interrupted = True
+        done = set(placed)
+        for i, case in enumerate(cases):
+            if i not in done:
+                rows_out.append(_row(case, case.config.shard(case.tp), base, status="skipped", error=INTERRUPTED))
+                placed.append(i)
 
     rows_out = [row for _, row in sorted(zip(placed, rows_out), key=lambda pr: pr[0])]
     frame = _typed(pd.DataFrame(rows_out, columns=list(COLUMNS)))
@@ -257,6 +273,8 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
         "config": _jsonable(asdict(config)),
         **env,
     }
+    if interrupted:
+        manifest["interrupted"] = True
     return SweepResult(frame, manifest)
 
 

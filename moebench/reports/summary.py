@@ -220,6 +220,8 @@ def to_markdown(df: pd.DataFrame, manifest: dict, ranks: pd.DataFrame | None = N
     ]  # fmt: skip
     if manifest.get("reduced"):
         lines.append("- **reduced geometry on the CPU**: latencies are not representative of a GPU")
+    if manifest.get("interrupted"):
+        lines.append("- **interrupted** (Ctrl-C or SIGTERM): the cases it did not reach are skipped")
     if manifest.get("warm_l2"):
         lines.append("- warm L2: one weight set timed over and over")
     counts = df["status"].value_counts().to_dict() if "status" in df.columns else {}

@@ -438,3 +438,49 @@ def test_a_rank_stopped_after_it_reported_its_results_did_not_die(tmp_path):
     res = decode_step._collect(cfg, procs, tmp_path, ("torch-bf16",), True, None, "stopped after the 5 s timeout")
     errors = [w["error"] for w in res.manifest["workers"]]
     assert errors[0] is None and errors[1] == "rank 1 died: stopped after the 5 s timeout", errors
+
+
+def test_an_interrupted_step_keeps_the_cases_it_measured():
+    """One rank in this process: Ctrl-C keeps the measured cases, the rest
+    are skipped with the reason, and the manifest says so."""
+    from moebench.bench.sweep import INTERRUPTED
+
+    def progress(done, total, label, status):
+        if done == 1:
+            raise KeyboardInterrupt
+
+    cfg = step_config(**SMALL, tp=1, rows=(1, 2, 3), backends=("torch-bf16",), device="cpu", warmup=0, replays=2)
+    res = run_step(cfg, progress=progress)
+    assert res.manifest["interrupted"] is True
+    assert list(res.frame["status"]) == ["ok", "skipped", "skipped"]
+    assert (res.frame["error"].iloc[1:] == INTERRUPTED).all()
+
+
+def test_a_terminated_sweep_stores_what_it_measured(tmp_path):
+    """SIGTERM (a CI job cancelled, `timeout`) to `moebench sweep`: the run
+    is stored with the cases measured so far, and the exit code is 143."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = [a for a in SMALL_ARGS if a not in ("--replays", "2")] + ["--replays", "20"]  # ~9 s of cases
+    cmd = [sys.executable, "-m", "moebench", "sweep", *args, "--tp", "1,2,4,8", "--rows", "1-8",
+           "--backends", "torch-bf16,reference", "--out", str(tmp_path / "runs"), "--label", "t"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(6)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=120)[0]
+    if proc.returncode == 0:
+        pytest.skip("the sweep finished before the signal")
+    assert proc.returncode == 128 + signal.SIGTERM, out
+    if "interrupted before any case was measured" in out:
+        pytest.skip("the signal came before the first case (a slow machine)")
+    (run,) = (tmp_path / "runs").iterdir()
+    df, manifest = read_run(run)
+    assert manifest["interrupted"] is True and len(df) == 2 * 4 * 8
+    assert "interrupted (SIGTERM)" in " ".join(out.split()) and json.dumps(manifest)
+    rep = runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "rep"), "--no-html"])
+    assert rep.exit_code == 0 and "**interrupted**" in (tmp_path / "rep" / "summary.md").read_text(), rep.output

@@ -415,3 +415,22 @@ def test_one_pair_is_prepared_at_a_time_and_the_frame_keeps_case_order(monkeypat
     assert (df["status"] == "ok").all() and (df["layers"] == 2).all()
     (group,) = result.manifest["groups"]
     assert group["layers_per_backend"] == {"torch-bf16:default": 2, "torch-bf16:gather": 2}
+
+
+def test_an_interrupted_sweep_keeps_the_cases_it_measured():
+    """Ctrl-C (or SIGTERM, which the CLI maps to it) threw away every
+    measured case; now the sweep returns them, the cases it did not reach
+    are skipped with the reason, and the manifest says it was interrupted."""
+    from moebench.bench.sweep import INTERRUPTED
+
+    def progress(done, total, case, status):
+        if done == 2:
+            raise KeyboardInterrupt
+
+    cfg = SweepConfig(backends=("torch-bf16",), **{k: v for k, v in TINY.items() if k != "rows"}, rows=(1, 2, 3, 4))
+    result = run_sweep(cfg, progress=progress)
+    df = result.frame
+    assert result.manifest["interrupted"] is True
+    assert list(df["rows"]) == [1, 2, 3, 4] and list(df["status"]) == ["ok", "ok", "skipped", "skipped"]
+    assert (df["error"].iloc[2:] == INTERRUPTED).all()
+    assert "interrupted" not in run_sweep(cfg).manifest

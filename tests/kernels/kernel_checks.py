@@ -30,8 +30,9 @@ _GLOBAL_ACCESS = re.compile(r"(@!?P\d+ )?(LDG|STG)")
 # list of specs. Prints one JSON report per spec.
 _CHILD = textwrap.dedent(
     """
-    import glob, json, os, re, sys, tempfile
+    import atexit, glob, json, os, re, shutil, sys, tempfile
     dump = tempfile.mkdtemp(prefix="moebench_sass_")
+    atexit.register(shutil.rmtree, dump, ignore_errors=True)  # the cubins and SASS are read before exit
     os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,sass", CUTE_DSL_DUMP_DIR=dump,
                       CUTE_DSL_COMPILER_OPT="remarks{ptx}")
     namespace = {}
