@@ -80,6 +80,13 @@ def _main(
     ),
 ) -> None:
     """Microbenchmarks and tuning for low-batch MXFP4 routed-expert MoE decode on Hopper."""
+    for stream in (sys.stdout, sys.stderr):  # an ASCII terminal: 'µs' and the box lines print as '?'
+        encoding = getattr(stream, "encoding", None) or "utf-8"
+        try:
+            "µ─".encode(encoding)
+        except (UnicodeEncodeError, LookupError):
+            with contextlib.suppress(AttributeError, ValueError):
+                stream.reconfigure(errors="replace")
 
 
 def parse_int_list(text: str, option: str, lo: int, hi: int) -> tuple[int, ...]:
@@ -136,18 +143,23 @@ def _option_message(error: Exception) -> str:
     match = re.match(r"(\w+) must\b", text)
     if match and match[1] in _FIELD_OPTIONS:
         return _FIELD_OPTIONS[match[1]] + text[len(match[1]) :]
-    if text.startswith("trace "):  # routing's replay trace: 'trace PATH: ...'
+    if text.startswith("trace ") and not text.startswith("trace (--trace)"):  # the replay trace: 'trace PATH: ...'
         return "--" + text
     return text
 
 
-def _check_out(out, option: str = "--out") -> None:
+def _check_out(out, option: str = "--out", *, runs: bool = False) -> None:
     """`out` must take files before anything is measured (a long run is never
     measured and then lost): exits with a usage error naming `option`, else
-    the directory exists. Call it after the other checks, so that a refused
-    command creates nothing."""
-    from moebench.reports.store import check_run_root
+    the directory exists. `runs`: `out` is where runs are stored, so it must
+    not be a stored run or lie inside one. Call it after the other checks,
+    so that a refused command creates nothing."""
+    from moebench.reports.store import check_run_root, enclosing_run
 
+    run = enclosing_run(out) if runs else None
+    if run is not None:  # a new run would be stored among another run's files
+        raise _fail(f"{option}: {out} is {'a stored run directory' if run == Path(out).resolve() else f'inside the stored run {run}'};"
+                    " give a directory outside any run")  # fmt: skip
     try:
         check_run_root(out)
     except (OSError, ValueError) as error:
@@ -384,7 +396,7 @@ def sweep(
             check_backend_names(backend_list)
     except (ValueError, TypeError) as error:
         raise _fail(_option_message(error)) from None
-    _check_out(out)  # last of the checks, before any case runs
+    _check_out(out, runs=True)  # last of the checks, before any case runs
     if gpus is not None:
         _sharded_sweep(config, gpus, backend_list, out, label, worker_timeout)
         return
@@ -668,7 +680,7 @@ def step(
         validate_step(config)  # unknown backends or tactics
     except (ValueError, TypeError) as error:
         raise _fail(_option_message(error)) from None
-    _check_out(out)  # last of the checks, before any rank runs
+    _check_out(out, runs=True)  # last of the checks, before any rank runs
 
     where = (f"{ranks} ranks on GPUs {', '.join(map(str, gpu_used))} (NCCL)" if ranks > 1 and dev.type == "cuda"
              else f"{ranks} ranks on the CPU (gloo)" if ranks > 1 else f"one rank on {dev}")  # fmt: skip
@@ -867,7 +879,7 @@ def report(
     fail_above: str = typer.Option(
         None, "--fail-above", help="Exit 1 when a case is slower than the baseline by more than this percentage"
         " ('5%' or '5'; a bare number is percent, so 0.05 means 0.05 %), failed, or lost (ok in the baseline,"
-        " skipped or absent now)."
+        " skipped or absent now). Without it the verdicts are judged at 5 % and only shown."
     ),
     out: Path = typer.Option(
         None, parser=_path, help="Where summary.md (and report.html + plots) go (default: the run directory)."

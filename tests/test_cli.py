@@ -669,8 +669,8 @@ def test_sweep_where_every_case_is_skipped_exits_nonzero(tmp_path):
         ("sweep", ["--replays", "0"], "--replays must be an int >= 1, got 0"),
         ("sweep", ["--warmup", "-1"], "--warmup must be"),
         ("sweep", ["--layers", "0"], "--layers must be"),
-        ("sweep", ["--layers", "3", "--warm-l2"], "--layers must not be set with warm_l2 (--warm-l2"),
-        ("step", ["--layers", "3", "--warm-l2"], "--layers must not be set with warm_l2 (--warm-l2"),
+        ("sweep", ["--layers", "3", "--warm-l2"], "--layers must not be set with --warm-l2 (which times"),
+        ("step", ["--layers", "3", "--warm-l2"], "--layers must not be set with --warm-l2 (which times"),
         ("sweep", ["--seed", "-1"], "--seed must be"),
         ("sweep", ["--seed", "18446744073709551615"], "--seed must be an int in [0, 4294967295]"),
         ("step", ["--seed", "4294967296"], "--seed must be an int in [0, 4294967295]"),
@@ -838,3 +838,32 @@ def test_an_empty_path_is_a_usage_error_naming_the_option(tmp_path, monkeypatch,
     text = " ".join(result.output.split())
     assert f"Invalid value for {option}" in text and "the path is empty" in text
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_ascii_terminal_gets_the_tables_not_a_traceback(tmp_path):
+    """With an ASCII stdout (PYTHONIOENCODING=ascii, or LANG=C without
+    UTF-8 mode) the 'µs' of a table header raised UnicodeEncodeError after
+    the run was stored, and exited 1."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    proc = subprocess.run([sys.executable, "-m", "moebench", "sweep", *TINY, "--backends", "torch-bf16",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "run stored in" in proc.stdout and "?s" in proc.stdout  # the µ of 'µs', replaced
+
+
+def test_a_run_is_not_stored_inside_another_run(tmp_path):
+    """`sweep --out RUN` nested the new run among the files of a stored one
+    (report refused the same); sweep and step now refuse it, naming --out."""
+    result = runner.invoke(app, ["sweep", *TINY, "--backends", "torch-bf16", "--out", str(tmp_path / "runs")])
+    assert result.exit_code == 0, result.output
+    (run,) = (tmp_path / "runs").iterdir()
+    for command in ("sweep", "step"):
+        for out in (run, run / "sub"):
+            result = runner.invoke(app, [command, *TINY, "--backends", "torch-bf16", "--out", str(out)])
+            message = " ".join(result.output.split())
+            assert result.exit_code == 2 and f"--out: {out} is" in message and "outside any run" in message, message
+    assert sorted(p.name for p in run.iterdir()) == ["manifest.json", "results.parquet"]

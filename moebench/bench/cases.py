@@ -151,7 +151,7 @@ class SweepConfig:
             raise ValueError(f"replays must be an int >= 1, got {self.replays!r}")
         check_layers(self.layers)
         if self.layers is not None and self.warm_l2 is True:
-            raise ValueError(f"layers must not be set with warm_l2 (--warm-l2 times one weight set with the L2"
+            raise ValueError(f"layers must not be set with --warm-l2 (which times one weight set with the L2"
                              f" warm), got {self.layers}: drop one of them")
         if not isinstance(self.split, bool):
             raise TypeError(f"split must be a bool, got {type(self.split).__name__}")

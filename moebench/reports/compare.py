@@ -415,7 +415,7 @@ def compare_runs(
                           " says which run had fewer)")  # fmt: skip
             elif timed_with == {"cpu-wallclock"}:  # no GPU: eager timing, which more --replays cannot steady
                 advice = ("these are CPU wall-clock times, too noisy for this threshold: compare runs timed on a"
-                          " GPU (cuda-graph), or raise --fail-above")  # fmt: skip
+                          f" GPU (cuda-graph), or give a higher --fail-above ({threshold_pct:g} % now)")  # fmt: skip
             else:
                 advice = "re-run with more --replays on a quiet GPU"
             why = _unclear_why(unclear_notes, threshold_pct)

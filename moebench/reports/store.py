@@ -82,11 +82,11 @@ def check_run_root(root: str | Path) -> Path:
 
 def run_dir_name(label: str, when: datetime | None = None) -> str:
     """'<UTC date>-<label>'; raises ValueError for a label that is not
-    1-100 characters of letters, digits, '.', '_' or '-' (starting with a
+    1-100 characters of ASCII letters, digits, '.', '_' or '-' (starting with a
     letter or digit)."""
     if not isinstance(label, str) or not _LABEL.match(label):
         raise ValueError(
-            f"label must be 1-100 characters of letters, digits, '.', '_' or '-', got {label!r}"
+            f"label must be 1-100 characters of ASCII letters, digits, '.', '_' or '-', got {label!r}"
         )
     when = when or datetime.now(timezone.utc)
     return f"{when.astimezone(timezone.utc):%Y-%m-%d}-{label}"
