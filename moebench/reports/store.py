@@ -212,6 +212,8 @@ def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
                                 f" {MANIFEST})")  # fmt: skip
     results, manifest_path = path / RESULTS, path / MANIFEST
     for f in (results, manifest_path):
+        if f.exists() and not f.is_file():
+            raise FileNotFoundError(f"{f} is not a file (a run directory holds the files {RESULTS} and {MANIFEST})")
         if not f.is_file():
             raise FileNotFoundError(f"{f} is missing (not a moebench run directory?)")
     try:
@@ -231,7 +233,14 @@ def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
     for col in _NUMERIC_COLUMNS:
         if col in df.columns and not (pd.api.types.is_numeric_dtype(df[col]) or df[col].isna().all()):
             raise ValueError(f"{results}: column {col!r} must be numeric, got {df[col].dtype}")
+    unknown = sorted(set(df["status"].astype(str)) - set(STATUSES))
+    if unknown:
+        raise ValueError(f"{results}: column 'status' holds {unknown}; expected one of {list(STATUSES)}")
     return df, manifest
+
+
+#: A case's status in a stored run.
+STATUSES = ("ok", "failed", "skipped")
 
 
 #: Manifest entries the reports read as objects, and results columns they compute with.

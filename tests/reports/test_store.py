@@ -80,6 +80,13 @@ def test_read_errors_name_the_path(tmp_path):
     (path / "results.parquet").unlink()
     with pytest.raises(FileNotFoundError, match="results.parquet"):
         read_run(path)
+    (path / "results.parquet").mkdir()  # said "is missing"
+    with pytest.raises(FileNotFoundError, match="results.parquet is not a file"):
+        read_run(path)
+    (path / "results.parquet").rmdir()
+    frame().assign(status=["ok", "weird"]).to_parquet(path / "results.parquet")  # a hand edit
+    with pytest.raises(ValueError, match=r"'status' holds \['weird'\]"):
+        read_run(path)
 
 
 def test_run_directories_get_the_usual_permissions_not_0700(tmp_path):
