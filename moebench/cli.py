@@ -24,7 +24,6 @@ import re
 import shlex
 import signal
 import sys
-import threading
 from pathlib import Path
 
 import typer
@@ -33,6 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
+from moebench.bench.interrupt import INTERRUPTED, sigterm_as_interrupt  # torch-free too
 
 app = typer.Typer(
     name="moebench",
@@ -154,12 +154,12 @@ def _check_out(out, option: str = "--out", *, runs: bool = False) -> None:
     the directory exists. `runs`: `out` is where runs are stored, so it must
     not be a stored run or lie inside one. Call it after the other checks,
     so that a refused command creates nothing."""
-    from moebench.reports.store import check_run_root, enclosing_run
+    from moebench.reports.store import check_run_root
 
-    run = enclosing_run(out) if runs else None
+    run, itself = _run_at(out) if runs else (None, False)
     if run is not None:  # a new run would be stored among another run's files
-        raise _fail(f"{option}: {out} is {'a stored run directory' if run == Path(out).resolve() else f'inside the stored run {run}'};"
-                    " give a directory outside any run")  # fmt: skip
+        where = "a stored run directory" if itself else f"inside the stored run {run}"
+        raise _fail(f"{option}: {out} is {where}; give a directory outside any run")
     try:
         check_run_root(out)
     except (OSError, ValueError) as error:
@@ -414,7 +414,7 @@ def sweep(
             def progress(done: int, total: int, case, status: str) -> None:
                 bar.update(task, completed=done, total=total, description=f"{case.label()}: {status}")
 
-            with _terminate_interrupts() as signals:
+            with sigterm_as_interrupt() as signals:
                 result = run_sweep(config, progress=progress)
     except (ValueError, TypeError) as error:
         raise _fail(_option_message(error)) from None
@@ -438,35 +438,11 @@ def sweep(
     _fail_unless_every_case_passed(result.frame, path)
 
 
-@contextlib.contextmanager
-def _terminate_interrupts():
-    """Within: SIGTERM raises KeyboardInterrupt as Ctrl-C does (main thread
-    only), so that a sweep or step killed by a job runner keeps its measured
-    cases. Yields the list of signals received (SIGINT for a Ctrl-C is seen
-    only as the interrupt: an interrupted run with none listed was Ctrl-C)."""
-    seen: list[int] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield seen
-        return
-
-    def terminate(signum, frame):
-        seen.append(signum)
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield seen
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _fail_if_interrupted(frame, manifest: dict, path, signals: list[int]) -> None:
     """After an interrupted run was stored at `path`: exit 128 + the signal
     (130 for Ctrl-C, 143 for SIGTERM), saying how many cases were measured."""
     if not manifest.get("interrupted"):
         return
-    from moebench.bench.sweep import INTERRUPTED
-
     reached = int((frame["error"].astype(str) != INTERRUPTED).sum())
     signum = signals[-1] if signals else signal.SIGINT
     raise _fail(f"interrupted ({signal.Signals(signum).name}): {reached} of {len(frame)} cases ran; the rest are"
@@ -698,7 +674,7 @@ def step(
             def progress(done: int, total: int, label_: str, status: str) -> None:
                 bar.update(task, completed=done, total=total, description=f"{label_}: {status}")
 
-            with _terminate_interrupts() as signals:
+            with sigterm_as_interrupt() as signals:
                 result = run_step(config, progress=progress, timeout_s=timeout)
     except (ValueError, TypeError) as error:
         raise _fail(_option_message(error)) from None
@@ -1044,6 +1020,16 @@ def _remove_stale_report_files(out: Path, written: list[Path], earlier_html: boo
                       f" {'it' if len(removed) == 1 else 'them'})")  # fmt: skip
 
 
+def _run_at(path) -> tuple[Path | None, bool]:
+    """(the stored run directory `path` is or lies inside, else None;
+    whether it is that run itself rather than a folder inside it)."""
+    from moebench.reports.store import enclosing_run
+
+    run = enclosing_run(path)
+    # absolute first: Path(".").parent is "." itself, so `--out .` inside a run read as inside it
+    return run, run is not None and enclosing_run(Path(path).absolute().parent) != run
+
+
 def _check_out_dir(out: Path, run_dir: Path) -> None:
     """Raise ValueError naming --out unless it is a directory or can be made
     one, outside every stored run directory (the baseline's, a folder inside
@@ -1052,9 +1038,7 @@ def _check_out_dir(out: Path, run_dir: Path) -> None:
     `report` creates --out once every check passed."""
     from moebench.reports.store import MANIFEST, RESULTS, enclosing_run
 
-    run = enclosing_run(out)
-    itself = run is not None and enclosing_run(out.absolute().parent) != run  # a run, not a folder inside one
-    # (absolute first: Path(".").parent is "." itself, so `--out .` inside RUN_DIR read as inside a run)
+    run, itself = _run_at(out)
     if run is not None and not (itself and run == enclosing_run(run_dir)):
         where = "a stored run directory" if itself else f"inside a stored run directory, {run}"
         raise ValueError(f"--out: {out} is {where} (it holds {RESULTS} and {MANIFEST}); give a directory outside"

@@ -78,9 +78,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import signal
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -96,9 +94,10 @@ from moebench.backends.base import DEFAULT_TACTIC, BackendUnavailable
 from moebench.backends.registry import backend_names, load_backend
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
 from moebench.bench.cases import CPU_BACKENDS, SweepConfig, expand_cases, rotation_bytes, unique_bytes, unique_experts
+from moebench.bench.interrupt import INTERRUPTED, sigterm_as_interrupt
 from moebench.bench.shard import MULTICAST_OFF, free_port, gpu_serial, gpu_uuid, visible_gpu_count, worker_env
 from moebench.bench.sweep import (
-    ALL_TACTICS, COLUMNS, INTERRUPTED, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
+    ALL_TACTICS, COLUMNS, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
     canonical_bytes, check_backend_names, check_tactic_names, expand_all_tactics, forced_layers_error, layer_count,
     loaded_backends,
     skip_reason, timing_counts, timing_counts_used, timing_methods,
@@ -827,7 +826,7 @@ def launch_ranks(
     _validate(config, dev)  # unknown backends or tactics fail here, not in every rank
     ctx = mp.get_context("spawn")
     procs = []
-    with _terminate_raises():  # SIGTERM as Ctrl-C: the ranks stopped, the scratch removed, the cases kept
+    with sigterm_as_interrupt():  # SIGTERM as Ctrl-C: the ranks stopped, the scratch removed, the cases kept
         scratch = Path(tempfile.mkdtemp(prefix="moebench-step-"))
         try:
             port = free_port()
@@ -849,30 +848,6 @@ def launch_ranks(
             raise
         finally:
             shutil.rmtree(scratch, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _terminate_raises():
-    """Within: SIGTERM raises KeyboardInterrupt, as Ctrl-C does (in the main
-    thread; elsewhere nothing changes), so that the ranks are stopped and
-    what they delivered is kept; the previous handler is called too (the
-    CLI's records the signal) and restored on exit."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def terminate(signum, frame):
-        if callable(previous):
-            with contextlib.suppress(KeyboardInterrupt):
-                previous(signum, frame)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _stop(procs) -> None:

@@ -62,6 +62,7 @@ from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_g
 from moebench.bench.cases import (
     CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes, unique_experts,
 )
+from moebench.bench.interrupt import INTERRUPTED
 from moebench.bench.timing import time_graph
 from moebench.env import environment, resolve_device
 from moebench.formats import generate_activations, generate_expert_weights
@@ -173,10 +174,6 @@ def _release(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
-
-
-#: The note of a case a sweep or step did not reach because it was interrupted.
-INTERRUPTED = "not run: interrupted (Ctrl-C or SIGTERM) before this case"
 
 
 def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepResult:

@@ -443,7 +443,7 @@ def test_a_rank_stopped_after_it_reported_its_results_did_not_die(tmp_path):
 def test_an_interrupted_step_keeps_the_cases_it_measured():
     """One rank in this process: Ctrl-C keeps the measured cases, the rest
     are skipped with the reason, and the manifest says so."""
-    from moebench.bench.sweep import INTERRUPTED
+    from moebench.bench.interrupt import INTERRUPTED
 
     def progress(done, total, label, status):
         if done == 1:

@@ -421,7 +421,7 @@ def test_an_interrupted_sweep_keeps_the_cases_it_measured():
     """Ctrl-C (or SIGTERM, which the CLI maps to it) threw away every
     measured case; now the sweep returns them, the cases it did not reach
     are skipped with the reason, and the manifest says it was interrupted."""
-    from moebench.bench.sweep import INTERRUPTED
+    from moebench.bench.interrupt import INTERRUPTED
 
     def progress(done, total, case, status):
         if done == 2:
