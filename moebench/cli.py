@@ -274,9 +274,13 @@ def _cell(col: str, v) -> str:
 
 
 def _fmt(value, digits: int = 1) -> str:
+    """`value` with `digits` decimals; a nonzero value those decimals would
+    show as 0 keeps two significant digits (a CPU run's 0.024 GB/s, not 0.0)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if isinstance(value, float):
+        if value != 0 and abs(value) < 0.5 * 10.0**-digits:
+            return f"{value:.2g}"
         return f"{value:.{digits}f}"
     return str(value)
 
@@ -456,8 +460,9 @@ def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s)
     from moebench.reports.summary import summary_table
 
     console.print(f"sweep over GPUs {', '.join(map(str, gpus))}: one worker process each")
+    signals: list[int] = []
     try:
-        with Progress(
+        with sigterm_as_interrupt() as signals, Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), console=console, transient=True,
         ) as bar:  # fmt: skip
@@ -471,6 +476,9 @@ def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s)
         raise _fail(_option_message(error)) from None
     except OSError as error:
         raise _fail(f"cannot write the run under {out}: {error}", 1) from None
+    except KeyboardInterrupt:  # outside the workers' run (planning, merging): nothing was stored
+        raise _fail("interrupted while starting or storing the sweep; nothing stored",
+                    128 + (signals[-1] if signals else signal.SIGINT)) from None
     frame, manifest = read_run(path)
     _print_summary(summary_table(frame))
     counts = frame["status"].value_counts().to_dict()
@@ -481,8 +489,10 @@ def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s)
     )
     for w in manifest.get("workers") or []:
         console.print(f"  GPU {w['gpu_index']} ({w.get('gpu_serial') or 'serial unknown'}): {w['rows']} of"
-                      f" {w['cases']} cases" + (f" [red]{escape_markup(w['error'])}[/red]" if w.get("error") else ""))
+                      f" {w['cases']} cases" + (f" [red]{escape_markup(w['error'])}[/red]" if w.get("error") else "")
+                      + (" [yellow]interrupted[/yellow]" if w.get("interrupted") else ""))
     console.print(f"run stored in [bold]{path}[/bold]")
+    _fail_if_interrupted(frame, manifest, path, signals)
     dead = [w for w in manifest.get("workers") or [] if w.get("error")]
     if dead:
         raise _fail(f"{len(dead)} worker(s) died; their unfinished cases are stored as failed in {path}", 1)
@@ -866,13 +876,14 @@ def report(
         " overwritten, and those this report does not write are removed."
     ),
 ) -> None:
-    """Summarize a run (table, summary.md, report.html); with --baseline,
-    compare per case and, with --fail-above, exit 1 on a regression (a case
-    slower beyond the threshold, failed, or lost: ok in the baseline but
-    skipped or absent in RUN_DIR). A
-    comparison that cannot judge anything (a baseline recorded another way,
-    no case in common, every compared case unclear) exits 2 with the
-    reason, with or without --fail-above: it is never a pass."""
+    """Summarize a run; with --baseline, compare it per case.
+
+    Writes a table, summary.md and report.html. With --baseline and
+    --fail-above, exits 1 on a regression: a case slower beyond the
+    threshold, failed, or lost (ok in the baseline but skipped or absent in
+    RUN_DIR). A comparison that cannot judge anything (a baseline recorded
+    another way, no case in common, every compared case unclear) exits 2
+    with the reason, with or without --fail-above: it is never a pass."""
     from moebench.reports.compare import DEFAULT_THRESHOLD_PCT, compare_runs, comparison_markdown, parse_threshold
     from moebench.reports.html import report_files
     from moebench.reports.store import read_table

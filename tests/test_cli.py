@@ -867,3 +867,16 @@ def test_a_run_is_not_stored_inside_another_run(tmp_path):
             message = " ".join(result.output.split())
             assert result.exit_code == 2 and f"--out: {out} is" in message and "outside any run" in message, message
     assert sorted(p.name for p in run.iterdir()) == ["manifest.json", "results.parquet"]
+
+
+def test_table_numbers_keep_small_values_visible():
+    """A CPU run's 0.024 GB/s shows as 0.024, not 0.0; zero stays 0.0, NaN -."""
+    from moebench.cli import _fmt
+
+    assert _fmt(0.0243) == "0.024"
+    assert _fmt(0.0) == "0.0"
+    assert _fmt(12.34) == "12.3"
+    assert _fmt(0.004, 2) == "0.004"
+    assert _fmt(0.02, 2) == "0.02"
+    assert _fmt(float("nan")) == "-"
+    assert _fmt(None) == "-"

@@ -14,10 +14,13 @@ case runs on exactly one GPU:
 2. `launch_workers` starts one process per shard (spawn, never fork: CUDA),
    each writes its results piece by piece (atomic renames) into a scratch
    directory; a worker that dies (exception, signal, timeout) is reported
-   with its exit code and whatever it had finished is kept.
+   with its exit code and whatever it had finished is kept. Ctrl-C or
+   SIGTERM in the parent reaches every worker as an interrupt: each keeps
+   the cases it measured (run_sweep's own rule) and stops.
 3. `merge_results` joins the workers' frames, adds `gpu_index` / `gpu_serial`,
    and marks every case of a dead worker that has no row with status
-   "failed" and the worker's error, so the store is complete.
+   "failed" and the worker's error (of an interrupted one: "skipped",
+   `INTERRUPTED`), so the store is complete.
 4. `run_sharded_sweep` does 1-3 for a SweepConfig and writes one run with
    `store.write_run` (atomic: no half-written result file ever).
 
@@ -32,6 +35,7 @@ import math
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -44,6 +48,7 @@ from pathlib import Path
 import pandas as pd
 
 from moebench.bench.cases import Case, SweepConfig
+from moebench.bench.interrupt import INTERRUPTED, sigterm_as_interrupt
 
 #: Environment every worker gets: NVLink multicast off (DESIGN.md, device notes).
 MULTICAST_OFF = {
@@ -61,6 +66,12 @@ GPU_COLUMNS = ("gpu_index", "gpu_serial")
 #: Environment variables a worker's runner reports its progress through.
 PROGRESS_ENV = "MOEBENCH_WORKER_PROGRESS"
 PROGRESS_OFFSET_ENV = "MOEBENCH_WORKER_PROGRESS_OFFSET"
+#: Seconds an interrupted parent waits for its workers to store what they
+#: measured and exit: first for a Ctrl-C the workers saw themselves, then
+#: after passing the interrupt on (SIGTERM) before killing them.
+INTERRUPT_GRACE_S = (2.0, 60.0)
+#: Exit code of a worker that stopped on an interrupt (128 + SIGINT).
+INTERRUPTED_EXIT = 130
 #: Columns that identify a case in a result frame.
 CASE_KEY = ("preset", "tp", "rows", "scenario", "backend", "tactic")
 
@@ -294,13 +305,15 @@ class WorkerFrame:
 
 @dataclass
 class WorkerFailure:
-    """A worker that died: its GPU, the cases it owned, and why."""
+    """A worker that died, or stopped on an interrupt (`interrupted`; error
+    is then INTERRUPTED): its GPU, the cases it owned, and why."""
 
     rank: int
     gpu_index: int
     gpu_serial: str
     cases: list[Case]
     error: str
+    interrupted: bool = False
 
 
 @dataclass
@@ -308,6 +321,7 @@ class LaunchResult:
     frames: list[WorkerFrame]
     failures: list[WorkerFailure]
     workers: list[dict] = field(default_factory=list)  # per rank: exit code, error, counts
+    interrupted: bool = False  # the parent was interrupted (Ctrl-C / SIGTERM) and stopped the workers
 
 
 def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
@@ -326,31 +340,62 @@ def _worker_main(rank: int, env: dict, runner: CaseRunner, pieces: list[list[Cas
     info = {"rank": rank, "gpu_index": gpu, "gpu_serial": "", "gpu_uuid": "", "pid": os.getpid()}
     os.environ[PROGRESS_ENV] = str(out / f"worker-{rank}-progress.json")
     try:
-        if fake:
-            info["gpu_serial"], info["gpu_uuid"] = f"fake-{gpu}", f"GPU-fake-{gpu}"
-        else:
-            import torch
-
-            # As under torchrun: this rank's GPU is the current device, so every
-            # allocation, kernel launch and stream of the worker lands on it.
-            torch.cuda.set_device(gpu)
-            info["gpu_serial"], info["gpu_uuid"] = gpu_serial(gpu), gpu_uuid(gpu)
-        _write_atomic(out / f"worker-{rank}.json", lambda p: p.write_text(json.dumps(info)))
-        device = "cpu" if fake else f"cuda:{gpu}"
-        done = 0
-        for k, piece in enumerate(pieces):
-            os.environ[PROGRESS_OFFSET_ENV] = str(done)
-            frame = runner(piece, device)
-            _write_atomic(out / f"worker-{rank}-part-{k:04d}.parquet", lambda p: frame.to_parquet(p, index=False))
-            done += len(piece)
-            os.environ[PROGRESS_OFFSET_ENV] = str(done)
-            report_progress(0)
+        with sigterm_as_interrupt():  # the parent passes an interrupt on as SIGTERM
+            _worker_pieces(info, fake, gpu, runner, pieces, out, rank)
+    except KeyboardInterrupt:  # outside a case (run_sweep keeps the cases it measured itself)
+        _stopped_on_interrupt(info, out, rank)
+    except SystemExit:
+        raise
     except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit nonzero
         text = f"{type(error).__name__}: {error}".splitlines()[0][:500]
         info["error"] = text
         info["traceback"] = traceback.format_exc()[-4000:]
         _write_atomic(out / f"worker-{rank}.json", lambda p: p.write_text(json.dumps(info)))
         raise SystemExit(1) from None
+
+
+def _stopped_on_interrupt(info: dict, out: Path, rank: int) -> None:
+    """Record that worker `rank` stopped on an interrupt, and exit with
+    INTERRUPTED_EXIT (further signals ignored: the record must land)."""
+    _ignore_interrupts()
+    info["interrupted"] = True
+    _write_atomic(out / f"worker-{rank}.json", lambda p: p.write_text(json.dumps(info)))
+    raise SystemExit(INTERRUPTED_EXIT)
+
+
+def _ignore_interrupts() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def _worker_pieces(info: dict, fake: bool, gpu: int, runner: CaseRunner, pieces, out: Path, rank: int) -> None:
+    """The body of `_worker_main`: the GPU, then each piece's frame saved as
+    it is done; a piece that comes back interrupted (INTERRUPTED rows) is
+    saved and ends the worker (`_stopped_on_interrupt`)."""
+    if fake:
+        info["gpu_serial"], info["gpu_uuid"] = f"fake-{gpu}", f"GPU-fake-{gpu}"
+    else:
+        import torch
+
+        # As under torchrun: this rank's GPU is the current device, so every
+        # allocation, kernel launch and stream of the worker lands on it.
+        torch.cuda.set_device(gpu)
+        info["gpu_serial"], info["gpu_uuid"] = gpu_serial(gpu), gpu_uuid(gpu)
+    _write_atomic(out / f"worker-{rank}.json", lambda p: p.write_text(json.dumps(info)))
+    device = "cpu" if fake else f"cuda:{gpu}"
+    done = 0
+    for k, piece in enumerate(pieces):
+        os.environ[PROGRESS_OFFSET_ENV] = str(done)
+        frame = runner(piece, device)
+        stopped = "error" in frame.columns and bool((frame["error"].astype(str) == INTERRUPTED).any())
+        if stopped:  # store it without being interrupted again
+            _ignore_interrupts()
+        _write_atomic(out / f"worker-{rank}-part-{k:04d}.parquet", lambda p: frame.to_parquet(p, index=False))
+        if stopped:
+            _stopped_on_interrupt(info, out, rank)
+        done += len(piece)
+        os.environ[PROGRESS_OFFSET_ENV] = str(done)
+        report_progress(0)
 
 
 def report_progress(done: int) -> None:
@@ -403,9 +448,11 @@ def launch_workers(
     that raises, dies or outlives `timeout_s` (then it is terminated) becomes
     a WorkerFailure owning its cases that have no row. progress(done, total)
     is called every `poll_s` seconds with the cases finished so far (from
-    `report_progress` in the workers and finished pieces). If the parent is
-    interrupted (KeyboardInterrupt, any exception) the workers are terminated
-    before it re-raises. `runner` must be picklable (a module-level function)."""
+    `report_progress` in the workers and finished pieces). A KeyboardInterrupt
+    (Ctrl-C, or SIGTERM mapped to it) stops the workers the gentle way
+    (`_interrupt`: each stores what it measured) and the result says
+    `interrupted`; any other exception terminates them before it re-raises.
+    `runner` must be picklable (a module-level function)."""
     if len(shards) != len(devices):
         raise ValueError(f"{len(shards)} shards for {len(devices)} devices")
     scratch = Path(scratch)
@@ -416,6 +463,7 @@ def launch_workers(
     total = sum(len(s) for s in shards)
     procs = []
     timed_out = set()
+    interrupted = False
     try:
         for rank, (shard, gpu) in enumerate(zip(shards, devices)):
             env = worker_env(rank, world, master_port=port, gpu_index=gpu, base=base_env)
@@ -432,6 +480,9 @@ def launch_workers(
                 break
             alive = next(p for p in procs if p.is_alive())
             alive.join(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
+    except KeyboardInterrupt:
+        interrupted = True
+        _interrupt(procs)
     except BaseException:
         _stop(procs)
         raise
@@ -442,27 +493,57 @@ def launch_workers(
         progress(_progress_of(scratch, world), total)
 
     frames, failures, workers = [], [], []
-    for rank, (p, gpu) in enumerate(zip(procs, devices)):
+    for rank, gpu in enumerate(devices):
+        p = procs[rank] if rank < len(procs) else None  # None: interrupted before it was started
         info_path = scratch / f"worker-{rank}.json"
         info = json.loads(info_path.read_text()) if info_path.exists() else {}
         serial = info.get("gpu_serial", "")
         parts = sorted(scratch.glob(f"worker-{rank}-part-*.parquet"))
         frame = pd.concat([pd.read_parquet(f) for f in parts], ignore_index=True) if parts else pd.DataFrame()
         frames.append(WorkerFrame(rank, gpu, serial, frame))
+        exitcode = p.exitcode if p is not None else None
         error = None
+        stopped = bool(info.get("interrupted")) or (interrupted and exitcode != 0)
         if rank in timed_out:
             error = f"worker {rank} (GPU {gpu}) timed out after {timeout_s:g} s and was terminated"
-        elif p.exitcode != 0:
+        elif exitcode != 0 and not stopped:
             why = info.get("error") or (
-                f"killed by signal {-p.exitcode}" if p.exitcode and p.exitcode < 0 else f"exit code {p.exitcode}"
+                f"killed by signal {-exitcode}" if exitcode and exitcode < 0 else f"exit code {exitcode}"
             )
             error = f"worker {rank} (GPU {gpu}) died: {why}"
         workers.append({"rank": rank, "gpu_index": gpu, "gpu_serial": serial, "gpu_uuid": info.get("gpu_uuid", ""),
-                        "pid": info.get("pid"), "exitcode": p.exitcode, "error": error,
+                        "pid": info.get("pid"), "exitcode": exitcode, "error": error,
+                        "interrupted": stopped and error is None,
                         "cases": len(shards[rank]), "rows": len(frame)})  # fmt: skip
         if error is not None:
             failures.append(WorkerFailure(rank, gpu, serial, list(shards[rank]), error))
-    return LaunchResult(frames, failures, workers)
+        elif stopped:
+            failures.append(WorkerFailure(rank, gpu, serial, list(shards[rank]), INTERRUPTED, interrupted=True))
+    return LaunchResult(frames, failures, workers, interrupted=interrupted)
+
+
+def _interrupt(procs, grace_s: tuple[float, float] | None = None) -> None:
+    """The parent was interrupted: give the workers `grace_s[0]` seconds to
+    stop on their own (a Ctrl-C at a terminal reaches them too), then pass
+    the interrupt on as SIGTERM (each stores the cases it measured), wait
+    `grace_s[1]` seconds, and kill what still runs. A second Ctrl-C here
+    kills them at once. Default grace: INTERRUPT_GRACE_S."""
+    grace_s = grace_s or INTERRUPT_GRACE_S
+    try:
+        deadline = time.monotonic() + grace_s[0]
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()  # SIGTERM: a KeyboardInterrupt in the worker
+        deadline = time.monotonic() + grace_s[1]
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
 
 
 def _stop(procs) -> None:
@@ -499,7 +580,8 @@ def _failed_row(case: Case, error: str, columns: Sequence[str]) -> dict:
 def merge_results(frames: Sequence[WorkerFrame], failures: Sequence[WorkerFailure] = ()) -> pd.DataFrame:
     """One frame of every worker's rows with `gpu_index` and `gpu_serial`
     columns, plus one status="failed" row (error = the worker's error) for
-    every case of a failed worker that has no row yet. Columns are those of
+    every case of a failed worker that has no row yet (status "skipped",
+    error INTERRUPTED, for a worker stopped by an interrupt). Columns are those of
     the workers' frames (sweep.COLUMNS for real runs) + GPU_COLUMNS."""
     from moebench.bench.sweep import COLUMNS, _typed
 
@@ -529,6 +611,8 @@ def merge_results(frames: Sequence[WorkerFrame], failures: Sequence[WorkerFailur
                 continue
             row = _failed_row(case, fail.error, columns)
             row.update(gpu_index=fail.gpu_index, gpu_serial=fail.gpu_serial)
+            if fail.interrupted:
+                row["status"] = "skipped"
             extra.append(row)
             have.add(key)
     if extra:
@@ -574,6 +658,8 @@ class _SweepRunner:
             if out:
                 path = Path(out) / f"manifest-{os.environ.get('RANK', '0')}-{os.getpid()}-{len(os.listdir(out))}.json"
                 _write_atomic(path, lambda p: p.write_text(json.dumps(result.manifest, default=str)))
+            if result.manifest.get("interrupted"):  # the rest of the piece is not run (merged as INTERRUPTED)
+                break
         return pd.concat(frames, ignore_index=True)
 
 
@@ -635,6 +721,8 @@ def run_sharded_sweep(
             timing_methods=methods,  # of every worker's rows, not the first worker's
             timing_counts=timing_counts_used(config, methods),
         )  # fmt: skip
+        if launched.interrupted or any(f.interrupted for f in launched.failures):
+            manifest["interrupted"] = True
         manifest.update(manifest_extra or {})
         return write_run(frame, manifest, root, label)
     finally:

@@ -202,7 +202,8 @@ def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
     that is not a directory); ValueError naming the file when it is corrupt
     or lacks REQUIRED_COLUMNS, and naming the file and the field when a
     manifest field the reports rely on is of the wrong type or value
-    (`check_manifest`).
+    (`check_manifest`), and naming the file and a case when a case is stored
+    twice or an ok case lacks a finite positive median_us.
     """
     path = Path(path)
     if not path.exists():
@@ -236,7 +237,34 @@ def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
     unknown = sorted(set(df["status"].astype(str)) - set(STATUSES))
     if unknown:
         raise ValueError(f"{results}: column 'status' holds {unknown}; expected one of {list(STATUSES)}")
+    _check_cases(df, results)
     return df, manifest
+
+
+#: The columns that name one case of a run (with `rank` where a run has it).
+CASE_KEYS = ("preset", "tp", "rows", "scenario", "backend", "tactic")
+
+
+def _check_cases(df: pd.DataFrame, results: Path) -> None:
+    """A run holds each case once, and an ok case has a finite positive
+    median_us (what every report reads): raises ValueError naming the file
+    and the first offending case otherwise (a hand-edited or damaged file)."""
+    keys = [c for c in (*CASE_KEYS, "rank") if c in df.columns]
+    dup = df[df.duplicated(subset=keys, keep=False)]
+    if len(dup):
+        case = _case_text(dup.iloc[0], keys)
+        raise ValueError(f"{results}: {len(dup)} rows share a case, e.g. {case}; a run holds each case once")
+    median = pd.to_numeric(df["median_us"], errors="coerce")
+    bad = df[(df["status"].astype(str) == "ok") & ~(median.notna() & (median > 0) & (median < float("inf")))]
+    if len(bad):
+        case = _case_text(bad.iloc[0], keys)
+        raise ValueError(f"{results}: {len(bad)} ok row(s) without a finite positive median_us, e.g. {case}"
+                         f" (median_us {bad.iloc[0]['median_us']})")
+
+
+def _case_text(rec, keys) -> str:
+    """'preset=..., tp=4, ...' of one results row (plain values, no numpy reprs)."""
+    return ", ".join(f"{k}={rec[k].item() if hasattr(rec[k], 'item') else rec[k]}" for k in keys)
 
 
 #: A case's status in a stored run.

@@ -5,9 +5,10 @@ import pytest
 
 from moebench.bench.cases import SweepConfig, expand_cases
 from moebench.bench.shard import (
-    MULTICAST_OFF, expected_cost, launch_workers, merge_results, parse_devices, plan_shards,
-    run_sharded_sweep, shard_configs, worker_env,
+    CASE_KEY, MULTICAST_OFF, expected_cost, launch_workers, merge_results, parse_devices, plan_shards,
+    report_progress, run_sharded_sweep, shard_configs, worker_env,
 )  # fmt: skip
+from moebench.bench import shard
 from moebench.bench.sweep import COLUMNS
 from moebench.reports.store import read_run
 
@@ -287,3 +288,82 @@ def test_gpu_two_gpu_sweep_equals_the_union_of_two_one_gpu_sweeps(tmp_path):
     assert errs == pytest.approx(union.sort_values(key)["max_rel_err"].to_numpy(), rel=1e-3, abs=1e-6)
     assert set(sharded["gpu_index"]) == {0, 1} and manifest["sharded"]
     assert len({w["gpu_uuid"] for w in manifest["workers"]}) == 2  # two boards, not one twice
+
+
+# ----------------------------------------------------------------- interrupts
+
+
+def slow_runner(cases, device):
+    """fake_runner one case at a time, 0.3 s each, and like run_sweep on an
+    interrupt: the cases measured are returned, the rest skipped INTERRUPTED.
+    With SIGNAL_PARENT set, the first case sends SIGTERM to the parent."""
+    import signal
+    import time
+
+    from moebench.bench.interrupt import INTERRUPTED
+
+    frames = []
+    for i, c in enumerate(cases):
+        try:
+            if i == 0 and os.environ.get("SIGNAL_PARENT") == "1" and os.environ["RANK"] == "0":
+                os.kill(os.getppid(), signal.SIGTERM)
+            time.sleep(0.3)
+        except KeyboardInterrupt:
+            rest = fake_runner(cases[i:], device).assign(status="skipped", error=INTERRUPTED, median_us=None)
+            return pd.concat([*frames, rest], ignore_index=True)
+        frames.append(fake_runner([c], device))
+        report_progress(i + 1)
+    return pd.concat(frames, ignore_index=True)
+
+
+def test_interrupted_parent_keeps_what_the_workers_measured(tmp_path, monkeypatch):
+    """Ctrl-C in the parent (here: raised from its progress callback): the
+    workers are told (SIGTERM), store the cases they measured and stop; the
+    merge holds every case once, measured ok, the rest skipped INTERRUPTED,
+    none failed."""
+    from moebench.bench.interrupt import INTERRUPTED
+
+    cfg, cases = _grid(presets=("dsv4-flash",), tp=(1, 2), rows=(1, 2, 3, 4), scenarios=("uniform",))
+    shards = plan_shards(cases, 2)
+
+    monkeypatch.setattr(shard, "INTERRUPT_GRACE_S", (0.1, 60.0))
+    raised = []
+
+    def progress(done, total):
+        if done >= 1 and not raised:
+            raised.append(done)
+            raise KeyboardInterrupt
+
+    res = launch_workers(shards, [0, 1], slow_runner, tmp_path / "s", timeout_s=120, base_env=FAKE_ENV,
+                         progress=progress, poll_s=0.05)  # fmt: skip
+    assert res.interrupted
+    assert all(f.interrupted and f.error == INTERRUPTED for f in res.failures)
+    assert not any(w["error"] for w in res.workers)
+    df = merge_results(res.frames, res.failures)
+    assert len(df) == len(cases) and not df.duplicated(list(CASE_KEY)).any()
+    assert set(df.status) == {"ok", "skipped"}, df.status.value_counts()
+    assert (df[df.status == "skipped"].error == INTERRUPTED).all()
+    assert 1 <= (df.status == "ok").sum() < len(cases)
+
+
+def test_cli_sweep_devices_sigterm_stores_the_measured_cases(tmp_path, fake_gpus, monkeypatch):
+    """SIGTERM to `moebench sweep --devices` (a cancelled CI job): the run is
+    stored with the measured cases, the rest skipped, the manifest
+    interrupted, exit 143."""
+    from typer.testing import CliRunner
+
+    from moebench.bench.interrupt import INTERRUPTED
+    from moebench.cli import app
+
+    monkeypatch.setattr(shard, "sweep_runner", lambda config: slow_runner)
+    monkeypatch.setattr(shard, "INTERRUPT_GRACE_S", (0.5, 60.0))
+    monkeypatch.setenv("SIGNAL_PARENT", "1")
+    args = ["--preset", "dsv4-flash", "--tp", "1,2", "--rows", "1,2,3,4", "--scenario", "uniform", "--backends", "a"]
+    result = CliRunner().invoke(app, ["sweep", *args, "--devices", "all", "--out", str(tmp_path), "--label", "int"])
+    assert result.exit_code == 143, result.output
+    assert "interrupted (SIGTERM)" in result.output and "Traceback" not in result.output
+    (run,) = tmp_path.iterdir()
+    df, manifest = read_run(run)
+    assert manifest["interrupted"] is True
+    assert len(df) == 8 and set(df.status) <= {"ok", "skipped"} and (df.status == "skipped").any()
+    assert (df[df.status == "skipped"].error == INTERRUPTED).all()

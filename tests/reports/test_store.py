@@ -89,6 +89,30 @@ def test_read_errors_name_the_path(tmp_path):
         read_run(path)
 
 
+@pytest.mark.parametrize("median", [float("nan"), 0.0, -1.0, float("inf"), None])
+def test_read_run_refuses_an_ok_case_without_a_time(tmp_path, median):
+    """A hand-edited ok row with no usable median would read as 'unclear' or '-'
+    in every report; the file is refused instead, naming the case."""
+    path = write_run(frame(), {}, root=tmp_path, label="r", when=WHEN)
+    frame().assign(median_us=[10.0, median]).to_parquet(path / "results.parquet")
+    with pytest.raises(ValueError, match=r"1 ok row\(s\) without a finite positive median_us, e.g. .*rows=2"):
+        read_run(path)
+    # the same row skipped (no time expected) is fine
+    frame().assign(median_us=[10.0, median], status=["ok", "skipped"]).to_parquet(path / "results.parquet")
+    assert read_run(path)[0]["status"].tolist() == ["ok", "skipped"]
+
+
+def test_read_run_refuses_a_case_stored_twice(tmp_path):
+    path = write_run(frame(), {}, root=tmp_path, label="r", when=WHEN)
+    df = frame()
+    pd.concat([df, df.iloc[[1]]]).to_parquet(path / "results.parquet")
+    with pytest.raises(ValueError, match=r"2 rows share a case, e.g. preset=dsv41-flash, tp=8, rows=2"):
+        read_run(path)
+    # two ranks of one case are two cases
+    pd.concat([df.assign(rank=0), df.assign(rank=1)]).to_parquet(path / "results.parquet")
+    assert len(read_run(path)[0]) == 4
+
+
 def test_run_directories_get_the_usual_permissions_not_0700(tmp_path):
     import os
     import stat
