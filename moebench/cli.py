@@ -488,9 +488,10 @@ def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s)
         + (f"; copy bandwidth {bw:.1f} GB/s (GPU {gpus[0]})" if isinstance(bw, (int, float)) else "")
     )
     for w in manifest.get("workers") or []:
-        console.print(f"  GPU {w['gpu_index']} ({w.get('gpu_serial') or 'serial unknown'}): {w['rows']} of"
-                      f" {w['cases']} cases" + (f" [red]{escape_markup(w['error'])}[/red]" if w.get("error") else "")
-                      + (" [yellow]interrupted[/yellow]" if w.get("interrupted") else ""))
+        console.print(f"  GPU {w['gpu_index']} ({w.get('gpu_serial') or 'serial unknown'}):"
+                      f" {w.get('measured', w['rows'])} of {w['cases']} cases run"
+                      + (f" [red]{escape_markup(w['error'])}[/red]" if w.get("error") else "")
+                      + ("; [yellow]interrupted[/yellow]" if w.get("interrupted") else ""))
     console.print(f"run stored in [bold]{path}[/bold]")
     _fail_if_interrupted(frame, manifest, path, signals)
     dead = [w for w in manifest.get("workers") or [] if w.get("error")]

@@ -514,7 +514,9 @@ def launch_workers(
         workers.append({"rank": rank, "gpu_index": gpu, "gpu_serial": serial, "gpu_uuid": info.get("gpu_uuid", ""),
                         "pid": info.get("pid"), "exitcode": exitcode, "error": error,
                         "interrupted": stopped and error is None,
-                        "cases": len(shards[rank]), "rows": len(frame)})  # fmt: skip
+                        "cases": len(shards[rank]), "rows": len(frame),
+                        "measured": int((frame["error"].astype(str) != INTERRUPTED).sum())
+                        if "error" in frame.columns else len(frame)})  # fmt: skip
         if error is not None:
             failures.append(WorkerFailure(rank, gpu, serial, list(shards[rank]), error))
         elif stopped:

@@ -362,6 +362,7 @@ def test_cli_sweep_devices_sigterm_stores_the_measured_cases(tmp_path, fake_gpus
     result = CliRunner().invoke(app, ["sweep", *args, "--devices", "all", "--out", str(tmp_path), "--label", "int"])
     assert result.exit_code == 143, result.output
     assert "interrupted (SIGTERM)" in result.output and "Traceback" not in result.output
+    assert result.output.count("cases run; interrupted") == 2, result.output  # one line per worker
     (run,) = tmp_path.iterdir()
     df, manifest = read_run(run)
     assert manifest["interrupted"] is True
