@@ -56,7 +56,7 @@ def test_committed_run_reads_and_renders(run, tmp_path):
 
 #: README's measured table: column -> (backend, run directory[, tactic: "default" if absent]).
 README_COLUMNS = {
-    "moebench fp8 (ours)": ("moebench", "2026-11-30-h200-dsv41-flash-fp8-full-retune", "fp8"),
+    "moebench fp8 (ours)": ("moebench", "2026-12-01-h200-dsv41-flash-fp8-s17", "fp8"),
     "moebench (ours)": ("moebench", "2026-11-30-h200-dsv41-flash-v15-retuned"),
     "humming W4A16": ("humming-w4a16", "2026-11-29-h200x4-dsv41-baselines"),
     "humming W4A8": ("humming-w4a8", "2026-11-29-h200x2-dsv41-humming-w4a8"),
