@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import re
 import shlex
 import signal
@@ -41,8 +42,31 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+
+
+class _Console(Console):
+    """A rich Console that outlives its reader: when the pipe it prints to
+    closes (`moebench sweep | head`), printing stops (the stream goes to
+    /dev/null) and the command goes on, so a run is still stored and the exit
+    code is the work's, not rich's default SystemExit(1) in mid-run."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        stream = sys.stderr if self.stderr else sys.stdout
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+
+
+def _wide_console(width: int) -> Console:
+    """A console for a wide table: at least `width` columns when stdout is not
+    a terminal (logs, CI keep every column on one line), the terminal's own
+    width when it is one (COLUMNS is honored; rich folds what does not fit)."""
+    return _Console(highlight=False, width=console.width if console.is_terminal else max(console.width, width))
+
+
+console = _Console(highlight=False)
+err_console = _Console(stderr=True, highlight=False)
 
 USAGE_ERROR = 2
 
@@ -545,7 +569,7 @@ def _print_summary(table_df) -> None:
     for rec in table_df.to_dict("records"):
         table.add_row(*(_cell(col, rec[col]) for col in shown))
     # Wide enough for the table even when stdout is not a terminal (logs, CI).
-    out = Console(highlight=False, width=max(console.width, 150))
+    out = _wide_console(150)
     out.print(table)
     if "routed_us" in shown:
         out.print("routed = route + GEMM1 + GEMM2 without the finalize; each stage's time alone"
@@ -733,7 +757,7 @@ def _print_frame(frame, title: str | None, constant_keys=("preset", "tp", "ranks
     for rec in frame.to_dict("records"):
         table.add_row(*(_cell(col, rec[col]) for col in shown))
     # wide enough that no number is cut (the step tables have ~20 columns)
-    Console(highlight=False, width=max(console.width, 260)).print(table)
+    _wide_console(260).print(table)
 
 
 def _print_step(frame, ranks=None, table=None) -> None:
@@ -1098,7 +1122,7 @@ def _print_comparison(comp) -> None:
             _fmt(r["base_median_us"]), _fmt(r["median_us"]), _fmt(r["ratio"], 3), _fmt(r["delta_pct"]),
             _fmt(r["noise_pct"]), f"[{color}]{r['verdict']}[/]", str(r["note"])[:80],
         )  # fmt: skip
-    Console(highlight=False, width=max(console.width, 150)).print(table)
+    _wide_console(150).print(table)
     console.print("verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
     if comp.unclear_note and not len(comp.regressions) and not comp.errors:  # an all-unclear error says it already
         console.print(f"[yellow]{comp.unclear_note}[/yellow]", soft_wrap=True)
@@ -1292,7 +1316,7 @@ def _print_gains(records) -> None:
             _fmt(b["tuned_us"], 2) + (" (est.)" if b.get("estimated") and b["tuned_us"] is not None else ""),
             "-" if b["gain_us"] is None else f"{b['gain_us']:+.2f}", pct(b),
         )  # fmt: skip
-    Console(highlight=False, width=max(console.width, 150)).print(table)
+    _wide_console(150).print(table)
 
 
 def _write_tables(outcome, target: Path, force: bool, label: str = "") -> list[str]:
@@ -1323,7 +1347,7 @@ def _write_tables(outcome, target: Path, force: bool, label: str = "") -> list[s
                 e.runner_up.name if e.runner_up else "-", _fmt(e.margin_pct) + "%" if e.margin_pct is not None else "-",
                 "yes" if e.separated else "[yellow]no[/yellow]", str(len(res.rejected)), res.note,
             )  # fmt: skip
-        Console(highlight=False, width=max(console.width, 150)).print(table)
+        _wide_console(150).print(table)
     for t in outcome.tables:
         if not t.entries and not t.fp8_entries:
             continue

@@ -880,3 +880,22 @@ def test_table_numbers_keep_small_values_visible():
     assert _fmt(0.02, 2) == "0.02"
     assert _fmt(float("nan")) == "-"
     assert _fmt(None) == "-"
+
+
+def test_a_reader_that_goes_away_loses_nothing(tmp_path):
+    """`moebench sweep | head -1`: the reader closes the pipe after a line;
+    the sweep still stores its run and exits 0 (rich's default was exit 1
+    in mid-run, the run lost)."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "moebench", "sweep", "--tp", "8", "--rows", "1", "--backends", "torch-bf16",
+           "--out", str(tmp_path), "--label", "piped"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "COLUMNS": "100"})
+    proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()
+    (run,) = tmp_path.iterdir()
+    assert (run / "results.parquet").is_file() and run.name.endswith("-piped")
