@@ -898,7 +898,8 @@ def report(
     html: bool = typer.Option(True, "--html/--no-html", help="Also write report.html with PNG plots."),
     force: bool = typer.Option(
         False, "--force", help="Replace an earlier report: its files (summary.md, report.html, the plots) are"
-        " overwritten, and those this report does not write are removed."
+        " overwritten, and those an earlier report recorded writing there (.moebench-report.json) that this"
+        " one does not write are removed; other files, same-named ones included, are left alone."
     ),
 ) -> None:
     """Summarize a run; with --baseline, compare it per case.
@@ -952,8 +953,7 @@ def report(
             out.mkdir(parents=True, exist_ok=True)  # a report that cannot be written is not a verdict
         except OSError as error:
             raise _fail(f"--out: cannot create {out}: {error.strerror or error}") from None
-    page = target.parent / "report.html"
-    earlier_html = page.exists() or page.is_symlink()  # an earlier report's plots may stand beside it
+    earlier = _report_record(target.parent)  # the files an earlier report wrote there (read before this one)
     try:  # --force replaces a link itself, never the file it points to (which may be anywhere)
         for path in taken:
             if path.is_symlink():
@@ -976,7 +976,8 @@ def report(
         console.print(f"wrote [bold]{target}[/bold]")
         stale = target.parent / "report.html"
         if not html and not force and stale.exists():
-            console.print(f"[yellow]{stale} is from an earlier report (--no-html leaves it as it is)[/yellow]")
+            whose = "an earlier report's" if "report.html" in earlier else "not this report's"
+            console.print(f"[yellow]{stale} is {whose} (--no-html leaves it as it is)[/yellow]")
         paths = []
         if html:
             from moebench.reports.html import write_html_report
@@ -994,7 +995,8 @@ def report(
             plots = f"{len(paths) - 1} plots" if len(paths) > 1 else "no plots: no case was timed or failed"
             console.print(f"wrote [bold]{paths[0]}[/bold] ({plots})")
         if force:
-            _remove_stale_report_files(target.parent, [target, *paths], earlier_html)
+            _remove_stale_report_files(target.parent, [target, *paths], earlier)
+        _write_report_record(target.parent, [target, *paths])
     except OSError as error:  # exit 1, as the module docstring and docs/ci.md say: not a usage error
         raise _fail(f"cannot write the report under {target.parent}: {error}", 1) from None
     if comparison is None:
@@ -1031,24 +1033,48 @@ def _case_list(frame, most: int = 5) -> str:
     return "; ".join(names) + (f"; and {more} more (see the report)" if more > 0 else "")
 
 
-def _remove_stale_report_files(out: Path, written: list[Path], earlier_html: bool) -> None:
-    """`report --force`: remove the files of an earlier report in `out` that
-    this report did not write (`written`), so that none of its plots stands
-    beside the new report (compare.png after a report without --baseline,
-    report.html after --no-html). Only the report's own names (HTML_FILES)
-    are touched, only files or links, and only where `out` held an earlier
-    HTML report (`earlier_html`, looked up before this one was written):
-    without one, same-named files are the user's. Whatever else is in `out`
-    stays. Raises OSError from the file system."""
-    if not earlier_html:
-        return
+#: Where `report` records the files it wrote in its output directory.
+REPORT_RECORD = ".moebench-report.json"
+
+
+def _report_record(out: Path) -> set[str]:
+    """The file names an earlier `report` recorded writing in `out` (REPORT_RECORD;
+    only the report's own names, HTML_FILES and summary.md), empty without a
+    readable record."""
+    import json
+
     from moebench.reports.html import HTML_FILES
 
+    try:
+        names = json.loads((out / REPORT_RECORD).read_text(encoding="utf-8"))["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+    return {n for n in names if isinstance(n, str) and n in (*HTML_FILES, "summary.md")}
+
+
+def _write_report_record(out: Path, written: list[Path]) -> None:
+    """Record the names of the files this report wrote in `out` (REPORT_RECORD),
+    so that a later `report --force` removes only those. Raises OSError."""
+    import json
+
+    (out / REPORT_RECORD).write_text(json.dumps({"files": sorted(p.name for p in written)}) + "\n",
+                                     encoding="utf-8")
+
+
+def _remove_stale_report_files(out: Path, written: list[Path], earlier: set[str]) -> None:
+    """`report --force`: remove the files an earlier report recorded writing
+    in `out` (`earlier`, from its REPORT_RECORD, read before this report was
+    written) that this report did not write (`written`), so that none of its
+    plots stands beside the new report (compare.png after a report without
+    --baseline, report.html after --no-html). Only files or links, and only
+    names the earlier report wrote: a same-named file without that record is
+    the user's and stays, as does everything else in `out`. Raises OSError
+    from the file system."""
     names = {p.name for p in written}
     removed = []
-    for name in HTML_FILES:
+    for name in sorted(earlier - names):
         path = out / name
-        if name not in names and (path.is_symlink() or path.is_file()):
+        if path.is_symlink() or path.is_file():
             path.unlink()
             removed.append(name)
     if removed:

@@ -4,7 +4,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moebench.backends.registry import load_backend
-from moebench.cli import app, parse_int_list
+from moebench.cli import REPORT_RECORD, app, parse_int_list
 
 runner = CliRunner()
 TINY = ["--preset", "dsv4-flash", "--hidden", "128", "--intermediate", "64", "--experts", "8", "--top-k", "2",
@@ -369,13 +369,14 @@ def test_report_refuses_to_replace_any_file_it_writes(tmp_path):
     assert runner.invoke(app, args).exit_code == 0
     (out / "summary.md").unlink()
     (out / "report.html").unlink()
-    plots = {p.name: p.read_bytes() for p in out.iterdir()}
+    plots = {p.name: p.read_bytes() for p in out.iterdir() if p.name != REPORT_RECORD}
     assert {"latency.png", "bandwidth.png", "compare.png"} <= set(plots)
     again = runner.invoke(app, args)
     assert again.exit_code == 2 and "--force" in again.output
     for name in plots:
         assert name in again.output.replace("\n", "")
-    assert not (out / "summary.md").exists() and {p.name: p.read_bytes() for p in out.iterdir()} == plots
+    assert not (out / "summary.md").exists()
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != REPORT_RECORD} == plots
     assert "vs baseline" not in again.output  # refused before any work
     assert runner.invoke(app, [*args, "--force"]).exit_code == 0 and (out / "summary.md").is_file()
 
@@ -415,10 +416,15 @@ def test_report_no_html_says_an_older_report_html_is_left(tmp_path):
     run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
     out = tmp_path / "out"
     out.mkdir()
-    (out / "report.html").write_text("an older report")
+    (out / "report.html").write_text("the user's own page")
     result = runner.invoke(app, ["report", str(run), "--out", str(out), "--no-html"])
-    assert result.exit_code == 0 and "from an earlier report" in result.output, result.output
-    assert (out / "report.html").read_text() == "an older report"
+    assert result.exit_code == 0 and "is not this report's (--no-html leaves it" in " ".join(result.output.split())
+    assert (out / "report.html").read_text() == "the user's own page"
+    earlier = tmp_path / "earlier"
+    assert runner.invoke(app, ["report", str(run), "--out", str(earlier)]).exit_code == 0
+    (earlier / "summary.md").unlink()
+    result = runner.invoke(app, ["report", str(run), "--out", str(earlier), "--no-html"])
+    assert result.exit_code == 0 and "is an earlier report's (--no-html leaves it" in " ".join(result.output.split())
 
 
 def test_report_run_that_is_a_file_or_out_that_is_a_file(tmp_path):
@@ -514,20 +520,21 @@ def test_report_force_removes_the_files_of_an_earlier_report_it_does_not_write(t
     df.to_parquet(skipped / "results.parquet", index=False)
     result = runner.invoke(app, ["report", str(skipped), "--out", str(out), "--force"])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in out.iterdir()) == sorted(["summary.md", "report.html", *mine])
+    assert sorted(p.name for p in out.iterdir()) == sorted(["summary.md", "report.html", REPORT_RECORD, *mine])
     result = runner.invoke(app, ["report", str(cur), "--out", str(out), "--force", "--no-html"])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in out.iterdir()) == sorted(["summary.md", *mine])
+    assert sorted(p.name for p in out.iterdir()) == sorted(["summary.md", REPORT_RECORD, *mine])
     assert {name: (out / name).read_text() for name in mine} == mine
 
-    # files that only share a plot's name, with no earlier HTML report beside them, are the user's
+    # files that only share a report file's name, with no record of an earlier report, are the user's:
+    # --force overwrites what this report writes and removes nothing else (a user's report.html too)
     theirs = tmp_path / "theirs"
     theirs.mkdir()
-    for name in ("summary.md", "compare.png", "speedup.png"):
+    for name in ("summary.md", "report.html", "compare.png", "speedup.png", "kernels.png"):
         (theirs / name).write_text("mine")
     result = runner.invoke(app, ["report", str(cur), "--out", str(theirs), "--force"])
     assert result.exit_code == 0 and "removed" not in result.output, result.output
-    assert (theirs / "compare.png").read_text() == "mine" and (theirs / "speedup.png").read_text() == "mine"
+    assert all((theirs / n).read_text() == "mine" for n in ("compare.png", "speedup.png", "kernels.png"))
 
 
 def test_sweep_tactics_all_expands_per_backend(tmp_path):
