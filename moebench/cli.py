@@ -216,6 +216,11 @@ def _check_geometry(presets, overrides: dict, reduced: bool) -> None:
                 raise ValueError(f"--top-k {top_k} exceeds {origin}; expected --top-k <= {experts}") from None
 
 
+#: One layer's expert bytes beyond which a CPU run is warned to be slow (the
+#: default reduced layer is 6.5 MB).
+CPU_HEAVY_BYTES = 256 * 2**20
+
+
 def _reduced_presets(names, overrides: dict, which: str) -> tuple[tuple[str, ...], str]:
     """Without a GPU every preset runs the reduced geometry: (the presets kept,
     those whose reduced layer equals an earlier one's dropped, and the note
@@ -237,11 +242,18 @@ def _reduced_presets(names, overrides: dict, which: str) -> tuple[tuple[str, ...
             dropped.append(f"{name} (same layer as {kept[layer]})")
         else:
             kept[layer] = name
+    layers = [c for c in kept if not isinstance(c, str)]
     shapes = ", ".join(dict.fromkeys(f"(H={c.hidden}, I={c.intermediate}, E={c.experts}, top_k={c.top_k})"
-                                     for c in kept if not isinstance(c, str)))  # fmt: skip
-    note = (f"No GPU: running {which} on the CPU at the reduced geometry {shapes} whatever the preset, so preset"
+                                     for c in layers))  # fmt: skip
+    geometry = "the reduced geometry" if sizes == CPU_REDUCED else "the reduced geometry with your size overrides"
+    # one layer's MXFP4 experts (w13 + w2 and their E8M0 scales): 3 H I E / 2 bytes x (1 + 1/16)
+    largest = max((3 * c.hidden * c.intermediate * c.experts // 2 * 17 // 16 for c in layers), default=0)
+    heavy = largest > CPU_HEAVY_BYTES
+    note = (f"No GPU: running {which} on the CPU at {geometry} {shapes} whatever the preset, so preset"
             f" names are only labels (stored as <preset>+custom)"
             + (f"; not repeated: {', '.join(dropped)}" if dropped else "")
+            + (f"; a large layer for a CPU run ({largest / 1e9:.1f} GB of MXFP4 experts, checked against an fp64"
+               " oracle): expect minutes per case" if heavy else "")
             + "; CPU latencies say nothing about a GPU.")  # fmt: skip
     return tuple(kept.values()), note
 
@@ -298,12 +310,13 @@ def _cell(col: str, v) -> str:
 
 
 def _fmt(value, digits: int = 1) -> str:
-    """`value` with `digits` decimals; a nonzero value those decimals would
-    show as 0 keeps two significant digits (a CPU run's 0.024 GB/s, not 0.0)."""
+    """`value` with `digits` decimals; a nonzero value below 10^(1-digits)
+    keeps two significant digits instead (a CPU run's 0.024 GB/s, not 0.0;
+    0.06 and 0.13 alike, not 0.1)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if isinstance(value, float):
-        if value != 0 and abs(value) < 0.5 * 10.0**-digits:
+        if value != 0 and abs(value) < 10.0 ** (1 - digits):
             return f"{value:.2g}"
         return f"{value:.{digits}f}"
     return str(value)
@@ -363,7 +376,8 @@ def sweep(
         None, parser=_path,
         help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario."
     ),
-    label: str = typer.Option("sweep", help="Run label: the run goes to OUT/<UTC date>-<label>."),
+    label: str = typer.Option("sweep", help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
+                              " letters, digits, '.', '_', '-', starting with a letter or digit)."),
     out: Path = typer.Option(Path("reports/runs"), parser=_path, help="Root directory of stored runs."),
 ) -> None:
     """Measure backends over presets x TP x rows x scenarios.
@@ -627,7 +641,8 @@ def step(
         None, parser=_path,
         help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario."
     ),
-    label: str = typer.Option("step", help="Run label: the run goes to OUT/<UTC date>-<label>."),
+    label: str = typer.Option("step", help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
+                              " letters, digits, '.', '_', '-', starting with a letter or digit)."),
     out: Path = typer.Option(Path("reports/runs"), parser=_path, help="Root directory of stored runs."),
 ) -> None:
     """Time a whole decode-step MoE layer; store the run.
@@ -774,6 +789,9 @@ def _print_step(frame, ranks=None, table=None) -> None:
     _print_frame(table, title)
     if ranks is not None and len(ranks):
         _print_frame(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario", "tactic"))
+    if "timing_method" in frame.columns and (frame["timing_method"].astype(str) == "cpu-wallclock").any():
+        console.print("[yellow]CPU wall-clock timings: each column is timed on its own and they are noisy, so they"
+                      " need not add up (step vs +gate, Σ stages vs step).[/yellow]", soft_wrap=True)
 
 
 @app.command()
@@ -890,7 +908,8 @@ def report(
     fail_above: str = typer.Option(
         None, "--fail-above", help="Exit 1 when a case is slower than the baseline by more than this percentage"
         " ('5%' or '5'; a bare number is percent, so 0.05 means 0.05 %), failed, or lost (ok in the baseline,"
-        " skipped or absent now). Without it the verdicts are judged at 5 % and only shown."
+        " skipped or absent now). A case is 'slower' when its change is beyond the runs' noise; a regression"
+        " only when it is also beyond this threshold. Without it the verdicts are judged at 5 % and only shown."
     ),
     out: Path = typer.Option(
         None, parser=_path, help="Where summary.md (and report.html + plots) go (default: the run directory)."
@@ -1131,6 +1150,8 @@ def _read_report_run(path: Path, what: str):
 def _print_comparison(comp) -> None:
     """Render a Comparison: mismatches / notes, then one row per case (its
     errors are the report's exit message, printed once, last)."""
+    from moebench.reports.compare import within_threshold_note
+
     for m in comp.mismatches:
         console.print(f"[yellow]mismatch: {m}[/yellow]", soft_wrap=True)
     for n in comp.notes:
@@ -1150,6 +1171,8 @@ def _print_comparison(comp) -> None:
         )  # fmt: skip
     _wide_console(150).print(table)
     console.print("verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
+    if within_threshold_note(comp) and not comp.errors:
+        console.print("no regression:" + within_threshold_note(comp), soft_wrap=True)
     if comp.unclear_note and not len(comp.regressions) and not comp.errors:  # an all-unclear error says it already
         console.print(f"[yellow]{comp.unclear_note}[/yellow]", soft_wrap=True)
 

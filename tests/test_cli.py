@@ -203,8 +203,8 @@ def test_report_case_ok_in_the_baseline_but_not_timed_now_fails_the_gate(tmp_pat
     assert result.exit_code == 1, result.output
     message = " ".join(result.output.split())
     assert "2 case(s) ok in the baseline were not timed in this run (lost)" in message
-    assert "moebench dsv41-flash TP4 rows 2 correlated default (skipped in this run; ok in the baseline:" \
-           " flashinfer not installed)" in message
+    assert "moebench dsv41-flash TP4 rows 2 correlated default (skipped in this run (flashinfer not installed);" \
+           " ok in the baseline)" in message
     assert "rows 6 correlated default (not in this run; ok in the baseline)" in message and "rows 7" not in message
     assert "1 same, 2 lost, 1 new" in message
     text = (tmp_path / "r" / "summary.md").read_text()
@@ -881,10 +881,11 @@ def test_table_numbers_keep_small_values_visible():
     from moebench.cli import _fmt
 
     assert _fmt(0.0243) == "0.024"
+    assert (_fmt(0.06), _fmt(0.13), _fmt(0.2), _fmt(1.04)) == ("0.06", "0.13", "0.2", "1.0")  # one rule below 1
     assert _fmt(0.0) == "0.0"
     assert _fmt(12.34) == "12.3"
     assert _fmt(0.004, 2) == "0.004"
-    assert _fmt(0.02, 2) == "0.02"
+    assert (_fmt(0.02, 2), _fmt(0.1, 2), _fmt(0.5, 2)) == ("0.02", "0.10", "0.50")
     assert _fmt(float("nan")) == "-"
     assert _fmt(None) == "-"
 
@@ -906,3 +907,12 @@ def test_a_reader_that_goes_away_loses_nothing(tmp_path):
     assert proc.returncode == 0, err.decode()
     (run,) = tmp_path.iterdir()
     assert (run / "results.parquet").is_file() and run.name.endswith("-piped")
+
+
+def test_cpu_note_names_overrides_and_warns_of_a_large_layer():
+    from moebench.cli import _reduced_presets
+
+    _, note = _reduced_presets(("dsv41-flash",), {}, "reference")
+    assert "at the reduced geometry (H=" in note and "large layer" not in note
+    _, note = _reduced_presets(("dsv41-flash",), {"hidden": 131072}, "reference")
+    assert "with your size overrides (H=131072" in note and "a large layer for a CPU run (1.7 GB" in note

@@ -357,8 +357,8 @@ def compare_runs(
             row["verdict"], row["note"] = "failed", _error_text(cur)
         elif cur["status"] != "ok" and base["status"] == "ok":
             why = _error_text(cur)
-            row["verdict"], row["note"] = "lost", f"{cur['status']} in this run; ok in the baseline" + (
-                f": {why}" if why else "")
+            row["verdict"], row["note"] = "lost", f"{cur['status']} in this run" + (
+                f" ({why})" if why else "") + "; ok in the baseline"
         elif cur["status"] != "ok" or base["status"] == "skipped":
             row["verdict"] = "skipped"
             row["note"] = _error_text(cur if cur["status"] != "ok" else base)
@@ -438,6 +438,16 @@ def _key_hint(cur_ix: dict, base_ix: dict) -> str:
     return ""
 
 
+def within_threshold_note(comp: Comparison) -> str:
+    """' N case(s) read slower (beyond the noise) but within the threshold.'
+    when a comparison without regressions holds "slower" verdicts, else ''."""
+    slower = int(comp.counts.get("slower", 0))
+    if not slower or len(comp.regressions):
+        return ""
+    return (f" {slower} case(s) read slower (beyond the noise) but by no more than the {comp.threshold_pct:g} %"
+            " threshold.")
+
+
 def comparison_markdown(comp: Comparison) -> str:
     """Markdown section: verdict counts, mismatches / notes, regressions,
     then every case."""
@@ -460,6 +470,6 @@ def comparison_markdown(comp: Comparison) -> str:
     elif comp.unclear_note:
         lines += ["", f"No regression among the judged cases, but {comp.unclear_note}."]
     else:
-        lines += ["", "No regressions."]
+        lines += ["", "No regressions." + within_threshold_note(comp)]
     lines += ["", "### All cases", "", markdown_table(comp.frame[shown]), ""]
     return "\n".join(lines)

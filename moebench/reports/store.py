@@ -86,7 +86,8 @@ def run_dir_name(label: str, when: datetime | None = None) -> str:
     letter or digit)."""
     if not isinstance(label, str) or not _LABEL.match(label):
         raise ValueError(
-            f"label must be 1-100 characters of ASCII letters, digits, '.', '_' or '-', got {label!r}"
+            f"label must be 1-100 characters of ASCII letters, digits, '.', '_' or '-', starting with a letter"
+            f" or digit, got {label!r}"
         )
     when = when or datetime.now(timezone.utc)
     return f"{when.astimezone(timezone.utc):%Y-%m-%d}-{label}"
@@ -289,7 +290,7 @@ def check_manifest(manifest: dict, path: str | Path = MANIFEST) -> None:
     one of SCHEMAS, "kind" one of KINDS, "device" / "packages" / "config" JSON
     objects, the flags (reduced, warm_l2, sharded, config.overlap_shared)
     true, false or null (never a truthy string such as "no"), "ranks" an
-    integer >= 1 or null. Raises ValueError naming `path` and the field."""
+    integer >= 1 or null, "copy_bw_gbps" a positive number or null. Raises ValueError naming `path` and the field."""
 
     def bad(field: str, expected: str, value) -> ValueError:
         return ValueError(f"{path}: {field!r} must be {expected}, got {json.dumps(value, default=str)}")
@@ -310,6 +311,9 @@ def check_manifest(manifest: dict, path: str | Path = MANIFEST) -> None:
     ranks = manifest.get("ranks")
     if ranks is not None and not (type(ranks) is int and ranks >= 1):
         raise bad("ranks", "an integer >= 1", ranks)
+    bw = manifest.get("copy_bw_gbps")
+    if bw is not None and not (type(bw) in (int, float) and math.isfinite(bw) and bw > 0):
+        raise bad("copy_bw_gbps", "a positive number of GB/s or null", bw)
 
 
 def read_table(path: str | Path, name: str) -> pd.DataFrame | None:

@@ -230,6 +230,7 @@ def test_cli_step_then_report(tmp_path):
                                  "--out", str(tmp_path), "--label", "s"])  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "decode step" in result.output and "excludes the gate" in result.output
+    assert "need not add up" in " ".join(result.output.split())  # the CPU timings' caveat
     (run,) = list(tmp_path.iterdir())
     df, manifest = read_run(run)
     assert manifest["kind"] == "step" and "stage_timing" in manifest and "command" in manifest

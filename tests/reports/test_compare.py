@@ -5,7 +5,9 @@ import math
 import pandas as pd
 import pytest
 
-from moebench.reports.compare import classify, compare_runs, comparison_markdown, parse_threshold
+from moebench.reports.compare import (
+    classify, compare_runs, comparison_markdown, parse_threshold, within_threshold_note,
+)  # fmt: skip
 
 MANIFEST = {"device": {"name": "NVIDIA H200", "sm_count": 132, "driver": "570.1"}, "reduced": False,
             "warm_l2": False, "packages": {"torch": "2.9"}, "cuda_runtime": "12.8", "copy_bw_gbps": 4200.0}
@@ -117,7 +119,7 @@ def test_a_case_ok_in_the_baseline_but_not_timed_now_is_lost_and_a_regression():
     v = {rows: verdict for (_, rows), verdict in verdicts(comp).items()}
     assert v == {1: "same", 2: "lost", 3: "lost", 4: "skipped", 5: "skipped", 6: "failed", 7: "missing", 8: "new"}
     f = comp.frame.set_index("rows")
-    assert f.loc[2, "note"] == "skipped in this run; ok in the baseline: flashinfer not installed"
+    assert f.loc[2, "note"] == "skipped in this run (flashinfer not installed); ok in the baseline"
     assert f.loc[3, "note"] == "not in this run; ok in the baseline"
     assert sorted(comp.regressions["rows"].tolist()) == [2, 3, 6] and comp.errors == []
     assert comp.counts["lost"] == 2
@@ -329,3 +331,17 @@ def test_unclear_cases_never_read_as_no_regressions():
     on_cpu = compare_runs(noisy, cpu, base, cpu, threshold_pct=5.0)
     assert "CPU wall-clock times" in on_cpu.errors[0] and "--replays" not in on_cpu.errors[0]
     assert "No regressions." in comparison_markdown(compare_runs(base, MANIFEST, base, MANIFEST))
+
+
+def test_slower_cases_within_the_threshold_are_explained_not_a_contradiction():
+    """'slower' is beyond the noise; a regression also needs the threshold:
+    'No regressions' beside slower verdicts says why."""
+    base = pd.DataFrame([case(1, median=10.0), case(2, median=10.0)])
+    cur = pd.DataFrame([case(1, median=12.0), case(2, median=10.0)])  # +20 % in 2 % noise
+    comp = compare_runs(cur, MANIFEST, base, MANIFEST, threshold_pct=100.0)
+    assert verdicts(comp)[("moebench", 1)] == "slower" and not len(comp.regressions)
+    assert within_threshold_note(comp) == (" 1 case(s) read slower (beyond the noise) but by no more than the"
+                                           " 100 % threshold.")
+    assert "No regressions. 1 case(s) read slower" in comparison_markdown(comp)
+    comp = compare_runs(cur, MANIFEST, base, MANIFEST, threshold_pct=5.0)  # now a regression: no such note
+    assert len(comp.regressions) == 1 and within_threshold_note(comp) == ""

@@ -160,6 +160,9 @@ def test_extra_tables_travel_with_the_run(tmp_path):
     ({"schema": True}, "schema"),
     ({"ranks": "2"}, "ranks"),
     ({"ranks": 0}, "ranks"),
+    ({"copy_bw_gbps": -1.0}, "copy_bw_gbps"),
+    ({"copy_bw_gbps": 0}, "copy_bw_gbps"),
+    ({"copy_bw_gbps": "4215"}, "copy_bw_gbps"),
     ({"config": {"overlap_shared": "no"}}, "config.overlap_shared"),
 ])  # fmt: skip
 def test_read_run_refuses_a_manifest_field_of_the_wrong_type_or_value(tmp_path, manifest, field):
@@ -173,6 +176,7 @@ def test_read_run_refuses_a_manifest_field_of_the_wrong_type_or_value(tmp_path, 
     {},  # a run stored before the fields existed (or a hand-made one): defaults
     {"schema": 1, "kind": "sweep", "reduced": False, "warm_l2": False, "sharded": True},
     {"schema": 1, "kind": "step", "reduced": None, "warm_l2": True, "ranks": 2, "config": {"overlap_shared": True}},
+    {"copy_bw_gbps": 4215.0}, {"copy_bw_gbps": None},
 ])  # fmt: skip
 def test_read_run_takes_the_manifests_moebench_writes(tmp_path, manifest):
     path = write_run(frame(), manifest, root=tmp_path, label="m", when=WHEN)
