@@ -312,12 +312,16 @@ def _cell(col: str, v) -> str:
 def _fmt(value, digits: int = 1) -> str:
     """`value` with `digits` decimals; a nonzero value below 10^(1-digits)
     keeps two significant digits instead (a CPU run's 0.024 GB/s, not 0.0;
-    0.06 and 0.13 alike, not 0.1)."""
+    0.06 and 0.13 alike, not 0.1; below 1e-3 as 1.2e-05)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if isinstance(value, float):
         if value != 0 and abs(value) < 10.0 ** (1 - digits):
-            return f"{value:.2g}"
+            if abs(value) < 1e-3:
+                return f"{value:.1e}"
+            short = f"{value:.2g}"
+            if abs(float(short)) < 10.0 ** (1 - digits):  # 0.999 rounds to 1: the usual format then
+                return short
         return f"{value:.{digits}f}"
     return str(value)
 
@@ -486,7 +490,8 @@ def _fail_if_interrupted(frame, manifest: dict, path, signals: list[int]) -> Non
     if not manifest.get("interrupted"):
         return
     reached = int((frame["error"].astype(str) != INTERRUPTED).sum())
-    signum = signals[-1] if signals else signal.SIGINT
+    # this process's signal, else the one a sharded sweep's worker got (a signal sent to it alone)
+    signum = signals[-1] if signals else manifest.get("interrupt_signal") or signal.SIGINT
     raise _fail(f"interrupted ({signal.Signals(signum).name}): {reached} of {len(frame)} cases ran; the rest are"
                 f" stored as skipped in {path}", 128 + signum)
 
@@ -1057,27 +1062,50 @@ REPORT_RECORD = ".moebench-report.json"
 
 
 def _report_record(out: Path) -> set[str]:
-    """The file names an earlier `report` recorded writing in `out` (REPORT_RECORD;
-    only the report's own names, HTML_FILES and summary.md), empty without a
-    readable record."""
+    """The file names an earlier `report` wrote in `out`: those its
+    REPORT_RECORD lists (only the report's own names, HTML_FILES and
+    summary.md; a record that is a link or not a list of names counts as
+    none). A directory from before the record existed, whose report.html is
+    one of ours (its title says "moebench run"), counts as holding a whole
+    earlier report (every HTML_FILES name); else empty."""
     import json
 
     from moebench.reports.html import HTML_FILES
 
+    ours = (*HTML_FILES, "summary.md")
+    record = out / REPORT_RECORD
+    if record.is_symlink():
+        return set()
     try:
-        names = json.loads((out / REPORT_RECORD).read_text(encoding="utf-8"))["files"]
+        names = json.loads(record.read_text(encoding="utf-8"))["files"]
+    except FileNotFoundError:
+        return set(HTML_FILES) if _is_our_page(out / "report.html") else set()
     except (OSError, ValueError, KeyError, TypeError):
         return set()
-    return {n for n in names if isinstance(n, str) and n in (*HTML_FILES, "summary.md")}
+    if not isinstance(names, list):
+        return set()
+    return {n for n in names if isinstance(n, str) and n in ours}
+
+
+def _is_our_page(page: Path) -> bool:
+    """Whether `page` is a plain file written by `report` (its <title> says "moebench run")."""
+    try:
+        return not page.is_symlink() and page.is_file() and "<title>moebench run" in page.read_text(
+            encoding="utf-8", errors="replace")[:4096]
+    except OSError:
+        return False
 
 
 def _write_report_record(out: Path, written: list[Path]) -> None:
     """Record the names of the files this report wrote in `out` (REPORT_RECORD),
-    so that a later `report --force` removes only those. Raises OSError."""
+    so that a later `report --force` removes only those. A link in its place
+    is replaced, never written through. Raises OSError."""
     import json
 
-    (out / REPORT_RECORD).write_text(json.dumps({"files": sorted(p.name for p in written)}) + "\n",
-                                     encoding="utf-8")
+    record = out / REPORT_RECORD
+    if record.is_symlink():
+        record.unlink()
+    record.write_text(json.dumps({"files": sorted(p.name for p in written)}) + "\n", encoding="utf-8")
 
 
 def _remove_stale_report_files(out: Path, written: list[Path], earlier: set[str]) -> None:

@@ -882,6 +882,7 @@ def test_table_numbers_keep_small_values_visible():
 
     assert _fmt(0.0243) == "0.024"
     assert (_fmt(0.06), _fmt(0.13), _fmt(0.2), _fmt(1.04)) == ("0.06", "0.13", "0.2", "1.0")  # one rule below 1
+    assert (_fmt(0.999), _fmt(1e-5), _fmt(-0.5)) == ("1.0", "1.0e-05", "-0.5")
     assert _fmt(0.0) == "0.0"
     assert _fmt(12.34) == "12.3"
     assert _fmt(0.004, 2) == "0.004"
@@ -916,3 +917,31 @@ def test_cpu_note_names_overrides_and_warns_of_a_large_layer():
     assert "at the reduced geometry (H=" in note and "large layer" not in note
     _, note = _reduced_presets(("dsv41-flash",), {"hidden": 131072}, "reference")
     assert "with your size overrides (H=131072" in note and "a large layer for a CPU run (1.7 GB" in note
+
+
+def test_report_record_is_read_with_care(tmp_path):
+    """A hand-edited record is no traceback and removes nothing; a record that
+    is a link is neither trusted nor written through; a directory from before
+    the record whose report.html is ours still gets its stale plots removed."""
+    base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0})
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 20.1, 6: 39.0})
+    out = tmp_path / "r"
+    assert runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--out", str(out)]).exit_code == 0
+    for junk in ('{"files": 5}', '{"files": null}', "[1, 2]", "not json"):
+        (out / REPORT_RECORD).write_text(junk)
+        result = runner.invoke(app, ["report", str(cur), "--out", str(out), "--force"])
+        assert result.exit_code == 0 and "Traceback" not in result.output, (junk, result.output)
+    # the last run wrote a fresh record; an older report's compare.png is back, without a record
+    (out / "compare.png").write_bytes(b"\x89PNG old")
+    (out / REPORT_RECORD).unlink()
+    result = runner.invoke(app, ["report", str(cur), "--out", str(out), "--force"])
+    assert result.exit_code == 0 and "removed compare.png" in result.output, result.output
+    assert not (out / "compare.png").exists()
+    # a record that is a link: not trusted, not written through
+    precious = tmp_path / "precious.txt"
+    precious.write_text('{"files": ["latency.png"]}')
+    (out / REPORT_RECORD).unlink()
+    (out / REPORT_RECORD).symlink_to(precious)
+    result = runner.invoke(app, ["report", str(cur), "--out", str(out), "--force"])
+    assert result.exit_code == 0, result.output
+    assert precious.read_text() == '{"files": ["latency.png"]}' and not (out / REPORT_RECORD).is_symlink()

@@ -30,6 +30,7 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import multiprocessing as mp
@@ -39,6 +40,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -69,7 +71,7 @@ PROGRESS_OFFSET_ENV = "MOEBENCH_WORKER_PROGRESS_OFFSET"
 #: Seconds an interrupted parent waits for its workers to store what they
 #: measured and exit: first for a Ctrl-C the workers saw themselves, then
 #: after passing the interrupt on (SIGTERM) before killing them.
-INTERRUPT_GRACE_S = (2.0, 60.0)
+INTERRUPT_GRACE_S = (1.0, 60.0)
 #: Exit code of a worker that stopped on an interrupt (128 + SIGINT).
 INTERRUPTED_EXIT = 130
 #: Columns that identify a case in a result frame.
@@ -339,11 +341,15 @@ def _worker_main(rank: int, env: dict, runner: CaseRunner, pieces: list[list[Cas
     fake = env.get("MOEBENCH_FAKE_GPU") == "1"
     info = {"rank": rank, "gpu_index": gpu, "gpu_serial": "", "gpu_uuid": "", "pid": os.getpid()}
     os.environ[PROGRESS_ENV] = str(out / f"worker-{rank}-progress.json")
+    # started with SIGINT ignored (`launch_workers`: no traceback from a Ctrl-C during the start-up
+    # imports); from here on a Ctrl-C is an interrupt as usual
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    seen: list[int] = []
     try:
-        with sigterm_as_interrupt():  # the parent passes an interrupt on as SIGTERM
-            _worker_pieces(info, fake, gpu, runner, pieces, out, rank)
+        with sigterm_as_interrupt() as seen:  # the parent passes an interrupt on as SIGTERM
+            _worker_pieces(info, fake, gpu, runner, pieces, out, rank, seen)
     except KeyboardInterrupt:  # outside a case (run_sweep keeps the cases it measured itself)
-        _stopped_on_interrupt(info, out, rank)
+        _stopped_on_interrupt(info, out, rank, seen)
     except SystemExit:
         raise
     except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit nonzero
@@ -354,11 +360,13 @@ def _worker_main(rank: int, env: dict, runner: CaseRunner, pieces: list[list[Cas
         raise SystemExit(1) from None
 
 
-def _stopped_on_interrupt(info: dict, out: Path, rank: int) -> None:
-    """Record that worker `rank` stopped on an interrupt, and exit with
+def _stopped_on_interrupt(info: dict, out: Path, rank: int, seen: list[int]) -> None:
+    """Record that worker `rank` stopped on an interrupt (and which signal:
+    SIGTERM when `seen` holds one, else SIGINT), and exit with
     INTERRUPTED_EXIT (further signals ignored: the record must land)."""
     _ignore_interrupts()
     info["interrupted"] = True
+    info["signal"] = int(seen[-1]) if seen else int(signal.SIGINT)
     _write_atomic(out / f"worker-{rank}.json", lambda p: p.write_text(json.dumps(info)))
     raise SystemExit(INTERRUPTED_EXIT)
 
@@ -368,7 +376,8 @@ def _ignore_interrupts() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def _worker_pieces(info: dict, fake: bool, gpu: int, runner: CaseRunner, pieces, out: Path, rank: int) -> None:
+def _worker_pieces(info: dict, fake: bool, gpu: int, runner: CaseRunner, pieces, out: Path, rank: int,
+                   seen: list[int]) -> None:
     """The body of `_worker_main`: the GPU, then each piece's frame saved as
     it is done; a piece that comes back interrupted (INTERRUPTED rows) is
     saved and ends the worker (`_stopped_on_interrupt`)."""
@@ -392,7 +401,7 @@ def _worker_pieces(info: dict, fake: bool, gpu: int, runner: CaseRunner, pieces,
             _ignore_interrupts()
         _write_atomic(out / f"worker-{rank}-part-{k:04d}.parquet", lambda p: frame.to_parquet(p, index=False))
         if stopped:
-            _stopped_on_interrupt(info, out, rank)
+            _stopped_on_interrupt(info, out, rank, seen)
         done += len(piece)
         os.environ[PROGRESS_OFFSET_ENV] = str(done)
         report_progress(0)
@@ -469,7 +478,8 @@ def launch_workers(
             env = worker_env(rank, world, master_port=port, gpu_index=gpu, base=base_env)
             p = ctx.Process(target=_worker_main, args=(rank, env, runner, _pieces(list(shard)), str(scratch)),
                             name=f"moebench-worker-{rank}")  # fmt: skip
-            p.start()
+            with _sigint_ignored():  # inherited through exec: the child's start-up ignores Ctrl-C
+                p.start()
             procs.append(p)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while any(p.is_alive() for p in procs):
@@ -503,7 +513,9 @@ def launch_workers(
         frames.append(WorkerFrame(rank, gpu, serial, frame))
         exitcode = p.exitcode if p is not None else None
         error = None
-        stopped = bool(info.get("interrupted")) or (interrupted and exitcode != 0)
+        # stopped by an interrupt: said so itself, or ended without an error record once the parent was
+        # interrupted (terminated or killed by `_interrupt`, or never started); a crash stays a crash
+        stopped = bool(info.get("interrupted")) or (interrupted and exitcode != 0 and not info.get("error"))
         if rank in timed_out:
             error = f"worker {rank} (GPU {gpu}) timed out after {timeout_s:g} s and was terminated"
         elif exitcode != 0 and not stopped:
@@ -511,17 +523,31 @@ def launch_workers(
                 f"killed by signal {-exitcode}" if exitcode and exitcode < 0 else f"exit code {exitcode}"
             )
             error = f"worker {rank} (GPU {gpu}) died: {why}"
+        measured = int((frame["error"].astype(str) != INTERRUPTED).sum()) if "error" in frame.columns else len(frame)
         workers.append({"rank": rank, "gpu_index": gpu, "gpu_serial": serial, "gpu_uuid": info.get("gpu_uuid", ""),
                         "pid": info.get("pid"), "exitcode": exitcode, "error": error,
-                        "interrupted": stopped and error is None,
-                        "cases": len(shards[rank]), "rows": len(frame),
-                        "measured": int((frame["error"].astype(str) != INTERRUPTED).sum())
-                        if "error" in frame.columns else len(frame)})  # fmt: skip
+                        "signal": info.get("signal"), "cases": len(shards[rank]), "rows": len(frame),
+                        "measured": measured,
+                        "interrupted": stopped and error is None and measured < len(shards[rank])})  # fmt: skip
         if error is not None:
             failures.append(WorkerFailure(rank, gpu, serial, list(shards[rank]), error))
         elif stopped:
             failures.append(WorkerFailure(rank, gpu, serial, list(shards[rank]), INTERRUPTED, interrupted=True))
     return LaunchResult(frames, failures, workers, interrupted=interrupted)
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    """Within: SIGINT ignored in this process (main thread only; elsewhere
+    nothing changes), the previous handler restored on exit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _interrupt(procs, grace_s: tuple[float, float] | None = None) -> None:
@@ -541,6 +567,8 @@ def _interrupt(procs, grace_s: tuple[float, float] | None = None) -> None:
         deadline = time.monotonic() + grace_s[1]
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:  # a second interrupt: no more waiting (what the workers saved is still merged)
+        pass
     finally:
         for p in procs:
             if p.is_alive():
@@ -723,8 +751,11 @@ def run_sharded_sweep(
             timing_methods=methods,  # of every worker's rows, not the first worker's
             timing_counts=timing_counts_used(config, methods),
         )  # fmt: skip
-        if launched.interrupted or any(f.interrupted for f in launched.failures):
+        if (frame["error"].astype(str) == INTERRUPTED).any():  # an interrupt that left cases unrun
             manifest["interrupted"] = True
+            signals = [w["signal"] for w in launched.workers if w.get("signal")]
+            if signals:
+                manifest["interrupt_signal"] = signals[0]
         manifest.update(manifest_extra or {})
         return write_run(frame, manifest, root, label)
     finally:

@@ -1,4 +1,5 @@
 import os
+import time
 
 import pandas as pd
 import pytest
@@ -368,3 +369,73 @@ def test_cli_sweep_devices_sigterm_stores_the_measured_cases(tmp_path, fake_gpus
     assert manifest["interrupted"] is True
     assert len(df) == 8 and set(df.status) <= {"ok", "skipped"} and (df.status == "skipped").any()
     assert (df[df.status == "skipped"].error == INTERRUPTED).all()
+
+
+def crash_or_slow_runner(cases, device):
+    """Rank 1 crashes at once; rank 0 is slow_runner."""
+    if os.environ["RANK"] == "1":
+        raise RuntimeError("boom before any interrupt")
+    return slow_runner(cases, device)
+
+
+def test_a_crash_before_the_interrupt_stays_a_crash(tmp_path, monkeypatch):
+    from moebench.bench.interrupt import INTERRUPTED
+
+    monkeypatch.setattr(shard, "INTERRUPT_GRACE_S", (0.1, 60.0))
+    cfg, cases = _grid(presets=("dsv4-flash",), tp=(1, 2), rows=(1, 2, 3, 4), scenarios=("uniform",))
+    shards = plan_shards(cases, 2)
+    raised = []
+
+    record = tmp_path / "s" / "worker-1.json"
+
+    def progress(done, total):
+        crashed = record.is_file() and "boom" in record.read_text()
+        if done >= 1 and crashed and not raised:
+            raised.append(done)
+            raise KeyboardInterrupt
+
+    res = launch_workers(shards, [0, 1], crash_or_slow_runner, tmp_path / "s", timeout_s=120, base_env=FAKE_ENV,
+                         progress=progress, poll_s=0.05)  # fmt: skip
+    assert res.interrupted and raised
+    (crash,) = [f for f in res.failures if f.rank == 1]
+    assert not crash.interrupted and "boom before any interrupt" in crash.error
+    (stopped,) = [f for f in res.failures if f.rank == 0]
+    assert stopped.interrupted and stopped.error == INTERRUPTED
+    df = merge_results(res.frames, res.failures)
+    assert set(df[df.gpu_index == 1].status) == {"failed"}
+
+
+def test_a_second_interrupt_kills_the_workers_and_keeps_their_saved_pieces(tmp_path, monkeypatch):
+    """A second Ctrl-C while the workers are being stopped: no more waiting
+    (they are killed), and what they had saved is still merged."""
+    import signal
+    import threading
+
+    monkeypatch.setattr(shard, "INTERRUPT_GRACE_S", (30.0, 60.0))  # only the second interrupt ends the wait
+    cfg, cases = _grid(presets=("dsv4-flash",), tp=(1, 2), rows=(1, 2, 3, 4), scenarios=("uniform",))
+    shards = plan_shards(cases, 2)
+    raised = []
+
+    def progress(done, total):
+        if list((tmp_path / "s").glob("worker-*-part-*.parquet")) and not raised:
+            raised.append(done)
+            threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()  # the second one
+            raise KeyboardInterrupt
+
+    t0 = time.monotonic()
+    res = launch_workers(shards, [0, 1], slow_runner, tmp_path / "s", timeout_s=120, base_env=FAKE_ENV,
+                         progress=progress, poll_s=0.05)  # fmt: skip
+    assert time.monotonic() - t0 < 25  # not the 30 s grace
+    assert res.interrupted
+    df = merge_results(res.frames, res.failures)
+    assert len(df) == len(cases) and (df.status == "ok").sum() >= 1  # the saved piece
+    assert set(df.status) <= {"ok", "skipped"}
+
+
+def test_sigint_ignored_restores_the_handler():
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    with shard._sigint_ignored():
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) is before
