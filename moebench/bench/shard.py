@@ -50,7 +50,7 @@ from pathlib import Path
 import pandas as pd
 
 from moebench.bench.cases import Case, SweepConfig
-from moebench.bench.interrupt import INTERRUPTED, sigterm_as_interrupt
+from moebench.bench.interrupt import INTERRUPTED
 
 #: Environment every worker gets: NVLink multicast off (DESIGN.md, device notes).
 MULTICAST_OFF = {
@@ -71,7 +71,7 @@ PROGRESS_OFFSET_ENV = "MOEBENCH_WORKER_PROGRESS_OFFSET"
 #: Seconds an interrupted parent waits for its workers to store what they
 #: measured and exit: first for a Ctrl-C the workers saw themselves, then
 #: after passing the interrupt on (SIGTERM) before killing them.
-INTERRUPT_GRACE_S = (1.0, 60.0)
+INTERRUPT_GRACE_S = (3.0, 60.0)
 #: Exit code of a worker that stopped on an interrupt (128 + SIGINT).
 INTERRUPTED_EXIT = 130
 #: Columns that identify a case in a result frame.
@@ -345,9 +345,14 @@ def _worker_main(rank: int, env: dict, runner: CaseRunner, pieces: list[list[Cas
     # imports); from here on a Ctrl-C is an interrupt as usual
     signal.signal(signal.SIGINT, signal.default_int_handler)
     seen: list[int] = []
+
+    def terminate(signum, frame):  # SIGTERM (the parent passing an interrupt on, `timeout`) as Ctrl-C,
+        seen.append(signum)  # installed for good: a second one while unwinding is an interrupt too, never
+        raise KeyboardInterrupt  # the default action (killed before the record is written)
+
+    signal.signal(signal.SIGTERM, terminate)
     try:
-        with sigterm_as_interrupt() as seen:  # the parent passes an interrupt on as SIGTERM
-            _worker_pieces(info, fake, gpu, runner, pieces, out, rank, seen)
+        _worker_pieces(info, fake, gpu, runner, pieces, out, rank, seen)
     except KeyboardInterrupt:  # outside a case (run_sweep keeps the cases it measured itself)
         _stopped_on_interrupt(info, out, rank, seen)
     except SystemExit:
