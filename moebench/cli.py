@@ -33,7 +33,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
-from moebench.bench.interrupt import INTERRUPTED, sigterm_as_interrupt  # torch-free too
+from moebench.bench.interrupt import interrupted_rows, sigterm_as_interrupt  # torch-free too
 
 app = typer.Typer(
     name="moebench",
@@ -489,7 +489,7 @@ def _fail_if_interrupted(frame, manifest: dict, path, signals: list[int]) -> Non
     (130 for Ctrl-C, 143 for SIGTERM), saying how many cases were measured."""
     if not manifest.get("interrupted"):
         return
-    reached = int((frame["error"].astype(str) != INTERRUPTED).sum())
+    reached = int((~interrupted_rows(frame)).sum())
     # this process's signal, else the one a sharded sweep's worker got (a signal sent to it alone)
     signum = signals[-1] if signals else manifest.get("interrupt_signal") or signal.SIGINT
     raise _fail(f"interrupted ({signal.Signals(signum).name}): {reached} of {len(frame)} cases ran; the rest are"
@@ -1199,8 +1199,9 @@ def _print_comparison(comp) -> None:
         )  # fmt: skip
     _wide_console(150).print(table)
     console.print("verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
-    if within_threshold_note(comp) and not comp.errors:
-        console.print("no regression:" + within_threshold_note(comp), soft_wrap=True)
+    within = within_threshold_note(comp)
+    if within and not comp.errors:
+        console.print("no regression:" + within, soft_wrap=True)
     if comp.unclear_note and not len(comp.regressions) and not comp.errors:  # an all-unclear error says it already
         console.print(f"[yellow]{comp.unclear_note}[/yellow]", soft_wrap=True)
 

@@ -12,6 +12,16 @@ import threading
 INTERRUPTED = "not run: interrupted (Ctrl-C or SIGTERM) before this case"
 
 
+def interrupted_rows(frame):
+    """Boolean Series over a results frame's rows: the cases an interrupt left
+    unrun (error INTERRUPTED); all False for a frame without an error column."""
+    import pandas as pd
+
+    if "error" not in frame.columns:
+        return pd.Series(False, index=frame.index)
+    return frame["error"].astype(str) == INTERRUPTED
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt():
     """Within: SIGTERM raises KeyboardInterrupt, as Ctrl-C does (in the main

@@ -50,7 +50,8 @@ from pathlib import Path
 import pandas as pd
 
 from moebench.bench.cases import Case, SweepConfig
-from moebench.bench.interrupt import INTERRUPTED
+from moebench.bench.interrupt import INTERRUPTED, interrupted_rows, sigterm_as_interrupt
+from moebench.reports.store import CASE_COLUMNS
 
 #: Environment every worker gets: NVLink multicast off (DESIGN.md, device notes).
 MULTICAST_OFF = {
@@ -75,7 +76,7 @@ INTERRUPT_GRACE_S = (3.0, 60.0)
 #: Exit code of a worker that stopped on an interrupt (128 + SIGINT).
 INTERRUPTED_EXIT = 130
 #: Columns that identify a case in a result frame.
-CASE_KEY = ("preset", "tp", "rows", "scenario", "backend", "tactic")
+CASE_KEY = CASE_COLUMNS
 
 CaseRunner = Callable[[list[Case], str], pd.DataFrame]
 
@@ -344,25 +345,21 @@ def _worker_main(rank: int, env: dict, runner: CaseRunner, pieces: list[list[Cas
     # started with SIGINT ignored (`launch_workers`: no traceback from a Ctrl-C during the start-up
     # imports); from here on a Ctrl-C is an interrupt as usual
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    seen: list[int] = []
-
-    def terminate(signum, frame):  # SIGTERM (the parent passing an interrupt on, `timeout`) as Ctrl-C,
-        seen.append(signum)  # installed for good: a second one while unwinding is an interrupt too, never
-        raise KeyboardInterrupt  # the default action (killed before the record is written)
-
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        _worker_pieces(info, fake, gpu, runner, pieces, out, rank, seen)
-    except KeyboardInterrupt:  # outside a case (run_sweep keeps the cases it measured itself)
-        _stopped_on_interrupt(info, out, rank, seen)
-    except SystemExit:
-        raise
-    except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit nonzero
-        text = f"{type(error).__name__}: {error}".splitlines()[0][:500]
-        info["error"] = text
-        info["traceback"] = traceback.format_exc()[-4000:]
-        _write_atomic(out / f"worker-{rank}.json", lambda p: p.write_text(json.dumps(info)))
-        raise SystemExit(1) from None
+    # SIGTERM (the parent passing an interrupt on, `timeout`) as Ctrl-C, around the handlers too: a
+    # second one while unwinding is an interrupt, never the default action (killed before the record)
+    with sigterm_as_interrupt() as seen:
+        try:
+            _worker_pieces(info, fake, gpu, runner, pieces, out, rank, seen)
+        except KeyboardInterrupt:  # outside a case (run_sweep keeps the cases it measured itself)
+            _stopped_on_interrupt(info, out, rank, seen)
+        except SystemExit:
+            raise
+        except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit nonzero
+            text = f"{type(error).__name__}: {error}".splitlines()[0][:500]
+            info["error"] = text
+            info["traceback"] = traceback.format_exc()[-4000:]
+            _write_atomic(out / f"worker-{rank}.json", lambda p: p.write_text(json.dumps(info)))
+            raise SystemExit(1) from None
 
 
 def _stopped_on_interrupt(info: dict, out: Path, rank: int, seen: list[int]) -> None:
@@ -401,7 +398,7 @@ def _worker_pieces(info: dict, fake: bool, gpu: int, runner: CaseRunner, pieces,
     for k, piece in enumerate(pieces):
         os.environ[PROGRESS_OFFSET_ENV] = str(done)
         frame = runner(piece, device)
-        stopped = "error" in frame.columns and bool((frame["error"].astype(str) == INTERRUPTED).any())
+        stopped = bool(interrupted_rows(frame).any())
         if stopped:  # store it without being interrupted again
             _ignore_interrupts()
         _write_atomic(out / f"worker-{rank}-part-{k:04d}.parquet", lambda p: frame.to_parquet(p, index=False))
@@ -528,7 +525,7 @@ def launch_workers(
                 f"killed by signal {-exitcode}" if exitcode and exitcode < 0 else f"exit code {exitcode}"
             )
             error = f"worker {rank} (GPU {gpu}) died: {why}"
-        measured = int((frame["error"].astype(str) != INTERRUPTED).sum()) if "error" in frame.columns else len(frame)
+        measured = int((~interrupted_rows(frame)).sum())
         workers.append({"rank": rank, "gpu_index": gpu, "gpu_serial": serial, "gpu_uuid": info.get("gpu_uuid", ""),
                         "pid": info.get("pid"), "exitcode": exitcode, "error": error,
                         "signal": info.get("signal"), "cases": len(shards[rank]), "rows": len(frame),
@@ -756,7 +753,7 @@ def run_sharded_sweep(
             timing_methods=methods,  # of every worker's rows, not the first worker's
             timing_counts=timing_counts_used(config, methods),
         )  # fmt: skip
-        if (frame["error"].astype(str) == INTERRUPTED).any():  # an interrupt that left cases unrun
+        if interrupted_rows(frame).any():  # an interrupt that left cases unrun
             manifest["interrupted"] = True
             signals = [w["signal"] for w in launched.workers if w.get("signal")]
             if signals:

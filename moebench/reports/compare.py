@@ -52,9 +52,10 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from moebench.reports.store import CASE_COLUMNS
 from moebench.reports.summary import markdown_table, shared_overlap
 
-MATCH_KEYS = ("preset", "tp", "rows", "scenario", "backend", "tactic")
+MATCH_KEYS = CASE_COLUMNS
 SHAPE_KEYS = ("hidden", "intermediate", "experts", "top_k")
 VERDICTS = (
     "faster", "slower", "same", "unclear", "failed", "lost", "fixed", "skipped", "new", "missing", "mismatch",

@@ -242,15 +242,16 @@ def read_run(path: str | Path) -> tuple[pd.DataFrame, dict]:
     return df, manifest
 
 
-#: The columns that name one case of a run (with `rank` where a run has it).
-CASE_KEYS = ("preset", "tp", "rows", "scenario", "backend", "tactic")
+#: The columns that name one case of a run (with `rank` where a run has it);
+#: `report --baseline` matches cases across runs by them.
+CASE_COLUMNS = ("preset", "tp", "rows", "scenario", "backend", "tactic")
 
 
 def _check_cases(df: pd.DataFrame, results: Path) -> None:
     """A run holds each case once, and an ok case has a finite positive
     median_us (what every report reads): raises ValueError naming the file
     and the first offending case otherwise (a hand-edited or damaged file)."""
-    keys = [c for c in (*CASE_KEYS, "rank") if c in df.columns]
+    keys = [c for c in (*CASE_COLUMNS, "rank") if c in df.columns]
     dup = df[df.duplicated(subset=keys, keep=False)]
     if len(dup):
         case = _case_text(dup.iloc[0], keys)
@@ -290,7 +291,8 @@ def check_manifest(manifest: dict, path: str | Path = MANIFEST) -> None:
     one of SCHEMAS, "kind" one of KINDS, "device" / "packages" / "config" JSON
     objects, the flags (reduced, warm_l2, sharded, config.overlap_shared)
     true, false or null (never a truthy string such as "no"), "ranks" an
-    integer >= 1 or null, "copy_bw_gbps" a positive number or null. Raises ValueError naming `path` and the field."""
+    integer >= 1 or null, "copy_bw_gbps" a positive number or null. Raises
+    ValueError naming `path` and the field."""
 
     def bad(field: str, expected: str, value) -> ValueError:
         return ValueError(f"{path}: {field!r} must be {expected}, got {json.dumps(value, default=str)}")
