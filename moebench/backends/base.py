@@ -95,6 +95,15 @@ class Backend(abc.ABC):
         budget); default: none beyond the canonical weights it keeps."""
         return 0
 
+    def read_bytes(self, shape: RankShape, topk_ids: torch.Tensor) -> int | None:
+        """Bytes one layer call of this backend really reads and writes in
+        device memory for the routing `topk_ids` [rows, top_k] (CPU or device
+        ids): the touched experts' weights and scales in its own layout
+        (padding, BF16 copies and all) plus x in and the output. None (the
+        default) when it is the normalized count (`bench.cases.unique_bytes`:
+        the logical MXFP4 bytes), which every backend's `pct_copy_bw` uses."""
+        return None
+
     @abc.abstractmethod
     def prepare(self, weights: ExpertWeights, shape: RankShape, tactic: str = DEFAULT_TACTIC) -> object:
         """One-time conversion of the canonical `weights` (on the target device)

@@ -70,8 +70,10 @@ from moebench.models import MX_BLOCK, RankShape
 from moebench.reference import ORACLE_TOLERANCE, reference_moe, relative_error
 from moebench.routing import scenario_topk_ids, scenario_weights
 
-#: Stages a backend's `stage_calls` may name (kernel_<stage>_us columns), in launch order.
-SWEEP_STAGES = ("route", "gemm1", "gemm2", "finalize")
+#: Stages a backend's `stage_calls` may name (kernel_<stage>_us columns), in launch order:
+#: ours (route, gemm1, gemm2, finalize) and the peers' own glue (the routing
+#: alignment, an activation quantize, the SwiGLU between the GEMMs, the top-k reduce).
+SWEEP_STAGES = ("route", "align", "quantize", "gemm1", "activation", "gemm2", "reduce", "finalize")
 #: How kernel_<stage>_us and routed_us are measured (stored in the manifest).
 STAGE_TIMING = ("kernel_<stage>_us: each stage alone, fed by an eager run of the stages before it;"
                 " routed_us: route + GEMM1 + GEMM2 as forward launches them, no finalize;"
