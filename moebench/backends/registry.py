@@ -19,7 +19,7 @@ from moebench.backends.base import Backend, BackendUnavailable
 Factory = Callable[[], Backend]
 
 #: Built-in backends. Later paths register here: "moebench" (our kernels),
-#: the FlashInfer and humming baselines.
+#: the FlashInfer, humming and vLLM Marlin baselines.
 BUILTIN: dict[str, str] = {
     "torch-bf16": "moebench.backends.torch_bf16:TorchBF16Backend",
     "reference": "moebench.backends.reference:ReferenceBackend",
@@ -28,6 +28,7 @@ BUILTIN: dict[str, str] = {
     "flashinfer-w4a8": "moebench.backends.flashinfer:FlashInferW4A8Backend",
     "humming-w4a16": "moebench.backends.humming:HummingW4A16Backend",
     "humming-w4a8": "moebench.backends.humming:HummingW4A8Backend",
+    "marlin-w4a16": "moebench.backends.marlin:MarlinW4A16Backend",
 }
 
 _registry: dict[str, str | Factory] = dict(BUILTIN)

@@ -1,0 +1,287 @@
+"""vLLM's Marlin MoE: "marlin-w4a16", vLLM 0.26's default DeepSeek-V4 MXFP4
+MoE path on SM90 (`select_deepseek_v4_mxfp4_moe_backend` -> MarlinExperts ->
+`fused_marlin_moe`), run with vLLM's own compiled kernels (the vllm==0.26.0
+wheel's libraries, `vllm_ops`) and vLLM's call sequence, written here from
+its Python source (experts/marlin_moe.py, fused_moe/activation.py).
+
+prepare (once): `marlin_layout.prepare_marlin` - vLLM's
+`prepare_moe_mxfp4_layer_for_marlin` with the real `gptq_marlin_repack` op
+(one call per expert) and the scale permutation in torch; the intermediate is
+the canonical Ip (vLLM pads it to 128 for Marlin, H to 256); a workspace of
+4 x SM-count int32 (`marlin_make_workspace_new(device, 4)`).
+
+forward (per layer call; buffers per row count live in the prepared object,
+no host sync, graph-capturable):
+
+  align       ids -> "global" ids (non-local -> E), then moe_align_block_size
+              (block_m: vLLM's choice for M rows, `block_size_m`), expert_map
+  gemm1       workspace zeroed (vLLM allocates it with torch.zeros per call),
+              moe_wna16_marlin_gemm(x, w13): top_k, mul_topk_weights=False
+  activation  silu_and_mul_with_clamp(limit, alpha=1, beta=0):
+              silu(min(gate, L)) * clamp(up, -L, L), gate = first half
+  gemm2       moe_wna16_marlin_gemm(H, w2): top_k=1, mul_topk_weights=True
+              (the router weights are applied here, per row)
+  reduce      moe_sum(rows [M, top_k, H], out, topk_ids, expert_map)
+
+Both GEMMs: b_type float4_e2m1f with float8_e8m0fnu scales, is_k_full=True,
+use_atomic_add=False, use_fp32_reduce=True, is_zp_float=False,
+thread_k = thread_n = blocks_per_sm = -1 (Marlin picks), no bias / zeros /
+act-order, the output written into vLLM's intermediate caches (GEMM2's
+output aliases GEMM1's, as `_resize_cache` makes them).
+
+Non-local ids (outside [0, E)): vLLM's kernels assume every id is valid and
+express an expert of another rank as a valid *global* id that `expert_map`
+maps to -1 (what its DeepEP prepare does with DeepEP's -1 ids). This backend
+does the same: E + 1 global experts, expert E standing for every remote one
+(ids are clamped to [-1, E], then taken mod E + 1: two small elementwise
+launches in "align"), expert_map = [0 .. E-1, -1]; the align kernel skips
+such slots, the GEMMs never touch their rows, and moe_sum leaves them out.
+vLLM's TP deployment (every expert local) passes no expert_map: there the
+align and moe_sum are the same kernels without the map lookup and the two
+remap launches do not exist. (vLLM's EP path runs a Triton activation that
+skips remote rows; this backend runs vLLM's TP activation op on all rows:
+the remote rows' values are never read.)
+
+Oracle "bf16" (x stays BF16 in the GEMMs; H is BF16). The SwiGLU limit is one
+float per layer in vLLM (`gemm1_clamp_limit`): prepare requires one clamp
+value for all experts (true for every preset).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from moebench.backends import vllm_ops
+from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
+from moebench.backends.marlin_layout import (
+    FLOAT4_E2M1F_ID, MarlinWeights, check_marlin_shape, marlin_expert_bytes, prepare_marlin,
+)  # fmt: skip
+from moebench.backends.vllm_align import MAX_EXPERTS, AlignBuffers
+from moebench.formats import ExpertWeights
+from moebench.models import RankShape
+
+#: fused_marlin_moe's block_m candidates, in the order it tries them.
+BLOCK_SIZES = (8, 16, 32, 48, 64)
+#: marlin_make_workspace_new(device, max_blocks_per_sm=4): SM count x 4 int32 locks.
+WORKSPACE_BLOCKS_PER_SM = 4
+#: The flags vLLM's _fused_marlin_moe passes to both GEMMs.
+GEMM_FLAGS = dict(is_k_full=True, use_atomic_add=False, use_fp32_reduce=True, is_zp_float=False,
+                  thread_k=-1, thread_n=-1, blocks_per_sm=-1)  # fmt: skip
+
+
+def block_size_m(rows: int, top_k: int, experts: int, global_experts: int | None = None) -> int:
+    """vLLM's block_m for `rows` token rows (fused_marlin_moe): with E global
+    experts of which `experts` are local, M = ceil(rows * experts / E); the
+    first of 8, 16, 32, 48, 64 with M * top_k / experts / block < 0.9, else 64."""
+    for name, v in (("rows", rows), ("top_k", top_k), ("experts", experts)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    m = rows if global_experts is None else -(-rows * experts // global_experts)
+    for block in BLOCK_SIZES:
+        if m * top_k / experts / block < 0.9:
+            return block
+    return BLOCK_SIZES[-1]
+
+
+def _flat_view(buffer: torch.Tensor, *shape: int) -> torch.Tensor:
+    """vLLM's `_resize_cache`: the first prod(shape) elements of a flat buffer, viewed as `shape`."""
+    n = 1
+    for s in shape:
+        n *= s
+    return buffer.flatten()[:n].view(*shape)
+
+
+@dataclass
+class MarlinPrepared:
+    """Marlin weights, the layer's geometry and clamp, the workspace, the
+    expert map, and per-(rows, top_k) buffers."""
+
+    weights: MarlinWeights
+    hidden: int
+    intermediate: int
+    padded_intermediate: int
+    experts: int
+    top_k: int
+    clamp_limit: float
+    workspace: torch.Tensor
+    expert_map: torch.Tensor
+    ops_moe: object = None  # torch.ops._moe_C (vllm_ops.load("moe"))
+    ops_c: object = None    # torch.ops._C (vllm_ops.load("c"))
+    buffers: dict = field(default_factory=dict)
+
+    @property
+    def device(self) -> torch.device:
+        return self.workspace.device
+
+    @property
+    def global_experts(self) -> int:
+        return self.experts + 1
+
+
+class MarlinW4A16Backend(Backend):
+    """vLLM's fused Marlin MoE, MXFP4 weights x BF16 activations (module docstring)."""
+
+    name = "marlin-w4a16"
+    oracle = "bf16"
+    capturable = True
+
+    def __init__(self) -> None:
+        self.last_tactic: str | None = None
+
+    def unavailable_reason(self, device: torch.device | str) -> str | None:
+        reason = sm90_reason(device)
+        if reason:
+            return reason
+        for which in ("moe", "c"):
+            why = vllm_ops.reason(which)
+            if why is not None:
+                return why
+        return None
+
+    def read_bytes(self, shape: RankShape, topk_ids: torch.Tensor) -> int:
+        """Marlin's reads of one call: the padded-intermediate weights and
+        scales of each touched local expert, x in and the output (bf16)."""
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+            raise ValueError(f"topk_ids must be a 2-D tensor [rows, top_k], got {getattr(topk_ids, 'shape', topk_ids)!r}")
+        ids = topk_ids.detach().reshape(-1).to("cpu", torch.int64)
+        touched = int(torch.unique(ids[(ids >= 0) & (ids < shape.experts)]).numel())
+        rows = topk_ids.shape[0]
+        return touched * marlin_expert_bytes(shape.hidden, shape.padded_intermediate) + 2 * rows * shape.hidden * 2
+
+    def prepared_bytes(self, shape: RankShape) -> int:
+        return shape.experts * marlin_expert_bytes(shape.hidden, shape.padded_intermediate)
+
+    def prepare(self, weights: ExpertWeights, shape: RankShape, tactic: str = DEFAULT_TACTIC) -> MarlinPrepared:
+        """Marlin layout of `weights` on their (CUDA) device. Raises ValueError
+        for a bad tactic, weights that do not match `shape`, a shape Marlin's
+        padding rules reject, per-expert clamps that differ or too many
+        experts; RuntimeError when the backend cannot run there."""
+        self.check_tactic(shape, tactic)
+        check_weights(weights, shape)
+        check_marlin_shape(shape.hidden, shape.padded_intermediate)
+        if shape.experts + 1 > MAX_EXPERTS:
+            raise ValueError(f"at most {MAX_EXPERTS - 1} experts (vLLM's align op), got {shape.experts}")
+        limits = torch.unique(weights.clamp)
+        if limits.numel() != 1:
+            raise ValueError("vLLM's Marlin path takes one SwiGLU limit per layer; clamp must be equal for all experts")
+        dev = weights.w13.device
+        reason = self.unavailable_reason(dev)
+        if reason is not None:
+            raise RuntimeError(f"backend {self.name!r} cannot run on {dev}: {reason}")
+        ops_c, ops_moe = vllm_ops.load("c"), vllm_ops.load("moe")
+        no_perm = torch.empty(0, dtype=torch.int32, device=dev)
+
+        def repack(words: torch.Tensor, size_k: int, size_n: int) -> torch.Tensor:
+            return ops_c.gptq_marlin_repack(words, no_perm, size_k, size_n, 4, False)
+
+        marlin = prepare_marlin(weights, repack)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        e = shape.experts
+        expert_map = torch.cat((torch.arange(e, dtype=torch.int32, device=dev),
+                                torch.full((1,), -1, dtype=torch.int32, device=dev)))  # fmt: skip
+        return MarlinPrepared(
+            weights=marlin, hidden=shape.hidden, intermediate=shape.intermediate,
+            padded_intermediate=shape.padded_intermediate, experts=e, top_k=shape.top_k,
+            clamp_limit=float(limits[0]), workspace=torch.zeros(sms * WORKSPACE_BLOCKS_PER_SM, dtype=torch.int32,
+                                                                device=dev),
+            expert_map=expert_map, ops_moe=ops_moe, ops_c=ops_c,
+        )  # fmt: skip
+
+    # --- per call ---------------------------------------------------------------------------
+
+    def _buffers(self, p: MarlinPrepared, rows: int, top_k: int) -> dict:
+        key = (rows, top_k)
+        buf = p.buffers.get(key)
+        if buf is None:
+            m, n, k = rows * top_k, p.padded_intermediate, p.hidden
+            block = block_size_m(rows, top_k, p.experts, p.global_experts)
+            cache13 = torch.empty(m * max(2 * n, k), dtype=torch.bfloat16, device=p.device)
+            buf = p.buffers[key] = dict(
+                block=block,
+                ids=torch.empty(rows, top_k, dtype=torch.int32, device=p.device),
+                align=AlignBuffers.alloc(m, p.global_experts, block, p.device),
+                cache1=_flat_view(cache13, m, 2 * n),
+                cache3=_flat_view(cache13, m, k),
+                cache2=torch.empty(m, n, dtype=torch.bfloat16, device=p.device),
+                out=torch.empty(rows, k, dtype=torch.bfloat16, device=p.device),
+            )
+        return buf
+
+    def _check(self, prepared, x, topk_ids, topk_weights) -> tuple[int, int]:
+        if not isinstance(prepared, MarlinPrepared):
+            raise TypeError(f"prepared must come from {type(self).__name__}.prepare, got {type(prepared).__name__}")
+        check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.device)
+        rows, top_k = topk_ids.shape
+        if rows < 1 or top_k < 1:
+            raise ValueError(f"topk_ids must have at least one row and one column, got {tuple(topk_ids.shape)}")
+        if not x.is_contiguous() or not topk_ids.is_contiguous() or not topk_weights.is_contiguous():
+            raise ValueError("x, topk_ids and topk_weights must be contiguous (Marlin reads them by row)")
+        return rows, top_k
+
+    def _stages(self, p: MarlinPrepared, x, topk_ids, topk_weights) -> list:
+        """[(stage name, call)] of one layer call, in launch order (module docstring)."""
+        moe, c = p.ops_moe, p.ops_c
+        rows, top_k = topk_ids.shape
+        buf = self._buffers(p, rows, top_k)
+        ids, al, block = buf["ids"], buf["align"], buf["block"]
+        w = p.weights
+        m, n, k = rows * top_k, p.padded_intermediate, p.hidden
+        self.last_tactic = self.kernel_tactics(p, rows, top_k)
+
+        def align():
+            torch.clamp(topk_ids, -1, p.experts, out=ids)
+            ids.remainder_(p.global_experts)
+            moe.moe_align_block_size(ids, p.global_experts, block, al.sorted_ids, al.expert_ids,
+                                     al.num_tokens_post_pad, p.expert_map)
+
+        def gemm(a, out, b, scales, top, mul, size_m, size_n, size_k):
+            moe.moe_wna16_marlin_gemm(
+                a, out, b, None, scales, None, None, None, None, None, p.workspace, al.sorted_ids,
+                al.expert_ids, al.num_tokens_post_pad, topk_weights, block, top, mul, FLOAT4_E2M1F_ID,
+                size_m, size_n, size_k, GEMM_FLAGS["is_k_full"], GEMM_FLAGS["use_atomic_add"],
+                GEMM_FLAGS["use_fp32_reduce"], GEMM_FLAGS["is_zp_float"], GEMM_FLAGS["thread_k"],
+                GEMM_FLAGS["thread_n"], GEMM_FLAGS["blocks_per_sm"],
+            )  # fmt: skip
+
+        def gemm1():
+            p.workspace.zero_()
+            gemm(x, buf["cache1"], w.w13, w.w13_scale, top_k, False, rows, 2 * n, k)
+
+        def activation():
+            c.silu_and_mul_with_clamp(buf["cache2"], buf["cache1"], p.clamp_limit, 1.0, 0.0)
+
+        def gemm2():
+            gemm(buf["cache2"], buf["cache3"], w.w2, w.w2_scale, 1, True, m, k, n)
+
+        def reduce():
+            moe.moe_sum(buf["cache3"].view(rows, top_k, k), buf["out"], ids, p.expert_map)
+
+        return [("align", align), ("gemm1", gemm1), ("activation", activation), ("gemm2", gemm2), ("reduce", reduce)]
+
+    def forward(self, prepared, x, topk_ids, topk_weights):
+        """bf16 [rows, H] (a buffer owned by `prepared`, overwritten by the next
+        call with the same row count)."""
+        rows, top_k = self._check(prepared, x, topk_ids, topk_weights)
+        for _, call in self._stages(prepared, x, topk_ids, topk_weights):
+            call()
+        return prepared.buffers[(rows, top_k)]["out"]
+
+    def stage_calls(self, prepared, x, topk_ids, topk_weights):
+        """align, gemm1, activation, gemm2, reduce: run once eagerly, then each
+        callable re-runs its stage on the buffers the eager run filled."""
+        self._check(prepared, x, topk_ids, topk_weights)
+        stages = self._stages(prepared, x, topk_ids, topk_weights)
+        for _, call in stages:
+            call()
+        return stages
+
+    def kernel_tactics(self, prepared, rows: int, top_k: int | None = None) -> str:
+        """What a call at `rows` runs: vLLM's block_m, Marlin's own thread
+        config (-1: its heuristic), the reduction flags, the aligner."""
+        top_k = prepared.top_k if top_k is None else top_k
+        block = block_size_m(rows, top_k, prepared.experts, prepared.global_experts)
+        return (f"block_m={block},thread_k/n=auto,blocks_per_sm=auto,fp32_reduce=1,atomic_add=0,"
+                f"align=vllm+expert_map")
