@@ -6,9 +6,10 @@ under $HUMMING_CACHE_DIR); the MoE around it is the caller's. Per layer call
 this backend runs vLLM's HummingIndexedExperts sequence (as
 /work/shared/baselines/humming_probe.py measured it on the H200):
 
+  routing alignment (sorted_ids, expert_ids,  -> vLLM's own moe_align_block_size op (vllm_align,
+    num_tokens_padded per block_m)               the vllm-moe bundle); without it our one-kernel
+                                                 Triton aligner, without Triton ~15 torch ops
   [w4a8] may_quant_input(x)                   -> humming kernel: per-token e4m3 x
-  routing alignment (sorted_ids, expert_ids,  -> one Triton kernel (torch ops without Triton);
-    num_tokens_padded per block_m)               vLLM runs its moe_align_block_size kernel here
   forward_layer(w13, top_k)                   -> humming indexed MoE GEMM1 [M*k, 2I]
   may_process_input(binary_split SwiGLU)      -> humming kernel: silu(min(g,L))*clamp(u,-L,L)
                                                  (+ per-token e4m3 H for w4a8)
@@ -20,7 +21,9 @@ prepare: the logical (unpadded) [gate; up] checkpoint tensors
 `transform_humming_layer` with vLLM's padding (N to 256, K to 128); tuning
 configs are humming's heuristics (`get_default_tuning_configs`, indexed GEMM),
 no autotuning: the config chosen for a row count is recorded in
-`backend.last_tactic` ("w13=<mma> <block>,w2=...,align=triton|torch").
+`backend.last_tactic` ("w13=<mma> <block>,w2=...,align=vllm|triton|torch"),
+and `stage_calls` splits a call into align, [quantize (w4a8)], gemm1,
+activation, gemm2 and reduce.
 
 Oracle: "bf16" for w4a16, "fp8_token" for w4a8. The SwiGLU limit is a
 compile-time constant of humming's activation expression: prepare requires one
@@ -45,6 +48,7 @@ from typing import ClassVar
 
 import torch
 
+from moebench.backends import vllm_align, vllm_ops
 from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
 from moebench.backends.layouts import to_humming_logical
 from moebench.formats import ExpertWeights
@@ -207,17 +211,42 @@ def align_block_size_reference(expert_of_slot: torch.Tensor, experts: int, block
             torch.tensor([len(ids)], dtype=torch.int32))  # fmt: skip
 
 
-#: "triton" (one kernel, the default where Triton imports) or "torch" (~15 small ops).
+def align_block_size_vllm(expert_of_slot: torch.Tensor, experts: int, block: int):
+    """vLLM's own `moe_align_block_size` op (vllm_align; what vLLM's humming
+    experts call, with `ignore_invalid_experts=True` and no expert map):
+    (sorted_ids int32 [vLLM's max_num_tokens_padded], expert_ids int32
+    [its block count], num_tokens_padded int32 [1]). Same used prefix as
+    `align_block_size` except that slots of one expert may come in another
+    order (the op places them with atomics); past the used blocks expert_ids
+    holds -1 and sorted_ids the sentinel S. Buffers are allocated per call,
+    as vLLM's wrapper does. Raises RuntimeError without vLLM's library."""
+    ids = expert_of_slot.to(torch.int32).contiguous()
+    return vllm_align.moe_align_block_size(ids, experts, block).as_tuple()
+
+
+#: Which aligner humming's forward uses: "vllm" (vLLM's op, the default: what vLLM runs),
+#: "triton" (our one-kernel Triton aligner) or "torch" (~15 small torch ops). An aligner that
+#: cannot run falls back to the next: vllm -> triton -> torch.
 ALIGN_ENV = "MOEBENCH_HUMMING_ALIGN"
+ALIGNERS = ("vllm", "triton", "torch")
 
 
 def _aligner(device: torch.device):
-    """(align function, its name) for `device`: Triton where available (and not
-    overridden by MOEBENCH_HUMMING_ALIGN=torch), else the torch ops."""
-    choice = os.environ.get(ALIGN_ENV, "triton")
-    if choice != "torch" and device.type == "cuda" and _triton_align_kernel() is not None:
-        return align_block_size_triton, "triton"
-    return align_block_size, "torch"
+    """(align function, its name) for `device`: the first runnable of
+    ALIGNERS from $MOEBENCH_HUMMING_ALIGN (default "vllm") on. Raises
+    ValueError for an unknown $MOEBENCH_HUMMING_ALIGN."""
+    choice = os.environ.get(ALIGN_ENV, "vllm")
+    if choice not in ALIGNERS:
+        raise ValueError(f"${ALIGN_ENV} must be one of {ALIGNERS}, got {choice!r}")
+    on_gpu = torch.device(device).type == "cuda"
+    for name in ALIGNERS[ALIGNERS.index(choice):]:
+        if name == "vllm" and on_gpu and vllm_ops.reason("moe") is None:
+            return align_block_size_vllm, "vllm"
+        if name == "triton" and on_gpu and _triton_align_kernel() is not None:
+            return align_block_size_triton, "triton"
+        if name == "torch":
+            return align_block_size, "torch"
+    raise AssertionError("unreachable: torch is always available")
 
 
 # --- prepared state ---------------------------------------------------------------------------
@@ -351,9 +380,10 @@ class _HummingBackend(Backend):
             )
         return buf
 
-    def forward(self, prepared, x, topk_ids, topk_weights):
-        """bf16 [rows, H] (a buffer owned by `prepared`, reused by the next call
-        with the same row count). Raises ValueError for rows > 8."""
+    def _stages(self, prepared, x, topk_ids, topk_weights) -> list:
+        """[(stage name, fn)] of one layer call in launch order; fn(state) runs
+        the stage on the outputs of the earlier ones (in `state`) and returns
+        its own. Validates the inputs; raises ValueError for rows > 8."""
         if not isinstance(prepared, HummingPrepared) or prepared.mode != self.mode:
             raise TypeError(f"prepared must come from {type(self).__name__}.prepare, got {type(prepared).__name__}")
         from humming.layer import HummingMethod
@@ -366,36 +396,76 @@ class _HummingBackend(Backend):
         m = rows * top_k
         buf = self._buffers(p, rows, top_k)
         bm13, bm2 = buf["block"]
-        self.last_tactic = f"w13={p.config_name('w13', m)},w2={p.config_name('w2', m)}"
-        local = (topk_ids >= 0) & (topk_ids < p.experts)
-        expert = torch.where(local, topk_ids, 0)
-        weights = torch.where(local, topk_weights, 0.0)
         align, how = _aligner(p.device)
-        self.last_tactic += f",align={how}"
-        align13 = align(expert, p.experts, bm13)
-        align2 = align13 if bm2 == bm13 else align(expert, p.experts, bm2)
+        self.last_tactic = f"w13={p.config_name('w13', m)},w2={p.config_name('w2', m)},align={how}"
         layer, tc = p.layer, p.tuning
-        a, a_scale = HummingMethod.may_quant_input(layer, x, sublayer_name="w13")
-        HummingMethod.forward_layer(
-            layer, a, outputs=buf["gu"], input_scale=a_scale, top_k=top_k, valid_shape_m=m,
-            compute_config=COMPUTE_CONFIG, tuning_config=tc["w13"][1], sublayer_name="w13",
-            sorted_ids=align13[0], expert_ids=align13[1], num_tokens_padded=align13[2],
-        )  # fmt: skip
-        h, group_scale, token_scale = HummingMethod.may_process_input(
-            layer, buf["gu"], activation_type="binary_split", activation_impl=p.activation, sublayer_name="w2"
-        )
-        HummingMethod.forward_layer(
-            layer, h, outputs=buf["down"], input_scale=group_scale if group_scale is not None else token_scale,
-            top_k=1, valid_shape_m=m, compute_config=COMPUTE_CONFIG, tuning_config=tc["w2"][1],
-            sublayer_name="w2", sorted_ids=align2[0], expert_ids=align2[1], num_tokens_padded=align2[2],
-        )  # fmt: skip
-        out = buf["out"]
-        torch.bmm(
-            weights.to(torch.bfloat16).view(rows, 1, top_k),
-            buf["down"].view(rows, top_k, p.hidden),
-            out=out.view(rows, 1, p.hidden),
-        )
-        return out
+
+        def align_stage(st):
+            local = (topk_ids >= 0) & (topk_ids < p.experts)
+            expert = torch.where(local, topk_ids, 0)
+            align13 = align(expert, p.experts, bm13)
+            align2 = align13 if bm2 == bm13 else align(expert, p.experts, bm2)
+            return dict(weights=torch.where(local, topk_weights, 0.0), align13=align13, align2=align2)
+
+        def quantize(st):
+            a, a_scale = HummingMethod.may_quant_input(layer, x, sublayer_name="w13")
+            return dict(a=a, a_scale=a_scale)
+
+        def gemm1(st):
+            a13 = st["align13"]
+            HummingMethod.forward_layer(
+                layer, st["a"], outputs=buf["gu"], input_scale=st["a_scale"], top_k=top_k, valid_shape_m=m,
+                compute_config=COMPUTE_CONFIG, tuning_config=tc["w13"][1], sublayer_name="w13",
+                sorted_ids=a13[0], expert_ids=a13[1], num_tokens_padded=a13[2],
+            )  # fmt: skip
+            return {}
+
+        def activation(st):
+            h, group_scale, token_scale = HummingMethod.may_process_input(
+                layer, buf["gu"], activation_type="binary_split", activation_impl=p.activation, sublayer_name="w2"
+            )
+            return dict(h=h, h_scale=group_scale if group_scale is not None else token_scale)
+
+        def gemm2(st):
+            a2 = st["align2"]
+            HummingMethod.forward_layer(
+                layer, st["h"], outputs=buf["down"], input_scale=st["h_scale"], top_k=1, valid_shape_m=m,
+                compute_config=COMPUTE_CONFIG, tuning_config=tc["w2"][1], sublayer_name="w2",
+                sorted_ids=a2[0], expert_ids=a2[1], num_tokens_padded=a2[2],
+            )  # fmt: skip
+            return {}
+
+        def reduce(st):
+            torch.bmm(
+                st["weights"].to(torch.bfloat16).view(rows, 1, top_k),
+                buf["down"].view(rows, top_k, p.hidden),
+                out=buf["out"].view(rows, 1, p.hidden),
+            )
+            return {}
+
+        # W4A16's may_quant_input hands x back untouched (no kernel): not a stage of its own ("")
+        return [("align", align_stage), ("quantize" if self.mode == "w4a8" else "", quantize), ("gemm1", gemm1),
+                ("activation", activation), ("gemm2", gemm2), ("reduce", reduce)]  # fmt: skip
+
+    def forward(self, prepared, x, topk_ids, topk_weights):
+        """bf16 [rows, H] (a buffer owned by `prepared`, reused by the next call
+        with the same row count): the routing alignment (vLLM's op where its
+        library loads, `last_tactic` says which), [w4a8: per-token quantize of
+        x], GEMM1, activation, GEMM2, top-k weighted sum. Raises ValueError for
+        rows > 8."""
+        state: dict = {}
+        for _, fn in self._stages(prepared, x, topk_ids, topk_weights):
+            state.update(fn(state))
+        return prepared.buffers[tuple(topk_ids.shape)]["out"]
+
+    def stage_calls(self, prepared, x, topk_ids, topk_weights):
+        """align, [quantize (w4a8)], gemm1, activation, gemm2, reduce: one eager
+        run, then each call re-runs its stage on that run's outputs."""
+        stages = self._stages(prepared, x, topk_ids, topk_weights)
+        state: dict = {}
+        for _, fn in stages:
+            state.update(fn(state))
+        return [(name, lambda fn=fn: fn(state)) for name, fn in stages if name]
 
 
 class HummingW4A16Backend(_HummingBackend):

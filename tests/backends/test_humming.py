@@ -111,6 +111,39 @@ def test_triton_align_in_the_interpreter():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+def test_aligner_prefers_vllm_then_triton_then_torch(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.delenv(hm.ALIGN_ENV, raising=False)
+    monkeypatch.setattr(hm.vllm_ops, "reason", lambda which: None)
+    assert hm._aligner(cuda) == (hm.align_block_size_vllm, "vllm")
+    monkeypatch.setattr(hm.vllm_ops, "reason", lambda which: "vLLM's library not found")
+    monkeypatch.setattr(hm, "_triton_align_kernel", lambda: object())
+    assert hm._aligner(cuda) == (hm.align_block_size_triton, "triton")  # vLLM unavailable: falls back
+    monkeypatch.setattr(hm, "_triton_align_kernel", lambda: None)
+    assert hm._aligner(cuda) == (hm.align_block_size, "torch")
+    assert hm._aligner(torch.device("cpu")) == (hm.align_block_size, "torch")
+
+
+def test_aligner_env_override(monkeypatch):
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(hm.vllm_ops, "reason", lambda which: None)
+    monkeypatch.setattr(hm, "_triton_align_kernel", lambda: object())
+    monkeypatch.setenv(hm.ALIGN_ENV, "triton")
+    assert hm._aligner(cuda)[1] == "triton"
+    monkeypatch.setenv(hm.ALIGN_ENV, "torch")
+    assert hm._aligner(cuda)[1] == "torch"
+    monkeypatch.setenv(hm.ALIGN_ENV, "cuda")
+    with pytest.raises(ValueError, match="MOEBENCH_HUMMING_ALIGN must be one of"):
+        hm._aligner(cuda)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-machine path")
+def test_cpu_machine_aligns_with_torch():
+    # vllm_ops reports the library unavailable on a CPU-only machine: the choice falls through
+    assert hm.vllm_ops.reason("moe") is not None
+    assert hm._aligner(torch.device("cpu"))[1] == "torch"
+
+
 def test_prepare_rejects_per_expert_clamps(monkeypatch):
     backend = hm.HummingW4A16Backend()
     shape = get_preset("dsv4-flash", experts=8, hidden=256, intermediate=128).shard(1)
@@ -300,3 +333,65 @@ def test_tuning_config_lookup():
     assert prepared.config_name("w13", 1) == "wgmma [16, 256, 64]"
     with pytest.raises(ValueError, match="M=49"):
         prepared.block_m("w13", 49)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [8, 16, 32, 64])
+def test_vllm_align_matches_triton_align(block):
+    """vLLM's op and our Triton aligner give humming the same blocks: the
+    same experts and slot sets per used block, the same padded total (the
+    op may order slots within an expert differently, and sizes its buffers
+    and fills its tail its own way: sentinel S, expert -1)."""
+    from moebench.backends import vllm_align
+
+    if hm.vllm_ops.reason("moe") is not None or hm._triton_align_kernel() is None:
+        pytest.skip("needs vLLM's library and Triton")
+    for rows, experts in ((1, 384), (5, 16), (8, 384), (8, 256)):
+        ids = torch.stack([torch.randperm(experts)[:6] for _ in range(rows)]).to(torch.int32).cuda()
+        s = ids.numel()
+        v = vllm_align.AlignBuffers(*hm.align_block_size_vllm(ids, experts, block), block)
+        t = vllm_align.AlignBuffers(*hm.align_block_size_triton(ids, experts, block), block)
+        assert vllm_align.blocks_of(v, s) == vllm_align.blocks_of(t, s)
+        assert v.sorted_ids.numel() == vllm_align.max_num_tokens_padded(s, experts, block)
+        total = int(v.num_tokens_post_pad)
+        assert bool((v.sorted_ids[total:] == s).all()) and bool((t.sorted_ids[total:] == s).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [hm.HummingW4A16Backend, hm.HummingW4A8Backend])
+def test_vllm_aligner_gives_the_triton_aligners_output(prepared_cache, cls, monkeypatch):
+    if hm.vllm_ops.reason("moe") is not None or hm._triton_align_kernel() is None:
+        pytest.skip("needs vLLM's library and Triton")
+    backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
+    for rows in (1, 8):
+        x = generate_activations(rows, shape.hidden, seed=21, device="cuda")
+        ids, wts = _routing(rows, shape.top_k, 1.5, seed=21)
+        outs = {}
+        for how in ("vllm", "triton"):
+            monkeypatch.setenv(hm.ALIGN_ENV, how)
+            outs[how] = backend.forward(prepared, x, ids, wts).clone()
+            assert backend.last_tactic.endswith(f"align={how}")
+        err = relative_error(outs["vllm"], outs["triton"])
+        print(f"{backend.name} rows={rows}: vllm vs triton aligner rel diff {err:.3e},"
+              f" bit-identical: {torch.equal(outs['vllm'], outs['triton'])}")
+        assert err <= 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [hm.HummingW4A16Backend, hm.HummingW4A8Backend])
+def test_stage_calls_rerun_the_forward(prepared_cache, cls):
+    backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
+    x = generate_activations(3, shape.hidden, seed=8, device="cuda")
+    ids, wts = _routing(3, shape.top_k, 1.5, seed=8)
+    want = backend.forward(prepared, x, ids, wts).clone()
+    stages = backend.stage_calls(prepared, x, ids, wts)
+    names = ["align", "quantize", "gemm1", "activation", "gemm2", "reduce"]
+    if cls is hm.HummingW4A16Backend:
+        names.remove("quantize")
+    assert [name for name, _ in stages] == names
+    out = prepared.buffers[(3, shape.top_k)]["out"]
+    out.fill_(float("nan"))
+    for _, call in stages:
+        call()
+    torch.cuda.synchronize()
+    assert relative_error(out, want) <= 1e-3
