@@ -28,6 +28,7 @@ BUILTIN: dict[str, str] = {
     "flashinfer-w4a8": "moebench.backends.flashinfer:FlashInferW4A8Backend",
     "humming-w4a16": "moebench.backends.humming:HummingW4A16Backend",
     "humming-w4a8": "moebench.backends.humming:HummingW4A8Backend",
+    "triton-mxfp4": "moebench.backends.triton_mxfp4:TritonMxfp4Backend",
 }
 
 _registry: dict[str, str | Factory] = dict(BUILTIN)
