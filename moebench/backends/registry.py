@@ -29,6 +29,7 @@ BUILTIN: dict[str, str] = {
     "humming-w4a16": "moebench.backends.humming:HummingW4A16Backend",
     "humming-w4a8": "moebench.backends.humming:HummingW4A8Backend",
     "marlin-w4a16": "moebench.backends.marlin:MarlinW4A16Backend",
+    "triton-mxfp4": "moebench.backends.triton_mxfp4:TritonMxfp4Backend",
 }
 
 _registry: dict[str, str | Factory] = dict(BUILTIN)

@@ -1,0 +1,356 @@
+"""OpenAI triton_kernels `matmul_ogs` baseline ("triton-mxfp4"): vLLM 0.26.0's
+gpt-oss MoE path on Hopper, run for DeepSeek-V4 as vLLM runs it there
+(`--moe-backend triton_unfused`: `UnfusedOAITritonExperts`; the fused
+TRITON backend only knows gpt-oss's SwiGLU-OAI, not DeepSeek-V4's
+silu(min(g, L)) * clamp(u, -L, L)).
+
+triton_kernels is the copy vLLM vendors (vllm/third_party/triton_kernels, the
+v3.5.1 API with `triton_kernels.routing`), imported as the top-level package
+`triton_kernels` (the vllm-moe bundle's site/triton_kernels); the activation
+is vLLM's compiled `torch.ops._C.silu_and_mul_with_clamp` (vllm_ops "c").
+
+prepare (vLLM's `Mxfp4MoEMethod` + `convert_weight_to_mxfp4_moe_kernel_format`,
+TRITON_UNFUSED branch + `_swizzle_mxfp4` on sm_90):
+- intermediate padded to a multiple of 64 with zeros
+  (`mxfp4_round_up_hidden_size_and_intermediate_size`; H unchanged): [gate; up]
+  rows keep their order (no interleave: that is the fused TRITON backend's);
+- the opt-flags constraint split_k = 1 (global in triton_kernels, as vLLM sets it);
+- scales padded along K to a multiple of 4 groups (vLLM's fix for Triton < 3.8);
+- values [E, N, K/2] -> transposed -> `HopperMXValueLayout(mx_axis=1)`,
+  scales -> `HopperMXScaleLayout(mx_axis=1, num_warps=8)` (the layouts
+  triton_kernels' `make_default_matmul_mxfp4_w*_layout` pick on sm_90);
+- `PrecisionConfig(weight_scale=..., flex_ctx=FlexCtx(rhs_data=InFlexData()))`
+  per GEMM. The SwiGLU limit is one float of the quant config: prepare
+  requires one clamp value for all experts (true for every preset).
+
+forward, per layer call (`UnfusedOAITritonExperts.apply`):
+  route      ids outside [0, E) -> -1 (the expert-map remap vLLM runs under EP:
+             one kernel), make_routing_data (ids int16, weights bf16, bitmatrix,
+             histogram, token sort: ~8 small launches, no host sync)
+  gemm1      matmul_ogs(x, w13, gather_indx)      -> [M*k, 2I'] expert-sorted
+  activation rows back to slot order (index), silu_and_mul_with_clamp(L, 1, 0),
+             rows to expert order again (index)   -> [M*k, I']
+  gemm2      matmul_ogs(h, w2, scatter_indx, gammas = bf16 top-k weights,
+             n_expts_act = 1: no fused top-k sum) -> [M*k, H] slot order, weighted
+  reduce     masked top-k sum (skips -1 slots)    -> [M, H] bf16
+gemm1's output and gemm2's share one workspace (vLLM's workspace2), as in vLLM.
+Non-local ids contribute nothing: their slots are never sorted in, never
+written, and skipped by the reduction.
+
+One difference from vLLM, kept visible: for SILU with a clamp limit vLLM's
+`UnfusedOAITritonExperts.activation` calls `swiglu_limit_func` without
+top-k ids, i.e. the torch.compile'd `_swiglu_limit_torch` (one generated
+kernel); this backend runs `silu_and_mul_with_clamp`, the op vLLM documents
+as its equivalent (one kernel; same math in fp32, bf16 out).
+
+Oracle "bf16" (x BF16, H not quantized); the top-k weights are bf16-rounded
+(2^-9 relative at most). Graph-capturable: no step syncs with the host
+(warm up each row count before capture: Triton compiles at first use).
+
+Nothing here imports triton or triton_kernels at module import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from moebench.backends import vllm_ops
+from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
+from moebench.formats import MX_BLOCK, ExpertWeights
+from moebench.models import RankShape
+
+MAX_ROWS = 8
+#: vLLM's intermediate alignment for the Triton MXFP4 backends on CUDA.
+INTERMEDIATE_ALIGN = 64
+#: Scale groups along K padded to this multiple (vLLM's Hopper fix, "#47303").
+SCALE_K_ALIGN = 4
+#: _swizzle_mxfp4's num_warps for the Hopper scale layout.
+SCALE_NUM_WARPS = 8
+#: HopperMXValueLayout pads (rows, bytes) of each [N, K/2] matrix to these.
+VALUE_PAD = (16, 32)
+#: HopperMXScaleLayout pads (rows, groups) to these (rows: 2 * num_warps * 2 * 8).
+SCALE_PAD = (2 * SCALE_NUM_WARPS * 2 * 8, 2)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def padded_intermediate(intermediate: int) -> int:
+    """vLLM's intermediate for this backend: `intermediate` rounded up to 64."""
+    if not isinstance(intermediate, int) or intermediate <= 0 or intermediate % MX_BLOCK:
+        raise ValueError(f"intermediate must be a positive multiple of {MX_BLOCK}, got {intermediate!r}")
+    return _round_up(intermediate, INTERMEDIATE_ALIGN)
+
+
+def _matrix_bytes(rows: int, k: int) -> int:
+    """Bytes of one expert's [rows, k] MXFP4 matrix in the Hopper layouts
+    (values and scales, with the layouts' and vLLM's padding)."""
+    values = _round_up(rows, VALUE_PAD[0]) * _round_up(k // 2, VALUE_PAD[1])
+    groups = _round_up(_round_up(k // MX_BLOCK, SCALE_K_ALIGN), SCALE_PAD[1])
+    return values + _round_up(rows, SCALE_PAD[0]) * groups
+
+
+def expert_bytes(shape: RankShape) -> int:
+    """Bytes of one expert (w13 and w2, values and scales) as this backend stores them."""
+    ip, h = padded_intermediate(shape.intermediate), shape.hidden
+    return _matrix_bytes(2 * ip, h) + _matrix_bytes(h, ip)
+
+
+# --- weight conversion ------------------------------------------------------------------------
+
+
+def unswizzled_weights(weights: ExpertWeights) -> dict[str, torch.Tensor]:
+    """Canonical -> the tensors vLLM holds before `_swizzle_mxfp4`: I padded
+    to 64 (`padded_intermediate`), [gate; up] order kept; scales padded with
+    zero groups along K to a multiple of 4. Returns w13 [E, 2I', H/2],
+    w13_scale [E, 2I', ceil4(H/32)], w2 [E, H, I'/2], w2_scale [E, H, ceil4(I'/32)]."""
+    ip, cp = padded_intermediate(weights.intermediate), weights.padded_intermediate
+
+    def rows(t: torch.Tensor) -> torch.Tensor:  # canonical rows >= I are zero, so slicing pads
+        return torch.cat((t[:, :ip], t[:, cp : cp + ip]), dim=1)
+
+    def pad_groups(s: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pad(s, (0, -s.shape[-1] % SCALE_K_ALIGN)).contiguous()
+
+    return {
+        "w13": rows(weights.w13).contiguous(),
+        "w13_scale": pad_groups(rows(weights.w13_scale)),
+        "w2": weights.w2[:, :, : ip // 2].contiguous(),
+        "w2_scale": pad_groups(weights.w2_scale[:, :, : ip // MX_BLOCK]),
+    }
+
+
+def swizzle(values: torch.Tensor, scales: torch.Tensor, value_layout, value_opts: dict, scale_layout, scale_opts: dict):
+    """`_swizzle_mxfp4`'s conversion of one weight ([E, N, K/2] u8 values,
+    [E, N, groups] u8 scales) into triton_kernels Tensors of the given layout
+    classes: transposed so K is dim 1, wrapped (values as FP4), converted.
+    Returns (values Tensor [E, K, N], scales Tensor)."""
+    from triton_kernels.tensor import FP4, convert_layout, wrap_torch_tensor
+
+    for name, t in (("values", values), ("scales", scales)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 3:
+            raise TypeError(f"{name} must be a 3-D uint8 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+    if values.shape[:2] != scales.shape[:2]:
+        raise ValueError(f"values {tuple(values.shape)} and scales {tuple(scales.shape)} must share [E, N]")
+    w = convert_layout(wrap_torch_tensor(values.transpose(-2, -1), dtype=FP4), value_layout, **value_opts)
+    s = convert_layout(wrap_torch_tensor(scales.transpose(-2, -1)), scale_layout, **scale_opts)
+    return w, s
+
+
+def hopper_layouts():
+    """(value layout, opts, scale layout, opts) that triton_kernels picks for
+    MXFP4 weights on this GPU (`make_default_matmul_mxfp4_w*_layout(mx_axis=1)`,
+    num_warps 8); RuntimeError unless they are the Hopper ones."""
+    from triton_kernels.tensor_details import layout
+
+    value_layout, value_opts = layout.make_default_matmul_mxfp4_w_layout(mx_axis=1)
+    scale_layout, scale_opts = layout.make_default_matmul_mxfp4_w_scale_layout(mx_axis=1, num_warps=SCALE_NUM_WARPS)
+    if value_layout is not layout.HopperMXValueLayout or scale_layout is not layout.HopperMXScaleLayout:
+        raise RuntimeError(f"triton_kernels picked {value_layout.__name__} / {scale_layout.__name__}, not the"
+                           " Hopper MX layouts: this backend reproduces vLLM on sm_90 only")  # fmt: skip
+    return value_layout, value_opts, scale_layout, scale_opts
+
+
+# --- prepared state ---------------------------------------------------------------------------
+
+
+@dataclass
+class TritonMxfp4Prepared:
+    """The swizzled weights (triton_kernels Tensors), their precision configs,
+    the SwiGLU limit, geometry (intermediate = I' padded to 64) and the
+    workspaces per row count."""
+
+    w13: object
+    w2: object
+    w13_precision: object
+    w2_precision: object
+    limit: float
+    hidden: int
+    intermediate: int
+    experts: int
+    top_k: int
+    device: torch.device
+    buffers: dict = field(default_factory=dict)
+
+
+class TritonMxfp4Backend(Backend):
+    """vLLM's UnfusedOAITritonExperts (triton_kernels matmul_ogs, MXFP4 x BF16)."""
+
+    name = "triton-mxfp4"
+    oracle = "bf16"
+    capturable: ClassVar[bool] = True
+
+    def unavailable_reason(self, device: torch.device | str) -> str | None:
+        reason = sm90_reason(device)
+        if reason:
+            return reason
+        if importlib.util.find_spec("triton") is None:
+            return "package triton is not installed"
+        if importlib.util.find_spec("triton_kernels") is None:
+            return ("package triton_kernels (vLLM's vendored copy) is not importable: unpack the vllm-moe bundle"
+                    " (scripts/build_vllm_bundle.sh moe) onto PYTHONPATH")  # fmt: skip
+        try:
+            import triton_kernels.matmul_ogs  # noqa: F401
+            import triton_kernels.routing as routing
+            import triton_kernels.tensor as tensor
+        except Exception as error:  # noqa: BLE001 - any import failure is a reason
+            return f"importing triton_kernels failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        if not hasattr(routing, "routing_from_bitmatrix") or hasattr(tensor, "SparseMatrix"):
+            where = getattr(routing, "__file__", "?")
+            return (f"triton_kernels at {where} is not the v3.5.1 API vLLM {vllm_ops.VLLM_VERSION} vendors"
+                    " (routing_from_bitmatrix, no SparseMatrix)")  # fmt: skip
+        why = vllm_ops.reason("c")
+        if why is not None:
+            return f"vLLM's silu_and_mul_with_clamp is unavailable: {why}"
+        return None
+
+    def prepared_bytes(self, shape: RankShape) -> int:
+        return shape.experts * expert_bytes(shape)
+
+    def read_bytes(self, shape: RankShape, topk_ids: torch.Tensor) -> int:
+        """The touched experts in the Hopper layouts (I padded to 64, the
+        layouts' row/byte padding, scale groups padded to 4) + x + output."""
+        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
+            raise ValueError(f"topk_ids must be a 2-D tensor, got {getattr(topk_ids, 'shape', topk_ids)!r}")
+        ids = topk_ids.reshape(-1)
+        touched = int(torch.unique(ids[(ids >= 0) & (ids < shape.experts)]).numel())
+        return touched * expert_bytes(shape) + 2 * topk_ids.shape[0] * shape.hidden * 2
+
+    def prepare(self, weights: ExpertWeights, shape: RankShape, tactic: str = DEFAULT_TACTIC) -> TritonMxfp4Prepared:
+        """Swizzled weights of `shape` on the weights' (CUDA) device. Raises
+        ValueError for a bad tactic/shape or per-expert clamps that differ,
+        RuntimeError when unavailable there."""
+        self.check_tactic(shape, tactic)
+        check_weights(weights, shape)
+        dev = weights.w13.device
+        reason = self.unavailable_reason(dev)
+        if reason is not None:
+            raise RuntimeError(f"backend {self.name!r} cannot run on {dev}: {reason}")
+        limits = torch.unique(weights.clamp)
+        if limits.numel() != 1:
+            raise ValueError("vLLM's SwiGLU limit is one float of the quant config;"
+                             " clamp must be equal for all experts")
+        import triton_kernels.matmul_ogs_details.opt_flags as opt_flags
+        from triton_kernels.matmul_ogs import FlexCtx, PrecisionConfig
+        from triton_kernels.numerics import InFlexData
+
+        opt_flags.update_opt_flags_constraints({"split_k": 1})
+        layouts = hopper_layouts()
+        raw = unswizzled_weights(weights)
+        w13, w13_scale = swizzle(raw["w13"], raw["w13_scale"], *layouts)
+        w2, w2_scale = swizzle(raw["w2"], raw["w2_scale"], *layouts)
+        del raw
+        return TritonMxfp4Prepared(
+            w13=w13, w2=w2,
+            w13_precision=PrecisionConfig(weight_scale=w13_scale, flex_ctx=FlexCtx(rhs_data=InFlexData())),
+            w2_precision=PrecisionConfig(weight_scale=w2_scale, flex_ctx=FlexCtx(rhs_data=InFlexData())),
+            limit=float(limits[0]), hidden=shape.hidden, intermediate=padded_intermediate(shape.intermediate),
+            experts=shape.experts, top_k=shape.top_k, device=dev,
+        )  # fmt: skip
+
+    # --- per call ------------------------------------------------------------------------------
+
+    def _check(self, prepared, x, topk_ids, topk_weights) -> tuple[int, int]:
+        if not isinstance(prepared, TritonMxfp4Prepared):
+            raise TypeError(f"prepared must come from {type(self).__name__}.prepare, got {type(prepared).__name__}")
+        check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.device)
+        rows, top_k = topk_ids.shape
+        if not 1 <= rows <= MAX_ROWS or top_k > prepared.top_k:
+            raise ValueError(f"rows must be in 1..{MAX_ROWS} and top_k <= {prepared.top_k},"
+                             f" got {tuple(topk_ids.shape)}")
+        if not x.is_contiguous():
+            raise ValueError("x must be contiguous")
+        return rows, top_k
+
+    def _buffers(self, p: TritonMxfp4Prepared, rows: int, top_k: int) -> dict:
+        """vLLM's workspaces at `rows`: workspace2 [M*k * max(2I', H)] (GEMM1's
+        output, then GEMM2's: they alias), workspace13 [M*k, I'] (the activation's
+        output), and the output [M, H]."""
+        key = (rows, top_k)
+        buf = p.buffers.get(key)
+        if buf is None:
+            m, n = rows * top_k, 2 * p.intermediate
+            ws2 = torch.empty(m * max(n, p.hidden), dtype=torch.bfloat16, device=p.device)
+            buf = p.buffers[key] = dict(
+                workspace2=ws2,
+                gemm1_out=ws2[: m * n].view(1, m, n),
+                gemm2_out=ws2[: m * p.hidden].view(1, m, p.hidden),
+                act_out=torch.empty(m, p.intermediate, dtype=torch.bfloat16, device=p.device),
+                out=torch.empty(rows, p.hidden, dtype=torch.bfloat16, device=p.device),
+            )
+        return buf
+
+    def _route(self, p: TritonMxfp4Prepared, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
+        from moebench.backends import triton_mxfp4_glue as glue
+
+        ids = glue.local_ids(topk_ids, p.experts)
+        routing, gather, scatter = glue.make_routing_data(ids, topk_weights, p.experts)
+        return ids, routing, gather, scatter
+
+    @staticmethod
+    def _gemm1(p, buf, x, routing, gather):
+        from triton_kernels.matmul_ogs import matmul_ogs
+
+        return matmul_ogs(x, p.w13, None, routing, gather_indx=gather, precision_config=p.w13_precision,
+                          gammas=None, fused_activation=None, y=buf["gemm1_out"])  # fmt: skip
+
+    @staticmethod
+    def _activation(p, buf, gather):
+        act_in = buf["gemm1_out"].view(-1, 2 * p.intermediate)[gather.dst_indx]  # slot order
+        torch.ops._C.silu_and_mul_with_clamp(buf["act_out"], act_in, p.limit, 1.0, 0.0)
+        return buf["act_out"][gather.src_indx]  # expert-sorted again, GEMM2's input
+
+    @staticmethod
+    def _gemm2(p, buf, h, routing, scatter):
+        from triton_kernels.matmul_ogs import matmul_ogs
+
+        return matmul_ogs(h, p.w2, None, routing, scatter_indx=scatter, precision_config=p.w2_precision,
+                          gammas=routing.gate_scal, y=buf["gemm2_out"])  # fmt: skip
+
+    @staticmethod
+    def _reduce(p, buf, ids, rows, top_k):
+        from moebench.backends import triton_mxfp4_glue as glue
+
+        return glue.masked_topk_sum(buf["gemm2_out"].view(rows, top_k, p.hidden), ids, buf["out"])
+
+    def forward(self, prepared, x, topk_ids, topk_weights):
+        """bf16 [rows, H] (a buffer owned by `prepared`, reused by the next call
+        with the same row count). Raises ValueError for rows > 8."""
+        rows, top_k = self._check(prepared, x, topk_ids, topk_weights)
+        p, buf = prepared, self._buffers(prepared, rows, top_k)
+        ids, routing, gather, scatter = self._route(p, topk_ids, topk_weights)
+        self._gemm1(p, buf, x, routing, gather)
+        h = self._activation(p, buf, gather)
+        routing.n_expts_act = 1  # vLLM: GEMM2 without matmul_ogs' fused top-k sum
+        self._gemm2(p, buf, h, routing, scatter)
+        return self._reduce(p, buf, ids, rows, top_k)
+
+    def stage_calls(self, prepared, x, topk_ids, topk_weights):
+        """route, gemm1, activation (index, silu_and_mul_with_clamp, index),
+        gemm2, reduce; each bound to an eager run of the stages before it."""
+        import dataclasses
+
+        rows, top_k = self._check(prepared, x, topk_ids, topk_weights)
+        p, buf = prepared, self._buffers(prepared, rows, top_k)
+        ids, routing, gather, scatter = self._route(p, topk_ids, topk_weights)
+        routing2 = dataclasses.replace(routing, n_expts_act=1)
+        self._gemm1(p, buf, x, routing, gather)
+        h = self._activation(p, buf, gather)
+        self._gemm2(p, buf, h, routing2, scatter)
+        return [
+            ("route", lambda: self._route(p, topk_ids, topk_weights)),
+            ("gemm1", lambda: self._gemm1(p, buf, x, routing, gather)),
+            ("activation", lambda: self._activation(p, buf, gather)),
+            ("gemm2", lambda: self._gemm2(p, buf, h, routing2, scatter)),
+            ("reduce", lambda: self._reduce(p, buf, ids, rows, top_k)),
+        ]
+
+    def kernel_tactics(self, prepared, rows: int) -> str:
+        """The path in words; matmul_ogs picks its tiles itself (opt_flags
+        heuristics, split_k pinned to 1 as vLLM pins it)."""
+        return f"unfused matmul_ogs (triton_kernels of vLLM {vllm_ops.VLLM_VERSION}), split_k=1, Hopper MX layouts"
