@@ -374,7 +374,7 @@ def test_vllm_aligner_gives_the_triton_aligners_output(prepared_cache, cls, monk
         err = relative_error(outs["vllm"], outs["triton"])
         print(f"{backend.name} rows={rows}: vllm vs triton aligner rel diff {err:.3e},"
               f" bit-identical: {torch.equal(outs['vllm'], outs['triton'])}")
-        assert err <= 1e-3
+        _assert_same_function(backend, prepared, x, ids, wts, w, outs["vllm"], outs["triton"], err)
 
 
 @pytest.mark.gpu
@@ -394,4 +394,21 @@ def test_stage_calls_rerun_the_forward(prepared_cache, cls):
     for _, call in stages:
         call()
     torch.cuda.synchronize()
-    assert relative_error(out, want) <= 1e-3
+    _assert_same_function(backend, prepared, x, ids, wts, w, out.clone(), want, relative_error(out, want))
+
+
+def _assert_same_function(backend, prepared, x, ids, wts, w, a, b, diff):
+    """a and b (two runs of humming on the same inputs) compute the same
+    function: within 1e-3 of each other where humming repeats itself bit for
+    bit (W4A8), else (W4A16 on the H200: two eager calls on the same inputs
+    differed by 5-8e-3, 2026-12-01 log 92cfcd5-gpu-tests-humming-align) each
+    within the backend's gate of the fp64 oracle, whole output and per row."""
+    again = backend.forward(prepared, x, ids, wts).clone()
+    if torch.equal(again, backend.forward(prepared, x, ids, wts)):
+        assert diff <= 1e-3
+        return
+    from moebench.reference import oracle_gate
+
+    ref = reference_moe(x, ids, wts, w, activation=backend.oracle, dtype=torch.float64).output
+    for out in (a, b):
+        assert oracle_gate(out, ref, backend.tolerance)[2] is None
