@@ -1207,6 +1207,30 @@ def _print_comparison(comp) -> None:
 
 
 @app.command()
+def merge(
+    runs: list[Path] = typer.Argument(..., parser=_path, help="Two or more stored run directories."),
+    label: str = typer.Option(..., help="Label of the merged run: OUT/<UTC date>-<label>."),
+    out: Path = typer.Option(Path("reports/runs"), parser=_path, help="Root directory of stored runs."),
+) -> None:
+    """Store the cases of several runs of one commit and device as one run
+    (a comparison measured over several device calls). The parts are kept."""
+    from moebench.reports.store import merge_runs, run_dir_name, write_run
+
+    try:
+        run_dir_name(label)
+        frame, manifest = merge_runs(runs)
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        raise _fail(_option_message(error)) from None
+    _check_out(out, runs=True)
+    manifest = {**manifest, "command": shlex.join(["moebench", *sys.argv[1:]])}
+    try:
+        path = write_run(frame, manifest, root=out, label=label)
+    except OSError as error:
+        raise _fail(f"cannot write the run under {out}: {error}", 1) from None
+    console.print(f"{len(frame)} cases from {len(runs)} runs stored in [bold]{path}[/bold]")
+
+
+@app.command()
 def tune(
     preset: str = typer.Option(
         "dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."

@@ -331,3 +331,45 @@ def read_table(path: str | Path, name: str) -> pd.DataFrame | None:
         return pd.read_parquet(f)
     except Exception as error:  # noqa: BLE001 - pyarrow raises several kinds
         raise ValueError(f"{f} is not a readable parquet file: {error}") from error
+
+
+def merge_runs(paths) -> tuple[pd.DataFrame, dict]:
+    """(results, manifest) of one run holding every case of the stored runs
+    `paths` (two or more), for a comparison measured in several device calls
+    (bundles that cannot travel together, a grid too long for one call).
+
+    The runs must be of one kind, device and commit, and hold distinct cases
+    (`CASE_COLUMNS`): the merged run is what one sweep of that code on that
+    device would have stored, each row with the copy bandwidth its own run
+    measured (`pct_copy_bw` was computed against it). The manifest is the
+    first run's, with "merged_from" listing each part (path, created_utc,
+    command, copy_bw_gbps) and "copy_bw_gbps" the parts' median. Raises
+    ValueError naming the runs that disagree or the case stored twice, and
+    what read_run raises for a run that cannot be read."""
+    paths = [Path(p) for p in paths]
+    if len(paths) < 2:
+        raise ValueError(f"merge needs two or more runs, got {len(paths)}")
+    if len(set(p.resolve() for p in paths)) != len(paths):
+        raise ValueError("the same run is named twice")
+    parts = [(p, *read_run(p)) for p in paths]
+    first_path, _, first = parts[0]
+    for key in ("kind", "commit"):
+        for path, _, manifest in parts[1:]:
+            if manifest.get(key) != first.get(key):
+                raise ValueError(f"runs differ in {key!r}: {first_path} has {first.get(key)!r}, {path} has"
+                                 f" {manifest.get(key)!r}; merge only runs of one {key}")
+    devices = {str(v) for _, frame, _ in parts for v in frame["device"].dropna().unique()}
+    if len(devices) > 1:
+        raise ValueError(f"runs were measured on different devices {sorted(devices)}; merge only one device's runs")
+    frame = pd.concat([frame for _, frame, _ in parts], ignore_index=True)
+    keys = [c for c in (*CASE_COLUMNS, "rank") if c in frame.columns]
+    dup = frame[frame.duplicated(subset=keys, keep=False)]
+    if len(dup):
+        raise ValueError(f"a case is stored in more than one of the runs: {_case_text(dup.iloc[0], keys)}")
+    bws = sorted(m["copy_bw_gbps"] for _, _, m in parts if isinstance(m.get("copy_bw_gbps"), (int, float)))
+    manifest = dict(first)
+    manifest["copy_bw_gbps"] = bws[len(bws) // 2] if bws else None
+    manifest["merged_from"] = [
+        {"path": str(p), **{k: m.get(k) for k in ("created_utc", "command", "copy_bw_gbps")}} for p, _, m in parts
+    ]
+    return frame, manifest
