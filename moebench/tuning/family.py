@@ -46,8 +46,6 @@ __all__ = ["BF16", "FP8", "FamilyChoice", "RowsTimes", "builtin_refusal", "choos
 
 FP8 = "fp8"
 BF16 = "bf16"
-#: How a FamilyChoice was made (`FamilyChoice.source`).
-SOURCES = ("asked", "tactics", "tables", "built-in")
 
 
 @dataclass(frozen=True)
