@@ -329,8 +329,10 @@ def _fmt(value, digits: int = 1) -> str:
 #: --tactics of `sweep` and `step`.
 _TACTICS_HELP = (
     "Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list (moebench: default ="
-    " tuned table else built-in, builtin = built-in defaults, tuned = the tuning table only, skipped without one;"
-    " fp8 = the opt-in FP8 (wgmma) kernel family, skipped where it cannot run; torch-bf16: grouped, gather)."
+    " the kernel family the tuning tables time faster (FP8 where no table and its built-ins fit), its tuned"
+    " tactics else built-in; builtin = what runs without any table; tuned = default, skipped without a table;"
+    " fp8 / bf16 = that kernel family (FP8: wgmma, BF16: mma.sync), skipped where it cannot run;"
+    " torch-bf16: grouped, gather)."
 )
 
 
@@ -1265,7 +1267,8 @@ def tune(
              " x / H as they are, candidates from the fp8 defaults, the measured warp-specialized variants and"
              " their neighbours (--space sets how many: ship 10, quick 16, full 48 per stage, GEMM1 twice that"
              " with the spec twins); the entries go"
-             " to the table's 'fp8' part (what RoutedExpertGemm(..., fp8=True) runs), the BF16 entries stay.",
+             " to the table's 'fp8' part (what FP8 layers run), the BF16 entries stay. By default each layer runs"
+             " the family whose entries are faster.",
     ),
     distinct_layers: bool = typer.Option(
         False, "--distinct-layers", help="Generate every rotated weight set (default: copies of the first)."
@@ -1293,7 +1296,8 @@ def tune(
 
     One table per shape class, holding each kernel family's entries (BF16;
     with --fp8 the FP8 family's, merged next to them); prints what tuning
-    buys over the defaults at rows 1, 4, 8."""
+    buys over the built-in tactics at rows 1, 4, 8, and which kernel family
+    each shape class tuned now runs by default (the faster by the tables' µs)."""
     import os
 
     from moebench.bench.cases import SweepConfig
@@ -1352,6 +1356,7 @@ def tune(
     ]
     clock = tuning_runner.Budget(budget)
     problems: list[str] = []
+    written: list = []  # (device name, shape class, SMs) of each table written
 
     def say(text: str) -> None:
         console.print(f"[dim][{clock.elapsed():6.1f} s][/dim] {text}", soft_wrap=True)
@@ -1360,19 +1365,28 @@ def tune(
         for (t, stage), secs in outcome.seconds.items():
             say(f"{config.preset} TP{t} {config.family} GEMM{stage}: {len(outcome.results[t, stage].entries)} rows tuned"
                 f" in {secs:.1f} s ({outcome.layers[t, stage]} weight sets)")  # fmt: skip
-        problems.extend(_write_tables(outcome, target, force, label=f"{config.preset} {config.family}"))
+        problems.extend(_write_tables(outcome, target, force, label=f"{config.preset} {config.family}",
+                                      written=written))  # fmt: skip
 
     n_jobs = default_jobs() if jobs is None else jobs
     done = tuning_runner.tune_many(configs, budget=clock, jobs=n_jobs, progress=_progress_filter(say),
                                    on_outcome=finished)  # fmt: skip
     records = tuning_runner.gains(done, tuning_runner.GAIN_ROWS)
     _print_gains(records)
+    families = _default_families(written, target)
+    _print_default_families(families, target)
     if summary is not None:
         import json
 
+        from moebench.tuning.family import family_markdown
+
         try:
             summary.parent.mkdir(parents=True, exist_ok=True)
-            summary.write_text(tuning_runner.gains_markdown(records), encoding="utf-8")
+            text = tuning_runner.gains_markdown(records)
+            if families:
+                text += (f"\n## What `moebench` runs by default (the tables of {target} first, then"
+                         f" $MOEBENCH_TUNING_DIR and the package's)\n\n{family_markdown(families)}")
+            summary.write_text(text, encoding="utf-8")
             summary.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
             console.print(f"wrote [bold]{summary}[/bold] and [bold]{summary.with_suffix('.json')}[/bold]")
         except OSError as error:
@@ -1421,11 +1435,41 @@ def _print_gains(records) -> None:
     _wide_console(150).print(table)
 
 
-def _write_tables(outcome, target: Path, force: bool, label: str = "") -> list[str]:
+def _default_families(written, target: Path) -> list:
+    """[(shape label, FamilyChoice)]: the kernel family `moebench` runs by
+    default for each (device name, shape class, SMs) in `written`, from the
+    tables in `target`, then the runtime's search path."""
+    from moebench.tuning.family import choose_family
+    from moebench.tuning.table import default_search_dirs
+
+    search = list(dict.fromkeys(Path(p).resolve() for p in (target, *default_search_dirs())))
+    out = []
+    for name, shape, sms in dict.fromkeys(written):
+        out.append((f"{shape.describe()} on {name}", choose_family(name, shape, search=search, num_sms=sms)))
+    return out
+
+
+def _print_default_families(families, target: Path) -> None:
+    if not families:
+        return
+    table = Table(title=f"what `moebench` runs by default now (one kernel family per layer; the tables of {target}"
+                        " first, then $MOEBENCH_TUNING_DIR and the package's): per rows the faster family by the"
+                        " tables' routed-path µs")  # fmt: skip
+    for head in ("shape", "runs", "rows: faster family (BF16 / FP8 µs)", "why"):
+        table.add_column(head)
+    for label, choice in families:
+        per_rows = ", ".join(f"{t.rows}: {t.faster} ({_fmt(t.bf16_us)} / {_fmt(t.fp8_us)})"
+                             for t in choice.times if t.faster)  # fmt: skip
+        table.add_row(label, choice.family, per_rows or "-", f"{choice.source}: {choice.reason}")
+    _wide_console(150).print(table)
+
+
+def _write_tables(outcome, target: Path, force: bool, label: str = "", written: list | None = None) -> list[str]:
     """Print each table's picks and write it (merged over an older table of
     the same device: the other kernel family's entries and rows not re-tuned
     stay); returns the problems (a table that cannot be written,
-    a row count with no correct tactic)."""
+    a row count with no correct tactic). Each table written is appended to
+    `written` as (device name, shape class, SMs)."""
     from moebench.tuning.table import TableError, read_table, write_table
 
     problems, failed = [], []
@@ -1460,11 +1504,13 @@ def _write_tables(outcome, target: Path, force: bool, label: str = "") -> list[s
                     t = t.merged_over(read_table(path))
                 except (TableError, OSError):
                     pass  # write_table refuses (or --force replaces) it with the reason
-            written = write_table(t, target, force=force)
+            path_written = write_table(t, target, force=force)
         except (TableError, OSError) as error:
             problems.append(str(error))
             continue
-        console.print(f"wrote [bold]{written}[/bold] ({len(t.entries)} BF16 + {len(t.fp8_entries)} FP8 entries)")
+        console.print(f"wrote [bold]{path_written}[/bold] ({len(t.entries)} BF16 + {len(t.fp8_entries)} FP8 entries)")
+        if written is not None:
+            written.append((t.device["name"], t.shape, int(t.device.get("sm_count") or 132)))
     if failed:
         problems.append(f"no correct tactic for {', '.join(failed)}")
     return problems

@@ -4,15 +4,26 @@ through `kernels.binding.RoutedExpertGemm`, then the finalize kernel
 
 Oracle "mxfp8" (MXFP8 x and H). Needs nvidia-cutlass-dsl and an sm_90 GPU.
 
-Tactics: "default" = what the runtime runs (the tuning table of this device
-and shape class when there is one, else the built-in defaults); "builtin" =
-the built-in defaults, tables ignored; "tuned" = the tuning table's tactics,
-skipped (with the reason) when no usable table covers this device and shape
-class, so `sweep --tactics tuned,builtin` measures what tuning buys and
-never times the defaults twice under two names; "fp8" = the opt-in FP8 kernel
-family (`RoutedExpertGemm(fp8=True)`: e4m3 weights for wgmma, the tuning
-table's fp8 part else the built-in fp8 tactics), skipped with the reason where no fp8 tactic fits the shape, so
-`sweep --tactics default,fp8` compares the two families per layer call.
+Tactics (each a kernel family, `RoutedExpertGemm`'s `fp8`, and where its
+GEMM tactics come from):
+- "default" = what the runtime runs: per layer (shape class) the faster
+  family by the tuning tables' µs of this device (`tuning.family`), its
+  table entries else its built-in tactics; with no table the FP8 family
+  where its built-in tactics fit the shape, else BF16;
+- "builtin" = what runs with no tuning table at all: the family of that
+  rule with its built-in tactics, tables ignored;
+- "tuned" = "default", skipped (with the reason) when no usable table covers
+  this device and shape class, so `sweep --tactics tuned,builtin` measures
+  what tuning buys and never times the defaults twice under two names;
+- "fp8" = the FP8 family (e4m3 weights for wgmma, MXFP8 x / H as they are:
+  the table's fp8 part, else the built-in fp8 tactics), skipped with the
+  reason where no fp8 tactic fits the shape;
+- "bf16" = the BF16 family (weights decoded to BF16 for mma.sync: the
+  table's BF16 entries, else the built-in BF16 tactics), skipped where its
+  built-in tactics do not fit; `sweep --tactics fp8,bf16` compares the two
+  families per layer call.
+The `kernel_tactics` column (sweep and step) names the family that ran and
+how it was chosen, then each GEMM's tactic and its source.
 """
 
 from __future__ import annotations
@@ -43,23 +54,20 @@ class MoebenchBackend(Backend):
     BUILTIN = "builtin"
     TUNED = "tuned"
     FP8 = "fp8"
+    BF16 = "bf16"
 
     def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
-        return (DEFAULT_TACTIC, self.BUILTIN, self.TUNED, self.FP8)
+        return (DEFAULT_TACTIC, self.BUILTIN, self.TUNED, self.FP8, self.BF16)
 
     def tactic_unavailable_reason(self, shape: RankShape, tactic: str, device: torch.device | str) -> str | None:
         """For "tuned": why no tuning table covers `device` and `shape`
-        (naming the file and where it was looked for); for "fp8": why no fp8
-        tactic fits the shape; else None."""
-        if tactic == self.FP8:
-            from moebench.kernels.tactic import GemmShape, default_fp8_tactic
+        (naming the file and where it was looked for); for "fp8" / "bf16":
+        why that family's built-in tactics do not fit the shape (a row count
+        without a table entry could not run); else None."""
+        if tactic in (self.FP8, self.BF16):
+            from moebench.tuning.family import builtin_refusal
 
-            try:
-                for stage in (1, 2):
-                    default_fp8_tactic(GemmShape.of(shape), stage)
-            except ValueError as error:
-                return str(error)
-            return None
+            return builtin_refusal(shape, shape.top_k, tactic == self.FP8)
         if tactic != self.TUNED:
             return None
         from moebench.tuning.table import ShapeClass, default_search_dirs, find_table, table_file_name
@@ -76,7 +84,8 @@ class MoebenchBackend(Backend):
 
     def prepared_bytes(self, shape: RankShape) -> int:
         """The kernel-layout copy of the weights and scales (padded), which
-        RoutedExpertGemm keeps beside the canonical ones."""
+        RoutedExpertGemm keeps beside the canonical ones (one family's: the
+        e4m3 and the BF16 layout take the same bytes)."""
         e, h, ip = shape.experts, shape.hidden, shape.padded_intermediate
         return e * (3 * ip * h // 2 + 3 * ip * h // 32) + 4 * e
 
@@ -94,15 +103,21 @@ class MoebenchBackend(Backend):
         self.check_tactic(shape, tactic)
         check_weights(weights, shape)
         compile_finalize_kernel(False)  # compile now, not inside a graph capture
-        if tactic == self.FP8:  # tactics=None: the table's fp8 part, else the built-in fp8 tactics
-            return RoutedExpertGemm(weights, shape.top_k, None, fp8=True)
+        if tactic in (self.FP8, self.BF16):  # tactics=None: that family's table entries, else its built-ins
+            return RoutedExpertGemm(weights, shape.top_k, None, fp8=tactic == self.FP8)
+        # fp8=None: the family the tables choose ({}: the built-in rule and tactics, tables ignored)
         return RoutedExpertGemm(weights, shape.top_k, {} if tactic == self.BUILTIN else None)
 
     def kernel_tactics(self, prepared, rows: int) -> str:
-        """'gemm1 <tactic> (<source>); gemm2 <tactic> (<source>)' at `rows`:
-        source 'table' (the tuning table's entry) or the binding's reason for
-        another ('default ...', 'explicit')."""
-        parts = []
+        """'<family> family (<how chosen>); gemm1 <tactic> (<source>); gemm2
+        <tactic> (<source>)' at `rows`: family "fp8" or "bf16" (the one that
+        ran: its tactics' family), chosen by 'tables', 'built-in', 'asked'
+        or 'tactics' (`FamilyChoice.source`); source 'table' (the tuning
+        table's entry) or the binding's reason for another ('default ...',
+        'explicit')."""
+        family = "fp8" if prepared.tactics[1, rows].fp8 else "bf16"
+        choice = getattr(prepared, "family_choice", None)
+        parts = [f"{family} family" + (f" ({choice.source})" if choice is not None else "")]
         for stage in (1, 2):
             source = prepared.tactic_sources[stage, rows]
             parts.append(f"gemm{stage} {prepared.tactics[stage, rows].name}"

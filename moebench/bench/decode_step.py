@@ -21,7 +21,8 @@ Tactics, as `moebench sweep --tactics`: each backend runs every tactic of
 `tactics` ("all": every tactic it offers for the shape,
 `sweep.expand_all_tactics`), each (backend, tactic) pair with its own prepared
 layers (`Backend.prepare(..., tactic)`), so `--backends moebench --tactics
-default,fp8` compares our two kernel families in the whole step. A pair that
+fp8,bf16` compares our two kernel families in the whole step (the
+kernel_tactics column names the family each row ran). A pair that
 cannot run is skipped with the reason (`sweep.skip_reason`: the backend is
 unavailable, the tactic is not offered for the shape, or
 `tactic_unavailable_reason`); a name no selected backend offers fails up front
@@ -543,6 +544,7 @@ def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, 
                 steps.append(KernelStep(runner, prepared[layer], x, **kind))
             else:
                 steps.append(BackendStep(runner, backend, prepared[layer], x, **kind))
+        row["kernel_tactics"] = backend.kernel_tactics(prepared[0], rows)  # e.g. which kernel family ran
         row["routing_path"] = _routing_path(steps[0])
         row["shared_path"] = _shared_path(steps[0])
         part = steps[0].partial(with_gate=True)

@@ -12,6 +12,12 @@ to the kernels' layout; every kernel is compiled when the layer is bound (never
 inside a CUDA-graph capture) and cached per process and shape class. Calls
 launch on torch's current stream with programmatic dependent launch between the
 kernels and no host synchronization, so a CUDA graph captures them.
+
+A layer runs one of two kernel families, each with its own copy of the
+weights in its layout: FP8 (e4m3 weights for wgmma, the MXFP8 x and H as
+they are) or BF16 (weights decoded to BF16 for mma.sync). By default the
+tuning tables' measured µs choose (`tuning.family`); with no table, FP8
+where its built-in tactics fit the shape. `fp8=True` / `False` asks for one.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from moebench.kernels.layout import KernelWeights, to_kernel_layout
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
 from moebench.moe_output import UnfinalizedMoEOutput
 from moebench.record import MAX_EXPERTS, MAX_ROWS, MAX_TOP_K, TILE, cta_words, max_ctas, route_words
+from moebench.tuning.family import FamilyChoice, resolve_family
 from moebench.tuning.table import ShapeClass, load_tactic
 
 __all__ = [
@@ -137,12 +144,20 @@ class RoutedExpertGemm:
     also write x as BF16, GEMM1 also writes H as BF16, and the GEMMs skip the
     e4m3 decode; the same bits, 5-12 % less time on the H200, perf-notes v5);
     explicit `tactics` are used as given.
-    fp8 (default False): the weights are laid out for the e4m3 operand and
-    fp8 (wgmma) tactics run (`_f8`: FP8 MMA on the MXFP8 x and H, no BF16
-    copies; act_bf16 is then ignored): the table's FP8-family entries (its
-    "fp8" part, `moebench tune --fp8`), else `default_fp8_tactic`; explicit
-    `tactics` must then be fp8 tactics, and without fp8 must not be
-    (ValueError naming the stage).
+    fp8: the kernel family, one per layer (each lays the weights out in a
+    copy of its own). None (the default): the faster family by the tuning
+    tables' µs, else FP8 where its built-in tactics fit the shape, else BF16
+    (`tuning.family.resolve_family`: explicit `tactics` decide by their
+    family, `{}` takes the built-in rule); True: the FP8 family, weights
+    laid out for the e4m3 operand, fp8 (wgmma) tactics (`_f8`: FP8 MMA on
+    the MXFP8 x and H, no BF16 copies; act_bf16 is then ignored): the
+    table's FP8-family entries (its "fp8" part, `moebench tune --fp8`),
+    else `default_fp8_tactic`; False: the BF16 family (weights decoded to
+    BF16 for mma.sync), the table's BF16 entries, else `default_tactic`.
+    Explicit `tactics` must all be of the family run (ValueError naming the
+    stage); a non-bool, non-None fp8 is a TypeError. `fp8` (bool) /
+    `family` ("fp8" / "bf16") say which family the layer runs,
+    `family_choice` (a `FamilyChoice`) how it was chosen and why.
     """
 
     def __init__(
@@ -152,25 +167,23 @@ class RoutedExpertGemm:
         tactics: dict[int, GemmTactic] | None = None,
         workspace: torch.Tensor | None = None,
         act_bf16: bool = True,
-        fp8: bool = False,
+        fp8: bool | None = None,
     ) -> None:
         check_weights(weights, top_k)
-        for name, flag in (("act_bf16", act_bf16), ("fp8", fp8)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-        if tactics is not None:
-            for stage, t in tactics.items():
-                if isinstance(t, GemmTactic) and t.fp8 != fp8:
-                    raise ValueError(f"tactics[{stage}] ({t.name}) is {'an' if t.fp8 else 'not an'} fp8 tactic"
-                                     f" but fp8={fp8}: the weights are laid out for one operand")
+        if not isinstance(act_bf16, bool):
+            raise TypeError(f"act_bf16 must be a bool, got {type(act_bf16).__name__}")
+        props = torch.cuda.get_device_properties(weights.w13.device)
+        sms = props.multi_processor_count
+        # the family first: it decides the weight layout (tactics and fp8 are checked there)
+        self.family_choice: FamilyChoice = resolve_family(fp8, tactics, props.name, GemmShape.of(weights),
+                                                          top_k=top_k, num_sms=sms)  # fmt: skip
+        fp8 = self.family_choice.fp8
         self.source = weights
         self.top_k = top_k
         self.fp8 = fp8
         self.kw: KernelWeights = to_kernel_layout(weights, "e4m3" if fp8 else "bf16")
         scale_flag = self.kw.scale_variant(fp8)
         shape = GemmShape.of(self.kw)
-        props = torch.cuda.get_device_properties(self.kw.device)
-        sms = props.multi_processor_count
         # One tactic per (stage, rows). No `tactics`: the entry of the first
         # tuning table of this device and shape class that holds it
         # ($MOEBENCH_TUNING_DIR, then the package's), else the built-in
@@ -257,6 +270,11 @@ class RoutedExpertGemm:
             _gemm.compile_gemm(shape, tactic, stage, scale_flag)
             if tactic.spec:  # the front's routing runs its plain twin (`gemm1`: the ids come with the record)
                 _gemm.compile_gemm(shape, replace(tactic, spec=False), stage, scale_flag)
+
+    @property
+    def family(self) -> str:
+        """The kernel family this layer runs: "fp8" or "bf16"."""
+        return self.family_choice.family
 
     @property
     def experts(self) -> int:
@@ -463,23 +481,29 @@ class RoutedExpertGemm:
 def build_routed_expert_gemms(
     layers: list[tuple[ExpertWeights, int]],
     tactics: dict[int, GemmTactic] | None = None,
+    fp8: bool | None = None,
 ) -> list[RoutedExpertGemm | None]:
-    """A RoutedExpertGemm for each (weights, top_k) layer that can take the
-    kernels, None for the others; logs one line counting the layers that got
-    the kernels and, per reason, those that did not."""
+    """A RoutedExpertGemm(weights, top_k, tactics, fp8=fp8) for each
+    (weights, top_k) layer that can take the kernels, None for the others
+    (by default each layer runs the family its shape class's tuning tables
+    choose, `RoutedExpertGemm`'s fp8=None); logs one line counting the
+    layers that got the kernels, per family, and, per reason, those that
+    did not."""
     reasons: Counter[str] = Counter()
     gemms: list[RoutedExpertGemm | None] = []
     for weights, top_k in layers:
         try:
-            gemms.append(RoutedExpertGemm(weights, top_k, tactics))
+            gemms.append(RoutedExpertGemm(weights, top_k, tactics, fp8=fp8))
         except (ValueError, TypeError) as error:
             reasons[str(error)] += 1
             gemms.append(None)
     bound = sum(g is not None for g in gemms)
+    families = Counter(g.family for g in gemms if g is not None)
     (logger.warning if reasons else logger.info)(
-        "moebench routed-expert kernels on %d of %d MoE layers%s",
+        "moebench routed-expert kernels on %d of %d MoE layers%s%s",
         bound,
         len(gemms),
+        " (" + ", ".join(f"{n} {f}" for f, n in sorted(families.items())) + ")" if families else "",
         "; the others keep their path: " + "; ".join(f"{r} ({n})" for r, n in reasons.items())
         if reasons
         else "",

@@ -12,7 +12,8 @@ unroll * tile_rows/32 16-byte evict-first weight loads in flight
 current one's reduction). Weights are decoded to BF16 in registers (exact,
 E8M0 folded in), activations (MXFP8: e4m3 + E8M0) likewise, and fed to
 mma.sync m16n8k16 (weights = the 16-row A operand, the <= 8 token rows = N).
-fp8 tactics (`tactic.fp8`, opt-in) instead decode the weights to e4m3 (the
+fp8 tactics (`tactic.fp8`: the FP8 family, the binding's default where the
+tuning tables time it faster) instead decode the weights to e4m3 (the
 e4m3 weight layout) for wgmma m64n8k32 with A from registers: a warpgroup of
 four warps shares a K part, the unit's 8 MXFP8 activation rows are staged in
 shared memory as B, and each 32-K block's fp32 result is scaled by weight x

@@ -91,12 +91,12 @@ class TuneConfig:
     """What `run_tune` tunes: one preset (with overrides) at each TP degree,
     rows, the routing scenario and seed the timings use, the tactic space,
     tuner settings (repeats, top), timing counts and the L2 mode.
-    act_bf16 (default True, what RoutedExpertGemm runs by default): the
+    act_bf16 (default True, what a BF16-family RoutedExpertGemm runs by default): the
     candidates are the `_a16` twins of the space's tactics (BF16 activation
     operand), timed and checked with the BF16 x / H the binding feeds them,
     so a table holds the tactics that won as the runtime runs them.
     fp8 (default False): tune the FP8 (wgmma) kernel family instead (what
-    `RoutedExpertGemm(..., fp8=True)` runs; act_bf16 is then ignored): the
+    an FP8-family RoutedExpertGemm runs; act_bf16 is then ignored): the
     candidates come from an `Fp8Space` (the default space becomes
     DEFAULT_FP8_SPACE; another space must be an Fp8Space, and an Fp8Space
     needs fp8) and the entries go to the table's "fp8" part."""

@@ -26,7 +26,9 @@ date). Schema (SCHEMA = 2; schema 1 is schema 2 without the "fp8" part):
 Two kernel families, one layout of the weights each (a layer runs one):
 "gemm1" / "gemm2" hold the BF16 family's tactics (no `_f8`; `_a16` or the
 MXFP8 operand), the optional "fp8" object the FP8 family's (`_f8` only,
-`moebench tune --fp8`, what `RoutedExpertGemm(..., fp8=True)` runs). Each
+`moebench tune --fp8`, what an FP8-family `RoutedExpertGemm` runs). Which
+family a layer runs by default is chosen from both families' µs
+(`tuning.family`: the faster per rows, one family per layer). Each
 family is tuned and merged on its own: re-tuning one keeps the other's
 entries. A table written with FP8 entries says schema 2, one without says
 schema 1 (older moebench versions still read it); an older moebench refuses
@@ -698,6 +700,66 @@ def _tables_phrase(paths: list[Path], singular: str, plural: str) -> str:
     return f"tuning table {listed} {singular}" if len(paths) == 1 else f"tuning tables {listed} {plural}"
 
 
+def _check_lookup(rows, stage, fp8) -> None:
+    """The arguments of one entry lookup (ValueError / TypeError naming them)."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
+    if not isinstance(fp8, bool):
+        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+    if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"rows must be an int in [1, {MAX_ROWS}], got {rows!r}")
+
+
+def _first_holding(
+    name: str, stage: int, rows: int, fp8: bool, search: list | None
+) -> tuple[tuple[Path, TuningTable] | None, list[tuple[Path, TuningTable]], list[str]]:
+    """(path and table of the first usable table `name` along `search` that
+    holds the (family, stage, rows) entry, or None; the usable tables before
+    it that lack it, in search order; the problems met on the way). Never raises."""
+    found: tuple[Path, TuningTable] | None = None
+    lacking: list[tuple[Path, TuningTable]] = []
+    problems: list[str] = []
+    try:
+        for path, hit in _walk(name, search):
+            if isinstance(hit, str):
+                problems.append(hit)
+            elif hit.entry(stage, rows, fp8) is None:
+                lacking.append((path, hit))
+            else:
+                found = path, hit
+                break
+    except Exception as error:  # noqa: BLE001 - a table must never break the runtime
+        problems.append(f"tuning table lookup for {name} failed: {type(error).__name__}: {error}")
+    return found, lacking, problems
+
+
+def lookup_entry(
+    device_name: str,
+    shape,
+    rows: int,
+    stage: int,
+    *,
+    top_k: int | None = None,
+    search: list | None = None,
+    fp8: bool = False,
+) -> tuple[TableEntry, Path] | None:
+    """(the entry, its file) that `load_tactic` takes for GEMM`stage` at
+    `rows` of the FP8 (`fp8`) or BF16 family: the first usable table along
+    `search` (default: default_search_dirs()) that holds it; None when no
+    table does. A corrupt or stale table met on the way warns once (as
+    `load_tactic`); a missing entry is not warned about (this only asks).
+    Raises ValueError / TypeError only for bad arguments."""
+    _check_lookup(rows, stage, fp8)
+    name = table_file_name(ShapeClass.of(shape, top_k), device_name)
+    found, _, problems = _first_holding(name, stage, rows, fp8, search)
+    for line in problems:
+        _log_once(logging.WARNING, line + "; falling back")
+    if found is None:
+        return None
+    path, table = found
+    return table.entry(stage, rows, fp8), path
+
+
 def load_tactic(
     device_name: str,
     shape,
@@ -727,28 +789,10 @@ def load_tactic(
     ValueError / TypeError only for bad arguments (rows, stage, shape),
     never for a table.
     """
-    if stage not in STAGES:
-        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
-    if not isinstance(fp8, bool):
-        raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
-    if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"rows must be an int in [1, {MAX_ROWS}], got {rows!r}")
+    _check_lookup(rows, stage, fp8)
     s = ShapeClass.of(shape, top_k)
     name = table_file_name(s, device_name)
-    found: tuple[Path, TuningTable] | None = None
-    lacking: list[tuple[Path, TuningTable]] = []  # usable tables without the entry, in search order
-    problems: list[str] = []
-    try:
-        for path, hit in _walk(name, search):
-            if isinstance(hit, str):
-                problems.append(hit)
-            elif hit.entry(stage, rows, fp8) is None:
-                lacking.append((path, hit))
-            else:
-                found = path, hit
-                break
-    except Exception as error:  # noqa: BLE001 - a table must never break the runtime
-        problems.append(f"tuning table lookup for {name} failed: {type(error).__name__}: {error}")
+    found, lacking, problems = _first_holding(name, stage, rows, fp8, search)
     for line in problems:
         _log_once(logging.WARNING, line + "; falling back")
     family = "fp8 " if fp8 else ""

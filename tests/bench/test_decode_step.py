@@ -185,6 +185,8 @@ def test_one_rank_moebench_step_takes_the_front_on_the_cpu(monkeypatch, tmp_path
     assert moe["kernel_router_us"].isna().all() and moe["kernel_route_us"].isna().all()
     skipped = frame[frame["status"] == "skipped"].set_index(["backend", "tactic"])["error"]
     assert skipped[("moebench", "tuned")].str.startswith("no tuning table").all()
+    assert moe["kernel_tactics"].str.startswith("fp8 family (built-in); gemm1 ").all()  # the family that ran
+    assert (ok[ok["backend"] == "torch-bf16"]["kernel_tactics"] == "").all()  # a backend that says nothing
     assert skipped[("torch-bf16", "fp8")].str.startswith("tactic 'fp8' not offered").all()
     assert skipped[("torch-bf16", "tuned")].str.startswith("tactic 'tuned' not offered").all()
 

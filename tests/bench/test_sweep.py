@@ -125,7 +125,7 @@ def test_moebench_backend_offers_default_builtin_and_tuned(monkeypatch, tmp_path
 
     shape = get_preset("dsv41-flash").shard(4)
     backend = MoebenchBackend()
-    assert backend.valid_tactics(shape) == ("default", "builtin", "tuned", "fp8")
+    assert backend.valid_tactics(shape) == ("default", "builtin", "tuned", "fp8", "bf16")
     validate = SweepConfig(backends=("moebench",), tactics=("tuned", "builtin", "default"), **TINY)
     from moebench.bench.sweep import validate_sweep
 
@@ -142,7 +142,7 @@ def test_moebench_backend_offers_default_builtin_and_tuned(monkeypatch, tmp_path
 
 
 def test_moebench_backend_fp8_tactic_is_skipped_with_the_reason_where_it_cannot_run():
-    """"fp8" (the opt-in FP8 kernel family) is available where fp8 tactics fit
+    """"fp8" (the FP8 kernel family by name) is available where fp8 tactics fit
     both GEMMs, else its reason names the GEMM and the rule."""
     from moebench.backends.moebench import MoebenchBackend
     from moebench.models import get_preset
@@ -335,10 +335,10 @@ def test_gpu_sweep_times_our_stages_and_routed_path():
 
 def test_all_tactics_of_a_backend_that_cannot_run_here_are_listed_and_skipped():
     """`--tactics all` with moebench on the CPU: one skipped row per tactic it
-    offers (default, builtin, tuned, fp8), each with the reason."""
+    offers (default, builtin, tuned, fp8, bf16), each with the reason."""
     cfg = SweepConfig(backends=("moebench",), tactics=("all",), **{**TINY, "rows": (1,)})
     df = run_sweep(cfg).frame
-    assert set(df["tactic"]) >= {"default", "builtin", "fp8"} and "all" not in set(df["tactic"])
+    assert set(df["tactic"]) >= {"default", "builtin", "fp8", "bf16"} and "all" not in set(df["tactic"])
     assert (df["status"] == "skipped").all() and df["error"].str.contains("CUDA").all()
 
 
@@ -356,7 +356,7 @@ def test_moebench_backend_says_which_kernel_tactics_a_row_ran():
         tactic_sources={(1, 6): "table /x/E=384.json fp8.gemm1[6]", (2, 6): "default (fp8)"},
     )
     text = MoebenchBackend().kernel_tactics(prepared, 6)
-    assert text == "gemm1 r16_m4_k4_u4_c1_b6_f8 (table); gemm2 r32_m4_k1_u3_c3_b6_f8 (default (fp8))"
+    assert text == "fp8 family; gemm1 r16_m4_k4_u4_c1_b6_f8 (table); gemm2 r32_m4_k1_u3_c3_b6_f8 (default (fp8))"
     assert "kernel_tactics" in COLUMNS
 
 

@@ -10,10 +10,13 @@ import torch
 
 from moebench.formats import ExpertWeights
 from moebench.kernels.front import FrontConfig
+from moebench.kernels.tactic import GemmShape, default_tactic
 from moebench.models import MoEConfig
 from moebench.moe_output import UnfinalizedMoEOutput
+from moebench.record import max_ctas
 from moebench.reference import reference_moe
 from moebench.routing import RouterConfig, route
+from moebench.tuning.family import FamilyChoice
 
 #: hidden 256, per-rank intermediate 64 (TP2 of 128), padded to 128; 32 experts, top-4;
 #: the router folds 1.5.
@@ -32,11 +35,21 @@ class FakeRoutedExpertGemm:
     gemms) in torch, from `reference.reference_moe` ("mxfp8", the kernels'
     numerics); `front` is the router reference on the bound FrontConfig.
     `accepts` mirrors the real rule, including the data_ptr check of the
-    weights; `calls` counts route / front / gemms calls."""
+    weights; `calls` counts route / front / gemms calls. Like the real one it
+    says which kernel family it stands for (`fp8`, `family`,
+    `family_choice`: by default the FP8 family, as with no tuning table) and
+    holds that family's built-in tactics (`tactics`, `tactic_sources`)."""
 
-    def __init__(self, weights: ExpertWeights, top_k: int) -> None:
+    def __init__(self, weights: ExpertWeights, top_k: int, fp8: bool = True) -> None:
         self.source = weights
         self.top_k = top_k
+        self.fp8 = fp8
+        self.family = "fp8" if fp8 else "bf16"
+        self.family_choice = FamilyChoice(fp8, "built-in", "a stand-in")
+        shape = GemmShape.of(weights)
+        self.tactics = {(stage, rows): default_tactic(shape, stage, max_ctas(rows, top_k, weights.experts), fp8=fp8)
+                        for stage in (1, 2) for rows in range(1, 9)}  # fmt: skip
+        self.tactic_sources = {key: "default (stand-in)" for key in self.tactics}
         self.front_config: FrontConfig | None = None
         self.calls = {"route": 0, "front": 0, "gemms": 0}
 

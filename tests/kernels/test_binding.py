@@ -9,7 +9,7 @@ import torch
 from moebench.formats import generate_activations, generate_expert_weights
 from moebench.models import get_preset
 from moebench.moe_output import finalize
-from moebench.record import build_route_record
+from moebench.record import TILE, build_route_record
 from moebench.reference import ORACLE_TOLERANCE, reference_moe, relative_error
 from moebench.routing import scenario_topk_ids, scenario_weights
 
@@ -105,9 +105,24 @@ def test_gemms_reject_non_routing_and_foreign_h():
 
 @pytest.fixture(scope="module")
 def bound():
+    """The BF16 family (asked for by name: 64 experts have no shipped table, so
+    the default would be the FP8 family's built-ins)."""
     shape = get_preset("dsv41-flash", experts=64).shard(4)
     w = generate_expert_weights(shape, seed=11, device="cuda")
-    return shape, w, binding.RoutedExpertGemm(w, shape.top_k)
+    return shape, w, binding.RoutedExpertGemm(w, shape.top_k, fp8=False)
+
+
+@pytest.fixture(scope="module")
+def bound_fp8(bound):
+    """The FP8 family on the same weights."""
+    shape, w, _ = bound
+    return shape, w, binding.RoutedExpertGemm(w, shape.top_k, fp8=True)
+
+
+@pytest.fixture(params=["bf16", "fp8"])
+def either(request):
+    """Each family's binding in turn."""
+    return request.getfixturevalue("bound" if request.param == "bf16" else "bound_fp8")
 
 
 def _run(gemm, x, ids, tw):
@@ -118,8 +133,8 @@ def _run(gemm, x, ids, tw):
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows", range(1, 9))
 @pytest.mark.parametrize("scenario", ["correlated", "uniform", "hot"])
-def test_route_and_gemms_match_the_oracle(bound, rows, scenario):
-    shape, w, gemm = bound
+def test_route_and_gemms_match_the_oracle(either, rows, scenario):
+    shape, w, gemm = either
     ids = scenario_topk_ids(scenario, rows, shape.top_k, shape.experts, seed=rows).cuda()
     tw = scenario_weights(rows, shape.top_k, seed=rows, scale=1.5).cuda()
     x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
@@ -134,8 +149,8 @@ def test_route_and_gemms_match_the_oracle(bound, rows, scenario):
 
 
 @pytest.mark.gpu
-def test_non_local_ids_are_skipped(bound):
-    shape, w, gemm = bound
+def test_non_local_ids_are_skipped(either):
+    shape, w, gemm = either
     ids = scenario_topk_ids("uniform", 4, shape.top_k, shape.experts, seed=5)
     ids[0, 0], ids[2, 3] = -1, shape.experts + 7
     ids = ids.cuda()
@@ -148,8 +163,8 @@ def test_non_local_ids_are_skipped(bound):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_replay_matches_eager_and_follows_inputs(bound):
-    shape, w, gemm = bound
+def test_cuda_graph_replay_matches_eager_and_follows_inputs(either):
+    shape, w, gemm = either
     rows = 6
     ids = scenario_topk_ids("correlated", rows, shape.top_k, shape.experts, seed=1).cuda()
     tw = scenario_weights(rows, shape.top_k, seed=1).cuda()
@@ -189,6 +204,10 @@ def test_accepts(bound):
 
 @pytest.mark.gpu
 def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypatch):
+    """Per family, each (stage, rows) tactic from the table else the built-in
+    default; by default the family the tables choose (the faster by their
+    µs, one per layer), with no table the FP8 family's built-ins."""
+    from moebench.backends.moebench import MoebenchBackend
     from moebench.kernels.tactic import GemmTactic
     from moebench.tuning import table as tb
 
@@ -196,41 +215,120 @@ def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypat
     w = generate_expert_weights(shape, seed=5, device="cuda")
     monkeypatch.setenv(tb.ENV_DIR, str(tmp_path))
     tb.reset_log_once()
-    plain = binding.RoutedExpertGemm(w, shape.top_k)  # no table: the built-in defaults
+    plain = binding.RoutedExpertGemm(w, shape.top_k, fp8=False)  # no table: the built-in BF16 defaults
     assert all(s.startswith("default") for s in plain.tactic_sources.values())
+    assert plain.family == "bf16" and plain.family_choice.source == "asked" and plain.kw.operand == "bf16"
+    default = binding.RoutedExpertGemm(w, shape.top_k)  # no table: the FP8 family, its built-ins fit
+    assert default.fp8 and default.family == "fp8" and default.family_choice.source == "built-in"
+    assert all(t.fp8 for t in default.tactics.values()) and default.kw.operand == "e4m3"
+    assert all(s.startswith("default (fp8") for s in default.tactic_sources.values())
     tuned = GemmTactic(tile_rows=64, warps_m=1, warps_k=4, unroll=2, ctas_per_sm=2)
     entry = tb.TableEntry(tuned, 10.0, 9.0, 11.0)
     name = torch.cuda.get_device_name(0)
     table = tb.TuningTable(tb.ShapeClass.of(shape), {"name": name, "sm_count": 132}, {(1, 6): entry})
     path = tb.write_table(table, tmp_path)
     tb.reset_log_once()
-    gemm = binding.RoutedExpertGemm(w, shape.top_k)
+    gemm = binding.RoutedExpertGemm(w, shape.top_k)  # only the BF16 family has an entry: BF16 runs
+    assert gemm.family == "bf16" and gemm.family_choice.source == "tables"
     # the table's tactic, run with the BF16 activation operand (act_bf16=True, the default)
     assert gemm.tactics[1, 6] == dataclasses.replace(tuned, act_bf16=True) and str(path) in gemm.tactic_sources[1, 6]
     as_tabled = binding.RoutedExpertGemm(w, shape.top_k, act_bf16=False)
     assert as_tabled.tactics[1, 6] == tuned
     assert gemm.tactics[1, 5] == plain.tactics[1, 5] and gemm.tactic_sources[1, 5].startswith("default")
-    builtin = binding.RoutedExpertGemm(w, shape.top_k, {})  # explicit: tables ignored
-    assert builtin.tactics == plain.tactics
+    builtin = binding.RoutedExpertGemm(w, shape.top_k, {})  # explicit: tables ignored, the built-in rule (FP8)
+    assert builtin.tactics == default.tactics and builtin.family_choice.source == "built-in"
+    assert binding.RoutedExpertGemm(w, shape.top_k, {}, fp8=False).tactics == plain.tactics
     # the FP8 family's entries (the table's fp8 part) serve fp8 layers only; BF16 layers keep theirs
     f8 = GemmTactic(32, 4, 2, 4, 2, fp8=True)
     plain8 = binding.RoutedExpertGemm(w, shape.top_k, fp8=True)  # no fp8 part yet: the fp8 defaults
     assert all(s.startswith("default") for s in plain8.tactic_sources.values())
+    assert plain8.tactics == default.tactics
     table = tb.TuningTable(tb.ShapeClass.of(shape), {"name": name, "sm_count": 132}, {(1, 6): entry},
                            fp8_entries={(1, 4): tb.TableEntry(f8, 10.0, 9.0, 11.0)})
     tb.write_table(table, tmp_path)  # the same device and the BF16 entry kept: replaces the first
     tb.reset_log_once()
-    mixed = binding.RoutedExpertGemm(w, shape.top_k)
+    mixed = binding.RoutedExpertGemm(w, shape.top_k, fp8=False)
     assert mixed.tactics[1, 6] == gemm.tactics[1, 6] and mixed.tactics[1, 4] == plain.tactics[1, 4]
     fp8 = binding.RoutedExpertGemm(w, shape.top_k, fp8=True)
     assert fp8.tactics[1, 4] == f8 and fp8.tactic_sources[1, 4] == f"table {path} fp8.gemm1[4]"
     assert fp8.tactics[1, 6] == plain8.tactics[1, 6] and fp8.tactic_sources[1, 6].startswith("default (fp8")
-    # the sweep's / step's "fp8" tactic runs the same (it once passed tactics={}: built-ins, tables ignored)
-    from moebench.backends.moebench import MoebenchBackend
-
-    prepared = MoebenchBackend().prepare(w, shape, "fp8")
+    # by default: BF16 timed at rows 6 only, FP8 at rows 4 only: no row count both time, one each: FP8
+    chosen = binding.RoutedExpertGemm(w, shape.top_k)
+    assert chosen.family == "fp8" and chosen.family_choice.source == "tables" and chosen.tactics == fp8.tactics
+    # the sweep's / step's tactic names bind the same (the "fp8" one once passed tactics={}: tables ignored)
+    backend = MoebenchBackend()
+    prepared = backend.prepare(w, shape, "fp8")
     assert prepared.tactics == fp8.tactics and prepared.tactic_sources == fp8.tactic_sources
+    assert backend.prepare(w, shape, "bf16").tactics == mixed.tactics
+    assert backend.prepare(w, shape, "default").tactics == chosen.tactics
+    assert backend.kernel_tactics(prepared, 4).startswith(f"fp8 family (asked); gemm1 {f8.name} (table); gemm2 ")
+    # a faster BF16 entry at rows 4 too: rows 4 timed by both, BF16 faster there and the only one at 6: BF16
+    table.entries[1, 4] = tb.TableEntry(tuned, 5.0, 4.9, 5.1)
+    tb.write_table(table, tmp_path)
     tb.reset_log_once()
+    chosen = binding.RoutedExpertGemm(w, shape.top_k)
+    assert chosen.family == "bf16" and chosen.family_choice.reason == "bf16 faster at rows 4, 6"
+    assert backend.kernel_tactics(backend.prepare(w, shape, "default"), 6).startswith("bf16 family (tables); gemm1 ")
+    tb.reset_log_once()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,tp", [("dsv41-flash", 4), ("dsv41-flash", 8), ("dsv4-pro", 4)])
+def test_the_default_binding_runs_the_tables_family_and_matches_the_oracle(preset, tp):
+    """A real layer shape (all experts, the shipped tables' shape classes):
+    the binding built as MoEStep / `moebench step` / build_routed_expert_gemms
+    build it runs the family `choose_family` picks (on an H200 the shipped
+    tables make it FP8), and route -> GEMM1 -> GEMM2 match the oracle: the
+    record bit for bit, H bytes by the family's rule (FP8: >= 99 % equal,
+    `h_fp8_mismatch`; BF16: >= 99.9 %, `h_mismatch`), GEMM2's rows and the
+    finalized rows each within 2e-2 and in norm within 1e-2. Inputs are fresh
+    (seeds no other test uses), so a row left unwritten holds no answer."""
+    from moebench.tuning.family import choose_family
+    from moebench.tuning.runner import h_fp8_mismatch, h_mismatch
+    from moebench.tuning.table import ShapeClass
+
+    shape = get_preset(preset).shard(tp)
+    w = generate_expert_weights(shape, seed=70 + tp, device="cuda")
+    (gemm,) = binding.build_routed_expert_gemms([(w, shape.top_k)])
+    if gemm is None:  # it logged why; say it here
+        binding.RoutedExpertGemm(w, shape.top_k)
+        raise AssertionError("build_routed_expert_gemms refused a layer RoutedExpertGemm binds")
+    name = torch.cuda.get_device_name(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    want = choose_family(name, ShapeClass.of(shape), num_sms=sms)
+    assert gemm.family == want.family and gemm.family_choice == want
+    if "H200" in name:
+        assert gemm.family == "fp8" and want.source == "tables", want
+        assert all(s.startswith("table ") and " fp8.gemm" in s for s in gemm.tactic_sources.values())
+    assert all(t.fp8 == gemm.fp8 for t in gemm.tactics.values())
+    judge = h_fp8_mismatch if gemm.fp8 else h_mismatch
+    for rows in range(1, 9):
+        for scenario in ("correlated", "uniform"):
+            seed = 9000 + 97 * rows + tp + (scenario == "uniform")
+            ids = scenario_topk_ids(scenario, rows, shape.top_k, shape.experts, seed=seed).cuda()
+            tw = scenario_weights(rows, shape.top_k, seed=seed, scale=1.5).cuda()
+            x = generate_activations(rows, shape.hidden, seed=seed, device="cuda")
+            routing = gemm.route(x, ids, tw)
+            h_q, h_s = gemm.gemm1(routing)
+            out = gemm.gemm2(routing, h_q, h_s)
+            ref = reference_moe(x, ids, tw, w, activation="mxfp8")
+            label = f"{preset} TP{tp} {gemm.family} rows {rows} {scenario}"
+            assert torch.equal(routing.record, ref.route.record), label
+            assert torch.equal(routing.permuted, ref.route.permuted), label
+            used = TILE * ref.route.tiles_used
+            ref_q, ref_s = ref.h_values, ref.h_scale
+            why = judge(h_q[:used], h_s[:used], ref_q.view(torch.uint8)[:used], ref_s[:used])
+            assert why is None, f"{label}: {why}"
+            slots = routing.permuted.flatten()
+            slots = slots[slots >= 0].long()
+            got, oracle = out.gemm2_permuted[slots], ref.unfinalized.gemm2_permuted[slots]
+            assert relative_error(got, oracle) <= ORACLE_TOLERANCE, label
+            for i in range(slots.numel()):
+                assert relative_error(got[i], oracle[i]) <= 2e-2, f"{label}: permuted row {int(slots[i])}"
+            final = finalize(out)
+            assert relative_error(final, ref.output) <= ORACLE_TOLERANCE, label
+            for t in range(rows):
+                assert relative_error(final[t], ref.output[t]) <= 2e-2, f"{label}: token {t}"
 
 
 @pytest.mark.gpu
@@ -264,7 +362,7 @@ def test_act_bf16_binding_writes_x_deq_and_matches_the_e4m3_binding(bound):
     from moebench.kernels.gemm import act_to_bf16
 
     shape, w, gemm = bound
-    e4m3 = binding.RoutedExpertGemm(w, shape.top_k, act_bf16=False)
+    e4m3 = binding.RoutedExpertGemm(w, shape.top_k, act_bf16=False, fp8=False)
     with pytest.raises(TypeError, match="act_bf16"):
         binding.RoutedExpertGemm(w, shape.top_k, act_bf16=1)
     for rows in (1, 4, 6, 8):
@@ -339,9 +437,16 @@ def test_fp8_binding_runs_fp8_twins_and_matches_the_oracle(bound):
     with pytest.raises(ValueError, match="fp8"):
         binding.RoutedExpertGemm(w, shape.top_k, {1: GemmTactic(64, 1, 8, 4, 1)}, fp8=True)
     with pytest.raises(ValueError, match="fp8"):
-        binding.RoutedExpertGemm(w, shape.top_k, {2: GemmTactic(32, 4, 1, 3, 2, fp8=True)})
-    with pytest.raises(TypeError, match="fp8"):
+        binding.RoutedExpertGemm(w, shape.top_k, {2: GemmTactic(32, 4, 1, 3, 2, fp8=True)}, fp8=False)
+    with pytest.raises(ValueError, match="tactics mix the fp8 and BF16 families"):
+        binding.RoutedExpertGemm(w, shape.top_k, {1: GemmTactic(64, 1, 8, 4, 1),
+                                                  2: GemmTactic(32, 4, 1, 3, 2, fp8=True)})
+    with pytest.raises(TypeError, match="fp8 must be a bool or None"):
         binding.RoutedExpertGemm(w, shape.top_k, fp8="yes")
+    # explicit tactics without fp8: the layer runs their family
+    by_tactics = binding.RoutedExpertGemm(w, shape.top_k, {2: GemmTactic(32, 4, 1, 3, 2, fp8=True)})
+    assert by_tactics.family == "fp8" and by_tactics.family_choice.source == "tactics"
+    assert by_tactics.kw.operand == "e4m3" and by_tactics.tactics[2, 6] == GemmTactic(32, 4, 1, 3, 2, fp8=True)
     # built-in defaults and a partial explicit dict (act_bf16 left at its default True)
     for given in ({}, {1: GemmTactic(32, 4, 2, 4, 2, fp8=True)}):
         g = binding.RoutedExpertGemm(w, shape.top_k, given, fp8=True)

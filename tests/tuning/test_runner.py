@@ -433,6 +433,16 @@ def test_tune_fp8_command_keeps_the_bf16_entries(monkeypatch, tmp_path):
     assert all(e.tactic.fp8 for e in table.fp8_entries.values())
     records = json.loads(summary.with_suffix(".json").read_text())
     assert {r["family"] for r in records} == {"FP8"} and "| dsv41-flash | FP8 | 4 | 1 |" in summary.read_text()
+    # which family each tuned shape class now runs by default, from both families' µs in the table
+    from moebench.tuning.family import choose_family
+
+    runs = choose_family(table.device["name"], table.shape, search=[tmp_path / "tables"])
+    assert runs.source == "tables" and [t.rows for t in runs.times if t.bf16_us and t.fp8_us] == [1, 4]
+    assert "what `moebench` runs by default now" in text and f"on {table.device['name']} │ {runs.family} │" in text
+    label = f"{table.shape.describe()} on {table.device['name']}"
+    md = summary.read_text()
+    assert "## What `moebench` runs by default" in md and f"- {label}: {runs.describe()}" in md
+    assert f"| {label} | 4 | {runs.times[3].bf16_us:.1f} | {runs.times[3].fp8_us:.1f} |" in md
     again = CliRunner().invoke(app, ["tune", *small, "--rows", "1", "--space", "ship", "--out", out])
     assert again.exit_code == 0, again.output  # re-tuning BF16 rows keeps the FP8 part
     assert len(read_table(path).fp8_entries) == 4
