@@ -917,7 +917,8 @@ def report(
         " only when it is also beyond this threshold. Without it the verdicts are judged at 5 % and only shown."
     ),
     out: Path = typer.Option(
-        None, parser=_path, help="Where summary.md (and report.html + plots) go (default: the run directory)."
+        None, parser=_path, help="Where summary.md (and report.html + plots) go (default: beside the run,"
+        " in RUN_DIR's sibling <run>-report/, so a committed run directory stays as committed)."
     ),
     html: bool = typer.Option(True, "--html/--no-html", help="Also write report.html with PNG plots."),
     force: bool = typer.Option(
@@ -928,7 +929,8 @@ def report(
 ) -> None:
     """Summarize a run; with --baseline, compare it per case.
 
-    Writes a table, summary.md and report.html. With --baseline and
+    Prints a table and writes summary.md and report.html, by default beside
+    RUN_DIR in <run>-report/ (never into the run). With --baseline and
     --fail-above, exits 1 on a regression: a case slower beyond the
     threshold, failed, or lost (ok in the baseline but skipped or absent in
     RUN_DIR). A comparison that cannot judge anything (a baseline recorded
@@ -946,9 +948,13 @@ def report(
         threshold = parse_threshold(fail_above) if fail_above is not None else DEFAULT_THRESHOLD_PCT
         if fail_above is not None and baseline is None:
             raise ValueError("--fail-above needs --baseline RUN")
+        where = "--out" if out is not None else "the default report directory (RUN_DIR's sibling)"
         if out is not None:
             _check_out_dir(out, run_dir)
         df, manifest = _read_report_run(run_dir, "RUN_DIR")
+        if out is None:  # only once RUN_DIR is known to be a run: its errors come first
+            out = default_report_dir(run_dir)
+            _check_out_dir(out, run_dir, where)
         ranks = read_table(run_dir, "ranks")
         if ranks is not None and "rank" not in ranks.columns:
             raise ValueError(f"RUN_DIR: {run_dir / 'ranks.parquet'} lacks the 'rank' column")
@@ -965,18 +971,16 @@ def report(
                                       current_label=str(run_dir), baseline_label=str(baseline))  # fmt: skip
     except (FileNotFoundError, ValueError) as error:
         raise _fail(_option_message(error)) from None
-    target = (out or run_dir) / "summary.md"
+    target = out / "summary.md"
     written = [target, *(target.parent / n for n in report_files(df, comparison))] if html else [target]
     taken = [p for p in written if p.exists() or p.is_symlink()]
     if taken and not force:
-        where = "--out" if out is not None else "RUN_DIR (the report goes there without --out)"
         raise _fail(f"{where}: {', '.join(map(str, taken))} exist{'s' if len(taken) == 1 else ''}; pass --force"
                     " to replace the report files, or give another --out directory")  # fmt: skip
-    if out is not None:
-        try:  # only now that every check passed (a refused report creates nothing), before any output:
-            out.mkdir(parents=True, exist_ok=True)  # a report that cannot be written is not a verdict
-        except OSError as error:
-            raise _fail(f"--out: cannot create {out}: {error.strerror or error}") from None
+    try:  # only now that every check passed (a refused report creates nothing), before any output:
+        out.mkdir(parents=True, exist_ok=True)  # a report that cannot be written is not a verdict
+    except OSError as error:
+        raise _fail(f"{where}: cannot create {out}: {error.strerror or error}") from None
     earlier = _report_record(target.parent)  # the files an earlier report wrote there (read before this one)
     try:  # --force replaces a link itself, never the file it points to (which may be anywhere)
         for path in taken:
@@ -1139,26 +1143,42 @@ def _run_at(path) -> tuple[Path | None, bool]:
     return run, run is not None and enclosing_run(Path(path).absolute().parent) != run
 
 
-def _check_out_dir(out: Path, run_dir: Path) -> None:
-    """Raise ValueError naming --out unless it is a directory or can be made
-    one, outside every stored run directory (the baseline's, a folder inside
-    a run: the report files would be mixed into another run's files) except
-    RUN_DIR itself, where a report goes without --out. Creates nothing:
-    `report` creates --out once every check passed."""
+#: The name of a report's default directory, beside its run: `<run>` + this.
+REPORT_DIR_SUFFIX = "-report"
+
+
+def default_report_dir(run_dir: Path) -> Path:
+    """Where `report RUN_DIR` writes without --out: RUN_DIR's sibling
+    `<run>-report` (a run directory spelled '.' or '..' is named by its
+    absolute path), so a committed run directory is never written into."""
+    import os
+
+    run = run_dir if run_dir.name not in ("", ".", "..") else Path(os.path.abspath(run_dir))
+    return run.with_name(run.name + REPORT_DIR_SUFFIX)
+
+
+def _check_out_dir(out: Path, run_dir: Path, option: str = "--out") -> None:
+    """Raise ValueError naming `option` (--out, or the default directory)
+    unless `out` is a directory or can be made one, outside every stored run
+    directory (the baseline's, a folder inside a run: the report files would
+    be mixed into another run's files) except RUN_DIR itself, which --out may
+    name on purpose. Creates nothing: `report` creates the directory once
+    every check passed."""
     from moebench.reports.store import MANIFEST, RESULTS, enclosing_run
 
     run, itself = _run_at(out)
     if run is not None and not (itself and run == enclosing_run(run_dir)):
         where = "a stored run directory" if itself else f"inside a stored run directory, {run}"
-        raise ValueError(f"--out: {out} is {where} (it holds {RESULTS} and {MANIFEST}); give a directory outside"
-                         " any run for the report files (without --out the report goes into RUN_DIR)")  # fmt: skip
+        raise ValueError(f"{option}: {out} is {where} (it holds {RESULTS} and {MANIFEST}); give a directory"
+                         f" outside any run for the report files (without --out the report goes beside RUN_DIR,"
+                         f" in <run>{REPORT_DIR_SUFFIX})")  # fmt: skip
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out: {out} exists and is not a directory; give a directory for the report files"
+        raise ValueError(f"{option}: {out} exists and is not a directory; give a directory for the report files"
                          " (created when missing)")  # fmt: skip
     for parent in out.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise ValueError(f"--out: {parent} (a parent of {out}) is not a directory; give a directory"
+                raise ValueError(f"{option}: {parent} (a parent of {out}) is not a directory; give a directory"
                                  " for the report files")  # fmt: skip
             break
 

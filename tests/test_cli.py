@@ -465,15 +465,40 @@ def test_report_out_that_is_or_is_inside_a_run_directory_is_refused(tmp_path):
         assert "wrote" not in result.output and "Traceback" not in result.output
     assert {run: sorted(p.name for p in run.rglob("*")) for run in (base, cur)} == before
     result = runner.invoke(app, ["report", str(cur), "--out", str(base)])
-    assert result.exit_code == 2 and "without --out the report goes into RUN_DIR" in result.output.replace("\n", " ")
+    assert result.exit_code == 2 and "without --out the report goes beside RUN_DIR" in result.output.replace("\n", " ")
     same = runner.invoke(app, ["report", str(cur), "--out", str(cur)])
-    assert same.exit_code == 0 and (cur / "report.html").exists(), same.output  # = no --out
+    assert same.exit_code == 0 and (cur / "report.html").exists(), same.output  # RUN_DIR itself, on purpose
     with pytest.MonkeyPatch.context() as mp:  # the same, spelled from inside it (Path(".").parent is ".")
         mp.chdir(cur)
         here = runner.invoke(app, ["report", str(cur), "--out", ".", "--force"])
     assert here.exit_code == 0, here.output
     ok = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--out", str(tmp_path / "runs" / "r")])
     assert ok.exit_code == 0, ok.output  # beside the runs is fine
+
+
+def test_report_without_out_writes_beside_the_run_not_into_it(tmp_path):
+    """A committed run directory stays as committed: without --out the report
+    goes to RUN_DIR's sibling <run>-report, with the rules of --out (refused
+    over an earlier report unless --force; the record beside it)."""
+    run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
+    before = sorted(p.name for p in run.iterdir())
+    beside = run.with_name(run.name + "-report")
+    result = runner.invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert (beside / "summary.md").is_file() and (beside / "report.html").is_file() and (beside / REPORT_RECORD).is_file()
+    assert str(beside / "summary.md") in result.output.replace("\n", "")
+    again = runner.invoke(app, ["report", str(run)])
+    assert again.exit_code == 2 and "default report directory" in again.output and "--force" in again.output
+    assert runner.invoke(app, ["report", str(run), "--force"]).exit_code == 0
+    with pytest.MonkeyPatch.context() as mp:  # RUN_DIR spelled '.': still its sibling, by name
+        mp.chdir(run)
+        here = runner.invoke(app, ["report", ".", "--force"])
+    assert here.exit_code == 0 and sorted(p.name for p in run.iterdir()) == before, here.output
+    blocked = _stored_run(tmp_path / "runs", "y", {1: 20.0})
+    blocked.with_name(blocked.name + "-report").write_text("a file in the way")
+    result = runner.invoke(app, ["report", str(blocked)])
+    assert result.exit_code == 2 and "default report directory" in result.output and "not a directory" in result.output
 
 
 def test_a_refused_report_creates_no_out_directory(tmp_path):
@@ -811,13 +836,15 @@ def test_report_force_replaces_links_not_the_files_they_point_to(tmp_path):
     run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
     precious = tmp_path / "precious.md"
     precious.write_text("mine", encoding="utf-8")
-    (run / "summary.md").symlink_to(precious)
+    beside = run.with_name(run.name + "-report")  # where the report goes without --out
+    beside.mkdir()
+    (beside / "summary.md").symlink_to(precious)
     refused = runner.invoke(app, ["report", str(run), "--no-html"])
     assert refused.exit_code == 2 and "--force" in refused.output
     result = runner.invoke(app, ["report", str(run), "--no-html", "--force"])
     assert result.exit_code == 0, result.output
     assert precious.read_text(encoding="utf-8") == "mine"
-    assert not (run / "summary.md").is_symlink() and (run / "summary.md").read_text(encoding="utf-8") != "mine"
+    assert not (beside / "summary.md").is_symlink() and (beside / "summary.md").read_text(encoding="utf-8") != "mine"
 
 
 def test_report_that_cannot_be_written_exits_1(tmp_path):
