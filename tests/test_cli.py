@@ -219,7 +219,7 @@ def test_report_case_ok_in_the_baseline_but_not_timed_now_fails_the_gate(tmp_pat
 def test_report_of_runs_timed_with_too_few_replays_is_unclear_not_a_false_alarm(tmp_path):
     """Two --replays 1 runs of the same code (p10 = p90 = median: noise 0 %) were judged "slower by 28 %"
     (exit 1); the cases are now unclear for too few replays, and a gate that judged nothing exits 2."""
-    one = {"timing_methods": ["cpu-wallclock"], "timing_counts": {"cpu-wallclock": {"warmup": 0, "replays": 1}}}
+    one = {"timing_methods": ["cuda-events"], "timing_counts": {"cuda-events": {"warmup": 0, "replays": 1}}}
     base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0}, spread=0.0, manifest_extra=one)
     cur = _stored_run(tmp_path / "runs", "cur", {1: 25.6, 6: 40.0}, spread=0.0, manifest_extra=one)
     result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--fail-above", "5%",
@@ -231,19 +231,22 @@ def test_report_of_runs_timed_with_too_few_replays_is_unclear_not_a_false_alarm(
     assert "too few replays to judge" in (tmp_path / "r" / "summary.md").read_text()
 
 
-def test_report_of_real_sweeps_with_too_few_replays_is_unclear(tmp_path):
-    """The same through `moebench sweep`: its manifest's timing_counts say how the rows were timed."""
+def test_report_of_real_cpu_sweeps_says_cpu_timings_cannot_gate(tmp_path):
+    """Two CPU sweeps: one line says CPU timings cannot gate (exit 2, never a pass; with or without
+    --fail-above), and the cases' notes, from the manifests' timing_counts, say how few replays timed them."""
     runs = []
     for label in ("one", "two"):
         result = runner.invoke(app, ["sweep", *TINY, "--backends", "torch-bf16", "--out", str(tmp_path / "runs"),
                                      "--label", label])  # fmt: skip  # TINY: --replays 2
         assert result.exit_code == 0, result.output
         runs.append(next((tmp_path / "runs").glob(f"*-{label}")))
-    result = runner.invoke(app, ["report", str(runs[1]), "--baseline", str(runs[0]), "--fail-above", "5%",
-                                 "--out", str(tmp_path / "r"), "--no-html"])  # fmt: skip
-    message = " ".join(result.output.split())
-    assert result.exit_code == 2 and "fewer than 10 replays" in message, result.output
-    assert "slower" not in message.split("verdicts:")[1] and "faster" not in message.split("verdicts:")[1]
+    for n, gate in enumerate((["--fail-above", "5%"], [])):
+        result = runner.invoke(app, ["report", str(runs[1]), "--baseline", str(runs[0]), *gate,
+                                     "--out", str(tmp_path / f"r{n}"), "--no-html"])  # fmt: skip
+        message = " ".join(result.output.split())
+        assert result.exit_code == 2 and "CPU timings cannot gate" in message, result.output
+        assert "slower" not in message.split("verdicts:")[1] and "faster" not in message.split("verdicts:")[1]
+        assert "replays 2 in this run, 2 in the baseline" in (tmp_path / f"r{n}" / "summary.md").read_text()
 
 
 def test_report_of_a_run_timed_another_way_is_not_judged_slower(tmp_path):
