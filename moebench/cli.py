@@ -754,6 +754,9 @@ def step(
     _fail_unless_every_case_passed(result.frame, path)
 
 
+#: The step tables' width when stdout is not a terminal: a normal wide terminal's.
+STEP_TABLE_WIDTH = 160
+
 _STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows", "scenario": "scenario",
                "unique_experts": "experts", "backend": "backend", "tactic": "tactic", "routing_path": "routing",
                "shared_path": "shared", "status": "status",
@@ -764,26 +767,60 @@ _STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows",
                "note": "note", "rank": "rank", "gpu_index": "GPU"}  # fmt: skip
 
 
-def _print_frame(frame, title: str | None, constant_keys=("preset", "tp", "ranks", "scenario", "tactic")) -> None:
+#: Text columns of the step tables that, holding one message for every row, are said once below the table.
+_SAID_ONCE = {"shared_path": "shared expert"}
+
+
+def _print_frame(frame, title: str | None,
+                 constant_keys=("preset", "tp", "ranks", "scenario", "tactic", "routing_path")) -> None:
     """A rich table of `frame` (columns named by _STEP_HEADS or kernel_<s>_us ->
-    <s>); columns with one value everywhere move to the title, empty ones go."""
-    constant = [c for c in constant_keys if c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1]
-    head = ", ".join(f"{c} {frame[c].iloc[0]}" for c in constant)
+    <s>); columns with one value everywhere move to the title (a _SAID_ONCE
+    message below the table), empty ones go."""
+    def single(c):
+        return c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1
+
+    constant = [c for c in constant_keys if single(c)]
+    once = [c for c in _SAID_ONCE if single(c) and str(frame[c].iloc[0])]
+    head = ", ".join(f"{_STEP_HEADS.get(c, c)} {frame[c].iloc[0]}" for c in constant)
     table = Table(title=", ".join(p for p in (title, head) if p) or None)
-    shown = [c for c in frame.columns if c not in constant and frame[c].replace("", None).notna().any()]
+    shown = [c for c in frame.columns
+             if c not in constant and c not in once and frame[c].replace("", None).notna().any()]  # fmt: skip
     for col in shown:
         name = _STEP_HEADS.get(col) or str(col).removeprefix("kernel_").removesuffix("_us")
         table.add_column(name, overflow="fold", no_wrap=col != "note")
     for rec in frame.to_dict("records"):
         table.add_row(*(_cell(col, rec[col]) for col in shown))
-    # wide enough that no number is cut (the step tables have ~20 columns)
-    _wide_console(260).print(table)
+    # wide enough that no number is cut when stdout is not a terminal (a terminal folds at its width)
+    out = _wide_console(STEP_TABLE_WIDTH)
+    out.print(table)
+    for c in once:
+        out.print(f"{_SAID_ONCE[c]} (every row): {escape_markup(frame[c].iloc[0])}", soft_wrap=True)
+
+
+#: Columns that say which case (and rank) a row of a step table is: repeated in its stage-split table.
+_STEP_KEYS = ("preset", "tp", "ranks", "rows", "scenario", "backend", "tactic", "rank", "gpu_index")
+
+
+def _print_split(frame, title: str, constant_keys=("preset", "tp", "ranks", "scenario", "tactic", "routing_path"),
+                 ) -> None:  # fmt: skip
+    """`frame` as two tables that each fit a normal terminal: the whole step
+    (times, bandwidth, error), then its split into stages (Σ stages and
+    kernel_<stage>_us, each stage timed alone) keyed by the same case
+    columns; the columns the first table's title names are left out of the
+    second."""
+    stages = [c for c in frame.columns if c == "stage_sum_us" or (str(c).startswith("kernel_") and str(c).endswith("_us"))]
+    _print_frame(frame.drop(columns=stages), title, constant_keys)
+    if not any(frame[c].replace("", None).notna().any() for c in stages):
+        return
+    said = [c for c in constant_keys if c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1]
+    keys = [c for c in _STEP_KEYS if c in frame.columns and c not in said]
+    _print_frame(frame[keys + stages], "stage split (µs, each stage timed alone)", constant_keys=())
 
 
 def _print_step(frame, ranks=None, table=None) -> None:
-    """The step table (whole step, gate, all-reduce, per-stage split;
-    `table`: step_summary_table(frame) when the caller has it) and, for a TP
-    step, the per-rank table."""
+    """The step table (whole step, gate, all-reduce; then the per-stage
+    split; `table`: step_summary_table(frame) when the caller has it) and,
+    for a TP step, the per-rank tables."""
     from moebench.reports.summary import rank_table, step_summary_table
 
     table = step_summary_table(frame) if table is None else table
@@ -791,9 +828,9 @@ def _print_step(frame, ranks=None, table=None) -> None:
     title = "decode step (µs; the step excludes the gate)"
     if ranks is not None and len(ranks) and ranks["rank"].nunique() > 1:
         title = "decode step (µs, rank 0's timings: every rank below; the step excludes the gate)"
-    _print_frame(table, title)
+    _print_split(table, title)
     if ranks is not None and len(ranks):
-        _print_frame(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario", "tactic"))
+        _print_split(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario", "tactic"))
     if "timing_method" in frame.columns and (frame["timing_method"].astype(str) == "cpu-wallclock").any():
         console.print("[yellow]CPU wall-clock timings: each column is timed on its own and they are noisy, so they"
                       " need not add up (step vs +gate, Σ stages vs step).[/yellow]", soft_wrap=True)

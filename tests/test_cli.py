@@ -586,6 +586,22 @@ def test_sweep_tactics_all_expands_per_backend(tmp_path):
     assert list(df["tactic"]) == ["default"]
 
 
+def test_step_tables_fit_a_normal_terminal_and_say_a_repeated_message_once(tmp_path):
+    """The CPU step table was ~260 columns wide, its `shared` column one message repeated on every row:
+    the message is said once below the table, the stage split is a table of its own, and each table fits
+    120 columns (the test's console is not a terminal, so nothing is folded to fit)."""
+    from rich.cells import cell_len
+
+    args = [a for a in TINY if a not in ("--rows", "1,2")] + ["--rows", "1,2"]
+    result = runner.invoke(app, ["step", *args, "--backends", "torch-bf16,reference", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    table_lines = [line for line in result.output.splitlines() if line[:1] in "┏┃┡│└"]
+    assert table_lines and max(cell_len(line) for line in table_lines) <= 120, result.output
+    message = "torch: the kernels need a CUDA device, got cpu"
+    assert result.output.count(message) == 1 and "shared expert (every row): " + message in result.output
+    assert "stage split" in result.output and "Σ stages" in result.output
+
+
 def test_step_tactics_as_the_sweeps(tmp_path):
     """`step --tactics`: the same list / 'all' as the sweep's; a tactic a
     backend lacks (or a backend that cannot run on the CPU) is a skipped
