@@ -569,7 +569,20 @@ def escape_markup(text) -> str:
 
 def _print_summary(table_df) -> None:
     """Render summary_table(df) with rich; columns that hold one value for
-    every row (preset, tp, scenario, tactic) move into the title."""
+    every row (preset, tp, scenario, tactic) move into the title; skipped
+    rows are said below it, one line per backend and reason."""
+    skipped = table_df[table_df["status"] == "skipped"]
+    table_df = table_df[table_df["status"] != "skipped"]
+    if len(table_df):
+        _print_summary_table(table_df)
+    for (backend, reason), group in skipped.groupby(["backend", "note"], sort=False, dropna=False):
+        n = len(group)
+        console.print(f"[yellow]skipped[/yellow] {escape_markup(backend)} ({n} case{'s' if n != 1 else ''}):"
+                      f" {escape_markup(reason)}", soft_wrap=True)  # fmt: skip
+
+
+def _print_summary_table(table_df) -> None:
+    """The rich table of _print_summary (rows that were not skipped)."""
     columns = {"preset": "preset", "tp": "tp", "rows": "rows", "scenario": "scenario",
                "backend": "backend", "tactic": "tactic", "status": "status", "median_us": "µs",
                "gbps": "GB/s", "pct_copy_bw": "%copy", "pct_size_ceiling": "%ceil",

@@ -586,6 +586,24 @@ def test_sweep_tactics_all_expands_per_backend(tmp_path):
     assert list(df["tactic"]) == ["default"]
 
 
+def test_sweep_says_skipped_backends_once_each_not_a_row_per_case(tmp_path):
+    """`--backends all` on the CPU listed a skipped row per case and backend (120 at the default rows); now
+    the table holds the cases that ran and each skipped backend is one line with its reason and count."""
+    import pandas as pd
+
+    result = runner.invoke(app, ["sweep", *TINY, "--backends", "all", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    df = pd.read_parquet(next(tmp_path.iterdir()) / "results.parquet")
+    skipped = df[df["status"] == "skipped"]
+    assert skipped["backend"].nunique() >= 2 and (skipped.groupby("backend").size() == 2).all()  # rows 1, 2
+    lines = result.output.splitlines()
+    for backend, group in skipped.groupby("backend"):
+        said = [line for line in lines if line.startswith(f"skipped {backend} (2 cases): ")]
+        assert len(said) == 1 and str(group["error"].iloc[0])[:40] in said[0], result.output
+    assert not [line for line in lines if line.startswith("│") and "skipped" in line]
+    assert f"{len(skipped)} skipped" in result.output  # the count line still counts every case
+
+
 def test_step_tables_fit_a_normal_terminal_and_say_a_repeated_message_once(tmp_path):
     """The CPU step table was ~260 columns wide, its `shared` column one message repeated on every row:
     the message is said once below the table, the stage split is a table of its own, and each table fits
