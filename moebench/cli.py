@@ -28,6 +28,7 @@ import sys
 from pathlib import Path
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -35,8 +36,34 @@ from rich.table import Table
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
 from moebench.bench.interrupt import interrupted_rows, sigterm_as_interrupt  # torch-free too
 
+def _flags_as_flags(params: list) -> list:
+    """`params` with an empty metavar on every plain flag (a bool option
+    that takes no value, --help included) that has none, so that the help
+    shows `--warm-l2`, not `--warm-l2 <bool>` (typer's rich help prints a
+    flag's type as if it took a value, which `--warm-l2 true` is refused)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and not getattr(param, "count", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _Command(typer.core.TyperCommand):
+    """A command whose help shows plain flags as flags (_flags_as_flags)."""
+
+    def get_params(self, ctx):
+        return _flags_as_flags(super().get_params(ctx))
+
+
+class _Group(typer.core.TyperGroup):
+    """The app's group, its help showing plain flags as flags (_flags_as_flags)."""
+
+    def get_params(self, ctx):
+        return _flags_as_flags(super().get_params(ctx))
+
+
 app = typer.Typer(
     name="moebench",
+    cls=_Group,
     help="Microbenchmarks and tuning for low-batch MXFP4 routed-expert MoE decode on Hopper.",
     no_args_is_help=True,
     add_completion=False,
@@ -334,7 +361,7 @@ _TACTICS_HELP = (
 )
 
 
-@app.command()
+@app.command(cls=_Command)
 def sweep(
     preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
     hidden: int = typer.Option(None, help="Override hidden size H."),
@@ -608,7 +635,7 @@ def _print_summary_table(table_df) -> None:
                   " (kernel_<stage>_us) is in the report's summary.md")
 
 
-@app.command()
+@app.command(cls=_Command)
 def step(
     preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
     hidden: int = typer.Option(None, help="Override hidden size H."),
@@ -849,7 +876,7 @@ def _print_step(frame, ranks=None, table=None) -> None:
                       " need not add up (step vs +gate, Σ stages vs step).[/yellow]", soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=_Command)
 def presets() -> None:
     """Geometry presets and one rank's shape per TP degree."""
     from moebench.models import PRESETS
@@ -881,7 +908,7 @@ def presets() -> None:
     console.print(shapes)
 
 
-@app.command()
+@app.command(cls=_Command)
 def env(
     device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
     bandwidth: bool = typer.Option(True, "--bandwidth/--no-bandwidth", help="Measure copy bandwidth on a GPU."),
@@ -925,7 +952,7 @@ def env(
     console.print(backends)
 
 
-@app.command()
+@app.command(cls=_Command)
 def check(
     device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
 ) -> None:
@@ -954,7 +981,7 @@ def check(
     console.print(f"[green]all {len(results)} checks passed[/green]")
 
 
-@app.command()
+@app.command(cls=_Command)
 def report(
     run_dir: Path = typer.Argument(..., parser=_path, help="A run directory (results.parquet + manifest.json)."),
     baseline: Path = typer.Option(
@@ -1276,7 +1303,7 @@ def _print_comparison(comp) -> None:
         console.print(f"[yellow]{comp.unclear_note}[/yellow]", soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=_Command)
 def tune(
     preset: str = typer.Option(
         "dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."

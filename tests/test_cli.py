@@ -586,6 +586,19 @@ def test_sweep_tactics_all_expands_per_backend(tmp_path):
     assert list(df["tactic"]) == ["default"]
 
 
+@pytest.mark.parametrize("command", [[], ["sweep"], ["step"], ["report"], ["tune"], ["check"], ["env"]])
+def test_help_shows_plain_flags_as_flags(command):
+    """`--warm-l2 <bool>` read as if the flag took a value (`--warm-l2 true` is refused): a flag shows no type,
+    an option that takes a value keeps its own."""
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "--help" in result.output and "<bool>" not in result.output, result.output
+    if command in (["sweep"], ["step"]):
+        assert "--warm-l2" in result.output and "<int>" in result.output
+        flag = next(line for line in result.output.splitlines() if "--warm-l2 " in line)
+        assert "Time one" in flag and "<" not in flag
+
+
 def test_sweep_says_skipped_backends_once_each_not_a_row_per_case(tmp_path):
     """`--backends all` on the CPU listed a skipped row per case and backend (120 at the default rows); now
     the table holds the cases that ran and each skipped backend is one line with its reason and count."""
