@@ -35,6 +35,7 @@ from rich.table import Table
 
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
 from moebench.bench.interrupt import interrupted_rows, sigterm_as_interrupt  # torch-free too
+from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
 
 def _flags_as_flags(params: list) -> list:
     """`params` with an empty metavar on every plain flag (a bool option
@@ -353,6 +354,9 @@ def _fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
+#: --experts of `sweep`, `step` and `tune`.
+_EXPERTS_HELP = f"Override routed experts E ({KERNEL_EXPERTS_NOTE})."
+
 #: --tactics of `sweep` and `step`.
 _TACTICS_HELP = (
     "Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list (moebench: default ="
@@ -366,7 +370,7 @@ def sweep(
     preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
     hidden: int = typer.Option(None, help="Override hidden size H."),
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help="Override routed experts E (at most 512)."),
+    experts: int = typer.Option(None, help=_EXPERTS_HELP),
     top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
     rows: str = typer.Option(
         None, help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU)."
@@ -640,7 +644,7 @@ def step(
     preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
     hidden: int = typer.Option(None, help="Override hidden size H."),
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help="Override routed experts E (at most 512)."),
+    experts: int = typer.Option(None, help=_EXPERTS_HELP),
     top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
     tp: int = typer.Option(
         1, help="Tensor-parallel degree N: N ranks, one process per GPU (gloo processes on the CPU), each"
@@ -975,6 +979,7 @@ def check(
     for name, reason in skipped_backends(dev).items():
         table.add_row(f"backend {name}", "[yellow]skipped[/yellow]", reason)
     console.print(table)
+    console.print(f"--experts: {KERNEL_EXPERTS_NOTE}", soft_wrap=True)
     failed = [r.name for r in results if not r.ok]
     if failed:
         raise _fail(f"{len(failed)} check(s) failed: {', '.join(failed)}", 1)
@@ -1310,7 +1315,7 @@ def tune(
     ),
     hidden: int = typer.Option(None, help="Override hidden size H."),
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help="Override routed experts E (at most 512)."),
+    experts: int = typer.Option(None, help=_EXPERTS_HELP),
     top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
     tp: str = typer.Option("4", help="Tensor-parallel degrees: one table per rank shape."),
     rows: str = typer.Option("1-8", help="Token rows to tune (1..8)."),

@@ -599,6 +599,28 @@ def test_help_shows_plain_flags_as_flags(command):
         assert "Time one" in flag and "<" not in flag
 
 
+def test_experts_help_and_check_say_what_the_gpu_kernels_take():
+    """`--experts` said "at most 512", yet the GPU kernels refuse E = 144 that a CPU run takes: the help of
+    every command with --experts and `moebench check` say it, with the multiple the kernels check."""
+    from moebench.formats import generate_expert_weights
+    from moebench.kernels.binding import check_weights
+    from moebench.models import KERNEL_EXPERTS_MULTIPLE, KERNEL_EXPERTS_NOTE, get_preset
+
+    said = f"a multiple of {KERNEL_EXPERTS_MULTIPLE} for the moebench GPU kernels"
+    assert said in KERNEL_EXPERTS_NOTE
+    for command in ("sweep", "step", "tune"):
+        result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"}, terminal_width=400)
+        assert result.exit_code == 0 and said in " ".join(result.output.split()), (command, result.output)
+    result = runner.invoke(app, ["check", "--device", "cpu"])
+    assert result.exit_code == 0 and said in " ".join(result.output.split()), result.output
+    # the multiple said is the one the kernels' binding checks
+    for experts, refused in ((KERNEL_EXPERTS_MULTIPLE + 16, True), (2 * KERNEL_EXPERTS_MULTIPLE, False)):
+        shape = get_preset("dsv4-flash", hidden=128, intermediate=64, experts=experts, top_k=2).shard(1)
+        with pytest.raises(ValueError) as error:
+            check_weights(generate_expert_weights(shape), 2)  # CPU weights: refused at the latest for the device
+        assert ("experts must be a multiple of" in str(error.value)) == refused, str(error.value)
+
+
 def test_sweep_says_skipped_backends_once_each_not_a_row_per_case(tmp_path):
     """`--backends all` on the CPU listed a skipped row per case and backend (120 at the default rows); now
     the table holds the cases that ran and each skipped backend is one line with its reason and count."""
