@@ -852,7 +852,8 @@ def _print_split(frame, title: str, constant_keys=("preset", "tp", "ranks", "sce
     kernel_<stage>_us, each stage timed alone) keyed by the same case
     columns; the columns the first table's title names are left out of the
     second."""
-    stages = [c for c in frame.columns if c == "stage_sum_us" or (str(c).startswith("kernel_") and str(c).endswith("_us"))]
+    stages = [c for c in frame.columns
+              if c == "stage_sum_us" or (str(c).startswith("kernel_") and str(c).endswith("_us"))]  # fmt: skip
     _print_frame(frame.drop(columns=stages), title, constant_keys)
     if not any(frame[c].replace("", None).notna().any() for c in stages):
         return

@@ -489,7 +489,7 @@ def test_report_without_out_writes_beside_the_run_not_into_it(tmp_path):
     result = runner.invoke(app, ["report", str(run)])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in run.iterdir()) == before
-    assert (beside / "summary.md").is_file() and (beside / "report.html").is_file() and (beside / REPORT_RECORD).is_file()
+    assert all((beside / name).is_file() for name in ("summary.md", "report.html", REPORT_RECORD))
     assert str(beside / "summary.md") in result.output.replace("\n", "")
     again = runner.invoke(app, ["report", str(run)])
     assert again.exit_code == 2 and "default report directory" in again.output and "--force" in again.output

@@ -132,8 +132,8 @@ class Comparison:
 
 #: The error of a comparison whose cases were all timed on the CPU (module docstring).
 CPU_CANNOT_GATE = ("CPU timings cannot gate: the compared cases were timed by CPU wall clock (eager, at most"
-                   f" {EAGER_REPLAYS_CAP} replays on a shared host; torch on a CPU, not the GPU kernels), so their verdicts are shown, not judged;"
-                   " compare runs timed on a GPU (cuda-graph)")
+                   f" {EAGER_REPLAYS_CAP} replays on a shared host; torch on a CPU, not the GPU kernels), so their"
+                   " verdicts are shown, not judged; compare runs timed on a GPU (cuda-graph)")
 
 #: The note of an "unclear" case whose times cannot be compared at all.
 NO_VALID_TIME = "no valid time: a median / p10 / p90 missing, not finite or not positive"
