@@ -28,15 +28,43 @@ import sys
 from pathlib import Path
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
 from moebench.bench.interrupt import interrupted_rows, sigterm_as_interrupt  # torch-free too
+from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
+
+def _flags_as_flags(params: list) -> list:
+    """`params` with an empty metavar on every plain flag (a bool option
+    that takes no value, --help included) that has none, so that the help
+    shows `--warm-l2`, not `--warm-l2 <bool>` (typer's rich help prints a
+    flag's type as if it took a value, which `--warm-l2 true` is refused)."""
+    for param in params:
+        if getattr(param, "is_flag", False) and not getattr(param, "count", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class _Command(typer.core.TyperCommand):
+    """A command whose help shows plain flags as flags (_flags_as_flags)."""
+
+    def get_params(self, ctx):
+        return _flags_as_flags(super().get_params(ctx))
+
+
+class _Group(typer.core.TyperGroup):
+    """The app's group, its help showing plain flags as flags (_flags_as_flags)."""
+
+    def get_params(self, ctx):
+        return _flags_as_flags(super().get_params(ctx))
+
 
 app = typer.Typer(
     name="moebench",
+    cls=_Group,
     help="Microbenchmarks and tuning for low-batch MXFP4 routed-expert MoE decode on Hopper.",
     no_args_is_help=True,
     add_completion=False,
@@ -326,6 +354,9 @@ def _fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
+#: --experts of `sweep`, `step` and `tune`.
+_EXPERTS_HELP = f"Override routed experts E ({KERNEL_EXPERTS_NOTE})."
+
 #: --tactics of `sweep` and `step`.
 _TACTICS_HELP = (
     "Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list (moebench: default ="
@@ -336,12 +367,12 @@ _TACTICS_HELP = (
 )
 
 
-@app.command()
+@app.command(cls=_Command)
 def sweep(
     preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
     hidden: int = typer.Option(None, help="Override hidden size H."),
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help="Override routed experts E (at most 512)."),
+    experts: int = typer.Option(None, help=_EXPERTS_HELP),
     top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
     rows: str = typer.Option(
         None, help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU)."
@@ -571,7 +602,20 @@ def escape_markup(text) -> str:
 
 def _print_summary(table_df) -> None:
     """Render summary_table(df) with rich; columns that hold one value for
-    every row (preset, tp, scenario, tactic) move into the title."""
+    every row (preset, tp, scenario, tactic) move into the title; skipped
+    rows are said below it, one line per backend and reason."""
+    skipped = table_df[table_df["status"] == "skipped"]
+    table_df = table_df[table_df["status"] != "skipped"]
+    if len(table_df):
+        _print_summary_table(table_df)
+    for (backend, reason), group in skipped.groupby(["backend", "note"], sort=False, dropna=False):
+        n = len(group)
+        console.print(f"[yellow]skipped[/yellow] {escape_markup(backend)} ({n} case{'s' if n != 1 else ''}):"
+                      f" {escape_markup(reason)}", soft_wrap=True)  # fmt: skip
+
+
+def _print_summary_table(table_df) -> None:
+    """The rich table of _print_summary (rows that were not skipped)."""
     columns = {"preset": "preset", "tp": "tp", "rows": "rows", "scenario": "scenario",
                "backend": "backend", "tactic": "tactic", "status": "status", "median_us": "µs",
                "gbps": "GB/s", "pct_copy_bw": "%copy", "pct_size_ceiling": "%ceil",
@@ -597,12 +641,12 @@ def _print_summary(table_df) -> None:
                   " (kernel_<stage>_us) is in the report's summary.md")
 
 
-@app.command()
+@app.command(cls=_Command)
 def step(
     preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
     hidden: int = typer.Option(None, help="Override hidden size H."),
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help="Override routed experts E (at most 512)."),
+    experts: int = typer.Option(None, help=_EXPERTS_HELP),
     top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
     tp: int = typer.Option(
         1, help="Tensor-parallel degree N: N ranks, one process per GPU (gloo processes on the CPU), each"
@@ -756,6 +800,9 @@ def step(
     _fail_unless_every_case_passed(result.frame, path)
 
 
+#: The step tables' width when stdout is not a terminal: a normal wide terminal's.
+STEP_TABLE_WIDTH = 160
+
 _STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows", "scenario": "scenario",
                "unique_experts": "experts", "backend": "backend", "tactic": "tactic", "routing_path": "routing",
                "shared_path": "shared", "status": "status",
@@ -766,26 +813,61 @@ _STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows",
                "note": "note", "rank": "rank", "gpu_index": "GPU"}  # fmt: skip
 
 
-def _print_frame(frame, title: str | None, constant_keys=("preset", "tp", "ranks", "scenario", "tactic")) -> None:
+#: Text columns of the step tables that, holding one message for every row, are said once below the table.
+_SAID_ONCE = {"shared_path": "shared expert"}
+
+
+def _print_frame(frame, title: str | None,
+                 constant_keys=("preset", "tp", "ranks", "scenario", "tactic", "routing_path")) -> None:
     """A rich table of `frame` (columns named by _STEP_HEADS or kernel_<s>_us ->
-    <s>); columns with one value everywhere move to the title, empty ones go."""
-    constant = [c for c in constant_keys if c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1]
-    head = ", ".join(f"{c} {frame[c].iloc[0]}" for c in constant)
+    <s>); columns with one value everywhere move to the title (a _SAID_ONCE
+    message below the table), empty ones go."""
+    def single(c):
+        return c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1
+
+    constant = [c for c in constant_keys if single(c)]
+    once = [c for c in _SAID_ONCE if single(c) and str(frame[c].iloc[0])]
+    head = ", ".join(f"{_STEP_HEADS.get(c, c)} {frame[c].iloc[0]}" for c in constant)
     table = Table(title=", ".join(p for p in (title, head) if p) or None)
-    shown = [c for c in frame.columns if c not in constant and frame[c].replace("", None).notna().any()]
+    shown = [c for c in frame.columns
+             if c not in constant and c not in once and frame[c].replace("", None).notna().any()]  # fmt: skip
     for col in shown:
         name = _STEP_HEADS.get(col) or str(col).removeprefix("kernel_").removesuffix("_us")
         table.add_column(name, overflow="fold", no_wrap=col != "note")
     for rec in frame.to_dict("records"):
         table.add_row(*(_cell(col, rec[col]) for col in shown))
-    # wide enough that no number is cut (the step tables have ~20 columns)
-    _wide_console(260).print(table)
+    # wide enough that no number is cut when stdout is not a terminal (a terminal folds at its width)
+    out = _wide_console(STEP_TABLE_WIDTH)
+    out.print(table)
+    for c in once:
+        out.print(f"{_SAID_ONCE[c]} (every row): {escape_markup(frame[c].iloc[0])}", soft_wrap=True)
+
+
+#: Columns that say which case (and rank) a row of a step table is: repeated in its stage-split table.
+_STEP_KEYS = ("preset", "tp", "ranks", "rows", "scenario", "backend", "tactic", "rank", "gpu_index")
+
+
+def _print_split(frame, title: str, constant_keys=("preset", "tp", "ranks", "scenario", "tactic", "routing_path"),
+                 ) -> None:  # fmt: skip
+    """`frame` as two tables that each fit a normal terminal: the whole step
+    (times, bandwidth, error), then its split into stages (Σ stages and
+    kernel_<stage>_us, each stage timed alone) keyed by the same case
+    columns; the columns the first table's title names are left out of the
+    second."""
+    stages = [c for c in frame.columns
+              if c == "stage_sum_us" or (str(c).startswith("kernel_") and str(c).endswith("_us"))]  # fmt: skip
+    _print_frame(frame.drop(columns=stages), title, constant_keys)
+    if not any(frame[c].replace("", None).notna().any() for c in stages):
+        return
+    said = [c for c in constant_keys if c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1]
+    keys = [c for c in _STEP_KEYS if c in frame.columns and c not in said]
+    _print_frame(frame[keys + stages], "stage split (µs, each stage timed alone)", constant_keys=())
 
 
 def _print_step(frame, ranks=None, table=None) -> None:
-    """The step table (whole step, gate, all-reduce, per-stage split;
-    `table`: step_summary_table(frame) when the caller has it) and, for a TP
-    step, the per-rank table."""
+    """The step table (whole step, gate, all-reduce; then the per-stage
+    split; `table`: step_summary_table(frame) when the caller has it) and,
+    for a TP step, the per-rank tables."""
     from moebench.reports.summary import rank_table, step_summary_table
 
     table = step_summary_table(frame) if table is None else table
@@ -793,15 +875,15 @@ def _print_step(frame, ranks=None, table=None) -> None:
     title = "decode step (µs; the step excludes the gate)"
     if ranks is not None and len(ranks) and ranks["rank"].nunique() > 1:
         title = "decode step (µs, rank 0's timings: every rank below; the step excludes the gate)"
-    _print_frame(table, title)
+    _print_split(table, title)
     if ranks is not None and len(ranks):
-        _print_frame(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario", "tactic"))
+        _print_split(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario", "tactic"))
     if "timing_method" in frame.columns and (frame["timing_method"].astype(str) == "cpu-wallclock").any():
         console.print("[yellow]CPU wall-clock timings: each column is timed on its own and they are noisy, so they"
                       " need not add up (step vs +gate, Σ stages vs step).[/yellow]", soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=_Command)
 def presets() -> None:
     """Geometry presets and one rank's shape per TP degree."""
     from moebench.models import PRESETS
@@ -833,7 +915,7 @@ def presets() -> None:
     console.print(shapes)
 
 
-@app.command()
+@app.command(cls=_Command)
 def env(
     device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
     bandwidth: bool = typer.Option(True, "--bandwidth/--no-bandwidth", help="Measure copy bandwidth on a GPU."),
@@ -877,7 +959,7 @@ def env(
     console.print(backends)
 
 
-@app.command()
+@app.command(cls=_Command)
 def check(
     device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
 ) -> None:
@@ -900,13 +982,14 @@ def check(
     for name, reason in skipped_backends(dev).items():
         table.add_row(f"backend {name}", "[yellow]skipped[/yellow]", reason)
     console.print(table)
+    console.print(f"--experts: {KERNEL_EXPERTS_NOTE}", soft_wrap=True)
     failed = [r.name for r in results if not r.ok]
     if failed:
         raise _fail(f"{len(failed)} check(s) failed: {', '.join(failed)}", 1)
     console.print(f"[green]all {len(results)} checks passed[/green]")
 
 
-@app.command()
+@app.command(cls=_Command)
 def report(
     run_dir: Path = typer.Argument(..., parser=_path, help="A run directory (results.parquet + manifest.json)."),
     baseline: Path = typer.Option(
@@ -919,7 +1002,8 @@ def report(
         " only when it is also beyond this threshold. Without it the verdicts are judged at 5 % and only shown."
     ),
     out: Path = typer.Option(
-        None, parser=_path, help="Where summary.md (and report.html + plots) go (default: the run directory)."
+        None, parser=_path, help="Where summary.md (and report.html + plots) go (default: beside the run,"
+        " in RUN_DIR's sibling <run>-report/, so a committed run directory stays as committed)."
     ),
     html: bool = typer.Option(True, "--html/--no-html", help="Also write report.html with PNG plots."),
     force: bool = typer.Option(
@@ -930,7 +1014,8 @@ def report(
 ) -> None:
     """Summarize a run; with --baseline, compare it per case.
 
-    Writes a table, summary.md and report.html. With --baseline and
+    Prints a table and writes summary.md and report.html, by default beside
+    RUN_DIR in <run>-report/ (never into the run). With --baseline and
     --fail-above, exits 1 on a regression: a case slower beyond the
     threshold, failed, or lost (ok in the baseline but skipped or absent in
     RUN_DIR). A comparison that cannot judge anything (a baseline recorded
@@ -948,9 +1033,13 @@ def report(
         threshold = parse_threshold(fail_above) if fail_above is not None else DEFAULT_THRESHOLD_PCT
         if fail_above is not None and baseline is None:
             raise ValueError("--fail-above needs --baseline RUN")
+        where = "--out" if out is not None else "the default report directory (RUN_DIR's sibling)"
         if out is not None:
             _check_out_dir(out, run_dir)
         df, manifest = _read_report_run(run_dir, "RUN_DIR")
+        if out is None:  # only once RUN_DIR is known to be a run: its errors come first
+            out = default_report_dir(run_dir)
+            _check_out_dir(out, run_dir, where)
         ranks = read_table(run_dir, "ranks")
         if ranks is not None and "rank" not in ranks.columns:
             raise ValueError(f"RUN_DIR: {run_dir / 'ranks.parquet'} lacks the 'rank' column")
@@ -967,18 +1056,16 @@ def report(
                                       current_label=str(run_dir), baseline_label=str(baseline))  # fmt: skip
     except (FileNotFoundError, ValueError) as error:
         raise _fail(_option_message(error)) from None
-    target = (out or run_dir) / "summary.md"
+    target = out / "summary.md"
     written = [target, *(target.parent / n for n in report_files(df, comparison))] if html else [target]
     taken = [p for p in written if p.exists() or p.is_symlink()]
     if taken and not force:
-        where = "--out" if out is not None else "RUN_DIR (the report goes there without --out)"
         raise _fail(f"{where}: {', '.join(map(str, taken))} exist{'s' if len(taken) == 1 else ''}; pass --force"
                     " to replace the report files, or give another --out directory")  # fmt: skip
-    if out is not None:
-        try:  # only now that every check passed (a refused report creates nothing), before any output:
-            out.mkdir(parents=True, exist_ok=True)  # a report that cannot be written is not a verdict
-        except OSError as error:
-            raise _fail(f"--out: cannot create {out}: {error.strerror or error}") from None
+    try:  # only now that every check passed (a refused report creates nothing), before any output:
+        out.mkdir(parents=True, exist_ok=True)  # a report that cannot be written is not a verdict
+    except OSError as error:
+        raise _fail(f"{where}: cannot create {out}: {error.strerror or error}") from None
     earlier = _report_record(target.parent)  # the files an earlier report wrote there (read before this one)
     try:  # --force replaces a link itself, never the file it points to (which may be anywhere)
         for path in taken:
@@ -1141,26 +1228,42 @@ def _run_at(path) -> tuple[Path | None, bool]:
     return run, run is not None and enclosing_run(Path(path).absolute().parent) != run
 
 
-def _check_out_dir(out: Path, run_dir: Path) -> None:
-    """Raise ValueError naming --out unless it is a directory or can be made
-    one, outside every stored run directory (the baseline's, a folder inside
-    a run: the report files would be mixed into another run's files) except
-    RUN_DIR itself, where a report goes without --out. Creates nothing:
-    `report` creates --out once every check passed."""
+#: The name of a report's default directory, beside its run: `<run>` + this.
+REPORT_DIR_SUFFIX = "-report"
+
+
+def default_report_dir(run_dir: Path) -> Path:
+    """Where `report RUN_DIR` writes without --out: RUN_DIR's sibling
+    `<run>-report` (a run directory spelled '.' or '..' is named by its
+    absolute path), so a committed run directory is never written into."""
+    import os
+
+    run = run_dir if run_dir.name not in ("", ".", "..") else Path(os.path.abspath(run_dir))
+    return run.with_name(run.name + REPORT_DIR_SUFFIX)
+
+
+def _check_out_dir(out: Path, run_dir: Path, option: str = "--out") -> None:
+    """Raise ValueError naming `option` (--out, or the default directory)
+    unless `out` is a directory or can be made one, outside every stored run
+    directory (the baseline's, a folder inside a run: the report files would
+    be mixed into another run's files) except RUN_DIR itself, which --out may
+    name on purpose. Creates nothing: `report` creates the directory once
+    every check passed."""
     from moebench.reports.store import MANIFEST, RESULTS, enclosing_run
 
     run, itself = _run_at(out)
     if run is not None and not (itself and run == enclosing_run(run_dir)):
         where = "a stored run directory" if itself else f"inside a stored run directory, {run}"
-        raise ValueError(f"--out: {out} is {where} (it holds {RESULTS} and {MANIFEST}); give a directory outside"
-                         " any run for the report files (without --out the report goes into RUN_DIR)")  # fmt: skip
+        raise ValueError(f"{option}: {out} is {where} (it holds {RESULTS} and {MANIFEST}); give a directory"
+                         f" outside any run for the report files (without --out the report goes beside RUN_DIR,"
+                         f" in <run>{REPORT_DIR_SUFFIX})")  # fmt: skip
     if out.exists() and not out.is_dir():
-        raise ValueError(f"--out: {out} exists and is not a directory; give a directory for the report files"
+        raise ValueError(f"{option}: {out} exists and is not a directory; give a directory for the report files"
                          " (created when missing)")  # fmt: skip
     for parent in out.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise ValueError(f"--out: {parent} (a parent of {out}) is not a directory; give a directory"
+                raise ValueError(f"{option}: {parent} (a parent of {out}) is not a directory; give a directory"
                                  " for the report files")  # fmt: skip
             break
 
@@ -1208,7 +1311,7 @@ def _print_comparison(comp) -> None:
         console.print(f"[yellow]{comp.unclear_note}[/yellow]", soft_wrap=True)
 
 
-@app.command()
+@app.command(cls=_Command)
 def merge(
     runs: list[Path] = typer.Argument(..., parser=_path, help="Two or more stored run directories."),
     label: str = typer.Option(..., help="Label of the merged run: OUT/<UTC date>-<label>."),
@@ -1232,14 +1335,14 @@ def merge(
     console.print(f"{len(frame)} cases from {len(runs)} runs stored in [bold]{path}[/bold]")
 
 
-@app.command()
+@app.command(cls=_Command)
 def tune(
     preset: str = typer.Option(
         "dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."
     ),
     hidden: int = typer.Option(None, help="Override hidden size H."),
     intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help="Override routed experts E (at most 512)."),
+    experts: int = typer.Option(None, help=_EXPERTS_HELP),
     top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
     tp: str = typer.Option("4", help="Tensor-parallel degrees: one table per rank shape."),
     rows: str = typer.Option("1-8", help="Token rows to tune (1..8)."),

@@ -123,11 +123,30 @@ def quantize_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(shape).view(torch.float8_e4m3fn), code.to(torch.uint8)
 
 
+def _exact_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a dequantizing product is computed in: float64 for float64,
+    else float32, where element x 2^(s-127) is exact for every e4m3 / e2m1
+    element and code 0..254 (at most 4 significant bits, exponents within
+    [-136, 135]; only products beyond the fp32 range become inf)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _apply_scales(v: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Elements `v` [..., K] (in `_exact_dtype(dtype)`) times their E8M0 block
+    scales [..., K/32], rounded once to `dtype`. The product is formed before
+    narrowing: a scale beyond float16's range (2^16 and up, or below 2^-24)
+    would otherwise become inf / 0 first, turning zero elements into NaN
+    (0 x inf) and finite products into inf / 0."""
+    s = e8m0_to_float32(scales).to(v.dtype)
+    return (v.unflatten(-1, (-1, MX_BLOCK)) * s.unsqueeze(-1)).flatten(-2).to(dtype)
+
+
 def dequantize_mxfp8(
     values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """values e4m3 [..., K] with scales uint8 [..., K/32] -> `dtype` [..., K]
-    (exact in fp32/fp64 unless the product underflows). Raises ValueError on
+    """values e4m3 [..., K] with scales uint8 [..., K/32] -> `dtype` [..., K]:
+    the exact product rounded once to `dtype` (a zero element stays zero for
+    every scale but NaN's 255; a product beyond `dtype`'s range is inf). Raises ValueError on
     mismatched shapes, TypeError on a non-1-byte input or a non-floating `dtype`."""
     _check_blocks_u8(values, "values")
     _check_blocks_u8(scales, "scales")
@@ -137,9 +156,8 @@ def dequantize_mxfp8(
             f"scales shape {tuple(scales.shape)} does not match values {tuple(values.shape)}"
             f" (expected [..., K/{MX_BLOCK}])"
         )
-    v = values.view(torch.float8_e4m3fn).to(dtype)
-    s = e8m0_to_float32(scales).to(dtype)
-    return (v.unflatten(-1, (-1, MX_BLOCK)) * s.unsqueeze(-1)).flatten(-2)
+    v = values.view(torch.float8_e4m3fn).to(_exact_dtype(dtype))
+    return _apply_scales(v, scales, dtype)
 
 
 def _round_e2m1(a: torch.Tensor) -> torch.Tensor:
@@ -184,7 +202,8 @@ def dequantize_mxfp4(
     packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
     """packed uint8 [..., K/2] with scales uint8 [..., K/32] -> `dtype` [..., K],
-    exact in fp32 / fp64 (and in bf16 while 2^(s-127) stays in range).
+    exact in fp32 / fp64, else the exact product rounded once to `dtype` (a zero
+    element stays zero for every scale but NaN's 255).
     Raises ValueError on mismatched shapes, TypeError on a non-1-byte input or
     a non-floating `dtype`."""
     _check_blocks_u8(packed, "packed")
@@ -195,10 +214,8 @@ def dequantize_mxfp4(
             f"scales shape {tuple(scales.shape)} does not match packed {tuple(packed.shape)}"
             f" (expected [..., K/{MX_BLOCK}] for [..., K/2])"
         )
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=packed.device).to(dtype)
-    v = table[unpack_e2m1(packed)]
-    s = e8m0_to_float32(scales).to(dtype)
-    return (v.unflatten(-1, (-1, MX_BLOCK)) * s.unsqueeze(-1)).flatten(-2)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float64, device=packed.device).to(_exact_dtype(dtype))
+    return _apply_scales(table[unpack_e2m1(packed)], scales, dtype)
 
 
 @dataclass

@@ -21,6 +21,12 @@ MX_BLOCK = 32
 #: the route record and the kernels support (`moebench.record` re-exports them).
 MAX_TOP_K = 8
 MAX_EXPERTS = 512
+#: The moebench GPU kernels also need the routed experts a multiple of this (and at least it):
+#: `kernels.binding.check_weights` refuses others; the torch backends and the oracle take any E.
+KERNEL_EXPERTS_MULTIPLE = 32
+#: What `--experts` takes, for its help and `moebench check`.
+KERNEL_EXPERTS_NOTE = (f"at most {MAX_EXPERTS}, and a multiple of {KERNEL_EXPERTS_MULTIPLE} for the moebench GPU"
+                       " kernels (e.g. 256, 384); the other backends and CPU runs take any E")
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,15 @@ class RouterConfig:
                 )
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.experts):
                 raise ValueError(f"hash_table ids must lie in [0, {self.experts})")
+            ordered = t.sort(dim=1).values
+            repeats = (ordered[:, 1:] == ordered[:, :-1]).any(dim=1).nonzero()
+            if repeats.numel():
+                row = int(repeats[0])
+                dup = ordered[row, 1:][ordered[row, 1:] == ordered[row, :-1]]
+                raise ValueError(
+                    f"hash_table row {row} (token id {row}) repeats expert {int(dup[0])}:"
+                    f" {t[row].tolist()}; each row must name top_k={self.top_k} distinct experts"
+                )
         lo = self.image_sentinel_lo
         if not isinstance(lo, int) or isinstance(lo, bool) or lo < 0:
             raise ValueError(f"image_sentinel_lo must be an int >= 0, got {lo!r}")

@@ -219,7 +219,7 @@ def test_report_case_ok_in_the_baseline_but_not_timed_now_fails_the_gate(tmp_pat
 def test_report_of_runs_timed_with_too_few_replays_is_unclear_not_a_false_alarm(tmp_path):
     """Two --replays 1 runs of the same code (p10 = p90 = median: noise 0 %) were judged "slower by 28 %"
     (exit 1); the cases are now unclear for too few replays, and a gate that judged nothing exits 2."""
-    one = {"timing_methods": ["cpu-wallclock"], "timing_counts": {"cpu-wallclock": {"warmup": 0, "replays": 1}}}
+    one = {"timing_methods": ["cuda-events"], "timing_counts": {"cuda-events": {"warmup": 0, "replays": 1}}}
     base = _stored_run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0}, spread=0.0, manifest_extra=one)
     cur = _stored_run(tmp_path / "runs", "cur", {1: 25.6, 6: 40.0}, spread=0.0, manifest_extra=one)
     result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--fail-above", "5%",
@@ -231,19 +231,22 @@ def test_report_of_runs_timed_with_too_few_replays_is_unclear_not_a_false_alarm(
     assert "too few replays to judge" in (tmp_path / "r" / "summary.md").read_text()
 
 
-def test_report_of_real_sweeps_with_too_few_replays_is_unclear(tmp_path):
-    """The same through `moebench sweep`: its manifest's timing_counts say how the rows were timed."""
+def test_report_of_real_cpu_sweeps_says_cpu_timings_cannot_gate(tmp_path):
+    """Two CPU sweeps: one line says CPU timings cannot gate (exit 2, never a pass; with or without
+    --fail-above), and the cases' notes, from the manifests' timing_counts, say how few replays timed them."""
     runs = []
     for label in ("one", "two"):
         result = runner.invoke(app, ["sweep", *TINY, "--backends", "torch-bf16", "--out", str(tmp_path / "runs"),
                                      "--label", label])  # fmt: skip  # TINY: --replays 2
         assert result.exit_code == 0, result.output
         runs.append(next((tmp_path / "runs").glob(f"*-{label}")))
-    result = runner.invoke(app, ["report", str(runs[1]), "--baseline", str(runs[0]), "--fail-above", "5%",
-                                 "--out", str(tmp_path / "r"), "--no-html"])  # fmt: skip
-    message = " ".join(result.output.split())
-    assert result.exit_code == 2 and "fewer than 10 replays" in message, result.output
-    assert "slower" not in message.split("verdicts:")[1] and "faster" not in message.split("verdicts:")[1]
+    for n, gate in enumerate((["--fail-above", "5%"], [])):
+        result = runner.invoke(app, ["report", str(runs[1]), "--baseline", str(runs[0]), *gate,
+                                     "--out", str(tmp_path / f"r{n}"), "--no-html"])  # fmt: skip
+        message = " ".join(result.output.split())
+        assert result.exit_code == 2 and "CPU timings cannot gate" in message, result.output
+        assert "slower" not in message.split("verdicts:")[1] and "faster" not in message.split("verdicts:")[1]
+        assert "replays 2 in this run, 2 in the baseline" in (tmp_path / f"r{n}" / "summary.md").read_text()
 
 
 def test_report_of_a_run_timed_another_way_is_not_judged_slower(tmp_path):
@@ -465,15 +468,40 @@ def test_report_out_that_is_or_is_inside_a_run_directory_is_refused(tmp_path):
         assert "wrote" not in result.output and "Traceback" not in result.output
     assert {run: sorted(p.name for p in run.rglob("*")) for run in (base, cur)} == before
     result = runner.invoke(app, ["report", str(cur), "--out", str(base)])
-    assert result.exit_code == 2 and "without --out the report goes into RUN_DIR" in result.output.replace("\n", " ")
+    assert result.exit_code == 2 and "without --out the report goes beside RUN_DIR" in result.output.replace("\n", " ")
     same = runner.invoke(app, ["report", str(cur), "--out", str(cur)])
-    assert same.exit_code == 0 and (cur / "report.html").exists(), same.output  # = no --out
+    assert same.exit_code == 0 and (cur / "report.html").exists(), same.output  # RUN_DIR itself, on purpose
     with pytest.MonkeyPatch.context() as mp:  # the same, spelled from inside it (Path(".").parent is ".")
         mp.chdir(cur)
         here = runner.invoke(app, ["report", str(cur), "--out", ".", "--force"])
     assert here.exit_code == 0, here.output
     ok = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--out", str(tmp_path / "runs" / "r")])
     assert ok.exit_code == 0, ok.output  # beside the runs is fine
+
+
+def test_report_without_out_writes_beside_the_run_not_into_it(tmp_path):
+    """A committed run directory stays as committed: without --out the report
+    goes to RUN_DIR's sibling <run>-report, with the rules of --out (refused
+    over an earlier report unless --force; the record beside it)."""
+    run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
+    before = sorted(p.name for p in run.iterdir())
+    beside = run.with_name(run.name + "-report")
+    result = runner.invoke(app, ["report", str(run)])
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert all((beside / name).is_file() for name in ("summary.md", "report.html", REPORT_RECORD))
+    assert str(beside / "summary.md") in result.output.replace("\n", "")
+    again = runner.invoke(app, ["report", str(run)])
+    assert again.exit_code == 2 and "default report directory" in again.output and "--force" in again.output
+    assert runner.invoke(app, ["report", str(run), "--force"]).exit_code == 0
+    with pytest.MonkeyPatch.context() as mp:  # RUN_DIR spelled '.': still its sibling, by name
+        mp.chdir(run)
+        here = runner.invoke(app, ["report", ".", "--force"])
+    assert here.exit_code == 0 and sorted(p.name for p in run.iterdir()) == before, here.output
+    blocked = _stored_run(tmp_path / "runs", "y", {1: 20.0})
+    blocked.with_name(blocked.name + "-report").write_text("a file in the way")
+    result = runner.invoke(app, ["report", str(blocked)])
+    assert result.exit_code == 2 and "default report directory" in result.output and "not a directory" in result.output
 
 
 def test_a_refused_report_creates_no_out_directory(tmp_path):
@@ -556,6 +584,75 @@ def test_sweep_tactics_all_expands_per_backend(tmp_path):
     assert result.exit_code == 0, result.output
     df = pd.read_parquet(next((tmp_path / "listed").iterdir()) / "results.parquet")
     assert list(df["tactic"]) == ["default"]
+
+
+@pytest.mark.parametrize("command", [[], ["sweep"], ["step"], ["report"], ["tune"], ["check"], ["env"]])
+def test_help_shows_plain_flags_as_flags(command):
+    """`--warm-l2 <bool>` read as if the flag took a value (`--warm-l2 true` is refused): a flag shows no type,
+    an option that takes a value keeps its own."""
+    result = runner.invoke(app, [*command, "--help"], env={"COLUMNS": "200"}, terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "--help" in result.output and "<bool>" not in result.output, result.output
+    if command in (["sweep"], ["step"]):
+        assert "--warm-l2" in result.output and "<int>" in result.output
+        flag = next(line for line in result.output.splitlines() if "--warm-l2 " in line)
+        assert "Time one" in flag and "<" not in flag
+
+
+def test_experts_help_and_check_say_what_the_gpu_kernels_take():
+    """`--experts` said "at most 512", yet the GPU kernels refuse E = 144 that a CPU run takes: the help of
+    every command with --experts and `moebench check` say it, with the multiple the kernels check."""
+    from moebench.formats import generate_expert_weights
+    from moebench.kernels.binding import check_weights
+    from moebench.models import KERNEL_EXPERTS_MULTIPLE, KERNEL_EXPERTS_NOTE, get_preset
+
+    said = f"a multiple of {KERNEL_EXPERTS_MULTIPLE} for the moebench GPU kernels"
+    assert said in KERNEL_EXPERTS_NOTE
+    for command in ("sweep", "step", "tune"):
+        result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"}, terminal_width=400)
+        assert result.exit_code == 0 and said in " ".join(result.output.split()), (command, result.output)
+    result = runner.invoke(app, ["check", "--device", "cpu"])
+    assert result.exit_code == 0 and said in " ".join(result.output.split()), result.output
+    # the multiple said is the one the kernels' binding checks
+    for experts, refused in ((KERNEL_EXPERTS_MULTIPLE + 16, True), (2 * KERNEL_EXPERTS_MULTIPLE, False)):
+        shape = get_preset("dsv4-flash", hidden=128, intermediate=64, experts=experts, top_k=2).shard(1)
+        with pytest.raises(ValueError) as error:
+            check_weights(generate_expert_weights(shape), 2)  # CPU weights: refused at the latest for the device
+        assert ("experts must be a multiple of" in str(error.value)) == refused, str(error.value)
+
+
+def test_sweep_says_skipped_backends_once_each_not_a_row_per_case(tmp_path):
+    """`--backends all` on the CPU listed a skipped row per case and backend (120 at the default rows); now
+    the table holds the cases that ran and each skipped backend is one line with its reason and count."""
+    import pandas as pd
+
+    result = runner.invoke(app, ["sweep", *TINY, "--backends", "all", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    df = pd.read_parquet(next(tmp_path.iterdir()) / "results.parquet")
+    skipped = df[df["status"] == "skipped"]
+    assert skipped["backend"].nunique() >= 2 and (skipped.groupby("backend").size() == 2).all()  # rows 1, 2
+    lines = result.output.splitlines()
+    for backend, group in skipped.groupby("backend"):
+        said = [line for line in lines if line.startswith(f"skipped {backend} (2 cases): ")]
+        assert len(said) == 1 and str(group["error"].iloc[0])[:40] in said[0], result.output
+    assert not [line for line in lines if line.startswith("│") and "skipped" in line]
+    assert f"{len(skipped)} skipped" in result.output  # the count line still counts every case
+
+
+def test_step_tables_fit_a_normal_terminal_and_say_a_repeated_message_once(tmp_path):
+    """The CPU step table was ~260 columns wide, its `shared` column one message repeated on every row:
+    the message is said once below the table, the stage split is a table of its own, and each table fits
+    120 columns (the test's console is not a terminal, so nothing is folded to fit)."""
+    from rich.cells import cell_len
+
+    args = [a for a in TINY if a not in ("--rows", "1,2")] + ["--rows", "1,2"]
+    result = runner.invoke(app, ["step", *args, "--backends", "torch-bf16,reference", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    table_lines = [line for line in result.output.splitlines() if line[:1] in "┏┃┡│└"]
+    assert table_lines and max(cell_len(line) for line in table_lines) <= 120, result.output
+    message = "torch: the kernels need a CUDA device, got cpu"
+    assert result.output.count(message) == 1 and "shared expert (every row): " + message in result.output
+    assert "stage split" in result.output and "Σ stages" in result.output
 
 
 def test_step_tactics_as_the_sweeps(tmp_path):
@@ -811,13 +908,15 @@ def test_report_force_replaces_links_not_the_files_they_point_to(tmp_path):
     run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
     precious = tmp_path / "precious.md"
     precious.write_text("mine", encoding="utf-8")
-    (run / "summary.md").symlink_to(precious)
+    beside = run.with_name(run.name + "-report")  # where the report goes without --out
+    beside.mkdir()
+    (beside / "summary.md").symlink_to(precious)
     refused = runner.invoke(app, ["report", str(run), "--no-html"])
     assert refused.exit_code == 2 and "--force" in refused.output
     result = runner.invoke(app, ["report", str(run), "--no-html", "--force"])
     assert result.exit_code == 0, result.output
     assert precious.read_text(encoding="utf-8") == "mine"
-    assert not (run / "summary.md").is_symlink() and (run / "summary.md").read_text(encoding="utf-8") != "mine"
+    assert not (beside / "summary.md").is_symlink() and (beside / "summary.md").read_text(encoding="utf-8") != "mine"
 
 
 def test_report_that_cannot_be_written_exits_1(tmp_path):

@@ -406,6 +406,33 @@ def test_dequantize_mxfp4_all_nibbles():
     assert torch.isnan(dequantize_mxfp4(packed, torch.full((16, 1), 255, dtype=torch.uint8))).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_dequantize_to_narrow_dtypes_rounds_the_exact_product_once(dtype):
+    # Scales beyond float16's range (2^16 and up, 2^-25 and below) must not turn zero elements
+    # into NaN (0 x inf) nor finite products into inf / 0: the result is the exact product
+    # (a Python double here) rounded once to `dtype`, inf where it overflows as `dtype` would.
+    codes = torch.arange(255, dtype=torch.uint8)  # every finite scale
+    q8 = torch.arange(256, dtype=torch.uint8).repeat(255, 1)  # 8 blocks per row
+    got8 = dequantize_mxfp8(q8.view(torch.float8_e4m3fn), codes.unsqueeze(1).repeat(1, 8), dtype)
+    want8 = [[decode_e4m3(b) * 2.0 ** (c - 127) for b in range(256)] for c in range(255)]
+    packed = torch.tensor([lo | (hi << 4) for hi in range(16) for lo in range(16)], dtype=torch.uint8)
+    got4 = dequantize_mxfp4(packed.view(1, 8, 32).repeat(255, 1, 1), codes.view(255, 1, 1).repeat(1, 8, 2), dtype)
+    want4 = []
+    for c in range(255):
+        row = []
+        for byte in packed.tolist():
+            row += [decode_e2m1(byte & 0xF) * 2.0 ** (c - 127), decode_e2m1(byte >> 4) * 2.0 ** (c - 127)]
+        want4.append(row)
+    for got, want in ((got8, want8), (got4.view(255, -1), want4)):
+        want = torch.tensor(want, dtype=torch.float64)
+        nan = torch.isnan(want)  # only e4m3's NaN bytes: the scales are finite
+        assert got.dtype == dtype and torch.equal(torch.isnan(got), nan)
+        zero = want == 0
+        assert torch.equal(got[zero], torch.zeros_like(got[zero]))
+        assert torch.equal(torch.signbit(got[zero]), torch.signbit(want[zero]))
+        assert torch.equal(got[~nan], want[~nan].to(dtype))
+
+
 # ----------------------------------------------------------------------------- special blocks
 
 

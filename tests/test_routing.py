@@ -304,6 +304,18 @@ def test_router_bad_input():
         RouterConfig(4, 2, image_sentinel_lo=-1)
 
 
+def test_hash_table_rows_must_name_distinct_experts():
+    # The trace loader refuses a row that repeats an expert; a hash table must too, naming the row and expert.
+    table = torch.tensor([[0, 1, 2], [3, 1, 3], [2, 2, 0]], dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"hash_table row 1 .*repeats expert 3"):
+        RouterConfig(4, 3, hash_table=table)
+    table[1] = torch.tensor([3, 1, 0])
+    with pytest.raises(ValueError, match=r"hash_table row 2 .*repeats expert 2"):
+        RouterConfig(4, 3, hash_table=table.to(torch.int32))
+    table[2] = torch.tensor([2, 1, 0])
+    assert RouterConfig(4, 3, hash_table=table).hash_table is table
+
+
 # ----------------------------------------------------------------------------- scenarios
 
 GENERATED = [s for s in SCENARIOS if s != "replay"]
@@ -478,7 +490,7 @@ def test_router_config_rejects_wrong_field_types():
 
 
 def test_route_rejects_non_tensor_input_ids():
-    config = RouterConfig(64, 6, hash_table=torch.randint(0, 64, (100, 6)))
+    config = RouterConfig(64, 6, hash_table=torch.rand(100, 64).argsort(dim=1)[:, :6])  # distinct per row
     with pytest.raises(TypeError, match="input_ids"):
         route(torch.zeros(2, 64), config, [1, 2])
 

@@ -113,6 +113,8 @@ class TorchBF16Backend(Backend):
         check_forward_inputs(x, topk_ids, topk_weights, p.hidden, p.w13.device)
         rows, top_k = topk_ids.shape
         e, i = p.experts, p.intermediate
+        if rows == 0:  # an empty step: nothing to route (rows is shape metadata, no host sync)
+            return torch.zeros(0, p.hidden, dtype=torch.bfloat16, device=x.device)
         slots = rows * top_k
         ids = topk_ids.reshape(slots).to(torch.int64)
         local = (ids >= 0) & (ids < e)
@@ -135,7 +137,7 @@ class TorchBF16Backend(Backend):
             h13 = torch.bmm(p.w13[expert], xs).squeeze(-1)
             h = _swiglu(h13, i, limit).to(torch.bfloat16)
             y = torch.bmm(p.w2[expert], h.unsqueeze(-1)).squeeze(-1)
-        y = y.view(rows, top_k, -1).to(torch.float32)
+        y = y.view(rows, top_k, p.hidden).to(torch.float32)
         w = torch.where(local.view(rows, top_k), topk_weights, 0.0).unsqueeze(-1)
         # Rows of non-local slots are never written by the grouped GEMM: mask, don't multiply.
         out = torch.where(local.view(rows, top_k, 1), w * y, 0.0).sum(dim=1)

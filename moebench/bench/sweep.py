@@ -390,12 +390,13 @@ def expand_all_tactics(cases: list[Case], backends: dict[str, Backend]) -> list[
     offers for the case's shape: also for a backend that loaded but cannot
     run here (each such case is then skipped with the reason, so the run
     lists what the backend offers); just "default" for one that did not load.
-    Where "default" and the tactic it only names (`Backend.default_alias`:
-    torch-bf16's "grouped") are both held, from "all" or listed, that tactic
-    is left out, so one kernel is not timed twice and is stored as
-    "default" however the list was spelled (a baseline recorded with
+    The tactic "default" only names (`Backend.default_alias`: torch-bf16's
+    "grouped") is stored as "default" whether or not "default" is held too,
+    from "all" or listed, so one kernel is not timed twice and its name does
+    not depend on how the list was spelled (`grouped,gather` and
+    `default,gather` store the same cases; a baseline recorded with
     `--tactics all` matches one recorded with the default); the same tactic
-    is not repeated either. Order is kept."""
+    is not repeated either. Order is kept (of first mention)."""
     out: list[Case] = []
     held: set[Case] = set()
     for case in cases:
@@ -408,11 +409,12 @@ def expand_all_tactics(cases: list[Case], backends: dict[str, Backend]) -> list[
                 except Exception:  # noqa: BLE001 - a backend that cannot list its tactics here: default only
                     pass
         for c in expanded:
+            if c.tactic not in (DEFAULT_TACTIC, ALL_TACTICS) and c.tactic == _alias(backends, c):
+                c = replace(c, tactic=DEFAULT_TACTIC)
             if c not in held:
                 held.add(c)
                 out.append(c)
-    return [c for c in out if c.tactic in (DEFAULT_TACTIC, ALL_TACTICS) or c.tactic != _alias(backends, c)
-            or replace(c, tactic=DEFAULT_TACTIC) not in held]  # fmt: skip
+    return out
 
 
 def _alias(backends: dict[str, Backend], case: Case) -> str | None:

@@ -42,7 +42,10 @@ A comparison that compared nothing (an empty baseline or current run, or
 no case of one with a time, or a failure, in the other) or judged nothing
 (every compared case "unclear") is an error (`Comparison.errors`), never a
 pass: a gate that measured nothing, or ruled nothing out, must not say "no
-regressions".
+regressions". So is a comparison of CPU runs (every case timed in both runs
+timed "cpu-wallclock"): eager wall-clock times on a shared CPU, at most
+EAGER_REPLAYS_CAP replays, are too noisy to gate, and they time torch on a
+CPU, not the GPU kernels; their verdicts are shown, not judged.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
+from moebench.bench import EAGER_REPLAYS_CAP
 from moebench.reports.store import CASE_COLUMNS
 from moebench.reports.summary import markdown_table, shared_overlap
 
@@ -69,8 +73,8 @@ DEFAULT_THRESHOLD_PCT = 5.0
 #: the p10-p90 spread, and p10 / p90 of fewer than 10 samples are not percentiles: below 10 samples
 #: less than one sample lies under p10 (over p90), so they are interpolated from the extreme samples,
 #: and with one sample p10 = p90 = median (noise 0 %). Eager timings cap replays at
-#: EAGER_REPLAYS_CAP (20, moebench.bench), at or above this minimum, so CPU and --no-graph runs
-#: with the default --replays are judged.
+#: EAGER_REPLAYS_CAP (20, moebench.bench), at or above this minimum, so --no-graph runs with the
+#: default --replays are judged (CPU runs are never judged: CPU_CANNOT_GATE).
 MIN_REPLAYS = 10
 #: Verdicts of cases that were actually compared (or failed: a regression either way).
 COMPARED = ("faster", "slower", "same", "unclear", "fixed", "failed")
@@ -96,7 +100,8 @@ class Comparison:
     @property
     def regressions(self) -> pd.DataFrame:
         f = self.frame
-        slower = (f["verdict"] == "slower") & (f["delta_pct"] > self.threshold_pct)
+        judged = CPU_CANNOT_GATE not in self.errors  # CPU times are shown, not judged: no "slower" regression
+        slower = (f["verdict"] == "slower") & (f["delta_pct"] > self.threshold_pct) & judged
         return f[slower | f["verdict"].isin(("failed", "lost"))]
 
     @property
@@ -124,6 +129,11 @@ class Comparison:
         why = _unclear_why(unclear["note"], self.threshold_pct)
         return f"{n} case{'s' if n != 1 else ''} unclear ({why}): regressions not ruled out"
 
+
+#: The error of a comparison whose cases were all timed on the CPU (module docstring).
+CPU_CANNOT_GATE = ("CPU timings cannot gate: the compared cases were timed by CPU wall clock (eager, at most"
+                   f" {EAGER_REPLAYS_CAP} replays on a shared host; torch on a CPU, not the GPU kernels), so their"
+                   " verdicts are shown, not judged; compare runs timed on a GPU (cuda-graph)")
 
 #: The note of an "unclear" case whose times cannot be compared at all.
 NO_VALID_TIME = "no valid time: a median / p10 / p90 missing, not finite or not positive"
@@ -404,6 +414,8 @@ def compare_runs(
             why = "the runs share no case that has a time in both" + _key_hint(cur_ix, base_ix)
         errors.append("no case could be compared with the baseline ("
                       + ", ".join(f"{n} {v}" for v, n in counts.items()) + "): " + why)  # fmt: skip
+    elif not errors and timed_with == {"cpu-wallclock"}:
+        errors.append(CPU_CANNOT_GATE)
     elif not errors and (compared == "unclear").all():
         unclear_notes = frame.loc[compared.index, "note"]
         if (unclear_notes == NO_VALID_TIME).all():
@@ -414,9 +426,6 @@ def compare_runs(
             if few:
                 advice = (f"time both runs with --replays {MIN_REPLAYS} or more (100 recommended; each case's note"
                           " says which run had fewer)")  # fmt: skip
-            elif timed_with == {"cpu-wallclock"}:  # no GPU: eager timing, which more --replays cannot steady
-                advice = ("these are CPU wall-clock times, too noisy for this threshold: compare runs timed on a"
-                          f" GPU (cuda-graph), or give a higher --fail-above ({threshold_pct:g} % now)")  # fmt: skip
             else:
                 advice = "re-run with more --replays on a quiet GPU"
             why = _unclear_why(unclear_notes, threshold_pct)
@@ -464,13 +473,13 @@ def comparison_markdown(comp: Comparison) -> str:
     reg = comp.regressions
     shown = ["preset", "tp", "rows", "scenario", "backend", "tactic", "verdict", "base_median_us", "median_us",
              "ratio", "delta_pct", "noise_pct", "note"]  # fmt: skip
+    if comp.errors:  # even beside regressions (a CPU comparison's failed cases): the timings were not judged
+        lines += ["", "Nothing was compared and judged (see the errors above): this is not a pass."]
     if len(reg):
         lines += ["", f"### Regressions ({len(reg)})", "", markdown_table(reg[shown])]
-    elif comp.errors:
-        lines += ["", "Nothing was compared and judged (see the errors above): this is not a pass."]
-    elif comp.unclear_note:
+    elif not comp.errors and comp.unclear_note:
         lines += ["", f"No regression among the judged cases, but {comp.unclear_note}."]
-    else:
+    elif not comp.errors:
         lines += ["", "No regressions." + within_threshold_note(comp)]
     lines += ["", "### All cases", "", markdown_table(comp.frame[shown]), ""]
     return "\n".join(lines)

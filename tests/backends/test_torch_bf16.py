@@ -89,3 +89,19 @@ def test_graph_capturable_on_gpu(setup):
     w = scenario_weights(4, shape.top_k).cuda()
     t = time_graph(lambda: backend.forward(prepared, x, ids, w), replays=5, device="cuda")
     assert t.method == "cuda-graph"
+
+
+@pytest.mark.parametrize("tactic", ["default", "grouped", "gather"])
+def test_zero_rows_give_an_empty_output(setup, tactic):
+    # The oracle and the router return empty results for an empty step; so must this backend.
+    shape, weights = setup
+    backend = TorchBF16Backend()
+    if tactic not in backend.valid_tactics(shape):
+        pytest.skip(f"{tactic} needs torch._grouped_mm")
+    prepared = backend.prepare(weights, shape, tactic)
+    x = torch.zeros(0, shape.hidden, dtype=torch.bfloat16)
+    ids = torch.zeros(0, shape.top_k, dtype=torch.int32)
+    w = torch.zeros(0, shape.top_k)
+    out = backend.forward(prepared, x, ids, w)
+    oracle = reference_moe(x, ids, w, weights, activation="bf16").output
+    assert out.dtype == torch.bfloat16 and out.shape == (0, shape.hidden) == oracle.shape

@@ -434,3 +434,36 @@ def test_an_interrupted_sweep_keeps_the_cases_it_measured():
     assert list(df["rows"]) == [1, 2, 3, 4] and list(df["status"]) == ["ok", "ok", "skipped", "skipped"]
     assert (df["error"].iloc[2:] == INTERRUPTED).all()
     assert "interrupted" not in run_sweep(cfg).manifest
+
+
+class AliasedBackend(TorchBF16Backend):
+    """"default" names "grouped" whatever this torch has (the tactics as torch-bf16's with _grouped_mm)."""
+
+    name = "test-aliased"
+
+    def valid_tactics(self, shape):
+        return ("default", "grouped", "gather")
+
+    def default_alias(self, shape):
+        return "grouped"
+
+
+@pytest.mark.parametrize("listed, stored", [
+    (("grouped", "gather"), ["default", "gather"]),
+    (("default", "gather"), ["default", "gather"]),
+    (("grouped", "default"), ["default"]),
+    (("gather", "grouped", "default", "grouped"), ["gather", "default"]),
+    (("all",), ["default", "gather"]),
+    (("grouped", "all"), ["default", "gather"]),
+])  # fmt: skip
+def test_the_default_alias_is_stored_as_default_however_the_tactics_are_spelled(listed, stored):
+    """`grouped,gather` stored "grouped" while `grouped,default` stored "default": the tactic "default"
+    names is the same kernel, stored as "default" whether "default" is listed too or not."""
+    from moebench.bench.cases import Case
+    from moebench.bench.sweep import expand_all_tactics
+    from moebench.models import get_preset
+
+    cfg = get_preset("dsv4-flash", hidden=128, intermediate=64, experts=8, top_k=2)
+    backends = {AliasedBackend.name: AliasedBackend()}
+    cases = [Case(cfg, 1, 1, "uniform", AliasedBackend.name, tactic=t) for t in listed]
+    assert [c.tactic for c in expand_all_tactics(cases, backends)] == stored

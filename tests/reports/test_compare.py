@@ -132,11 +132,11 @@ def test_too_few_replays_are_unclear_not_a_false_alarm():
     Fewer than MIN_REPLAYS replays on either side (manifest timing_counts of the row's timing_method;
     older runs: config.replays; neither recorded: judged as before) make the case unclear, with the reason."""
 
-    def counts(replays, method="cpu-wallclock"):
+    def counts(replays, method="cuda-events"):  # eager (--no-graph) GPU timing: CPU runs never gate
         return {**MANIFEST, "timing_methods": [method], "timing_counts": {method: {"warmup": 0, "replays": replays}}}
 
-    base = pd.DataFrame([case(1, spread=0.0, timing_method="cpu-wallclock"),
-                         case(2, spread=0.0, timing_method="cpu-wallclock")])  # fmt: skip
+    base = pd.DataFrame([case(1, spread=0.0, timing_method="cuda-events"),
+                         case(2, spread=0.0, timing_method="cuda-events")])  # fmt: skip
     cur = base.assign(median_us=[12.8, 10.0], p10_us=[12.8, 10.0], p90_us=[12.8, 10.0])  # +28 %, +0 %
     one = compare_runs(cur, counts(1), base, counts(1), threshold_pct=5.0)
     f = one.frame.set_index("rows")
@@ -150,10 +150,10 @@ def test_too_few_replays_are_unclear_not_a_false_alarm():
     assert set(compare_runs(cur, counts(100), base, counts(9)).frame["verdict"]) == {"unclear"}
     assert verdicts(compare_runs(cur, counts(10), base, counts(100)))[("moebench", 1)] == "slower"
     # the count of the row's own timing method; mixed with a judged case: a note, not an error
-    eager = pd.concat([base.iloc[:1], base.iloc[1:].assign(timing_method="cuda-events")])
-    two = {**MANIFEST, "timing_counts": {"cpu-wallclock": {"replays": 100}, "cuda-events": {"replays": 3}}}
+    eager = pd.concat([base.iloc[:1].assign(timing_method="cuda-graph"), base.iloc[1:]])
+    two = {**MANIFEST, "timing_counts": {"cuda-graph": {"replays": 100}, "cuda-events": {"replays": 3}}}
     mixed = compare_runs(cur.assign(timing_method=eager["timing_method"].tolist()),
-                         {**two, "timing_counts": {"cpu-wallclock": {"replays": 100}, "cuda-events": {"replays": 100}}},
+                         {**two, "timing_counts": {"cuda-graph": {"replays": 100}, "cuda-events": {"replays": 100}}},
                          eager, two)  # fmt: skip
     assert verdicts(mixed) == {("moebench", 1): "slower", ("moebench", 2): "unclear"} and not mixed.errors
     assert "1 case unclear (1 timed with fewer than 10 replays)" in mixed.unclear_note
@@ -167,7 +167,7 @@ def test_too_few_replays_are_unclear_not_a_false_alarm():
     from moebench.bench import EAGER_REPLAYS_CAP
     from moebench.reports.compare import MIN_REPLAYS
 
-    assert MIN_REPLAYS == 10 and MIN_REPLAYS <= EAGER_REPLAYS_CAP  # CPU / --no-graph runs stay judged
+    assert MIN_REPLAYS == 10 and MIN_REPLAYS <= EAGER_REPLAYS_CAP  # --no-graph runs stay judged
 
 
 def test_a_case_timed_another_way_is_a_mismatch_not_slower_or_faster():
@@ -329,8 +329,29 @@ def test_unclear_cases_never_read_as_no_regressions():
     # CPU runs: more replays cannot steady wall-clock times (and eager timing caps them at 20)
     cpu = {**MANIFEST, "timing_methods": ["cpu-wallclock"]}
     on_cpu = compare_runs(noisy, cpu, base, cpu, threshold_pct=5.0)
-    assert "CPU wall-clock times" in on_cpu.errors[0] and "--replays" not in on_cpu.errors[0]
+    assert on_cpu.errors[0].startswith("CPU timings cannot gate") and "--replays" not in on_cpu.errors[0]
     assert "No regressions." in comparison_markdown(compare_runs(base, MANIFEST, base, MANIFEST))
+
+
+def test_cpu_runs_cannot_gate_even_where_some_cases_read_same_or_slower():
+    """Two CPU sweeps of the same code called most cases unclear and the rest same / slower, and passed
+    (exit 0): 20 eager replays of torch on a shared CPU are no noise estimate for a gate. One error line
+    says so; the verdicts stay in the frame, shown."""
+    from moebench.reports.compare import CPU_CANNOT_GATE
+
+    cpu = {**MANIFEST, "timing_methods": ["cpu-wallclock"], "timing_counts": {"cpu-wallclock": {"replays": 20}}}
+    base = pd.DataFrame([case(r, timing_method="cpu-wallclock") for r in (1, 2, 3)])
+    cur = pd.DataFrame([case(1, median=10.05, timing_method="cpu-wallclock"),  # same
+                        case(2, median=12.0, timing_method="cpu-wallclock"),  # slower
+                        case(3, median=10.3, spread=0.3, timing_method="cpu-wallclock")])  # unclear  # fmt: skip
+    comp = compare_runs(cur, cpu, base, cpu, threshold_pct=5.0)
+    assert comp.errors == [CPU_CANNOT_GATE] and "CPU timings cannot gate" in CPU_CANNOT_GATE
+    assert verdicts(comp) == {("moebench", 1): "same", ("moebench", 2): "slower", ("moebench", 3): "unclear"}
+    text = comparison_markdown(comp)
+    assert "not a pass" in text and "No regression" not in text
+    gpu = compare_runs(cur.assign(timing_method="cuda-graph"), MANIFEST, base.assign(timing_method="cuda-graph"),
+                       MANIFEST, threshold_pct=5.0)  # fmt: skip
+    assert gpu.errors == [] and len(gpu.regressions) == 1  # the same times from a GPU gate
 
 
 def test_slower_cases_within_the_threshold_are_explained_not_a_contradiction():
