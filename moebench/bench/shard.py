@@ -746,6 +746,7 @@ def run_sharded_sweep(
         manifest.setdefault("reduced", bool(config.reduced))
         manifest.setdefault("seed", config.seed)
         manifest.setdefault("warm_l2", config.warm_l2)
+        manifest.setdefault("boundary", "back-to-back" if config.back_to_back else "layer")
         manifest.update(
             kind="sweep", sharded=True, devices=list(devices), workers=launched.workers,
             plan=[[c.label() for c in s] for s in shards],
