@@ -1096,14 +1096,14 @@ REPORT_RECORD = ".moebench-report.json"
 
 def _report_record(out: Path) -> set[str]:
     """The file names an earlier `report` wrote in `out`: those its
-    REPORT_RECORD lists (only the report's own names, HTML_FILES and
-    summary.md; a record that is a link or not a list of names counts as
+    REPORT_RECORD lists (only the report's own names, HTML_FILES, the
+    per-TP plots and summary.md; a record that is a link or not a list of names counts as
     none). A directory from before the record existed, whose report.html is
     one of ours (its title says "moebench run"), counts as holding a whole
     earlier report (every HTML_FILES name); else empty."""
     import json
 
-    from moebench.reports.html import HTML_FILES
+    from moebench.reports.html import HTML_FILES, is_report_file
 
     ours = (*HTML_FILES, "summary.md")
     record = out / REPORT_RECORD
@@ -1117,7 +1117,7 @@ def _report_record(out: Path) -> set[str]:
         return set()
     if not isinstance(names, list):
         return set()
-    return {n for n in names if isinstance(n, str) and n in ours}
+    return {n for n in names if isinstance(n, str) and (n in ours or is_report_file(n))}
 
 
 def _is_our_page(page: Path) -> bool:

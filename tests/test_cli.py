@@ -958,6 +958,25 @@ def test_report_record_is_read_with_care(tmp_path):
     assert precious.read_text() == '{"files": ["latency.png"]}' and not (out / REPORT_RECORD).is_symlink()
 
 
+
+def test_report_force_removes_an_earlier_reports_per_tp_plot_only(tmp_path):
+    """A per-TP plot (latency_tp<N>.png) an earlier report recorded writing,
+    and this one does not write, is removed by --force; one the record does
+    not name (a user's file) stays."""
+    import json
+
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 20.1, 6: 39.0})
+    out = tmp_path / "r"
+    assert runner.invoke(app, ["report", str(cur), "--out", str(out)]).exit_code == 0
+    record = json.loads((out / REPORT_RECORD).read_text())["files"]
+    (out / "latency_tp8.png").write_bytes(b"\x89PNG old")
+    (out / "latency_tp16.png").write_bytes(b"mine")
+    (out / REPORT_RECORD).write_text(json.dumps({"files": [*record, "latency_tp8.png"]}))
+    result = runner.invoke(app, ["report", str(cur), "--out", str(out), "--force"])
+    assert result.exit_code == 0 and "removed latency_tp8.png" in result.output, result.output
+    assert not (out / "latency_tp8.png").exists() and (out / "latency_tp16.png").read_bytes() == b"mine"
+
+
 def _wrong_backend(name: str, peer: bool):
     """A torch-bf16 whose output is twice the oracle's, registered as `name`, declared a peer or ours."""
     from moebench.backends.torch_bf16 import TorchBF16Backend
