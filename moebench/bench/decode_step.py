@@ -891,7 +891,9 @@ def _wait(procs, scratch: Path, progress, timeout_s, poll_s) -> bool:
             break
         if dead_since is not None and now - dead_since > RANK_GRACE_S:
             break
-        next(p for p in procs if p.is_alive()).join(poll_s)
+        alive = next((p for p in procs if p.is_alive()), None)  # the last one may have ended since the check
+        if alive is not None:
+            alive.join(poll_s)
     _stop(procs)
     for p in procs:
         p.join()
