@@ -22,8 +22,8 @@ each case:
    output of one graph replay (poisoned first) is gated the same way;
 3. is timed as one closure calling forward for every layer in turn on static
    input buffers, at a layer boundary by default: before each call a plain
-   kernel (`layer_writes`: a copy from that layer's own source buffer, no
-   programmatic dependent launch) writes the x the call reads, as the kernel
+   kernel (`layer_writes`: x rewritten from that layer's own source buffer,
+   no programmatic dependent launch) writes the x the call reads, as the kernel
    before the MoE does in a decode step, so nothing of call i+1 starts
    before its input exists. The writes are timed alone (the same writes,
    rotation and counts, no MoE: `x_write_us`) and their median subtracted:
@@ -104,7 +104,7 @@ LAYER_BOUNDARY, BACK_TO_BACK = "layer", "back-to-back"
 BOUNDARIES = (LAYER_BOUNDARY, BACK_TO_BACK)
 #: What each boundary means (the manifest's "boundary_timing").
 BOUNDARY_TIMING = {
-    LAYER_BOUNDARY: "a plain kernel (a copy from the layer's own source buffer, no PDL) writes each call's x just"
+    LAYER_BOUNDARY: "a plain kernel (x from the layer's own source buffer, no PDL) writes each call's x just"
                     " before it; the writes alone (x_write_us: same writes, rotation and counts, no MoE) are"
                     " subtracted: per call = (T(writes + calls) - T(writes)) / layers, medians",
     BACK_TO_BACK: "layer calls back to back on static inputs (--back-to-back): call i+1 may start under call i;"
@@ -330,11 +330,13 @@ def is_peer(backends: dict[str, Backend], name: str) -> bool:
 def layer_writes(x: torch.Tensor, layers: int) -> list[Callable[[], object]]:
     """The kernels before each of `layers` layer calls at a layer boundary:
     call l writes x (the static input every call reads) from a source buffer
-    of its own holding x's values (`x.copy_(source[l])`: one plain copy
-    kernel on the device, not chained to the next launch by programmatic
-    dependent launch), so the inputs stay what the oracle saw."""
+    of its own holding x's values, as `torch.mul(source[l], 1, out=x)`: one
+    plain elementwise kernel (exact: x times one; a same-dtype copy_ would be
+    a memcpy, not a kernel, in a CUDA graph), never chained to the next
+    launch by programmatic dependent launch; the inputs stay what the oracle
+    saw."""
     sources = [x.clone() for _ in range(layers)]
-    return [lambda s=s: x.copy_(s) for s in sources]
+    return [lambda s=s: torch.mul(s, 1, out=x) for s in sources]
 
 
 def timing_counts_used(config, methods: list[str]) -> dict[str, dict[str, int]]:
