@@ -38,7 +38,7 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.ticker import FuncFormatter
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from moebench.reports.compare import Comparison
 from moebench.reports.summary import (
@@ -157,6 +157,7 @@ def plot_tp_latency(sub: pd.DataFrame, tp: int, note: str | None, path: Path) ->
         ax.yaxis.set_major_formatter(plain)
         ax.yaxis.set_minor_formatter(plain)
         ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rows are whole
         ax.set_title(f"{preset} TP{tp}, {scenario}" + (f"\n{note}" if note else ""), fontsize=9)
         ax.set_xlabel("token rows")
         ax.set_ylabel("µs per layer call (log)")
