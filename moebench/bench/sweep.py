@@ -571,9 +571,9 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
             ids = scenario_topk_ids(case.scenario, case.rows, shape.top_k, shape.experts, config.seed, config.trace)
             routings[key] = ids
     min_touched = rotation_bytes(shape, routings.values())
-    stored = emit
 
-    def emit(case: Case, row: dict) -> None:  # noqa: F811 - the group's rows get their read bytes on the way
+    def put(case: Case, row: dict) -> None:
+        """emit(case, row) with the row's read_bytes / read_gbps (`read_bytes_of`)."""
         if row.get("bytes") is not None and row.get("read_bytes") is None:
             row["read_bytes"], note = read_bytes_of(backends.get(case.backend), shape,
                                                     routings[(case.rows, case.scenario)], row["bytes"])  # fmt: skip
@@ -581,7 +581,7 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
                 row["error"] = "; ".join(t for t in (row.get("error"), note) if t)
         if row.get("median_us") is not None and row.get("read_bytes"):
             row["read_gbps"] = row["read_bytes"] / (row["median_us"] * 1e-6) / 1e9
-        stored(case, row)
+        emit(case, row)
 
     # Which (backend, tactic) pairs run here, and why the others do not.
     skip: dict[tuple[str, str], str] = {}
@@ -596,8 +596,8 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
     if not active:  # nothing runs here: no weights to generate
         for case in group:
             ids = routings[(case.rows, case.scenario)]
-            emit(case, _row(case, shape, base, status="skipped", error=skip[(case.backend, case.tactic)],
-                            unique_experts=unique_experts(ids, shape.experts), bytes=unique_bytes(shape, ids)))
+            put(case, _row(case, shape, base, status="skipped", error=skip[(case.backend, case.tactic)],
+                           unique_experts=unique_experts(ids, shape.experts), bytes=unique_bytes(shape, ids)))
         return {"layers": 0, "layers_capped": False, "min_touched_bytes": min_touched}
 
     # The canonical weight sets are held for the whole group; each (backend,
@@ -623,7 +623,7 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
         for case in group:
             key = (case.backend, case.tactic)
             status, text = ("skipped", skip[key]) if key in skip else ("failed", message)
-            emit(case, _row(case, shape, base, status=status, error=text, layers=layers))
+            put(case, _row(case, shape, base, status=status, error=text, layers=layers))
         return {**info, "error": message}
 
     too_many = forced_layers_error(layers, per_layer, budget, config.memory_fraction)
@@ -669,8 +669,8 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
     for case in group:  # the skipped pairs first: they hold no memory
         key = (case.backend, case.tactic)
         if key in skip:
-            emit(case, _row(case, shape, base, status="skipped", error=skip[key], layers=layers,
-                            **inputs[(case.rows, case.scenario)][3]))  # fmt: skip
+            put(case, _row(case, shape, base, status="skipped", error=skip[key], layers=layers,
+                           **inputs[(case.rows, case.scenario)][3]))  # fmt: skip
     for key in active:
         name, tactic = key
         backend = backends[name]
@@ -689,7 +689,7 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
             common = {**common, "layers": n_layers,
                       "l2_multiple": (n_layers * (common["bytes"] - 4 * case.rows * shape.hidden) / l2) if l2 else None}  # fmt: skip
             if failed is not None:
-                emit(case, _row(case, shape, base, status="failed", error=failed, **common))
+                put(case, _row(case, shape, base, status="failed", error=failed, **common))
                 continue
             row = _run_case(config, case, backend, prepared, weights[:n_layers], x, ids, topk_w,
                             oracles[(case.rows, case.scenario)], dev)  # fmt: skip
@@ -702,7 +702,7 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
                 row["pct_size_ceiling"] = 100.0 * gbps / ceiling if ceiling else None
             if row.get("routed_us") and copy_bw:
                 row["routed_pct_copy_bw"] = 100.0 * nbytes / (row["routed_us"] * 1e-6) / 1e9 / copy_bw
-            emit(case, _row(case, shape, base, **common, **row))
+            put(case, _row(case, shape, base, **common, **row))
         del prepared
         _release(dev)
     del weights, inputs, oracles
