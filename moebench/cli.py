@@ -11,7 +11,9 @@
                       routed experts, finalize; --tp N: N ranks with the all-reduce)
 
 User errors print one red line and exit 2; failed checks, regressions
-beyond --fail-above and unwritable outputs exit 1. A sweep or step
+beyond --fail-above and unwritable outputs exit 1, as does a sweep or step
+in which a case of ours failed (a peer's failed case, a backend whose
+`Backend.peer` is true, only with --strict). A sweep or step
 interrupted by Ctrl-C or SIGTERM stores the cases it measured (the rest
 skipped, the manifest marked "interrupted") and exits 130 / 143.
 """
@@ -400,6 +402,15 @@ def sweep(
         " of backends that split their forward (moebench); --no-split: the layer call only, about a third of the"
         " timing work."
     ),
+    back_to_back: bool = typer.Option(
+        False, "--back-to-back", help="Time the layer calls of a replay back to back (call i+1 may start under call"
+        " i) instead of at a layer boundary (default: a plain kernel writes each call's x just before it, its own"
+        " time, x_write_us, is subtracted). Stored in the run; `report --baseline` does not compare the two."
+    ),
+    strict: bool = typer.Option(
+        False, "--strict", help="Exit 1 when a peer's case failed too (a backend that is not ours, e.g. one off its"
+        " oracle); without it only our cases' failures fail the command, the peers' are stored and listed."
+    ),
     device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
     devices: str = typer.Option(
         None, help="Split the cases over GPUs: 'all' or a list like '0,1' (one worker process per GPU,"
@@ -419,7 +430,10 @@ def sweep(
 ) -> None:
     """Measure backends over presets x TP x rows x scenarios.
 
-    Every case is gated on the fp64 oracle, then timed; the run is stored under
+    Every case is gated on the fp64 oracle (the whole output and each row),
+    then timed at a layer boundary (each layer call's x written just before
+    it, the writes' own time subtracted; --back-to-back: calls back to back),
+    and the timed graph's last layer is checked again; the run is stored under
     OUT/<UTC date>-<label>. For backends that split their forward (moebench)
     each stage and the routed path (route + GEMM1 + GEMM2) are timed too:
     about three times the timing work of such a case (--no-split skips it)."""
@@ -464,7 +478,7 @@ def sweep(
             rows=parse_int_list(rows, "--rows", 1, MAX_ROWS), scenarios=parse_names(scenario, "--scenario"),
             backends=backend_list, tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
             layers=layers, device=f"cuda:{gpus[0]}" if gpus else str(dev), reduced=reduced, warmup=warmup,
-            replays=replays, use_graph=graph, trace=trace, split=split,
+            replays=replays, use_graph=graph, trace=trace, split=split, back_to_back=back_to_back,
         )  # fmt: skip
         if gpus is None:  # a sharded sweep's workers check the tactics on their own GPU
             validate_sweep(config)
@@ -477,7 +491,7 @@ def sweep(
         raise _fail(_option_message(error)) from None
     _check_out(out, runs=True)  # last of the checks, before any case runs
     if gpus is not None:
-        _sharded_sweep(config, gpus, backend_list, out, label, worker_timeout)
+        _sharded_sweep(config, gpus, backend_list, out, label, worker_timeout, strict)
         return
 
     if reduced:
@@ -510,11 +524,12 @@ def sweep(
     counts = result.frame["status"].value_counts().to_dict()
     console.print(
         f"{counts.get('ok', 0)} ok, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped; "
-        f"copy bandwidth {result.manifest['copy_bw_gbps']:.1f} GB/s"
+        f"copy bandwidth {result.manifest['copy_bw_gbps']:.1f} GB/s; layer calls timed "
+        + ("back to back (--back-to-back)" if config.back_to_back else "at a layer boundary (x writes subtracted)")
     )
     console.print(f"run stored in [bold]{path}[/bold]")
     _fail_if_interrupted(result.frame, result.manifest, path, signals)
-    _fail_unless_every_case_passed(result.frame, path)
+    _fail_unless_every_case_passed(result.frame, path, strict)
 
 
 def _fail_if_interrupted(frame, manifest: dict, path, signals: list[int]) -> None:
@@ -529,7 +544,7 @@ def _fail_if_interrupted(frame, manifest: dict, path, signals: list[int]) -> Non
                 f" stored as skipped in {path}", 128 + signum)
 
 
-def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s) -> None:
+def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s, strict: bool = False) -> None:
     """`sweep --devices`: one worker per GPU (bench/shard.py), one merged run."""
     from moebench.bench.shard import run_sharded_sweep
     from moebench.reports.store import read_run
@@ -573,24 +588,38 @@ def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s)
     dead = [w for w in manifest.get("workers") or [] if w.get("error")]
     if dead:
         raise _fail(f"{len(dead)} worker(s) died; their unfinished cases are stored as failed in {path}", 1)
-    _fail_unless_every_case_passed(frame, path)
+    _fail_unless_every_case_passed(frame, path, strict)
 
 
-def _fail_unless_every_case_passed(frame, path) -> None:
+def _fail_unless_every_case_passed(frame, path, strict: bool = False) -> None:
     """After a run is stored at `path`: exit 1 when no case ran (every case
-    skipped) or when a case failed (an error, e.g. out of memory, or its
-    correctness gate: a failed check, as the module docstring says), with up
-    to three of the reasons; return
-    otherwise. Skipped cases beside ok ones are not an error."""
+    skipped) or when a case of ours failed (an error, e.g. out of memory, or
+    its correctness gate: a failed check, as the module docstring says),
+    with up to three of the reasons. A peer's failed case (its backend's
+    `Backend.peer`, the run's `peer` column) is listed with its reason and
+    fails the command only with `strict` (--strict). Return otherwise.
+    Skipped cases beside ok ones are not an error."""
+    from moebench.reports.summary import failed_cases, failure_lines
+
     status = frame["status"].astype(str)
-    failed = frame[status == "failed"]
     if not ((status == "ok") | (status == "failed")).any():
         reasons = sorted(set(frame["error"].dropna().astype(str)))[:3]
         raise _fail("no case ran (every case was skipped): " + "; ".join(reasons), 1)
+    failed, peers = failed_cases(frame)
+    if len(peers):
+        console.print(f"[yellow]{len(peers)} peer case(s) failed (stored as failed in {escape_markup(path)}; not"
+                      f" ours: {'--strict fails the command on them' if strict else 'pass --strict to fail on them'}"
+                      "):[/yellow]")  # fmt: skip
+        for line in failure_lines(peers):
+            console.print(f"  {escape_markup(line)}", soft_wrap=True)
     if len(failed):
         reasons = sorted(set(failed["error"].dropna().astype(str)))[:3]
         raise _fail(f"{len(failed)} case(s) failed: an error, or an output off the oracle (stored as failed in"
                     f" {path}): " + "; ".join(reasons), 1)
+    if strict and len(peers):
+        reasons = sorted(set(peers["error"].dropna().astype(str)))[:3]
+        raise _fail(f"{len(peers)} peer case(s) failed (--strict): an error, or an output off the oracle (stored as"
+                    f" failed in {path}): " + "; ".join(reasons), 1)
 
 
 def escape_markup(text) -> str:
@@ -618,7 +647,7 @@ def _print_summary_table(table_df) -> None:
     """The rich table of _print_summary (rows that were not skipped)."""
     columns = {"preset": "preset", "tp": "tp", "rows": "rows", "scenario": "scenario",
                "backend": "backend", "tactic": "tactic", "status": "status", "median_us": "µs",
-               "gbps": "GB/s", "pct_copy_bw": "%copy", "pct_size_ceiling": "%ceil",
+               "gbps": "GB/s", "read_gbps": "read GB/s", "pct_copy_bw": "%copy", "pct_size_ceiling": "%ceil",
                "routed_us": "routed µs", "routed_pct_copy_bw": "routed %copy",
                "vs_torch_bf16": "×torch", "max_rel_err": "err", "note": "note"}  # fmt: skip
     constant = [c for c in ("preset", "tp", "scenario", "tactic")
@@ -682,6 +711,10 @@ def step(
     overlap_shared: bool = typer.Option(
         True, "--overlap-shared/--serial-shared", help="Run the shared expert on a side CUDA stream beside the gate"
         " and the routed experts (every backend; as serving stacks do), or in order with them."
+    ),
+    strict: bool = typer.Option(
+        False, "--strict", help="Exit 1 when a peer's case failed too (a backend that is not ours); without it only"
+        " our cases' failures fail the command, the peers' are stored and listed."
     ),
     device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any; with --tp N > 1 only"
                                " the kind counts, --devices picks the GPUs)."),
@@ -797,7 +830,7 @@ def step(
     dead = [w for w in manifest.get("workers") or [] if w.get("error")]
     if dead:
         raise _fail("; ".join(w["error"] for w in dead) + f" (their cases are stored as failed in {path})", 1)
-    _fail_unless_every_case_passed(result.frame, path)
+    _fail_unless_every_case_passed(result.frame, path, strict)
 
 
 #: The step tables' width when stdout is not a terminal: a normal wide terminal's.
@@ -1152,14 +1185,14 @@ REPORT_RECORD = ".moebench-report.json"
 
 def _report_record(out: Path) -> set[str]:
     """The file names an earlier `report` wrote in `out`: those its
-    REPORT_RECORD lists (only the report's own names, HTML_FILES and
-    summary.md; a record that is a link or not a list of names counts as
+    REPORT_RECORD lists (only the report's own names, HTML_FILES, the
+    per-TP plots and summary.md; a record that is a link or not a list of names counts as
     none). A directory from before the record existed, whose report.html is
     one of ours (its title says "moebench run"), counts as holding a whole
     earlier report (every HTML_FILES name); else empty."""
     import json
 
-    from moebench.reports.html import HTML_FILES
+    from moebench.reports.html import HTML_FILES, is_report_file
 
     ours = (*HTML_FILES, "summary.md")
     record = out / REPORT_RECORD
@@ -1173,7 +1206,7 @@ def _report_record(out: Path) -> set[str]:
         return set()
     if not isinstance(names, list):
         return set()
-    return {n for n in names if isinstance(n, str) and n in ours}
+    return {n for n in names if isinstance(n, str) and (n in ours or is_report_file(n))}
 
 
 def _is_our_page(page: Path) -> bool:

@@ -12,6 +12,7 @@ the W4A8 paths).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -203,3 +204,74 @@ def relative_error(out: torch.Tensor, oracle: torch.Tensor) -> float:
     diff = torch.linalg.vector_norm(torch.where(finite, o - r, 0.0))
     norm = torch.linalg.vector_norm(torch.where(finite, r, 0.0))
     return float(diff / norm) if norm > 0 else float(diff)
+
+
+#: A row's relative error may be this many times the backend's whole-output tolerance.
+ROW_TOLERANCE_FACTOR = 2.0
+
+
+def row_relative_errors(out: torch.Tensor, oracle: torch.Tensor) -> torch.Tensor:
+    """Relative error of each output row, fp64 [rows] (on the oracle's device):
+    ||out[r] - oracle[r]|| / ||oracle[r]|| over the oracle's finite entries.
+
+    A row whose oracle is all zero must itself be ~zero: its error is
+    ||out[r]|| over the RMS row norm of the whole oracle (absolute when the
+    whole oracle is zero), so a stray value there counts as much as in a
+    typical row. A row with a NaN/Inf where the oracle is finite gets inf.
+    The rows are the last dimension's slices (out and oracle [..., H]; a
+    1-D tensor is one row). Raises ValueError on a shape mismatch or a 0-d
+    tensor, TypeError for a non-tensor."""
+    for name, t in (("out", out), ("oracle", oracle)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if out.shape != oracle.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != oracle shape {tuple(oracle.shape)}")
+    if out.dim() == 0:
+        raise ValueError("out and oracle must have at least one dimension (rows of the last one)")
+    width = out.shape[-1]
+    o = out.detach().to(torch.float64).to(oracle.device).reshape(-1, width)
+    r = oracle.detach().to(torch.float64).reshape(-1, width)
+    finite = torch.isfinite(r)
+    broken = (~torch.isfinite(o) & finite).any(dim=1)
+    diff = torch.linalg.vector_norm(torch.where(finite, o - r, 0.0), dim=1)
+    norm = torch.linalg.vector_norm(torch.where(finite, r, 0.0), dim=1)
+    rows = norm.numel()
+    total = torch.linalg.vector_norm(norm)
+    typical = total / math.sqrt(rows) if rows and float(total) > 0 else torch.ones((), dtype=torch.float64,
+                                                                                     device=norm.device)
+    err = torch.where(norm > 0, diff / torch.where(norm > 0, norm, 1.0), diff / typical)
+    return torch.where(broken, torch.full_like(err, math.inf), err)
+
+
+def max_row_relative_error(out: torch.Tensor, oracle: torch.Tensor) -> float:
+    """The largest of `row_relative_errors(out, oracle)` (0.0 for no rows; NaN
+    stays NaN, so that a gate `err <= tol` never passes it). Raises as
+    row_relative_errors."""
+    errs = row_relative_errors(out, oracle)
+    if errs.numel() == 0:
+        return 0.0
+    if bool(torch.isnan(errs).any()):
+        return math.nan
+    return float(errs.max())
+
+
+def oracle_gate(out: torch.Tensor, oracle: torch.Tensor, tolerance: float) -> tuple[float, float, str | None]:
+    """The correctness gate of a measured output: (relative Frobenius error,
+    largest row error, None when both pass else why not). It passes when the
+    whole output's `relative_error` is <= `tolerance` and every row's
+    (`row_relative_errors`) is <= ROW_TOLERANCE_FACTOR x `tolerance`, so a
+    few wrong or zeroed rows cannot hide in the norm; NaN never passes.
+    Raises ValueError for a tolerance that is not a positive finite number,
+    else as relative_error."""
+    if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not 0 < tolerance < math.inf:
+        raise ValueError(f"tolerance must be a positive finite number, got {tolerance!r}")
+    err = relative_error(out, oracle)
+    row_err = max_row_relative_error(out, oracle)
+    row_tol = ROW_TOLERANCE_FACTOR * tolerance
+    if not err <= tolerance:
+        return err, row_err, f"rel. error {err:.3g} exceeds {tolerance:g}"
+    if not row_err <= row_tol:
+        bad = int((~(row_relative_errors(out, oracle) <= row_tol)).sum())
+        return err, row_err, (f"{bad} row(s) off: worst row rel. error {row_err:.3g} exceeds {row_tol:g}"
+                              f" ({ROW_TOLERANCE_FACTOR:g} x {tolerance:g}; whole output {err:.3g})")
+    return err, row_err, None

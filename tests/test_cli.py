@@ -900,6 +900,17 @@ def test_a_run_with_a_failed_or_no_case_exits_1_after_it_is_stored(capsys):
     with pytest.raises(typer.Exit) as exc:
         _fail_unless_every_case_passed(frame("skipped", "skipped"), "RUN")
     assert exc.value.exit_code == 1 and "no case ran (every case was skipped)" in capsys.readouterr().err
+    # a peer's failure: listed, exit 0; with strict, exit 1; a row without `peer` counts as ours
+    peers = frame("ok", "failed", "failed").assign(peer=pd.array([False, True, None], dtype="boolean"))
+    with pytest.raises(typer.Exit) as exc:
+        _fail_unless_every_case_passed(peers, "RUN")
+    assert exc.value.exit_code == 1 and "1 case(s) failed" in capsys.readouterr().err
+    peers["peer"] = pd.array([False, True, True], dtype="boolean")
+    _fail_unless_every_case_passed(peers, "RUN")  # returns
+    assert "2 peer case(s) failed" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(typer.Exit) as exc:
+        _fail_unless_every_case_passed(peers, "RUN", strict=True)
+    assert exc.value.exit_code == 1 and "2 peer case(s) failed (--strict)" in capsys.readouterr().err
 
 
 def test_report_force_replaces_links_not_the_files_they_point_to(tmp_path):
@@ -1044,3 +1055,85 @@ def test_report_record_is_read_with_care(tmp_path):
     result = runner.invoke(app, ["report", str(cur), "--out", str(out), "--force"])
     assert result.exit_code == 0, result.output
     assert precious.read_text() == '{"files": ["latency.png"]}' and not (out / REPORT_RECORD).is_symlink()
+
+
+
+def test_report_force_removes_an_earlier_reports_per_tp_plot_only(tmp_path):
+    """A per-TP plot (latency_tp<N>.png) an earlier report recorded writing,
+    and this one does not write, is removed by --force; one the record does
+    not name (a user's file) stays."""
+    import json
+
+    cur = _stored_run(tmp_path / "runs", "cur", {1: 20.1, 6: 39.0})
+    out = tmp_path / "r"
+    assert runner.invoke(app, ["report", str(cur), "--out", str(out)]).exit_code == 0
+    record = json.loads((out / REPORT_RECORD).read_text())["files"]
+    (out / "latency_tp8.png").write_bytes(b"\x89PNG old")
+    (out / "latency_tp16.png").write_bytes(b"mine")
+    (out / REPORT_RECORD).write_text(json.dumps({"files": [*record, "latency_tp8.png"]}))
+    result = runner.invoke(app, ["report", str(cur), "--out", str(out), "--force"])
+    assert result.exit_code == 0 and "removed latency_tp8.png" in result.output, result.output
+    assert not (out / "latency_tp8.png").exists() and (out / "latency_tp16.png").read_bytes() == b"mine"
+
+
+def _wrong_backend(name: str, peer: bool):
+    """A torch-bf16 whose output is twice the oracle's, registered as `name`, declared a peer or ours."""
+    from moebench.backends.torch_bf16 import TorchBF16Backend
+
+    def forward(self, prepared, x, topk_ids, topk_weights):
+        return TorchBF16Backend.forward(self, prepared, x, topk_ids, topk_weights) * 2
+
+    return type(f"Wrong{name.title().replace('-', '')}", (TorchBF16Backend,),
+                {"name": name, "peer": peer, "forward": forward})
+
+
+def test_a_peers_failure_fails_the_sweep_only_with_strict(tmp_path):
+    """A peer off its oracle is stored failed and listed with the reason;
+    the command exits 0, or 1 with --strict. A failing backend of ours
+    (`peer = False`) fails the command either way. 'Ours' is the declared
+    attribute, never the name."""
+    import pandas as pd
+
+    from moebench.backends.registry import register_backend, unregister_backend
+
+    register_backend("test-wrong-peer", _wrong_backend("test-wrong-peer", True))
+    register_backend("test-wrong-ours", _wrong_backend("test-wrong-ours", False))
+    try:
+        args = ["sweep", *TINY, "--backends", "torch-bf16,test-wrong-peer", "--out", str(tmp_path / "a")]
+        lenient = runner.invoke(app, args)
+        strict = runner.invoke(app, [*args[:-1], str(tmp_path / "b"), "--strict"])
+        ours = runner.invoke(app, ["sweep", *TINY, "--backends", "torch-bf16,test-wrong-ours",
+                                   "--out", str(tmp_path / "c")])  # fmt: skip
+    finally:
+        unregister_backend("test-wrong-peer")
+        unregister_backend("test-wrong-ours")
+    assert lenient.exit_code == 0, lenient.output
+    text = " ".join(lenient.output.split())
+    assert "2 peer case(s) failed" in text and "pass --strict to fail on them" in text
+    assert "test-wrong-peer dsv4-flash+custom TP1 rows 1 uniform: rel. error" in text
+    (run,) = (tmp_path / "a").iterdir()
+    df = pd.read_parquet(run / "results.parquet")
+    wrong = df[df["backend"] == "test-wrong-peer"]
+    assert (wrong["status"] == "failed").all() and wrong["peer"].all() and not df["peer"].isna().any()
+    assert runner.invoke(app, ["report", str(run), "--out", str(tmp_path / "rep"), "--no-html"]).exit_code == 0
+    assert "failed peer cases (2; not ours" in (tmp_path / "rep" / "summary.md").read_text()
+    assert strict.exit_code == 1 and "2 peer case(s) failed (--strict)" in " ".join(strict.output.split())
+    assert ours.exit_code == 1 and "2 case(s) failed" in " ".join(ours.output.split()), ours.output
+    assert "peer case" not in ours.output
+
+
+def test_back_to_back_is_stored_and_named(tmp_path):
+    import json
+
+    import pandas as pd
+
+    result = runner.invoke(app, ["sweep", *TINY, "--backends", "torch-bf16", "--back-to-back", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "back to back (--back-to-back)" in " ".join(result.output.split())
+    (run,) = tmp_path.iterdir()
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["boundary"] == "back-to-back" and manifest["config"]["back_to_back"] is True
+    df = pd.read_parquet(run / "results.parquet")
+    assert (df["boundary"] == "back-to-back").all() and df["x_write_us"].isna().all()
+    assert "--back-to-back" in runner.invoke(app, ["sweep", "--help"]).output
+    assert "--strict" in runner.invoke(app, ["step", "--help"]).output

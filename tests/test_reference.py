@@ -227,3 +227,83 @@ def test_reference_moe_names_bad_arguments():
         reference_moe(x, ids, tw.to("meta"), w)
     with pytest.raises(TypeError, match="out"):
         relative_error([1.0], torch.zeros(1))
+
+
+def test_row_relative_errors_semantics():
+    """Per row ||out - oracle|| / ||oracle||; a zero oracle row is judged
+    against the RMS row norm of the whole oracle (it must be ~zero); NaN or
+    Inf where the oracle is finite is inf; the oracle's own NaNs are not
+    held against the output."""
+    from moebench.reference import max_row_relative_error, row_relative_errors
+
+    o = torch.tensor([[3.0, 4.0], [6.0, 8.0], [0.0, 0.0]], dtype=torch.float64)
+    assert row_relative_errors(o, o).tolist() == [0.0, 0.0, 0.0]
+    off = o.clone()
+    off[0] *= 1.1
+    off[2] = torch.tensor([0.3, 0.4])  # norm 0.5 where the oracle row is zero
+    rms = math.sqrt((25.0 + 100.0 + 0.0) / 3)
+    got = row_relative_errors(off, o)
+    assert got[0].item() == pytest.approx(0.1) and got[1].item() == 0.0
+    assert got[2].item() == pytest.approx(0.5 / rms)
+    assert max_row_relative_error(off, o) == pytest.approx(0.1)
+    nan = o.clone()
+    nan[1, 0] = math.nan
+    assert row_relative_errors(nan, o)[1].item() == math.inf and max_row_relative_error(nan, o) == math.inf
+    assert row_relative_errors(o, nan)[1].item() == 0.0  # the oracle's NaN position is skipped
+    # an all-zero oracle: absolute norms; a 1-D tensor is one row; rows of [..., H]
+    assert row_relative_errors(torch.tensor([3.0, 4.0]), torch.zeros(2)).tolist() == [5.0]
+    assert tuple(row_relative_errors(torch.ones(2, 3, 4), torch.ones(2, 3, 4)).shape) == (6,)
+    with pytest.raises(ValueError, match="shape"):
+        row_relative_errors(o, o[:1])
+    with pytest.raises(ValueError, match="dimension"):
+        row_relative_errors(torch.tensor(1.0), torch.tensor(1.0))
+    with pytest.raises(TypeError, match="oracle"):
+        row_relative_errors(o, o.tolist())
+
+
+def test_the_gate_catches_a_few_zeroed_rows_the_norm_hides(weights):
+    """A real output with two of its rows zeroed: the whole-output error
+    stays within the 1e-2 tolerance (those rows are small), each of them is
+    off by 100 %: the gate fails naming the rows. The BF16-rounded output of
+    the same oracle passes."""
+    from moebench.reference import ROW_TOLERANCE_FACTOR, oracle_gate
+
+    x, ids, w = make_inputs(8, seed=41)
+    w = w.clone()
+    w[:2] *= 1e-3  # two rows carry a thousandth of the others' routed weight
+    oracle = reference_moe(x, ids, w, weights, activation="bf16").output
+    rounded = oracle.to(torch.bfloat16)
+    err, row_err, why = oracle_gate(rounded, oracle, 1e-2)
+    assert why is None and 0 < err < 1e-2 and 0 < row_err < 1e-2
+    broken = rounded.clone()
+    broken[:2] = 0
+    assert relative_error(broken, oracle) < 1e-2  # the whole-output norm alone would pass it
+    err, row_err, why = oracle_gate(broken, oracle, 1e-2)
+    assert row_err == pytest.approx(1.0) and why is not None
+    assert "2 row(s) off" in why and f"{ROW_TOLERANCE_FACTOR * 1e-2:g}" in why
+    nan = rounded.clone()
+    nan[5, 7] = math.nan
+    assert oracle_gate(nan, oracle, 1e-2)[2] is not None  # NaN never passes
+    with pytest.raises(ValueError, match="tolerance"):
+        oracle_gate(rounded, oracle, 0.0)
+
+
+def test_the_gate_passes_a_real_backends_rounding():
+    """torch-bf16 (dequantized BF16 weights, BF16 H) and the fp32 reference
+    backend pass the stricter gate against their oracles at every row."""
+    from moebench.backends.reference import ReferenceBackend
+    from moebench.backends.torch_bf16 import TorchBF16Backend
+    from moebench.reference import oracle_gate
+
+    shape = get_preset("dsv4-flash", hidden=256, intermediate=256, experts=8, top_k=4).shard(2)
+    w = generate_expert_weights(shape, seed=5)
+    for rows in (1, 5, 8):
+        x = generate_activations(rows, 256, seed=rows)
+        ids = scenario_topk_ids("uniform", rows, 4, 8, seed=rows).to(torch.int32)
+        tw = scenario_weights(rows, 4, seed=rows)
+        for backend in (TorchBF16Backend(), ReferenceBackend()):
+            out = backend.forward(backend.prepare(w, shape), x, ids, tw)
+            oracle = reference_moe(x, ids, tw, w, activation=backend.oracle).output
+            err, row_err, why = oracle_gate(out, oracle, backend.tolerance)
+            assert why is None, (backend.name, rows, why)
+            assert row_err < backend.tolerance, (backend.name, rows, row_err)

@@ -56,12 +56,17 @@ class Backend(abc.ABC):
 
     Class attributes: `name` (registry name), `oracle` (one of ORACLES),
     `capturable` (whether `forward` may be captured in a CUDA graph; False
-    makes the bench time eager calls between device events instead).
+    makes the bench time eager calls between device events instead), `peer`
+    (True, the default: a path of another project, measured beside ours; a
+    peer's case off its oracle is stored failed but fails `moebench sweep` /
+    `step` only with --strict. False: this project's own code, whose failure
+    always fails the command).
     """
 
     name: ClassVar[str]
     oracle: ClassVar[str]
     capturable: ClassVar[bool] = True
+    peer: ClassVar[bool] = True
 
     @property
     def tolerance(self) -> float:
@@ -99,9 +104,12 @@ class Backend(abc.ABC):
         """Bytes one layer call of this backend really reads and writes in
         device memory for the routing `topk_ids` [rows, top_k] (CPU or device
         ids): the touched experts' weights and scales in its own layout
-        (padding, BF16 copies and all) plus x in and the output. None (the
-        default) when it is the normalized count (`bench.cases.unique_bytes`:
-        the logical MXFP4 bytes), which every backend's `pct_copy_bw` uses."""
+        (padding, BF16 copies and all) plus x in and the output
+        (`bench.cases.touched_bytes(shape, topk_ids, bytes_per_expert)`, with
+        `bench.cases.mxfp4_bytes` for MXFP4 matrices). None (the default)
+        when it is the normalized count (`bench.cases.unique_bytes`: the
+        logical MXFP4 bytes), which every backend's `pct_copy_bw` uses; the
+        sweep then stores that count as `read_bytes`."""
         return None
 
     @abc.abstractmethod

@@ -46,6 +46,7 @@ import torch
 
 from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
 from moebench.backends.layouts import swap_halves
+from moebench.bench.cases import mxfp4_bytes, touched_bytes
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
 
@@ -154,6 +155,13 @@ class _FlashInferBackend(Backend):
 
     def prepared_bytes(self, shape: RankShape) -> int:
         return shape.experts * shape.expert_bytes() * shape.padded_intermediate // shape.intermediate
+
+    def read_bytes(self, shape: RankShape, topk_ids: torch.Tensor) -> int:
+        """The touched experts at the padded intermediate (fc1 [2 Ip, H], fc2
+        [H, Ip], MXFP4 values and E8M0 scales: the grouped GEMMs stream the
+        zero padding too) + x in and the output."""
+        ip = shape.padded_intermediate
+        return touched_bytes(shape, topk_ids, mxfp4_bytes(2 * ip, shape.hidden) + mxfp4_bytes(shape.hidden, ip))
 
     # -- prepare --------------------------------------------------------------------------
     def _flags(self) -> dict:

@@ -51,6 +51,7 @@ import torch
 from moebench.backends import vllm_align, vllm_ops
 from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
 from moebench.backends.layouts import to_humming_logical
+from moebench.bench.cases import mxfp4_bytes, touched_bytes
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
 
@@ -249,6 +250,16 @@ def _aligner(device: torch.device):
     raise AssertionError("unreachable: torch is always available")
 
 
+def humming_expert_bytes(shape: RankShape) -> int:
+    """Bytes of one expert as humming stores and streams it with vLLM's padding:
+    w13 [2I to a multiple of PAD_N, H to PAD_K] and w2 [H to PAD_N, I to PAD_K],
+    MXFP4 values and E8M0 scales (humming's `prepare_layer_meta` pads N and K
+    of each sublayer as a whole)."""
+    up = lambda v, m: -(-v // m) * m  # noqa: E731
+    h, i = shape.hidden, shape.intermediate
+    return mxfp4_bytes(up(2 * i, PAD_N), up(h, PAD_K)) + mxfp4_bytes(up(h, PAD_N), up(i, PAD_K))
+
+
 # --- prepared state ---------------------------------------------------------------------------
 
 
@@ -307,6 +318,11 @@ class _HummingBackend(Backend):
         if not str(version).startswith("0.1."):
             return f"humming {version} is untested here (written for {HUMMING_VERSION})"
         return None
+
+    def read_bytes(self, shape: RankShape, topk_ids: torch.Tensor) -> int:
+        """The touched experts in humming's padded layout (`humming_expert_bytes`)
+        + x in and the output."""
+        return touched_bytes(shape, topk_ids, humming_expert_bytes(shape))
 
     def prepared_bytes(self, shape: RankShape) -> int:
         i_pad = -(-shape.intermediate // PAD_K) * PAD_K

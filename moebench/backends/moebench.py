@@ -33,15 +33,17 @@ import importlib.util
 import torch
 
 from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
+from moebench.bench.cases import mxfp4_bytes, touched_bytes
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
 
-#: The route kernel reads x and the top-k ids before its griddepcontrol.wait
-#: (`RoutedExpertGemm.route(inputs_ready=True)`): a backend's forward takes
-#: them as arguments made before its launches, and the kernel launched just
-#: before the route kernel (the previous layer's GEMM2 or finalize in the
-#: benchmarks' rotation) never writes them.
-INPUTS_READY = True
+#: Whether the route kernel may read x and the top-k ids before its
+#: griddepcontrol.wait (`RoutedExpertGemm.route(inputs_ready=...)`): no. In a
+#: decode step, and in the sweep's default layer-boundary timing, the kernel
+#: launched just before the route kernel writes x, so the route kernel reads
+#: it only after the wait. (The tuning runner times its route launch with
+#: the same flag.)
+INPUTS_READY = False
 
 
 class MoebenchBackend(Backend):
@@ -51,6 +53,7 @@ class MoebenchBackend(Backend):
     name = "moebench"
     oracle = "mxfp8"
     capturable = True
+    peer = False  # ours: a failing case fails the command
     BUILTIN = "builtin"
     TUNED = "tuned"
     FP8 = "fp8"
@@ -88,6 +91,14 @@ class MoebenchBackend(Backend):
         e4m3 and the BF16 layout take the same bytes)."""
         e, h, ip = shape.experts, shape.hidden, shape.padded_intermediate
         return e * (3 * ip * h // 2 + 3 * ip * h // 32) + 4 * e
+
+    def read_bytes(self, shape: RankShape, topk_ids: torch.Tensor) -> int:
+        """What our GEMMs stream: the touched experts at the logical I (the
+        kernel layout, `kernels.layout`, drops the intermediate padding: w13
+        [2I, H] and w2 [H, I], MXFP4 values and E8M0 scales) + x in and the
+        output; equal to `bench.cases.unique_bytes`."""
+        h, i = shape.hidden, shape.intermediate
+        return touched_bytes(shape, topk_ids, mxfp4_bytes(2 * i, h) + mxfp4_bytes(h, i))
 
     def unavailable_reason(self, device: torch.device | str) -> str | None:
         if importlib.util.find_spec("cutlass") is None:

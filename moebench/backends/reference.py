@@ -22,6 +22,7 @@ class ReferenceBackend(Backend):
     name = "reference"
     oracle = "mxfp8"
     capturable = False
+    peer = False  # the oracle itself: if it fails, our plumbing is wrong
 
     def prepare(self, weights: ExpertWeights, shape: RankShape, tactic: str = DEFAULT_TACTIC) -> ExpertWeights:
         """The canonical weights themselves (no conversion)."""

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights
+from moebench.bench.cases import touched_bytes
 from moebench.formats import ExpertWeights, dequantize_mxfp4
 from moebench.models import MX_BLOCK, RankShape
 
@@ -96,6 +97,13 @@ class TorchBF16Backend(Backend):
 
     def prepared_bytes(self, shape: RankShape) -> int:
         return shape.experts * 3 * shape.intermediate * shape.hidden * 2
+
+    def read_bytes(self, shape: RankShape, topk_ids: torch.Tensor) -> int:
+        """The touched experts' BF16 weights (3 * I * H * 2 bytes each: w13 and
+        w2 at the logical I) + x in and the output: what the "grouped" GEMMs
+        (the default) read. "gather" re-reads an expert once per slot that
+        routes to it, and copies it first: this count is its lower bound."""
+        return touched_bytes(shape, topk_ids, 3 * shape.intermediate * shape.hidden * 2)
 
     def prepare(self, weights: ExpertWeights, shape: RankShape, tactic: str = DEFAULT_TACTIC) -> TorchBF16Weights:
         """BF16 weights of `shape` (raises ValueError for a bad tactic or shape)."""

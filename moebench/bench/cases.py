@@ -5,6 +5,9 @@ grid is the product of `SweepConfig`'s axes. `unique_bytes` counts what any
 backend must move at least once: the logical (unpadded) MXFP4 weights and
 E8M0 scales of the touched local experts plus the BF16 activations in and
 out; the same count for every backend, so GB/s compare directly.
+`touched_bytes` is the same count for any per-expert size (a backend's own
+layout: padding, BF16 copies), which `Backend.read_bytes` implementations
+use with `mxfp4_bytes` for what a path really reads.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from pathlib import Path
 import torch
 
 from moebench.bench import check_layers, check_seed
-from moebench.models import PRESETS, MoEConfig, RankShape, get_preset
+from moebench.models import MX_BLOCK, PRESETS, MoEConfig, RankShape, get_preset
 from moebench.record import MAX_ROWS
 from moebench.routing import SCENARIOS
 
@@ -82,7 +85,11 @@ class SweepConfig:
     rotation count; device: "cpu" / "cuda[:N]", None = the GPU if any, else
     the CPU; reduced: run a reduced geometry (CPU_REDUCED, per-axis overrides
     win), None = only on a CPU; warmup / replays: timing counts; use_graph:
-    CUDA-graph replay for capturable backends; memory_fraction: share of free
+    CUDA-graph replay for capturable backends; back_to_back: time the layer
+    calls of a replay back to back (call i+1 may start under call i) instead
+    of at a layer boundary (the default: a plain kernel writes each call's x
+    just before it and its own time is subtracted; `sweep` module docstring);
+    memory_fraction: share of free
     device memory the weight sets may take; split: also time each stage alone
     (and, in a sweep, the routed path) for backends that split their forward
     (False: the layer call / step only, about a third of a sweep case's
@@ -113,6 +120,7 @@ class SweepConfig:
     memory_fraction: float = 0.6
     trace: Path | None = None
     split: bool = True
+    back_to_back: bool = False
 
     #: The command this config is for, as its messages name it (a class attribute, not a field).
     _command = "sweep"
@@ -155,6 +163,8 @@ class SweepConfig:
                              f" warm), got {self.layers}: drop one of them")
         if not isinstance(self.split, bool):
             raise TypeError(f"split must be a bool, got {type(self.split).__name__}")
+        if not isinstance(self.back_to_back, bool):
+            raise TypeError(f"back_to_back (--back-to-back) must be a bool, got {type(self.back_to_back).__name__}")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         # Validate the geometry now (bad overrides / tp fail here, not mid-run).
@@ -228,16 +238,39 @@ def unique_experts(topk_ids: torch.Tensor, experts: int) -> int:
     return int(torch.unique(ids).numel())
 
 
-def unique_bytes(shape: RankShape, topk_ids: torch.Tensor) -> int:
-    """Bytes a case moves at least once: shape.expert_bytes() x distinct local
-    experts of `topk_ids` [rows, top_k] + x in (bf16 rows*H*2) + out (rows*H*2).
-    Raises ValueError unless topk_ids is 2-D with top_k columns."""
+def mxfp4_bytes(rows: int, k: int) -> int:
+    """Bytes of an MXFP4 matrix [rows, k]: e2m1 nibbles (k/2 per row) and one
+    E8M0 scale per 32 along k. Raises ValueError unless rows >= 0 and k is a
+    non-negative multiple of 32."""
+    for name, v in (("rows", rows), ("k", k)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+    if k % MX_BLOCK:
+        raise ValueError(f"k must be a multiple of {MX_BLOCK}, got {k}")
+    return rows * k // 2 + rows * k // MX_BLOCK
+
+
+def touched_bytes(shape: RankShape, topk_ids: torch.Tensor, expert_bytes: int) -> int:
+    """Bytes one layer call moves when each distinct local expert of
+    `topk_ids` [rows, top_k] (ids in [0, E)) costs `expert_bytes` (weights and
+    scales in some layout), plus x in (bf16 rows*H*2) and the output
+    (rows*H*2). Raises ValueError unless topk_ids is 2-D with top_k columns
+    and expert_bytes an int >= 0."""
     if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or topk_ids.shape[1] != shape.top_k:
         raise ValueError(
             f"topk_ids must be a [rows, {shape.top_k}] tensor, got {getattr(topk_ids, 'shape', topk_ids)!r}"
         )
+    if not isinstance(expert_bytes, int) or isinstance(expert_bytes, bool) or expert_bytes < 0:
+        raise ValueError(f"expert_bytes must be an int >= 0, got {expert_bytes!r}")
     rows = topk_ids.shape[0]
-    return unique_experts(topk_ids, shape.experts) * shape.expert_bytes() + 2 * rows * shape.hidden * 2
+    return unique_experts(topk_ids, shape.experts) * expert_bytes + 2 * rows * shape.hidden * 2
+
+
+def unique_bytes(shape: RankShape, topk_ids: torch.Tensor) -> int:
+    """Bytes a case moves at least once: `touched_bytes` at the logical MXFP4
+    size of an expert (shape.expert_bytes(): no padding). Raises ValueError
+    unless topk_ids is 2-D with top_k columns."""
+    return touched_bytes(shape, topk_ids, shape.expert_bytes())
 
 
 def rotation_bytes(shape: RankShape, routings) -> int:

@@ -99,8 +99,8 @@ from moebench.bench.interrupt import INTERRUPTED, sigterm_as_interrupt
 from moebench.bench.shard import MULTICAST_OFF, free_port, gpu_serial, gpu_uuid, visible_gpu_count, worker_env
 from moebench.bench.sweep import (
     ALL_TACTICS, COLUMNS, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
-    canonical_bytes, check_backend_names, check_tactic_names, expand_all_tactics, forced_layers_error, layer_count,
-    loaded_backends,
+    canonical_bytes, check_backend_names, check_tactic_names, expand_all_tactics, forced_layers_error, is_peer,
+    layer_count, loaded_backends,
     skip_reason, timing_counts, timing_counts_used, timing_methods,
 )  # fmt: skip
 from moebench.bench.timing import Timing, time_graph
@@ -166,6 +166,9 @@ class StepConfig(SweepConfig):
         tp = self.tp[0]
         if not isinstance(self.ranks, int) or isinstance(self.ranks, bool) or self.ranks not in (1, tp):
             raise ValueError(f"ranks must be 1 (one rank's shard) or tp={tp} (a real TP-{tp} step), got {self.ranks!r}")
+        if self.back_to_back:
+            raise ValueError("back_to_back (--back-to-back) is a sweep option: a step's gate and router write each"
+                             " layer's input before its routed experts, a layer boundary of its own")
         if not isinstance(self.overlap_shared, bool):
             raise TypeError(f"overlap_shared (--overlap-shared/--serial-shared) must be a bool, "
                             f"got {type(self.overlap_shared).__name__}")
@@ -333,6 +336,7 @@ def run_rank(
     rows_out: list[dict] = []
 
     def record(row: dict) -> None:
+        row["peer"] = is_peer(backends, row["backend"])  # whose failure it is (the CLI's exit rule)
         rows_out.append(row)
         if emit is not None:
             emit(row)
@@ -361,7 +365,8 @@ def run_rank(
         for c in cases:
             if (c.config.name, c.rows, c.scenario, c.backend, c.tactic) not in have:
                 rows_out.append(_row(base, c.config, c.config.shard(c.tp), c.rows, c.scenario, c.backend, c.tactic,
-                                     status="skipped", error=INTERRUPTED))  # fmt: skip
+                                     status="skipped", error=INTERRUPTED,
+                                     peer=is_peer(backends, c.backend)))  # fmt: skip
     info = {"copy_bw_gbps": copy_bw, "copy_bw_bytes": copy_bytes, "reduced": reduced, "backends": reasons,
             "groups": groups, "env": env, "rank": rank}  # fmt: skip
     if interrupted:
@@ -888,7 +893,9 @@ def _wait(procs, scratch: Path, progress, timeout_s, poll_s) -> bool:
             break
         if dead_since is not None and now - dead_since > RANK_GRACE_S:
             break
-        next(p for p in procs if p.is_alive()).join(poll_s)
+        alive = next((p for p in procs if p.is_alive()), None)  # the last one may have ended since the check
+        if alive is not None:
+            alive.join(poll_s)
     _stop(procs)
     for p in procs:
         p.join()

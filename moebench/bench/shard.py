@@ -490,8 +490,9 @@ def launch_workers(
             if deadline is not None and time.monotonic() >= deadline:
                 timed_out.update(r for r, p in enumerate(procs) if p.is_alive())
                 break
-            alive = next(p for p in procs if p.is_alive())
-            alive.join(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
+            alive = next((p for p in procs if p.is_alive()), None)  # the last one may have ended since the check
+            if alive is not None:
+                alive.join(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic())))
     except KeyboardInterrupt:
         interrupted = True
         _interrupt(procs)
@@ -746,6 +747,7 @@ def run_sharded_sweep(
         manifest.setdefault("reduced", bool(config.reduced))
         manifest.setdefault("seed", config.seed)
         manifest.setdefault("warm_l2", config.warm_l2)
+        manifest.setdefault("boundary", "back-to-back" if config.back_to_back else "layer")
         manifest.update(
             kind="sweep", sharded=True, devices=list(devices), workers=launched.workers,
             plan=[[c.label() for c in s] for s in shards],

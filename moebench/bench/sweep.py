@@ -15,25 +15,46 @@ each case:
 
 1. is skipped with a reason when unavailable or the tactic is not offered;
 2. runs layer 0 once and is compared with the fp64 oracle of its family
-   (reference_moe(activation=backend.oracle)); an error above the
-   backend's tolerance (or NaN/Inf) marks the case failed and it is not
-   timed; on CUDA, when it is to be timed as a graph, the output of one graph
-   replay (poisoned first) is gated the same way, since that is what is timed;
+   (reference_moe(activation=backend.oracle)) through `reference.oracle_gate`:
+   the whole output's relative error within the backend's tolerance and
+   every row's within twice that (NaN/Inf never pass); a case off its oracle
+   is failed and not timed; on CUDA, when it is to be timed as a graph, the
+   output of one graph replay (poisoned first) is gated the same way;
 3. is timed as one closure calling forward for every layer in turn on static
-   input buffers (per-call time = replay / layers);
+   input buffers, at a layer boundary by default: before each call a plain
+   kernel (`layer_writes`: x rewritten from that layer's own source buffer,
+   no programmatic dependent launch) writes the x the call reads, as the kernel
+   before the MoE does in a decode step, so nothing of call i+1 starts
+   before its input exists. The writes are timed alone (the same writes,
+   rotation and counts, no MoE: `x_write_us`) and their median subtracted:
+   per call = (T(writes + calls) - T(writes)) / layers (`timing.less`).
+   `SweepConfig.back_to_back` (`--back-to-back`) times the calls back to
+   back instead (call i+1 may start under call i): the `boundary` column and
+   the manifest say which. After the timing, the timed graph itself (the
+   same capture) is checked: the last layer's output is poisoned with NaN,
+   the graph replayed once, and that output gated against the last layer's
+   own fp64 oracle (its own weight set); a failure fails the case;
 4. where the backend splits its forward (`Backend.stage_calls`,
    `routed_call`; our kernels do), each stage is timed alone the same way
    (kernel_<stage>_us: a graph of that stage for every layer, fed by an eager
-   run of the stages before it; it includes the stage's launch but not the
-   overlap programmatic dependent launch gives its neighbours), and so is the
+   run of the stages before it, with the case's boundary: each layer's x
+   written before its stage call and the case's x_write_us subtracted; it
+   includes the stage's launch but not the overlap programmatic dependent
+   launch gives its neighbours), and so is the
    routed-expert path without the finalize (routed_us: route + GEMM1 + GEMM2
    in one graph, with its % of copy bandwidth over the same bytes). Medians
    only. Stage times are not additive (PDL overlaps neighbours in the layer
-   call), and routed_us can come out a little above the layer call (measured:
-   up to ~2 % for the a16 family at rows 6-8): without the finalize between
-   layers, the next layer's early-launched kernels meet a different GEMM2
-   tail. A failure here leaves the case ok, with the reason in its note.
-   `SweepConfig.split=False` (`--no-split`) skips this step.
+   call), and routed_us can come out a little above the layer call (measured,
+   back to back: up to ~2 % for the a16 family at rows 6-8): without the
+   finalize between layers, the next layer's early-launched kernels meet a
+   different GEMM2 tail. A failure here leaves the case ok, with the reason
+   in its note. `SweepConfig.split=False` (`--no-split`) skips this step.
+
+Bytes: `bytes` (and gbps, pct_copy_bw) is the logical MXFP4 count, the same
+for every backend (`cases.unique_bytes`); `read_bytes` what the backend
+really reads in its own layout (`Backend.read_bytes`, else `bytes`) and
+`read_gbps` the bandwidth over it. `peer` is the backend's `Backend.peer`
+(whether a failed case is a peer's, which the CLI fails only with --strict).
 
 Any exception inside a backend marks that case failed with the message; the
 sweep goes on. Without a GPU the sweep runs on the CPU at a reduced geometry
@@ -63,11 +84,11 @@ from moebench.bench.cases import (
     CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes, unique_experts,
 )
 from moebench.bench.interrupt import INTERRUPTED
-from moebench.bench.timing import time_graph
+from moebench.bench.timing import Timing, less, time_graph
 from moebench.env import environment, resolve_device
 from moebench.formats import generate_activations, generate_expert_weights
 from moebench.models import MX_BLOCK, RankShape
-from moebench.reference import ORACLE_TOLERANCE, reference_moe, relative_error
+from moebench.reference import ORACLE_TOLERANCE, ROW_TOLERANCE_FACTOR, oracle_gate, reference_moe
 from moebench.routing import scenario_topk_ids, scenario_weights
 
 #: Stages a backend's `stage_calls` may name (kernel_<stage>_us columns), in launch order:
@@ -77,14 +98,25 @@ SWEEP_STAGES = ("route", "align", "quantize", "gemm1", "activation", "gemm2", "r
 #: How kernel_<stage>_us and routed_us are measured (stored in the manifest).
 STAGE_TIMING = ("kernel_<stage>_us: each stage alone, fed by an eager run of the stages before it;"
                 " routed_us: route + GEMM1 + GEMM2 as forward launches them, no finalize;"
-                " both with the case's timing method and layer rotation")
+                " both with the case's timing method, layer rotation and boundary")
+#: How a replay's layer calls meet (the `boundary` column and the manifest's "boundary").
+LAYER_BOUNDARY, BACK_TO_BACK = "layer", "back-to-back"
+BOUNDARIES = (LAYER_BOUNDARY, BACK_TO_BACK)
+#: What each boundary means (the manifest's "boundary_timing").
+BOUNDARY_TIMING = {
+    LAYER_BOUNDARY: "a plain kernel (x from the layer's own source buffer, no PDL) writes each call's x just"
+                    " before it; the writes alone (x_write_us: same writes, rotation and counts, no MoE) are"
+                    " subtracted: per call = (T(writes + calls) - T(writes)) / layers, medians",
+    BACK_TO_BACK: "layer calls back to back on static inputs (--back-to-back): call i+1 may start under call i;"
+                  " per call = T(calls) / layers",
+}
 #: Result columns, in order (DESIGN.md "Store" plus timing/provenance extras).
 COLUMNS = (
     "preset", "hidden", "intermediate", "padded_intermediate", "experts", "top_k", "tp", "rows",
-    "scenario", "backend", "tactic", "status", "error", "median_us", "p10_us", "p90_us",
-    "unique_experts", "bytes", "gbps", "pct_copy_bw", "ceiling_gbps", "pct_size_ceiling",
-    "max_rel_err", "oracle", "device", "sm_count", "commit", "timing_method", "layers",
-    "l2_multiple", "seed", "routed_us", "routed_pct_copy_bw",
+    "scenario", "backend", "tactic", "peer", "status", "error", "median_us", "p10_us", "p90_us",
+    "unique_experts", "bytes", "gbps", "pct_copy_bw", "ceiling_gbps", "pct_size_ceiling", "read_bytes",
+    "read_gbps", "max_rel_err", "max_row_rel_err", "oracle", "device", "sm_count", "commit", "timing_method",
+    "boundary", "x_write_us", "layers", "l2_multiple", "seed", "routed_us", "routed_pct_copy_bw",
     *(f"kernel_{stage}_us" for stage in SWEEP_STAGES), "kernel_tactics",
 )  # fmt: skip
 STATUSES = ("ok", "failed", "skipped")
@@ -218,12 +250,14 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
     total = len(cases)
     rows_out: list[dict] = []
     groups_info: list[dict] = []
-    base = {"device": dinfo["name"], "sm_count": dinfo["sm_count"], "commit": env["commit"], "seed": config.seed}
+    base = {"device": dinfo["name"], "sm_count": dinfo["sm_count"], "commit": env["commit"], "seed": config.seed,
+            "boundary": boundary_of(config)}  # fmt: skip
 
     position = {case: i for i, case in enumerate(cases)}
     placed: list[int] = []  # each row's case position: rows come pair by pair, the frame keeps case order
 
     def emit(case: Case, row: dict) -> None:
+        row["peer"] = is_peer(backends, case.backend)
         rows_out.append(row)
         placed.append(position[case])
         if progress is not None:
@@ -245,7 +279,8 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
         done = set(placed)
         for i, case in enumerate(cases):
             if i not in done:
-                rows_out.append(_row(case, case.config.shard(case.tp), base, status="skipped", error=INTERRUPTED))
+                rows_out.append(_row(case, case.config.shard(case.tp), base, status="skipped", error=INTERRUPTED,
+                                     peer=is_peer(backends, case.backend)))  # fmt: skip
                 placed.append(i)
 
     rows_out = [row for _, row in sorted(zip(placed, rows_out), key=lambda pr: pr[0])]
@@ -263,6 +298,9 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
         "size_ceiling": "triton" if (dev.type == "cuda" and triton_available()) else None,
         "oracle_tolerance": ORACLE_TOLERANCE,  # the mxfp8 / bf16 gate; per backend: Backend.tolerance
         "stage_timing": STAGE_TIMING if config.split else None,
+        "boundary": boundary_of(config),
+        "boundary_timing": BOUNDARY_TIMING[boundary_of(config)],
+        "row_tolerance_factor": ROW_TOLERANCE_FACTOR,  # each row's error within this x the backend's tolerance
         # what the rows were timed with (config.use_graph is what was asked for: a CPU run
         # or a backend that cannot be captured times eagerly)
         "timing_methods": methods,
@@ -275,6 +313,30 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
     if interrupted:
         manifest["interrupted"] = True
     return SweepResult(frame, manifest)
+
+
+def boundary_of(config) -> str:
+    """The boundary `config` times its layer calls at: "back-to-back" with
+    `back_to_back`, else "layer" (module docstring, step 3)."""
+    return BACK_TO_BACK if getattr(config, "back_to_back", False) else LAYER_BOUNDARY
+
+
+def is_peer(backends: dict[str, Backend], name: str) -> bool:
+    """`Backend.peer` of backend `name` (True, a peer, for one that did not load)."""
+    backend = backends.get(name)
+    return bool(backend.peer) if backend is not None else True
+
+
+def layer_writes(x: torch.Tensor, layers: int) -> list[Callable[[], object]]:
+    """The kernels before each of `layers` layer calls at a layer boundary:
+    call l writes x (the static input every call reads) from a source buffer
+    of its own holding x's values, as `torch.mul(source[l], 1, out=x)`: one
+    plain elementwise kernel (exact: x times one; a same-dtype copy_ would be
+    a memcpy, not a kernel, in a CUDA graph), never chained to the next
+    launch by programmatic dependent launch; the inputs stay what the oracle
+    saw."""
+    sources = [x.clone() for _ in range(layers)]
+    return [lambda s=s: torch.mul(s, 1, out=x) for s in sources]
 
 
 def timing_counts_used(config, methods: list[str]) -> dict[str, dict[str, int]]:
@@ -302,12 +364,13 @@ def timing_methods(frame: pd.DataFrame) -> list[str]:
 
 
 FLOAT_COLUMNS = (
-    "median_us", "p10_us", "p90_us", "gbps", "pct_copy_bw", "ceiling_gbps", "pct_size_ceiling",
-    "max_rel_err", "l2_multiple", "routed_us", "routed_pct_copy_bw",
+    "median_us", "p10_us", "p90_us", "gbps", "pct_copy_bw", "ceiling_gbps", "pct_size_ceiling", "read_gbps",
+    "max_rel_err", "max_row_rel_err", "x_write_us", "l2_multiple", "routed_us", "routed_pct_copy_bw",
     *(f"kernel_{stage}_us" for stage in SWEEP_STAGES),
 )  # fmt: skip
-STRING_COLUMNS = ("error", "oracle", "timing_method", "commit", "device", "kernel_tactics")
-INT_COLUMNS = ("unique_experts", "bytes", "layers", "sm_count")
+STRING_COLUMNS = ("error", "oracle", "timing_method", "boundary", "commit", "device", "kernel_tactics")
+INT_COLUMNS = ("unique_experts", "bytes", "read_bytes", "layers", "sm_count")
+BOOL_COLUMNS = ("peer",)
 
 
 def _backend_selection(config: SweepConfig, dev: torch.device) -> tuple[str, ...]:
@@ -454,6 +517,8 @@ def _typed(frame: pd.DataFrame) -> pd.DataFrame:
         frame[col] = frame[col].fillna("").astype(str)
     for col in INT_COLUMNS:
         frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
+    for col in BOOL_COLUMNS:
+        frame[col] = frame[col].astype("boolean")
     return frame
 
 
@@ -465,6 +530,24 @@ def _jsonable(value):
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     return str(value)
+
+
+def read_bytes_of(backend: Backend | None, shape: RankShape, topk_ids: torch.Tensor,
+                  fallback: int) -> tuple[int, str | None]:
+    """(`backend.read_bytes(shape, topk_ids)`, None), or (`fallback`, None)
+    when it returns None or the backend did not load, or (`fallback`, why)
+    when it raises or returns something other than a positive int."""
+    if backend is None:
+        return fallback, None
+    try:
+        value = backend.read_bytes(shape, topk_ids)
+    except Exception as error:  # noqa: BLE001 - the count is extra: the case stays as it is
+        return fallback, f"read_bytes failed: {_error_text(error)}"
+    if value is None:
+        return fallback, None
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        return fallback, f"read_bytes returned {value!r}, expected a positive int (bytes used instead)"
+    return value, None
 
 
 def _row(case: Case, shape: RankShape, base: dict, **values) -> dict:
@@ -491,6 +574,17 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
             routings[key] = ids
     min_touched = rotation_bytes(shape, routings.values())
 
+    def put(case: Case, row: dict) -> None:
+        """emit(case, row) with the row's read_bytes / read_gbps (`read_bytes_of`)."""
+        if row.get("bytes") is not None and row.get("read_bytes") is None:
+            row["read_bytes"], note = read_bytes_of(backends.get(case.backend), shape,
+                                                    routings[(case.rows, case.scenario)], row["bytes"])  # fmt: skip
+            if note and row.get("status") == "ok":
+                row["error"] = "; ".join(t for t in (row.get("error"), note) if t)
+        if row.get("median_us") is not None and row.get("read_bytes"):
+            row["read_gbps"] = row["read_bytes"] / (row["median_us"] * 1e-6) / 1e9
+        emit(case, row)
+
     # Which (backend, tactic) pairs run here, and why the others do not.
     skip: dict[tuple[str, str], str] = {}
     for case in group:
@@ -504,8 +598,8 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
     if not active:  # nothing runs here: no weights to generate
         for case in group:
             ids = routings[(case.rows, case.scenario)]
-            emit(case, _row(case, shape, base, status="skipped", error=skip[(case.backend, case.tactic)],
-                            unique_experts=unique_experts(ids, shape.experts), bytes=unique_bytes(shape, ids)))
+            put(case, _row(case, shape, base, status="skipped", error=skip[(case.backend, case.tactic)],
+                           unique_experts=unique_experts(ids, shape.experts), bytes=unique_bytes(shape, ids)))
         return {"layers": 0, "layers_capped": False, "min_touched_bytes": min_touched}
 
     # The canonical weight sets are held for the whole group; each (backend,
@@ -531,7 +625,7 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
         for case in group:
             key = (case.backend, case.tactic)
             status, text = ("skipped", skip[key]) if key in skip else ("failed", message)
-            emit(case, _row(case, shape, base, status=status, error=text, layers=layers))
+            put(case, _row(case, shape, base, status=status, error=text, layers=layers))
         return {**info, "error": message}
 
     too_many = forced_layers_error(layers, per_layer, budget, config.memory_fraction)
@@ -572,12 +666,13 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
             generate_activations(rows, shape.hidden, config.seed, dev),
             {"unique_experts": unique_experts(ids_cpu, shape.experts), "bytes": nbytes, "ceiling_gbps": ceiling},
         )
-    oracles: dict[tuple[int, str], dict[str, torch.Tensor]] = {key: {} for key in routings}
+    # per (rows, scenario): {(oracle family, layer): fp64 output}
+    oracles: dict[tuple[int, str], dict[tuple[str, int], torch.Tensor]] = {key: {} for key in routings}
     for case in group:  # the skipped pairs first: they hold no memory
         key = (case.backend, case.tactic)
         if key in skip:
-            emit(case, _row(case, shape, base, status="skipped", error=skip[key], layers=layers,
-                            **inputs[(case.rows, case.scenario)][3]))  # fmt: skip
+            put(case, _row(case, shape, base, status="skipped", error=skip[key], layers=layers,
+                           **inputs[(case.rows, case.scenario)][3]))  # fmt: skip
     for key in active:
         name, tactic = key
         backend = backends[name]
@@ -596,9 +691,9 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
             common = {**common, "layers": n_layers,
                       "l2_multiple": (n_layers * (common["bytes"] - 4 * case.rows * shape.hidden) / l2) if l2 else None}  # fmt: skip
             if failed is not None:
-                emit(case, _row(case, shape, base, status="failed", error=failed, **common))
+                put(case, _row(case, shape, base, status="failed", error=failed, **common))
                 continue
-            row = _run_case(config, case, backend, prepared, weights[0], x, ids, topk_w,
+            row = _run_case(config, case, backend, prepared, weights[:n_layers], x, ids, topk_w,
                             oracles[(case.rows, case.scenario)], dev)  # fmt: skip
             nbytes = common["bytes"]
             if row.get("median_us") is not None:
@@ -609,7 +704,7 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
                 row["pct_size_ceiling"] = 100.0 * gbps / ceiling if ceiling else None
             if row.get("routed_us") and copy_bw:
                 row["routed_pct_copy_bw"] = 100.0 * nbytes / (row["routed_us"] * 1e-6) / 1e9 / copy_bw
-            emit(case, _row(case, shape, base, **common, **row))
+            put(case, _row(case, shape, base, **common, **row))
         del prepared
         _release(dev)
     del weights, inputs, oracles
@@ -635,43 +730,76 @@ def _graph_output(backend, prepared, x, ids, topk_w) -> torch.Tensor:
     return result
 
 
-def _run_case(config, case, backend, prepared, weights0, x, ids, topk_w, oracles, dev) -> dict:
-    """Gate then time one case; returns the case's own columns."""
+class _OffOracle(Exception):
+    """A gated output is off its oracle (the case fails with this message)."""
+
+
+def _oracle(oracles: dict, backend, layer: int, weights, x, ids, topk_w) -> torch.Tensor:
+    """The fp64 oracle output of `layer`'s weight set in `backend`'s family (cached per case inputs)."""
+    key = (backend.oracle, layer)
+    if key not in oracles:
+        oracles[key] = reference_moe(x, ids, topk_w, weights[layer], activation=backend.oracle,
+                                     dtype=torch.float64).output  # fmt: skip
+    return oracles[key]
+
+
+def _gate(row: dict, backend, out, oracle, what: str) -> None:
+    """Gate `out` against `oracle` (`reference.oracle_gate` at the backend's
+    tolerance), keeping the worst errors in `row`; raises _OffOracle naming
+    `what` was checked when it fails."""
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(oracle.shape):
+        raise ValueError(f"forward returned {getattr(out, 'shape', type(out).__name__)}, expected"
+                         f" {tuple(oracle.shape)}")  # fmt: skip
+    err, row_err, why = oracle_gate(out, oracle, backend.tolerance)
+    for col, value in (("max_rel_err", err), ("max_row_rel_err", row_err)):
+        old = row.get(col)
+        row[col] = value if old is None or not value <= old else old  # NaN wins
+    if why is not None:
+        raise _OffOracle(f"{what}{why} vs the {backend.oracle} oracle")
+
+
+def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles, dev) -> dict:
+    """Gate then time one case (module docstring, steps 2-4); returns the
+    case's own columns. `weights`: the canonical weight set of each layer of
+    `prepared` (the oracles of layer 0 and of the last layer)."""
     row: dict = {"oracle": backend.oracle}
+    last = len(prepared) - 1
+    graph = config.use_graph and backend.capturable
     try:
         row["kernel_tactics"] = backend.kernel_tactics(prepared[0], case.rows)
         with _nvtx_range(case.label()):
-            if backend.oracle not in oracles:
-                oracles[backend.oracle] = reference_moe(
-                    x, ids, topk_w, weights0, activation=backend.oracle, dtype=torch.float64
-                ).output
-            out = backend.forward(prepared[0], x, ids, topk_w)
-            if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(x.shape):
-                raise ValueError(
-                    f"forward returned {getattr(out, 'shape', type(out).__name__)}, expected {tuple(x.shape)}"
-                )
-            err = relative_error(out, oracles[backend.oracle])
-            row["max_rel_err"] = err
-            if not err <= backend.tolerance:
-                row.update(status="failed", error=(
-                    f"rel. error {err:.3g} vs the {backend.oracle} oracle exceeds {backend.tolerance:g}"))  # fmt: skip
-                return row
+            oracle0 = _oracle(oracles, backend, 0, weights, x, ids, topk_w)
+            _gate(row, backend, backend.forward(prepared[0], x, ids, topk_w), oracle0, "")
+            if graph and dev.type == "cuda":  # what is timed is a replay: gate one first (poisoned)
+                _gate(row, backend, _graph_output(backend, prepared[0], x, ids, topk_w), oracle0,
+                      "CUDA-graph replay (the eager call passed): ")  # fmt: skip
+            counts = timing_counts(config, len(prepared), graph, dev)
+            writes = None if config.back_to_back else layer_writes(x, len(prepared))
+            written = time_graph(lambda: [w() for w in writes], **counts) if writes else None
+            outputs: list = [None]
 
             def call_all_layers() -> None:
-                for p in prepared:
-                    backend.forward(p, x, ids, topk_w)
+                for i, p in enumerate(prepared):
+                    if writes:
+                        writes[i]()
+                    outputs[0] = backend.forward(p, x, ids, topk_w)
 
-            graph = config.use_graph and backend.capturable
-            if graph and dev.type == "cuda":
-                # What is timed is the replay: gate its output too (poisoned first).
-                err = relative_error(_graph_output(backend, prepared[0], x, ids, topk_w), oracles[backend.oracle])
-                row["max_rel_err"] = max(row["max_rel_err"], err)
-                if not err <= backend.tolerance:
-                    row.update(status="failed", error=(
-                        f"CUDA-graph replay: rel. error {err:.3g} vs the {backend.oracle} oracle exceeds"
-                        f" {backend.tolerance:g} (the eager call passed)"))  # fmt: skip
-                    return row
-            timing = time_graph(call_all_layers, **timing_counts(config, len(prepared), graph, dev))
+            def timed_output(replay) -> torch.Tensor:
+                """The last layer's output of one more replay of what was timed (poisoned first)."""
+                if isinstance(outputs[0], torch.Tensor):
+                    outputs[0].fill_(float("nan"))
+                replay()
+                return outputs[0].clone() if isinstance(outputs[0], torch.Tensor) else outputs[0]
+
+            timing = time_graph(call_all_layers, **counts, check=timed_output)
+            _gate(row, backend, timing.checked, _oracle(oracles, backend, last, weights, x, ids, topk_w),
+                  f"the timed {'graph' if timing.method == 'cuda-graph' else 'calls'}, layer {last + 1} of"
+                  f" {last + 1} (its own weights; layer 1 passed): ")  # fmt: skip
+            if written is not None:
+                timing = less(timing, written)
+    except _OffOracle as error:
+        row.update(status="failed", error=str(error))
+        return row
     except Exception as error:  # noqa: BLE001 - a backend failure fails its case only
         if dev.type == "cuda":
             with contextlib.suppress(Exception):
@@ -681,13 +809,13 @@ def _run_case(config, case, backend, prepared, weights0, x, ids, topk_w, oracles
         return row
     row.update(
         status="ok", median_us=timing.median_us, p10_us=timing.p10_us, p90_us=timing.p90_us,
-        timing_method=timing.method,
+        timing_method=timing.method, x_write_us=written.median_us if written is not None else None,
     )  # fmt: skip
     notes = []
     parts = (("per-stage timing", _time_stages), ("routed-path timing", _time_routed)) if config.split else ()
     for what, part in parts:
         try:
-            row.update(part(config, backend, prepared, x, ids, topk_w, graph, dev))
+            row.update(part(config, backend, prepared, x, ids, topk_w, graph, dev, writes, written))
         except Exception as error:  # noqa: BLE001 - the split is extra: the case stays ok, the note says why
             if dev.type == "cuda":
                 with contextlib.suppress(Exception):
@@ -706,11 +834,26 @@ def timing_counts(config, calls: int, graph: bool, dev) -> dict:
                 device=dev)
 
 
-def _time_stages(config, backend, prepared, x, ids, topk_w, graph: bool, dev) -> dict:
+def _time_at_boundary(calls: list[Callable[[], object]], writes, written: Timing | None, counts: dict) -> float:
+    """Median µs per call of `calls` (one per layer) timed as the case was:
+    each after its layer's write, the writes' median subtracted (`writes`
+    and their timing `written`), or back to back (`writes` None)."""
+    if writes is None:
+        return time_graph(lambda: [call() for call in calls], **counts).median_us
+
+    def run() -> None:
+        for write, call in zip(writes, calls):
+            write()
+            call()
+
+    return less(time_graph(run, **counts), written).median_us
+
+
+def _time_stages(config, backend, prepared, x, ids, topk_w, graph: bool, dev, writes=None, written=None) -> dict:
     """kernel_<stage>_us of a backend that splits its forward (module
-    docstring, step 4), with the case's timing counts; {} otherwise. Raises
-    ValueError when the stages are not distinct SWEEP_STAGES names, the same
-    for every layer."""
+    docstring, step 4), with the case's timing counts and boundary; {}
+    otherwise. Raises ValueError when the stages are not distinct
+    SWEEP_STAGES names, the same for every layer."""
     per_layer = [list(backend.stage_calls(p, x, ids, topk_w)) for p in prepared]
     if not per_layer[0]:
         return {}
@@ -722,14 +865,14 @@ def _time_stages(config, backend, prepared, x, ids, topk_w, graph: bool, dev) ->
             raise ValueError(f"{backend.name}.stage_calls gave layer {layer} the stages"
                              f" {[name for name, _ in calls]}, layer 0 {names}; expected the same for every layer")
     counts = timing_counts(config, len(prepared), graph, dev)
-    return {f"kernel_{name}_us": time_graph(lambda i=i: [calls[i][1]() for calls in per_layer], **counts).median_us
+    return {f"kernel_{name}_us": _time_at_boundary([calls[i][1] for calls in per_layer], writes, written, counts)
             for i, name in enumerate(names)}
 
 
-def _time_routed(config, backend, prepared, x, ids, topk_w, graph: bool, dev) -> dict:
-    """routed_us (module docstring, step 4); {} for a backend without it."""
+def _time_routed(config, backend, prepared, x, ids, topk_w, graph: bool, dev, writes=None, written=None) -> dict:
+    """routed_us (module docstring, step 4) at the case's boundary; {} for a backend without it."""
     routed = [backend.routed_call(p, x, ids, topk_w) for p in prepared]
     if routed[0] is None:
         return {}
     counts = timing_counts(config, len(prepared), graph, dev)
-    return {"routed_us": time_graph(lambda: [call() for call in routed], **counts).median_us}
+    return {"routed_us": _time_at_boundary(routed, writes, written, counts)}

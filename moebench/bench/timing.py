@@ -6,13 +6,20 @@ the graph is replayed `replays` times, each replay between two device events;
 one sample = replay time / calls_per_replay (so a `fn` that runs several
 layers' calls reports the time of one call). Without a GPU the eager calls are
 timed with the wall clock, and `Timing.method` says so.
+
+`check(replay)`, when given, runs after the timing with what was timed
+still alive: `replay()` runs it once more (one more replay of the same
+captured graph, or one more eager `fn()`) and waits for it, so a caller can
+poison the outputs `fn` wrote, replay, and inspect them; whatever `check`
+returns is kept in `Timing.checked`. `less(total, part)` subtracts the
+median of a part timed alone (e.g. the kernels written between `fn`'s calls).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -28,7 +35,8 @@ class Timing:
 
     samples_us: one value per replay (replay time / calls_per_replay);
     method: "cuda-graph" (graph replay, device events), "cuda-events" (eager
-    calls between device events) or "cpu-wallclock" (eager calls, host clock).
+    calls between device events) or "cpu-wallclock" (eager calls, host clock);
+    checked: what `time_graph`'s `check` returned (None without one).
     """
 
     median_us: float
@@ -37,6 +45,7 @@ class Timing:
     samples_us: tuple[float, ...]
     method: str
     calls_per_replay: int = 1
+    checked: object = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -54,6 +63,25 @@ class Timing:
         return cls(float(med), float(p10), float(p90), tuple(float(v) for v in s), method, calls_per_replay)
 
 
+def less(total: Timing, part: Timing) -> Timing:
+    """`total` with the median of `part` taken off every sample (so median,
+    p10 and p90 each lose part's median): the time of what `total` timed
+    beside `part`, per call, when both were timed with the same calls per
+    replay. Keeps total's method and `checked`. Raises ValueError unless the
+    result's median is positive (the part is not smaller than the whole:
+    nothing was measured)."""
+    if not isinstance(total, Timing) or not isinstance(part, Timing):
+        raise TypeError("total and part must be Timing")
+    if total.calls_per_replay != part.calls_per_replay:
+        raise ValueError(f"total and part were timed with {total.calls_per_replay} and {part.calls_per_replay}"
+                         " calls per replay; expected the same")
+    net = Timing.from_samples([s - part.median_us for s in total.samples_us], total.method, total.calls_per_replay)
+    if not net.median_us > 0:
+        raise ValueError(f"the whole ({total.median_us:.3g} µs per call) is not above its part timed alone"
+                         f" ({part.median_us:.3g} µs): nothing left to measure")
+    return replace(net, checked=total.checked)
+
+
 def _check_count(name: str, value: int, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
@@ -68,6 +96,7 @@ def time_graph(
     use_graph: bool = True,
     device: torch.device | str | None = None,
     capture_error_mode: str = "global",
+    check: Callable[[Callable[[], None]], object] | None = None,
 ) -> Timing:
     """Time `fn` (no arguments; it may launch many calls) and return per-call µs.
 
@@ -79,11 +108,15 @@ def time_graph(
     capture_error_mode: torch.cuda.graph's mode; "thread_local" when other
     threads may touch CUDA during the capture (e.g. the NCCL watchdog of a
     process group whose collectives `fn` captures).
+    check: called once after the timing as `check(replay)` (module
+    docstring); its result goes to `Timing.checked`, its exceptions propagate.
     Raises ValueError for non-positive counts or an unknown capture mode,
-    TypeError if `fn` is not callable.
+    TypeError if `fn` or `check` is not callable.
     """
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    if check is not None and not callable(check):
+        raise TypeError(f"check must be callable or None, got {type(check).__name__}")
     _check_count("warmup", warmup, 0)
     _check_count("replays", replays, 1)
     _check_count("calls_per_replay", calls_per_replay, 1)
@@ -96,11 +129,23 @@ def time_graph(
     if dev.type == "cuda":
         with torch.cuda.device(dev):
             if use_graph:
-                return _time_cuda_graph(fn, warmup, replays, calls_per_replay, capture_error_mode)
-            return _time_cuda_events(fn, warmup, replays, calls_per_replay)
+                return _time_cuda_graph(fn, warmup, replays, calls_per_replay, capture_error_mode, check)
+            return _checked(_time_cuda_events(fn, warmup, replays, calls_per_replay), check, fn, torch.cuda.synchronize)
     if dev.type != "cpu":
         raise ValueError(f"device must be cpu or cuda, got {dev}")
-    return _time_wallclock(fn, warmup, replays, calls_per_replay)
+    return _checked(_time_wallclock(fn, warmup, replays, calls_per_replay), check, fn, lambda: None)
+
+
+def _checked(timing: Timing, check, run, wait) -> Timing:
+    """`timing` with `check(replay)`'s result (replay = run() then wait()), or as it is without a check."""
+    if check is None:
+        return timing
+
+    def replay() -> None:
+        run()
+        wait()
+
+    return replace(timing, checked=check(replay))
 
 
 def _time_wallclock(fn, warmup: int, replays: int, calls: int) -> Timing:
@@ -133,7 +178,8 @@ def _time_cuda_events(fn, warmup: int, replays: int, calls: int) -> Timing:
     return _replay_with_events(fn, replays, calls, "cuda-events")
 
 
-def _time_cuda_graph(fn, warmup: int, replays: int, calls: int, capture_error_mode: str = "global") -> Timing:
+def _time_cuda_graph(fn, warmup: int, replays: int, calls: int, capture_error_mode: str = "global",
+                     check=None) -> Timing:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -152,5 +198,6 @@ def _time_cuda_graph(fn, warmup: int, replays: int, calls: int, capture_error_mo
         graph.replay()
     torch.cuda.synchronize()
     timing = _replay_with_events(graph.replay, replays, calls, "cuda-graph")
+    timing = _checked(timing, check, graph.replay, torch.cuda.synchronize)  # the graph that was timed
     del graph
     return timing

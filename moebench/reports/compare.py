@@ -32,9 +32,11 @@ skipped in the baseline), "new" (only in the current run: informational),
 "missing" (only in the baseline, where it was not ok), "mismatch" (the
 case's shape H/I/E/top_k, seed or touched experts differ between the runs,
 or its timing_method: "cuda-graph" vs "cuda-events" (--no-graph, an
-uncapturable backend) vs "cpu-wallclock" time different things; or the
-runs differ as a whole: device, geometry, L2 mode, run kind (sweep
-vs step) or rank count; reported, not compared). A regression is a
+uncapturable backend) vs "cpu-wallclock" time different things, or its
+boundary ("layer" vs "back-to-back"); or the runs differ as a whole:
+device, geometry, L2 mode, run kind (sweep vs step), rank count or a
+sweep's layer boundary (a run stored before the field was back to back);
+reported, not compared). A regression is a
 "slower" case with delta_pct > threshold_pct, a "failed" case or a "lost"
 one.
 
@@ -192,10 +194,17 @@ def _ranks(manifest: dict) -> int:
     return ranks if ranks is not None else 1
 
 
+def _boundary(manifest: dict) -> str:
+    """How a sweep run met its layer calls ("layer" or "back-to-back"); runs
+    stored before the field timed them back to back."""
+    return manifest.get("boundary") or "back-to-back"
+
+
 def run_mismatches(current: dict, baseline: dict) -> tuple[list[str], list[str]]:
     """(mismatches, notes) between two manifests: device name / SM count /
     reduced CPU geometry / warm-L2 mode / run kind (sweep vs step) / rank
-    count / a step's shared-expert stream (side or in order) are mismatches
+    count / a sweep's layer boundary (layer vs back-to-back) / a step's
+    shared-expert stream (side or in order) are mismatches
     (the runs measure different things); driver, CUDA, package versions and
     the copy bandwidth (beyond 5 %) are notes."""
     mism, notes = [], []
@@ -213,6 +222,10 @@ def run_mismatches(current: dict, baseline: dict) -> tuple[list[str], list[str]]
                     " a step the whole decode step)")  # fmt: skip
     if _ranks(current) != _ranks(baseline):
         mism.append(f"ranks: {_ranks(current)} vs baseline {_ranks(baseline)}")
+    bounds = _boundary(current), _boundary(baseline)
+    if _kind(current) == _kind(baseline) == "sweep" and bounds[0] != bounds[1]:
+        mism.append(f"layer boundary: {bounds[0]} vs baseline {bounds[1]} (a boundary run writes each layer call's"
+                    " x before it; --back-to-back lets call i+1 start under call i)")
     side = shared_overlap(current), shared_overlap(baseline)
     if _kind(current) == _kind(baseline) == "step" and side[0] != side[1]:
         where = {True: "side stream", False: "in order"}
@@ -322,6 +335,9 @@ def _case_mismatch(cur: dict, base: dict, methods: tuple[str | None, str | None]
     for k in SHAPE_KEYS:
         if k in cur and k in base and cur[k] != base[k]:
             diffs.append(f"{k} {cur[k]} vs {base[k]}")
+    a, b = cur.get("boundary"), base.get("boundary")
+    if isinstance(a, str) and isinstance(b, str) and a and b and a != b:
+        diffs.append(f"timed at the {a} boundary vs {b}")
     for k in ("seed", "unique_experts", "layers"):  # layers: the weight sets a replay walks (the L2 working set)
         a, b = cur.get(k), base.get(k)
         if a is not None and b is not None and not (pd.isna(a) or pd.isna(b)) and a != b:

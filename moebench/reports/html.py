@@ -1,7 +1,13 @@
 """HTML report of a run (and its comparison with a baseline) with PNG plots.
 
-Plots (matplotlib's Agg canvas, no pyplot, no display), one figure per
-(preset, tp, scenario) group:
+Plots (matplotlib's Agg canvas, no pyplot, no display):
+
+- latency_tp<N>.png, one per TP degree: the side-by-side comparison, µs per
+  layer call vs rows for the run's main scenario (`main_scenario`), one line
+  per (backend, tactic), log y axis (torch-bf16 is ~10x slower than the
+  rest), a panel per preset; a series' failed rows are named in its legend;
+
+and one figure per (preset, tp, scenario) group:
 
 - latency.png: µs per layer call vs rows, one line per backend[tactic],
   failed cases marked with a red x on the axis, the physical floor (unique
@@ -32,9 +38,12 @@ from pathlib import Path
 import pandas as pd
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from moebench.reports.compare import Comparison
-from moebench.reports.summary import kernel_columns, shared_stream_text, stage_timing_text, summary_table
+from moebench.reports.summary import (
+    boundary_text, kernel_columns, shared_stream_text, stage_timing_text, summary_table,
+)  # fmt: skip
 
 GROUP_KEYS = ("preset", "tp", "scenario")
 KERNEL_COLUMN = re.compile(r"^kernel_(\w+)_us$")
@@ -92,6 +101,67 @@ def plot_latency(df: pd.DataFrame, copy_bw_gbps: float | None, path: Path) -> Pa
         ax.set_xlabel("token rows")
         ax.set_ylabel("µs per layer call")
         ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
+#: The per-TP comparison plots' file names.
+TP_PLOT = re.compile(r"^latency_tp([1-9][0-9]*)\.png$")
+
+
+def tp_plot_name(tp: int) -> str:
+    return f"latency_tp{int(tp)}.png"
+
+
+def main_scenario(df: pd.DataFrame) -> str | None:
+    """The scenario a run is mostly about: the one with the most ok cases
+    ("correlated", the sweep's default, wins a tie, then the first by name);
+    None when no case is ok."""
+    if not {"status", "scenario"} <= set(df.columns):
+        return None
+    counts = df[df["status"] == "ok"]["scenario"].astype(str).value_counts()
+    if counts.empty:
+        return None
+    best = counts[counts == counts.max()].index
+    return "correlated" if "correlated" in best else sorted(best)[0]
+
+
+def tp_plot_frames(df: pd.DataFrame) -> dict[int, pd.DataFrame]:
+    """{tp: the main scenario's rows at that TP degree} for every TP degree
+    with an ok case there (what `plot_tp_latency` draws)."""
+    scenario = main_scenario(df)
+    if scenario is None or "tp" not in df.columns:
+        return {}
+    sub = df[df["scenario"].astype(str) == scenario]
+    return {int(tp): s for tp, s in sorted(sub.groupby("tp")) if (s["status"] == "ok").any()}
+
+
+def plot_tp_latency(sub: pd.DataFrame, tp: int, note: str | None, path: Path) -> Path:
+    """µs per layer call vs rows at one TP degree (module docstring)."""
+    presets = sorted(sub["preset"].astype(str).unique())
+    fig, axes = _grid(len(presets), width=6.4, height=4.4)
+    scenario = str(sub["scenario"].iloc[0])
+    for ax, preset in zip(axes, presets):
+        part = sub[sub["preset"].astype(str) == preset]
+        for (backend, tactic), s in part.groupby(["backend", "tactic"], sort=True):
+            ok = s[(s["status"] == "ok") & (s["median_us"] > 0)].sort_values("rows")
+            failed = sorted(int(r) for r in s.loc[s["status"] == "failed", "rows"])
+            label = _series_label(backend, tactic) + (f" (failed: rows {', '.join(map(str, failed))})"
+                                                      if failed else "")  # fmt: skip
+            if len(ok):
+                ax.plot(ok["rows"], ok["median_us"], marker="o", label=label)
+            elif failed:
+                ax.plot([], [], linestyle="none", marker="x", color="red", label=label)
+        ax.set_yscale("log")
+        plain = FuncFormatter(lambda v, _: f"{v:g}")  # 20, 30, 300 rather than 2 x 10^1
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rows are whole
+        ax.set_title(f"{preset} TP{tp}, {scenario}" + (f"\n{note}" if note else ""), fontsize=9)
+        ax.set_xlabel("token rows")
+        ax.set_ylabel("µs per layer call (log)")
+        ax.grid(True, which="both", linewidth=0.3)
         ax.legend(fontsize=7)
     return _save(fig, path)
 
@@ -264,15 +334,29 @@ PLOT_CAPTIONS = {
     "kernels.png": "Per-kernel split (µs)",
     "compare.png": "Median vs the baseline (bar: ratio - 1; whisker: noise; colour: verdict)",
 }  # fmt: skip
-#: Every file `write_html_report` may write (report_files: those it writes for a given run).
+#: Every file `write_html_report` may write but the per-TP plots (`is_report_file` knows those too).
 HTML_FILES = ("report.html", *PLOT_CAPTIONS)
+
+
+def is_report_file(name: str) -> bool:
+    """Whether `write_html_report` may write a file of this name (HTML_FILES
+    or a per-TP plot, latency_tp<N>.png)."""
+    return name in HTML_FILES or bool(TP_PLOT.match(name))
+
+
+def _caption(name: str) -> str:
+    m = TP_PLOT.match(name)
+    if m:
+        return (f"TP{m[1]}: µs per layer call vs rows, every backend and tactic side by side (the run's main"
+                " scenario; log scale)")
+    return PLOT_CAPTIONS.get(name, name)
 
 
 def report_files(df: pd.DataFrame, comparison: Comparison | None = None) -> list[str]:
     """Names of the files `write_html_report` writes for this run
     (report.html first), so that a caller can refuse to replace them all
     before writing any."""
-    names = ["report.html"]
+    names = ["report.html", *(tp_plot_name(tp) for tp in tp_plot_frames(df))]
     if _drawn(df):
         names += ["latency.png", "bandwidth.png"]
     if not speedup_frame(df).empty:
@@ -302,7 +386,9 @@ def write_html_report(
     copy_bw = manifest.get("copy_bw_gbps")
     copy_bw = float(copy_bw) if isinstance(copy_bw, (int, float)) and copy_bw > 0 else None
     table = summary_table(df)
-    pngs: list[Path] = []
+    note = "layer calls back to back" if manifest.get("boundary") == "back-to-back" else (
+        "at a layer boundary (x written before each call)" if manifest.get("boundary") == "layer" else None)
+    pngs = [plot_tp_latency(sub, tp, note, out / tp_plot_name(tp)) for tp, sub in tp_plot_frames(df).items()]
     if _drawn(df):
         pngs += [plot_latency(df, copy_bw, out / "latency.png"), plot_bandwidth(df, copy_bw, out / "bandwidth.png")]
     for extra in (plot_speedup(df, out / "speedup.png"), plot_kernels(df, out / "kernels.png"),
@@ -323,6 +409,9 @@ def write_html_report(
     timing = stage_timing_text(manifest)
     if timing:
         facts.append(f"stage timing: {timing}")
+    boundary = boundary_text(manifest)
+    if boundary:
+        facts.append(f"layer boundary: {boundary}")
     if manifest.get("kind") == "step":
         facts.append(f"shared expert: {shared_stream_text(manifest)}")
     parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
@@ -353,7 +442,7 @@ def write_html_report(
         parts.append("<p>none: no case was timed or failed (every case was skipped; the table below says why)</p>")
     for p in pngs:
         parts.append(f"<figure><img src='{html.escape(p.name)}' alt='{html.escape(p.stem)}'>"
-                     f"<figcaption>{html.escape(PLOT_CAPTIONS.get(p.name, p.stem))}</figcaption></figure>")  # fmt: skip
+                     f"<figcaption>{html.escape(_caption(p.name))}</figcaption></figure>")  # fmt: skip
     for heading, frame in (tables or {}).items():
         parts.append(f"<h2>{html.escape(heading)}</h2>" + _table_html(frame))
     parts.append("<h2>Cases</h2>" + _table_html(table))
@@ -363,4 +452,5 @@ def write_html_report(
     return [report, *pngs]
 
 
-__all__ = ["HTML_FILES", "report_files", "write_html_report", "speedup_frame", "kernel_columns"]
+__all__ = ["HTML_FILES", "is_report_file", "report_files", "write_html_report", "speedup_frame", "kernel_columns",
+           "main_scenario", "tp_plot_frames"]

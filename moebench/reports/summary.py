@@ -19,6 +19,33 @@ SUMMARY_COLUMNS = (
 )  # fmt: skip
 
 
+def failed_cases(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(ours, peers): the failed rows of a run split by whose backend failed,
+    by the `peer` column (`Backend.peer`). A row without it (runs stored
+    before the column) counts as ours, so that no failure passes unseen."""
+    if "status" not in df.columns:
+        return df.iloc[0:0], df.iloc[0:0]
+    failed = df[df["status"].astype(str) == "failed"]
+    if "peer" not in failed.columns:
+        return failed, failed.iloc[0:0]
+    peer = failed["peer"].astype("boolean").fillna(False).astype(bool)
+    return failed[~peer], failed[peer]
+
+
+def failure_lines(failed: pd.DataFrame, most: int = 10) -> list[str]:
+    """'backend[tactic] preset TP<tp> rows <rows> <scenario>: <error>' of the
+    first `most` rows of `failed`, then how many more."""
+    lines = []
+    for rec in failed.head(most).to_dict("records"):
+        tactic = rec.get("tactic")
+        name = rec.get("backend") if tactic in (None, "", "default") else f"{rec.get('backend')}[{tactic}]"
+        lines.append(f"{name} {rec.get('preset')} TP{rec.get('tp')} rows {rec.get('rows')} {rec.get('scenario')}:"
+                     f" {rec.get('error') or 'no reason recorded'}")
+    if len(failed) > most:
+        lines.append(f"and {len(failed) - most} more (see the table)")
+    return lines
+
+
 def _with_ratio_and_note(df: pd.DataFrame) -> pd.DataFrame:
     """A copy of df with vs_torch_bf16 (the best ok torch-bf16 median of the
     same case / this median) and note (the error text), sorted by case then
@@ -39,7 +66,8 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (case, backend, tactic), sorted by case then median µs:
     SUMMARY_COLUMNS, with routed_us / routed_pct_copy_bw and the
     kernel_<stage>_us columns inserted before vs_torch_bf16 where some row
-    has them (runs stored before them, or without a split backend, lack them).
+    has them (runs stored before them, or without a split backend, lack them),
+    and read_gbps (over the bytes the backend really reads) after gbps.
 
     vs_torch_bf16 = the best ok torch-bf16 median of the same (preset, tp,
     rows, scenario) / this median (> 1: faster than torch-bf16; NaN without
@@ -55,6 +83,8 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     columns = list(SUMMARY_COLUMNS)
     at = columns.index("vs_torch_bf16")
     columns[at:at] = [c for c in ROUTED_COLUMNS if _has_values(df, c)] + kernel_columns(df)
+    if _has_values(df, "read_gbps"):  # what the backend really reads (runs stored before it lack it)
+        columns.insert(columns.index("gbps") + 1, "read_gbps")
     return out[columns].reset_index(drop=True)
 
 
@@ -112,6 +142,19 @@ def stage_timing_text(manifest: dict) -> str | None:
     if "stage_timing" not in manifest:
         return None
     return manifest["stage_timing"] or "not timed (--no-split)"
+
+
+def boundary_text(manifest: dict) -> str | None:
+    """How a sweep run met its layer calls, for the reports: "layer (...)"
+    or "back-to-back (...)" from the manifest's boundary; "back-to-back"
+    for a sweep stored before the field (it timed that way); None for a
+    step run (its gate and router are the boundary)."""
+    if manifest.get("kind") == "step":
+        return None
+    boundary = manifest.get("boundary") or "back-to-back"
+    how = manifest.get("boundary_timing") or ("stored before the layer-boundary timing: calls back to back"
+                                              if "boundary" not in manifest else "")
+    return f"{boundary} ({how})" if how else boundary
 
 
 def is_step_run(df: pd.DataFrame, manifest: dict | None = None) -> bool:
@@ -226,6 +269,13 @@ def to_markdown(df: pd.DataFrame, manifest: dict, ranks: pd.DataFrame | None = N
         lines.append("- warm L2: one weight set timed over and over")
     counts = df["status"].value_counts().to_dict() if "status" in df.columns else {}
     lines.append("- cases: " + ", ".join(f"{counts.get(s, 0)} {s}" for s in ("ok", "failed", "skipped")))
+    boundary = boundary_text(manifest)
+    if boundary and not is_step_run(df, manifest):
+        lines.append(f"- layer boundary: {boundary}")
+    ours, peers = failed_cases(df)
+    if len(peers):
+        lines.append(f"- failed peer cases ({len(peers)}; not ours, they fail the command only with --strict):")
+        lines += [f"  - {line}" for line in failure_lines(peers)]
     step = is_step_run(df, manifest)
     timing = stage_timing_text(manifest)
     if step:

@@ -44,6 +44,8 @@ def test_step_config_validation():
     assert step_config(**SMALL, tp=1).overlap_shared is True
     with pytest.raises(TypeError, match="overlap_shared"):
         step_config(**SMALL, tp=1, overlap_shared="no")
+    with pytest.raises(ValueError, match="back_to_back .* is a sweep option"):
+        step_config(**SMALL, tp=1, back_to_back=True)  # a step's gate and router are its layer boundary
     with pytest.raises(ValueError, match="tp=3"):
         step_config(**SMALL, tp=3)
     with pytest.raises(ValueError, match="without a GPU the step runs a reduced geometry") as info:

@@ -1,4 +1,5 @@
 import math
+import time
 
 import pytest
 import torch
@@ -208,12 +209,14 @@ def test_gpu_sweep_gates_the_graph_replay():
 
 class StagedBackend(TorchBF16Backend):
     """torch-bf16 cut into three named stages plus a routed path (no finalize),
-    counting how often each is called."""
+    counting how often each is called; each call costs 0.2 ms, well above the
+    layer boundary's x write that the sweep subtracts."""
 
     name = "test-staged"
     calls: dict = {}
 
     def _count(self, name):
+        time.sleep(2e-4)
         type(self).calls[name] = type(self).calls.get(name, 0) + 1
 
     def stage_calls(self, prepared, x, topk_ids, topk_weights):
@@ -230,7 +233,7 @@ class BadStageBackend(TorchBF16Backend):
         return [("warp-drive", lambda: None)]
 
     def routed_call(self, prepared, x, topk_ids, topk_weights):
-        return lambda: None
+        return lambda: time.sleep(2e-4)  # a cost above the boundary's x write
 
 
 class RepeatedStageBackend(TorchBF16Backend):
@@ -467,3 +470,178 @@ def test_the_default_alias_is_stored_as_default_however_the_tactics_are_spelled(
     backends = {AliasedBackend.name: AliasedBackend()}
     cases = [Case(cfg, 1, 1, "uniform", AliasedBackend.name, tactic=t) for t in listed]
     assert [c.tactic for c in expand_all_tactics(cases, backends)] == stored
+
+
+class SlowBackend(TorchBF16Backend):
+    """A layer call of a known cost: 2 ms of sleep, returning torch-bf16's
+    output of that layer (computed once per layer: the host's other work
+    must not blur the cost), logging its calls."""
+
+    name = "test-slow"
+    events: list = []
+
+    def forward(self, prepared, x, topk_ids, topk_weights):
+        type(self).events.append("f")
+        if not hasattr(prepared, "cached"):
+            prepared.cached = super().forward(prepared, x, topk_ids, topk_weights)
+        time.sleep(2e-3)
+        return prepared.cached.clone()
+
+
+def _slow_writes(monkeypatch, events):
+    """sweep.layer_writes with a known 1 ms per write, logging them as w<layer>."""
+    from moebench.bench import sweep
+
+    real = sweep.layer_writes
+
+    def writes(x, layers):
+        def slow(write, layer):
+            def call():
+                events.append(f"w{layer}")
+                time.sleep(1e-3)
+                return write()
+            return call
+        return [slow(w, i) for i, w in enumerate(real(x, layers))]
+
+    monkeypatch.setattr(sweep, "layer_writes", writes)
+
+
+def test_layer_calls_are_timed_at_a_layer_boundary_with_the_writes_subtracted(monkeypatch):
+    """By default each layer call's x is written just before it (w0 f w1 f
+    ...), the writes are timed alone (x_write_us) and subtracted: a 2 ms
+    call beside a 1 ms write reads ~2 ms, not 3. --back-to-back times the
+    calls alone; the boundary column and the manifest say which."""
+    register_backend("test-slow", SlowBackend)
+    events = SlowBackend.events
+    _slow_writes(monkeypatch, events)
+    try:
+        frames = {}
+        for back in (False, True):
+            events.clear()
+            cfg = SweepConfig(backends=("test-slow",), layers=2, back_to_back=back, split=False,
+                              **{**TINY, "rows": (3,), "replays": 10, "warmup": 1})  # fmt: skip
+            result = run_sweep(cfg)
+            frames[back] = (result, " ".join(events))
+    finally:
+        unregister_backend("test-slow")
+    (boundary, events), (b2b, b2b_events) = frames[False], frames[True]
+    row = boundary.frame.to_dict("records")[0]
+    assert row["status"] == "ok", row["error"]
+    assert row["boundary"] == "layer" and boundary.manifest["boundary"] == "layer"
+    assert "x_write_us" in boundary.manifest["boundary_timing"]
+    assert 1000 <= row["x_write_us"] < 1700, row["x_write_us"]
+    assert 2000 <= row["median_us"] < 2800, row["median_us"]  # the 1 ms write is not in it
+    assert row["p10_us"] <= row["median_us"] <= row["p90_us"]
+    assert "w0 f w1 f w0 f w1 f" in events  # every timed call right after its own write
+    assert "w0 w1 w0 w1" in events  # the writes timed alone
+    other = b2b.frame.to_dict("records")[0]
+    assert other["status"] == "ok" and other["boundary"] == "back-to-back"
+    assert b2b.manifest["boundary"] == "back-to-back" and b2b.manifest["config"]["back_to_back"] is True
+    assert math.isnan(other["x_write_us"]) and "w" not in b2b_events
+    assert 2000 <= other["median_us"] < 2800, other["median_us"]
+
+
+class StaleLayerBackend(TorchBF16Backend):
+    """Computes every layer call with the first prepared layer's weights:
+    right at the gate (layer 0), wrong for every later layer."""
+
+    name = "test-stale-layer"
+
+    def prepare(self, weights, shape, tactic="default"):
+        prepared = super().prepare(weights, shape, tactic)
+        self.first = getattr(self, "first", None) or prepared
+        return prepared
+
+    def forward(self, prepared, x, topk_ids, topk_weights):
+        return super().forward(self.first, x, topk_ids, topk_weights)
+
+
+def test_the_timed_calls_last_layer_is_gated_against_its_own_oracle():
+    """After timing, the last layer's output of what was timed (one more
+    replay; on the CPU one more eager run) is gated against that layer's own
+    oracle: a backend that is right for layer 0 only fails, not timed; an
+    honest one passes with its worst row error stored."""
+    register_backend("test-stale-layer", StaleLayerBackend)
+    try:
+        cfg = SweepConfig(backends=("torch-bf16", "test-stale-layer"), layers=2,
+                          **{**TINY, "rows": (3,)})  # fmt: skip
+        df = run_sweep(cfg).frame
+    finally:
+        unregister_backend("test-stale-layer")
+    by = {r["backend"]: r for r in df.to_dict("records")}
+    ok = by["torch-bf16"]
+    assert ok["status"] == "ok" and ok["layers"] == 2, ok["error"]
+    assert 0 < ok["max_rel_err"] <= 1e-2 and ok["max_rel_err"] <= ok["max_row_rel_err"] <= 2e-2
+    stale = by["test-stale-layer"]
+    assert stale["status"] == "failed" and math.isnan(stale["median_us"])
+    assert "the timed calls, layer 2 of 2" in stale["error"] and "bf16 oracle" in stale["error"], stale["error"]
+    assert stale["max_rel_err"] > 0.1
+
+
+class BadReadBackend(TorchBF16Backend):
+    name = "test-bad-read"
+
+    def read_bytes(self, shape, topk_ids):
+        return -5
+
+
+def test_read_bytes_columns():
+    """read_bytes is what the backend reads in its own layout (Backend.read_bytes,
+    else the normalized bytes), read_gbps the bandwidth over it; pct_copy_bw
+    stays on the normalized bytes; a bad count falls back with a note. peer
+    says whose backend it is."""
+    from moebench.bench.cases import unique_bytes
+    from moebench.routing import scenario_topk_ids
+
+    register_backend("test-bad-read", BadReadBackend)
+    try:
+        result = run_sweep(SweepConfig(backends=("torch-bf16", "reference", "test-bad-read", "moebench"),
+                                       **{**TINY, "rows": (3,)}))  # fmt: skip
+    finally:
+        unregister_backend("test-bad-read")
+    by = {r["backend"]: r for r in result.frame.to_dict("records")}
+    shape = SweepConfig(**TINY).config_for("dsv4-flash", reduced=True).shard(1)
+    ids = scenario_topk_ids("uniform", 3, shape.top_k, shape.experts, 0)
+    torch_row = by["torch-bf16"]
+    assert torch_row["bytes"] == unique_bytes(shape, ids)
+    assert torch_row["read_bytes"] == TorchBF16Backend().read_bytes(shape, ids) > torch_row["bytes"]
+    assert math.isclose(torch_row["read_gbps"], torch_row["read_bytes"] / (torch_row["median_us"] * 1e-6) / 1e9)
+    assert math.isclose(torch_row["gbps"], torch_row["bytes"] / (torch_row["median_us"] * 1e-6) / 1e9)
+    assert by["reference"]["read_bytes"] == by["reference"]["bytes"]  # no layout of its own
+    bad = by["test-bad-read"]
+    assert bad["status"] == "ok" and bad["read_bytes"] == bad["bytes"] and "read_bytes returned -5" in bad["error"]
+    skipped = by["moebench"]  # skipped on the CPU, its count stored all the same
+    assert skipped["status"] == "skipped" and skipped["read_bytes"] == skipped["bytes"]
+    assert math.isnan(skipped["read_gbps"])
+    assert [by[n]["peer"] for n in ("torch-bf16", "reference", "moebench")] == [True, False, False]
+    assert str(result.frame["peer"].dtype) == "boolean"
+
+
+@pytest.mark.gpu
+def test_gpu_boundary_back_to_back_and_the_timed_graphs_check():
+    """On the H200: every backend at the default layer boundary with its
+    writes subtracted, our kernels (route reading x after its wait) correct
+    there and back to back; a backend right for layer 0 only fails the timed
+    graph's check."""
+    register_backend("test-stale-layer", StaleLayerBackend)
+    try:
+        base = dict(presets=("dsv41-flash",), tp=(4,), rows=(1, 4), scenarios=("correlated",), replays=30,
+                    warmup=3, device="cuda", split=True)  # fmt: skip
+        at_layer = run_sweep(SweepConfig(backends=("moebench", "torch-bf16"), tactics=("default", "fp8"),
+                                         **base)).frame  # fmt: skip
+        b2b = run_sweep(SweepConfig(backends=("moebench",), tactics=("default", "fp8"), back_to_back=True,
+                                    **base)).frame  # fmt: skip
+        stale = run_sweep(SweepConfig(backends=("test-stale-layer",), layers=2,
+                                      **{**TINY, "device": "cuda", "rows": (3,)})).frame  # fmt: skip
+    finally:
+        unregister_backend("test-stale-layer")
+    for df, boundary in ((at_layer, "layer"), (b2b, "back-to-back")):
+        ok = df[df["status"] == "ok"]
+        assert len(ok) == len(df), df[["backend", "tactic", "rows", "error"]].to_dict("records")
+        assert (df["boundary"] == boundary).all() and (df["timing_method"] == "cuda-graph").all()
+        assert (df["max_row_rel_err"] <= 2e-2).all()
+    assert (at_layer["x_write_us"] > 0).all() and b2b["x_write_us"].isna().all()
+    ours = at_layer[at_layer["backend"] == "moebench"]
+    assert (ours["kernel_route_us"] > 0).all() and (ours["routed_us"] > 0).all()
+    row = stale.to_dict("records")[0]
+    assert row["status"] == "failed" and "the timed graph, layer 2 of 2" in row["error"], row["error"]

@@ -70,3 +70,61 @@ def test_capture_error_mode_is_checked():
     with pytest.raises(ValueError, match="capture_error_mode"):
         time_graph(lambda: None, replays=1, device="cpu", capture_error_mode="loose")
     assert time_graph(lambda: None, replays=2, device="cpu", capture_error_mode="thread_local").method == "cpu-wallclock"
+
+
+def test_check_sees_one_more_run_of_what_was_timed_and_its_result_is_kept():
+    """check(replay) runs once, after the timing; replay runs fn once more
+    (on the CPU an eager call: the CPU stand-in for a graph replay); what
+    check returns is Timing.checked; its errors propagate."""
+    calls, seen = [], []
+
+    def check(replay):
+        seen.append(len(calls))
+        replay()
+        return ("after", len(calls))
+
+    t = time_graph(lambda: calls.append(1), warmup=2, replays=3, device="cpu", check=check)
+    assert seen == [5] and t.checked == ("after", 6) and len(calls) == 6
+    assert time_graph(lambda: None, replays=1, device="cpu").checked is None
+
+    def bad(replay):
+        raise RuntimeError("output off")
+
+    with pytest.raises(RuntimeError, match="output off"):
+        time_graph(lambda: None, replays=1, device="cpu", check=bad)
+    with pytest.raises(TypeError, match="check"):
+        time_graph(lambda: None, replays=1, device="cpu", check=42)
+
+
+def test_less_subtracts_the_parts_median_from_every_sample():
+    from moebench.bench.timing import less
+
+    total = Timing.from_samples([10.0, 11.0, 12.0, 13.0, 14.0], "cpu-wallclock", 4)
+    part = Timing.from_samples([2.0, 3.0, 4.0], "cpu-wallclock", 4)
+    net = less(total, part)
+    assert (net.median_us, net.samples_us, net.calls_per_replay) == (9.0, (7.0, 8.0, 9.0, 10.0, 11.0), 4)
+    assert net.p10_us == pytest.approx(total.p10_us - 3.0) and net.method == "cpu-wallclock"
+    with pytest.raises(ValueError, match="calls per replay"):
+        less(total, Timing.from_samples([1.0], "cpu-wallclock", 2))
+    with pytest.raises(ValueError, match="not above its part"):
+        less(part, total)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_check_replays_the_timed_graph():
+    """On CUDA the check's replay is the captured graph itself: a buffer the
+    graph writes, poisoned after the timing, holds the graph's value again."""
+    import torch
+
+    src = torch.full((1024,), 3.0, device="cuda")
+    dst = torch.empty(1024, device="cuda")
+
+    def check(replay):
+        dst.fill_(float("nan"))
+        replay()
+        return dst.clone()
+
+    t = time_graph(lambda: dst.copy_(src * 2), replays=5, device="cuda", check=check)
+    assert t.method == "cuda-graph" and bool((t.checked == 6.0).all())
+    e = time_graph(lambda: dst.copy_(src * 2), replays=5, use_graph=False, device="cuda", check=check)
+    assert e.method == "cuda-events" and bool((e.checked == 6.0).all())

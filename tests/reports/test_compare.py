@@ -295,6 +295,32 @@ def test_a_step_with_the_shared_expert_on_another_stream_is_a_mismatch():
     assert compare_runs(cur, side, base, side).mismatches == []
 
 
+def test_a_layer_boundary_run_is_not_compared_with_a_back_to_back_one():
+    """A sweep timed at the layer boundary (the default) against one timed
+    back to back (--back-to-back, or any sweep stored before the field) is a
+    run-level mismatch; the same boundary compares; a step has no such
+    field. A row-level boundary that differs is a case mismatch too."""
+    cur, base = runs()
+    layer = {**MANIFEST, "boundary": "layer"}
+    b2b = {**MANIFEST, "boundary": "back-to-back"}
+    for current, baseline, needle in ((layer, b2b, "layer boundary: layer vs baseline back-to-back"),
+                                      (layer, MANIFEST, "layer boundary: layer vs baseline back-to-back"),
+                                      (b2b, layer, "layer boundary: back-to-back vs baseline layer")):  # fmt: skip
+        comp = compare_runs(cur, current, base, baseline, threshold_pct=5.0)
+        assert any(needle in m for m in comp.mismatches), comp.mismatches
+        assert verdicts(comp)[("moebench", 1)] == "mismatch"
+    assert compare_runs(cur, layer, base, layer).mismatches == []
+    assert compare_runs(cur, b2b, base, MANIFEST).mismatches == []  # stored before the field: back to back
+    step = {**MANIFEST, "kind": "step", "ranks": 1}
+    assert compare_runs(cur, step, base, step).mismatches == []
+    rows_cur = pd.DataFrame([case(1, boundary="layer"), case(2, boundary="layer")])
+    rows_base = pd.DataFrame([case(1, boundary="back-to-back"), case(2, boundary="layer")])
+    comp = compare_runs(rows_cur, layer, rows_base, layer, threshold_pct=5.0)
+    f = comp.frame.set_index("rows")
+    assert f.loc[1, "verdict"] == "mismatch" and "layer boundary vs back-to-back" in f.loc[1, "note"]
+    assert f.loc[2, "verdict"] == "same"
+
+
 def test_nothing_compared_for_a_run_level_mismatch_says_so():
     cur = pd.DataFrame([case(1, median=12.0), case(2, median=12.0)])
     comp = compare_runs(cur, {**MANIFEST, "kind": "step", "ranks": 2}, cur, MANIFEST)

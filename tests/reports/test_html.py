@@ -5,7 +5,9 @@ import math
 import pandas as pd
 
 from moebench.reports.compare import compare_runs
-from moebench.reports.html import HTML_FILES, kernel_columns, report_files, speedup_frame, write_html_report
+from moebench.reports.html import (
+    is_report_file, kernel_columns, main_scenario, report_files, speedup_frame, tp_plot_frames, write_html_report,
+)  # fmt: skip
 
 PNG = b"\x89PNG\r\n\x1a\n"
 MANIFEST = {"device": {"name": "NVIDIA H200", "sm_count": 132}, "copy_bw_gbps": 4000.0, "commit": "abc<def>"}
@@ -38,9 +40,10 @@ def test_report_and_plots_are_written(tmp_path):
     comp = compare_runs(df, MANIFEST, base, MANIFEST, threshold_pct=5)
     paths = write_html_report(df, MANIFEST, tmp_path, comparison=comp)
     names = [p.name for p in paths]
-    assert names == ["report.html", "latency.png", "bandwidth.png", "speedup.png", "kernels.png", "compare.png"]
+    assert names == ["report.html", "latency_tp4.png", "latency.png", "bandwidth.png", "speedup.png", "kernels.png",
+                     "compare.png"]  # fmt: skip
     assert report_files(df, comp) == names  # named before writing, so that the CLI can refuse to replace them
-    assert set(names) <= set(HTML_FILES)  # every name, so that `report --force` can remove an earlier report's
+    assert all(map(is_report_file, names))  # every name, so that `report --force` can remove an earlier report's
     for p in paths[1:]:
         data = p.read_bytes()
         assert data.startswith(PNG) and len(data) > 5000, p
@@ -54,7 +57,7 @@ def test_report_and_plots_are_written(tmp_path):
 
 def test_optional_plots_are_left_out(tmp_path):
     paths = write_html_report(frame(with_flashinfer=False, with_kernels=False), {}, tmp_path)
-    assert [p.name for p in paths] == ["report.html", "latency.png", "bandwidth.png"]
+    assert [p.name for p in paths] == ["report.html", "latency_tp4.png", "latency.png", "bandwidth.png"]
     assert report_files(frame(with_flashinfer=False, with_kernels=False)) == [p.name for p in paths]
     assert "copy bandwidth: not measured" in paths[0].read_text()
 
@@ -69,7 +72,7 @@ def test_a_run_whose_cases_were_all_skipped_gets_no_empty_plots(tmp_path):
     assert "every case was skipped" in text and "needs a CUDA device, got cpu" in text
     one = df.copy()
     one.loc[0, "status"] = "failed"  # a failed case is drawn (a cross at 0)
-    assert report_files(one)[:3] == ["report.html", "latency.png", "bandwidth.png"]
+    assert report_files(one)[:3] == ["report.html", "latency.png", "bandwidth.png"]  # no ok case: no per-TP plot
 
 
 def test_speedup_and_kernel_columns():
@@ -80,3 +83,31 @@ def test_speedup_and_kernel_columns():
     assert one == (50.0 + 8) / (20.0 + 3)
     assert speedup_frame(frame(with_flashinfer=False)).empty
     assert kernel_columns(df) == ["kernel_route_us", "kernel_gemm1_us", "kernel_gemm2_us"]
+
+
+def test_one_comparison_plot_per_tp_of_the_main_scenario(tmp_path):
+    """latency_tp<N>.png per TP degree with an ok case of the run's main
+    scenario (most ok cases; 'correlated' wins a tie): µs per layer call vs
+    rows, one line per (backend, tactic), log y."""
+    df = frame(with_kernels=False)
+    tp8 = df.assign(tp=8, median_us=df["median_us"] / 2)
+    other = df.assign(scenario="uniform")
+    hot_only = df.assign(scenario="hot", tp=2)  # another scenario at a TP of its own: no plot for it
+    run = pd.concat([df, tp8, other, hot_only], ignore_index=True)
+    assert main_scenario(run) == "correlated"
+    assert main_scenario(pd.concat([other, other.assign(rows=other["rows"] + 10)])) == "uniform"
+    assert main_scenario(run.assign(status="failed")) is None
+    frames = tp_plot_frames(run)
+    assert sorted(frames) == [4, 8] and set(frames[4]["scenario"]) == {"correlated"}
+    paths = write_html_report(run, {**MANIFEST, "boundary": "layer"}, tmp_path)
+    names = [p.name for p in paths]
+    assert names[:3] == ["report.html", "latency_tp4.png", "latency_tp8.png"] and "latency_tp2.png" not in names
+    assert names == report_files(run)
+    for name in names[1:3]:
+        data = (tmp_path / name).read_bytes()
+        assert data.startswith(PNG) and len(data) > 5000
+    text = paths[0].read_text()
+    assert "TP4: µs per layer call vs rows, every backend and tactic side by side" in text
+    assert "layer boundary: layer" in text
+    assert is_report_file("latency_tp16.png") and not is_report_file("latency_tp0.png")
+    assert not is_report_file("latency_tpx.png")

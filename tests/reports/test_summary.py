@@ -83,3 +83,34 @@ def test_kernel_tactics_table_lists_the_cases_that_recorded_them():
     assert list(t.columns) == ["tp", "rows", "backend", "kernel_tactics"] and len(t) == 1
     assert t["kernel_tactics"].iloc[0].startswith("gemm1 A")
     assert kernel_tactics_table(df.drop(columns="kernel_tactics")).empty
+
+
+def test_failed_cases_split_ours_from_the_peers_and_the_report_lists_the_peers():
+    """A failed row is a peer's when its `peer` column says so; a run
+    stored before the column counts every failure as ours. summary.md lists
+    the failed peer cases with their reasons and says how the sweep was
+    bounded; read_gbps joins the table where the run has it."""
+    from moebench.reports.summary import failed_cases, failure_lines
+
+    df = results()
+    ours, peers = failed_cases(df)  # no peer column: ours
+    assert len(ours) == 1 and peers.empty
+    df["peer"] = pd.array([True, True, False, True, False], dtype="boolean")
+    ours, peers = failed_cases(df)
+    assert ours.empty and peers["backend"].tolist() == ["flashinfer-w4a16"]
+    assert failure_lines(peers) == ["flashinfer-w4a16 p TP8 rows 1 uniform: rel. error 0.5 | bad"]
+    df.loc[df["backend"] == "flashinfer-w4a16", "peer"] = pd.NA
+    assert len(failed_cases(df)[0]) == 1  # unknown: ours
+    df["peer"] = pd.array([True, True, False, True, False], dtype="boolean")
+    df["read_gbps"] = [0.5, 0.25, 4.0, float("nan"), 3.0]
+    text = to_markdown(df, {"device": {"name": "NVIDIA H200"}, "boundary": "layer",
+                            "boundary_timing": "x written before each call"})  # fmt: skip
+    assert "- layer boundary: layer (x written before each call)" in text
+    assert "failed peer cases (1; not ours, they fail the command only with --strict)" in text
+    assert "  - flashinfer-w4a16 p TP8 rows 1 uniform: rel. error 0.5 | bad" in text
+    assert list(summary_table(df).columns).index("read_gbps") == list(summary_table(df).columns).index("gbps") + 1
+    old = to_markdown(results(), {"device": {"name": "NVIDIA H200"}})  # a sweep stored before the field
+    assert "- layer boundary: back-to-back (stored before the layer-boundary timing" in old
+    from moebench.reports.summary import boundary_text
+
+    assert boundary_text({"kind": "step"}) is None  # a step's gate and router are its boundary
