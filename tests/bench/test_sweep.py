@@ -329,8 +329,9 @@ def test_gpu_sweep_times_our_stages_and_routed_path():
     assert (df["status"] == "ok").all(), df["error"].tolist()
     for r in df.to_dict("records"):
         assert r["error"] == "", r["error"]
-        for s in SWEEP_STAGES:
-            assert r[f"kernel_{s}_us"] > 0, (r["tactic"], s)
+        for s in SWEEP_STAGES:  # ours: route, gemm1, gemm2, finalize; the peers' glue stages stay empty
+            ours = s in ("route", "gemm1", "gemm2", "finalize")
+            assert r[f"kernel_{s}_us"] > 0 if ours else math.isnan(r[f"kernel_{s}_us"]), (r["tactic"], s)
         assert r["routed_us"] < 1.05 * r["median_us"], r  # no finalize; PDL neighbours differ (sweep docstring)
         assert max(r["kernel_gemm1_us"], r["kernel_gemm2_us"]) < r["routed_us"], r
         assert 0 < r["routed_pct_copy_bw"] < 100
@@ -635,6 +636,9 @@ def test_gpu_boundary_back_to_back_and_the_timed_graphs_check():
                                       **{**TINY, "device": "cuda", "rows": (3,)})).frame  # fmt: skip
     finally:
         unregister_backend("test-stale-layer")
+    skipped = at_layer[at_layer["status"] == "skipped"]  # torch-bf16 offers no "fp8"
+    assert set(zip(skipped["backend"], skipped["tactic"])) <= {("torch-bf16", "fp8")}, skipped["error"].tolist()
+    at_layer = at_layer[at_layer["status"] != "skipped"]
     for df, boundary in ((at_layer, "layer"), (b2b, "back-to-back")):
         ok = df[df["status"] == "ok"]
         assert len(ok) == len(df), df[["backend", "tactic", "rows", "error"]].to_dict("records")

@@ -10,7 +10,8 @@ from moebench.formats import generate_activations, generate_expert_weights
 from moebench.models import get_preset
 from moebench.moe_output import finalize
 from moebench.record import TILE, build_route_record
-from moebench.reference import ORACLE_TOLERANCE, reference_moe, relative_error
+from moebench.formats import dequantize_mxfp8
+from moebench.reference import ORACLE_TOLERANCE, reference_gemm2, reference_moe, relative_error
 from moebench.routing import scenario_topk_ids, scenario_weights
 
 binding = pytest.importorskip("moebench.kernels.binding", reason="needs nvidia-cutlass-dsl")
@@ -323,8 +324,14 @@ def test_the_default_binding_runs_the_tables_family_and_matches_the_oracle(prese
             slots = slots[slots >= 0].long()
             got, oracle = out.gemm2_permuted[slots], ref.unfinalized.gemm2_permuted[slots]
             assert relative_error(got, oracle) <= ORACLE_TOLERANCE, label
+            # Row by row, GEMM2 is held to the oracle of the H it was given: the H bytes that
+            # differ from the oracle's (the rule above) move one permuted row further than the
+            # whole output (seen on the H200: dsv41-flash TP8 fp8 rows 3 uniform, one row 2.5e-2
+            # from the end-to-end oracle); the finalized tokens below keep the end-to-end row gate.
+            h_given = dequantize_mxfp8(h_q[:used].view(torch.float8_e4m3fn), h_s[:used], dtype=torch.float64)
+            given = reference_gemm2(h_given[:, : ref.h_values.shape[1]], w, ref.route)[slots]
             for i in range(slots.numel()):
-                assert relative_error(got[i], oracle[i]) <= 2e-2, f"{label}: permuted row {int(slots[i])}"
+                assert relative_error(got[i], given[i]) <= 2e-2, f"{label}: permuted row {int(slots[i])}"
             final = finalize(out)
             assert relative_error(final, ref.output) <= ORACLE_TOLERANCE, label
             for t in range(rows):
