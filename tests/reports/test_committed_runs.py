@@ -54,45 +54,46 @@ def test_committed_run_reads_and_renders(run, tmp_path):
     assert sorted(p.name for p in run.iterdir()) == before  # the committed run is left as it is
 
 
-#: README's measured table: column -> (backend, run directory[, tactic: "default" if absent]).
+#: README's measured tables (one per TP degree): column -> backend, all from one run.
+README_RUN = "2026-12-01-h200-dsv41-flash-peers"
 README_COLUMNS = {
-    "moebench fp8 (ours)": ("moebench", "2026-12-01-h200-dsv41-flash-fp8-s17", "fp8"),
-    "moebench (ours)": ("moebench", "2026-11-30-h200-dsv41-flash-v15-retuned"),
-    "humming W4A16": ("humming-w4a16", "2026-11-29-h200x4-dsv41-baselines"),
-    "humming W4A8": ("humming-w4a8", "2026-11-29-h200x2-dsv41-humming-w4a8"),
-    "FlashInfer SM90 W4A16": ("flashinfer-w4a16", "2026-11-29-h200x2-dsv41-flashinfer"),
-    "FlashInfer SM90 W4A8": ("flashinfer-w4a8", "2026-11-29-h200x2-dsv41-flashinfer"),
-    "torch BF16": ("torch-bf16", "2026-11-29-h200x2-dsv41-flashinfer"),
+    "moebench (ours)": "moebench",
+    "Marlin W4A16": "marlin-w4a16",
+    "humming W4A16": "humming-w4a16",
+    "humming W4A8": "humming-w4a8",
+    "triton_kernels": "triton-mxfp4",
+    "torch BF16": "torch-bf16",
 }
 
 
-def test_readme_table_quotes_the_committed_runs():
-    """Every 'µs / % copy' cell of README's measured table (dsv41-flash TP4,
-    correlated, the column's tactic) equals the committed run's ok case, rounded
-    as printed: a re-measured run or an edited table cannot drift apart."""
+def test_readme_tables_quote_the_committed_run():
+    """Every 'µs / % copy' cell of README's measured tables (dsv41-flash,
+    correlated, TP4 then TP8, default tactics) equals the committed run's ok
+    case, rounded as printed, and each row's fastest peer and speed-up are
+    that run's: a re-measured run or an edited table cannot drift apart, and a
+    ratio is never quoted across runs."""
     readme = (RUNS.parents[1] / "README.md").read_text()
-    lines = [ln for ln in readme.splitlines() if ln.startswith("| ")]
-    header = next(ln for ln in lines if "moebench (ours)" in ln)
-    cols = [c.strip() for c in header.strip("|").split("|")]
-    assert set(README_COLUMNS) <= set(cols[1:]), cols
-    frames = {}
+    df = read_run(RUNS / README_RUN)[0]
+    lines = readme.splitlines()
+    headers = [i for i, ln in enumerate(lines) if ln.startswith("| rows |") and "moebench (ours)" in ln]
+    assert len(headers) == 2, "README holds one measured table per TP degree (4, 8)"
     checked = 0
-    for ln in lines[lines.index(header) + 1:]:
-        cells = [c.strip() for c in ln.strip("|").split("|")]
-        if not cells[0].isdigit():
-            continue
-        rows = int(cells[0])
-        for col, cell in zip(cols[1:], cells[1:]):
-            backend, run, *tactic = README_COLUMNS[col]
-            tactic = tactic[0] if tactic else "default"
-            if run not in frames:
-                frames[run] = read_run(RUNS / run)[0]
-            df = frames[run]
-            case = df[(df.backend == backend) & (df.preset == "dsv41-flash") & (df.tp == 4) & (df.rows == rows)
-                      & (df.scenario == "correlated") & (df.tactic == tactic)]
-            assert len(case) == 1 and case.iloc[0].status == "ok", (col, rows)
-            us, pct = (float(v.strip(" %")) for v in cell.split("/"))
-            assert round(float(case.iloc[0].median_us), 1) == us, (col, rows, case.iloc[0].median_us)
-            assert round(float(case.iloc[0].pct_copy_bw), 1) == pct, (col, rows, case.iloc[0].pct_copy_bw)
-            checked += 1
-    assert checked == 3 * len(README_COLUMNS)
+    for tp, at in zip((4, 8), headers):
+        cols = [c.strip() for c in lines[at].strip("|").split("|")]
+        assert cols[-2:] == ["fastest peer", "speed-up"] and set(cols[1:-2]) == set(README_COLUMNS), cols
+        for ln in lines[at + 2:]:
+            if not ln.startswith("| "):
+                break
+            cells = [c.strip() for c in ln.strip("|").split("|")]
+            rows = int(cells[0])
+            case = df[(df.preset == "dsv41-flash") & (df.tp == tp) & (df.rows == rows) & (df.scenario == "correlated")
+                      & (df.tactic == "default") & (df.status == "ok")].set_index("backend")
+            for col, cell in zip(cols[1:-2], cells[1:-2]):
+                rec = case.loc[README_COLUMNS[col]]
+                us, pct = (float(v.strip(" %")) for v in cell.split("/"))
+                assert (round(float(rec.median_us), 1), round(float(rec.pct_copy_bw), 1)) == (us, pct), (tp, rows, col)
+                checked += 1
+            peers = case.drop("moebench")["median_us"]
+            assert cells[-2] == peers.idxmin(), (tp, rows)
+            assert cells[-1] == f"{peers.min() / case.loc['moebench', 'median_us']:.2f}x", (tp, rows)
+    assert checked == 2 * 5 * len(README_COLUMNS)
