@@ -105,8 +105,8 @@ class Backend(abc.ABC):
         device memory for the routing `topk_ids` [rows, top_k] (CPU or device
         ids): the touched experts' weights and scales in its own layout
         (padding, BF16 copies and all) plus x in and the output
-        (`bench.cases.touched_bytes(shape, topk_ids, bytes_per_expert)`, with
-        `bench.cases.mxfp4_bytes` for MXFP4 matrices). None (the default)
+        (`traffic.touched_bytes(shape, topk_ids, bytes_per_expert)`, with
+        `traffic.mxfp4_bytes` for MXFP4 matrices). None (the default)
         when it is the normalized count (`bench.cases.unique_bytes`: the
         logical MXFP4 bytes), which every backend's `pct_copy_bw` uses; the
         sweep then stores that count as `read_bytes`."""
@@ -211,3 +211,21 @@ def check_forward_inputs(
             f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)}"
             f" must both be [rows={x.shape[0]}, top_k]"
         )
+
+
+def require_runnable(backend: Backend, device: torch.device | str) -> None:
+    """Raise RuntimeError naming `backend` and the reason unless it can run on
+    `device` (its `unavailable_reason`): what a prepare says before it
+    touches the device."""
+    reason = backend.unavailable_reason(device)
+    if reason is not None:
+        raise RuntimeError(f"backend {backend.name!r} cannot run on {device}: {reason}")
+
+
+def one_clamp(weights: ExpertWeights, why: str) -> float:
+    """The SwiGLU limit all experts of `weights` share, for a path that takes
+    one per layer; ValueError (`why` says whose rule) when the clamps differ."""
+    limits = torch.unique(weights.clamp)
+    if limits.numel() != 1:
+        raise ValueError(f"{why}; clamp must be equal for all experts, got {limits.numel()} values")
+    return float(limits[0])

@@ -44,9 +44,11 @@ from typing import ClassVar
 
 import torch
 
-from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
+from moebench.backends.base import (
+    DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, require_runnable, sm90_reason,
+)
 from moebench.backends.layouts import swap_halves
-from moebench.bench.cases import mxfp4_bytes, touched_bytes
+from moebench.traffic import mxfp4_bytes, touched_bytes
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
 
@@ -174,9 +176,7 @@ class _FlashInferBackend(Backend):
         self.check_tactic(shape, tactic)
         check_weights(weights, shape)
         dev = weights.w13.device
-        reason = self.unavailable_reason(dev)
-        if reason is not None:
-            raise RuntimeError(f"backend {self.name!r} cannot run on {dev}: {reason}")
+        require_runnable(self, dev)
         from flashinfer.fused_moe import (
             cutlass_fused_moe_workspace_size,
             interleave_moe_scales_for_sm90_mixed_gemm,

@@ -49,9 +49,11 @@ from typing import ClassVar
 import torch
 
 from moebench.backends import vllm_align, vllm_ops
-from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
+from moebench.backends.base import (
+    DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, one_clamp, require_runnable, sm90_reason,
+)
 from moebench.backends.layouts import to_humming_logical
-from moebench.bench.cases import mxfp4_bytes, touched_bytes
+from moebench.traffic import mxfp4_bytes, touched_bytes
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
 
@@ -338,12 +340,8 @@ class _HummingBackend(Backend):
         self.check_tactic(shape, tactic)
         check_weights(weights, shape)
         dev = weights.w13.device
-        reason = self.unavailable_reason(dev)
-        if reason is not None:
-            raise RuntimeError(f"backend {self.name!r} cannot run on {dev}: {reason}")
-        limits = torch.unique(weights.clamp)
-        if limits.numel() != 1:
-            raise ValueError("humming's SwiGLU limit is one compile-time constant; clamp must be equal for all experts")
+        require_runnable(self, dev)
+        limit = one_clamp(weights, "humming's SwiGLU limit is one compile-time constant")
         _import_humming()
         from humming.config import GemmType
         from humming.layer import HummingMethod
@@ -379,7 +377,7 @@ class _HummingBackend(Backend):
             kept = [list(c) for c in full if c[0] < max_m]
             tuning[sub] = (kept, json.dumps(kept))
         return HummingPrepared(
-            layer=layer, tuning=tuning, activation=swiglu_expression(float(limits[0])), hidden=h,
+            layer=layer, tuning=tuning, activation=swiglu_expression(limit), hidden=h,
             intermediate=i, experts=e, top_k=shape.top_k, mode=self.mode,
         )  # fmt: skip
 

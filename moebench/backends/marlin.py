@@ -55,13 +55,16 @@ from typing import ClassVar
 import torch
 
 from moebench.backends import vllm_ops
-from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
+from moebench.backends.base import (
+    DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, one_clamp, require_runnable, sm90_reason,
+)
 from moebench.backends.marlin_layout import (
     FLOAT4_E2M1F_ID, MarlinWeights, check_marlin_shape, marlin_expert_bytes, prepare_marlin,
 )  # fmt: skip
 from moebench.backends.vllm_align import MAX_EXPERTS, AlignBuffers
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
+from moebench.traffic import touched_bytes
 
 #: fused_marlin_moe's block_m candidates, in the order it tries them.
 BLOCK_SIZES = (8, 16, 32, 48, 64)
@@ -144,12 +147,7 @@ class MarlinW4A16Backend(Backend):
     def read_bytes(self, shape: RankShape, topk_ids: torch.Tensor) -> int:
         """Marlin's reads of one call: the padded-intermediate weights and
         scales of each touched local expert, x in and the output (bf16)."""
-        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
-            raise ValueError(f"topk_ids must be a 2-D tensor [rows, top_k], got {getattr(topk_ids, 'shape', topk_ids)!r}")
-        ids = topk_ids.detach().reshape(-1).to("cpu", torch.int64)
-        touched = int(torch.unique(ids[(ids >= 0) & (ids < shape.experts)]).numel())
-        rows = topk_ids.shape[0]
-        return touched * marlin_expert_bytes(shape.hidden, shape.padded_intermediate) + 2 * rows * shape.hidden * 2
+        return touched_bytes(shape, topk_ids, marlin_expert_bytes(shape.hidden, shape.padded_intermediate))
 
     def prepared_bytes(self, shape: RankShape) -> int:
         return shape.experts * marlin_expert_bytes(shape.hidden, shape.padded_intermediate)
@@ -164,13 +162,9 @@ class MarlinW4A16Backend(Backend):
         check_marlin_shape(shape.hidden, shape.padded_intermediate)
         if shape.experts + 1 > MAX_EXPERTS:
             raise ValueError(f"at most {MAX_EXPERTS - 1} experts (vLLM's align op), got {shape.experts}")
-        limits = torch.unique(weights.clamp)
-        if limits.numel() != 1:
-            raise ValueError("vLLM's Marlin path takes one SwiGLU limit per layer; clamp must be equal for all experts")
+        limit = one_clamp(weights, "vLLM's Marlin path takes one SwiGLU limit per layer")
         dev = weights.w13.device
-        reason = self.unavailable_reason(dev)
-        if reason is not None:
-            raise RuntimeError(f"backend {self.name!r} cannot run on {dev}: {reason}")
+        require_runnable(self, dev)
         ops_c, ops_moe = vllm_ops.load("c"), vllm_ops.load("moe")
         no_perm = torch.empty(0, dtype=torch.int32, device=dev)
 
@@ -185,7 +179,7 @@ class MarlinW4A16Backend(Backend):
         return MarlinPrepared(
             weights=marlin, hidden=shape.hidden, intermediate=shape.intermediate,
             padded_intermediate=shape.padded_intermediate, experts=e, top_k=shape.top_k,
-            clamp_limit=float(limits[0]), workspace=torch.zeros(sms * WORKSPACE_BLOCKS_PER_SM, dtype=torch.int32,
+            clamp_limit=limit, workspace=torch.zeros(sms * WORKSPACE_BLOCKS_PER_SM, dtype=torch.int32,
                                                                 device=dev),
             expert_map=expert_map, ops_moe=ops_moe, ops_c=ops_c,
         )  # fmt: skip

@@ -33,7 +33,7 @@ import importlib.util
 import torch
 
 from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
-from moebench.bench.cases import mxfp4_bytes, touched_bytes
+from moebench.traffic import mxfp4_bytes, touched_bytes
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights
-from moebench.bench.cases import touched_bytes
+from moebench.traffic import touched_bytes
 from moebench.formats import ExpertWeights, dequantize_mxfp4
 from moebench.models import MX_BLOCK, RankShape
 

@@ -59,9 +59,12 @@ from typing import ClassVar
 import torch
 
 from moebench.backends import vllm_ops
-from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
+from moebench.backends.base import (
+    DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, one_clamp, require_runnable, sm90_reason,
+)
 from moebench.formats import MX_BLOCK, ExpertWeights
 from moebench.models import RankShape
+from moebench.traffic import touched_bytes
 
 MAX_ROWS = 8
 #: vLLM's intermediate alignment for the Triton MXFP4 backends on CUDA.
@@ -215,11 +218,7 @@ class TritonMxfp4Backend(Backend):
     def read_bytes(self, shape: RankShape, topk_ids: torch.Tensor) -> int:
         """The touched experts in the Hopper layouts (I padded to 64, the
         layouts' row/byte padding, scale groups padded to 4) + x + output."""
-        if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
-            raise ValueError(f"topk_ids must be a 2-D tensor, got {getattr(topk_ids, 'shape', topk_ids)!r}")
-        ids = topk_ids.reshape(-1)
-        touched = int(torch.unique(ids[(ids >= 0) & (ids < shape.experts)]).numel())
-        return touched * expert_bytes(shape) + 2 * topk_ids.shape[0] * shape.hidden * 2
+        return touched_bytes(shape, topk_ids, expert_bytes(shape))
 
     def prepare(self, weights: ExpertWeights, shape: RankShape, tactic: str = DEFAULT_TACTIC) -> TritonMxfp4Prepared:
         """Swizzled weights of `shape` on the weights' (CUDA) device. Raises
@@ -228,13 +227,8 @@ class TritonMxfp4Backend(Backend):
         self.check_tactic(shape, tactic)
         check_weights(weights, shape)
         dev = weights.w13.device
-        reason = self.unavailable_reason(dev)
-        if reason is not None:
-            raise RuntimeError(f"backend {self.name!r} cannot run on {dev}: {reason}")
-        limits = torch.unique(weights.clamp)
-        if limits.numel() != 1:
-            raise ValueError("vLLM's SwiGLU limit is one float of the quant config;"
-                             " clamp must be equal for all experts")
+        require_runnable(self, dev)
+        limit = one_clamp(weights, "vLLM's SwiGLU limit is one float of the quant config")
         import triton_kernels.matmul_ogs_details.opt_flags as opt_flags
         from triton_kernels.matmul_ogs import FlexCtx, PrecisionConfig
         from triton_kernels.numerics import InFlexData
@@ -249,7 +243,7 @@ class TritonMxfp4Backend(Backend):
             w13=w13, w2=w2,
             w13_precision=PrecisionConfig(weight_scale=w13_scale, flex_ctx=FlexCtx(rhs_data=InFlexData())),
             w2_precision=PrecisionConfig(weight_scale=w2_scale, flex_ctx=FlexCtx(rhs_data=InFlexData())),
-            limit=float(limits[0]), hidden=shape.hidden, intermediate=padded_intermediate(shape.intermediate),
+            limit=limit, hidden=shape.hidden, intermediate=padded_intermediate(shape.intermediate),
             experts=shape.experts, top_k=shape.top_k, device=dev,
         )  # fmt: skip
 
