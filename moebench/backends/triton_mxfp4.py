@@ -26,7 +26,7 @@ TRITON_UNFUSED branch + `_swizzle_mxfp4` on sm_90):
 forward, per layer call (`UnfusedOAITritonExperts.apply`):
   route      ids outside [0, E) -> -1 (the expert-map remap vLLM runs under EP:
              one kernel), make_routing_data (ids int16, weights bf16, bitmatrix,
-             histogram, token sort: ~8 small launches, no host sync)
+             histogram, token sort: 10 small launches, no host sync)
   gemm1      matmul_ogs(x, w13, gather_indx)      -> [M*k, 2I'] expert-sorted
   activation rows back to slot order (index), silu_and_mul_with_clamp(L, 1, 0),
              rows to expert order again (index)   -> [M*k, I']
