@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import re
 import shlex
 import signal
 import sys
@@ -37,6 +36,9 @@ from rich.table import Table
 
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
 from moebench.bench.interrupt import interrupted_rows, sigterm_as_interrupt  # torch-free too
+from moebench.bench.plan import (  # torch-free too; parse_int_list / parse_names: the CLI's names for them
+    check_geometry, option_message, parse_int_list, parse_names, presets_to_run,
+)  # fmt: skip
 from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
 
 def _flags_as_flags(params: list) -> list:
@@ -143,42 +145,6 @@ def _main(
                 stream.reconfigure(errors="replace")
 
 
-def parse_int_list(text: str, option: str, lo: int, hi: int) -> tuple[int, ...]:
-    """'1-8', '1,2,4', '6' or '1-4,8' -> sorted distinct ints in [lo, hi].
-    Raises ValueError naming `option`."""
-    values: set[int] = set()
-    for part in (p.strip() for p in str(text).split(",")):
-        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not match or (match[2] is not None and int(match[1]) > int(match[2])):
-            raise ValueError(f"{option}: cannot parse {part!r} (expected a list of integers in [{lo}, {hi}]"
-                             f" such as '{lo}-{min(hi, lo + 3)}', '{lo},{min(hi, lo + 1)}' or '{lo}')")
-        start = int(match[1])
-        values.update(range(start, int(match[2] or start) + 1))
-    bad = sorted(v for v in values if not lo <= v <= hi)
-    if bad:
-        raise ValueError(f"{option}: {bad} outside [{lo}, {hi}]")
-    return tuple(sorted(values))
-
-
-def parse_names(text: str, option: str) -> tuple[str, ...]:
-    """'a,b' -> ('a', 'b') (order kept, duplicates dropped). Raises ValueError
-    naming `option` when empty or when an item is empty ('a,,b', 'a,'), as
-    parse_int_list does."""
-    parts = [p.strip() for p in str(text).split(",")]
-    if not any(parts):
-        raise ValueError(f"{option}: expected a comma-separated list, got {text!r}")
-    if not all(parts):
-        raise ValueError(f"{option}: empty item in {text!r} (expected e.g. 'a,b')")
-    return tuple(dict.fromkeys(parts))
-
-
-#: Config fields set by the option of the same name: the library's messages
-#: name the field, the CLI's name the option as typed.
-_FIELD_OPTIONS = {"hidden": "--hidden", "intermediate": "--intermediate", "experts": "--experts",
-                  "top_k": "--top-k", "replays": "--replays", "warmup": "--warmup", "layers": "--layers",
-                  "seed": "--seed", "label": "--label", "threshold": "--fail-above"}  # fmt: skip
-
-
 def _path(text) -> Path:
     """A path option's value (typer `parser`): an empty one is refused, since
     Path("") is the current directory and the user meant something else;
@@ -188,18 +154,6 @@ def _path(text) -> Path:
     if not str(text).strip():
         raise typer.BadParameter("the path is empty; give a path ('.' for the current directory)")
     return Path(text)
-
-
-def _option_message(error: Exception) -> str:
-    """`error`'s text with a leading config field renamed to its option
-    ('replays must be an int >= 1, got 0' -> '--replays must be ...')."""
-    text = str(error)
-    match = re.match(r"(\w+) must\b", text)
-    if match and match[1] in _FIELD_OPTIONS:
-        return _FIELD_OPTIONS[match[1]] + text[len(match[1]) :]
-    if text.startswith("trace ") and not text.startswith("trace (--trace)"):  # the replay trace: 'trace PATH: ...'
-        return "--" + text
-    return text
 
 
 def _check_out(out, option: str = "--out", *, runs: bool = False) -> None:
@@ -218,108 +172,6 @@ def _check_out(out, option: str = "--out", *, runs: bool = False) -> None:
         check_run_root(out)
     except (OSError, ValueError) as error:
         raise _fail(f"{option}: {error}") from None
-
-
-def _check_geometry(presets, overrides: dict, reduced: bool) -> None:
-    """Build each known preset with the --hidden / --intermediate / --experts /
-    --top-k overrides (and, when `reduced`, the CPU's reduced sizes, which run)
-    so that a bad override fails here, naming its option. Unknown presets are
-    left to the config (it names --preset)."""
-    from moebench.bench.cases import CPU_REDUCED
-    from moebench.models import PRESETS, get_preset
-
-    given = {k: v for k, v in overrides.items() if v is not None}
-    for name in (p for p in presets if p in PRESETS):
-        for small in (True, False) if reduced else (False,):
-            sizes = {**CPU_REDUCED, **given} if small else given
-            try:
-                get_preset(name, **sizes)
-            except ValueError as error:
-                if not str(error).startswith("top_k ("):
-                    raise ValueError(_option_message(error)) from None
-                top_k, experts = sizes.get("top_k", PRESETS[name].top_k), sizes.get("experts", PRESETS[name].experts)
-                if "top_k" not in given:
-                    raise ValueError(f"--experts {experts} is below {name}'s top_k {top_k}; expected --experts >="
-                                     f" {top_k} (or a smaller --top-k)") from None  # fmt: skip
-                # top_k <= MAX_TOP_K (8) is below every preset's and the reduced geometry's experts
-                origin = f"--experts {experts}" if "experts" in given else f"{name}'s {experts} experts"
-                raise ValueError(f"--top-k {top_k} exceeds {origin}; expected --top-k <= {experts}") from None
-
-
-#: One layer's expert bytes beyond which a CPU run is warned to be slow (the
-#: default reduced layer is 6.5 MB).
-CPU_HEAVY_BYTES = 256 * 2**20
-
-
-def _reduced_presets(names, overrides: dict, which: str) -> tuple[tuple[str, ...], str]:
-    """Without a GPU every preset runs the reduced geometry: (the presets kept,
-    those whose reduced layer equals an earlier one's dropped, and the note
-    line saying what runs). Call after _check_geometry."""
-    from dataclasses import replace
-
-    from moebench.bench.cases import CPU_REDUCED
-    from moebench.models import PRESETS, get_preset
-
-    sizes = {**CPU_REDUCED, **{k: v for k, v in overrides.items() if v is not None}}
-    kept: dict = {}  # reduced layer (name blanked) -> preset
-    dropped = []
-    for name in names:
-        if name not in PRESETS:
-            kept[name] = name  # the config names the unknown preset
-            continue
-        layer = replace(get_preset(name, **sizes), name="")
-        if layer in kept:
-            dropped.append(f"{name} (same layer as {kept[layer]})")
-        else:
-            kept[layer] = name
-    layers = [c for c in kept if not isinstance(c, str)]
-    shapes = ", ".join(dict.fromkeys(f"(H={c.hidden}, I={c.intermediate}, E={c.experts}, top_k={c.top_k})"
-                                     for c in layers))  # fmt: skip
-    geometry = "the reduced geometry" if sizes == CPU_REDUCED else "the reduced geometry with your size overrides"
-    # one layer's MXFP4 experts (w13 + w2 and their E8M0 scales): 3 H I E / 2 bytes x (1 + 1/16)
-    largest = max((3 * c.hidden * c.intermediate * c.experts // 2 * 17 // 16 for c in layers), default=0)
-    heavy = largest > CPU_HEAVY_BYTES
-    note = (f"No GPU: running {which} on the CPU at {geometry} {shapes} whatever the preset, so preset"
-            f" names are only labels (stored as <preset>+custom)"
-            + (f"; not repeated: {', '.join(dropped)}" if dropped else "")
-            + (f"; a large layer for a CPU run ({largest / 1e9:.1f} GB of MXFP4 experts, checked against an fp64"
-               " oracle): expect minutes per case" if heavy else "")
-            + "; CPU latencies say nothing about a GPU.")  # fmt: skip
-    return tuple(kept.values()), note
-
-
-def _presets_to_run(preset: str, overrides: dict, reduced: bool, backend_list) -> tuple[tuple[str, ...], str | None]:
-    """sweep / step: the --preset names (checked with the size overrides,
-    naming their options) and, on the CPU (`reduced`), those whose reduced
-    layer is new with the note line saying what runs (else None)."""
-    from moebench.bench.cases import CPU_BACKENDS
-    from moebench.models import PRESETS
-
-    names = tuple(PRESETS) if str(preset).strip() == "all" else parse_names(preset, "--preset")
-    _check_geometry(names, overrides, reduced)
-    if not reduced:
-        return names, None
-    runnable = _cpu_runnable(backend_list or CPU_BACKENDS)
-    kept, note = _reduced_presets(names, overrides, ", ".join(runnable))
-    if not runnable:
-        note = (f"No GPU: none of the backends ({', '.join(backend_list)}) runs on the CPU, so every case is"
-                f" stored as skipped with the reason.")  # fmt: skip
-    return kept, note
-
-
-def _cpu_runnable(names) -> list[str]:
-    """The backends among `names` that can run on the CPU (unknown names are
-    kept: the run's own check names them)."""
-    from moebench.backends.registry import backend_names, load_backend
-
-    out = []
-    for name in names:
-        try:
-            if name not in backend_names() or load_backend(name).unavailable_reason("cpu") is None:
-                out.append(name)
-        except Exception:  # noqa: BLE001 - a backend that cannot even load is not runnable
-            continue
-    return out
 
 
 _STATUS_COLORS = {"ok": "green", "failed": "red", "skipped": "yellow"}
@@ -470,7 +322,7 @@ def sweep(
         tp = ("1,8" if reduced else "1,2,4,8") if tp is None else tp
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out: {out} exists and is not a directory")
-        names, note = _presets_to_run(preset, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
+        names, note = presets_to_run(preset, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
                                                "top_k": top_k}, reduced, backend_list)  # fmt: skip
         config = SweepConfig(
             presets=names, hidden=hidden, intermediate=intermediate,
@@ -488,7 +340,7 @@ def sweep(
             backend_list = backend_list or default_backends("cuda")
             check_backend_names(backend_list)
     except (ValueError, TypeError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     _check_out(out, runs=True)  # last of the checks, before any case runs
     if gpus is not None:
         _sharded_sweep(config, gpus, backend_list, out, label, worker_timeout, strict)
@@ -510,7 +362,7 @@ def sweep(
             with sigterm_as_interrupt() as signals:
                 result = run_sweep(config, progress=progress)
     except (ValueError, TypeError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     except KeyboardInterrupt:  # before the first case was measured (the run keeps what it measured)
         raise _fail("interrupted before any case was measured; nothing stored",
                     128 + (signals[-1] if signals else signal.SIGINT)) from None
@@ -564,7 +416,7 @@ def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s,
                 progress=lambda done, total: bar.update(task, completed=min(done, total), total=total),
             )  # fmt: skip
     except (ValueError, TypeError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     except OSError as error:
         raise _fail(f"cannot write the run under {out}: {error}", 1) from None
     except KeyboardInterrupt:  # outside the workers' run (planning, merging): nothing was stored
@@ -774,7 +626,7 @@ def step(
             backend_list = parse_names(backends, "--backends")
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out: {out} exists and is not a directory")
-        names, note = _presets_to_run(preset, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
+        names, note = presets_to_run(preset, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
                                                "top_k": top_k}, reduced, backend_list)  # fmt: skip
         config = StepConfig(
             presets=names, hidden=hidden, intermediate=intermediate, experts=experts,
@@ -789,7 +641,7 @@ def step(
             _, gpu_used = rank_devices(config)  # more ranks than GPUs: error naming both numbers
         validate_step(config)  # unknown backends or tactics
     except (ValueError, TypeError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     _check_out(out, runs=True)  # last of the checks, before any rank runs
 
     where = (f"{ranks} ranks on GPUs {', '.join(map(str, gpu_used))} (NCCL)" if ranks > 1 and dev.type == "cuda"
@@ -811,7 +663,7 @@ def step(
             with sigterm_as_interrupt() as signals:
                 result = run_step(config, progress=progress, timeout_s=timeout)
     except (ValueError, TypeError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     except KeyboardInterrupt:  # before the first case was measured (the run keeps what it measured)
         raise _fail("interrupted before any case was measured; nothing stored",
                     128 + (signals[-1] if signals else signal.SIGINT)) from None
@@ -961,7 +813,7 @@ def env(
     try:
         dev = resolve_device(device)
     except ValueError as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     info = environment(dev)
     d = info["device"]
     table = Table(show_header=False, title="environment")
@@ -1003,7 +855,7 @@ def check(
     try:
         dev = resolve_device(device)
     except ValueError as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     with console.status("checking ..."):
         results = run_checks(dev)
     table = Table(title=f"moebench check ({dev})")
@@ -1088,7 +940,7 @@ def report(
             comparison = compare_runs(df, manifest, base[0], base[1], threshold_pct=threshold,
                                       current_label=str(run_dir), baseline_label=str(baseline))  # fmt: skip
     except (FileNotFoundError, ValueError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     target = out / "summary.md"
     written = [target, *(target.parent / n for n in report_files(df, comparison))] if html else [target]
     taken = [p for p in written if p.exists() or p.is_symlink()]
@@ -1358,7 +1210,7 @@ def merge(
         run_dir_name(label)
         frame, manifest = merge_runs(runs)
     except (ValueError, TypeError, FileNotFoundError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     _check_out(out, runs=True)
     manifest = {**manifest, "command": shlex.join(["moebench", *sys.argv[1:]])}
     try:
@@ -1449,7 +1301,7 @@ def tune(
             raise ValueError(f"--scenario: expected one of {[s for s in SCENARIOS if s != 'replay']}, got {scenario!r}")
         names = tuple(PRESETS) if preset.strip() == "all" else parse_names(preset, "--preset")
         tps = parse_int_list(tp, "--tp", 1, 64)
-        _check_geometry(names, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
+        check_geometry(names, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
                                 "top_k": top_k}, reduced=False)  # fmt: skip
         # The sweep's checks of the presets, TP degrees and seed (messages naming --preset / --tp / --seed),
         # before the GPU check, so that a bad option is named on any machine.
@@ -1468,14 +1320,14 @@ def tune(
         if summary is not None and summary.exists() and summary.is_dir():
             raise ValueError(f"--summary: {summary} is a directory; give a file name, e.g. tune-gains.md")
     except (ValueError, TypeError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     from moebench.tuning import runner as tuning_runner
     from moebench.tuning.precompile import default_jobs
 
     try:
         tuning_runner.require_tuning_device(device)
     except RuntimeError as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     target = out or Path(os.environ.get("MOEBENCH_TUNING_DIR", "").split(os.pathsep)[0] or "tuning-tables")
     _check_out(target)  # tables and the summary must be writable before minutes of tuning, not after
     if summary is not None:
