@@ -40,6 +40,8 @@ from moebench.bench.plan import (  # torch-free too; parse_int_list / parse_name
     check_geometry, option_message, parse_int_list, parse_names, presets_to_run,
 )  # fmt: skip
 from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
+from moebench.reports import outdir  # torch- and pandas-free too
+from moebench.reports.outdir import REPORT_RECORD, default_report_dir  # noqa: F401 - the CLI's names for them
 
 def _flags_as_flags(params: list) -> list:
     """`params` with an empty metavar on every plain flag (a bool option
@@ -157,21 +159,12 @@ def _path(text) -> Path:
 
 
 def _check_out(out, option: str = "--out", *, runs: bool = False) -> None:
-    """`out` must take files before anything is measured (a long run is never
-    measured and then lost): exits with a usage error naming `option`, else
-    the directory exists. `runs`: `out` is where runs are stored, so it must
-    not be a stored run or lie inside one. Call it after the other checks,
-    so that a refused command creates nothing."""
-    from moebench.reports.store import check_run_root
-
-    run, itself = _run_at(out) if runs else (None, False)
-    if run is not None:  # a new run would be stored among another run's files
-        where = "a stored run directory" if itself else f"inside the stored run {run}"
-        raise _fail(f"{option}: {out} is {where}; give a directory outside any run")
+    """outdir.check_out(...), a refusal as a usage error. Call it after the
+    other checks, so that a refused command creates nothing."""
     try:
-        check_run_root(out)
-    except (OSError, ValueError) as error:
-        raise _fail(f"{option}: {error}") from None
+        outdir.check_out(out, option, runs=runs)
+    except ValueError as error:
+        raise _fail(str(error)) from None
 
 
 _STATUS_COLORS = {"ok": "green", "failed": "red", "skipped": "yellow"}
@@ -920,11 +913,11 @@ def report(
             raise ValueError("--fail-above needs --baseline RUN")
         where = "--out" if out is not None else "the default report directory (RUN_DIR's sibling)"
         if out is not None:
-            _check_out_dir(out, run_dir)
-        df, manifest = _read_report_run(run_dir, "RUN_DIR")
+            outdir.check_out_dir(out, run_dir)
+        df, manifest = outdir.read_report_run(run_dir, "RUN_DIR")
         if out is None:  # only once RUN_DIR is known to be a run: its errors come first
             out = default_report_dir(run_dir)
-            _check_out_dir(out, run_dir, where)
+            outdir.check_out_dir(out, run_dir, where)
         ranks = read_table(run_dir, "ranks")
         if ranks is not None and "rank" not in ranks.columns:
             raise ValueError(f"RUN_DIR: {run_dir / 'ranks.parquet'} lacks the 'rank' column")
@@ -934,7 +927,7 @@ def report(
             step_table = step_summary_table(df) if step_run else None
         except ValueError as error:
             raise ValueError(f"RUN_DIR: {run_dir}: {error}") from None
-        base = _read_report_run(baseline, "--baseline") if baseline is not None else None
+        base = outdir.read_report_run(baseline, "--baseline") if baseline is not None else None
         comparison = None
         if base is not None:
             comparison = compare_runs(df, manifest, base[0], base[1], threshold_pct=threshold,
@@ -951,7 +944,7 @@ def report(
         out.mkdir(parents=True, exist_ok=True)  # a report that cannot be written is not a verdict
     except OSError as error:
         raise _fail(f"{where}: cannot create {out}: {error.strerror or error}") from None
-    earlier = _report_record(target.parent)  # the files an earlier report wrote there (read before this one)
+    earlier = outdir.report_record(target.parent)  # the files an earlier report wrote there (read before this one)
     try:  # --force replaces a link itself, never the file it points to (which may be anywhere)
         for path in taken:
             if path.is_symlink():
@@ -993,8 +986,11 @@ def report(
             plots = f"{len(paths) - 1} plots" if len(paths) > 1 else "no plots: no case was timed or failed"
             console.print(f"wrote [bold]{paths[0]}[/bold] ({plots})")
         if force:
-            _remove_stale_report_files(target.parent, [target, *paths], earlier)
-        _write_report_record(target.parent, [target, *paths])
+            removed = outdir.remove_stale_report_files(target.parent, [target, *paths], earlier)
+            if removed:
+                console.print(f"removed {', '.join(removed)} from {target.parent} (an earlier report's; this one"
+                              f" does not write {'it' if len(removed) == 1 else 'them'})")  # fmt: skip
+        outdir.write_report_record(target.parent, [target, *paths])
     except OSError as error:  # exit 1, as the module docstring and docs/ci.md say: not a usage error
         raise _fail(f"cannot write the report under {target.parent}: {error}", 1) from None
     if comparison is None:
@@ -1030,139 +1026,6 @@ def _case_list(frame, most: int = 5) -> str:
     more = len(frame) - most
     return "; ".join(names) + (f"; and {more} more (see the report)" if more > 0 else "")
 
-
-#: Where `report` records the files it wrote in its output directory.
-REPORT_RECORD = ".moebench-report.json"
-
-
-def _report_record(out: Path) -> set[str]:
-    """The file names an earlier `report` wrote in `out`: those its
-    REPORT_RECORD lists (only the report's own names, HTML_FILES, the
-    per-TP plots and summary.md; a record that is a link or not a list of names counts as
-    none). A directory from before the record existed, whose report.html is
-    one of ours (its title says "moebench run"), counts as holding a whole
-    earlier report (every HTML_FILES name); else empty."""
-    import json
-
-    from moebench.reports.html import HTML_FILES, is_report_file
-
-    ours = (*HTML_FILES, "summary.md")
-    record = out / REPORT_RECORD
-    if record.is_symlink():
-        return set()
-    try:
-        names = json.loads(record.read_text(encoding="utf-8"))["files"]
-    except FileNotFoundError:
-        return set(HTML_FILES) if _is_our_page(out / "report.html") else set()
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
-    if not isinstance(names, list):
-        return set()
-    return {n for n in names if isinstance(n, str) and (n in ours or is_report_file(n))}
-
-
-def _is_our_page(page: Path) -> bool:
-    """Whether `page` is a plain file written by `report` (its <title> says "moebench run")."""
-    try:
-        return not page.is_symlink() and page.is_file() and "<title>moebench run" in page.read_text(
-            encoding="utf-8", errors="replace")[:4096]
-    except OSError:
-        return False
-
-
-def _write_report_record(out: Path, written: list[Path]) -> None:
-    """Record the names of the files this report wrote in `out` (REPORT_RECORD),
-    so that a later `report --force` removes only those. A link in its place
-    is replaced, never written through. Raises OSError."""
-    import json
-
-    record = out / REPORT_RECORD
-    if record.is_symlink():
-        record.unlink()
-    record.write_text(json.dumps({"files": sorted(p.name for p in written)}) + "\n", encoding="utf-8")
-
-
-def _remove_stale_report_files(out: Path, written: list[Path], earlier: set[str]) -> None:
-    """`report --force`: remove the files an earlier report recorded writing
-    in `out` (`earlier`, from its REPORT_RECORD, read before this report was
-    written) that this report did not write (`written`), so that none of its
-    plots stands beside the new report (compare.png after a report without
-    --baseline, report.html after --no-html). Only files or links, and only
-    names the earlier report wrote: a same-named file without that record is
-    the user's and stays, as does everything else in `out`. Raises OSError
-    from the file system."""
-    names = {p.name for p in written}
-    removed = []
-    for name in sorted(earlier - names):
-        path = out / name
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-            removed.append(name)
-    if removed:
-        console.print(f"removed {', '.join(removed)} from {out} (an earlier report's; this one does not write"
-                      f" {'it' if len(removed) == 1 else 'them'})")  # fmt: skip
-
-
-def _run_at(path) -> tuple[Path | None, bool]:
-    """(the stored run directory `path` is or lies inside, else None;
-    whether it is that run itself rather than a folder inside it)."""
-    from moebench.reports.store import enclosing_run
-
-    run = enclosing_run(path)
-    # absolute first: Path(".").parent is "." itself, so `--out .` inside a run read as inside it
-    return run, run is not None and enclosing_run(Path(path).absolute().parent) != run
-
-
-#: The name of a report's default directory, beside its run: `<run>` + this.
-REPORT_DIR_SUFFIX = "-report"
-
-
-def default_report_dir(run_dir: Path) -> Path:
-    """Where `report RUN_DIR` writes without --out: RUN_DIR's sibling
-    `<run>-report` (a run directory spelled '.' or '..' is named by its
-    absolute path), so a committed run directory is never written into."""
-    import os
-
-    run = run_dir if run_dir.name not in ("", ".", "..") else Path(os.path.abspath(run_dir))
-    return run.with_name(run.name + REPORT_DIR_SUFFIX)
-
-
-def _check_out_dir(out: Path, run_dir: Path, option: str = "--out") -> None:
-    """Raise ValueError naming `option` (--out, or the default directory)
-    unless `out` is a directory or can be made one, outside every stored run
-    directory (the baseline's, a folder inside a run: the report files would
-    be mixed into another run's files) except RUN_DIR itself, which --out may
-    name on purpose. Creates nothing: `report` creates the directory once
-    every check passed."""
-    from moebench.reports.store import MANIFEST, RESULTS, enclosing_run
-
-    run, itself = _run_at(out)
-    if run is not None and not (itself and run == enclosing_run(run_dir)):
-        where = "a stored run directory" if itself else f"inside a stored run directory, {run}"
-        raise ValueError(f"{option}: {out} is {where} (it holds {RESULTS} and {MANIFEST}); give a directory"
-                         f" outside any run for the report files (without --out the report goes beside RUN_DIR,"
-                         f" in <run>{REPORT_DIR_SUFFIX})")  # fmt: skip
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{option}: {out} exists and is not a directory; give a directory for the report files"
-                         " (created when missing)")  # fmt: skip
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{option}: {parent} (a parent of {out}) is not a directory; give a directory"
-                                 " for the report files")  # fmt: skip
-            break
-
-
-def _read_report_run(path: Path, what: str):
-    """read_run(path) with errors naming the argument `what`."""
-    from moebench.reports.store import read_run
-
-    try:
-        return read_run(path)
-    except FileNotFoundError as error:
-        raise FileNotFoundError(f"{what}: {error}") from None
-    except ValueError as error:
-        raise ValueError(f"{what}: {error}") from None
 
 
 def _print_comparison(comp) -> None:
