@@ -35,7 +35,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
-from moebench.bench.interrupt import interrupted_rows, sigterm_as_interrupt  # torch-free too
+from moebench.bench.interrupt import sigterm_as_interrupt  # torch-free too
 from moebench.bench.plan import (  # torch-free too; parse_int_list / parse_names: the CLI's names for them
     check_geometry, option_message, parse_int_list, parse_names, presets_to_run,
 )  # fmt: skip
@@ -380,13 +380,11 @@ def sweep(
 def _fail_if_interrupted(frame, manifest: dict, path, signals: list[int]) -> None:
     """After an interrupted run was stored at `path`: exit 128 + the signal
     (130 for Ctrl-C, 143 for SIGTERM), saying how many cases were measured."""
-    if not manifest.get("interrupted"):
-        return
-    reached = int((~interrupted_rows(frame)).sum())
-    # this process's signal, else the one a sharded sweep's worker got (a signal sent to it alone)
-    signum = signals[-1] if signals else manifest.get("interrupt_signal") or signal.SIGINT
-    raise _fail(f"interrupted ({signal.Signals(signum).name}): {reached} of {len(frame)} cases ran; the rest are"
-                f" stored as skipped in {path}", 128 + signum)
+    from moebench.reports.gate import interrupted_exit
+
+    stop = interrupted_exit(frame, manifest, path, signals)
+    if stop is not None:
+        raise _fail(*stop)
 
 
 def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s, strict: bool = False) -> None:
@@ -437,34 +435,20 @@ def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s,
 
 
 def _fail_unless_every_case_passed(frame, path, strict: bool = False) -> None:
-    """After a run is stored at `path`: exit 1 when no case ran (every case
-    skipped) or when a case of ours failed (an error, e.g. out of memory, or
-    its correctness gate: a failed check, as the module docstring says),
-    with up to three of the reasons. A peer's failed case (its backend's
-    `Backend.peer`, the run's `peer` column) is listed with its reason and
-    fails the command only with `strict` (--strict). Return otherwise.
-    Skipped cases beside ok ones are not an error."""
-    from moebench.reports.summary import failed_cases, failure_lines
+    """After a run is stored at `path`: list the peers' failed cases, then
+    exit 1 when reports.gate.judge_run says the run fails (no case ran, a
+    case of ours failed, a peer's with `strict`); return otherwise."""
+    from moebench.reports.gate import FAILED, judge_run
 
-    status = frame["status"].astype(str)
-    if not ((status == "ok") | (status == "failed")).any():
-        reasons = sorted(set(frame["error"].dropna().astype(str)))[:3]
-        raise _fail("no case ran (every case was skipped): " + "; ".join(reasons), 1)
-    failed, peers = failed_cases(frame)
-    if len(peers):
-        console.print(f"[yellow]{len(peers)} peer case(s) failed (stored as failed in {escape_markup(path)}; not"
+    verdict = judge_run(frame, path, strict)
+    if verdict.peers:
+        console.print(f"[yellow]{verdict.peers} peer case(s) failed (stored as failed in {escape_markup(path)}; not"
                       f" ours: {'--strict fails the command on them' if strict else 'pass --strict to fail on them'}"
                       "):[/yellow]")  # fmt: skip
-        for line in failure_lines(peers):
+        for line in verdict.peer_lines:
             console.print(f"  {escape_markup(line)}", soft_wrap=True)
-    if len(failed):
-        reasons = sorted(set(failed["error"].dropna().astype(str)))[:3]
-        raise _fail(f"{len(failed)} case(s) failed: an error, or an output off the oracle (stored as failed in"
-                    f" {path}): " + "; ".join(reasons), 1)
-    if strict and len(peers):
-        reasons = sorted(set(peers["error"].dropna().astype(str)))[:3]
-        raise _fail(f"{len(peers)} peer case(s) failed (--strict): an error, or an output off the oracle (stored as"
-                    f" failed in {path}): " + "; ".join(reasons), 1)
+    if verdict.failure is not None:
+        raise _fail(verdict.failure, FAILED)
 
 
 def escape_markup(text) -> str:
@@ -900,6 +884,7 @@ def report(
     another way, no case in common, every compared case unclear) exits 2
     with the reason, with or without --fail-above: it is never a pass."""
     from moebench.reports.compare import DEFAULT_THRESHOLD_PCT, compare_runs, comparison_markdown, parse_threshold
+    from moebench.reports.gate import judge_comparison
     from moebench.reports.html import report_files
     from moebench.reports.store import read_table
     from moebench.reports.summary import (
@@ -995,37 +980,9 @@ def report(
         raise _fail(f"cannot write the report under {target.parent}: {error}", 1) from None
     if comparison is None:
         return
-    if comparison.mismatches:
-        what = ("another device / geometry" if any(m.startswith(("device", "geometry")) for m in comparison.mismatches)
-                else "a different kind of run")  # fmt: skip
-        raise _fail(f"--baseline: the baseline is of {what} (it differs in {comparison.differs_in}): cases were"
-                    " not compared (see the mismatches and the report); compare with a baseline recorded the same"
-                    " way")  # fmt: skip
-    if comparison.errors:
-        raise _fail("; ".join(comparison.errors))
-    if fail_above is not None and len(comparison.regressions):
-        reg = comparison.regressions
-        failed, lost = reg[reg["verdict"] == "failed"], reg[reg["verdict"] == "lost"]
-        parts = []
-        if len(reg) > len(failed) + len(lost):
-            parts.append(f"{len(reg) - len(failed) - len(lost)} case(s) slower than the baseline by more than"
-                         f" {threshold:g} %")  # fmt: skip
-        if len(failed):
-            parts.append(f"{len(failed)} case(s) failed their correctness gate in this run")
-        if len(lost):
-            parts.append(f"{len(lost)} case(s) ok in the baseline were not timed in this run (lost): "
-                         + _case_list(lost))  # fmt: skip
-        raise _fail("; ".join(parts), 1)
-
-
-def _case_list(frame, most: int = 5) -> str:
-    """'backend preset TP rows scenario tactic (note)' for the first `most`
-    cases of a comparison frame, then how many more."""
-    names = [f"{r['backend']} {r['preset']} TP{r['tp']} rows {r['rows']} {r['scenario']} {r['tactic']} ({r['note']})"
-             for r in frame.head(most).to_dict("records")]  # fmt: skip
-    more = len(frame) - most
-    return "; ".join(names) + (f"; and {more} more (see the report)" if more > 0 else "")
-
+    stop = judge_comparison(comparison, threshold, gated=fail_above is not None)
+    if stop is not None:
+        raise _fail(*stop)
 
 
 def _print_comparison(comp) -> None:
