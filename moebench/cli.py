@@ -1112,6 +1112,7 @@ def tune(
     from moebench.models import PRESETS
     from moebench.record import MAX_ROWS
     from moebench.routing import SCENARIOS
+    from moebench.tuning.family import default_families
     from moebench.tuning.space import FP8_SPACES, SPACES
 
     try:
@@ -1181,7 +1182,7 @@ def tune(
                                    on_outcome=finished)  # fmt: skip
     records = tuning_runner.gains(done, tuning_runner.GAIN_ROWS)
     _print_gains(records)
-    families = _default_families(written, target)
+    families = default_families(written, target)
     _print_default_families(families, target)
     if summary is not None:
         import json
@@ -1243,20 +1244,6 @@ def _print_gains(records) -> None:
     _wide_console(150).print(table)
 
 
-def _default_families(written, target: Path) -> list:
-    """[(shape label, FamilyChoice)]: the kernel family `moebench` runs by
-    default for each (device name, shape class, SMs) in `written`, from the
-    tables in `target`, then the runtime's search path."""
-    from moebench.tuning.family import choose_family
-    from moebench.tuning.table import default_search_dirs
-
-    search = list(dict.fromkeys(Path(p).resolve() for p in (target, *default_search_dirs())))
-    out = []
-    for name, shape, sms in dict.fromkeys(written):
-        out.append((f"{shape.describe()} on {name}", choose_family(name, shape, search=search, num_sms=sms)))
-    return out
-
-
 def _print_default_families(families, target: Path) -> None:
     if not families:
         return
@@ -1273,14 +1260,11 @@ def _print_default_families(families, target: Path) -> None:
 
 
 def _write_tables(outcome, target: Path, force: bool, label: str = "", written: list | None = None) -> list[str]:
-    """Print each table's picks and write it (merged over an older table of
-    the same device: the other kernel family's entries and rows not re-tuned
-    stay); returns the problems (a table that cannot be written,
-    a row count with no correct tactic). Each table written is appended to
-    `written` as (device name, shape class, SMs)."""
-    from moebench.tuning.table import TableError, read_table, write_table
+    """Print each table's picks and save it (tuning.save.save_tables: merged
+    over an older table of the same device); returns the problems. Each
+    table written is appended to `written` as (device name, shape class, SMs)."""
+    from moebench.tuning.save import save_tables
 
-    problems, failed = [], []
     prefix = f"{label} " if label else ""
     for (tp, stage), result in outcome.results.items():
         table = Table(title=f"{prefix}TP{tp} GEMM{stage} ({outcome.layers.get((tp, stage), '?')} weight sets)")
@@ -1290,7 +1274,6 @@ def _write_tables(outcome, target: Path, force: bool, label: str = "", written: 
         for rows, res in result.results.items():
             e = res.entry
             if e is None:
-                failed.append(f"{prefix}TP{tp} GEMM{stage} rows={rows}")
                 table.add_row(str(rows), "[red]none correct[/red]", "", "", "", "", "", "", str(len(res.rejected)),
                               "")  # fmt: skip
                 continue
@@ -1302,25 +1285,12 @@ def _write_tables(outcome, target: Path, force: bool, label: str = "", written: 
                 "yes" if e.separated else "[yellow]no[/yellow]", str(len(res.rejected)), res.note,
             )  # fmt: skip
         _wide_console(150).print(table)
-    for t in outcome.tables:
-        if not t.entries and not t.fp8_entries:
-            continue
-        path = target / t.file_name
-        try:
-            if path.exists():
-                try:
-                    t = t.merged_over(read_table(path))
-                except (TableError, OSError):
-                    pass  # write_table refuses (or --force replaces) it with the reason
-            path_written = write_table(t, target, force=force)
-        except (TableError, OSError) as error:
-            problems.append(str(error))
-            continue
-        console.print(f"wrote [bold]{path_written}[/bold] ({len(t.entries)} BF16 + {len(t.fp8_entries)} FP8 entries)")
+    saved, problems = save_tables(outcome, target, force, label)
+    for s in saved:
+        console.print(f"wrote [bold]{s.path}[/bold] ({len(s.table.entries)} BF16 + {len(s.table.fp8_entries)} FP8"
+                      " entries)")  # fmt: skip
         if written is not None:
-            written.append((t.device["name"], t.shape, int(t.device.get("sm_count") or 132)))
-    if failed:
-        problems.append(f"no correct tactic for {', '.join(failed)}")
+            written.append(s.key())
     return problems
 
 
