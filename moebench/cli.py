@@ -27,6 +27,7 @@ import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 import typer.core
@@ -201,47 +202,59 @@ def _fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
-#: --experts of `sweep`, `step` and `tune`.
-_EXPERTS_HELP = f"Override routed experts E ({KERNEL_EXPERTS_NOTE})."
-
-#: --tactics of `sweep` and `step`.
-_TACTICS_HELP = (
+# Options of several verbs, declared once (typer reads them from the annotation; the default stays in the
+# signature). Sizes: sweep, step and tune; the run's grid: sweep and step.
+PresetOpt = Annotated[str, typer.Option(help="Preset name(s), comma-separated, or 'all' (see `moebench presets`).")]
+HiddenOpt = Annotated[int, typer.Option(help="Override hidden size H.")]
+IntermediateOpt = Annotated[int, typer.Option(help="Override moe intermediate size I (before TP).")]
+ExpertsOpt = Annotated[int, typer.Option(help=f"Override routed experts E ({KERNEL_EXPERTS_NOTE}).")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Override top_k (at most 8).")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of weights, routing and activations (0 to 2**32 - 1).")]
+RowsOpt = Annotated[str, typer.Option(help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU).")]
+ScenarioOpt = Annotated[str, typer.Option(
+    help="Routing scenarios, comma-separated, of: uniform, zipf, hot, correlated, replay (replay reads --trace).")]
+TacticsOpt = Annotated[str, typer.Option(help=(
     "Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list (moebench: default ="
     " the kernel family the tuning tables time faster (FP8 where no table and its built-ins fit), its tuned"
     " tactics else built-in; builtin = what runs without any table; tuned = default, skipped without a table;"
     " fp8 / bf16 = that kernel family (FP8: wgmma, BF16: mma.sync), skipped where it cannot run;"
     " torch-bf16: grouped, gather)."
-)
+))]
+GraphOpt = Annotated[bool, typer.Option("--graph/--no-graph", help="CUDA-graph replay for capturable backends.")]
+WarmL2Opt = Annotated[bool, typer.Option("--warm-l2", help="Time one weight set over and over (warm L2).")]
+LayersOpt = Annotated[int, typer.Option(
+    help=f"Force the number of rotated weight sets, 1 to {MAX_LAYERS} (default: >= 4x L2).")]
+TraceOpt = Annotated[Path, typer.Option(
+    parser=_path, help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario.")]
+LabelOpt = Annotated[str, typer.Option(help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
+                                       " letters, digits, '.', '_', '-', starting with a letter or digit).")]
+RunsOutOpt = Annotated[Path, typer.Option(parser=_path, help="Root directory of stored runs.")]
+DeviceOpt = Annotated[str, typer.Option(help="'cpu' or 'cuda[:N]' (default: the GPU if any).")]
 
 
 @app.command(cls=_Command)
 def sweep(
-    preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
-    hidden: int = typer.Option(None, help="Override hidden size H."),
-    intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help=_EXPERTS_HELP),
-    top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
-    rows: str = typer.Option(
-        None, help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU)."
-    ),
+    preset: PresetOpt = "dsv41-flash",
+    hidden: HiddenOpt = None,
+    intermediate: IntermediateOpt = None,
+    experts: ExpertsOpt = None,
+    top_k: TopKOpt = None,
+    rows: RowsOpt = None,
     tp: str = typer.Option(
         None, help="Tensor-parallel degrees (one rank's shape each); default 1,2,4,8 (1,8 on the CPU)."
     ),
     backends: str = typer.Option(
         "default", help="'default' (GPU: all but reference; CPU: reference,torch-bf16), 'all', or a list."
     ),
-    scenario: str = typer.Option(
-        "correlated", help="Routing scenarios, comma-separated, of: uniform, zipf, hot, correlated, replay"
-        " (replay reads --trace)."
-    ),
-    tactics: str = typer.Option("default", help=_TACTICS_HELP),
-    seed: int = typer.Option(0, help="Seed of weights, routing and activations (0 to 2**32 - 1)."),
-    warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
-    layers: int = typer.Option(None, help=f"Force the number of rotated weight sets, 1 to {MAX_LAYERS} (default: >= 4x L2)."),
+    scenario: ScenarioOpt = "correlated",
+    tactics: TacticsOpt = "default",
+    seed: SeedOpt = 0,
+    warm_l2: WarmL2Opt = False,
+    layers: LayersOpt = None,
     replays: int = typer.Option(100, help="Timed replays per case under CUDA graphs; eager timing (the CPU, --no-graph, an uncapturable backend) takes at most "
         f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."),
     warmup: int = typer.Option(10, help=f"Warm-up calls per case (eager timing: at most {EAGER_WARMUP_CAP})."),
-    graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
+    graph: GraphOpt = True,
     split: bool = typer.Option(
         True, "--split/--no-split", help="Also time each stage alone and the routed path (route + GEMM1 + GEMM2)"
         " of backends that split their forward (moebench); --no-split: the layer call only, about a third of the"
@@ -256,7 +269,7 @@ def sweep(
         False, "--strict", help="Exit 1 when a peer's case failed too (a backend that is not ours, e.g. one off its"
         " oracle); without it only our cases' failures fail the command, the peers' are stored and listed."
     ),
-    device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
+    device: DeviceOpt = None,
     devices: str = typer.Option(
         None, help="Split the cases over GPUs: 'all' or a list like '0,1' (one worker process per GPU,"
         " each case on one GPU, one merged run). Default: one process on --device."
@@ -265,13 +278,9 @@ def sweep(
         None, "--worker-timeout", help="With --devices: stop workers still running after this many seconds"
         " (their unfinished cases are stored as failed)."
     ),
-    trace: Path = typer.Option(
-        None, parser=_path,
-        help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario."
-    ),
-    label: str = typer.Option("sweep", help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
-                              " letters, digits, '.', '_', '-', starting with a letter or digit)."),
-    out: Path = typer.Option(Path("reports/runs"), parser=_path, help="Root directory of stored runs."),
+    trace: TraceOpt = None,
+    label: LabelOpt = "sweep",
+    out: RunsOutOpt = Path("reports/runs"),
 ) -> None:
     """Measure backends over presets x TP x rows x scenarios.
 
@@ -501,11 +510,11 @@ def _print_summary_table(table_df) -> None:
 
 @app.command(cls=_Command)
 def step(
-    preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
-    hidden: int = typer.Option(None, help="Override hidden size H."),
-    intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help=_EXPERTS_HELP),
-    top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
+    preset: PresetOpt = "dsv41-flash",
+    hidden: HiddenOpt = None,
+    intermediate: IntermediateOpt = None,
+    experts: ExpertsOpt = None,
+    top_k: TopKOpt = None,
     tp: int = typer.Option(
         1, help="Tensor-parallel degree N: N ranks, one process per GPU (gloo processes on the CPU), each"
         " holding all experts at I/N, with the all-reduce of the layer output."
@@ -514,23 +523,20 @@ def step(
         False, "--one-rank", help="Time one rank's I/tp shard on one device, without the all-reduce"
         " (the shape `sweep --tp` times)."
     ),
-    rows: str = typer.Option(None, help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU)."),
-    scenario: str = typer.Option(
-        "correlated", help="Routing scenarios, comma-separated, of: uniform, zipf, hot, correlated, replay"
-        " (replay reads --trace)."
-    ),
+    rows: RowsOpt = None,
+    scenario: ScenarioOpt = "correlated",
     backends: str = typer.Option(
         "default", help="'default' (GPU: moebench, torch-bf16, flashinfer-w4a16/-w4a8; CPU: reference,"
         " torch-bf16), 'all', or a list."
     ),
-    tactics: str = typer.Option("default", help=_TACTICS_HELP),
-    seed: int = typer.Option(0, help="Seed of weights, routing and activations (0 to 2**32 - 1)."),
+    tactics: TacticsOpt = "default",
+    seed: SeedOpt = 0,
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one layer's weights over and over (warm L2)."),
     layers: int = typer.Option(None, help=f"Force the number of rotated layers, 1 to {MAX_LAYERS} (default: >= 4x L2)."),
     replays: int = typer.Option(100, help="Timed replays per quantity under CUDA graphs; eager timing (the CPU, --no-graph) takes at most "
         f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."),
     warmup: int = typer.Option(10, help=f"Warm-up calls per quantity (eager timing: at most {EAGER_WARMUP_CAP})."),
-    graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
+    graph: GraphOpt = True,
     split: bool = typer.Option(
         True, "--split/--no-split", help="Also time each stage alone (kernel_<stage>_us, stage_sum_us: moebench's"
         " front, shared, GEMM1, GEMM2, finalize; torch-bf16's router, shared, experts, shared_add)."
@@ -550,13 +556,9 @@ def step(
     devices: str = typer.Option(None, help="With --tp N > 1: the N GPUs of the ranks, e.g. '0,1' or 'all'"
                                 " (default: the first N)."),
     timeout: float = typer.Option(None, help="With --tp N > 1: stop the ranks after this many seconds."),
-    trace: Path = typer.Option(
-        None, parser=_path,
-        help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario."
-    ),
-    label: str = typer.Option("step", help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
-                              " letters, digits, '.', '_', '-', starting with a letter or digit)."),
-    out: Path = typer.Option(Path("reports/runs"), parser=_path, help="Root directory of stored runs."),
+    trace: TraceOpt = None,
+    label: LabelOpt = "step",
+    out: RunsOutOpt = Path("reports/runs"),
 ) -> None:
     """Time a whole decode-step MoE layer; store the run.
 
@@ -779,7 +781,7 @@ def presets() -> None:
 
 @app.command(cls=_Command)
 def env(
-    device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
+    device: DeviceOpt = None,
     bandwidth: bool = typer.Option(True, "--bandwidth/--no-bandwidth", help="Measure copy bandwidth on a GPU."),
 ) -> None:
     """Device, driver, package versions, commit and available backends."""
@@ -823,7 +825,7 @@ def env(
 
 @app.command(cls=_Command)
 def check(
-    device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
+    device: DeviceOpt = None,
 ) -> None:
     """Quick self-check; exits 1 when any item fails."""
     from moebench.bench.selfcheck import run_checks, skipped_backends
@@ -1020,7 +1022,7 @@ def _print_comparison(comp) -> None:
 def merge(
     runs: list[Path] = typer.Argument(..., parser=_path, help="Two or more stored run directories."),
     label: str = typer.Option(..., help="Label of the merged run: OUT/<UTC date>-<label>."),
-    out: Path = typer.Option(Path("reports/runs"), parser=_path, help="Root directory of stored runs."),
+    out: RunsOutOpt = Path("reports/runs"),
 ) -> None:
     """Store the cases of several runs of one commit and device as one run
     (a comparison measured over several device calls). The parts are kept."""
@@ -1042,13 +1044,11 @@ def merge(
 
 @app.command(cls=_Command)
 def tune(
-    preset: str = typer.Option(
-        "dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."
-    ),
-    hidden: int = typer.Option(None, help="Override hidden size H."),
-    intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help=_EXPERTS_HELP),
-    top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
+    preset: PresetOpt = "dsv41-flash",
+    hidden: HiddenOpt = None,
+    intermediate: IntermediateOpt = None,
+    experts: ExpertsOpt = None,
+    top_k: TopKOpt = None,
     tp: str = typer.Option("4", help="Tensor-parallel degrees: one table per rank shape."),
     rows: str = typer.Option("1-8", help="Token rows to tune (1..8)."),
     stages: str = typer.Option("1,2", help="GEMM stages to tune (1, 2)."),
@@ -1062,8 +1062,8 @@ def tune(
                             " too)."),
     replays: int = typer.Option(50, help="Timed CUDA-graph replays per timing."),
     warmup: int = typer.Option(10, help="Warm-up calls per timing."),
-    layers: int = typer.Option(None, help=f"Force the number of rotated weight sets, 1 to {MAX_LAYERS} (default: >= 4x L2)."),
-    warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
+    layers: LayersOpt = None,
+    warm_l2: WarmL2Opt = False,
     act_bf16: bool = typer.Option(
         True, "--act-bf16/--e4m3",
         help="Time the BF16-activation (_a16) twins, what the runtime runs by default; --e4m3 times the"
@@ -1081,7 +1081,7 @@ def tune(
     distinct_layers: bool = typer.Option(
         False, "--distinct-layers", help="Generate every rotated weight set (default: copies of the first)."
     ),
-    seed: int = typer.Option(0, help="Seed of weights, routing and activations (0 to 2**32 - 1)."),
+    seed: SeedOpt = 0,
     budget: float = typer.Option(
         None, help="Wall-time budget in seconds: no new step starts that would end past it; the tables keep"
         " what was done (exit 1 lists what was left out)."
