@@ -21,7 +21,6 @@ skipped, the manifest marked "interrupted") and exits 130 / 143.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import shlex
 import signal
@@ -41,6 +40,9 @@ from moebench.bench.plan import (  # torch-free too; parse_int_list / parse_name
     check_geometry, option_message, parse_int_list, parse_names, presets_to_run,
 )  # fmt: skip
 from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
+from moebench.reports import rich_tables
+from moebench.reports.rich_tables import escape_markup
+from moebench.reports.rich_tables import fmt as _fmt  # noqa: F401 - the CLI's name for it
 from moebench.reports import outdir  # torch- and pandas-free too
 from moebench.reports.outdir import REPORT_RECORD, default_report_dir  # noqa: F401 - the CLI's names for them
 
@@ -166,40 +168,6 @@ def _check_out(out, option: str = "--out", *, runs: bool = False) -> None:
         outdir.check_out(out, option, runs=runs)
     except ValueError as error:
         raise _fail(str(error)) from None
-
-
-_STATUS_COLORS = {"ok": "green", "failed": "red", "skipped": "yellow"}
-
-
-def _cell(col: str, v) -> str:
-    """One result-table cell as rich markup (errors, ratios, status colors,
-    notes escaped and cut at 80 characters)."""
-    if col == "max_rel_err":
-        return "-" if v is None or v != v else f"{v:.1e}"
-    if col == "vs_torch_bf16":
-        return _fmt(v, 2)
-    if col == "status":
-        return f"[{_STATUS_COLORS.get(v, 'white')}]{v}[/]"
-    if col == "note":
-        return escape_markup(str(v)[:80])
-    return _fmt(v)
-
-
-def _fmt(value, digits: int = 1) -> str:
-    """`value` with `digits` decimals; a nonzero value below 10^(1-digits)
-    keeps two significant digits instead (a CPU run's 0.024 GB/s, not 0.0;
-    0.06 and 0.13 alike, not 0.1; below 1e-3 as 1.2e-05)."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, float):
-        if value != 0 and abs(value) < 10.0 ** (1 - digits):
-            if abs(value) < 1e-3:
-                return f"{value:.1e}"
-            short = f"{value:.2g}"
-            if abs(float(short)) < 10.0 ** (1 - digits):  # 0.999 rounds to 1: the usual format then
-                return short
-        return f"{value:.{digits}f}"
-    return str(value)
 
 
 # Options of several verbs, declared once (typer reads them from the annotation; the default stays in the
@@ -460,13 +428,6 @@ def _fail_unless_every_case_passed(frame, path, strict: bool = False) -> None:
         raise _fail(verdict.failure, FAILED)
 
 
-def escape_markup(text) -> str:
-    """`text` with rich markup escaped (error messages quote [shapes])."""
-    from rich.markup import escape
-
-    return escape(str(text))
-
-
 def _print_summary(table_df) -> None:
     """Render summary_table(df) with rich; columns that hold one value for
     every row (preset, tp, scenario, tactic) move into the title; skipped
@@ -474,38 +435,15 @@ def _print_summary(table_df) -> None:
     skipped = table_df[table_df["status"] == "skipped"]
     table_df = table_df[table_df["status"] != "skipped"]
     if len(table_df):
-        _print_summary_table(table_df)
+        table, note = rich_tables.summary_table(table_df)
+        out = _wide_console(150)  # wide enough for the table even when stdout is not a terminal (logs, CI)
+        out.print(table)
+        if note:
+            out.print(note)
     for (backend, reason), group in skipped.groupby(["backend", "note"], sort=False, dropna=False):
         n = len(group)
         console.print(f"[yellow]skipped[/yellow] {escape_markup(backend)} ({n} case{'s' if n != 1 else ''}):"
                       f" {escape_markup(reason)}", soft_wrap=True)  # fmt: skip
-
-
-def _print_summary_table(table_df) -> None:
-    """The rich table of _print_summary (rows that were not skipped)."""
-    columns = {"preset": "preset", "tp": "tp", "rows": "rows", "scenario": "scenario",
-               "backend": "backend", "tactic": "tactic", "status": "status", "median_us": "µs",
-               "gbps": "GB/s", "read_gbps": "read GB/s", "pct_copy_bw": "%copy", "pct_size_ceiling": "%ceil",
-               "routed_us": "routed µs", "routed_pct_copy_bw": "routed %copy",
-               "vs_torch_bf16": "×torch", "max_rel_err": "err", "note": "note"}  # fmt: skip
-    constant = [c for c in ("preset", "tp", "scenario", "tactic")
-                if len(table_df) and table_df[c].nunique(dropna=False) == 1]  # fmt: skip
-    title = ", ".join(f"{c} {table_df[c].iloc[0]}" for c in constant) or None
-    table = Table(title=title)
-    empty = [c for c in ("pct_size_ceiling", "vs_torch_bf16", "note")
-             if not table_df[c].replace("", None).notna().any()]  # fmt: skip
-    shown = [c for c in columns if c in table_df.columns and c not in constant and c not in empty]
-    for col in shown:
-        table.add_column(columns[col], overflow="fold", no_wrap=col != "note",
-                         min_width=None if col == "note" else len(columns[col]))
-    for rec in table_df.to_dict("records"):
-        table.add_row(*(_cell(col, rec[col]) for col in shown))
-    # Wide enough for the table even when stdout is not a terminal (logs, CI).
-    out = _wide_console(150)
-    out.print(table)
-    if "routed_us" in shown:
-        out.print("routed = route + GEMM1 + GEMM2 without the finalize; each stage's time alone"
-                  " (kernel_<stage>_us) is in the report's summary.md")
 
 
 @app.command(cls=_Command)
@@ -667,65 +605,15 @@ def step(
 #: The step tables' width when stdout is not a terminal: a normal wide terminal's.
 STEP_TABLE_WIDTH = 160
 
-_STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows", "scenario": "scenario",
-               "unique_experts": "experts", "backend": "backend", "tactic": "tactic", "routing_path": "routing",
-               "shared_path": "shared", "status": "status",
-               "median_us": "step µs",
-               "p10_us": "p10", "p90_us": "p90", "step_with_gate_us": "+gate µs", "gate_us": "gate",
-               "allreduce_us": "all-red.", "allreduce_share_pct": "AR %", "stage_sum_us": "Σ stages",
-               "gbps": "GB/s", "pct_copy_bw": "%copy", "vs_torch_bf16": "×torch", "max_rel_err": "err",
-               "note": "note", "rank": "rank", "gpu_index": "GPU"}  # fmt: skip
 
-
-#: Text columns of the step tables that, holding one message for every row, are said once below the table.
-_SAID_ONCE = {"shared_path": "shared expert"}
-
-
-def _print_frame(frame, title: str | None,
-                 constant_keys=("preset", "tp", "ranks", "scenario", "tactic", "routing_path")) -> None:
-    """A rich table of `frame` (columns named by _STEP_HEADS or kernel_<s>_us ->
-    <s>); columns with one value everywhere move to the title (a _SAID_ONCE
-    message below the table), empty ones go."""
-    def single(c):
-        return c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1
-
-    constant = [c for c in constant_keys if single(c)]
-    once = [c for c in _SAID_ONCE if single(c) and str(frame[c].iloc[0])]
-    head = ", ".join(f"{_STEP_HEADS.get(c, c)} {frame[c].iloc[0]}" for c in constant)
-    table = Table(title=", ".join(p for p in (title, head) if p) or None)
-    shown = [c for c in frame.columns
-             if c not in constant and c not in once and frame[c].replace("", None).notna().any()]  # fmt: skip
-    for col in shown:
-        name = _STEP_HEADS.get(col) or str(col).removeprefix("kernel_").removesuffix("_us")
-        table.add_column(name, overflow="fold", no_wrap=col != "note")
-    for rec in frame.to_dict("records"):
-        table.add_row(*(_cell(col, rec[col]) for col in shown))
-    # wide enough that no number is cut when stdout is not a terminal (a terminal folds at its width)
-    out = _wide_console(STEP_TABLE_WIDTH)
-    out.print(table)
-    for c in once:
-        out.print(f"{_SAID_ONCE[c]} (every row): {escape_markup(frame[c].iloc[0])}", soft_wrap=True)
-
-
-#: Columns that say which case (and rank) a row of a step table is: repeated in its stage-split table.
-_STEP_KEYS = ("preset", "tp", "ranks", "rows", "scenario", "backend", "tactic", "rank", "gpu_index")
-
-
-def _print_split(frame, title: str, constant_keys=("preset", "tp", "ranks", "scenario", "tactic", "routing_path"),
-                 ) -> None:  # fmt: skip
-    """`frame` as two tables that each fit a normal terminal: the whole step
-    (times, bandwidth, error), then its split into stages (Σ stages and
-    kernel_<stage>_us, each stage timed alone) keyed by the same case
-    columns; the columns the first table's title names are left out of the
-    second."""
-    stages = [c for c in frame.columns
-              if c == "stage_sum_us" or (str(c).startswith("kernel_") and str(c).endswith("_us"))]  # fmt: skip
-    _print_frame(frame.drop(columns=stages), title, constant_keys)
-    if not any(frame[c].replace("", None).notna().any() for c in stages):
-        return
-    said = [c for c in constant_keys if c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1]
-    keys = [c for c in _STEP_KEYS if c in frame.columns and c not in said]
-    _print_frame(frame[keys + stages], "stage split (µs, each stage timed alone)", constant_keys=())
+def _print_tables(tables, width: int = STEP_TABLE_WIDTH) -> None:
+    """Print rich_tables' (table, lines below) pairs, wide enough that no
+    number is cut when stdout is not a terminal (a terminal folds at its width)."""
+    out = _wide_console(width)
+    for table, lines in tables:
+        out.print(table)
+        for line in lines:
+            out.print(line, soft_wrap=True)
 
 
 def _print_step(frame, ranks=None, table=None) -> None:
@@ -739,9 +627,10 @@ def _print_step(frame, ranks=None, table=None) -> None:
     title = "decode step (µs; the step excludes the gate)"
     if ranks is not None and len(ranks) and ranks["rank"].nunique() > 1:
         title = "decode step (µs, rank 0's timings: every rank below; the step excludes the gate)"
-    _print_split(table, title)
+    _print_tables(rich_tables.split_tables(table, title))
     if ranks is not None and len(ranks):
-        _print_split(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario", "tactic"))
+        _print_tables(rich_tables.split_tables(rank_table(ranks), "per rank (µs)",
+                                               constant_keys=("preset", "scenario", "tactic")))
     if "timing_method" in frame.columns and (frame["timing_method"].astype(str) == "cpu-wallclock").any():
         console.print("[yellow]CPU wall-clock timings: each column is timed on its own and they are noisy, so they"
                       " need not add up (step vs +gate, Σ stages vs step).[/yellow]", soft_wrap=True)
@@ -750,33 +639,8 @@ def _print_step(frame, ranks=None, table=None) -> None:
 @app.command(cls=_Command)
 def presets() -> None:
     """Geometry presets and one rank's shape per TP degree."""
-    from moebench.models import PRESETS
-
-    table = Table(title="presets")
-    for head in ("preset", "H", "I", "E", "top_k", "shared", "scale", "swiglu limit"):
-        table.add_column(head)
-    for cfg in PRESETS.values():
-        table.add_row(
-            cfg.name, str(cfg.hidden), str(cfg.intermediate), str(cfg.experts), str(cfg.top_k),
-            str(cfg.shared_experts), f"{cfg.routed_scaling_factor:g}", f"{cfg.swiglu_limit:g}",
-        )  # fmt: skip
-    console.print(table)
-    shapes = Table(title="one rank's shape (MXFP4 weights + scales, logical bytes)")
-    for head in ("preset", "TP", "I/tp", "padded", "MB / expert", "MB / top_k experts", "GB / rank"):
-        shapes.add_column(head)
-    for cfg in PRESETS.values():
-        for t in (1, 2, 4, 8):
-            try:
-                s = cfg.shard(t)
-            except ValueError as error:
-                shapes.add_row(cfg.name, str(t), "-", "-", str(error), "", "")
-                continue
-            eb = s.expert_bytes()
-            shapes.add_row(
-                cfg.name, str(t), str(s.intermediate), str(s.padded_intermediate), f"{eb / 1e6:.2f}",
-                f"{eb * s.top_k / 1e6:.1f}", f"{eb * s.experts / 1e9:.2f}",
-            )  # fmt: skip
-    console.print(shapes)
+    for table in rich_tables.presets_tables():
+        console.print(table)
 
 
 @app.command(cls=_Command)
@@ -996,20 +860,7 @@ def _print_comparison(comp) -> None:
         console.print(f"[yellow]mismatch: {m}[/yellow]", soft_wrap=True)
     for n in comp.notes:
         console.print(f"[dim]note: {n}[/dim]", soft_wrap=True)
-    colors = {"faster": "green", "slower": "red", "failed": "red", "lost": "red", "same": "white",
-              "unclear": "yellow", "mismatch": "yellow", "fixed": "cyan"}  # fmt: skip
-    table = Table(title=f"vs baseline (threshold {comp.threshold_pct:g} %)")
-    for head in ("preset", "tp", "rows", "scenario", "backend", "tactic", "base µs", "µs", "ratio", "Δ%",
-                 "noise%", "verdict", "note"):  # fmt: skip
-        table.add_column(head, overflow="fold", no_wrap=head != "note")
-    for r in comp.frame.to_dict("records"):
-        color = colors.get(r["verdict"], "dim")
-        table.add_row(
-            str(r["preset"]), str(r["tp"]), str(r["rows"]), str(r["scenario"]), str(r["backend"]), str(r["tactic"]),
-            _fmt(r["base_median_us"]), _fmt(r["median_us"]), _fmt(r["ratio"], 3), _fmt(r["delta_pct"]),
-            _fmt(r["noise_pct"]), f"[{color}]{r['verdict']}[/]", str(r["note"])[:80],
-        )  # fmt: skip
-    _wide_console(150).print(table)
+    _wide_console(150).print(rich_tables.comparison_table(comp))
     console.print("verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
     within = within_threshold_note(comp)
     if within and not comp.errors:
@@ -1220,43 +1071,13 @@ def _progress_filter(say):
 
 
 def _print_gains(records) -> None:
-    if not records:
-        return
-    table = Table(title="tuned vs built-in default (µs per routed path: route + GEMM1 + GEMM2, timed side by side;"
-                        " GEMM1's candidates beside GEMM2's default, GEMM2's beside the tuned GEMM1; both: both defaults"
-                        " (GEMM1's pass) vs both tuned (GEMM2's pass), est.: estimated from the two ratios; gain > 0: tuned"
-                        " is faster)")
-    for head in ("preset", "family", "TP", "rows", "GEMM1 default", "GEMM1 tuned", "gain", "GEMM2 default", "GEMM2 tuned",
-                 "gain", "both default", "both tuned", "gain µs", "gain %"):  # fmt: skip
-        table.add_column(head)
-
-    def pct(g) -> str:
-        return "-" if g.get("gain_pct") is None else f"{g['gain_pct']:+.1f}%"
-
-    for r in records:
-        g1, g2, b = r["gemm1"], r["gemm2"], r["both"]
-        table.add_row(
-            r["preset"], r.get("family", "BF16"), str(r["tp"]), str(r["rows"]), _fmt(g1["default_us"], 2), _fmt(g1["tuned_us"], 2), pct(g1),
-            _fmt(g2["default_us"], 2), _fmt(g2["tuned_us"], 2), pct(g2), _fmt(b["default_us"], 2),
-            _fmt(b["tuned_us"], 2) + (" (est.)" if b.get("estimated") and b["tuned_us"] is not None else ""),
-            "-" if b["gain_us"] is None else f"{b['gain_us']:+.2f}", pct(b),
-        )  # fmt: skip
-    _wide_console(150).print(table)
+    if records:
+        _wide_console(150).print(rich_tables.gains_table(records))
 
 
 def _print_default_families(families, target: Path) -> None:
-    if not families:
-        return
-    table = Table(title=f"what `moebench` runs by default now (one kernel family per layer; the tables of {target}"
-                        " first, then $MOEBENCH_TUNING_DIR and the package's): per rows the faster family by the"
-                        " tables' routed-path µs")  # fmt: skip
-    for head in ("shape", "runs", "rows: faster family (BF16 / FP8 µs)", "why"):
-        table.add_column(head)
-    for label, choice in families:
-        per_rows = ", ".join(f"{t.rows}: {t.faster} ({_fmt(t.bf16_us)} / {_fmt(t.fp8_us)})"
-                             for t in choice.times if t.faster)  # fmt: skip
-        table.add_row(label, choice.family, per_rows or "-", f"{choice.source}: {choice.reason}")
-    _wide_console(150).print(table)
+    if families:
+        _wide_console(150).print(rich_tables.families_table(families, target))
 
 
 def _write_tables(outcome, target: Path, force: bool, label: str = "", written: list | None = None) -> list[str]:
@@ -1265,25 +1086,7 @@ def _write_tables(outcome, target: Path, force: bool, label: str = "", written: 
     table written is appended to `written` as (device name, shape class, SMs)."""
     from moebench.tuning.save import save_tables
 
-    prefix = f"{label} " if label else ""
-    for (tp, stage), result in outcome.results.items():
-        table = Table(title=f"{prefix}TP{tp} GEMM{stage} ({outcome.layers.get((tp, stage), '?')} weight sets)")
-        for head in ("rows", "tactic", "µs", "p10-p90", "default µs", "runner-up", "margin", "separated", "rejected",
-                     "note"):  # fmt: skip
-            table.add_column(head)
-        for rows, res in result.results.items():
-            e = res.entry
-            if e is None:
-                table.add_row(str(rows), "[red]none correct[/red]", "", "", "", "", "", "", str(len(res.rejected)),
-                              "")  # fmt: skip
-                continue
-            base = res.baseline
-            table.add_row(
-                str(rows), e.tactic.name, _fmt(e.median_us, 2), f"{e.p10_us:.2f}-{e.p90_us:.2f}",
-                "-" if base is None else _fmt(base.median_us, 2),
-                e.runner_up.name if e.runner_up else "-", _fmt(e.margin_pct) + "%" if e.margin_pct is not None else "-",
-                "yes" if e.separated else "[yellow]no[/yellow]", str(len(res.rejected)), res.note,
-            )  # fmt: skip
+    for table in rich_tables.picks_tables(outcome, label):
         _wide_console(150).print(table)
     saved, problems = save_tables(outcome, target, force, label)
     for s in saved:
