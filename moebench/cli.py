@@ -37,7 +37,7 @@ from rich.table import Table
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
 from moebench.bench.interrupt import sigterm_as_interrupt  # torch-free too
 from moebench.bench.plan import (  # torch-free too; parse_int_list / parse_names: the CLI's names for them
-    check_geometry, option_message, parse_int_list, parse_names, presets_to_run,
+    check_geometry, option_message, parse_int_list, parse_names, step_plan, sweep_plan,
 )  # fmt: skip
 from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
 from moebench.reports import rich_tables
@@ -259,65 +259,27 @@ def sweep(
     OUT/<UTC date>-<label>. For backends that split their forward (moebench)
     each stage and the routed path (route + GEMM1 + GEMM2) are timed too:
     about three times the timing work of such a case (--no-split skips it)."""
-    from moebench.backends.registry import backend_names
-    from moebench.bench.cases import SweepConfig
-    from moebench.bench.sweep import run_sweep, validate_sweep
-    from moebench.env import resolve_device
-    from moebench.record import MAX_ROWS
-    from moebench.reports.store import run_dir_name, write_run
+    from moebench.bench.sweep import run_sweep
+    from moebench.reports.store import write_run
     from moebench.reports.summary import summary_table
 
     try:
-        run_dir_name(label)
-        backend_list = None
-        if backends == "all":
-            backend_list = backend_names()
-        elif backends != "default":
-            backend_list = parse_names(backends, "--backends")
-        gpus = None
-        if devices is not None:
-            from moebench.bench import shard
-
-            if device is not None:
-                raise ValueError("--device and --devices exclude each other (--devices picks the GPUs)")
-            gpus = shard.parse_devices(devices, shard.visible_gpu_count())
-            dev = resolve_device("cpu")  # the CLI process itself measures nothing
-        else:
-            dev = resolve_device(device)
-        if worker_timeout is not None and (gpus is None or not worker_timeout > 0):
-            raise ValueError("--worker-timeout: needs --devices and a positive number of seconds")
-        reduced = dev.type == "cpu" and gpus is None
-        # A CPU run is a smoke run of the reference: a smaller default grid.
-        rows = ("1,4,8" if reduced else "1-8") if rows is None else rows
-        tp = ("1,8" if reduced else "1,2,4,8") if tp is None else tp
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out: {out} exists and is not a directory")
-        names, note = presets_to_run(preset, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
-                                               "top_k": top_k}, reduced, backend_list)  # fmt: skip
-        config = SweepConfig(
-            presets=names, hidden=hidden, intermediate=intermediate,
-            experts=experts, top_k=top_k, tp=parse_int_list(tp, "--tp", 1, 64),
-            rows=parse_int_list(rows, "--rows", 1, MAX_ROWS), scenarios=parse_names(scenario, "--scenario"),
-            backends=backend_list, tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
-            layers=layers, device=f"cuda:{gpus[0]}" if gpus else str(dev), reduced=reduced, warmup=warmup,
-            replays=replays, use_graph=graph, trace=trace, split=split, back_to_back=back_to_back,
+        plan = sweep_plan(
+            preset=preset, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, rows=rows, tp=tp,
+            backends=backends, scenario=scenario, tactics=tactics, seed=seed, warm_l2=warm_l2, layers=layers,
+            replays=replays, warmup=warmup, graph=graph, split=split, back_to_back=back_to_back, device=device,
+            devices=devices, worker_timeout=worker_timeout, trace=trace, label=label, out=out,
         )  # fmt: skip
-        if gpus is None:  # a sharded sweep's workers check the tactics on their own GPU
-            validate_sweep(config)
-        else:
-            from moebench.bench.sweep import check_backend_names, default_backends
-
-            backend_list = backend_list or default_backends("cuda")
-            check_backend_names(backend_list)
     except (ValueError, TypeError) as error:
         raise _fail(option_message(error)) from None
     _check_out(out, runs=True)  # last of the checks, before any case runs
-    if gpus is not None:
-        _sharded_sweep(config, gpus, backend_list, out, label, worker_timeout, strict)
+    config = plan.config
+    if plan.gpus is not None:
+        _sharded_sweep(config, plan.gpus, plan.backends, out, label, worker_timeout, strict)
         return
 
-    if reduced:
-        console.print(f"[yellow]{escape_markup(note)}[/yellow]")
+    if plan.note:
+        console.print(f"[yellow]{escape_markup(plan.note)}[/yellow]")
     signals: list[int] = []
     try:
         with Progress(
@@ -503,69 +465,25 @@ def step(
     The layer: gate -> router -> shared expert -> routed experts -> finalize
     [-> all-reduce], per rows, backend and tactic under CUDA graphs, gated on
     the fp64 oracle of the layer."""
-    from moebench.backends.registry import backend_names
-    from moebench.bench.decode_step import StepConfig, rank_devices, run_step, validate_step
-    from moebench.bench.shard import parse_devices, visible_gpu_count
-    from moebench.env import resolve_device
-    from moebench.record import MAX_ROWS
-    from moebench.reports.store import run_dir_name, write_run
+    from moebench.bench.decode_step import run_step
+    from moebench.reports.store import write_run
 
     try:
-        run_dir_name(label)
-        if not isinstance(tp, int) or not 1 <= tp <= 64:
-            raise ValueError(f"--tp: expected a TP degree in [1, 64], got {tp!r}")
-        ranks = 1 if (tp == 1 or one_rank) else tp
-        dev = resolve_device(None if device is None else device)
-        if ranks > 1 and device is not None and dev.type == "cuda" and ":" in device:
-            raise ValueError("--device: with --tp N > 1 give --devices (one GPU per rank), not an index")
-        gpu_list = None
-        if devices is not None:
-            if ranks == 1:
-                why = "--one-rank times one rank" if one_rank else "--tp 1 is one rank"
-                raise ValueError(f"--devices: only for several ranks (--tp N > 1 without --one-rank; {why});"
-                                 " use --device for one rank")
-            if dev.type != "cuda":
-                raise ValueError("--devices: the ranks run on the CPU here (no GPU, or --device cpu)")
-            gpu_list = tuple(parse_devices(devices, visible_gpu_count()))
-            if len(gpu_list) != ranks:
-                raise ValueError(f"--devices: --tp {tp} needs {ranks} GPUs, got {len(gpu_list)} ({devices!r})")
-        if timeout is not None and ranks == 1:
-            raise ValueError("--timeout: only for a real TP step (--tp N > 1 without --one-rank: it bounds the"
-                             " rank processes)" if one_rank and tp > 1 else "--timeout: needs --tp N > 1")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"--timeout must be a positive number of seconds, got {timeout}")
-        reduced = dev.type == "cpu"
-        rows = ("1,4,8" if reduced else "1-8") if rows is None else rows
-        backend_list = None
-        if backends == "all":
-            backend_list = backend_names()
-        elif backends != "default":
-            backend_list = parse_names(backends, "--backends")
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out: {out} exists and is not a directory")
-        names, note = presets_to_run(preset, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
-                                               "top_k": top_k}, reduced, backend_list)  # fmt: skip
-        config = StepConfig(
-            presets=names, hidden=hidden, intermediate=intermediate, experts=experts,
-            top_k=top_k, tp=(tp,), rows=parse_int_list(rows, "--rows", 1, MAX_ROWS),
-            scenarios=parse_names(scenario, "--scenario"), backends=backend_list,
-            tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
-            layers=layers, device=str(dev) if ranks == 1 else dev.type, reduced=reduced, warmup=warmup,
-            replays=replays, use_graph=graph, trace=trace, ranks=ranks, devices=gpu_list, split=split,
-            overlap_shared=overlap_shared,
+        plan = step_plan(
+            preset=preset, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=tp,
+            one_rank=one_rank, rows=rows, scenario=scenario, backends=backends, tactics=tactics, seed=seed,
+            warm_l2=warm_l2, layers=layers, replays=replays, warmup=warmup, graph=graph, split=split,
+            overlap_shared=overlap_shared, device=device, devices=devices, timeout=timeout, trace=trace, label=label,
+            out=out,
         )  # fmt: skip
-        if ranks > 1:
-            _, gpu_used = rank_devices(config)  # more ranks than GPUs: error naming both numbers
-        validate_step(config)  # unknown backends or tactics
     except (ValueError, TypeError) as error:
         raise _fail(option_message(error)) from None
     _check_out(out, runs=True)  # last of the checks, before any rank runs
 
-    where = (f"{ranks} ranks on GPUs {', '.join(map(str, gpu_used))} (NCCL)" if ranks > 1 and dev.type == "cuda"
-             else f"{ranks} ranks on the CPU (gloo)" if ranks > 1 else f"one rank on {dev}")  # fmt: skip
-    console.print(f"decode step, TP{tp}: {where}")
-    if reduced:
-        console.print(f"[yellow]{escape_markup(note)}[/yellow]")
+    config = plan.config
+    console.print(f"decode step, TP{tp}: {plan.where}")
+    if plan.note:
+        console.print(f"[yellow]{escape_markup(plan.note)}[/yellow]")
     signals: list[int] = []
     try:
         with Progress(

@@ -10,6 +10,7 @@ Errors are ValueError naming the option as typed (--top-k, --experts, ...):
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 def parse_int_list(text: str, option: str, lo: int, hi: int) -> tuple[int, ...]:
     """'1-8', '1,2,4', '6' or '1-4,8' -> sorted distinct ints in [lo, hi].
@@ -165,3 +166,149 @@ def cpu_runnable(names) -> list[str]:
             continue
     return out
 
+
+@dataclass(frozen=True)
+class SweepPlan:
+    """What `sweep` runs: its config; the note of a CPU run (else None); the
+    GPUs of a sharded sweep (--devices, else None) and its backends."""
+
+    config: object
+    note: str | None
+    gpus: tuple[int, ...] | None
+    backends: tuple[str, ...] | None
+
+
+def sweep_plan(*, preset, hidden, intermediate, experts, top_k, rows, tp, backends, scenario, tactics, seed,
+               warm_l2, layers, replays, warmup, graph, split, back_to_back, device, devices, worker_timeout, trace,
+               label, out) -> SweepPlan:  # fmt: skip
+    """The plan of `moebench sweep` from its options as typed (None: not
+    given): on the CPU a smaller default grid (rows 1,4,8, TP 1,8) at the
+    reduced geometry. Checks everything that can be checked before a case
+    runs, except that `out` takes files. Raises ValueError / TypeError
+    naming the option (or the config field: option_message renames it)."""
+    from moebench.backends.registry import backend_names
+    from moebench.bench.cases import SweepConfig
+    from moebench.bench.sweep import validate_sweep
+    from moebench.env import resolve_device
+    from moebench.record import MAX_ROWS
+    from moebench.reports.store import run_dir_name
+
+    run_dir_name(label)
+    backend_list = None
+    if backends == "all":
+        backend_list = backend_names()
+    elif backends != "default":
+        backend_list = parse_names(backends, "--backends")
+    gpus = None
+    if devices is not None:
+        from moebench.bench import shard
+
+        if device is not None:
+            raise ValueError("--device and --devices exclude each other (--devices picks the GPUs)")
+        gpus = shard.parse_devices(devices, shard.visible_gpu_count())
+        dev = resolve_device("cpu")  # the CLI process itself measures nothing
+    else:
+        dev = resolve_device(device)
+    if worker_timeout is not None and (gpus is None or not worker_timeout > 0):
+        raise ValueError("--worker-timeout: needs --devices and a positive number of seconds")
+    reduced = dev.type == "cpu" and gpus is None
+    # A CPU run is a smoke run of the reference: a smaller default grid.
+    rows = ("1,4,8" if reduced else "1-8") if rows is None else rows
+    tp = ("1,8" if reduced else "1,2,4,8") if tp is None else tp
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} exists and is not a directory")
+    names, note = presets_to_run(preset, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
+                                           "top_k": top_k}, reduced, backend_list)  # fmt: skip
+    config = SweepConfig(
+        presets=names, hidden=hidden, intermediate=intermediate,
+        experts=experts, top_k=top_k, tp=parse_int_list(tp, "--tp", 1, 64),
+        rows=parse_int_list(rows, "--rows", 1, MAX_ROWS), scenarios=parse_names(scenario, "--scenario"),
+        backends=backend_list, tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
+        layers=layers, device=f"cuda:{gpus[0]}" if gpus else str(dev), reduced=reduced, warmup=warmup,
+        replays=replays, use_graph=graph, trace=trace, split=split, back_to_back=back_to_back,
+    )  # fmt: skip
+    if gpus is None:  # a sharded sweep's workers check the tactics on their own GPU
+        validate_sweep(config)
+    else:
+        from moebench.bench.sweep import check_backend_names, default_backends
+
+        backend_list = backend_list or default_backends("cuda")
+        check_backend_names(backend_list)
+    return SweepPlan(config, note, None if gpus is None else tuple(gpus),
+                     None if backend_list is None else tuple(backend_list))
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What `step` runs: its config; the note of a CPU run (else None); where
+    the ranks run, in words."""
+
+    config: object
+    note: str | None
+    where: str
+
+
+def step_plan(*, preset, hidden, intermediate, experts, top_k, tp, one_rank, rows, scenario, backends, tactics,
+              seed, warm_l2, layers, replays, warmup, graph, split, overlap_shared, device, devices, timeout, trace,
+              label, out) -> StepPlan:  # fmt: skip
+    """The plan of `moebench step` from its options as typed (None: not
+    given): one rank (--tp 1 or --one-rank) on one device, else --tp ranks
+    on as many GPUs (--devices) or CPU processes. Checks everything that can
+    be checked before a rank runs, except that `out` takes files. Raises
+    ValueError / TypeError naming the option."""
+    from moebench.backends.registry import backend_names
+    from moebench.bench.decode_step import StepConfig, rank_devices, validate_step
+    from moebench.bench.shard import parse_devices, visible_gpu_count
+    from moebench.env import resolve_device
+    from moebench.record import MAX_ROWS
+    from moebench.reports.store import run_dir_name
+
+    run_dir_name(label)
+    if not isinstance(tp, int) or not 1 <= tp <= 64:
+        raise ValueError(f"--tp: expected a TP degree in [1, 64], got {tp!r}")
+    ranks = 1 if (tp == 1 or one_rank) else tp
+    dev = resolve_device(None if device is None else device)
+    if ranks > 1 and device is not None and dev.type == "cuda" and ":" in device:
+        raise ValueError("--device: with --tp N > 1 give --devices (one GPU per rank), not an index")
+    gpu_list = None
+    if devices is not None:
+        if ranks == 1:
+            why = "--one-rank times one rank" if one_rank else "--tp 1 is one rank"
+            raise ValueError(f"--devices: only for several ranks (--tp N > 1 without --one-rank; {why});"
+                             " use --device for one rank")
+        if dev.type != "cuda":
+            raise ValueError("--devices: the ranks run on the CPU here (no GPU, or --device cpu)")
+        gpu_list = tuple(parse_devices(devices, visible_gpu_count()))
+        if len(gpu_list) != ranks:
+            raise ValueError(f"--devices: --tp {tp} needs {ranks} GPUs, got {len(gpu_list)} ({devices!r})")
+    if timeout is not None and ranks == 1:
+        raise ValueError("--timeout: only for a real TP step (--tp N > 1 without --one-rank: it bounds the"
+                         " rank processes)" if one_rank and tp > 1 else "--timeout: needs --tp N > 1")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {timeout}")
+    reduced = dev.type == "cpu"
+    rows = ("1,4,8" if reduced else "1-8") if rows is None else rows
+    backend_list = None
+    if backends == "all":
+        backend_list = backend_names()
+    elif backends != "default":
+        backend_list = parse_names(backends, "--backends")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out: {out} exists and is not a directory")
+    names, note = presets_to_run(preset, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
+                                           "top_k": top_k}, reduced, backend_list)  # fmt: skip
+    config = StepConfig(
+        presets=names, hidden=hidden, intermediate=intermediate, experts=experts,
+        top_k=top_k, tp=(tp,), rows=parse_int_list(rows, "--rows", 1, MAX_ROWS),
+        scenarios=parse_names(scenario, "--scenario"), backends=backend_list,
+        tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
+        layers=layers, device=str(dev) if ranks == 1 else dev.type, reduced=reduced, warmup=warmup,
+        replays=replays, use_graph=graph, trace=trace, ranks=ranks, devices=gpu_list, split=split,
+        overlap_shared=overlap_shared,
+    )  # fmt: skip
+    if ranks > 1:
+        _, gpu_used = rank_devices(config)  # more ranks than GPUs: error naming both numbers
+    validate_step(config)  # unknown backends or tactics
+    where = (f"{ranks} ranks on GPUs {', '.join(map(str, gpu_used))} (NCCL)" if ranks > 1 and dev.type == "cuda"
+             else f"{ranks} ranks on the CPU (gloo)" if ranks > 1 else f"one rank on {dev}")  # fmt: skip
+    return StepPlan(config, note if reduced else None, where)
