@@ -37,7 +37,7 @@ from rich.table import Table
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
 from moebench.bench.interrupt import sigterm_as_interrupt  # torch-free too
 from moebench.bench.plan import (  # torch-free too; parse_int_list / parse_names: the CLI's names for them
-    check_geometry, option_message, parse_int_list, parse_names, step_plan, sweep_plan,
+    option_message, parse_int_list, parse_names, step_plan, sweep_plan,
 )  # fmt: skip
 from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
 from moebench.reports import rich_tables
@@ -875,40 +875,17 @@ def tune(
     with --fp8 the FP8 family's, merged next to them); prints what tuning
     buys over the built-in tactics at rows 1, 4, 8, and which kernel family
     each shape class tuned now runs by default (the faster by the tables' µs)."""
-    import os
-
-    from moebench.bench.cases import SweepConfig
-    from moebench.models import PRESETS
-    from moebench.record import MAX_ROWS
-    from moebench.routing import SCENARIOS
     from moebench.tuning.family import default_families
-    from moebench.tuning.space import FP8_SPACES, SPACES
+    from moebench.tuning.plan import tune_plan
+    from moebench.tuning.save import tables_dir, write_gains_summary
 
     try:
-        if space not in SPACES:
-            raise ValueError(f"--space: expected one of {sorted(SPACES)}, got {space!r}")
-        if scenario not in SCENARIOS or scenario == "replay":
-            raise ValueError(f"--scenario: expected one of {[s for s in SCENARIOS if s != 'replay']}, got {scenario!r}")
-        names = tuple(PRESETS) if preset.strip() == "all" else parse_names(preset, "--preset")
-        tps = parse_int_list(tp, "--tp", 1, 64)
-        check_geometry(names, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
-                                "top_k": top_k}, reduced=False)  # fmt: skip
-        # The sweep's checks of the presets, TP degrees and seed (messages naming --preset / --tp / --seed),
-        # before the GPU check, so that a bad option is named on any machine.
-        SweepConfig(presets=names, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
-                    tp=tps, seed=seed, layers=layers, reduced=False)  # fmt: skip
-        row_list = parse_int_list(rows, "--rows", 1, MAX_ROWS)
-        stage_list = parse_int_list(stages, "--stages", 1, 2)
-        for name, v, lo in (("--repeats", repeats, 1), ("--top", top, 2), ("--replays", replays, 1),
-                            ("--warmup", warmup, 0)):
-            if v < lo:
-                raise ValueError(f"{name} must be >= {lo}, got {v}")
-        if budget is not None and not budget > 0:
-            raise ValueError(f"--budget must be a positive number of seconds, got {budget}")
-        if jobs is not None and jobs < 0:
-            raise ValueError(f"--jobs must be >= 0, got {jobs}")
-        if summary is not None and summary.exists() and summary.is_dir():
-            raise ValueError(f"--summary: {summary} is a directory; give a file name, e.g. tune-gains.md")
+        plan = tune_plan(
+            preset=preset, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=tp, rows=rows,
+            stages=stages, space=space, scenario=scenario, repeats=repeats, top=top, replays=replays, warmup=warmup,
+            layers=layers, warm_l2=warm_l2, act_bf16=act_bf16, fp8=fp8, distinct_layers=distinct_layers, seed=seed,
+            budget=budget, jobs=jobs, summary=summary, device=device,
+        )  # fmt: skip
     except (ValueError, TypeError) as error:
         raise _fail(option_message(error)) from None
     from moebench.tuning import runner as tuning_runner
@@ -918,20 +895,11 @@ def tune(
         tuning_runner.require_tuning_device(device)
     except RuntimeError as error:
         raise _fail(option_message(error)) from None
-    target = out or Path(os.environ.get("MOEBENCH_TUNING_DIR", "").split(os.pathsep)[0] or "tuning-tables")
+    target = tables_dir(out)
     _check_out(target)  # tables and the summary must be writable before minutes of tuning, not after
     if summary is not None:
         _check_out(summary.parent, "--summary")
-    configs = [
-        tuning_runner.TuneConfig(
-            preset=name, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=(t,),
-            rows=row_list, stages=stage_list, scenario=scenario, seed=seed,
-            space=(FP8_SPACES if fp8 else SPACES)[space], repeats=repeats, top=top, warmup=warmup,
-            replays=replays, layers=layers, warm_l2=warm_l2, device=device, copy_layers=not distinct_layers,
-            act_bf16=act_bf16 and not fp8, fp8=fp8,
-        )  # fmt: skip
-        for name in names for t in tps
-    ]
+    configs = plan.configs()
     clock = tuning_runner.Budget(budget)
     problems: list[str] = []
     written: list = []  # (device name, shape class, SMs) of each table written
@@ -954,19 +922,9 @@ def tune(
     families = default_families(written, target)
     _print_default_families(families, target)
     if summary is not None:
-        import json
-
-        from moebench.tuning.family import family_markdown
-
         try:
-            summary.parent.mkdir(parents=True, exist_ok=True)
-            text = tuning_runner.gains_markdown(records)
-            if families:
-                text += (f"\n## What `moebench` runs by default (the tables of {target} first, then"
-                         f" $MOEBENCH_TUNING_DIR and the package's)\n\n{family_markdown(families)}")
-            summary.write_text(text, encoding="utf-8")
-            summary.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
-            console.print(f"wrote [bold]{summary}[/bold] and [bold]{summary.with_suffix('.json')}[/bold]")
+            md, js = write_gains_summary(summary, records, families, target)
+            console.print(f"wrote [bold]{md}[/bold] and [bold]{js}[/bold]")
         except OSError as error:
             problems.append(f"cannot write {summary}: {error}")
     stopped = [line for _, o in done for line in o.stopped]

@@ -7,6 +7,8 @@ nothing here prints.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -60,3 +62,31 @@ def save_tables(outcome, target: str | Path, force: bool = False, label: str = "
     if failed:
         problems.append(f"no correct tactic for {', '.join(failed)}")
     return saved, problems
+
+
+def tables_dir(out: str | Path | None) -> Path:
+    """Where `moebench tune` writes its tables: `out` (--out), else the first
+    directory of $MOEBENCH_TUNING_DIR, else ./tuning-tables."""
+    if out is not None:
+        return Path(out)
+    return Path(os.environ.get("MOEBENCH_TUNING_DIR", "").split(os.pathsep)[0] or "tuning-tables")
+
+
+def write_gains_summary(summary: str | Path, records: list[dict], families: list, target: str | Path,
+                        ) -> tuple[Path, Path]:  # fmt: skip
+    """Write the tuned-vs-default gains (runner.gains records) to `summary`
+    as markdown, with the kernel family each tuned shape class now runs
+    (family.default_families over the tables of `target`), and the records
+    beside it as .json. Returns both paths; raises OSError."""
+    from moebench.tuning.family import family_markdown
+    from moebench.tuning.runner import gains_markdown
+
+    summary = Path(summary)
+    summary.parent.mkdir(parents=True, exist_ok=True)
+    text = gains_markdown(records)
+    if families:
+        text += (f"\n## What `moebench` runs by default (the tables of {target} first, then"
+                 f" $MOEBENCH_TUNING_DIR and the package's)\n\n{family_markdown(families)}")
+    summary.write_text(text, encoding="utf-8")
+    summary.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
+    return summary, summary.with_suffix(".json")

@@ -1,6 +1,7 @@
 """Saving tuned tables (moebench/tuning/save.py): merged over an older table
 of the same device, refusals as problems, rows with no correct tactic named."""
 
+from pathlib import Path
 from types import SimpleNamespace
 
 from moebench.kernels.tactic import default_fp8_tactic, default_tactic
@@ -60,3 +61,24 @@ def test_a_table_of_another_device_is_a_problem_unless_forced(tmp_path):
 def test_untuned_rows():
     assert untuned_rows(_outcome([])) == []
     assert untuned_rows(_outcome([], untuned=(3,))) == ["TP4 GEMM1 rows=3"]
+
+
+def test_tables_dir_is_out_else_the_first_env_dir_else_tuning_tables(tmp_path, monkeypatch):
+    import os
+
+    from moebench.tuning.save import tables_dir
+
+    monkeypatch.delenv("MOEBENCH_TUNING_DIR", raising=False)
+    assert tables_dir(None) == Path("tuning-tables") and tables_dir(tmp_path) == tmp_path
+    monkeypatch.setenv("MOEBENCH_TUNING_DIR", os.pathsep.join(["/a", "/b"]))
+    assert tables_dir(None) == Path("/a")
+
+
+def test_write_gains_summary_writes_markdown_and_json(tmp_path):
+    import json
+
+    from moebench.tuning.save import write_gains_summary
+
+    md, js = write_gains_summary(tmp_path / "g" / "gains.md", [], [], tmp_path)
+    assert md.is_file() and json.loads(js.read_text()) == [] and js == tmp_path / "g" / "gains.json"
+    assert "runs by default" not in md.read_text()
