@@ -667,72 +667,35 @@ def report(
     RUN_DIR). A comparison that cannot judge anything (a baseline recorded
     another way, no case in common, every compared case unclear) exits 2
     with the reason, with or without --fail-above: it is never a pass."""
-    from moebench.reports.compare import DEFAULT_THRESHOLD_PCT, compare_runs, comparison_markdown, parse_threshold
     from moebench.reports.gate import judge_comparison
-    from moebench.reports.html import report_files
-    from moebench.reports.store import read_table
-    from moebench.reports.summary import (
-        KERNEL_TACTICS_TITLE, is_step_run, kernel_tactics_table, rank_table, step_summary_table, summary_table,
-        to_markdown,
-    )  # fmt: skip
+    from moebench.reports.report import plan_report, report_markdown, write_report_html
 
     try:
-        threshold = parse_threshold(fail_above) if fail_above is not None else DEFAULT_THRESHOLD_PCT
-        if fail_above is not None and baseline is None:
-            raise ValueError("--fail-above needs --baseline RUN")
-        where = "--out" if out is not None else "the default report directory (RUN_DIR's sibling)"
-        if out is not None:
-            outdir.check_out_dir(out, run_dir)
-        df, manifest = outdir.read_report_run(run_dir, "RUN_DIR")
-        if out is None:  # only once RUN_DIR is known to be a run: its errors come first
-            out = default_report_dir(run_dir)
-            outdir.check_out_dir(out, run_dir, where)
-        ranks = read_table(run_dir, "ranks")
-        if ranks is not None and "rank" not in ranks.columns:
-            raise ValueError(f"RUN_DIR: {run_dir / 'ranks.parquet'} lacks the 'rank' column")
-        step_run = is_step_run(df, manifest)
-        try:  # the tables printed below: a run lacking their columns fails here, before any output
-            summary = summary_table(df)
-            step_table = step_summary_table(df) if step_run else None
-        except ValueError as error:
-            raise ValueError(f"RUN_DIR: {run_dir}: {error}") from None
-        base = outdir.read_report_run(baseline, "--baseline") if baseline is not None else None
-        comparison = None
-        if base is not None:
-            comparison = compare_runs(df, manifest, base[0], base[1], threshold_pct=threshold,
-                                      current_label=str(run_dir), baseline_label=str(baseline))  # fmt: skip
+        plan = plan_report(run_dir, baseline=baseline, fail_above=fail_above, out=out, html=html, force=force)
     except (FileNotFoundError, ValueError) as error:
         raise _fail(option_message(error)) from None
-    target = out / "summary.md"
-    written = [target, *(target.parent / n for n in report_files(df, comparison))] if html else [target]
-    taken = [p for p in written if p.exists() or p.is_symlink()]
-    if taken and not force:
-        raise _fail(f"{where}: {', '.join(map(str, taken))} exist{'s' if len(taken) == 1 else ''}; pass --force"
-                    " to replace the report files, or give another --out directory")  # fmt: skip
+    out, where, target, comparison = plan.out, plan.where, plan.target, plan.comparison
     try:  # only now that every check passed (a refused report creates nothing), before any output:
         out.mkdir(parents=True, exist_ok=True)  # a report that cannot be written is not a verdict
     except OSError as error:
         raise _fail(f"{where}: cannot create {out}: {error.strerror or error}") from None
     earlier = outdir.report_record(target.parent)  # the files an earlier report wrote there (read before this one)
     try:  # --force replaces a link itself, never the file it points to (which may be anywhere)
-        for path in taken:
+        for path in plan.taken:
             if path.is_symlink():
                 path.unlink()
     except OSError as error:
         raise _fail(f"cannot replace the link {path}: {error}", 1) from None
-    if manifest.get("reduced"):
+    if plan.manifest.get("reduced"):
         console.print("[yellow]This run used a reduced geometry on the CPU.[/yellow]")
-    _print_summary(summary)
-    if step_run:
-        _print_step(df, ranks, table=step_table)
+    _print_summary(plan.summary)
+    if plan.step_run:
+        _print_step(plan.df, plan.ranks, table=plan.step_table)
     if comparison is not None:
         _print_comparison(comparison)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        text = to_markdown(df, manifest, ranks)
-        if comparison is not None:
-            text += "\n" + comparison_markdown(comparison)
-        target.write_text(text, encoding="utf-8")
+        target.write_text(report_markdown(plan), encoding="utf-8")
         console.print(f"wrote [bold]{target}[/bold]")
         stale = target.parent / "report.html"
         if not html and not force and stale.exists():
@@ -740,18 +703,7 @@ def report(
             console.print(f"[yellow]{stale} is {whose} (--no-html leaves it as it is)[/yellow]")
         paths = []
         if html:
-            from moebench.reports.html import write_html_report
-
-            tables = {}
-            if step_run:
-                tables["Decode step (µs; the step excludes the gate)"] = step_table
-                if ranks is not None and len(ranks):
-                    tables["Per rank (µs)"] = rank_table(ranks)
-            kt = kernel_tactics_table(df)
-            if len(kt):
-                tables[KERNEL_TACTICS_TITLE] = kt
-            paths = write_html_report(df, manifest, target.parent, comparison=comparison,
-                                      title=f"moebench run {run_dir.name}", tables=tables)  # fmt: skip
+            paths = write_report_html(plan)
             plots = f"{len(paths) - 1} plots" if len(paths) > 1 else "no plots: no case was timed or failed"
             console.print(f"wrote [bold]{paths[0]}[/bold] ({plots})")
         if force:
@@ -764,7 +716,7 @@ def report(
         raise _fail(f"cannot write the report under {target.parent}: {error}", 1) from None
     if comparison is None:
         return
-    stop = judge_comparison(comparison, threshold, gated=fail_above is not None)
+    stop = judge_comparison(comparison, plan.threshold, gated=plan.gated)
     if stop is not None:
         raise _fail(*stop)
 
