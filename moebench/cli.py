@@ -32,7 +32,6 @@ import typer
 import typer.core
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
 from moebench.bench.interrupt import sigterm_as_interrupt  # torch-free too
@@ -576,33 +575,9 @@ def env(
     except ValueError as error:
         raise _fail(option_message(error)) from None
     info = environment(dev)
-    d = info["device"]
-    table = Table(show_header=False, title="environment")
-    table.add_column("key", style="bold")
-    table.add_column("value")
-    table.add_row("device", f"{d['name']} ({d['kind']})")
-    if d["kind"] == "cuda":
-        table.add_row("compute capability", str(d["capability"]))
-        table.add_row("SMs", str(d["sm_count"]))
-        table.add_row("L2", f"{(d['l2_bytes'] or 0) / 2**20:.0f} MiB")
-        table.add_row("memory", f"{(d['memory_bytes'] or 0) / 2**30:.1f} GiB")
-        table.add_row("driver", str(d["driver"] or "-"))
-        table.add_row("CUDA runtime (torch)", str(info["cuda_runtime"] or "-"))
-    else:
-        table.add_row("cores", str(d["sm_count"]))
-    table.add_row("python", info["python"])
-    for name, version in info["packages"].items():
-        table.add_row(name, version or "[dim]not installed[/dim]")
-    table.add_row("commit", info["commit"] or "-")
-    if dev.type == "cuda" and bandwidth:
-        table.add_row("copy bandwidth", f"{copy_bandwidth_gbps(dev):.1f} GB/s (1 GiB D2D, read + write)")
-    console.print(table)
-    backends = Table(title="backends")
-    backends.add_column("backend")
-    backends.add_column("status")
-    for name, reason in available_backends(dev).items():
-        backends.add_row(name, "[green]available[/green]" if reason is None else f"[yellow]{reason}[/yellow]")
-    console.print(backends)
+    bw = copy_bandwidth_gbps(dev) if dev.type == "cuda" and bandwidth else None
+    for table in rich_tables.environment_tables(info, bw, available_backends(dev)):
+        console.print(table)
 
 
 @app.command(cls=_Command)
@@ -619,15 +594,7 @@ def check(
         raise _fail(option_message(error)) from None
     with console.status("checking ..."):
         results = run_checks(dev)
-    table = Table(title=f"moebench check ({dev})")
-    table.add_column("item")
-    table.add_column("result")
-    table.add_column("detail", overflow="fold")
-    for r in results:
-        table.add_row(r.name, "[green]pass[/green]" if r.ok else "[red]FAIL[/red]", r.detail)
-    for name, reason in skipped_backends(dev).items():
-        table.add_row(f"backend {name}", "[yellow]skipped[/yellow]", reason)
-    console.print(table)
+    console.print(rich_tables.check_table(dev, results, skipped_backends(dev)))
     console.print(f"--experts: {KERNEL_EXPERTS_NOTE}", soft_wrap=True)
     failed = [r.name for r in results if not r.ok]
     if failed:

@@ -249,3 +249,49 @@ def presets_tables() -> tuple[Table, Table]:
                 f"{eb * s.top_k / 1e6:.1f}", f"{eb * s.experts / 1e9:.2f}",
             )  # fmt: skip
     return table, shapes
+
+
+def environment_tables(info: dict, bandwidth_gbps: float | None, backends: dict) -> tuple[Table, Table]:
+    """env.environment(dev)'s device, versions and commit (and the copy
+    bandwidth measured, when given), then each backend's availability
+    ({name: None or the reason it is not available})."""
+    d = info["device"]
+    table = Table(show_header=False, title="environment")
+    table.add_column("key", style="bold")
+    table.add_column("value")
+    table.add_row("device", f"{d['name']} ({d['kind']})")
+    if d["kind"] == "cuda":
+        table.add_row("compute capability", str(d["capability"]))
+        table.add_row("SMs", str(d["sm_count"]))
+        table.add_row("L2", f"{(d['l2_bytes'] or 0) / 2**20:.0f} MiB")
+        table.add_row("memory", f"{(d['memory_bytes'] or 0) / 2**30:.1f} GiB")
+        table.add_row("driver", str(d["driver"] or "-"))
+        table.add_row("CUDA runtime (torch)", str(info["cuda_runtime"] or "-"))
+    else:
+        table.add_row("cores", str(d["sm_count"]))
+    table.add_row("python", info["python"])
+    for name, version in info["packages"].items():
+        table.add_row(name, version or "[dim]not installed[/dim]")
+    table.add_row("commit", info["commit"] or "-")
+    if bandwidth_gbps is not None:
+        table.add_row("copy bandwidth", f"{bandwidth_gbps:.1f} GB/s (1 GiB D2D, read + write)")
+    status = Table(title="backends")
+    status.add_column("backend")
+    status.add_column("status")
+    for name, reason in backends.items():
+        status.add_row(name, "[green]available[/green]" if reason is None else f"[yellow]{reason}[/yellow]")
+    return table, status
+
+
+def check_table(device, results, skipped: dict) -> Table:
+    """selfcheck.run_checks' results (pass / FAIL and the detail) and the
+    backends skipped on `device` ({name: reason})."""
+    table = Table(title=f"moebench check ({device})")
+    table.add_column("item")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for r in results:
+        table.add_row(r.name, "[green]pass[/green]" if r.ok else "[red]FAIL[/red]", r.detail)
+    for name, reason in skipped.items():
+        table.add_row(f"backend {name}", "[yellow]skipped[/yellow]", reason)
+    return table

@@ -66,3 +66,16 @@ def test_picks_tables_one_per_stage_and_none_correct_in_red():
     (table,) = rt.picks_tables(outcome, "dsv41-flash BF16")
     text = _text(table)
     assert table.title == "dsv41-flash BF16 TP4 GEMM1 (3 weight sets)" and "none correct" in text and "T1" in text
+
+
+def test_environment_and_check_tables():
+    info = {"device": {"name": "cpu", "kind": "cpu", "sm_count": 2}, "python": "3.11", "packages": {"torch": None},
+            "commit": None, "cuda_runtime": None}  # fmt: skip
+    env, backends = rt.environment_tables(info, None, {"reference": None, "moebench": "needs a GPU"})
+    text = _text(env)
+    assert "cores" in text and "not installed" in text and "copy bandwidth" not in text
+    assert "available" in _text(backends) and "needs a GPU" in _text(backends)
+    assert "1234.5 GB/s" in _text(rt.environment_tables(info, 1234.5, {})[0])
+    results = [SimpleNamespace(name="codec", ok=True, detail="d"), SimpleNamespace(name="oracle", ok=False, detail="x")]
+    text = _text(rt.check_table("cpu", results, {"moebench": "no GPU"}))
+    assert "moebench check (cpu)" in text and "FAIL" in text and "backend moebench" in text
