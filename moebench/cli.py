@@ -35,15 +35,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
 from moebench.bench.interrupt import sigterm_as_interrupt  # torch-free too
-from moebench.bench.plan import (  # torch-free too; parse_int_list / parse_names: the CLI's names for them
-    option_message, parse_int_list, parse_names, step_plan, sweep_plan,
-)  # fmt: skip
+from moebench.bench.plan import option_message, parse_names, step_plan, sweep_plan  # noqa: F401 - torch-free too
 from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
-from moebench.reports import rich_tables
+from moebench.reports import outdir, rich_tables  # torch- and pandas-free too
+from moebench.reports.outdir import REPORT_RECORD, default_report_dir  # noqa: F401 - the CLI's names for them
 from moebench.reports.rich_tables import escape_markup
 from moebench.reports.rich_tables import fmt as _fmt  # noqa: F401 - the CLI's name for it
-from moebench.reports import outdir  # torch- and pandas-free too
-from moebench.reports.outdir import REPORT_RECORD, default_report_dir  # noqa: F401 - the CLI's names for them
+
 
 def _flags_as_flags(params: list) -> list:
     """`params` with an empty metavar on every plain flag (a bool option
