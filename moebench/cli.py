@@ -21,23 +21,27 @@ skipped, the manifest marked "interrupted") and exits 130 / 143.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
-import re
 import shlex
 import signal
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 import typer.core
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
-from moebench.bench.interrupt import interrupted_rows, sigterm_as_interrupt  # torch-free too
+from moebench.bench.interrupt import sigterm_as_interrupt  # torch-free too
+from moebench.bench.plan import option_message, parse_names, step_plan, sweep_plan  # noqa: F401 - torch-free too
 from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
+from moebench.reports import outdir, rich_tables  # torch- and pandas-free too
+from moebench.reports.outdir import REPORT_RECORD, default_report_dir  # noqa: F401 - the CLI's names for them
+from moebench.reports.rich_tables import escape_markup
+from moebench.reports.rich_tables import fmt as _fmt  # noqa: F401 - the CLI's name for it
+
 
 def _flags_as_flags(params: list) -> list:
     """`params` with an empty metavar on every plain flag (a bool option
@@ -143,42 +147,6 @@ def _main(
                 stream.reconfigure(errors="replace")
 
 
-def parse_int_list(text: str, option: str, lo: int, hi: int) -> tuple[int, ...]:
-    """'1-8', '1,2,4', '6' or '1-4,8' -> sorted distinct ints in [lo, hi].
-    Raises ValueError naming `option`."""
-    values: set[int] = set()
-    for part in (p.strip() for p in str(text).split(",")):
-        match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not match or (match[2] is not None and int(match[1]) > int(match[2])):
-            raise ValueError(f"{option}: cannot parse {part!r} (expected a list of integers in [{lo}, {hi}]"
-                             f" such as '{lo}-{min(hi, lo + 3)}', '{lo},{min(hi, lo + 1)}' or '{lo}')")
-        start = int(match[1])
-        values.update(range(start, int(match[2] or start) + 1))
-    bad = sorted(v for v in values if not lo <= v <= hi)
-    if bad:
-        raise ValueError(f"{option}: {bad} outside [{lo}, {hi}]")
-    return tuple(sorted(values))
-
-
-def parse_names(text: str, option: str) -> tuple[str, ...]:
-    """'a,b' -> ('a', 'b') (order kept, duplicates dropped). Raises ValueError
-    naming `option` when empty or when an item is empty ('a,,b', 'a,'), as
-    parse_int_list does."""
-    parts = [p.strip() for p in str(text).split(",")]
-    if not any(parts):
-        raise ValueError(f"{option}: expected a comma-separated list, got {text!r}")
-    if not all(parts):
-        raise ValueError(f"{option}: empty item in {text!r} (expected e.g. 'a,b')")
-    return tuple(dict.fromkeys(parts))
-
-
-#: Config fields set by the option of the same name: the library's messages
-#: name the field, the CLI's name the option as typed.
-_FIELD_OPTIONS = {"hidden": "--hidden", "intermediate": "--intermediate", "experts": "--experts",
-                  "top_k": "--top-k", "replays": "--replays", "warmup": "--warmup", "layers": "--layers",
-                  "seed": "--seed", "label": "--label", "threshold": "--fail-above"}  # fmt: skip
-
-
 def _path(text) -> Path:
     """A path option's value (typer `parser`): an empty one is refused, since
     Path("") is the current directory and the user meant something else;
@@ -190,213 +158,68 @@ def _path(text) -> Path:
     return Path(text)
 
 
-def _option_message(error: Exception) -> str:
-    """`error`'s text with a leading config field renamed to its option
-    ('replays must be an int >= 1, got 0' -> '--replays must be ...')."""
-    text = str(error)
-    match = re.match(r"(\w+) must\b", text)
-    if match and match[1] in _FIELD_OPTIONS:
-        return _FIELD_OPTIONS[match[1]] + text[len(match[1]) :]
-    if text.startswith("trace ") and not text.startswith("trace (--trace)"):  # the replay trace: 'trace PATH: ...'
-        return "--" + text
-    return text
-
-
 def _check_out(out, option: str = "--out", *, runs: bool = False) -> None:
-    """`out` must take files before anything is measured (a long run is never
-    measured and then lost): exits with a usage error naming `option`, else
-    the directory exists. `runs`: `out` is where runs are stored, so it must
-    not be a stored run or lie inside one. Call it after the other checks,
-    so that a refused command creates nothing."""
-    from moebench.reports.store import check_run_root
-
-    run, itself = _run_at(out) if runs else (None, False)
-    if run is not None:  # a new run would be stored among another run's files
-        where = "a stored run directory" if itself else f"inside the stored run {run}"
-        raise _fail(f"{option}: {out} is {where}; give a directory outside any run")
+    """outdir.check_out(...), a refusal as a usage error. Call it after the
+    other checks, so that a refused command creates nothing."""
     try:
-        check_run_root(out)
-    except (OSError, ValueError) as error:
-        raise _fail(f"{option}: {error}") from None
+        outdir.check_out(out, option, runs=runs)
+    except ValueError as error:
+        raise _fail(str(error)) from None
 
 
-def _check_geometry(presets, overrides: dict, reduced: bool) -> None:
-    """Build each known preset with the --hidden / --intermediate / --experts /
-    --top-k overrides (and, when `reduced`, the CPU's reduced sizes, which run)
-    so that a bad override fails here, naming its option. Unknown presets are
-    left to the config (it names --preset)."""
-    from moebench.bench.cases import CPU_REDUCED
-    from moebench.models import PRESETS, get_preset
-
-    given = {k: v for k, v in overrides.items() if v is not None}
-    for name in (p for p in presets if p in PRESETS):
-        for small in (True, False) if reduced else (False,):
-            sizes = {**CPU_REDUCED, **given} if small else given
-            try:
-                get_preset(name, **sizes)
-            except ValueError as error:
-                if not str(error).startswith("top_k ("):
-                    raise ValueError(_option_message(error)) from None
-                top_k, experts = sizes.get("top_k", PRESETS[name].top_k), sizes.get("experts", PRESETS[name].experts)
-                if "top_k" not in given:
-                    raise ValueError(f"--experts {experts} is below {name}'s top_k {top_k}; expected --experts >="
-                                     f" {top_k} (or a smaller --top-k)") from None  # fmt: skip
-                # top_k <= MAX_TOP_K (8) is below every preset's and the reduced geometry's experts
-                origin = f"--experts {experts}" if "experts" in given else f"{name}'s {experts} experts"
-                raise ValueError(f"--top-k {top_k} exceeds {origin}; expected --top-k <= {experts}") from None
-
-
-#: One layer's expert bytes beyond which a CPU run is warned to be slow (the
-#: default reduced layer is 6.5 MB).
-CPU_HEAVY_BYTES = 256 * 2**20
-
-
-def _reduced_presets(names, overrides: dict, which: str) -> tuple[tuple[str, ...], str]:
-    """Without a GPU every preset runs the reduced geometry: (the presets kept,
-    those whose reduced layer equals an earlier one's dropped, and the note
-    line saying what runs). Call after _check_geometry."""
-    from dataclasses import replace
-
-    from moebench.bench.cases import CPU_REDUCED
-    from moebench.models import PRESETS, get_preset
-
-    sizes = {**CPU_REDUCED, **{k: v for k, v in overrides.items() if v is not None}}
-    kept: dict = {}  # reduced layer (name blanked) -> preset
-    dropped = []
-    for name in names:
-        if name not in PRESETS:
-            kept[name] = name  # the config names the unknown preset
-            continue
-        layer = replace(get_preset(name, **sizes), name="")
-        if layer in kept:
-            dropped.append(f"{name} (same layer as {kept[layer]})")
-        else:
-            kept[layer] = name
-    layers = [c for c in kept if not isinstance(c, str)]
-    shapes = ", ".join(dict.fromkeys(f"(H={c.hidden}, I={c.intermediate}, E={c.experts}, top_k={c.top_k})"
-                                     for c in layers))  # fmt: skip
-    geometry = "the reduced geometry" if sizes == CPU_REDUCED else "the reduced geometry with your size overrides"
-    # one layer's MXFP4 experts (w13 + w2 and their E8M0 scales): 3 H I E / 2 bytes x (1 + 1/16)
-    largest = max((3 * c.hidden * c.intermediate * c.experts // 2 * 17 // 16 for c in layers), default=0)
-    heavy = largest > CPU_HEAVY_BYTES
-    note = (f"No GPU: running {which} on the CPU at {geometry} {shapes} whatever the preset, so preset"
-            f" names are only labels (stored as <preset>+custom)"
-            + (f"; not repeated: {', '.join(dropped)}" if dropped else "")
-            + (f"; a large layer for a CPU run ({largest / 1e9:.1f} GB of MXFP4 experts, checked against an fp64"
-               " oracle): expect minutes per case" if heavy else "")
-            + "; CPU latencies say nothing about a GPU.")  # fmt: skip
-    return tuple(kept.values()), note
-
-
-def _presets_to_run(preset: str, overrides: dict, reduced: bool, backend_list) -> tuple[tuple[str, ...], str | None]:
-    """sweep / step: the --preset names (checked with the size overrides,
-    naming their options) and, on the CPU (`reduced`), those whose reduced
-    layer is new with the note line saying what runs (else None)."""
-    from moebench.bench.cases import CPU_BACKENDS
-    from moebench.models import PRESETS
-
-    names = tuple(PRESETS) if str(preset).strip() == "all" else parse_names(preset, "--preset")
-    _check_geometry(names, overrides, reduced)
-    if not reduced:
-        return names, None
-    runnable = _cpu_runnable(backend_list or CPU_BACKENDS)
-    kept, note = _reduced_presets(names, overrides, ", ".join(runnable))
-    if not runnable:
-        note = (f"No GPU: none of the backends ({', '.join(backend_list)}) runs on the CPU, so every case is"
-                f" stored as skipped with the reason.")  # fmt: skip
-    return kept, note
-
-
-def _cpu_runnable(names) -> list[str]:
-    """The backends among `names` that can run on the CPU (unknown names are
-    kept: the run's own check names them)."""
-    from moebench.backends.registry import backend_names, load_backend
-
-    out = []
-    for name in names:
-        try:
-            if name not in backend_names() or load_backend(name).unavailable_reason("cpu") is None:
-                out.append(name)
-        except Exception:  # noqa: BLE001 - a backend that cannot even load is not runnable
-            continue
-    return out
-
-
-_STATUS_COLORS = {"ok": "green", "failed": "red", "skipped": "yellow"}
-
-
-def _cell(col: str, v) -> str:
-    """One result-table cell as rich markup (errors, ratios, status colors,
-    notes escaped and cut at 80 characters)."""
-    if col == "max_rel_err":
-        return "-" if v is None or v != v else f"{v:.1e}"
-    if col == "vs_torch_bf16":
-        return _fmt(v, 2)
-    if col == "status":
-        return f"[{_STATUS_COLORS.get(v, 'white')}]{v}[/]"
-    if col == "note":
-        return escape_markup(str(v)[:80])
-    return _fmt(v)
-
-
-def _fmt(value, digits: int = 1) -> str:
-    """`value` with `digits` decimals; a nonzero value below 10^(1-digits)
-    keeps two significant digits instead (a CPU run's 0.024 GB/s, not 0.0;
-    0.06 and 0.13 alike, not 0.1; below 1e-3 as 1.2e-05)."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, float):
-        if value != 0 and abs(value) < 10.0 ** (1 - digits):
-            if abs(value) < 1e-3:
-                return f"{value:.1e}"
-            short = f"{value:.2g}"
-            if abs(float(short)) < 10.0 ** (1 - digits):  # 0.999 rounds to 1: the usual format then
-                return short
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-#: --experts of `sweep`, `step` and `tune`.
-_EXPERTS_HELP = f"Override routed experts E ({KERNEL_EXPERTS_NOTE})."
-
-#: --tactics of `sweep` and `step`.
-_TACTICS_HELP = (
+# Options of several verbs, declared once (typer reads them from the annotation; the default stays in the
+# signature). Sizes: sweep, step and tune; the run's grid: sweep and step.
+PresetOpt = Annotated[str, typer.Option(help="Preset name(s), comma-separated, or 'all' (see `moebench presets`).")]
+HiddenOpt = Annotated[int, typer.Option(help="Override hidden size H.")]
+IntermediateOpt = Annotated[int, typer.Option(help="Override moe intermediate size I (before TP).")]
+ExpertsOpt = Annotated[int, typer.Option(help=f"Override routed experts E ({KERNEL_EXPERTS_NOTE}).")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Override top_k (at most 8).")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of weights, routing and activations (0 to 2**32 - 1).")]
+RowsOpt = Annotated[str, typer.Option(help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU).")]
+ScenarioOpt = Annotated[str, typer.Option(
+    help="Routing scenarios, comma-separated, of: uniform, zipf, hot, correlated, replay (replay reads --trace).")]
+TacticsOpt = Annotated[str, typer.Option(help=(
     "Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list (moebench: default ="
     " the kernel family the tuning tables time faster (FP8 where no table and its built-ins fit), its tuned"
     " tactics else built-in; builtin = what runs without any table; tuned = default, skipped without a table;"
     " fp8 / bf16 = that kernel family (FP8: wgmma, BF16: mma.sync), skipped where it cannot run;"
     " torch-bf16: grouped, gather)."
-)
+))]
+GraphOpt = Annotated[bool, typer.Option("--graph/--no-graph", help="CUDA-graph replay for capturable backends.")]
+WarmL2Opt = Annotated[bool, typer.Option("--warm-l2", help="Time one weight set over and over (warm L2).")]
+LayersOpt = Annotated[int, typer.Option(
+    help=f"Force the number of rotated weight sets, 1 to {MAX_LAYERS} (default: >= 4x L2).")]
+TraceOpt = Annotated[Path, typer.Option(
+    parser=_path, help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario.")]
+LabelOpt = Annotated[str, typer.Option(help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
+                                       " letters, digits, '.', '_', '-', starting with a letter or digit).")]
+RunsOutOpt = Annotated[Path, typer.Option(parser=_path, help="Root directory of stored runs.")]
+DeviceOpt = Annotated[str, typer.Option(help="'cpu' or 'cuda[:N]' (default: the GPU if any).")]
 
 
 @app.command(cls=_Command)
 def sweep(
-    preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
-    hidden: int = typer.Option(None, help="Override hidden size H."),
-    intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help=_EXPERTS_HELP),
-    top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
-    rows: str = typer.Option(
-        None, help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU)."
-    ),
+    preset: PresetOpt = "dsv41-flash",
+    hidden: HiddenOpt = None,
+    intermediate: IntermediateOpt = None,
+    experts: ExpertsOpt = None,
+    top_k: TopKOpt = None,
+    rows: RowsOpt = None,
     tp: str = typer.Option(
         None, help="Tensor-parallel degrees (one rank's shape each); default 1,2,4,8 (1,8 on the CPU)."
     ),
     backends: str = typer.Option(
         "default", help="'default' (GPU: all but reference; CPU: reference,torch-bf16), 'all', or a list."
     ),
-    scenario: str = typer.Option(
-        "correlated", help="Routing scenarios, comma-separated, of: uniform, zipf, hot, correlated, replay"
-        " (replay reads --trace)."
-    ),
-    tactics: str = typer.Option("default", help=_TACTICS_HELP),
-    seed: int = typer.Option(0, help="Seed of weights, routing and activations (0 to 2**32 - 1)."),
-    warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
-    layers: int = typer.Option(None, help=f"Force the number of rotated weight sets, 1 to {MAX_LAYERS} (default: >= 4x L2)."),
+    scenario: ScenarioOpt = "correlated",
+    tactics: TacticsOpt = "default",
+    seed: SeedOpt = 0,
+    warm_l2: WarmL2Opt = False,
+    layers: LayersOpt = None,
     replays: int = typer.Option(100, help="Timed replays per case under CUDA graphs; eager timing (the CPU, --no-graph, an uncapturable backend) takes at most "
         f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."),
     warmup: int = typer.Option(10, help=f"Warm-up calls per case (eager timing: at most {EAGER_WARMUP_CAP})."),
-    graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
+    graph: GraphOpt = True,
     split: bool = typer.Option(
         True, "--split/--no-split", help="Also time each stage alone and the routed path (route + GEMM1 + GEMM2)"
         " of backends that split their forward (moebench); --no-split: the layer call only, about a third of the"
@@ -411,7 +234,7 @@ def sweep(
         False, "--strict", help="Exit 1 when a peer's case failed too (a backend that is not ours, e.g. one off its"
         " oracle); without it only our cases' failures fail the command, the peers' are stored and listed."
     ),
-    device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
+    device: DeviceOpt = None,
     devices: str = typer.Option(
         None, help="Split the cases over GPUs: 'all' or a list like '0,1' (one worker process per GPU,"
         " each case on one GPU, one merged run). Default: one process on --device."
@@ -420,13 +243,9 @@ def sweep(
         None, "--worker-timeout", help="With --devices: stop workers still running after this many seconds"
         " (their unfinished cases are stored as failed)."
     ),
-    trace: Path = typer.Option(
-        None, parser=_path,
-        help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario."
-    ),
-    label: str = typer.Option("sweep", help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
-                              " letters, digits, '.', '_', '-', starting with a letter or digit)."),
-    out: Path = typer.Option(Path("reports/runs"), parser=_path, help="Root directory of stored runs."),
+    trace: TraceOpt = None,
+    label: LabelOpt = "sweep",
+    out: RunsOutOpt = Path("reports/runs"),
 ) -> None:
     """Measure backends over presets x TP x rows x scenarios.
 
@@ -437,65 +256,27 @@ def sweep(
     OUT/<UTC date>-<label>. For backends that split their forward (moebench)
     each stage and the routed path (route + GEMM1 + GEMM2) are timed too:
     about three times the timing work of such a case (--no-split skips it)."""
-    from moebench.backends.registry import backend_names
-    from moebench.bench.cases import SweepConfig
-    from moebench.bench.sweep import run_sweep, validate_sweep
-    from moebench.env import resolve_device
-    from moebench.record import MAX_ROWS
-    from moebench.reports.store import run_dir_name, write_run
+    from moebench.bench.sweep import run_sweep
+    from moebench.reports.store import write_run
     from moebench.reports.summary import summary_table
 
     try:
-        run_dir_name(label)
-        backend_list = None
-        if backends == "all":
-            backend_list = backend_names()
-        elif backends != "default":
-            backend_list = parse_names(backends, "--backends")
-        gpus = None
-        if devices is not None:
-            from moebench.bench import shard
-
-            if device is not None:
-                raise ValueError("--device and --devices exclude each other (--devices picks the GPUs)")
-            gpus = shard.parse_devices(devices, shard.visible_gpu_count())
-            dev = resolve_device("cpu")  # the CLI process itself measures nothing
-        else:
-            dev = resolve_device(device)
-        if worker_timeout is not None and (gpus is None or not worker_timeout > 0):
-            raise ValueError("--worker-timeout: needs --devices and a positive number of seconds")
-        reduced = dev.type == "cpu" and gpus is None
-        # A CPU run is a smoke run of the reference: a smaller default grid.
-        rows = ("1,4,8" if reduced else "1-8") if rows is None else rows
-        tp = ("1,8" if reduced else "1,2,4,8") if tp is None else tp
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out: {out} exists and is not a directory")
-        names, note = _presets_to_run(preset, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
-                                               "top_k": top_k}, reduced, backend_list)  # fmt: skip
-        config = SweepConfig(
-            presets=names, hidden=hidden, intermediate=intermediate,
-            experts=experts, top_k=top_k, tp=parse_int_list(tp, "--tp", 1, 64),
-            rows=parse_int_list(rows, "--rows", 1, MAX_ROWS), scenarios=parse_names(scenario, "--scenario"),
-            backends=backend_list, tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
-            layers=layers, device=f"cuda:{gpus[0]}" if gpus else str(dev), reduced=reduced, warmup=warmup,
-            replays=replays, use_graph=graph, trace=trace, split=split, back_to_back=back_to_back,
+        plan = sweep_plan(
+            preset=preset, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, rows=rows, tp=tp,
+            backends=backends, scenario=scenario, tactics=tactics, seed=seed, warm_l2=warm_l2, layers=layers,
+            replays=replays, warmup=warmup, graph=graph, split=split, back_to_back=back_to_back, device=device,
+            devices=devices, worker_timeout=worker_timeout, trace=trace, label=label, out=out,
         )  # fmt: skip
-        if gpus is None:  # a sharded sweep's workers check the tactics on their own GPU
-            validate_sweep(config)
-        else:
-            from moebench.bench.sweep import check_backend_names, default_backends
-
-            backend_list = backend_list or default_backends("cuda")
-            check_backend_names(backend_list)
     except (ValueError, TypeError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     _check_out(out, runs=True)  # last of the checks, before any case runs
-    if gpus is not None:
-        _sharded_sweep(config, gpus, backend_list, out, label, worker_timeout, strict)
+    config = plan.config
+    if plan.gpus is not None:
+        _sharded_sweep(config, plan.gpus, plan.backends, out, label, worker_timeout, strict)
         return
 
-    if reduced:
-        console.print(f"[yellow]{escape_markup(note)}[/yellow]")
+    if plan.note:
+        console.print(f"[yellow]{escape_markup(plan.note)}[/yellow]")
     signals: list[int] = []
     try:
         with Progress(
@@ -510,7 +291,7 @@ def sweep(
             with sigterm_as_interrupt() as signals:
                 result = run_sweep(config, progress=progress)
     except (ValueError, TypeError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     except KeyboardInterrupt:  # before the first case was measured (the run keeps what it measured)
         raise _fail("interrupted before any case was measured; nothing stored",
                     128 + (signals[-1] if signals else signal.SIGINT)) from None
@@ -535,13 +316,11 @@ def sweep(
 def _fail_if_interrupted(frame, manifest: dict, path, signals: list[int]) -> None:
     """After an interrupted run was stored at `path`: exit 128 + the signal
     (130 for Ctrl-C, 143 for SIGTERM), saying how many cases were measured."""
-    if not manifest.get("interrupted"):
-        return
-    reached = int((~interrupted_rows(frame)).sum())
-    # this process's signal, else the one a sharded sweep's worker got (a signal sent to it alone)
-    signum = signals[-1] if signals else manifest.get("interrupt_signal") or signal.SIGINT
-    raise _fail(f"interrupted ({signal.Signals(signum).name}): {reached} of {len(frame)} cases ran; the rest are"
-                f" stored as skipped in {path}", 128 + signum)
+    from moebench.reports.gate import interrupted_exit
+
+    stop = interrupted_exit(frame, manifest, path, signals)
+    if stop is not None:
+        raise _fail(*stop)
 
 
 def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s, strict: bool = False) -> None:
@@ -564,7 +343,7 @@ def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s,
                 progress=lambda done, total: bar.update(task, completed=min(done, total), total=total),
             )  # fmt: skip
     except (ValueError, TypeError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     except OSError as error:
         raise _fail(f"cannot write the run under {out}: {error}", 1) from None
     except KeyboardInterrupt:  # outside the workers' run (planning, merging): nothing was stored
@@ -592,41 +371,20 @@ def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s,
 
 
 def _fail_unless_every_case_passed(frame, path, strict: bool = False) -> None:
-    """After a run is stored at `path`: exit 1 when no case ran (every case
-    skipped) or when a case of ours failed (an error, e.g. out of memory, or
-    its correctness gate: a failed check, as the module docstring says),
-    with up to three of the reasons. A peer's failed case (its backend's
-    `Backend.peer`, the run's `peer` column) is listed with its reason and
-    fails the command only with `strict` (--strict). Return otherwise.
-    Skipped cases beside ok ones are not an error."""
-    from moebench.reports.summary import failed_cases, failure_lines
+    """After a run is stored at `path`: list the peers' failed cases, then
+    exit 1 when reports.gate.judge_run says the run fails (no case ran, a
+    case of ours failed, a peer's with `strict`); return otherwise."""
+    from moebench.reports.gate import FAILED, judge_run
 
-    status = frame["status"].astype(str)
-    if not ((status == "ok") | (status == "failed")).any():
-        reasons = sorted(set(frame["error"].dropna().astype(str)))[:3]
-        raise _fail("no case ran (every case was skipped): " + "; ".join(reasons), 1)
-    failed, peers = failed_cases(frame)
-    if len(peers):
-        console.print(f"[yellow]{len(peers)} peer case(s) failed (stored as failed in {escape_markup(path)}; not"
+    verdict = judge_run(frame, path, strict)
+    if verdict.peers:
+        console.print(f"[yellow]{verdict.peers} peer case(s) failed (stored as failed in {escape_markup(path)}; not"
                       f" ours: {'--strict fails the command on them' if strict else 'pass --strict to fail on them'}"
                       "):[/yellow]")  # fmt: skip
-        for line in failure_lines(peers):
+        for line in verdict.peer_lines:
             console.print(f"  {escape_markup(line)}", soft_wrap=True)
-    if len(failed):
-        reasons = sorted(set(failed["error"].dropna().astype(str)))[:3]
-        raise _fail(f"{len(failed)} case(s) failed: an error, or an output off the oracle (stored as failed in"
-                    f" {path}): " + "; ".join(reasons), 1)
-    if strict and len(peers):
-        reasons = sorted(set(peers["error"].dropna().astype(str)))[:3]
-        raise _fail(f"{len(peers)} peer case(s) failed (--strict): an error, or an output off the oracle (stored as"
-                    f" failed in {path}): " + "; ".join(reasons), 1)
-
-
-def escape_markup(text) -> str:
-    """`text` with rich markup escaped (error messages quote [shapes])."""
-    from rich.markup import escape
-
-    return escape(str(text))
+    if verdict.failure is not None:
+        raise _fail(verdict.failure, FAILED)
 
 
 def _print_summary(table_df) -> None:
@@ -636,47 +394,24 @@ def _print_summary(table_df) -> None:
     skipped = table_df[table_df["status"] == "skipped"]
     table_df = table_df[table_df["status"] != "skipped"]
     if len(table_df):
-        _print_summary_table(table_df)
+        table, note = rich_tables.summary_table(table_df)
+        out = _wide_console(150)  # wide enough for the table even when stdout is not a terminal (logs, CI)
+        out.print(table)
+        if note:
+            out.print(note)
     for (backend, reason), group in skipped.groupby(["backend", "note"], sort=False, dropna=False):
         n = len(group)
         console.print(f"[yellow]skipped[/yellow] {escape_markup(backend)} ({n} case{'s' if n != 1 else ''}):"
                       f" {escape_markup(reason)}", soft_wrap=True)  # fmt: skip
 
 
-def _print_summary_table(table_df) -> None:
-    """The rich table of _print_summary (rows that were not skipped)."""
-    columns = {"preset": "preset", "tp": "tp", "rows": "rows", "scenario": "scenario",
-               "backend": "backend", "tactic": "tactic", "status": "status", "median_us": "µs",
-               "gbps": "GB/s", "read_gbps": "read GB/s", "pct_copy_bw": "%copy", "pct_size_ceiling": "%ceil",
-               "routed_us": "routed µs", "routed_pct_copy_bw": "routed %copy",
-               "vs_torch_bf16": "×torch", "max_rel_err": "err", "note": "note"}  # fmt: skip
-    constant = [c for c in ("preset", "tp", "scenario", "tactic")
-                if len(table_df) and table_df[c].nunique(dropna=False) == 1]  # fmt: skip
-    title = ", ".join(f"{c} {table_df[c].iloc[0]}" for c in constant) or None
-    table = Table(title=title)
-    empty = [c for c in ("pct_size_ceiling", "vs_torch_bf16", "note")
-             if not table_df[c].replace("", None).notna().any()]  # fmt: skip
-    shown = [c for c in columns if c in table_df.columns and c not in constant and c not in empty]
-    for col in shown:
-        table.add_column(columns[col], overflow="fold", no_wrap=col != "note",
-                         min_width=None if col == "note" else len(columns[col]))
-    for rec in table_df.to_dict("records"):
-        table.add_row(*(_cell(col, rec[col]) for col in shown))
-    # Wide enough for the table even when stdout is not a terminal (logs, CI).
-    out = _wide_console(150)
-    out.print(table)
-    if "routed_us" in shown:
-        out.print("routed = route + GEMM1 + GEMM2 without the finalize; each stage's time alone"
-                  " (kernel_<stage>_us) is in the report's summary.md")
-
-
 @app.command(cls=_Command)
 def step(
-    preset: str = typer.Option("dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."),
-    hidden: int = typer.Option(None, help="Override hidden size H."),
-    intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help=_EXPERTS_HELP),
-    top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
+    preset: PresetOpt = "dsv41-flash",
+    hidden: HiddenOpt = None,
+    intermediate: IntermediateOpt = None,
+    experts: ExpertsOpt = None,
+    top_k: TopKOpt = None,
     tp: int = typer.Option(
         1, help="Tensor-parallel degree N: N ranks, one process per GPU (gloo processes on the CPU), each"
         " holding all experts at I/N, with the all-reduce of the layer output."
@@ -685,23 +420,20 @@ def step(
         False, "--one-rank", help="Time one rank's I/tp shard on one device, without the all-reduce"
         " (the shape `sweep --tp` times)."
     ),
-    rows: str = typer.Option(None, help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU)."),
-    scenario: str = typer.Option(
-        "correlated", help="Routing scenarios, comma-separated, of: uniform, zipf, hot, correlated, replay"
-        " (replay reads --trace)."
-    ),
+    rows: RowsOpt = None,
+    scenario: ScenarioOpt = "correlated",
     backends: str = typer.Option(
         "default", help="'default' (GPU: moebench, torch-bf16, flashinfer-w4a16/-w4a8; CPU: reference,"
         " torch-bf16), 'all', or a list."
     ),
-    tactics: str = typer.Option("default", help=_TACTICS_HELP),
-    seed: int = typer.Option(0, help="Seed of weights, routing and activations (0 to 2**32 - 1)."),
+    tactics: TacticsOpt = "default",
+    seed: SeedOpt = 0,
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one layer's weights over and over (warm L2)."),
     layers: int = typer.Option(None, help=f"Force the number of rotated layers, 1 to {MAX_LAYERS} (default: >= 4x L2)."),
     replays: int = typer.Option(100, help="Timed replays per quantity under CUDA graphs; eager timing (the CPU, --no-graph) takes at most "
         f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."),
     warmup: int = typer.Option(10, help=f"Warm-up calls per quantity (eager timing: at most {EAGER_WARMUP_CAP})."),
-    graph: bool = typer.Option(True, "--graph/--no-graph", help="CUDA-graph replay for capturable backends."),
+    graph: GraphOpt = True,
     split: bool = typer.Option(
         True, "--split/--no-split", help="Also time each stage alone (kernel_<stage>_us, stage_sum_us: moebench's"
         " front, shared, GEMM1, GEMM2, finalize; torch-bf16's router, shared, experts, shared_add)."
@@ -721,82 +453,34 @@ def step(
     devices: str = typer.Option(None, help="With --tp N > 1: the N GPUs of the ranks, e.g. '0,1' or 'all'"
                                 " (default: the first N)."),
     timeout: float = typer.Option(None, help="With --tp N > 1: stop the ranks after this many seconds."),
-    trace: Path = typer.Option(
-        None, parser=_path,
-        help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario."
-    ),
-    label: str = typer.Option("step", help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
-                              " letters, digits, '.', '_', '-', starting with a letter or digit)."),
-    out: Path = typer.Option(Path("reports/runs"), parser=_path, help="Root directory of stored runs."),
+    trace: TraceOpt = None,
+    label: LabelOpt = "step",
+    out: RunsOutOpt = Path("reports/runs"),
 ) -> None:
     """Time a whole decode-step MoE layer; store the run.
 
     The layer: gate -> router -> shared expert -> routed experts -> finalize
     [-> all-reduce], per rows, backend and tactic under CUDA graphs, gated on
     the fp64 oracle of the layer."""
-    from moebench.backends.registry import backend_names
-    from moebench.bench.decode_step import StepConfig, rank_devices, run_step, validate_step
-    from moebench.bench.shard import parse_devices, visible_gpu_count
-    from moebench.env import resolve_device
-    from moebench.record import MAX_ROWS
-    from moebench.reports.store import run_dir_name, write_run
+    from moebench.bench.decode_step import run_step
+    from moebench.reports.store import write_run
 
     try:
-        run_dir_name(label)
-        if not isinstance(tp, int) or not 1 <= tp <= 64:
-            raise ValueError(f"--tp: expected a TP degree in [1, 64], got {tp!r}")
-        ranks = 1 if (tp == 1 or one_rank) else tp
-        dev = resolve_device(None if device is None else device)
-        if ranks > 1 and device is not None and dev.type == "cuda" and ":" in device:
-            raise ValueError("--device: with --tp N > 1 give --devices (one GPU per rank), not an index")
-        gpu_list = None
-        if devices is not None:
-            if ranks == 1:
-                why = "--one-rank times one rank" if one_rank else "--tp 1 is one rank"
-                raise ValueError(f"--devices: only for several ranks (--tp N > 1 without --one-rank; {why});"
-                                 " use --device for one rank")
-            if dev.type != "cuda":
-                raise ValueError("--devices: the ranks run on the CPU here (no GPU, or --device cpu)")
-            gpu_list = tuple(parse_devices(devices, visible_gpu_count()))
-            if len(gpu_list) != ranks:
-                raise ValueError(f"--devices: --tp {tp} needs {ranks} GPUs, got {len(gpu_list)} ({devices!r})")
-        if timeout is not None and ranks == 1:
-            raise ValueError("--timeout: only for a real TP step (--tp N > 1 without --one-rank: it bounds the"
-                             " rank processes)" if one_rank and tp > 1 else "--timeout: needs --tp N > 1")
-        if timeout is not None and not timeout > 0:
-            raise ValueError(f"--timeout must be a positive number of seconds, got {timeout}")
-        reduced = dev.type == "cpu"
-        rows = ("1,4,8" if reduced else "1-8") if rows is None else rows
-        backend_list = None
-        if backends == "all":
-            backend_list = backend_names()
-        elif backends != "default":
-            backend_list = parse_names(backends, "--backends")
-        if out.exists() and not out.is_dir():
-            raise ValueError(f"--out: {out} exists and is not a directory")
-        names, note = _presets_to_run(preset, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
-                                               "top_k": top_k}, reduced, backend_list)  # fmt: skip
-        config = StepConfig(
-            presets=names, hidden=hidden, intermediate=intermediate, experts=experts,
-            top_k=top_k, tp=(tp,), rows=parse_int_list(rows, "--rows", 1, MAX_ROWS),
-            scenarios=parse_names(scenario, "--scenario"), backends=backend_list,
-            tactics=parse_names(tactics, "--tactics"), seed=seed, warm_l2=warm_l2,
-            layers=layers, device=str(dev) if ranks == 1 else dev.type, reduced=reduced, warmup=warmup,
-            replays=replays, use_graph=graph, trace=trace, ranks=ranks, devices=gpu_list, split=split,
-            overlap_shared=overlap_shared,
+        plan = step_plan(
+            preset=preset, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=tp,
+            one_rank=one_rank, rows=rows, scenario=scenario, backends=backends, tactics=tactics, seed=seed,
+            warm_l2=warm_l2, layers=layers, replays=replays, warmup=warmup, graph=graph, split=split,
+            overlap_shared=overlap_shared, device=device, devices=devices, timeout=timeout, trace=trace, label=label,
+            out=out,
         )  # fmt: skip
-        if ranks > 1:
-            _, gpu_used = rank_devices(config)  # more ranks than GPUs: error naming both numbers
-        validate_step(config)  # unknown backends or tactics
     except (ValueError, TypeError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     _check_out(out, runs=True)  # last of the checks, before any rank runs
 
-    where = (f"{ranks} ranks on GPUs {', '.join(map(str, gpu_used))} (NCCL)" if ranks > 1 and dev.type == "cuda"
-             else f"{ranks} ranks on the CPU (gloo)" if ranks > 1 else f"one rank on {dev}")  # fmt: skip
-    console.print(f"decode step, TP{tp}: {where}")
-    if reduced:
-        console.print(f"[yellow]{escape_markup(note)}[/yellow]")
+    config = plan.config
+    console.print(f"decode step, TP{tp}: {plan.where}")
+    if plan.note:
+        console.print(f"[yellow]{escape_markup(plan.note)}[/yellow]")
     signals: list[int] = []
     try:
         with Progress(
@@ -811,7 +495,7 @@ def step(
             with sigterm_as_interrupt() as signals:
                 result = run_step(config, progress=progress, timeout_s=timeout)
     except (ValueError, TypeError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     except KeyboardInterrupt:  # before the first case was measured (the run keeps what it measured)
         raise _fail("interrupted before any case was measured; nothing stored",
                     128 + (signals[-1] if signals else signal.SIGINT)) from None
@@ -836,65 +520,15 @@ def step(
 #: The step tables' width when stdout is not a terminal: a normal wide terminal's.
 STEP_TABLE_WIDTH = 160
 
-_STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows", "scenario": "scenario",
-               "unique_experts": "experts", "backend": "backend", "tactic": "tactic", "routing_path": "routing",
-               "shared_path": "shared", "status": "status",
-               "median_us": "step µs",
-               "p10_us": "p10", "p90_us": "p90", "step_with_gate_us": "+gate µs", "gate_us": "gate",
-               "allreduce_us": "all-red.", "allreduce_share_pct": "AR %", "stage_sum_us": "Σ stages",
-               "gbps": "GB/s", "pct_copy_bw": "%copy", "vs_torch_bf16": "×torch", "max_rel_err": "err",
-               "note": "note", "rank": "rank", "gpu_index": "GPU"}  # fmt: skip
 
-
-#: Text columns of the step tables that, holding one message for every row, are said once below the table.
-_SAID_ONCE = {"shared_path": "shared expert"}
-
-
-def _print_frame(frame, title: str | None,
-                 constant_keys=("preset", "tp", "ranks", "scenario", "tactic", "routing_path")) -> None:
-    """A rich table of `frame` (columns named by _STEP_HEADS or kernel_<s>_us ->
-    <s>); columns with one value everywhere move to the title (a _SAID_ONCE
-    message below the table), empty ones go."""
-    def single(c):
-        return c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1
-
-    constant = [c for c in constant_keys if single(c)]
-    once = [c for c in _SAID_ONCE if single(c) and str(frame[c].iloc[0])]
-    head = ", ".join(f"{_STEP_HEADS.get(c, c)} {frame[c].iloc[0]}" for c in constant)
-    table = Table(title=", ".join(p for p in (title, head) if p) or None)
-    shown = [c for c in frame.columns
-             if c not in constant and c not in once and frame[c].replace("", None).notna().any()]  # fmt: skip
-    for col in shown:
-        name = _STEP_HEADS.get(col) or str(col).removeprefix("kernel_").removesuffix("_us")
-        table.add_column(name, overflow="fold", no_wrap=col != "note")
-    for rec in frame.to_dict("records"):
-        table.add_row(*(_cell(col, rec[col]) for col in shown))
-    # wide enough that no number is cut when stdout is not a terminal (a terminal folds at its width)
-    out = _wide_console(STEP_TABLE_WIDTH)
-    out.print(table)
-    for c in once:
-        out.print(f"{_SAID_ONCE[c]} (every row): {escape_markup(frame[c].iloc[0])}", soft_wrap=True)
-
-
-#: Columns that say which case (and rank) a row of a step table is: repeated in its stage-split table.
-_STEP_KEYS = ("preset", "tp", "ranks", "rows", "scenario", "backend", "tactic", "rank", "gpu_index")
-
-
-def _print_split(frame, title: str, constant_keys=("preset", "tp", "ranks", "scenario", "tactic", "routing_path"),
-                 ) -> None:  # fmt: skip
-    """`frame` as two tables that each fit a normal terminal: the whole step
-    (times, bandwidth, error), then its split into stages (Σ stages and
-    kernel_<stage>_us, each stage timed alone) keyed by the same case
-    columns; the columns the first table's title names are left out of the
-    second."""
-    stages = [c for c in frame.columns
-              if c == "stage_sum_us" or (str(c).startswith("kernel_") and str(c).endswith("_us"))]  # fmt: skip
-    _print_frame(frame.drop(columns=stages), title, constant_keys)
-    if not any(frame[c].replace("", None).notna().any() for c in stages):
-        return
-    said = [c for c in constant_keys if c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1]
-    keys = [c for c in _STEP_KEYS if c in frame.columns and c not in said]
-    _print_frame(frame[keys + stages], "stage split (µs, each stage timed alone)", constant_keys=())
+def _print_tables(tables, width: int = STEP_TABLE_WIDTH) -> None:
+    """Print rich_tables' (table, lines below) pairs, wide enough that no
+    number is cut when stdout is not a terminal (a terminal folds at its width)."""
+    out = _wide_console(width)
+    for table, lines in tables:
+        out.print(table)
+        for line in lines:
+            out.print(line, soft_wrap=True)
 
 
 def _print_step(frame, ranks=None, table=None) -> None:
@@ -908,9 +542,10 @@ def _print_step(frame, ranks=None, table=None) -> None:
     title = "decode step (µs; the step excludes the gate)"
     if ranks is not None and len(ranks) and ranks["rank"].nunique() > 1:
         title = "decode step (µs, rank 0's timings: every rank below; the step excludes the gate)"
-    _print_split(table, title)
+    _print_tables(rich_tables.split_tables(table, title))
     if ranks is not None and len(ranks):
-        _print_split(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario", "tactic"))
+        _print_tables(rich_tables.split_tables(rank_table(ranks), "per rank (µs)",
+                                               constant_keys=("preset", "scenario", "tactic")))
     if "timing_method" in frame.columns and (frame["timing_method"].astype(str) == "cpu-wallclock").any():
         console.print("[yellow]CPU wall-clock timings: each column is timed on its own and they are noisy, so they"
                       " need not add up (step vs +gate, Σ stages vs step).[/yellow]", soft_wrap=True)
@@ -919,38 +554,13 @@ def _print_step(frame, ranks=None, table=None) -> None:
 @app.command(cls=_Command)
 def presets() -> None:
     """Geometry presets and one rank's shape per TP degree."""
-    from moebench.models import PRESETS
-
-    table = Table(title="presets")
-    for head in ("preset", "H", "I", "E", "top_k", "shared", "scale", "swiglu limit"):
-        table.add_column(head)
-    for cfg in PRESETS.values():
-        table.add_row(
-            cfg.name, str(cfg.hidden), str(cfg.intermediate), str(cfg.experts), str(cfg.top_k),
-            str(cfg.shared_experts), f"{cfg.routed_scaling_factor:g}", f"{cfg.swiglu_limit:g}",
-        )  # fmt: skip
-    console.print(table)
-    shapes = Table(title="one rank's shape (MXFP4 weights + scales, logical bytes)")
-    for head in ("preset", "TP", "I/tp", "padded", "MB / expert", "MB / top_k experts", "GB / rank"):
-        shapes.add_column(head)
-    for cfg in PRESETS.values():
-        for t in (1, 2, 4, 8):
-            try:
-                s = cfg.shard(t)
-            except ValueError as error:
-                shapes.add_row(cfg.name, str(t), "-", "-", str(error), "", "")
-                continue
-            eb = s.expert_bytes()
-            shapes.add_row(
-                cfg.name, str(t), str(s.intermediate), str(s.padded_intermediate), f"{eb / 1e6:.2f}",
-                f"{eb * s.top_k / 1e6:.1f}", f"{eb * s.experts / 1e9:.2f}",
-            )  # fmt: skip
-    console.print(shapes)
+    for table in rich_tables.presets_tables():
+        console.print(table)
 
 
 @app.command(cls=_Command)
 def env(
-    device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
+    device: DeviceOpt = None,
     bandwidth: bool = typer.Option(True, "--bandwidth/--no-bandwidth", help="Measure copy bandwidth on a GPU."),
 ) -> None:
     """Device, driver, package versions, commit and available backends."""
@@ -961,40 +571,16 @@ def env(
     try:
         dev = resolve_device(device)
     except ValueError as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     info = environment(dev)
-    d = info["device"]
-    table = Table(show_header=False, title="environment")
-    table.add_column("key", style="bold")
-    table.add_column("value")
-    table.add_row("device", f"{d['name']} ({d['kind']})")
-    if d["kind"] == "cuda":
-        table.add_row("compute capability", str(d["capability"]))
-        table.add_row("SMs", str(d["sm_count"]))
-        table.add_row("L2", f"{(d['l2_bytes'] or 0) / 2**20:.0f} MiB")
-        table.add_row("memory", f"{(d['memory_bytes'] or 0) / 2**30:.1f} GiB")
-        table.add_row("driver", str(d["driver"] or "-"))
-        table.add_row("CUDA runtime (torch)", str(info["cuda_runtime"] or "-"))
-    else:
-        table.add_row("cores", str(d["sm_count"]))
-    table.add_row("python", info["python"])
-    for name, version in info["packages"].items():
-        table.add_row(name, version or "[dim]not installed[/dim]")
-    table.add_row("commit", info["commit"] or "-")
-    if dev.type == "cuda" and bandwidth:
-        table.add_row("copy bandwidth", f"{copy_bandwidth_gbps(dev):.1f} GB/s (1 GiB D2D, read + write)")
-    console.print(table)
-    backends = Table(title="backends")
-    backends.add_column("backend")
-    backends.add_column("status")
-    for name, reason in available_backends(dev).items():
-        backends.add_row(name, "[green]available[/green]" if reason is None else f"[yellow]{reason}[/yellow]")
-    console.print(backends)
+    bw = copy_bandwidth_gbps(dev) if dev.type == "cuda" and bandwidth else None
+    for table in rich_tables.environment_tables(info, bw, available_backends(dev)):
+        console.print(table)
 
 
 @app.command(cls=_Command)
 def check(
-    device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any)."),
+    device: DeviceOpt = None,
 ) -> None:
     """Quick self-check; exits 1 when any item fails."""
     from moebench.bench.selfcheck import run_checks, skipped_backends
@@ -1003,18 +589,10 @@ def check(
     try:
         dev = resolve_device(device)
     except ValueError as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     with console.status("checking ..."):
         results = run_checks(dev)
-    table = Table(title=f"moebench check ({dev})")
-    table.add_column("item")
-    table.add_column("result")
-    table.add_column("detail", overflow="fold")
-    for r in results:
-        table.add_row(r.name, "[green]pass[/green]" if r.ok else "[red]FAIL[/red]", r.detail)
-    for name, reason in skipped_backends(dev).items():
-        table.add_row(f"backend {name}", "[yellow]skipped[/yellow]", reason)
-    console.print(table)
+    console.print(rich_tables.check_table(dev, results, skipped_backends(dev)))
     console.print(f"--experts: {KERNEL_EXPERTS_NOTE}", soft_wrap=True)
     failed = [r.name for r in results if not r.ok]
     if failed:
@@ -1054,71 +632,35 @@ def report(
     RUN_DIR). A comparison that cannot judge anything (a baseline recorded
     another way, no case in common, every compared case unclear) exits 2
     with the reason, with or without --fail-above: it is never a pass."""
-    from moebench.reports.compare import DEFAULT_THRESHOLD_PCT, compare_runs, comparison_markdown, parse_threshold
-    from moebench.reports.html import report_files
-    from moebench.reports.store import read_table
-    from moebench.reports.summary import (
-        KERNEL_TACTICS_TITLE, is_step_run, kernel_tactics_table, rank_table, step_summary_table, summary_table,
-        to_markdown,
-    )  # fmt: skip
+    from moebench.reports.gate import judge_comparison
+    from moebench.reports.report import plan_report, report_markdown, write_report_html
 
     try:
-        threshold = parse_threshold(fail_above) if fail_above is not None else DEFAULT_THRESHOLD_PCT
-        if fail_above is not None and baseline is None:
-            raise ValueError("--fail-above needs --baseline RUN")
-        where = "--out" if out is not None else "the default report directory (RUN_DIR's sibling)"
-        if out is not None:
-            _check_out_dir(out, run_dir)
-        df, manifest = _read_report_run(run_dir, "RUN_DIR")
-        if out is None:  # only once RUN_DIR is known to be a run: its errors come first
-            out = default_report_dir(run_dir)
-            _check_out_dir(out, run_dir, where)
-        ranks = read_table(run_dir, "ranks")
-        if ranks is not None and "rank" not in ranks.columns:
-            raise ValueError(f"RUN_DIR: {run_dir / 'ranks.parquet'} lacks the 'rank' column")
-        step_run = is_step_run(df, manifest)
-        try:  # the tables printed below: a run lacking their columns fails here, before any output
-            summary = summary_table(df)
-            step_table = step_summary_table(df) if step_run else None
-        except ValueError as error:
-            raise ValueError(f"RUN_DIR: {run_dir}: {error}") from None
-        base = _read_report_run(baseline, "--baseline") if baseline is not None else None
-        comparison = None
-        if base is not None:
-            comparison = compare_runs(df, manifest, base[0], base[1], threshold_pct=threshold,
-                                      current_label=str(run_dir), baseline_label=str(baseline))  # fmt: skip
+        plan = plan_report(run_dir, baseline=baseline, fail_above=fail_above, out=out, html=html, force=force)
     except (FileNotFoundError, ValueError) as error:
-        raise _fail(_option_message(error)) from None
-    target = out / "summary.md"
-    written = [target, *(target.parent / n for n in report_files(df, comparison))] if html else [target]
-    taken = [p for p in written if p.exists() or p.is_symlink()]
-    if taken and not force:
-        raise _fail(f"{where}: {', '.join(map(str, taken))} exist{'s' if len(taken) == 1 else ''}; pass --force"
-                    " to replace the report files, or give another --out directory")  # fmt: skip
+        raise _fail(option_message(error)) from None
+    out, where, target, comparison = plan.out, plan.where, plan.target, plan.comparison
     try:  # only now that every check passed (a refused report creates nothing), before any output:
         out.mkdir(parents=True, exist_ok=True)  # a report that cannot be written is not a verdict
     except OSError as error:
         raise _fail(f"{where}: cannot create {out}: {error.strerror or error}") from None
-    earlier = _report_record(target.parent)  # the files an earlier report wrote there (read before this one)
+    earlier = outdir.report_record(target.parent)  # the files an earlier report wrote there (read before this one)
     try:  # --force replaces a link itself, never the file it points to (which may be anywhere)
-        for path in taken:
+        for path in plan.taken:
             if path.is_symlink():
                 path.unlink()
     except OSError as error:
         raise _fail(f"cannot replace the link {path}: {error}", 1) from None
-    if manifest.get("reduced"):
+    if plan.manifest.get("reduced"):
         console.print("[yellow]This run used a reduced geometry on the CPU.[/yellow]")
-    _print_summary(summary)
-    if step_run:
-        _print_step(df, ranks, table=step_table)
+    _print_summary(plan.summary)
+    if plan.step_run:
+        _print_step(plan.df, plan.ranks, table=plan.step_table)
     if comparison is not None:
         _print_comparison(comparison)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        text = to_markdown(df, manifest, ranks)
-        if comparison is not None:
-            text += "\n" + comparison_markdown(comparison)
-        target.write_text(text, encoding="utf-8")
+        target.write_text(report_markdown(plan), encoding="utf-8")
         console.print(f"wrote [bold]{target}[/bold]")
         stale = target.parent / "report.html"
         if not html and not force and stale.exists():
@@ -1126,191 +668,22 @@ def report(
             console.print(f"[yellow]{stale} is {whose} (--no-html leaves it as it is)[/yellow]")
         paths = []
         if html:
-            from moebench.reports.html import write_html_report
-
-            tables = {}
-            if step_run:
-                tables["Decode step (µs; the step excludes the gate)"] = step_table
-                if ranks is not None and len(ranks):
-                    tables["Per rank (µs)"] = rank_table(ranks)
-            kt = kernel_tactics_table(df)
-            if len(kt):
-                tables[KERNEL_TACTICS_TITLE] = kt
-            paths = write_html_report(df, manifest, target.parent, comparison=comparison,
-                                      title=f"moebench run {run_dir.name}", tables=tables)  # fmt: skip
+            paths = write_report_html(plan)
             plots = f"{len(paths) - 1} plots" if len(paths) > 1 else "no plots: no case was timed or failed"
             console.print(f"wrote [bold]{paths[0]}[/bold] ({plots})")
         if force:
-            _remove_stale_report_files(target.parent, [target, *paths], earlier)
-        _write_report_record(target.parent, [target, *paths])
+            removed = outdir.remove_stale_report_files(target.parent, [target, *paths], earlier)
+            if removed:
+                console.print(f"removed {', '.join(removed)} from {target.parent} (an earlier report's; this one"
+                              f" does not write {'it' if len(removed) == 1 else 'them'})")  # fmt: skip
+        outdir.write_report_record(target.parent, [target, *paths])
     except OSError as error:  # exit 1, as the module docstring and docs/ci.md say: not a usage error
         raise _fail(f"cannot write the report under {target.parent}: {error}", 1) from None
     if comparison is None:
         return
-    if comparison.mismatches:
-        what = ("another device / geometry" if any(m.startswith(("device", "geometry")) for m in comparison.mismatches)
-                else "a different kind of run")  # fmt: skip
-        raise _fail(f"--baseline: the baseline is of {what} (it differs in {comparison.differs_in}): cases were"
-                    " not compared (see the mismatches and the report); compare with a baseline recorded the same"
-                    " way")  # fmt: skip
-    if comparison.errors:
-        raise _fail("; ".join(comparison.errors))
-    if fail_above is not None and len(comparison.regressions):
-        reg = comparison.regressions
-        failed, lost = reg[reg["verdict"] == "failed"], reg[reg["verdict"] == "lost"]
-        parts = []
-        if len(reg) > len(failed) + len(lost):
-            parts.append(f"{len(reg) - len(failed) - len(lost)} case(s) slower than the baseline by more than"
-                         f" {threshold:g} %")  # fmt: skip
-        if len(failed):
-            parts.append(f"{len(failed)} case(s) failed their correctness gate in this run")
-        if len(lost):
-            parts.append(f"{len(lost)} case(s) ok in the baseline were not timed in this run (lost): "
-                         + _case_list(lost))  # fmt: skip
-        raise _fail("; ".join(parts), 1)
-
-
-def _case_list(frame, most: int = 5) -> str:
-    """'backend preset TP rows scenario tactic (note)' for the first `most`
-    cases of a comparison frame, then how many more."""
-    names = [f"{r['backend']} {r['preset']} TP{r['tp']} rows {r['rows']} {r['scenario']} {r['tactic']} ({r['note']})"
-             for r in frame.head(most).to_dict("records")]  # fmt: skip
-    more = len(frame) - most
-    return "; ".join(names) + (f"; and {more} more (see the report)" if more > 0 else "")
-
-
-#: Where `report` records the files it wrote in its output directory.
-REPORT_RECORD = ".moebench-report.json"
-
-
-def _report_record(out: Path) -> set[str]:
-    """The file names an earlier `report` wrote in `out`: those its
-    REPORT_RECORD lists (only the report's own names, HTML_FILES, the
-    per-TP plots and summary.md; a record that is a link or not a list of names counts as
-    none). A directory from before the record existed, whose report.html is
-    one of ours (its title says "moebench run"), counts as holding a whole
-    earlier report (every HTML_FILES name); else empty."""
-    import json
-
-    from moebench.reports.html import HTML_FILES, is_report_file
-
-    ours = (*HTML_FILES, "summary.md")
-    record = out / REPORT_RECORD
-    if record.is_symlink():
-        return set()
-    try:
-        names = json.loads(record.read_text(encoding="utf-8"))["files"]
-    except FileNotFoundError:
-        return set(HTML_FILES) if _is_our_page(out / "report.html") else set()
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
-    if not isinstance(names, list):
-        return set()
-    return {n for n in names if isinstance(n, str) and (n in ours or is_report_file(n))}
-
-
-def _is_our_page(page: Path) -> bool:
-    """Whether `page` is a plain file written by `report` (its <title> says "moebench run")."""
-    try:
-        return not page.is_symlink() and page.is_file() and "<title>moebench run" in page.read_text(
-            encoding="utf-8", errors="replace")[:4096]
-    except OSError:
-        return False
-
-
-def _write_report_record(out: Path, written: list[Path]) -> None:
-    """Record the names of the files this report wrote in `out` (REPORT_RECORD),
-    so that a later `report --force` removes only those. A link in its place
-    is replaced, never written through. Raises OSError."""
-    import json
-
-    record = out / REPORT_RECORD
-    if record.is_symlink():
-        record.unlink()
-    record.write_text(json.dumps({"files": sorted(p.name for p in written)}) + "\n", encoding="utf-8")
-
-
-def _remove_stale_report_files(out: Path, written: list[Path], earlier: set[str]) -> None:
-    """`report --force`: remove the files an earlier report recorded writing
-    in `out` (`earlier`, from its REPORT_RECORD, read before this report was
-    written) that this report did not write (`written`), so that none of its
-    plots stands beside the new report (compare.png after a report without
-    --baseline, report.html after --no-html). Only files or links, and only
-    names the earlier report wrote: a same-named file without that record is
-    the user's and stays, as does everything else in `out`. Raises OSError
-    from the file system."""
-    names = {p.name for p in written}
-    removed = []
-    for name in sorted(earlier - names):
-        path = out / name
-        if path.is_symlink() or path.is_file():
-            path.unlink()
-            removed.append(name)
-    if removed:
-        console.print(f"removed {', '.join(removed)} from {out} (an earlier report's; this one does not write"
-                      f" {'it' if len(removed) == 1 else 'them'})")  # fmt: skip
-
-
-def _run_at(path) -> tuple[Path | None, bool]:
-    """(the stored run directory `path` is or lies inside, else None;
-    whether it is that run itself rather than a folder inside it)."""
-    from moebench.reports.store import enclosing_run
-
-    run = enclosing_run(path)
-    # absolute first: Path(".").parent is "." itself, so `--out .` inside a run read as inside it
-    return run, run is not None and enclosing_run(Path(path).absolute().parent) != run
-
-
-#: The name of a report's default directory, beside its run: `<run>` + this.
-REPORT_DIR_SUFFIX = "-report"
-
-
-def default_report_dir(run_dir: Path) -> Path:
-    """Where `report RUN_DIR` writes without --out: RUN_DIR's sibling
-    `<run>-report` (a run directory spelled '.' or '..' is named by its
-    absolute path), so a committed run directory is never written into."""
-    import os
-
-    run = run_dir if run_dir.name not in ("", ".", "..") else Path(os.path.abspath(run_dir))
-    return run.with_name(run.name + REPORT_DIR_SUFFIX)
-
-
-def _check_out_dir(out: Path, run_dir: Path, option: str = "--out") -> None:
-    """Raise ValueError naming `option` (--out, or the default directory)
-    unless `out` is a directory or can be made one, outside every stored run
-    directory (the baseline's, a folder inside a run: the report files would
-    be mixed into another run's files) except RUN_DIR itself, which --out may
-    name on purpose. Creates nothing: `report` creates the directory once
-    every check passed."""
-    from moebench.reports.store import MANIFEST, RESULTS, enclosing_run
-
-    run, itself = _run_at(out)
-    if run is not None and not (itself and run == enclosing_run(run_dir)):
-        where = "a stored run directory" if itself else f"inside a stored run directory, {run}"
-        raise ValueError(f"{option}: {out} is {where} (it holds {RESULTS} and {MANIFEST}); give a directory"
-                         f" outside any run for the report files (without --out the report goes beside RUN_DIR,"
-                         f" in <run>{REPORT_DIR_SUFFIX})")  # fmt: skip
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"{option}: {out} exists and is not a directory; give a directory for the report files"
-                         " (created when missing)")  # fmt: skip
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"{option}: {parent} (a parent of {out}) is not a directory; give a directory"
-                                 " for the report files")  # fmt: skip
-            break
-
-
-def _read_report_run(path: Path, what: str):
-    """read_run(path) with errors naming the argument `what`."""
-    from moebench.reports.store import read_run
-
-    try:
-        return read_run(path)
-    except FileNotFoundError as error:
-        raise FileNotFoundError(f"{what}: {error}") from None
-    except ValueError as error:
-        raise ValueError(f"{what}: {error}") from None
+    stop = judge_comparison(comparison, plan.threshold, gated=plan.gated)
+    if stop is not None:
+        raise _fail(*stop)
 
 
 def _print_comparison(comp) -> None:
@@ -1322,20 +695,7 @@ def _print_comparison(comp) -> None:
         console.print(f"[yellow]mismatch: {m}[/yellow]", soft_wrap=True)
     for n in comp.notes:
         console.print(f"[dim]note: {n}[/dim]", soft_wrap=True)
-    colors = {"faster": "green", "slower": "red", "failed": "red", "lost": "red", "same": "white",
-              "unclear": "yellow", "mismatch": "yellow", "fixed": "cyan"}  # fmt: skip
-    table = Table(title=f"vs baseline (threshold {comp.threshold_pct:g} %)")
-    for head in ("preset", "tp", "rows", "scenario", "backend", "tactic", "base µs", "µs", "ratio", "Δ%",
-                 "noise%", "verdict", "note"):  # fmt: skip
-        table.add_column(head, overflow="fold", no_wrap=head != "note")
-    for r in comp.frame.to_dict("records"):
-        color = colors.get(r["verdict"], "dim")
-        table.add_row(
-            str(r["preset"]), str(r["tp"]), str(r["rows"]), str(r["scenario"]), str(r["backend"]), str(r["tactic"]),
-            _fmt(r["base_median_us"]), _fmt(r["median_us"]), _fmt(r["ratio"], 3), _fmt(r["delta_pct"]),
-            _fmt(r["noise_pct"]), f"[{color}]{r['verdict']}[/]", str(r["note"])[:80],
-        )  # fmt: skip
-    _wide_console(150).print(table)
+    _wide_console(150).print(rich_tables.comparison_table(comp))
     console.print("verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
     within = within_threshold_note(comp)
     if within and not comp.errors:
@@ -1348,7 +708,7 @@ def _print_comparison(comp) -> None:
 def merge(
     runs: list[Path] = typer.Argument(..., parser=_path, help="Two or more stored run directories."),
     label: str = typer.Option(..., help="Label of the merged run: OUT/<UTC date>-<label>."),
-    out: Path = typer.Option(Path("reports/runs"), parser=_path, help="Root directory of stored runs."),
+    out: RunsOutOpt = Path("reports/runs"),
 ) -> None:
     """Store the cases of several runs of one commit and device as one run
     (a comparison measured over several device calls). The parts are kept."""
@@ -1358,7 +718,7 @@ def merge(
         run_dir_name(label)
         frame, manifest = merge_runs(runs)
     except (ValueError, TypeError, FileNotFoundError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     _check_out(out, runs=True)
     manifest = {**manifest, "command": shlex.join(["moebench", *sys.argv[1:]])}
     try:
@@ -1370,13 +730,11 @@ def merge(
 
 @app.command(cls=_Command)
 def tune(
-    preset: str = typer.Option(
-        "dsv41-flash", help="Preset name(s), comma-separated, or 'all' (see `moebench presets`)."
-    ),
-    hidden: int = typer.Option(None, help="Override hidden size H."),
-    intermediate: int = typer.Option(None, help="Override moe intermediate size I (before TP)."),
-    experts: int = typer.Option(None, help=_EXPERTS_HELP),
-    top_k: int = typer.Option(None, "--top-k", help="Override top_k (at most 8)."),
+    preset: PresetOpt = "dsv41-flash",
+    hidden: HiddenOpt = None,
+    intermediate: IntermediateOpt = None,
+    experts: ExpertsOpt = None,
+    top_k: TopKOpt = None,
     tp: str = typer.Option("4", help="Tensor-parallel degrees: one table per rank shape."),
     rows: str = typer.Option("1-8", help="Token rows to tune (1..8)."),
     stages: str = typer.Option("1,2", help="GEMM stages to tune (1, 2)."),
@@ -1390,8 +748,8 @@ def tune(
                             " too)."),
     replays: int = typer.Option(50, help="Timed CUDA-graph replays per timing."),
     warmup: int = typer.Option(10, help="Warm-up calls per timing."),
-    layers: int = typer.Option(None, help=f"Force the number of rotated weight sets, 1 to {MAX_LAYERS} (default: >= 4x L2)."),
-    warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one weight set over and over (warm L2)."),
+    layers: LayersOpt = None,
+    warm_l2: WarmL2Opt = False,
     act_bf16: bool = typer.Option(
         True, "--act-bf16/--e4m3",
         help="Time the BF16-activation (_a16) twins, what the runtime runs by default; --e4m3 times the"
@@ -1409,7 +767,7 @@ def tune(
     distinct_layers: bool = typer.Option(
         False, "--distinct-layers", help="Generate every rotated weight set (default: copies of the first)."
     ),
-    seed: int = typer.Option(0, help="Seed of weights, routing and activations (0 to 2**32 - 1)."),
+    seed: SeedOpt = 0,
     budget: float = typer.Option(
         None, help="Wall-time budget in seconds: no new step starts that would end past it; the tables keep"
         " what was done (exit 1 lists what was left out)."
@@ -1434,62 +792,31 @@ def tune(
     with --fp8 the FP8 family's, merged next to them); prints what tuning
     buys over the built-in tactics at rows 1, 4, 8, and which kernel family
     each shape class tuned now runs by default (the faster by the tables' µs)."""
-    import os
-
-    from moebench.bench.cases import SweepConfig
-    from moebench.models import PRESETS
-    from moebench.record import MAX_ROWS
-    from moebench.routing import SCENARIOS
-    from moebench.tuning.space import FP8_SPACES, SPACES
+    from moebench.tuning.family import default_families
+    from moebench.tuning.plan import tune_plan
+    from moebench.tuning.save import tables_dir, write_gains_summary
 
     try:
-        if space not in SPACES:
-            raise ValueError(f"--space: expected one of {sorted(SPACES)}, got {space!r}")
-        if scenario not in SCENARIOS or scenario == "replay":
-            raise ValueError(f"--scenario: expected one of {[s for s in SCENARIOS if s != 'replay']}, got {scenario!r}")
-        names = tuple(PRESETS) if preset.strip() == "all" else parse_names(preset, "--preset")
-        tps = parse_int_list(tp, "--tp", 1, 64)
-        _check_geometry(names, {"hidden": hidden, "intermediate": intermediate, "experts": experts,
-                                "top_k": top_k}, reduced=False)  # fmt: skip
-        # The sweep's checks of the presets, TP degrees and seed (messages naming --preset / --tp / --seed),
-        # before the GPU check, so that a bad option is named on any machine.
-        SweepConfig(presets=names, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
-                    tp=tps, seed=seed, layers=layers, reduced=False)  # fmt: skip
-        row_list = parse_int_list(rows, "--rows", 1, MAX_ROWS)
-        stage_list = parse_int_list(stages, "--stages", 1, 2)
-        for name, v, lo in (("--repeats", repeats, 1), ("--top", top, 2), ("--replays", replays, 1),
-                            ("--warmup", warmup, 0)):
-            if v < lo:
-                raise ValueError(f"{name} must be >= {lo}, got {v}")
-        if budget is not None and not budget > 0:
-            raise ValueError(f"--budget must be a positive number of seconds, got {budget}")
-        if jobs is not None and jobs < 0:
-            raise ValueError(f"--jobs must be >= 0, got {jobs}")
-        if summary is not None and summary.exists() and summary.is_dir():
-            raise ValueError(f"--summary: {summary} is a directory; give a file name, e.g. tune-gains.md")
+        plan = tune_plan(
+            preset=preset, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=tp, rows=rows,
+            stages=stages, space=space, scenario=scenario, repeats=repeats, top=top, replays=replays, warmup=warmup,
+            layers=layers, warm_l2=warm_l2, act_bf16=act_bf16, fp8=fp8, distinct_layers=distinct_layers, seed=seed,
+            budget=budget, jobs=jobs, summary=summary, device=device,
+        )  # fmt: skip
     except (ValueError, TypeError) as error:
-        raise _fail(_option_message(error)) from None
+        raise _fail(option_message(error)) from None
     from moebench.tuning import runner as tuning_runner
     from moebench.tuning.precompile import default_jobs
 
     try:
         tuning_runner.require_tuning_device(device)
     except RuntimeError as error:
-        raise _fail(_option_message(error)) from None
-    target = out or Path(os.environ.get("MOEBENCH_TUNING_DIR", "").split(os.pathsep)[0] or "tuning-tables")
+        raise _fail(option_message(error)) from None
+    target = tables_dir(out)
     _check_out(target)  # tables and the summary must be writable before minutes of tuning, not after
     if summary is not None:
         _check_out(summary.parent, "--summary")
-    configs = [
-        tuning_runner.TuneConfig(
-            preset=name, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=(t,),
-            rows=row_list, stages=stage_list, scenario=scenario, seed=seed,
-            space=(FP8_SPACES if fp8 else SPACES)[space], repeats=repeats, top=top, warmup=warmup,
-            replays=replays, layers=layers, warm_l2=warm_l2, device=device, copy_layers=not distinct_layers,
-            act_bf16=act_bf16 and not fp8, fp8=fp8,
-        )  # fmt: skip
-        for name in names for t in tps
-    ]
+    configs = plan.configs()
     clock = tuning_runner.Budget(budget)
     problems: list[str] = []
     written: list = []  # (device name, shape class, SMs) of each table written
@@ -1509,22 +836,12 @@ def tune(
                                    on_outcome=finished)  # fmt: skip
     records = tuning_runner.gains(done, tuning_runner.GAIN_ROWS)
     _print_gains(records)
-    families = _default_families(written, target)
+    families = default_families(written, target)
     _print_default_families(families, target)
     if summary is not None:
-        import json
-
-        from moebench.tuning.family import family_markdown
-
         try:
-            summary.parent.mkdir(parents=True, exist_ok=True)
-            text = tuning_runner.gains_markdown(records)
-            if families:
-                text += (f"\n## What `moebench` runs by default (the tables of {target} first, then"
-                         f" $MOEBENCH_TUNING_DIR and the package's)\n\n{family_markdown(families)}")
-            summary.write_text(text, encoding="utf-8")
-            summary.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
-            console.print(f"wrote [bold]{summary}[/bold] and [bold]{summary.with_suffix('.json')}[/bold]")
+            md, js = write_gains_summary(summary, records, families, target)
+            console.print(f"wrote [bold]{md}[/bold] and [bold]{js}[/bold]")
         except OSError as error:
             problems.append(f"cannot write {summary}: {error}")
     stopped = [line for _, o in done for line in o.stopped]
@@ -1547,108 +864,29 @@ def _progress_filter(say):
 
 
 def _print_gains(records) -> None:
-    if not records:
-        return
-    table = Table(title="tuned vs built-in default (µs per routed path: route + GEMM1 + GEMM2, timed side by side;"
-                        " GEMM1's candidates beside GEMM2's default, GEMM2's beside the tuned GEMM1; both: both defaults"
-                        " (GEMM1's pass) vs both tuned (GEMM2's pass), est.: estimated from the two ratios; gain > 0: tuned"
-                        " is faster)")
-    for head in ("preset", "family", "TP", "rows", "GEMM1 default", "GEMM1 tuned", "gain", "GEMM2 default", "GEMM2 tuned",
-                 "gain", "both default", "both tuned", "gain µs", "gain %"):  # fmt: skip
-        table.add_column(head)
-
-    def pct(g) -> str:
-        return "-" if g.get("gain_pct") is None else f"{g['gain_pct']:+.1f}%"
-
-    for r in records:
-        g1, g2, b = r["gemm1"], r["gemm2"], r["both"]
-        table.add_row(
-            r["preset"], r.get("family", "BF16"), str(r["tp"]), str(r["rows"]), _fmt(g1["default_us"], 2), _fmt(g1["tuned_us"], 2), pct(g1),
-            _fmt(g2["default_us"], 2), _fmt(g2["tuned_us"], 2), pct(g2), _fmt(b["default_us"], 2),
-            _fmt(b["tuned_us"], 2) + (" (est.)" if b.get("estimated") and b["tuned_us"] is not None else ""),
-            "-" if b["gain_us"] is None else f"{b['gain_us']:+.2f}", pct(b),
-        )  # fmt: skip
-    _wide_console(150).print(table)
-
-
-def _default_families(written, target: Path) -> list:
-    """[(shape label, FamilyChoice)]: the kernel family `moebench` runs by
-    default for each (device name, shape class, SMs) in `written`, from the
-    tables in `target`, then the runtime's search path."""
-    from moebench.tuning.family import choose_family
-    from moebench.tuning.table import default_search_dirs
-
-    search = list(dict.fromkeys(Path(p).resolve() for p in (target, *default_search_dirs())))
-    out = []
-    for name, shape, sms in dict.fromkeys(written):
-        out.append((f"{shape.describe()} on {name}", choose_family(name, shape, search=search, num_sms=sms)))
-    return out
+    if records:
+        _wide_console(150).print(rich_tables.gains_table(records))
 
 
 def _print_default_families(families, target: Path) -> None:
-    if not families:
-        return
-    table = Table(title=f"what `moebench` runs by default now (one kernel family per layer; the tables of {target}"
-                        " first, then $MOEBENCH_TUNING_DIR and the package's): per rows the faster family by the"
-                        " tables' routed-path µs")  # fmt: skip
-    for head in ("shape", "runs", "rows: faster family (BF16 / FP8 µs)", "why"):
-        table.add_column(head)
-    for label, choice in families:
-        per_rows = ", ".join(f"{t.rows}: {t.faster} ({_fmt(t.bf16_us)} / {_fmt(t.fp8_us)})"
-                             for t in choice.times if t.faster)  # fmt: skip
-        table.add_row(label, choice.family, per_rows or "-", f"{choice.source}: {choice.reason}")
-    _wide_console(150).print(table)
+    if families:
+        _wide_console(150).print(rich_tables.families_table(families, target))
 
 
 def _write_tables(outcome, target: Path, force: bool, label: str = "", written: list | None = None) -> list[str]:
-    """Print each table's picks and write it (merged over an older table of
-    the same device: the other kernel family's entries and rows not re-tuned
-    stay); returns the problems (a table that cannot be written,
-    a row count with no correct tactic). Each table written is appended to
-    `written` as (device name, shape class, SMs)."""
-    from moebench.tuning.table import TableError, read_table, write_table
+    """Print each table's picks and save it (tuning.save.save_tables: merged
+    over an older table of the same device); returns the problems. Each
+    table written is appended to `written` as (device name, shape class, SMs)."""
+    from moebench.tuning.save import save_tables
 
-    problems, failed = [], []
-    prefix = f"{label} " if label else ""
-    for (tp, stage), result in outcome.results.items():
-        table = Table(title=f"{prefix}TP{tp} GEMM{stage} ({outcome.layers.get((tp, stage), '?')} weight sets)")
-        for head in ("rows", "tactic", "µs", "p10-p90", "default µs", "runner-up", "margin", "separated", "rejected",
-                     "note"):  # fmt: skip
-            table.add_column(head)
-        for rows, res in result.results.items():
-            e = res.entry
-            if e is None:
-                failed.append(f"{prefix}TP{tp} GEMM{stage} rows={rows}")
-                table.add_row(str(rows), "[red]none correct[/red]", "", "", "", "", "", "", str(len(res.rejected)),
-                              "")  # fmt: skip
-                continue
-            base = res.baseline
-            table.add_row(
-                str(rows), e.tactic.name, _fmt(e.median_us, 2), f"{e.p10_us:.2f}-{e.p90_us:.2f}",
-                "-" if base is None else _fmt(base.median_us, 2),
-                e.runner_up.name if e.runner_up else "-", _fmt(e.margin_pct) + "%" if e.margin_pct is not None else "-",
-                "yes" if e.separated else "[yellow]no[/yellow]", str(len(res.rejected)), res.note,
-            )  # fmt: skip
+    for table in rich_tables.picks_tables(outcome, label):
         _wide_console(150).print(table)
-    for t in outcome.tables:
-        if not t.entries and not t.fp8_entries:
-            continue
-        path = target / t.file_name
-        try:
-            if path.exists():
-                try:
-                    t = t.merged_over(read_table(path))
-                except (TableError, OSError):
-                    pass  # write_table refuses (or --force replaces) it with the reason
-            path_written = write_table(t, target, force=force)
-        except (TableError, OSError) as error:
-            problems.append(str(error))
-            continue
-        console.print(f"wrote [bold]{path_written}[/bold] ({len(t.entries)} BF16 + {len(t.fp8_entries)} FP8 entries)")
+    saved, problems = save_tables(outcome, target, force, label)
+    for s in saved:
+        console.print(f"wrote [bold]{s.path}[/bold] ({len(s.table.entries)} BF16 + {len(s.table.fp8_entries)} FP8"
+                      " entries)")  # fmt: skip
         if written is not None:
-            written.append((t.device["name"], t.shape, int(t.device.get("sm_count") or 132)))
-    if failed:
-        problems.append(f"no correct tactic for {', '.join(failed)}")
+            written.append(s.key())
     return problems
 
 

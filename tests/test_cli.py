@@ -4,7 +4,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moebench.backends.registry import load_backend
-from moebench.cli import REPORT_RECORD, app, parse_int_list
+from moebench.cli import REPORT_RECORD, app
 
 runner = CliRunner()
 TINY = ["--preset", "dsv4-flash", "--hidden", "128", "--intermediate", "64", "--experts", "8", "--top-k", "2",
@@ -67,15 +67,6 @@ def test_sweep_user_errors_exit_2_with_one_line(tmp_path, args, needle):
 def test_report_of_missing_run(tmp_path):
     result = runner.invoke(app, ["report", str(tmp_path / "none")])
     assert result.exit_code == 2 and "does not exist" in result.output
-
-
-def test_parse_int_list():
-    assert parse_int_list("1-8", "--rows", 1, 8) == tuple(range(1, 9))
-    assert parse_int_list("4,1,2,2", "--rows", 1, 8) == (1, 2, 4)
-    assert parse_int_list("1-2,6", "--rows", 1, 8) == (1, 2, 6)
-    for bad in ("", "0", "3-1", "x", "1,,2", "-1"):
-        with pytest.raises(ValueError, match="--rows"):
-            parse_int_list(bad, "--rows", 1, 8)
 
 
 def test_python_dash_m_entry_point_exists():
@@ -1018,15 +1009,6 @@ def test_a_reader_that_goes_away_loses_nothing(tmp_path):
     assert proc.returncode == 0, err.decode()
     (run,) = tmp_path.iterdir()
     assert (run / "results.parquet").is_file() and run.name.endswith("-piped")
-
-
-def test_cpu_note_names_overrides_and_warns_of_a_large_layer():
-    from moebench.cli import _reduced_presets
-
-    _, note = _reduced_presets(("dsv41-flash",), {}, "reference")
-    assert "at the reduced geometry (H=" in note and "large layer" not in note
-    _, note = _reduced_presets(("dsv41-flash",), {"hidden": 131072}, "reference")
-    assert "with your size overrides (H=131072" in note and "a large layer for a CPU run (1.7 GB" in note
 
 
 def test_report_record_is_read_with_care(tmp_path):

@@ -36,10 +36,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from moebench.kernels.tactic import GemmTactic, default_fp8_tactic, default_tactic
 from moebench.record import MAX_ROWS, max_ctas
-from moebench.tuning.table import ShapeClass, _log_once, lookup_entry
+from moebench.tuning.table import ShapeClass, _log_once, default_search_dirs, lookup_entry
 
 __all__ = ["BF16", "FP8", "FamilyChoice", "RowsTimes", "builtin_refusal", "choose_family", "family_markdown",
            "resolve_family", "rows_text", "rows_times"]  # fmt: skip
@@ -276,3 +277,15 @@ def family_markdown(choices: list[tuple[str, FamilyChoice]]) -> str:
             lines.append(f"| {label} | - | - | - | - | {c.family} |")
     notes = [f"- {label}: {c.describe()}" for label, c in choices]
     return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+
+
+def default_families(written, target: str | Path) -> list[tuple[str, FamilyChoice]]:
+    """[(shape label, FamilyChoice)]: the kernel family `moebench` runs by
+    default for each distinct (device name, shape class, SMs) in `written`
+    (tables just written by `moebench tune`), from the tables in `target`
+    first, then the runtime's search path (default_search_dirs)."""
+    search = list(dict.fromkeys(Path(p).resolve() for p in (target, *default_search_dirs())))
+    out = []
+    for name, shape, sms in dict.fromkeys(written):
+        out.append((f"{shape.describe()} on {name}", choose_family(name, shape, search=search, num_sms=sms)))
+    return out

@@ -265,3 +265,14 @@ def test_family_markdown_lists_each_rows_times_and_the_layer_family(tmp_path):
     assert f"- E=384 TP4: {c.describe()}" in text and "| E=384 TP4 | 8 |" in text
     text = family_markdown([("none", choose_family(DEVICE, SHAPE, search=[tmp_path / "none"]))])
     assert "| none | - | - | - | - | fp8 |" in text and "- none: fp8 (built-in: " in text
+
+
+def test_default_families_reads_the_tables_just_written_first(tmp_path):
+    from moebench.tuning.family import default_families
+
+    write_table(make(bf16=every(10.0), fp8=every(5.0)), tmp_path / "new")
+    write_table(make(bf16=every(1.0), fp8=every(5.0)), tmp_path / "env")
+    assert default_families([], tmp_path / "new") == []
+    chosen = default_families([(DEVICE, SHAPE, 132)] * 2, tmp_path / "new")  # one row per distinct table
+    assert [label for label, _ in chosen] == [f"{SHAPE.describe()} on {DEVICE}"] and chosen[0][1].family == FP8
+    assert default_families([(DEVICE, SHAPE, 132)], tmp_path / "env")[0][1].family == BF16

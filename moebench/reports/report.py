@@ -1,0 +1,119 @@
+"""The plan of `moebench report`: the run (and a baseline) read and
+checked, the comparison made, the tables computed and the report's files
+named, all before anything is printed or written; then what goes into
+summary.md and report.html. Raises ValueError / FileNotFoundError naming
+the argument; prints nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from moebench.reports import outdir
+
+
+@dataclass(frozen=True)
+class ReportPlan:
+    """A checked report: the run (df, manifest, ranks table or None) and its
+    tables (summary; step_table of a step run, else None); the comparison
+    with the baseline (else None) at `threshold` percent, `gated` when
+    --fail-above was given; `out` and how to name it (`where`); the files
+    it writes (`written`, summary.md first) and those already there
+    (`taken`, replaced only with --force)."""
+
+    run_dir: Path
+    df: object
+    manifest: dict
+    ranks: object
+    step_run: bool
+    summary: object
+    step_table: object
+    comparison: object
+    threshold: float
+    gated: bool
+    out: Path
+    where: str
+    written: list[Path]
+    taken: list[Path]
+
+    @property
+    def target(self) -> Path:
+        """summary.md's path."""
+        return self.written[0]
+
+
+def plan_report(run_dir: Path, *, baseline: Path | None = None, fail_above: str | None = None,
+                out: Path | None = None, html: bool = True, force: bool = False) -> ReportPlan:  # fmt: skip
+    """Check and read everything `report` needs (its errors first for
+    --fail-above, --out, RUN_DIR, then --baseline), compare with `baseline`
+    and name the files to write (by default in RUN_DIR's sibling
+    <run>-report/). Raises FileNotFoundError / ValueError naming the
+    argument, also when report files are there already and not `force`."""
+    from moebench.reports.compare import DEFAULT_THRESHOLD_PCT, compare_runs, parse_threshold
+    from moebench.reports.html import report_files
+    from moebench.reports.store import read_table
+    from moebench.reports.summary import is_step_run, step_summary_table, summary_table
+
+    threshold = parse_threshold(fail_above) if fail_above is not None else DEFAULT_THRESHOLD_PCT
+    if fail_above is not None and baseline is None:
+        raise ValueError("--fail-above needs --baseline RUN")
+    where = "--out" if out is not None else "the default report directory (RUN_DIR's sibling)"
+    if out is not None:
+        outdir.check_out_dir(out, run_dir)
+    df, manifest = outdir.read_report_run(run_dir, "RUN_DIR")
+    if out is None:  # only once RUN_DIR is known to be a run: its errors come first
+        out = outdir.default_report_dir(run_dir)
+        outdir.check_out_dir(out, run_dir, where)
+    ranks = read_table(run_dir, "ranks")
+    if ranks is not None and "rank" not in ranks.columns:
+        raise ValueError(f"RUN_DIR: {run_dir / 'ranks.parquet'} lacks the 'rank' column")
+    step_run = is_step_run(df, manifest)
+    try:  # the tables printed below: a run lacking their columns fails here, before any output
+        summary = summary_table(df)
+        step_table = step_summary_table(df) if step_run else None
+    except ValueError as error:
+        raise ValueError(f"RUN_DIR: {run_dir}: {error}") from None
+    base = outdir.read_report_run(baseline, "--baseline") if baseline is not None else None
+    comparison = None
+    if base is not None:
+        comparison = compare_runs(df, manifest, base[0], base[1], threshold_pct=threshold,
+                                  current_label=str(run_dir), baseline_label=str(baseline))  # fmt: skip
+    target = out / "summary.md"
+    written = [target, *(target.parent / n for n in report_files(df, comparison))] if html else [target]
+    taken = [p for p in written if p.exists() or p.is_symlink()]
+    if taken and not force:
+        raise ValueError(f"{where}: {', '.join(map(str, taken))} exist{'s' if len(taken) == 1 else ''}; pass --force"
+                         " to replace the report files, or give another --out directory")  # fmt: skip
+    return ReportPlan(run_dir, df, manifest, ranks, step_run, summary, step_table, comparison, threshold,
+                      fail_above is not None, out, where, written, taken)  # fmt: skip
+
+
+def report_markdown(plan: ReportPlan) -> str:
+    """summary.md's text: the run's summary, then the comparison's."""
+    from moebench.reports.compare import comparison_markdown
+    from moebench.reports.summary import to_markdown
+
+    text = to_markdown(plan.df, plan.manifest, plan.ranks)
+    if plan.comparison is not None:
+        text += "\n" + comparison_markdown(plan.comparison)
+    return text
+
+
+def write_report_html(plan: ReportPlan) -> list[Path]:
+    """Write report.html and its plots into summary.md's directory, with the
+    step, per-rank and kernel-tactics tables that apply; returns the paths
+    written, report.html first. Raises OSError."""
+    from moebench.reports.html import write_html_report
+    from moebench.reports.summary import KERNEL_TACTICS_TITLE, kernel_tactics_table, rank_table
+
+    tables = {}
+    if plan.step_run:
+        tables["Decode step (µs; the step excludes the gate)"] = plan.step_table
+        if plan.ranks is not None and len(plan.ranks):
+            tables["Per rank (µs)"] = rank_table(plan.ranks)
+    kt = kernel_tactics_table(plan.df)
+    if len(kt):
+        tables[KERNEL_TACTICS_TITLE] = kt
+    return write_html_report(plan.df, plan.manifest, plan.target.parent, comparison=plan.comparison,
+                             title=f"moebench run {plan.run_dir.name}", tables=tables)  # fmt: skip

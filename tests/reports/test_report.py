@@ -1,0 +1,67 @@
+"""The plan of `moebench report` (moebench/reports/report.py): checks and
+reads before anything is written, the files named, what summary.md holds."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from moebench.reports.report import plan_report, report_markdown, write_report_html
+from moebench.reports.store import REQUIRED_COLUMNS, write_run
+
+
+def _run(root, label, medians):
+    rows = []
+    for r, us in medians.items():
+        row = dict.fromkeys(REQUIRED_COLUMNS)
+        row.update(preset="dsv41-flash", hidden=5120, intermediate=576, experts=384, top_k=6, tp=4, rows=r,
+                   scenario="correlated", backend="moebench", tactic="default", status="ok", error="",
+                   median_us=us, p10_us=us * 0.99, p90_us=us * 1.01, unique_experts=6 * r, bytes=28_000_000 * r,
+                   gbps=1000.0, pct_copy_bw=25.0, pct_size_ceiling=math.nan, max_rel_err=1e-3,
+                   device="NVIDIA H200", sm_count=132, commit="abc")  # fmt: skip
+        rows.append(row)
+    manifest = {"device": {"name": "NVIDIA H200", "sm_count": 132}, "copy_bw_gbps": 4000.0, "reduced": False,
+                "timing_counts": {"replays": 100}}  # fmt: skip
+    return write_run(pd.DataFrame(rows), manifest, root=root, label=label)
+
+
+def test_a_plan_names_the_default_directory_and_its_files(tmp_path):
+    run = _run(tmp_path / "runs", "cur", {1: 20.0, 6: 40.0})
+    plan = plan_report(run, html=False)
+    assert plan.out == run.with_name(run.name + "-report") and plan.target == plan.out / "summary.md"
+    assert plan.written == [plan.target] and plan.taken == [] and plan.comparison is None and not plan.gated
+    assert not plan.out.exists()  # nothing is created by the plan
+    assert "dsv41-flash" in report_markdown(plan)
+    assert plan_report(run).written[1:] and all(p.parent == plan.out for p in plan_report(run).written)
+
+
+def test_a_comparison_is_planned_and_gated_only_with_fail_above(tmp_path):
+    base = _run(tmp_path / "runs", "base", {1: 20.0, 6: 40.0})
+    cur = _run(tmp_path / "runs", "cur", {1: 20.1, 6: 39.0})
+    plan = plan_report(cur, baseline=base, fail_above="3%", out=tmp_path / "r")
+    assert plan.comparison is not None and plan.gated and plan.threshold == 3.0
+    from moebench.reports.compare import comparison_markdown
+
+    assert report_markdown(plan).endswith("\n" + comparison_markdown(plan.comparison))
+    tmp_path.joinpath("r").mkdir()
+    paths = write_report_html(plan)
+    assert paths[0] == tmp_path / "r" / "report.html" and all(p.is_file() for p in paths)
+
+
+def test_errors_name_the_argument_and_come_before_any_file(tmp_path):
+    run = _run(tmp_path / "runs", "cur", {1: 20.0})
+    with pytest.raises(ValueError, match="^--fail-above needs --baseline RUN"):
+        plan_report(run, fail_above="5")
+    with pytest.raises(FileNotFoundError, match="^RUN_DIR: "):
+        plan_report(tmp_path / "none")
+    with pytest.raises(FileNotFoundError, match="^--baseline: "):
+        plan_report(run, baseline=tmp_path / "none")
+    other = _run(tmp_path / "runs", "other", {1: 1.0})
+    with pytest.raises(ValueError, match="^--out: .* is inside a stored run directory"):
+        plan_report(run, out=other / "x")
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / "summary.md").write_text("mine")
+    with pytest.raises(ValueError, match=r"^--out: .*summary.md exists; pass --force"):
+        plan_report(run, out=out, html=False)
+    assert plan_report(run, out=out, html=False, force=True).taken == [out / "summary.md"]

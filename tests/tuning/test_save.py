@@ -1,0 +1,84 @@
+"""Saving tuned tables (moebench/tuning/save.py): merged over an older table
+of the same device, refusals as problems, rows with no correct tactic named."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+from moebench.kernels.tactic import default_fp8_tactic, default_tactic
+from moebench.models import get_preset
+from moebench.tuning.save import save_tables, untuned_rows
+from moebench.tuning.table import ShapeClass, TableEntry, TuningTable, read_table, write_table
+
+SHAPE = ShapeClass.of(get_preset("dsv41-flash").shard(4))
+T1, T2 = (default_tactic(SHAPE.gemm_shape, s, 6) for s in (1, 2))
+F1, F2 = (default_fp8_tactic(SHAPE.gemm_shape, s, 6) for s in (1, 2))
+
+
+def _table(rows=(1, 2), fp8=False, device="NVIDIA H200", us=10.0) -> TuningTable:
+    entries = {(s, r): TableEntry((F1, F2)[s - 1] if fp8 else (T1, T2)[s - 1], us + r, us, us + 2 * r)
+               for s in (1, 2) for r in rows}  # fmt: skip
+    return TuningTable(SHAPE, {"name": device, "sm_count": 132}, {} if fp8 else entries,
+                       fp8_entries=entries if fp8 else {})  # fmt: skip
+
+
+def _outcome(tables, untuned=()):
+    results = {(4, 1): SimpleNamespace(results={1: SimpleNamespace(entry=object()),
+                                                **{r: SimpleNamespace(entry=None) for r in untuned}})}  # fmt: skip
+    return SimpleNamespace(tables=tables, results=results)
+
+
+def test_a_new_table_is_written_and_an_empty_one_skipped(tmp_path):
+    empty = TuningTable(SHAPE, {"name": "NVIDIA H200", "sm_count": 132}, {})
+    saved, problems = save_tables(_outcome([empty, _table()]), tmp_path)
+    assert problems == [] and len(saved) == 1
+    assert saved[0].path == tmp_path / _table().file_name and read_table(saved[0].path).entries == _table().entries
+    assert saved[0].key() == ("NVIDIA H200", SHAPE, 132)
+
+
+def test_the_other_family_and_rows_not_retuned_stay(tmp_path):
+    write_table(_table(rows=(1, 2, 3), fp8=True), tmp_path)
+    old_bf16 = _table(rows=(5,), us=50.0)
+    (saved,), problems = save_tables(_outcome([old_bf16]), tmp_path)
+    (saved_again,), _ = save_tables(_outcome([_table(rows=(1,))]), tmp_path)
+    back = read_table(saved_again.path)
+    assert problems == [] and len(back.fp8_entries) == 6  # the FP8 family's entries stay
+    assert set(back.entries) == {(1, 1), (2, 1), (1, 5), (2, 5)}  # the re-tuned rows and the others
+    assert back.entries[1, 1].median_us == 11.0 and back.entries[1, 5].median_us == 55.0
+    assert saved_again.table.entries == back.entries
+
+
+def test_a_table_of_another_device_is_a_problem_unless_forced(tmp_path):
+    other = _table(device="NVIDIA H200 NVL")
+    other.device["sm_count"] = 114
+    path = write_table(other, tmp_path)
+    saved, problems = save_tables(_outcome([_table()], untuned=(7, 8)), tmp_path, label="dsv41-flash BF16")
+    assert saved == [] and len(problems) == 2 and path.name in problems[0]
+    assert problems[1] == "no correct tactic for dsv41-flash BF16 TP4 GEMM1 rows=7, dsv41-flash BF16 TP4 GEMM1 rows=8"
+    saved, problems = save_tables(_outcome([_table()]), tmp_path, force=True)
+    assert problems == [] and read_table(saved[0].path).device["sm_count"] == 132
+
+
+def test_untuned_rows():
+    assert untuned_rows(_outcome([])) == []
+    assert untuned_rows(_outcome([], untuned=(3,))) == ["TP4 GEMM1 rows=3"]
+
+
+def test_tables_dir_is_out_else_the_first_env_dir_else_tuning_tables(tmp_path, monkeypatch):
+    import os
+
+    from moebench.tuning.save import tables_dir
+
+    monkeypatch.delenv("MOEBENCH_TUNING_DIR", raising=False)
+    assert tables_dir(None) == Path("tuning-tables") and tables_dir(tmp_path) == tmp_path
+    monkeypatch.setenv("MOEBENCH_TUNING_DIR", os.pathsep.join(["/a", "/b"]))
+    assert tables_dir(None) == Path("/a")
+
+
+def test_write_gains_summary_writes_markdown_and_json(tmp_path):
+    import json
+
+    from moebench.tuning.save import write_gains_summary
+
+    md, js = write_gains_summary(tmp_path / "g" / "gains.md", [], [], tmp_path)
+    assert md.is_file() and json.loads(js.read_text()) == [] and js == tmp_path / "g" / "gains.json"
+    assert "runs by default" not in md.read_text()

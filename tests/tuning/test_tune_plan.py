@@ -1,0 +1,38 @@
+"""The plan of `moebench tune` (moebench/tuning/plan.py): options checked
+on any machine, one TuneConfig per (preset, TP degree)."""
+
+import pytest
+
+from moebench.tuning.plan import tune_plan
+
+
+def _options(**kw):
+    opts = dict(preset="dsv41-flash", hidden=None, intermediate=None, experts=None, top_k=None, tp="4", rows="1-8",
+                stages="1,2", space="quick", scenario="correlated", repeats=3, top=3, replays=50, warmup=10,
+                layers=None, warm_l2=False, act_bf16=True, fp8=False, distinct_layers=False, seed=0, budget=None,
+                jobs=None, summary=None, device=None)  # fmt: skip
+    return {**opts, **kw}
+
+
+def test_one_config_per_preset_and_tp():
+    from moebench.tuning.space import FP8_SPACES, SPACES
+
+    plan = tune_plan(**_options(preset="dsv41-flash,dsv4-pro", tp="1,4", rows="1,4", stages="2"))
+    configs = plan.configs()
+    assert [(c.preset, c.tp) for c in configs] == [("dsv41-flash", (1,)), ("dsv41-flash", (4,)),
+                                                   ("dsv4-pro", (1,)), ("dsv4-pro", (4,))]  # fmt: skip
+    assert all(c.rows == (1, 4) and c.stages == (2,) and c.copy_layers and c.act_bf16 for c in configs)
+    assert configs[0].space == SPACES["quick"]
+    fp8 = tune_plan(**_options(fp8=True, distinct_layers=True)).configs()[0]
+    assert fp8.fp8 and not fp8.act_bf16 and not fp8.copy_layers and fp8.space == FP8_SPACES["quick"]
+
+
+def test_bad_options_are_named(tmp_path):
+    for kw, message in (({"space": "huge"}, "--space: expected one of"), ({"scenario": "replay"}, "--scenario"),
+                        ({"tp": "0"}, "--tp"), ({"rows": "9"}, "--rows"), ({"stages": "3"}, "--stages"),
+                        ({"top": 1}, "--top must be >= 2"), ({"warmup": -1}, "--warmup must be >= 0"),
+                        ({"budget": 0.0}, "--budget must be a positive"), ({"jobs": -1}, "--jobs must be >= 0"),
+                        ({"summary": tmp_path}, "--summary: .* is a directory"),
+                        ({"experts": 2}, "--experts 2 is below")):  # fmt: skip
+        with pytest.raises((ValueError, TypeError), match=message):
+            tune_plan(**_options(**kw))
