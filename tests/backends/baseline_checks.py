@@ -1,8 +1,52 @@
-"""Checks the baseline backends' GPU tests share (not a test module)."""
+"""What the baseline backends' GPU tests share (not a test module): the
+reduced expert count, the hot and tiny-scale experts, the cases run, the
+weights and routing they draw, and checks (the prepared-layer cache is
+conftest.py's fixture)."""
+
+import os
 
 import torch
 
+from moebench.formats import generate_expert_weights
+from moebench.models import PRESETS, get_preset
 from moebench.reference import reference_moe, relative_error
+
+EXPERTS = 16  # reduced from 256/384 to keep memory and time sane; H and I stay real
+HOT, TINY = 0, 5  # expert in every row; expert with scales 2^-20 of the others
+TINY_SHIFT = 20
+
+
+def baseline_cases(tps) -> list[tuple[str, int]]:
+    """(preset, tp) for every preset at each of `tps`, or the list in
+    $MOEBENCH_BASELINE_CASES ("dsv41-flash:4,dsv4-pro:1") when it is set."""
+    if os.environ.get("MOEBENCH_BASELINE_CASES"):
+        return [(c.split(":")[0], int(c.split(":")[1])) for c in os.environ["MOEBENCH_BASELINE_CASES"].split(",")]
+    return [(p, tp) for p in PRESETS for tp in tps]
+
+
+def tiny_weights(preset: str, tp: int, experts: int | None = EXPERTS, tiny: bool = True):
+    """(shape, weights) on the GPU, seed 11; with `tiny`, expert TINY's scales
+    are 2^-TINY_SHIFT of what was drawn (padding, code 0, stays zero)."""
+    shape = get_preset(preset, experts=experts).shard(tp)
+    w = generate_expert_weights(shape, seed=11, device="cuda")
+    if tiny:
+        for scale in (w.w13_scale, w.w2_scale):
+            t = scale[TINY].to(torch.int32)
+            scale[TINY] = torch.where(t > 0, (t - TINY_SHIFT).clamp_min(1), t).to(torch.uint8)
+    return shape, w
+
+
+def hot_tiny_routing(rows: int, top_k: int, scale: float, seed: int, experts: int = EXPERTS):
+    """Fresh (ids, weights) on the GPU: HOT in every row, TINY in row 0, the
+    rest distinct random experts; weights summing to `scale` per row."""
+    g = torch.Generator().manual_seed(seed)
+    ids = []
+    for r in range(rows):
+        others = [e for e in torch.randperm(experts, generator=g).tolist() if e not in (HOT, TINY)]
+        ids.append(([HOT] + ([TINY] if r == 0 else []) + others)[:top_k])
+    w = torch.rand(rows, top_k, generator=g) + 0.1
+    w = w / w.sum(1, keepdim=True) * scale
+    return torch.tensor(ids, dtype=torch.int32).cuda(), w.to(torch.float32).cuda()
 
 
 def tiny_expert_alone_error(backend, prepared, shape, weights, x: torch.Tensor, expert: int) -> float:

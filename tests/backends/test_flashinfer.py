@@ -16,24 +16,22 @@ still tells "quantizes like the oracle" from "does not".
 """
 
 import importlib.util
-import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from baseline_checks import tiny_expert_alone_error
+from baseline_checks import (
+    EXPERTS, TINY, baseline_cases, hot_tiny_routing, tiny_expert_alone_error, tiny_weights,
+)
 
 from moebench.backends import flashinfer as fi_backend
 from moebench.backends import layouts as L
 from moebench.formats import generate_activations, generate_expert_weights
-from moebench.models import PRESETS, get_preset
+from moebench.models import get_preset
 from moebench.reference import reference_moe, relative_error
 
 TOLERANCE = {"bf16": 1e-2, "fp8_token": 3e-2}
-EXPERTS = 16          # reduced from 256/384 to keep memory and time sane; H and I stay real
-HOT, TINY = 0, 5      # expert in every row; expert with scales 2^-20 of the others
-TINY_SHIFT = 20
 
 
 # --- CPU -------------------------------------------------------------------------------------
@@ -95,30 +93,9 @@ def test_scale_fold_matches_flashinfer_when_installed():
 
 #: every preset at TP 1 and 4; MOEBENCH_BASELINE_CASES="dsv41-flash:4,dsv4-pro:1" narrows it
 #: (each case costs tuning / NVRTC compiles on the device).
-CASES = [(p, tp) for p in PRESETS for tp in (1, 4)]
-if os.environ.get("MOEBENCH_BASELINE_CASES"):
-    CASES = [(c.split(":")[0], int(c.split(":")[1])) for c in os.environ["MOEBENCH_BASELINE_CASES"].split(",")]
+CASES = baseline_cases((1, 4))
 
 
-def _weights(preset: str, tp: int):
-    shape = get_preset(preset, experts=EXPERTS).shard(tp)
-    w = generate_expert_weights(shape, seed=11, device="cuda")
-    for scale in (w.w13_scale, w.w2_scale):  # padding (code 0) stays zero
-        t = scale[TINY].to(torch.int32)
-        scale[TINY] = torch.where(t > 0, (t - TINY_SHIFT).clamp_min(1), t).to(torch.uint8)
-    return shape, w
-
-
-def _routing(rows: int, top_k: int, scale: float, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    ids = []
-    for r in range(rows):
-        others = [e for e in torch.randperm(EXPERTS, generator=g).tolist() if e not in (HOT, TINY)]
-        row = [HOT] + ([TINY] if r == 0 else []) + others
-        ids.append(row[:top_k])
-    w = torch.rand(rows, top_k, generator=g) + 0.1
-    w = w / w.sum(1, keepdim=True) * scale
-    return torch.tensor(ids, dtype=torch.int32).cuda(), w.to(torch.float32).cuda()
 
 
 def _backend(cls):
@@ -129,13 +106,6 @@ def _backend(cls):
     return backend
 
 
-@pytest.fixture(scope="module")
-def prepared_cache():
-    cache = {}
-    yield cache
-    cache.clear()
-    torch.cuda.empty_cache()
-
 
 def _prepared(cache, cls, preset, tp):
     key = (cls.name, preset, tp)
@@ -143,7 +113,7 @@ def _prepared(cache, cls, preset, tp):
         cache.clear()
         torch.cuda.empty_cache()
         backend = _backend(cls)
-        shape, w = _weights(preset, tp)
+        shape, w = tiny_weights(preset, tp)
         cache[key] = (backend, shape, w, backend.prepare(w, shape))
     return cache[key]
 
@@ -167,7 +137,7 @@ def test_matches_oracle(prepared_cache, cls, preset, tp):
     tol = TOLERANCE[backend.oracle]
     for rows in (1, 4, 8):
         x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
-        ids, wts = _routing(rows, shape.top_k, shape.routed_scaling_factor, seed=rows)
+        ids, wts = hot_tiny_routing(rows, shape.top_k, shape.routed_scaling_factor, seed=rows)
         out = backend.forward(prepared, x, ids, wts).clone()
         ref = reference_moe(x, ids, wts, w, activation=backend.oracle).output
         err = relative_error(out, ref)
@@ -186,7 +156,7 @@ def test_matches_oracle(prepared_cache, cls, preset, tp):
 def test_non_local_ids_contribute_nothing(prepared_cache, cls):
     backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
     x = generate_activations(4, shape.hidden, seed=3, device="cuda")
-    ids, wts = _routing(4, shape.top_k, 1.5, seed=3)
+    ids, wts = hot_tiny_routing(4, shape.top_k, 1.5, seed=3)
     masked = ids.clone()
     masked[:, -2:] = torch.tensor([-1, EXPERTS + 3], dtype=torch.int32)
     out = backend.forward(prepared, x, masked, wts).clone()
@@ -201,7 +171,7 @@ def test_non_local_ids_contribute_nothing(prepared_cache, cls):
 def test_graph_capture_replays_the_eager_result(prepared_cache, cls):
     backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
     x = generate_activations(6, shape.hidden, seed=5, device="cuda")
-    ids, wts = _routing(6, shape.top_k, 1.5, seed=5)
+    ids, wts = hot_tiny_routing(6, shape.top_k, 1.5, seed=5)
     eager = backend.forward(prepared, x, ids, wts).clone()  # tunes rows=6 outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

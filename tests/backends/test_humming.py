@@ -14,17 +14,16 @@ import sys
 
 import pytest
 import torch
-from baseline_checks import tiny_expert_alone_error
+from baseline_checks import (
+    EXPERTS, TINY, baseline_cases, hot_tiny_routing, tiny_expert_alone_error, tiny_weights,
+)
 
 from moebench.backends import humming as hm
 from moebench.formats import generate_activations, generate_expert_weights
-from moebench.models import PRESETS, get_preset
+from moebench.models import get_preset
 from moebench.reference import reference_moe, relative_error
 
 TOLERANCE = {"bf16": 1e-2, "fp8_token": 3e-2}
-EXPERTS = 16
-HOT, TINY = 0, 5
-TINY_SHIFT = 20
 
 
 # --- CPU -------------------------------------------------------------------------------------
@@ -158,29 +157,9 @@ def test_prepare_rejects_per_expert_clamps(monkeypatch):
 
 #: every preset at TP 1 and 4; MOEBENCH_BASELINE_CASES="dsv41-flash:4,dsv4-pro:1" narrows it
 #: (each case costs tuning / NVRTC compiles on the device).
-CASES = [(p, tp) for p in PRESETS for tp in (1, 4)]
-if os.environ.get("MOEBENCH_BASELINE_CASES"):
-    CASES = [(c.split(":")[0], int(c.split(":")[1])) for c in os.environ["MOEBENCH_BASELINE_CASES"].split(",")]
+CASES = baseline_cases((1, 4))
 
 
-def _weights(preset: str, tp: int):
-    shape = get_preset(preset, experts=EXPERTS).shard(tp)
-    w = generate_expert_weights(shape, seed=11, device="cuda")
-    for scale in (w.w13_scale, w.w2_scale):
-        t = scale[TINY].to(torch.int32)
-        scale[TINY] = torch.where(t > 0, (t - TINY_SHIFT).clamp_min(1), t).to(torch.uint8)
-    return shape, w
-
-
-def _routing(rows: int, top_k: int, scale: float, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    ids = []
-    for r in range(rows):
-        others = [e for e in torch.randperm(EXPERTS, generator=g).tolist() if e not in (HOT, TINY)]
-        ids.append(([HOT] + ([TINY] if r == 0 else []) + others)[:top_k])
-    w = torch.rand(rows, top_k, generator=g) + 0.1
-    w = w / w.sum(1, keepdim=True) * scale
-    return torch.tensor(ids, dtype=torch.int32).cuda(), w.to(torch.float32).cuda()
 
 
 def _backend(cls):
@@ -191,13 +170,6 @@ def _backend(cls):
     return backend
 
 
-@pytest.fixture(scope="module")
-def prepared_cache():
-    cache = {}
-    yield cache
-    cache.clear()
-    torch.cuda.empty_cache()
-
 
 def _prepared(cache, cls, preset, tp):
     key = (cls.name, preset, tp)
@@ -205,7 +177,7 @@ def _prepared(cache, cls, preset, tp):
         cache.clear()
         torch.cuda.empty_cache()
         backend = _backend(cls)
-        shape, w = _weights(preset, tp)
+        shape, w = tiny_weights(preset, tp)
         cache[key] = (backend, shape, w, backend.prepare(w, shape))
     return cache[key]
 
@@ -240,7 +212,7 @@ def test_matches_oracle(prepared_cache, cls, preset, tp):
     tol = TOLERANCE[backend.oracle]
     for rows in (1, 4, 8):
         x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
-        ids, wts = _routing(rows, shape.top_k, shape.routed_scaling_factor, seed=rows)
+        ids, wts = hot_tiny_routing(rows, shape.top_k, shape.routed_scaling_factor, seed=rows)
         out = backend.forward(prepared, x, ids, wts).clone()
         ref = reference_moe(x, ids, wts, w, activation=backend.oracle).output
         err = relative_error(out, ref)
@@ -285,7 +257,7 @@ def test_tiny_scale_expert_alone(prepared_cache, cls, preset, tp):
 def test_non_local_ids_contribute_nothing(prepared_cache, cls):
     backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
     x = generate_activations(4, shape.hidden, seed=3, device="cuda")
-    ids, wts = _routing(4, shape.top_k, 1.5, seed=3)
+    ids, wts = hot_tiny_routing(4, shape.top_k, 1.5, seed=3)
     masked = ids.clone()
     masked[:, -2:] = torch.tensor([-1, EXPERTS + 3], dtype=torch.int32)
     out = backend.forward(prepared, x, masked, wts).clone()
@@ -300,7 +272,7 @@ def test_non_local_ids_contribute_nothing(prepared_cache, cls):
 def test_graph_capture_replays_the_eager_result(prepared_cache, cls):
     backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
     x = generate_activations(6, shape.hidden, seed=5, device="cuda")
-    ids, wts = _routing(6, shape.top_k, 1.5, seed=5)
+    ids, wts = hot_tiny_routing(6, shape.top_k, 1.5, seed=5)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # first calls compile humming's kernels: before capture
@@ -366,7 +338,7 @@ def test_vllm_aligner_gives_the_triton_aligners_output(prepared_cache, cls, monk
     backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
     for rows in (1, 8):
         x = generate_activations(rows, shape.hidden, seed=21, device="cuda")
-        ids, wts = _routing(rows, shape.top_k, 1.5, seed=21)
+        ids, wts = hot_tiny_routing(rows, shape.top_k, 1.5, seed=21)
         outs = {}
         for how in ("vllm", "triton"):
             monkeypatch.setenv(hm.ALIGN_ENV, how)
@@ -383,7 +355,7 @@ def test_vllm_aligner_gives_the_triton_aligners_output(prepared_cache, cls, monk
 def test_stage_calls_rerun_the_forward(prepared_cache, cls):
     backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
     x = generate_activations(3, shape.hidden, seed=8, device="cuda")
-    ids, wts = _routing(3, shape.top_k, 1.5, seed=8)
+    ids, wts = hot_tiny_routing(3, shape.top_k, 1.5, seed=8)
     want = backend.forward(prepared, x, ids, wts).clone()
     stages = backend.stage_calls(prepared, x, ids, wts)
     names = ["align", "quantize", "gemm1", "activation", "gemm2", "reduce"]

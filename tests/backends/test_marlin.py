@@ -7,14 +7,15 @@ router weights applied in GEMM2 before the BF16 top-k sum), each output row
 within 2e-2.
 """
 
-import importlib.util
 import os
 import subprocess
 import sys
 
 import pytest
 import torch
-from baseline_checks import tiny_expert_alone_error
+from baseline_checks import (
+    EXPERTS, HOT, TINY, baseline_cases, hot_tiny_routing, tiny_expert_alone_error, tiny_weights,
+)
 
 from moebench.backends import marlin as mb
 from moebench.backends import vllm_ops
@@ -22,14 +23,11 @@ from moebench.backends.marlin_layout import marlin_expert_bytes
 from moebench.backends.registry import available_backends, backend_names, load_backend
 from moebench.bench.cases import unique_bytes
 from moebench.formats import generate_activations, generate_expert_weights
-from moebench.models import PRESETS, get_preset
+from moebench.models import get_preset
 from moebench.reference import reference_moe, relative_error
 
 TOL = 1e-2
 ROW_TOL = 2 * TOL
-EXPERTS = 16
-HOT, TINY = 0, 5
-TINY_SHIFT = 20
 
 
 # --- CPU -------------------------------------------------------------------------------------
@@ -186,9 +184,7 @@ def test_flat_view_is_vllms_resize_cache():
 # --- GPU -------------------------------------------------------------------------------------
 
 #: every preset at TP 1, 4 and 8; MOEBENCH_BASELINE_CASES="dsv41-flash:4,dsv4-pro:1" narrows it.
-CASES = [(p, tp) for p in PRESETS for tp in (1, 4, 8)]
-if os.environ.get("MOEBENCH_BASELINE_CASES"):
-    CASES = [(c.split(":")[0], int(c.split(":")[1])) for c in os.environ["MOEBENCH_BASELINE_CASES"].split(",")]
+CASES = baseline_cases((1, 4, 8))
 
 
 def _backend():
@@ -199,34 +195,7 @@ def _backend():
     return backend
 
 
-def _weights(preset: str, tp: int, experts: int | None = EXPERTS, tiny: bool = True):
-    shape = get_preset(preset, experts=experts).shard(tp)
-    w = generate_expert_weights(shape, seed=11, device="cuda")
-    if tiny:
-        for scale in (w.w13_scale, w.w2_scale):
-            t = scale[TINY].to(torch.int32)
-            scale[TINY] = torch.where(t > 0, (t - TINY_SHIFT).clamp_min(1), t).to(torch.uint8)
-    return shape, w
 
-
-def _routing(rows: int, top_k: int, scale: float, seed: int, experts: int = EXPERTS):
-    """Fresh ids: HOT in every row, TINY in row 0, the rest random distinct."""
-    g = torch.Generator().manual_seed(seed)
-    ids = []
-    for r in range(rows):
-        others = [e for e in torch.randperm(experts, generator=g).tolist() if e not in (HOT, TINY)]
-        ids.append(([HOT] + ([TINY] if r == 0 else []) + others)[:top_k])
-    w = torch.rand(rows, top_k, generator=g) + 0.1
-    w = w / w.sum(1, keepdim=True) * scale
-    return torch.tensor(ids, dtype=torch.int32).cuda(), w.to(torch.float32).cuda()
-
-
-@pytest.fixture(scope="module")
-def prepared_cache():
-    cache = {}
-    yield cache
-    cache.clear()
-    torch.cuda.empty_cache()
 
 
 def _prepared(cache, preset, tp, experts=EXPERTS):
@@ -235,7 +204,7 @@ def _prepared(cache, preset, tp, experts=EXPERTS):
         cache.clear()
         torch.cuda.empty_cache()
         backend = _backend()
-        shape, w = _weights(preset, tp, experts)
+        shape, w = tiny_weights(preset, tp, experts)
         cache[key] = (backend, shape, w, backend.prepare(w, shape))
     return cache[key]
 
@@ -263,7 +232,7 @@ def test_matches_oracle(prepared_cache, preset, tp):
     backend, shape, w, prepared = _prepared(prepared_cache, preset, tp)
     for rows in range(1, 9):
         x = generate_activations(rows, shape.hidden, seed=100 + rows, device="cuda")
-        ids, wts = _routing(rows, shape.top_k, shape.routed_scaling_factor, seed=rows)
+        ids, wts = hot_tiny_routing(rows, shape.top_k, shape.routed_scaling_factor, seed=rows)
         backend.forward(prepared, x, ids, wts)  # buffers exist: poison them, then the measured call
         _poison(prepared)
         out = backend.forward(prepared, x, ids, wts).clone()
@@ -320,7 +289,7 @@ def test_one_expert_in_every_row(prepared_cache):
 def test_non_local_ids_contribute_nothing(prepared_cache):
     backend, shape, w, prepared = _prepared(prepared_cache, "dsv41-flash", 4)
     x = generate_activations(5, shape.hidden, seed=3, device="cuda")
-    ids, wts = _routing(5, shape.top_k, 1.5, seed=3)
+    ids, wts = hot_tiny_routing(5, shape.top_k, 1.5, seed=3)
     masked = ids.clone()
     masked[:, -2:] = torch.tensor([-1, EXPERTS + 3], dtype=torch.int32)
     masked[3, :] = torch.tensor([-1, -5, EXPERTS, EXPERTS + 1, 1 << 20, -(1 << 20)], dtype=torch.int32)
@@ -338,7 +307,7 @@ def test_non_local_ids_contribute_nothing(prepared_cache):
 def test_graph_capture_replays_the_eager_result(prepared_cache):
     backend, shape, w, prepared = _prepared(prepared_cache, "dsv41-flash", 4)
     x = generate_activations(6, shape.hidden, seed=5, device="cuda")
-    ids, wts = _routing(6, shape.top_k, 1.5, seed=5)
+    ids, wts = hot_tiny_routing(6, shape.top_k, 1.5, seed=5)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -358,7 +327,7 @@ def test_graph_capture_replays_the_eager_result(prepared_cache):
         assert torch.equal(out, eager[-1])
     _check_rows(out, ref, "graph replay")
     # new routing into the same captured buffers: the replay follows the device-side ids
-    ids2, wts2 = _routing(6, shape.top_k, 1.5, seed=55)
+    ids2, wts2 = hot_tiny_routing(6, shape.top_k, 1.5, seed=55)
     ids.copy_(ids2)
     wts.copy_(wts2)
     graph.replay()
@@ -370,7 +339,7 @@ def test_graph_capture_replays_the_eager_result(prepared_cache):
 def test_stage_calls_rerun_the_forward(prepared_cache):
     backend, shape, w, prepared = _prepared(prepared_cache, "dsv41-flash", 4)
     x = generate_activations(3, shape.hidden, seed=8, device="cuda")
-    ids, wts = _routing(3, shape.top_k, 1.5, seed=8)
+    ids, wts = hot_tiny_routing(3, shape.top_k, 1.5, seed=8)
     want = backend.forward(prepared, x, ids, wts).clone()
     deterministic = torch.equal(backend.forward(prepared, x, ids, wts), want)
     stages = backend.stage_calls(prepared, x, ids, wts)
@@ -388,7 +357,7 @@ def test_stage_calls_rerun_the_forward(prepared_cache):
 @pytest.mark.gpu
 def test_read_bytes_of_device_ids(prepared_cache):
     backend, shape, _, _ = _prepared(prepared_cache, "dsv41-flash", 4)
-    ids, _ = _routing(4, shape.top_k, 1.5, seed=1)
+    ids, _ = hot_tiny_routing(4, shape.top_k, 1.5, seed=1)
     touched = len(set(ids.flatten().tolist()))
     assert backend.read_bytes(shape, ids) == (touched * marlin_expert_bytes(shape.hidden, shape.padded_intermediate)
                                               + 2 * 4 * shape.hidden * 2)

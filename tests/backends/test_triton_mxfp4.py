@@ -16,19 +16,18 @@ import types
 
 import pytest
 import torch
-from baseline_checks import tiny_expert_alone_error
+from baseline_checks import (
+    EXPERTS, TINY, baseline_cases, hot_tiny_routing, tiny_expert_alone_error, tiny_weights,
+)
 
 from moebench.backends import triton_mxfp4 as tm
 from moebench.backends import vllm_ops
 from moebench.backends.registry import backend_names
 from moebench.formats import generate_activations, generate_expert_weights
-from moebench.models import PRESETS, get_preset
+from moebench.models import get_preset
 from moebench.reference import reference_moe, relative_error
 
 TOLERANCE = 1e-2
-EXPERTS = 16
-HOT, TINY = 0, 5
-TINY_SHIFT = 20
 
 
 def _triton_kernels_importable() -> bool:
@@ -437,39 +436,10 @@ def test_forward_rejects_foreign_prepared_and_bad_rows():
 # --- GPU -------------------------------------------------------------------------------------
 
 #: every preset at TP 1, 4 and 8; MOEBENCH_BASELINE_CASES="dsv41-flash:4,dsv4-pro:1" narrows it.
-CASES = [(p, tp) for p in PRESETS for tp in (1, 4, 8)]
-if os.environ.get("MOEBENCH_BASELINE_CASES"):
-    CASES = [(c.split(":")[0], int(c.split(":")[1])) for c in os.environ["MOEBENCH_BASELINE_CASES"].split(",")]
+CASES = baseline_cases((1, 4, 8))
 
 
-def _weights(preset: str, tp: int):
-    shape = get_preset(preset, experts=EXPERTS).shard(tp)
-    w = generate_expert_weights(shape, seed=11, device="cuda")
-    for scale in (w.w13_scale, w.w2_scale):
-        t = scale[TINY].to(torch.int32)
-        scale[TINY] = torch.where(t > 0, (t - TINY_SHIFT).clamp_min(1), t).to(torch.uint8)
-    return shape, w
 
-
-def _routing(rows: int, top_k: int, scale: float, seed: int):
-    """HOT in every row (one expert shared by all rows), TINY in row 0, the
-    rest distinct random experts."""
-    g = torch.Generator().manual_seed(seed)
-    ids = []
-    for r in range(rows):
-        others = [e for e in torch.randperm(EXPERTS, generator=g).tolist() if e not in (HOT, TINY)]
-        ids.append(([HOT] + ([TINY] if r == 0 else []) + others)[:top_k])
-    w = torch.rand(rows, top_k, generator=g) + 0.1
-    w = w / w.sum(1, keepdim=True) * scale
-    return torch.tensor(ids, dtype=torch.int32).cuda(), w.to(torch.float32).cuda()
-
-
-@pytest.fixture(scope="module")
-def prepared_cache():
-    cache = {}
-    yield cache
-    cache.clear()
-    torch.cuda.empty_cache()
 
 
 def _prepared(cache, preset, tp):
@@ -481,7 +451,7 @@ def _prepared(cache, preset, tp):
         reason = backend.unavailable_reason("cuda")
         if reason is not None:
             pytest.skip(reason)
-        shape, w = _weights(preset, tp)
+        shape, w = tiny_weights(preset, tp)
         cache[key] = (backend, shape, w, backend.prepare(w, shape))
     return cache[key]
 
@@ -508,7 +478,7 @@ def test_matches_oracle(prepared_cache, preset, tp):
     backend, shape, w, prepared = _prepared(prepared_cache, preset, tp)
     for rows in range(1, 9):
         x = generate_activations(rows, shape.hidden, seed=100 + rows, device="cuda")
-        ids, wts = _routing(rows, shape.top_k, shape.routed_scaling_factor, seed=rows)
+        ids, wts = hot_tiny_routing(rows, shape.top_k, shape.routed_scaling_factor, seed=rows)
         out = _checked_forward(backend, prepared, x, ids, wts)
         ref = reference_moe(x, ids, wts, w, activation=backend.oracle).output
         err, per_row = relative_error(out, ref), _row_errors(out, ref)
@@ -532,7 +502,7 @@ def test_tiny_scale_expert_alone(prepared_cache, preset, tp):
 def test_non_local_ids_contribute_nothing(prepared_cache, tp):
     backend, shape, w, prepared = _prepared(prepared_cache, "dsv41-flash", tp)
     x = generate_activations(5, shape.hidden, seed=3, device="cuda")
-    ids, wts = _routing(5, shape.top_k, 1.5, seed=3)
+    ids, wts = hot_tiny_routing(5, shape.top_k, 1.5, seed=3)
     masked = ids.clone()
     masked[:, -2:] = torch.tensor([-1, EXPERTS + 3], dtype=torch.int32)
     masked[3, :] = -1  # a row with no local expert: exactly zero
@@ -552,7 +522,7 @@ def test_non_local_ids_contribute_nothing(prepared_cache, tp):
 def test_graph_capture_replays_the_eager_result(prepared_cache, tp):
     backend, shape, w, prepared = _prepared(prepared_cache, "dsv41-flash", tp)
     x = generate_activations(6, shape.hidden, seed=5, device="cuda")
-    ids, wts = _routing(6, shape.top_k, 1.5, seed=5)
+    ids, wts = hot_tiny_routing(6, shape.top_k, 1.5, seed=5)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # first calls compile the Triton kernels: before capture
@@ -576,7 +546,7 @@ def test_stage_calls_compose_to_forward(prepared_cache):
     (captured) without error."""
     backend, shape, w, prepared = _prepared(prepared_cache, "dsv4-flash", 4)
     x = generate_activations(3, shape.hidden, seed=8, device="cuda")
-    ids, wts = _routing(3, shape.top_k, 1.5, seed=8)
+    ids, wts = hot_tiny_routing(3, shape.top_k, 1.5, seed=8)
     want = backend.forward(prepared, x, ids, wts).clone()
     stages = backend.stage_calls(prepared, x, ids, wts)
     assert [name for name, _ in stages] == ["route", "gemm1", "activation", "gemm2", "reduce"]
