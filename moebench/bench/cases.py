@@ -22,7 +22,7 @@ from moebench.bench import check_layers, check_seed
 from moebench.models import PRESETS, MoEConfig, RankShape, get_preset
 from moebench.record import MAX_ROWS
 from moebench.routing import SCENARIOS
-from moebench.traffic import mxfp4_bytes, touched_bytes, unique_experts  # noqa: F401 - the bench's names for them
+from moebench.traffic import touched_bytes
 
 #: Reduced geometry of a CPU-only run (overridable per axis).
 CPU_REDUCED = {"hidden": 512, "intermediate": 256, "experts": 32}

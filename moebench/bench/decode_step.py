@@ -94,7 +94,7 @@ import torch.distributed as dist
 from moebench.backends.base import DEFAULT_TACTIC, BackendUnavailable
 from moebench.backends.registry import backend_names, load_backend
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
-from moebench.bench.cases import CPU_BACKENDS, SweepConfig, expand_cases, rotation_bytes, unique_bytes, unique_experts
+from moebench.bench.cases import CPU_BACKENDS, SweepConfig, expand_cases, rotation_bytes, unique_bytes
 from moebench.bench.interrupt import INTERRUPTED, sigterm_as_interrupt
 from moebench.bench.shard import MULTICAST_OFF, free_port, gpu_serial, gpu_uuid, visible_gpu_count, worker_env
 from moebench.bench.sweep import (
@@ -113,6 +113,7 @@ from moebench.integration.step_layer import (
 from moebench.backends.base import ORACLE_TOLERANCES as ORACLES_TOL
 from moebench.reference import ORACLE_TOLERANCE, relative_error
 from moebench.routing import SCENARIOS, scenario_topk_ids
+from moebench.traffic import unique_experts
 
 #: Every stage name a step kind has (kernel_<stage>_us columns).
 STEP_STAGES = ("front", "router", "shared", "route", "gemm1", "gemm2", "finalize", "experts", "shared_add")

@@ -81,7 +81,7 @@ from moebench.backends.registry import backend_names, load_backend
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
 from moebench.bench.cases import (
-    CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes, unique_experts,
+    CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes,
 )
 from moebench.bench.interrupt import INTERRUPTED
 from moebench.bench.timing import Timing, less, time_graph
@@ -90,6 +90,7 @@ from moebench.formats import generate_activations, generate_expert_weights
 from moebench.models import MX_BLOCK, RankShape
 from moebench.reference import ORACLE_TOLERANCE, ROW_TOLERANCE_FACTOR, oracle_gate, reference_moe
 from moebench.routing import scenario_topk_ids, scenario_weights
+from moebench.traffic import unique_experts
 
 #: Stages a backend's `stage_calls` may name (kernel_<stage>_us columns), in launch order:
 #: ours (route, gemm1, gemm2, finalize) and the peers' own glue (the routing

@@ -10,7 +10,8 @@ from moebench.backends.humming import HummingW4A8Backend, HummingW4A16Backend, h
 from moebench.backends.moebench import MoebenchBackend
 from moebench.backends.reference import ReferenceBackend
 from moebench.backends.torch_bf16 import TorchBF16Backend
-from moebench.bench.cases import mxfp4_bytes, unique_bytes
+from moebench.bench.cases import unique_bytes
+from moebench.traffic import mxfp4_bytes
 from moebench.models import get_preset
 
 #: dsv41-flash TP4 (I 576, padded 640) and TP8 (I 288, padded 384), rows 2 over 7 distinct local experts.
