@@ -416,15 +416,35 @@ def test_a_second_interrupt_kills_the_workers_and_keeps_their_saved_pieces(tmp_p
     shards = plan_shards(cases, 2)
     raised = []
 
+    timers = []
+
     def progress(done, total):
         if list((tmp_path / "s").glob("worker-*-part-*.parquet")) and not raised:
             raised.append(done)
-            threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)).start()  # the second one
+            timers.append(threading.Timer(0.5, lambda: os.kill(os.getpid(), signal.SIGINT)))  # the second one
+            timers[0].start()
             raise KeyboardInterrupt
 
-    t0 = time.monotonic()
-    res = launch_workers(shards, [0, 1], slow_runner, tmp_path / "s", timeout_s=120, base_env=FAKE_ENV,
-                         progress=progress, poll_s=0.05)  # fmt: skip
+    # The second SIGINT must land inside launch_workers: one that comes after it
+    # returned (the workers may stop before 0.5 s on a loaded machine) is
+    # swallowed here, never left pending for the next test.
+    inside = [True]
+
+    def on_sigint(signum, frame):
+        if inside[0]:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        t0 = time.monotonic()
+        res = launch_workers(shards, [0, 1], slow_runner, tmp_path / "s", timeout_s=120, base_env=FAKE_ENV,
+                             progress=progress, poll_s=0.05)  # fmt: skip
+        inside[0] = False
+        for timer in timers:
+            timer.cancel()
+            timer.join()
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.monotonic() - t0 < 25  # not the 30 s grace
     assert res.interrupted
     df = merge_results(res.frames, res.failures)
