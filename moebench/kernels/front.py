@@ -176,9 +176,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
 
     from moebench.kernels.quantize import quantize_block
     from moebench.kernels.route import DEFAULT_KEYS_PER_STEP, MAX_SLOTS, build_record, record_prologue, record_smem
-    from cutlass._mlir.dialects import llvm
-    from cutlass.cutlass_dsl import T, dsl_user_op
-
+    from moebench.kernels.ptx import mbarrier_try_wait_cluster, st_async_cluster
     from moebench.kernels.topk import row_rounds, row_scores, row_weights
 
     class FrontKernel:
@@ -343,32 +341,6 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                     slot = cta * self.top_k + tid
                     cute.arch.store(topk_ids + slot, expert)
                     cute.arch.store(topk_weights + slot, weight)
-
-    @dsl_user_op
-    def mbarrier_try_wait_cluster(mbar, phase: Int32, *, loc=None, ip=None) -> Uint32:
-        """One `mbarrier.try_wait.parity.acquire.cluster` on the CTA-local
-        mbarrier `mbar` for `phase` parity: 1 once the phase completed (with
-        acquire at cluster scope, which pairs with st.async's cluster-scope
-        release of its complete-tx), else 0 (after the hardware's time limit)."""
-        addr = llvm.ptrtoint(T.i32(), mbar.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-        return Uint32(llvm.inline_asm(
-            T.i32(), [addr, Int32(phase).ir_value(loc=loc, ip=ip)],
-            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$1], $2;"
-            " selp.u32 $0, 1, 0, p; }", "=r,r,r",
-            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
-
-    @dsl_user_op
-    def st_async_cluster(ptr: cute.Pointer, mbar, rank: Int32, value: Int32, *, loc=None, ip=None) -> None:
-        """st.async of the Int32 `value` at the shared-memory pointer `ptr`
-        of CTA `rank` of the cluster, completing 4 bytes on that CTA's
-        mbarrier `mbar` (both mapped with mapa)."""
-        remote = cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip)
-        addr = llvm.ptrtoint(T.i32(), remote.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-        rbar = cute.arch.map_dsmem_ptr(mbar, rank, loc=loc, ip=ip)
-        baddr = llvm.ptrtoint(T.i32(), rbar.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-        llvm.inline_asm(None, [addr, Int32(value).ir_value(loc=loc, ip=ip), baddr],
-                        "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [$0], $1, [$2];", "r,r,r",
-                        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 _KERNEL = "the fused front kernel"

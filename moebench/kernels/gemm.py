@@ -65,7 +65,8 @@ import torch
 from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.tactic import (
-    SPEC_WORDS, GemmShape, GemmTactic, default_tactic, workspace_bytes, workspace_bytes_for, workspace_parts,
+    SPEC_WORDS, GemmShape, GemmTactic, cluster_landing_bytes, default_tactic, workspace_bytes, workspace_bytes_for,
+    workspace_parts,
 )  # fmt: skip
 from moebench.record import TILE, route_words
 
@@ -80,7 +81,7 @@ if HAVE_DSL:
     from cutlass.experimental import primitives as prims
 
     from moebench.kernels import fp4
-    from moebench.kernels.ptx import st_shared_u32x4, trap
+    from moebench.kernels.ptx import mbarrier_arrive_cluster, mbarrier_try_wait_cluster, st_async_cluster, st_shared_u32x4, trap
 
 #: Shared memory + L1 of one H100/H200 SM that the carveout divides (bytes).
 _SMEM_PER_SM = 228 * 1024
@@ -167,6 +168,8 @@ if HAVE_DSL:
             self.nch = self.k // 32  # 32-K chunks (MX blocks)
             self.sk = t.split_k  # K slices (units) per item
             self.nch_s = self.nch // self.sk  # chunks per slice
+            self.cl = t.cluster_k  # CTAs of a cluster splitting an item's K (bulk fp8 only)
+            self.nch_c = self.nch_s // self.cl  # chunks of one cluster rank's slice
             self.blocks = self.m // self.rm  # items per token tile
             self.per = -(-self.nch_s // self.wk)  # chunks per warp (of one slice)
             self.nb = -(-self.per // self.u)  # load batches per item
@@ -187,11 +190,14 @@ if HAVE_DSL:
             if self.bulk:
                 self.ks = self.u * self.wk  # K chunks per bulk stage
                 self.nb = -(-self.nch // self.ks)  # stages (steps) per item
+                self.nb_c = self.nb // self.cl  # steps of one cluster rank's K slice of an item
                 self.np = self.rm // 32  # 32-row pairs per item
                 self.sw_words = self.np * self.ks * 128  # weight words of one stage
                 self.stage_words = self.sw_words + self.np * self.ks * 8  # + scale words
                 self.smem_bytes += t.stages * (4 * self.stage_words + 16) + (4 * SPEC_WORDS if t.spec else 0)
                 self.block_threads = self.threads + 32  # + the producer warp
+                if self.cl > 1:  # rank 0's landing zone for the other ranks' sums + 4 mbarriers
+                    self.smem_bytes += cluster_landing_bytes(t) + 32
             per_sm = (self.smem_bytes + 1024) * t.ctas_per_sm
             self.smem_carveout = min(100, -(-100 * per_sm // _SMEM_PER_SM))
 
@@ -207,8 +213,8 @@ if HAVE_DSL:
             K slice), at most SMs * ctas_per_sm when persistent."""
             units = ctas * self.blocks * self.sk
             if not self.tactic.persistent:
-                return max(1, units)
-            return max(1, min(units, num_sms * self.tactic.ctas_per_sm))
+                return max(1, units) * self.cl
+            return max(1, min(units, num_sms * self.tactic.ctas_per_sm // self.cl)) * self.cl
 
         @cute.jit
         def __call__(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
@@ -217,6 +223,7 @@ if HAVE_DSL:
                      meta: Int32, ctas: Int32, grid: Int32, stream: _cuda.CUstream):
             self.kernel(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ids, meta, ctas).launch(
                 grid=[grid, 1, 1], block=[self.block_threads, 1, 1], stream=stream,
+                cluster=[self.cl, 1, 1] if self.cl > 1 else None,
                 use_pdl=self.tactic.pdl, min_blocks_per_mp=self.tactic.ctas_per_sm,
                 preferred_smem_carveout=self.smem_carveout)
 
@@ -299,14 +306,16 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ math
         @cute.jit
-        def stage_acts(self, sB32, sXs, p_a, p_as, rec, slots_at, top_k, unit, tid):
+        def stage_acts(self, sB32, sXs, p_a, p_as, rec, slots_at, top_k, unit, tid, rank):
             """fp8 tactics, at the start of a unit: its tile's 8 activation rows
             (e4m3, K bytes each; GEMM1: token rows through the slots) into the
             shared-memory B operand (16-byte unit q = 8 * (k slot // 16) + n at
             byte 16 q: wgmma's K-major interleave layout; k slots permuted to the
             A registers' order) and their E8M0 scales as
-            fp32 2^(s-121) [chunk][token]; thread tid serves token tid % 8."""
-            item, ch_lo = self.unit_item(unit, 0)  # split-K: only this unit's K slice
+            fp32 2^(s-121) [chunk][token]; thread tid serves token tid % 8.
+            Split-K or a cluster: only this unit's / this rank's K slice."""
+            item, ch_lo = self.unit_item(unit, 0)
+            ch_lo = ch_lo + rank * self.nch_c
             tile = item // self.blocks
             n = tid % 8
             row = TILE * tile + n
@@ -318,8 +327,8 @@ if HAVE_DSL:
             # real group 2 (G % 4) + G // 4: 16-byte unit 0 of a chunk = words 0, 2, 4, 6 of the
             # row's 32 bytes, unit 1 = words 1, 3, 5, 7.
             src = p_a + row * (self.k // 4)
-            for q in cutlass.range_constexpr(0, 8 * self.nch_s, self.threads):
-                if tid + q < 8 * self.nch_s:
+            for q in cutlass.range_constexpr(0, 8 * self.nch_c, self.threads):
+                if tid + q < 8 * self.nch_c:
                     ch = ch_lo + (tid + q) // 8
                     lo = fp4.load_u32x4(src + ch * 8, "evict_last")
                     hi = fp4.load_u32x4(src + ch * 8 + 4, "evict_last")
@@ -327,8 +336,8 @@ if HAVE_DSL:
                     st_shared_u32x4(unit0, lo[0], lo[2], hi[0], hi[2])
                     st_shared_u32x4(unit0 + 32, lo[1], lo[3], hi[1], hi[3])
             srcs = p_as + row * self.nch + ch_lo
-            for q in cutlass.range_constexpr(0, 8 * self.nch_s, self.threads):
-                if tid + q < 8 * self.nch_s:
+            for q in cutlass.range_constexpr(0, 8 * self.nch_c, self.threads):
+                if tid + q < 8 * self.nch_c:
                     code = Uint32(cute.arch.load(srcs + (tid + q) // 8, Uint8)) & Uint32(0xFF)
                     sXs[ch_lo * 8 + tid + q] = fp4.act_scale_f32(code)
 
@@ -448,9 +457,14 @@ if HAVE_DSL:
         def value(self, sP, parity, part, item, r, n):
             """The item's fp32 sum for item row r, token n: from the warps_k
             partials in shared memory, or (split-K) the sum of the split_k slice
-            partials in the workspace, in slice order (deterministic)."""
+            partials in the workspace, in slice order (deterministic). With a
+            cluster (rank 0 only) `part` is the landing zone: rank 0's own sum,
+            then ranks 1.. in order."""
             if cutlass.const_expr(self.sk == 1):
                 tot = self.partial(sP, parity, r, n)
+                if cutlass.const_expr(self.cl > 1):
+                    for k in cutlass.range_constexpr(1, self.cl):
+                        tot = tot + part[(parity * (self.cl - 1) + k - 1) * (TILE * self.rm) + n * self.rm + r]
             else:
                 base = part + (item * (self.sk * TILE * self.rm) + n * self.rm + r)
                 tot = fp4.load_partial(base)
@@ -468,6 +482,46 @@ if HAVE_DSL:
                 f = tid + p
                 if f < n_vals:
                     cute.arch.store(base + f, self.partial(sP, parity, f % self.rm, f // self.rm))
+
+        @cute.jit
+        def push_partials(self, sP, sL, cbars, parity, rank, tid):
+            """Cluster rank >= 1: this CTA's [8 tokens][item rows] fp32 sums
+            (over its warps_k partials) into rank 0's landing zone (`parity`
+            half, slot rank - 1) with st.async, each store completing its 4
+            bytes on rank 0's land[parity] mbarrier."""
+            n_vals = TILE * self.rm
+            base = (parity * (self.cl - 1) + rank - 1) * n_vals
+            for p in cutlass.range_constexpr(0, n_vals, self.threads):
+                f = tid + p
+                if f < n_vals:
+                    v = self.partial(sP, parity, f % self.rm, f // self.rm)
+                    st_async_cluster(sL.iterator + (base + f), cbars + parity, Int32(0), fp4.f32_bits(v))
+
+        @cute.jit
+        def cluster_epilogue(self, sP, sL, cbars, parity, n, count, rank, rec, clamp, out, out_s, unit, valid_at,
+                             warp, lane, tid):
+            """The end of the cluster's n-th unit (of `count`), after this CTA's
+            partials are in sP. Rank 0: arm land[parity] for the other ranks'
+            bytes, wait for them (acquire at cluster scope), run the epilogue;
+            unless this was one of the last two units, tell each rank that
+            land[parity] may be written again (free[parity] there). Ranks >= 1:
+            from the third unit on, wait until rank 0 freed the half, then push."""
+            if rank == 0:
+                if tid == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(cbars + parity, (self.cl - 1) * TILE * self.rm * 4)
+                while mbarrier_try_wait_cluster(cbars + parity, (n // 2) % 2) == Uint32(0):
+                    pass
+                self.epilogue(sP, parity, sL, rec, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
+                if n + 2 < count:
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)  # landing half read
+                    if tid == 0:
+                        for r in cutlass.range_constexpr(1, self.cl):
+                            mbarrier_arrive_cluster(cbars + (2 + parity), Int32(r))
+            else:
+                if n >= 2:
+                    while mbarrier_try_wait_cluster(cbars + (2 + parity), (n // 2 - 1) % 2) == Uint32(0):
+                        pass
+                self.push_partials(sP, sL, cbars, parity, rank, tid)
 
         # ------------------------------------------------------------------ epilogues
         @cute.jit
@@ -646,7 +700,7 @@ if HAVE_DSL:
                             l_b, l_unit = l_b - wrap * NB, l_unit + wrap * nblk
                         if cutlass.const_expr(self.fp8):
                             if c_b == 0:  # a new unit: its activation rows into shared memory
-                                self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, c_unit, tid)
+                                self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, c_unit, tid, 0)
                                 cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                                 cute.arch.sync_threads()
                             _, ch = self.unit_item(c_unit, c_beg + c_b * U)
@@ -700,6 +754,11 @@ if HAVE_DSL:
             S, NB, KS, NP = self.tactic.stages, self.nb, self.ks, self.np
             tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
             warp, lane = tid // 32, tid % 32
+            # a cluster (cluster_k > 1) takes the units a CTA would; its rank r streams K slice r
+            rank = Int32(0)
+            if cutlass.const_expr(self.cl > 1):
+                rank = cute.arch.block_idx_in_cluster()
+            cid, ncl = bid // self.cl, nblk // self.cl
             smem = cutlass.memory.SmemAllocator()
             sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
             ring = smem.allocate_array(Uint32, S * self.stage_words, byte_alignment=128)
@@ -713,31 +772,45 @@ if HAVE_DSL:
                 layout_b = cute.tile_to_shape(atom, (8, self.k), order=(0, 1))
                 sB = smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)
                 sXs = smem.allocate_tensor(Float32, cute.make_layout((8 * self.nch,)), byte_alignment=16)
+            sL = cbars = None
+            if cutlass.const_expr(self.cl > 1):
+                sL = smem.allocate_tensor(Float32, cute.make_layout((cluster_landing_bytes(self.tactic) // 4,)),
+                                          byte_alignment=16)
+                cbars = smem.allocate_array(Int64, 4, byte_alignment=8)  # land[0, 2) (rank 0), free[2, 4)
             if tid == 0:
                 for s in cutlass.range_constexpr(S):
                     cute.arch.mbarrier_init(bars + s, 1)
                     cute.arch.mbarrier_init(bars + (S + s), self.nw)
+                if cutlass.const_expr(self.cl > 1):
+                    for q in cutlass.range_constexpr(4):
+                        cute.arch.mbarrier_init(cbars + q, 1)
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
+            if cutlass.const_expr(self.cl > 1):  # every CTA's mbarriers exist before any remote arrive
+                cute.arch.cluster_arrive_relaxed()
+                cute.arch.cluster_wait()
             if warp == self.nw:
-                self.bulk_produce(w, ws, record, ring, bars, bid, nblk, lane, ids, meta, scratch)
+                self.bulk_produce(w, ws, record, ring, bars, cid, ncl, lane, ids, meta, scratch, rank)
             elif cutlass.const_expr(self.fp8):
                 self.bulk_consume_wgmma(act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
-                                        tid, bid, nblk, warp, lane)
+                                        tid, cid, ncl, warp, lane, rank, sL, cbars)
             else:
                 self.bulk_consume(act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars,
                                   tid, bid, nblk, warp, lane)
 
         @cute.jit
-        def bulk_produce(self, w, ws, record, ring, bars, bid, nblk, lane, ids, meta, scratch):
+        def bulk_produce(self, w, ws, record, ring, bars, bid, nblk, lane, ids, meta, scratch, rank):
             """The producer warp: for each step, wait until its stage is free,
             arm full[s] with the step's bytes (lane 0), then lanes issue one
             weight and one scale bulk copy per pair (L2 evict-first). A `spec`
             tactic first predicts the record's tiles from the top-k ids
             (`predict_tiles`) and issues its first min(stages, steps) stages
             before griddepcontrol.wait; after the wait it checks the record's
-            tile count against the prediction (a mismatch traps)."""
-            S, NB = self.tactic.stages, self.nb
+            tile count against the prediction (a mismatch traps). With a
+            cluster, `bid` / `nblk` are the cluster's index and count and the
+            steps are those of K slice `rank` (nb_c per unit)."""
+            S, NB = self.tactic.stages, self.nb_c
+            b0 = rank * NB  # the slice's first step
             p_w = cute.recast_ptr(w, dtype=Uint32)
             p_s = cute.recast_ptr(ws, dtype=Uint32)
             start, predicted = Int32(0), Int32(-1)
@@ -750,7 +823,7 @@ if HAVE_DSL:
                     b = Int32(0)
                     for i in cutlass.range(0, start, 1, unroll=1):
                         e = self.nth_expert(scratch, unit // self.blocks)
-                        self.issue_stage(p_w, p_s, ring, bars, i % S, e, unit % self.blocks, b, lane)
+                        self.issue_stage(p_w, p_s, ring, bars, i % S, e, unit % self.blocks, b0 + b, lane)
                         b = b + 1
                         wrap = Int32(b == NB)
                         b, unit = b - wrap * NB, unit + wrap * stride
@@ -771,7 +844,7 @@ if HAVE_DSL:
                 if i >= S:
                     cute.arch.mbarrier_wait(bars + (S + s), (i // S - 1) % 2)
                 e = cute.arch.load(record + (4 + unit // self.blocks), Int32)
-                self.issue_stage(p_w, p_s, ring, bars, s, e, unit % self.blocks, b, lane)
+                self.issue_stage(p_w, p_s, ring, bars, s, e, unit % self.blocks, b0 + b, lane)
                 b = b + 1
                 wrap = Int32(b == NB)
                 b, unit = b - wrap * NB, unit + wrap * stride
@@ -936,7 +1009,7 @@ if HAVE_DSL:
 
         @cute.jit
         def bulk_consume_wgmma(self, act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
-                               tid, bid, nblk, warp, lane):
+                               tid, bid, nblk, warp, lane, rank, sL, cbars):
             """fp8 tactics on the bulk ring (warp-specialized: the producer warp
             streams the weights, these warpgroups only decode and multiply). Per
             unit of a new token tile: its 8 activation rows into shared memory
@@ -946,8 +1019,11 @@ if HAVE_DSL:
             warp's words and scales from the stage into registers, release the
             stage at once (empty[s]), then `compute_wgmma` on the registers.
             Warp (wm, wk) (wk-major: a warpgroup shares wk) takes chunks
-            b*KS + wk*unroll + j of m-tile(s) wm of the item."""
-            S, NB, KS, U, tm = self.tactic.stages, self.nb, self.ks, self.u, self.tm
+            b*KS + wk*unroll + j of m-tile(s) wm of the item. With a cluster
+            (`bid` / `nblk`: the cluster's index and count) steps b of K slice
+            `rank` only, and the sums meet on rank 0 (`cluster_epilogue`)."""
+            S, NB, KS, U, tm = self.tactic.stages, self.nb_c, self.ks, self.u, self.tm
+            b0 = rank * NB  # the slice's first step
             g = lane // 4
             wm, wk = warp % self.wm, warp // self.wm
             words = (ctas + 3) // 4 * 4
@@ -972,12 +1048,12 @@ if HAVE_DSL:
             unit, count, stride = self.unit_span(n_units, bid, nblk)
             # the ring position runs on across units: stage s, phase ph (no division per step)
             s, ph, parity, staged = Int32(0), Int32(0), Int32(0), Int32(-1)  # staged: the tile in sB
-            for _ in cutlass.range(0, count, 1, unroll=1):
+            for n in cutlass.range(0, count, 1, unroll=1):
                 tile = unit // self.blocks
                 if tile != staged:  # a unit of a new tile: its activation rows into shared memory
                     # (the previous unit's wgmmas all completed before the barrier that closed it)
                     staged = tile
-                    self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid)
+                    self.stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid, rank)
                     cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 for b in cutlass.range(0, NB, 1, unroll=1):
@@ -999,13 +1075,18 @@ if HAVE_DSL:
                     cute.arch.sync_warp()
                     if lane == 0:  # the words are in registers: the stage may be refilled
                         cute.arch.mbarrier_arrive(bars + (S + s))
-                    self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, b * KS + wk * U, lane)
+                    self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, (b0 + b) * KS + wk * U,
+                                       lane)
                     wrap = Int32(s == S - 1)
                     s, ph = s + 1 - wrap * S, ph ^ wrap
                 # unit done: partials to smem, one barrier, epilogue
                 self.stash_partials(sP, acc, parity, warp, lane)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
+                if cutlass.const_expr(self.cl == 1):
+                    self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
+                else:
+                    self.cluster_epilogue(sP, sL, cbars, parity, n, count, rank, record, clamp, out, out_s, unit,
+                                          valid_at, warp, lane, tid)
                 parity = parity ^ 1
                 unit = unit + stride
 

@@ -4,7 +4,7 @@ the DSL is present."""
 
 from __future__ import annotations
 
-from cutlass import Float32, Uint32
+from cutlass import Float32, Int32, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -71,3 +71,46 @@ def trap(*, loc=None, ip=None) -> None:
     error), for a state the kernel must never compute on."""
     llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def mbarrier_try_wait_cluster(mbar, phase: Int32, *, loc=None, ip=None) -> Uint32:
+    """One `mbarrier.try_wait.parity.acquire.cluster` on the CTA-local
+    mbarrier `mbar` for `phase` parity: 1 once the phase completed (with
+    acquire at cluster scope, which pairs with st.async's cluster-scope
+    release of its complete-tx), else 0 (after the hardware's time limit)."""
+    addr = llvm.ptrtoint(T.i32(), mbar.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    return Uint32(llvm.inline_asm(
+        T.i32(), [addr, Int32(phase).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$1], $2;"
+        " selp.u32 $0, 1, 0, p; }", "=r,r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+@dsl_user_op
+def st_async_cluster(ptr, mbar, rank: Int32, value: Int32, *, loc=None, ip=None) -> None:
+    """st.async of the Int32 `value` at the shared-memory pointer `ptr`
+    of CTA `rank` of the cluster, completing 4 bytes on that CTA's
+    mbarrier `mbar` (both mapped with mapa)."""
+    import cutlass.cute as cute
+
+    remote = cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip)
+    addr = llvm.ptrtoint(T.i32(), remote.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    rbar = cute.arch.map_dsmem_ptr(mbar, rank, loc=loc, ip=ip)
+    baddr = llvm.ptrtoint(T.i32(), rbar.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    llvm.inline_asm(None, [addr, Int32(value).ir_value(loc=loc, ip=ip), baddr],
+                    "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [$0], $1, [$2];", "r,r,r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def mbarrier_arrive_cluster(mbar, rank: Int32, *, loc=None, ip=None) -> None:
+    """One arrive with release at cluster scope on the mbarrier at the
+    shared-memory pointer `mbar` of this CTA mapped (mapa) to CTA `rank` of
+    the cluster: what this thread (and, through a CTA barrier before it, its
+    CTA) did before is visible to a thread that acquires the phase there."""
+    import cutlass.cute as cute
+
+    rbar = cute.arch.map_dsmem_ptr(mbar, rank, loc=loc, ip=ip)
+    baddr = llvm.ptrtoint(T.i32(), rbar.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    llvm.inline_asm(None, [baddr], "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];", "r",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)

@@ -20,6 +20,8 @@ MAX_SPLIT_K = 16
 SPEC_WORDS = 160
 #: Most shared-memory stages of the bulk-copy load path.
 MAX_STAGES = 8
+#: Largest cluster of CTAs that split an item's K (the portable cluster size limit).
+MAX_CLUSTER_K = 8
 #: Shared memory one CTA may use (bytes; 227 KB on sm_90).
 SMEM_PER_CTA = 227 * 1024
 
@@ -121,6 +123,16 @@ class GemmTactic:
       before griddepcontrol.wait; the launch passes the ids (`gemm1(...,
       topk_ids=)`). Rows that repeat an expert switch the prediction off; a
       record that disagrees with it traps. Name suffix `_sp`.
+    cluster_k: CTAs of a thread-block cluster splitting each item's K (1 =
+      off; fp8 tactics on the bulk ring with split_k 1 only). CTA rank r of
+      the cluster streams and multiplies K slice r (equal slices of whole
+      ring steps); ranks >= 1 hand their fp32 sums to rank 0 through
+      distributed shared memory (st.async completing bytes on rank 0's
+      mbarrier: no global workspace, no L2 round trip, no grid barrier) and
+      rank 0 sums them in rank order (deterministic) and runs the epilogue.
+      For launches with fewer items than SMs (rows 1-2 at TP8: 54 GEMM1
+      items for 132 SMs), where one item per SM is the critical path. Name
+      suffix `_cl<n>`.
     """
 
     tile_rows: int = 64
@@ -135,6 +147,7 @@ class GemmTactic:
     act_bf16: bool = False
     fp8: bool = False
     spec: bool = False
+    cluster_k: int = 1
 
     def __post_init__(self) -> None:
         for flag in ("persistent", "pdl", "act_bf16", "fp8", "spec"):
@@ -150,6 +163,7 @@ class GemmTactic:
         _check_int("ctas_per_sm", self.ctas_per_sm, 1, 8)
         _check_int("split_k", self.split_k, 1, MAX_SPLIT_K)
         _check_int("stages", self.stages, 0, MAX_STAGES)
+        _check_int("cluster_k", self.cluster_k, 1, MAX_CLUSTER_K)
         if self.stages == 1:
             raise ValueError("stages must be 0 (register loads) or >= 2 (bulk-copy ring), got 1")
         if self.stages and self.split_k != 1:
@@ -160,6 +174,9 @@ class GemmTactic:
             )
         if self.fp8 and self.act_bf16:
             raise ValueError("fp8 (e4m3 x e4m3 MMA on the MXFP8 activations) excludes act_bf16 (BF16 activations)")
+        if self.cluster_k > 1 and not (self.fp8 and self.stages and self.split_k == 1):
+            raise ValueError(f"cluster_k {self.cluster_k} needs an fp8 tactic on the bulk ring with split_k 1, got"
+                             f" fp8={self.fp8}, stages={self.stages}, split_k={self.split_k}")
         if self.spec and not (self.fp8 and self.stages and self.pdl):
             raise ValueError("spec (GEMM1's first stages before griddepcontrol.wait) needs an fp8 tactic on the"
                              f" bulk ring with PDL, got fp8={self.fp8}, stages={self.stages}, pdl={self.pdl}")
@@ -183,7 +200,8 @@ class GemmTactic:
         return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
                 f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
                 + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
-                + ("" if self.stages == 0 else f"_b{self.stages}") + ("_sp" if self.spec else "")
+                + ("" if self.stages == 0 else f"_b{self.stages}")
+                + ("" if self.cluster_k == 1 else f"_cl{self.cluster_k}") + ("_sp" if self.spec else "")
                 + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
 
     def valid_for(self, shape, stage: int) -> str | None:
@@ -223,6 +241,10 @@ class GemmTactic:
             if per_slice % (self.warps_k * self.unroll):
                 return (f"fp8 (wgmma) tactics need warps_k * unroll ({self.warps_k * self.unroll}) to divide"
                         f" the {per_slice} K chunks of a slice")
+            if nch % (self.cluster_k * self.warps_k * self.unroll):
+                return (f"cluster_k {self.cluster_k} needs cluster_k * warps_k * unroll"
+                        f" ({self.cluster_k * self.warps_k * self.unroll}) to divide the {nch} K chunks"
+                        " (equal slices of whole ring steps)")
         need = partial_smem_bytes(self)
         what = ["the fp32 partial sums"]
         if self.fp8:
@@ -231,6 +253,9 @@ class GemmTactic:
         if self.bulk:
             need += self.stages * (bulk_stage_bytes(self) + 16) + (4 * SPEC_WORDS if self.spec else 0)
             what.append(f"{self.stages} bulk stages")
+        if self.cluster_k > 1:
+            need += cluster_landing_bytes(self) + 32
+            what.append("the cluster's landing zone")
         limit = min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm - 1024)  # 1 KB of each CTA's is reserved
         if need > limit:
             ctas = f"{self.ctas_per_sm} CTA{'s' if self.ctas_per_sm > 1 else ''} per SM"
@@ -245,6 +270,15 @@ SMEM_PER_SM = 228 * 1024
 def partial_smem_bytes(tactic: GemmTactic) -> int:
     """Shared memory of the fp32 partial sums (two parities) of one CTA."""
     return (tactic.tile_rows // 16) * 128 * tactic.warps * 2 * 4
+
+
+def cluster_landing_bytes(tactic: GemmTactic) -> int:
+    """Shared memory where a cluster_k tactic's rank 0 receives the other
+    ranks' fp32 sums: two parities x (cluster_k - 1) ranks x 8 tokens x the
+    item's rows; 0 without a cluster."""
+    if tactic.cluster_k == 1:
+        return 0
+    return 2 * (tactic.cluster_k - 1) * 8 * tactic.item_rows * 4
 
 
 def bulk_stage_bytes(tactic: GemmTactic) -> int:

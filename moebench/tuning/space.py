@@ -56,7 +56,7 @@ MAX_REGISTERS_PER_THREAD = 255
 #: (addresses, loop state, the decode and the activation fragments).
 REGISTER_OVERHEAD = 40
 
-_NAME = re.compile(r"^r(\d+)_m(\d+)_k(\d+)_u(\d+)_c(\d+)((?:_np)?)((?:_nopdl)?)(?:_s(\d+))?(?:_b(\d+))?((?:_sp)?)((?:_a16)?)((?:_f8)?)$")
+_NAME = re.compile(r"^r(\d+)_m(\d+)_k(\d+)_u(\d+)_c(\d+)((?:_np)?)((?:_nopdl)?)(?:_s(\d+))?(?:_b(\d+))?(?:_cl(\d+))?((?:_sp)?)((?:_a16)?)((?:_f8)?)$")
 
 
 @dataclass(frozen=True)
@@ -281,7 +281,9 @@ class Fp8Space:
     SM); split_k stays 1 (the bulk ring needs it). GEMM1's set then gets
     the `spec` twin of each of its bulk-ring tactics with PDL (the first
     stages before griddepcontrol.wait: measurable only behind the route
-    kernel, which the tuner's routed-path timing has), up to 2 x `limit`.
+    kernel, which the tuner's routed-path timing has), after the first
+    max(2, `limit` / 4) 2-CTA cluster twins (`cluster_twins`) of its tactics
+    at one CTA per SM (the defaults' first) joined it.
     """
 
     limit: int = 10
@@ -345,9 +347,29 @@ class Fp8Space:
         for t in _round_robin([self.changes(v) for v in out if v not in defaults]):  # step 5
             add(t)
         if stage == 1:  # spec needs 4 * SPEC_WORDS more bytes of shared memory: checked like the rest
+            clusters = [t for t in self.cluster_twins(out, s)[: max(2, self.limit // 4)] if t not in out]
+            out += clusters
             twins = [replace(t, spec=True) for t in out if t.bulk and t.pdl and not t.spec]
             out += [t for t in twins if fp8_why_invalid(t, s, stage) is None]
         return tuple(out)
+
+    @staticmethod
+    def cluster_twins(tactics, shape) -> list[GemmTactic]:
+        """GEMM1's 2-CTA cluster twin (`cluster_k` 2: K split over a cluster,
+        perf-notes session 20) of each bulk tactic at one CTA per SM, with
+        half the unroll where the full one leaves the two K slices uneven;
+        those that run GEMM1 of `shape`, in the order of `tactics`."""
+        out: list[GemmTactic] = []
+        for t in tactics:
+            if not (t.bulk and t.ctas_per_sm == 1 and t.cluster_k == 1):
+                continue
+            for u in (t.unroll, t.unroll // 2):
+                twin = replace(t, cluster_k=2, unroll=u) if u >= 1 else None
+                if twin is not None and fp8_why_invalid(twin, shape, 1) is None:
+                    if twin not in out:
+                        out.append(twin)
+                    break
+        return out
 
 
 def fp8_why_invalid(tactic: GemmTactic, shape, stage: int) -> str | None:
@@ -515,14 +537,14 @@ def tactic_from_name(name: str) -> GemmTactic:
     if not match:
         raise ValueError(
             f"cannot parse tactic name {name!r} (expected r<tile_rows>_m<warps_m>_k<warps_k>_u<unroll>"
-            "_c<ctas_per_sm>[_np][_nopdl][_s<split_k>][_b<stages>][_sp][_a16|_f8], e.g. r64_m1_k8_u4_c1)"
+            "_c<ctas_per_sm>[_np][_nopdl][_s<split_k>][_b<stages>][_cl<cluster_k>][_sp][_a16|_f8], e.g. r64_m1_k8_u4_c1)"
         )
     t, m, k, u, c = (int(match[i]) for i in range(1, 6))
     try:
         tactic = GemmTactic(tile_rows=t, warps_m=m, warps_k=k, unroll=u, ctas_per_sm=c,
                             persistent=not match[6], pdl=not match[7], split_k=int(match[8] or 1),
-                            stages=int(match[9] or 0), spec=bool(match[10]), act_bf16=bool(match[11]),
-                            fp8=bool(match[12]))  # fmt: skip
+                            stages=int(match[9] or 0), cluster_k=int(match[10] or 1), spec=bool(match[11]),
+                            act_bf16=bool(match[12]), fp8=bool(match[13]))  # fmt: skip
     except (ValueError, TypeError) as error:
         raise ValueError(f"tactic {name!r}: {error}") from error
     if tactic.name != name.strip():  # one spelling per tactic: tables and reports compare names

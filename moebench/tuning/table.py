@@ -86,7 +86,9 @@ STAGES = {1: "gemm1", 2: "gemm2"}
 FP8_KEY = "fp8"
 _TACTIC_FIELDS = ("tile_rows", "warps_m", "warps_k", "unroll", "ctas_per_sm", "persistent", "pdl")
 #: Tactic fields a table may omit (older tables), with the value that means.
-_OPTIONAL_FIELDS = {"split_k": 1, "stages": 0, "act_bf16": False, "fp8": False, "spec": False}
+_OPTIONAL_FIELDS = {"split_k": 1, "stages": 0, "act_bf16": False, "fp8": False, "spec": False, "cluster_k": 1}
+#: Optional fields written only when they differ from their default (newer than every shipped table).
+_SPARSE_FIELDS = ("cluster_k",)
 #: Tokens of a device name that name a board, memory size or slice, not the chip.
 _BOARD_TOKEN = re.compile(r"^(NVL|SXM\d*|PCIE|HBM\d*E?|\d+GB|NVLINK)$", re.IGNORECASE)
 
@@ -172,7 +174,9 @@ def table_file_name(shape, device_name: str, top_k: int | None = None) -> str:
 
 
 def tactic_to_dict(tactic: GemmTactic) -> dict:
-    return {"name": tactic.name, **{f: getattr(tactic, f) for f in (*_TACTIC_FIELDS, *_OPTIONAL_FIELDS)}}
+    fields = [f for f in (*_TACTIC_FIELDS, *_OPTIONAL_FIELDS)
+              if f not in _SPARSE_FIELDS or getattr(tactic, f) != _OPTIONAL_FIELDS[f]]
+    return {"name": tactic.name, **{f: getattr(tactic, f) for f in fields}}
 
 
 def tactic_from_dict(data, where: str) -> GemmTactic:

@@ -1157,3 +1157,145 @@ def test_spec_gemm1_equals_its_plain_twin_and_replays():
             want = _run_gemm1(kw, x_q, x_s, route, tactic=dataclasses.replace(t, spec=False))
             used = TILE * route.tiles_used
             assert torch.equal(h_q[:used], want[0][:used]), f"replay {seed} inputs_ready={ready}"
+
+
+# ---------------------------------------------------------------------- cluster_k (K split over a cluster)
+#: GEMM1 at dsv41-flash TP8 (160 K chunks: 54 items at rows 1, fewer than the SMs), 2- and 4-CTA
+#: clusters, with and without spec, and 128-row items (TP4 only); GEMM2 at TP4 (18 K chunks) in
+#: 2-CTA clusters. The tests skip what a shape rejects.
+CLUSTER_1 = [GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, cluster_k=2),
+             GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, cluster_k=2, spec=True),
+             GemmTactic(16, 4, 2, 4, 1, stages=4, fp8=True, cluster_k=4)]  # fmt: skip
+CLUSTER_1_TP4 = [GemmTactic(32, 4, 2, 4, 1, stages=4, fp8=True, cluster_k=2)]
+CLUSTER_2 = [GemmTactic(32, 4, 1, 3, 2, stages=4, fp8=True, cluster_k=2)]
+
+
+def test_cluster_tactic_validation_name_and_table_fields():
+    from moebench.kernels.tactic import cluster_landing_bytes
+    from moebench.tuning.space import tactic_from_name
+    from moebench.tuning.table import tactic_from_dict, tactic_to_dict
+
+    t = CLUSTER_1[1]
+    assert t.name == "r16_m4_k4_u4_c1_b4_cl2_sp_f8" and tactic_from_name(t.name) == t
+    assert tactic_from_dict(tactic_to_dict(t), "test") == t and tactic_to_dict(t)["cluster_k"] == 2
+    plain = GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True)
+    assert "cluster_k" not in tactic_to_dict(plain)  # the shipped tables' entries stay as they are
+    assert cluster_landing_bytes(t) == 2 * 1 * 8 * 64 * 4 and cluster_landing_bytes(plain) == 0
+    for bad in (dict(fp8=False, tile_rows=32), dict(stages=0), dict(cluster_k=9), dict(cluster_k=0)):
+        with pytest.raises(ValueError, match="cluster_k"):
+            GemmTactic(**{**dict(tile_rows=16, warps_m=4, warps_k=4, unroll=4, ctas_per_sm=1, stages=4, fp8=True,
+                                 cluster_k=2), **bad})
+    with pytest.raises(TypeError, match="cluster_k must be an int"):
+        GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, cluster_k=2.0)
+    tp8, tp4 = get_preset("dsv41-flash").shard(8), get_preset("dsv41-flash").shard(4)
+    for c in CLUSTER_1:
+        assert c.valid_for(tp8, 1) is None and c.valid_for(tp4, 1) is None, c.name
+    for c in CLUSTER_1_TP4:
+        assert c.valid_for(tp4, 1) is None and "multiple of 128 rows" in c.valid_for(tp8, 1), c.name
+    for c in CLUSTER_2:
+        assert c.valid_for(tp4, 2) is None, c.name
+    # 160 chunks are not whole steps of 3 x 16 per rank; 9 GEMM2 chunks at TP8 do not split in two
+    why = GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, cluster_k=3).valid_for(tp8, 1)
+    assert "cluster_k 3 needs cluster_k * warps_k * unroll (48) to divide the 160 K chunks" in why
+    assert "to divide the 9 K chunks" in CLUSTER_2[0].valid_for(tp8, 2)
+
+
+def test_cluster_grid_is_whole_clusters():
+    from moebench.kernels.gemm import StreamingGemmKernel
+
+    pytest.importorskip("cutlass")
+    shape = GemmShape.of(get_preset("dsv41-flash").shard(8))
+    k = StreamingGemmKernel(CLUSTER_1[0], shape, 1)
+    assert k.grid(6, 132) == 2 * min(6 * 9, 132 // 2) == 108  # rows 1: 54 items, one 2-CTA cluster each
+    assert k.grid(48, 132) == 132 and k.grid(48, 133) == 132  # persistent: whole clusters on the SMs
+    k4 = StreamingGemmKernel(CLUSTER_1[2], shape, 1)
+    assert k4.grid(6, 132) == 132 and k4.nb_c * 4 == k4.nb
+
+
+@pytest.mark.compile
+def test_cluster_tactics_compile_for_sm90a_without_spills():
+    specs = [("dsv41-flash", 8, 1, False, None, _fields(t)) for t in CLUSTER_1]
+    specs += [("dsv41-flash", 4, 1, False, None, _fields(t)) for t in CLUSTER_1_TP4]
+    specs += [("dsv41-flash", 4, 2, False, None, _fields(t)) for t in CLUSTER_2]
+    for rep in _checked_reports(specs):  # st.async hand-off to rank 0, the start-up cluster barrier, bulk copies
+        assert sass_count(rep, r"^STAS") > 0, f"{rep['spec']}: no st.async (STAS)"
+        assert sass_count(rep, r"UCGABAR_ARV") == 1 and sass_count(rep, r"UCGABAR_WAIT") == 1, rep["spec"]
+        assert rep["ublkcp"] > 0, f"{rep['spec']}: no bulk copy (UBLKCP)"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,tp", [("dsv41-flash", 8), ("dsv41-flash", 4)])
+def test_cluster_k_matches_the_oracle(preset, tp):
+    """K split over the CTAs of a cluster, sums handed to rank 0 through
+    distributed shared memory: every routing shape (one expert: 6 tiles;
+    rows 8: several units per cluster, so the landing zone's parities are
+    reused and freed), poisoned outputs, the fp64 oracle; a second launch
+    gives the same bits (deterministic, nothing left over in the mbarriers)."""
+    from moebench.kernels.layout import to_kernel_layout
+
+    experts = 64
+    shape, weights = _gpu_case(preset, tp, experts, seed=tp + 41)
+    kw8 = to_kernel_layout(weights, operand="e4m3")
+    for label, ids in _routings(experts, rows_list=(1, 2, 8)):
+        rows = ids.shape[0]
+        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 5, device="cuda"))
+        route = build_route_record(ids.cuda(), experts)
+        t1s = [t for t in CLUSTER_1 + CLUSTER_1_TP4 if t.valid_for(kw8, 1) is None]
+        t2s = [t for t in CLUSTER_2 if t.valid_for(kw8, 2) is None]
+        _fp8_check(kw8, weights, x_q, x_s, route, f"{preset} TP{tp} {label}", t1s=t1s, t2s=t2s)
+        for t in t1s:
+            first = _run_gemm1(kw8, x_q, x_s, route, tactic=t)
+            again = _run_gemm1(kw8, x_q, x_s, route, tactic=t)
+            used = TILE * route.tiles_used
+            assert torch.equal(first[0][:used], again[0][:used]), f"{t.name} {label}: not repeatable"
+
+
+@pytest.mark.gpu
+def test_cluster_k_graph_replay_follows_new_inputs():
+    """A captured cluster GEMM1 + GEMM2 replayed with new x and new ids
+    equals eager launches of the same tactics (the mbarrier phases carry
+    over between launches without host work)."""
+    from moebench.kernels.gemm import gemm1, gemm2
+    from moebench.kernels.layout import to_kernel_layout
+
+    experts, rows = 64, 8
+    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=5)
+    kw8 = to_kernel_layout(weights, operand="e4m3")
+    t1, t2 = CLUSTER_1[0], CLUSTER_2[0]
+    assert t1.valid_for(kw8, 1) is None and t2.valid_for(kw8, 2) is None
+    gen = torch.Generator().manual_seed(7)
+    ctas = max_ctas(rows, 6, experts)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:6] for _ in range(rows)]).to(torch.int32).cuda()
+    route = build_route_record(ids, experts)
+    record = route.record.clone()
+    x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=1, device="cuda"))
+    x_q = x_q.view(torch.uint8).clone()
+    h_q = torch.zeros(TILE * ctas, kw8.intermediate, dtype=torch.uint8, device="cuda")
+    h_s = torch.zeros(TILE * ctas, kw8.intermediate // 32, dtype=torch.uint8, device="cuda")
+    out = torch.zeros(TILE * ctas, kw8.hidden, dtype=torch.bfloat16, device="cuda")
+
+    def step():
+        gemm1(kw8, x_q, x_s, record, ctas, h_q, h_s, tactic=t1)
+        gemm2(kw8, h_q, h_s, record, ctas, out, tactic=t2)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        new_ids = torch.stack([torch.randperm(experts, generator=gen)[:6] for _ in range(rows)]).to(torch.int32)
+        new_route = build_route_record(new_ids.cuda(), experts)
+        record.copy_(new_route.record)
+        q, s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=seed + 20, device="cuda"))
+        x_q.copy_(q.view(torch.uint8))
+        x_s.copy_(s)
+        h_q.fill_(0xFF)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        want_h = _run_gemm1(kw8, x_q, x_s, new_route, tactic=t1)
+        want_out = _run_gemm2(kw8, want_h[0], want_h[1], new_route, tactic=t2)
+        used = TILE * new_route.tiles_used
+        assert torch.equal(h_q[:used], want_h[0][:used]) and torch.equal(h_s[:used], want_h[1][:used]), seed
+        assert torch.equal(out[:used], want_out[:used]), f"replay {seed}"

@@ -336,7 +336,9 @@ def test_fp8_space_holds_valid_fp8_tactics_the_default_first():
                     ctas = max_ctas(rows, shape.top_k, shape.experts)
                     ts = valid_tactics(g, stage, ctas, space=FP8_SPACES["ship"])
                     assert ts[0] == default_fp8_tactic(g, stage, ctas) and len(set(ts)) == len(ts)
-                    assert 2 <= len(ts) <= (22 if stage == 1 else 11) and all(t.fp8 and t.split_k == 1 for t in ts)
+                    # GEMM1: 10 + 2 cluster twins (cluster_k 2), each with its spec twin
+                    assert 2 <= len(ts) <= (26 if stage == 1 else 11) and all(t.fp8 and t.split_k == 1 for t in ts)
+                    assert stage == 1 or not any(t.cluster_k > 1 for t in ts)
                     if stage == 1:  # the spec twin of each bulk-ring tactic with PDL
                         plain = [t for t in ts if not t.spec]
                         assert {t for t in ts if t.spec} == {replace(t, spec=True) for t in plain if t.bulk and t.pdl}
@@ -344,6 +346,8 @@ def test_fp8_space_holds_valid_fp8_tactics_the_default_first():
                 assert set(FP8_SPACES["ship"].tactics_for(g, stage)) <= set(FP8_SPACES["full"].tactics_for(g, stage))
     g = GemmShape.of(get_preset("dsv41-flash").shard(4))
     assert F8_BULK_1[1] in Fp8Space(10).tactics_for(g, 1)  # the measured variants are candidates
+    tp8 = Fp8Space(10).tactics_for(GemmShape.of(get_preset("dsv41-flash").shard(8)), 1)
+    assert [t.name for t in tp8 if t.cluster_k > 1][:2] == ["r16_m4_k4_u4_c1_b4_cl2_f8", "r16_m4_k4_u4_c1_b6_cl2_f8"]
     assert any(t.stages == 3 for t in Fp8Space(48).tactics_for(g, 1))  # and the defaults' neighbours
     # step 4: five warpgroups where the 160 K chunks divide, 5 CTAs per SM, CTA size for CTAs per SM
     full1, full2 = FP8_SPACES["full"].tactics_for(g, 1), FP8_SPACES["full"].tactics_for(g, 2)
