@@ -230,6 +230,26 @@ def arrive_inc(ptr, bound: int, *, loc=None, ip=None) -> Uint32:
         has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+@dsl_user_op
+def load_u32x4_coherent(ptr, *, loc=None, ip=None):
+    """One 16-byte global load of data another CTA of this grid wrote
+    (ld.relaxed.gpu: coherent at GPU scope, never a stale L1 line) -> 4 x Uint32."""
+    vec = cute.arch.load(ptr, ir.VectorType.get([4], Uint32.mlir_type), sem="relaxed", scope="gpu",
+                         loc=loc, ip=ip)
+    return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def red_add_release(ptr, value: int, *, loc=None, ip=None) -> None:
+    """`red.release.gpu.global.add.s32` of `value` to the int32 counter at
+    `ptr` (a gmem pointer): the caller's earlier (fenced) writes are visible
+    to whoever acquires a later value of the counter."""
+    addr = Int64(ptr.toint(loc=loc, ip=ip))
+    llvm.inline_asm(None, [addr.ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
+                    "red.release.gpu.global.add.s32 [$0], $1;", "l,r,~{memory}",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 @cute.jit
 def load_partial(ptr) -> Float32:
     """fp32 load of a split-K partial written by another CTA: ld.relaxed.gpu

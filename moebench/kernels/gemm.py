@@ -306,14 +306,17 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ math
         @cute.jit
-        def stage_acts(self, sB32, sXs, p_a, p_as, rec, slots_at, top_k, unit, tid, rank):
+        def stage_acts(self, sB32, sXs, p_a, p_as, rec, slots_at, top_k, unit, tid, rank,
+                       coherent: cutlass.Constexpr[bool] = False):
             """fp8 tactics, at the start of a unit: its tile's 8 activation rows
             (e4m3, K bytes each; GEMM1: token rows through the slots) into the
             shared-memory B operand (16-byte unit q = 8 * (k slot // 16) + n at
             byte 16 q: wgmma's K-major interleave layout; k slots permuted to the
             A registers' order) and their E8M0 scales as
             fp32 2^(s-121) [chunk][token]; thread tid serves token tid % 8.
-            Split-K or a cluster: only this unit's / this rank's K slice."""
+            Split-K or a cluster: only this unit's / this rank's K slice.
+            `coherent`: the rows were written by other CTAs of this grid (the
+            fused layer's H): ld.relaxed.gpu, never a stale L1 line."""
             item, ch_lo = self.unit_item(unit, 0)
             ch_lo = ch_lo + rank * self.nch_c
             tile = item // self.blocks
@@ -330,15 +333,23 @@ if HAVE_DSL:
             for q in cutlass.range_constexpr(0, 8 * self.nch_c, self.threads):
                 if tid + q < 8 * self.nch_c:
                     ch = ch_lo + (tid + q) // 8
-                    lo = fp4.load_u32x4(src + ch * 8, "evict_last")
-                    hi = fp4.load_u32x4(src + ch * 8 + 4, "evict_last")
+                    if cutlass.const_expr(coherent):
+                        lo = fp4.load_u32x4_coherent(src + ch * 8)
+                        hi = fp4.load_u32x4_coherent(src + ch * 8 + 4)
+                    else:
+                        lo = fp4.load_u32x4(src + ch * 8, "evict_last")
+                        hi = fp4.load_u32x4(src + ch * 8 + 4, "evict_last")
                     unit0 = sB32 + (16 * ch + n) * 4  # 16-byte unit q = 8 * (2 ch) + n
                     st_shared_u32x4(unit0, lo[0], lo[2], hi[0], hi[2])
                     st_shared_u32x4(unit0 + 32, lo[1], lo[3], hi[1], hi[3])
             srcs = p_as + row * self.nch + ch_lo
             for q in cutlass.range_constexpr(0, 8 * self.nch_c, self.threads):
                 if tid + q < 8 * self.nch_c:
-                    code = Uint32(cute.arch.load(srcs + (tid + q) // 8, Uint8)) & Uint32(0xFF)
+                    if cutlass.const_expr(coherent):
+                        code = Uint32(cute.arch.load(srcs + (tid + q) // 8, Uint8, sem="relaxed", scope="gpu"))
+                    else:
+                        code = Uint32(cute.arch.load(srcs + (tid + q) // 8, Uint8))
+                    code = code & Uint32(0xFF)
                     sXs[ch_lo * 8 + tid + q] = fp4.act_scale_f32(code)
 
         @cute.jit
@@ -850,17 +861,18 @@ if HAVE_DSL:
                 b, unit = b - wrap * NB, unit + wrap * stride
 
         @cute.jit
-        def issue_stage(self, p_w, p_s, ring, bars, s, e, blk, b, lane):
+        def issue_stage(self, p_w, p_s, ring, bars, s, e, blk, b, lane, stride_words: cutlass.Constexpr[int] = 0):
             """Ring stage `s` <- step b of item block `blk` of expert `e`: lane 0
             arms full[s] with the step's bytes, then one weight and one scale
-            bulk copy per 32-row pair of the item (lanes over pairs)."""
+            bulk copy per 32-row pair of the item (lanes over pairs). Stages
+            are `stride_words` apart (0: this kernel's own stage size)."""
             KS, NP = self.ks, self.np
             ch0 = b * KS
             nck = cutlass.min(Int32(KS), self.nch - ch0)
             if lane == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(bars + s, nck * (NP * 544))
             cute.arch.sync_warp()
-            stage = ring + s * self.stage_words
+            stage = ring + s * (stride_words if stride_words else self.stage_words)
             for q in cutlass.range_constexpr(0, NP, 32):
                 p = lane + q
                 if p < NP:
@@ -1008,6 +1020,27 @@ if HAVE_DSL:
                 b, unit = b - wrap * NB, unit + wrap * nblk
 
         @cute.jit
+        def stage_words_to_registers(self, stage, st_w, st_s, pair, t16, wk, lane):
+            """fp8 consumers: warp (pair, t16, wk)'s weight words and scale words
+            of one bulk stage (shared memory at `stage`) into registers: tile_rows
+            32 = pair wm (16 bytes per lane and chunk), 16 = m-tile t16 of pair
+            wm // 2 (8 bytes per lane and chunk)."""
+            KS, U, g = self.ks, self.u, lane // 4
+            for j in cutlass.range_constexpr(U):
+                entry = pair * KS + wk * U + j
+                if cutlass.const_expr(self.tm == 2):
+                    q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
+                    for x in cutlass.range_constexpr(4):
+                        st_w[4 * j + x] = q[x]
+                    st_s[j] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                else:
+                    q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
+                    st_w[2 * j] = q[0]
+                    st_w[2 * j + 1] = q[1]
+                    sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                    st_s[j] = sv >> Uint32(16 * t16)
+
+        @cute.jit
         def bulk_consume_wgmma(self, act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
                                tid, bid, nblk, warp, lane, rank, sL, cbars):
             """fp8 tactics on the bulk ring (warp-specialized: the producer warp
@@ -1024,7 +1057,6 @@ if HAVE_DSL:
             `rank` only, and the sums meet on rank 0 (`cluster_epilogue`)."""
             S, NB, KS, U, tm = self.tactic.stages, self.nb_c, self.ks, self.u, self.tm
             b0 = rank * NB  # the slice's first step
-            g = lane // 4
             wm, wk = warp % self.wm, warp // self.wm
             words = (ctas + 3) // 4 * 4
             valid_at = 4 + words
@@ -1058,20 +1090,7 @@ if HAVE_DSL:
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 for b in cutlass.range(0, NB, 1, unroll=1):
                     cute.arch.mbarrier_wait(bars + s, ph)
-                    stage = ring + s * self.stage_words
-                    for j in cutlass.range_constexpr(U):
-                        entry = pair * KS + wk * U + j
-                        if cutlass.const_expr(tm == 2):
-                            q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
-                            for x in cutlass.range_constexpr(4):
-                                st_w[4 * j + x] = q[x]
-                            st_s[j] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
-                        else:
-                            q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
-                            st_w[2 * j] = q[0]
-                            st_w[2 * j + 1] = q[1]
-                            sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
-                            st_s[j] = sv >> Uint32(16 * t16)
+                    self.stage_words_to_registers(ring + s * self.stage_words, st_w, st_s, pair, t16, wk, lane)
                     cute.arch.sync_warp()
                     if lane == 0:  # the words are in registers: the stage may be refilled
                         cute.arch.mbarrier_arrive(bars + (S + s))

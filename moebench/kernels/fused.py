@@ -1,0 +1,425 @@
+"""GEMM1 and GEMM2 of the routed experts in one persistent launch whose
+weight stream never waits for H (v24, perf-notes session 20).
+
+The pair (`gemm.py`) streams GEMM2's weights only once GEMM1's CTAs have
+left the SMs or, with PDL, under GEMM1's tail; v13 fused the two into one
+launch but put GEMM2's weights behind GEMM1's in one ring, so they still
+arrived when GEMM1 ended. Here each CTA (one per SM) holds a *resident*
+region for its first `resident` GEMM2 units: the producer warp fills the
+ring with GEMM1's first stages, then issues every resident GEMM2 stage at
+once (each on its own mbarrier, never recycled within a launch), then
+streams the rest of GEMM1 and, through the same ring, any GEMM2 units
+beyond the resident ones. So at rows 1-2, where a CTA's whole GEMM2 share
+fits (dsv41-flash TP4 rows 1: 71 KB), HBM carries GEMM2's bytes while the
+consumers are still busy with GEMM1, and after H only GEMM2's multiplies
+remain.
+
+Dependencies are counters in global memory, never a grid barrier (v13's
+scheme): a GEMM1 unit's H stores, a CTA barrier, one thread's gpu fence
+and `red.release.gpu.add` on its token tile's counter; a GEMM2 unit of
+that tile, before staging the tile's H rows, spins (one thread,
+`ld.acquire.gpu`) until the counter holds all the tile's GEMM1 units, then
+reads H with `ld.relaxed.gpu`; after each GEMM2 unit one thread arrives on
+the tile's second counter (wrapping at the tile's GEMM2 unit count), and
+the last one resets the first: both are zero again for the next launch or
+graph replay. Deadlock-free because every CTA finishes its GEMM1 units
+before it waits, the grid is at most one CTA per SM, and the kernel lets
+its dependents launch only at its end.
+
+The arithmetic of every unit is the pair's with the same two tactics (the
+same kernels' decode, wgmma, scaling and epilogues, `StreamingGemmKernel`
+methods), so H and the output rows equal `gemm1` then `gemm2` bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
+from moebench.kernels.layout import KernelWeights
+from moebench.kernels.tactic import SMEM_PER_CTA, GemmShape, GemmTactic
+from moebench.record import TILE
+
+if HAVE_DSL:
+    import cuda.bindings.driver as _cuda
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
+    from cutlass.cute.nvgpu import warpgroup
+
+    from moebench.kernels import fp4
+    from moebench.kernels.gemm import StreamingGemmKernel, _check_common, _num_sms, wgmma_fp8_fragments
+
+#: Most GEMM2 units a CTA may hold resident (compile-time size of the region).
+MAX_RESIDENT = 16
+
+
+@dataclass(frozen=True)
+class FusedTactic:
+    """The fused layer's parameters: GEMM1's and GEMM2's tactics (fp8 on the
+    bulk ring, one CTA per SM, the same number of warps, PDL; the ring has
+    gemm1.stages stages) and `resident`, the GEMM2 units per CTA whose
+    weights are loaded at the start into their own shared memory (0: all of
+    GEMM2 streams through the ring after GEMM1, v13's order)."""
+
+    gemm1: GemmTactic
+    gemm2: GemmTactic
+    resident: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("gemm1", "gemm2"):
+            if not isinstance(getattr(self, name), GemmTactic):
+                raise TypeError(f"{name} must be a GemmTactic, got {type(getattr(self, name)).__name__}")
+        r = self.resident
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= MAX_RESIDENT:
+            raise ValueError(f"resident must be an int in [0, {MAX_RESIDENT}], got {r!r}")
+
+    @property
+    def name(self) -> str:
+        return f"{self.gemm1.name}+{self.gemm2.name}_res{self.resident}"
+
+    def why_invalid(self, shape) -> str | None:
+        """None if this fused tactic can run `shape`, else the reason."""
+        s = GemmShape.of(shape)
+        for stage, t in ((1, self.gemm1), (2, self.gemm2)):
+            if not (t.fp8 and t.bulk and t.pdl and t.persistent):
+                return f"GEMM{stage} tactic {t.name} must be fp8 on the bulk ring, persistent, with PDL"
+            if t.ctas_per_sm != 1 or t.split_k != 1 or t.cluster_k != 1 or t.spec:
+                return (f"GEMM{stage} tactic {t.name} must run one CTA per SM without split_k, cluster_k or spec"
+                        " (the fused grid is one CTA per SM)")
+            reason = t.valid_for(s, stage)
+            if reason:
+                return f"GEMM{stage} tactic {t.name}: {reason}"
+        if self.gemm1.warps != self.gemm2.warps:
+            return f"the tactics' warps differ ({self.gemm1.warps} and {self.gemm2.warps}): one CTA runs both"
+        need = fused_smem_bytes(self, s)
+        if need > SMEM_PER_CTA:
+            return f"needs {need} bytes of shared memory per CTA, more than {SMEM_PER_CTA}"
+        return None
+
+
+def _stage_words(t: GemmTactic, k: int) -> tuple[int, int]:
+    """(words of one bulk stage, stages per item) of tactic t over K = k (as StreamingGemmKernel)."""
+    ks = t.unroll * t.warps_k
+    pairs = t.item_rows // 32
+    return pairs * ks * 128 + pairs * ks * 8, -(-(k // 32) // ks)
+
+
+def fused_smem_bytes(ft: FusedTactic, shape) -> int:
+    """Shared memory of one fused CTA: partials, the ring (the larger stage
+    of the two), both B operands and activation scales, the resident region
+    and the mbarriers."""
+    s = GemmShape.of(shape)
+    t1, t2 = ft.gemm1, ft.gemm2
+    w1, _ = _stage_words(t1, s.hidden)
+    w2, nb2 = _stage_words(t2, s.intermediate)
+    tm = max(t1.tile_rows, t2.tile_rows) // 16
+    partials = tm * 128 * t1.warps * 2 * 4
+    ring = t1.stages * (4 * max(w1, w2) + 16)
+    acts = 8 * s.hidden + 8 * (s.hidden // 32) * 4 + 8 * s.intermediate + 8 * (s.intermediate // 32) * 4 + 512
+    resident = ft.resident * nb2 * (4 * w2 + 8)
+    return partials + ring + acts + resident + 1024  # + alignment slack
+
+
+if HAVE_DSL:
+
+    class FusedLayerKernel:
+        """One persistent launch of GEMM1 then GEMM2 (module docstring)."""
+
+        def __init__(self, ft: FusedTactic, shape: GemmShape, wide_scales: bool = False):
+            reason = ft.why_invalid(shape)
+            if reason:
+                raise ValueError(f"fused tactic {ft.name} cannot run {shape}: {reason}")
+            self.ft = ft
+            self.k1 = StreamingGemmKernel(ft.gemm1, shape, 1, wide_scales)
+            self.k2 = StreamingGemmKernel(ft.gemm2, shape, 2, wide_scales)
+            self.nw, self.threads = self.k1.nw, self.k1.threads
+            self.S = ft.gemm1.stages
+            self.R = ft.resident
+            self.ring_words = max(self.k1.stage_words, self.k2.stage_words)
+            self.tm = max(self.k1.tm, self.k2.tm)
+            self.smem_bytes = fused_smem_bytes(ft, shape)
+            self.smem_carveout = min(100, -(-100 * (self.smem_bytes + 1024) // (228 * 1024)))
+
+        def grid(self, ctas: int, num_sms: int) -> int:
+            """One CTA per SM, at most one per unit of the larger GEMM."""
+            return max(1, min(ctas * max(self.k1.blocks, self.k2.blocks), num_sms))
+
+        @cute.jit
+        def __call__(self, w1: cute.Pointer, ws1: cute.Pointer, w2: cute.Pointer, ws2: cute.Pointer,
+                     x: cute.Pointer, x_s: cute.Pointer, record: cute.Pointer, clamp: cute.Pointer,
+                     h: cute.Pointer, h_s: cute.Pointer, out: cute.Pointer, cnt: cute.Pointer, ctas: Int32,
+                     grid: Int32, stream: _cuda.CUstream):
+            self.kernel(w1, ws1, w2, ws2, x, x_s, record, clamp, h, h_s, out, cnt, ctas).launch(
+                grid=[grid, 1, 1], block=[self.threads + 32, 1, 1], stream=stream, use_pdl=True,
+                min_blocks_per_mp=1, preferred_smem_carveout=self.smem_carveout)
+
+        def smem_b(self, smem, k: int):
+            """The wgmma B operand of 8 activation rows of K = k (K-major
+            interleave layout, e4m3) in new shared memory (trace-time Python)."""
+            atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, Float8E4M3FN)
+            layout_b = cute.tile_to_shape(atom, (8, k), order=(0, 1))
+            return smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)
+
+        @cute.kernel
+        def kernel(self, w1: cute.Pointer, ws1: cute.Pointer, w2: cute.Pointer, ws2: cute.Pointer,
+                   x: cute.Pointer, x_s: cute.Pointer, record: cute.Pointer, clamp: cute.Pointer,
+                   h: cute.Pointer, h_s: cute.Pointer, out: cute.Pointer, cnt: cute.Pointer, ctas: Int32):
+            S, R = self.S, self.R
+            NR = max(1, R * self.k2.nb)  # resident stages (at least one slot so the arrays exist)
+            tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
+            warp, lane = tid // 32, tid % 32
+            smem = cutlass.memory.SmemAllocator()
+            sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
+            ring = smem.allocate_array(Uint32, S * self.ring_words, byte_alignment=128)
+            res = smem.allocate_array(Uint32, NR * self.k2.stage_words, byte_alignment=128)
+            bars = smem.allocate_array(Int64, 2 * S, byte_alignment=8)  # full[0, S), empty[S, 2S)
+            rbars = smem.allocate_array(Int64, NR, byte_alignment=8)  # full of each resident stage
+            sB1 = self.smem_b(smem, self.k1.k)
+            sB2 = self.smem_b(smem, self.k2.k)
+            sXs1 = smem.allocate_tensor(Float32, cute.make_layout((8 * self.k1.nch,)), byte_alignment=16)
+            sXs2 = smem.allocate_tensor(Float32, cute.make_layout((8 * self.k2.nch,)), byte_alignment=16)
+            if tid == 0:
+                for s in cutlass.range_constexpr(S):
+                    cute.arch.mbarrier_init(bars + s, 1)
+                    cute.arch.mbarrier_init(bars + (S + s), self.nw)
+                for q in cutlass.range_constexpr(NR):
+                    cute.arch.mbarrier_init(rbars + q, 1)
+            cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            cute.arch.griddepcontrol_wait()  # the record and x come from the previous kernel
+            tiles = cute.arch.load(record, Int32)
+            u1, n1, st1 = self.k1.unit_span(tiles * self.k1.blocks, bid, nblk)
+            u2, n2, st2 = self.k2.unit_span(tiles * self.k2.blocks, bid, nblk)
+            n_res = cutlass.min(n2, Int32(R))
+            if warp == self.nw:
+                self.produce(w1, ws1, w2, ws2, record, ring, bars, res, rbars, u1, n1, st1, u2, n2, st2, n_res, lane)
+            else:
+                i = self.consume(1, x, x_s, record, clamp, h, h_s, ctas, sP, ring, bars, res, rbars, sB1, sXs1,
+                                 tid, warp, lane, u1, n1, st1, Int32(0), Int32(0), cnt, "signal")
+                self.consume(2, h, h_s, record, clamp, out, h_s, ctas, sP, ring, bars, res, rbars, sB2, sXs2,
+                             tid, warp, lane, u2, n2, st2, i, n_res, cnt, "wait")
+            cute.arch.griddepcontrol_launch_dependents()  # only now: every CTA of this grid is running
+
+        @cute.jit
+        def gemm(self, stage: int):
+            """The StreamingGemmKernel of GEMM`stage` (trace-time Python)."""
+            return self.k1 if stage == 1 else self.k2
+
+        @cute.jit
+        def ring_step(self, stage: cutlass.Constexpr[int], p_w, p_s, record, ring, bars, i, unit, b, lane):
+            """Ring step i (stage i % S) <- step b of `unit` of GEMM`stage`, once its ring stage is free."""
+            S = self.S
+            s = i % S
+            if i >= S:
+                cute.arch.mbarrier_wait(bars + (S + s), (i // S - 1) % 2)
+            e = cute.arch.load(record + (4 + unit // self.gemm(stage).blocks), Int32)
+            self.gemm(stage).issue_stage(p_w, p_s, ring, bars, s, e, unit % self.gemm(stage).blocks, b, lane,
+                                         self.ring_words)
+
+        @cute.jit
+        def produce(self, w1, ws1, w2, ws2, record, ring, bars, res, rbars, u1, n1, st1, u2, n2, st2, n_res, lane):
+            """The producer warp: GEMM1's first ring stages, then every
+            resident GEMM2 stage (own region, own mbarriers), then the rest of
+            GEMM1 and the non-resident GEMM2 units through the ring."""
+            S = self.S
+            p_w1, p_s1 = cute.recast_ptr(w1, dtype=Uint32), cute.recast_ptr(ws1, dtype=Uint32)
+            p_w2, p_s2 = cute.recast_ptr(w2, dtype=Uint32), cute.recast_ptr(ws2, dtype=Uint32)
+            steps1 = n1 * self.k1.nb
+            first = cutlass.min(steps1, Int32(S))
+            unit, b = u1, Int32(0)
+            for i in cutlass.range(0, first, 1, unroll=1):
+                self.ring_step(1, p_w1, p_s1, record, ring, bars, i, unit, b, lane)
+                b = b + 1
+                wrap = Int32(b == self.k1.nb)
+                b, unit = b - wrap * self.k1.nb, unit + wrap * st1
+            unit2 = u2
+            for r in cutlass.range(0, n_res, 1, unroll=1):
+                e = cute.arch.load(record + (4 + unit2 // self.k2.blocks), Int32)
+                for b2 in cutlass.range_constexpr(self.k2.nb):
+                    self.k2.issue_stage(p_w2, p_s2, res, rbars, r * self.k2.nb + b2, e, unit2 % self.k2.blocks, b2, lane)
+                unit2 = unit2 + st2
+            for i in cutlass.range(first, steps1, 1, unroll=1):
+                self.ring_step(1, p_w1, p_s1, record, ring, bars, i, unit, b, lane)
+                b = b + 1
+                wrap = Int32(b == self.k1.nb)
+                b, unit = b - wrap * self.k1.nb, unit + wrap * st1
+            b = Int32(0)
+            for i in cutlass.range(steps1, steps1 + (n2 - n_res) * self.k2.nb, 1, unroll=1):
+                self.ring_step(2, p_w2, p_s2, record, ring, bars, i, unit2, b, lane)
+                b = b + 1
+                wrap = Int32(b == self.k2.nb)
+                b, unit2 = b - wrap * self.k2.nb, unit2 + wrap * st2
+
+        @cute.jit
+        def ring_words_to_registers(self, stage: cutlass.Constexpr[int], ring, bars, i, st_w, st_s, pair, t16, wk, lane):
+            """Ring step i's words of GEMM`stage` into registers, then its stage freed; returns i + 1."""
+            S = self.S
+            s = i % S
+            cute.arch.mbarrier_wait(bars + s, (i // S) % 2)
+            self.gemm(stage).stage_words_to_registers(ring + s * self.ring_words, st_w, st_s, pair, t16, wk, lane)
+            cute.arch.sync_warp()
+            if lane == 0:  # the words are in registers: the stage may be refilled
+                cute.arch.mbarrier_arrive(bars + (S + s))
+            return i + 1
+
+        @cute.jit
+        def consume(self, stage: cutlass.Constexpr[int], act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, res, rbars, sB, sXs,
+                    tid, warp, lane, unit, count, stride, i, n_res, cnt, role: cutlass.Constexpr[str]):
+            """The consumer warps over `count` units of GEMM`stage` from `unit`
+            (step `stride`): GEMM1 (`role` "signal") from the ring, releasing
+            each unit on its tile's counter; GEMM2 ("wait") waiting for its
+            tile's H, the first `n_res` units from the resident region, the
+            rest from the ring; ring steps counted on from `i`. Returns the
+            ring position after the last step."""
+            NB, KS, U, tm = self.gemm(stage).nb, self.gemm(stage).ks, self.gemm(stage).u, self.gemm(stage).tm
+            wm, wk = warp % self.gemm(stage).wm, warp // self.gemm(stage).wm
+            words = (ctas + 3) // 4 * 4
+            valid_at = 4 + words
+            slots_at = 4 + 2 * words
+            p_a = cute.recast_ptr(act, dtype=Uint32)
+            p_as = cute.recast_ptr(act_s, dtype=Uint8)
+            sB32 = cute.recast_ptr(sB.iterator, dtype=Uint32)
+            tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(tm * U, tm)
+            tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
+            st_w = cute.make_rmem_tensor((4 * U,), Uint32)
+            st_s = cute.make_rmem_tensor((U,), Uint32)
+            pair = wm if tm == 2 else wm // 2
+            t16 = 0 if tm == 2 else wm % 2
+            top_k = cute.arch.load(record + 3, Int32)
+            parity, staged = Int32(0), Int32(-1)
+            for n in cutlass.range(0, count, 1, unroll=1):
+                tile = unit // self.gemm(stage).blocks
+                if tile != staged:  # a unit of a new tile: its activation rows into shared memory
+                    staged = tile
+                    if cutlass.const_expr(role == "wait"):
+                        if tid == 0:  # every GEMM1 unit of this tile has written its H
+                            ready = cute.arch.load(cnt + tile, Int32, sem="acquire", scope="gpu")
+                            while ready < self.k1.blocks:
+                                ready = cute.arch.load(cnt + tile, Int32, sem="acquire", scope="gpu")
+                        cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                    self.gemm(stage).stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid, 0,
+                                 coherent=(role == "wait"))
+                    cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                for b in cutlass.range(0, NB, 1, unroll=1):
+                    if cutlass.const_expr(role == "signal"):
+                        i = self.ring_words_to_registers(stage, ring, bars, i, st_w, st_s, pair, t16, wk, lane)
+                    else:
+                        if n >= n_res:
+                            i = self.ring_words_to_registers(stage, ring, bars, i, st_w, st_s, pair, t16, wk, lane)
+                        else:  # resident: loaded at the start, never refilled in this launch
+                            q = n * NB + b
+                            cute.arch.mbarrier_wait(rbars + q, 0)
+                            self.gemm(stage).stage_words_to_registers(res + q * self.gemm(stage).stage_words, st_w, st_s, pair, t16, wk, lane)
+                    self.gemm(stage).compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, b * KS + wk * U, lane)
+                self.gemm(stage).stash_partials(sP, acc, parity, warp, lane)
+                cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                self.gemm(stage).epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
+                parity = parity ^ 1
+                if cutlass.const_expr(role == "signal"):
+                    # the unit's H stores, a barrier, then one thread's gpu fence (cumulative over
+                    # the CTA's stores) and release add on the tile's counter
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
+                    if tid == 0:
+                        cute.arch.fence_acq_rel_gpu()
+                        fp4.red_add_release(cnt + tile, 1)
+                else:
+                    if tid == 0:  # the tile's last GEMM2 unit resets GEMM1's counter
+                        old = fp4.arrive_inc(cnt + (ctas + tile), self.gemm(stage).blocks - 1)
+                        if old == Uint32(self.gemm(stage).blocks - 1):
+                            cute.arch.store(cnt + tile, Int32(0))
+                unit = unit + stride
+            return i
+
+
+# ---------------------------------------------------------------------- host side
+_KERNEL = "the fused layer kernel"
+
+
+@functools.lru_cache(maxsize=None)
+def compile_fused(shape: GemmShape, ft: FusedTactic, wide_scales: bool = False):
+    """Compile the fused layer (`FusedLayerKernel`) for one shape class and
+    fused tactic (cached per process; cross-compiles without a GPU when
+    CUTE_DSL_ARCH=sm_90a is set). Returns (kernel, compiled): `kernel.grid(
+    ctas, num_sms)` sizes the launch; `compiled(w1, ws1, w2, ws2, x, x_s,
+    record, clamp, h, h_s, out, cnt, ctas, grid, stream)` takes cute global
+    pointers (`fused_layer` takes torch tensors). Raises ValueError when the
+    tactic cannot run the shape, RuntimeError without the DSL."""
+    require_dsl(_KERNEL)
+    kernel = FusedLayerKernel(ft, shape, wide_scales)
+
+    def fake(dtype, align):
+        return gmem_ptr(dtype, 1 << 20, align)
+
+    compiled = cute.compile(
+        kernel, fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16),
+        fake(Uint8, 4), fake(Int32, 16), fake(Float32, 4), fake(Uint8, 16), fake(Uint8, 4), fake(BFloat16, 16),
+        fake(Int32, 16), Int32(1), Int32(1), _cuda.CUstream(0),
+    )  # fmt: skip
+    return kernel, compiled
+
+
+def fused_workspace_bytes(ctas: int) -> int:
+    """Bytes of the fused layer's counters for `ctas` token tiles (int32
+    [2 * ctas]: GEMM1 units done per tile, GEMM2 arrivals per tile), rounded
+    up to 16; zero at allocation (`gemm.alloc_workspace`) and after every launch."""
+    if not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 0:
+        raise ValueError(f"ctas must be a non-negative int, got {ctas!r}")
+    return max(16, -(-8 * ctas // 16) * 16)
+
+
+def fused_layer(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: torch.Tensor, ctas: int,
+                h_q_out: torch.Tensor, h_scale_out: torch.Tensor, out: torch.Tensor, *, tactic: FusedTactic,
+                workspace: torch.Tensor, stream=None) -> None:
+    """GEMM1 and GEMM2 in one launch (`FusedLayerKernel`): the outputs of
+    `gemm1` then `gemm2` with tactic.gemm1 / tactic.gemm2, bit for bit (H
+    into h_q_out / h_scale_out, the unweighted BF16 rows into out), on
+    `stream`; no host sync, no allocation, CUDA-graph capturable.
+
+    kw: KernelWeights in the e4m3 layout; x_q, x_scale, record, ctas,
+    h_q_out, h_scale_out, out: as `gemm1` / `gemm2`; workspace: zeroed uint8
+    / int32 of >= `fused_workspace_bytes(ctas)` bytes (`alloc_workspace`),
+    allocated once (the launch leaves its counters at zero; launches sharing
+    it run one after the other). Raises TypeError / ValueError naming the
+    argument, RuntimeError without nvidia-cutlass-dsl."""
+    device = _check_common(kw, record, ctas)
+    if not isinstance(tactic, FusedTactic):
+        raise TypeError(f"tactic must be a FusedTactic, got {type(tactic).__name__}")
+    h, i = kw.hidden, kw.intermediate
+    if not isinstance(x_q, torch.Tensor) or x_q.dim() != 2 or not 1 <= x_q.shape[0] <= 8:
+        raise ValueError(f"x_q must be [rows, {h}] with 1 <= rows <= 8, got {getattr(x_q, 'shape', x_q)}")
+    rows = x_q.shape[0]
+    u8 = (torch.uint8, torch.float8_e4m3fn)
+    check_tensor("x_q", x_q, u8, (rows, h), device, align=16)
+    check_tensor("x_scale", x_scale, (torch.uint8,), (rows, h // 32), device, align=4)
+    check_tensor("h_q_out", h_q_out, u8, (TILE * ctas, i), device, align=16)
+    check_tensor("h_scale_out", h_scale_out, (torch.uint8,), (TILE * ctas, i // 32), device, align=4)
+    check_tensor("out", out, (torch.bfloat16,), (TILE * ctas, h), device, align=16)
+    if kw.operand != "e4m3":
+        raise ValueError("kw must be in the e4m3 layout (to_kernel_layout(..., operand='e4m3')) for the fused layer")
+    shape = GemmShape.of(kw)
+    reason = tactic.why_invalid(shape)
+    if reason:
+        raise ValueError(f"tactic {tactic.name}: {reason}")
+    if not isinstance(workspace, torch.Tensor):
+        raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
+    need = fused_workspace_bytes(ctas)
+    if (workspace.dtype not in (torch.uint8, torch.int32) or workspace.dim() != 1 or workspace.device != device
+            or not workspace.is_contiguous() or workspace.data_ptr() % 16
+            or workspace.numel() * workspace.element_size() < need):
+        raise ValueError(f"workspace must be a contiguous, 16-byte aligned 1-D uint8 / int32 tensor of >= {need}"
+                         f" bytes on {device} (alloc_workspace(fused_workspace_bytes({ctas})))")
+    require_dsl(_KERNEL)
+    if ctas == 0:
+        return
+    kernel, compiled = compile_fused(shape, tactic, kw.scale_variant(True))
+    sms = _num_sms(device.index if device.index is not None else 0)
+    compiled(gmem_ptr(Uint8, kw.w13, 16), gmem_ptr(Uint8, kw.w13_scale, 16), gmem_ptr(Uint8, kw.w2, 16),
+             gmem_ptr(Uint8, kw.w2_scale, 16), gmem_ptr(Uint8, x_q, 16), gmem_ptr(Uint8, x_scale, 4),
+             gmem_ptr(Int32, record, 16), gmem_ptr(Float32, kw.clamp, 4), gmem_ptr(Uint8, h_q_out, 16),
+             gmem_ptr(Uint8, h_scale_out, 4), gmem_ptr(BFloat16, out, 16), gmem_ptr(Int32, workspace, 16),
+             Int32(ctas), Int32(kernel.grid(ctas, sms)), cu_stream(stream, device))

@@ -1,0 +1,257 @@
+"""The fused layer (GEMM1 + GEMM2 in one launch, GEMM2's first units
+resident): tactic rules and sm_90a cross-compiles (CPU); bit-for-bit
+equality with the pair of the same tactics, the oracle, self-cleaning
+counters and CUDA-graph replay (GPU)."""
+
+import pytest
+import torch
+from kernel_checks import compile_reports, sass_count
+
+from moebench.formats import dequantize_mxfp8, generate_activations, generate_expert_weights, quantize_mxfp8
+from moebench.kernels.fused import MAX_RESIDENT, FusedTactic, fused_smem_bytes, fused_workspace_bytes
+from moebench.kernels.tactic import SMEM_PER_CTA, GemmTactic
+from moebench.models import get_preset
+from moebench.record import TILE, build_route_record, max_ctas, route_words
+
+#: GEMM1: 64-row items of four warpgroups splitting K (16 warps); GEMM2: the same 16 warps as
+#: 128-row items (K split in two) or, where I / 32 = 9 chunks allow no split, 256-row items.
+G1 = GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True)
+G2 = {("dsv41-flash", 4): GemmTactic(16, 8, 2, 3, 1, stages=4, fp8=True),
+      ("dsv41-flash", 8): GemmTactic(16, 16, 1, 3, 1, stages=4, fp8=True),
+      ("dsv4-flash", 4): GemmTactic(16, 8, 2, 4, 1, stages=4, fp8=True)}  # fmt: skip
+
+
+def test_fused_tactic_rules_and_name():
+    tp4 = get_preset("dsv41-flash").shard(4)
+    ft = FusedTactic(G1, G2[("dsv41-flash", 4)], 2)
+    assert ft.name == "r16_m4_k4_u4_c1_b4_f8+r16_m8_k2_u3_c1_b4_f8_res2" and ft.why_invalid(tp4) is None
+    assert fused_smem_bytes(ft, tp4) <= SMEM_PER_CTA
+    # three resident 128-row units no longer fit beside GEMM1's ring and activation tile
+    assert "shared memory" in FusedTactic(G1, G2[("dsv41-flash", 4)], 3).why_invalid(tp4)
+    for key, g2 in G2.items():
+        assert FusedTactic(G1, g2, 2).why_invalid(get_preset(key[0]).shard(key[1])) is None, key
+    bad = {
+        "one CTA per SM": FusedTactic(G1, GemmTactic(32, 4, 1, 3, 2, stages=4, fp8=True)),
+        "fp8 on the bulk ring": FusedTactic(G1, GemmTactic(32, 8, 2, 3, 1, fp8=True)),
+        "warps differ": FusedTactic(G1, GemmTactic(32, 4, 1, 3, 1, stages=4, fp8=True)),
+        "spec": FusedTactic(GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, spec=True), G2[("dsv41-flash", 4)]),
+        "divide": FusedTactic(G1, G2[("dsv41-flash", 4)]),  # 6 does not divide TP8's 9 GEMM2 chunks
+    }
+    for why, t in bad.items():
+        shape = get_preset("dsv41-flash").shard(8 if why == "divide" else 4)
+        assert why in t.why_invalid(shape), (why, t.why_invalid(shape))
+    for r in (-1, MAX_RESIDENT + 1, True, 1.0):
+        with pytest.raises(ValueError, match="resident"):
+            FusedTactic(G1, G1, r)
+    with pytest.raises(TypeError, match="gemm2 must be a GemmTactic"):
+        FusedTactic(G1, "r16_m8_k2_u3_c1_b4_f8")
+    assert fused_workspace_bytes(0) == 16 and fused_workspace_bytes(6) == 48
+    with pytest.raises(ValueError, match="ctas"):
+        fused_workspace_bytes(-1)
+
+
+_COMPILE_SPEC = """
+from moebench.kernels.fused import FusedTactic, compile_fused
+from moebench.kernels.tactic import GemmShape, GemmTactic
+from moebench.models import get_preset
+
+def compile_spec(spec):
+    preset, tp, f1, f2, resident = spec
+    shape = GemmShape.of(get_preset(preset).shard(tp))
+    compile_fused(shape, FusedTactic(GemmTactic(**f1), GemmTactic(**f2), resident), False)
+    return {}
+"""
+
+
+def _fields(t: GemmTactic) -> dict:
+    return {f: getattr(t, f) for f in t.__dataclass_fields__}
+
+
+@pytest.mark.compile
+def test_fused_layer_compiles_for_sm90a_without_spills():
+    specs = [(p, tp, _fields(G1), _fields(g2), r) for (p, tp), g2 in G2.items() for r in (2,)]
+    specs.append(("dsv41-flash", 4, _fields(G1), _fields(G2[("dsv41-flash", 4)]), 0))  # all of GEMM2 on the ring
+    reports = compile_reports(_COMPILE_SPEC, specs)
+    assert len(reports) == len(specs)
+    for rep in reports:
+        assert rep["regs"] and all(s == 0 for s in rep["spills"]), f"{rep['spec']}: spills {rep['spills']}"
+        if not rep["instr"]:
+            pytest.skip("nvdisasm not available: SASS not checked")
+        assert sass_count(rep, r"\b(?:LDL|STL)\b") == 0, rep["spec"]
+        assert sass_count(rep, r"QGMMA\.64x8x32\.F32\.E4M3\.E4M3") > 0, rep["spec"]
+        assert sass_count(rep, r"UBLKCP") > 0, rep["spec"]
+        # the hand-off: GEMM1's release add, GEMM2's acquire spin and coherent H loads, the self-cleaning arrival
+        assert sass_count(rep, r"REDG\.E\.ADD\.S32\.STRONG\.GPU") == 1, rep["spec"]
+        assert sass_count(rep, r"LDG\.E\.128\.STRONG\.GPU") > 0, rep["spec"]
+        assert sass_count(rep, r"ATOMG\.E\.INC\.STRONG\.GPU") == 1, rep["spec"]
+
+
+# ---------------------------------------------------------------------- GPU
+EXPERTS = 64
+
+
+def _routings(rows_list=(1, 2, 8), top_k=6):
+    from moebench.routing import scenario_topk_ids
+
+    out = []
+    for rows in rows_list:
+        for scen in ("uniform", "correlated", "hot"):
+            out.append((f"{scen}-r{rows}", scenario_topk_ids(scen, rows, top_k, EXPERTS, seed=rows)))
+    out.append(("one-expert", torch.full((8, top_k), 5, dtype=torch.int32)))  # every slot on one expert
+    mixed = scenario_topk_ids("uniform", 5, top_k, EXPERTS, seed=9)
+    mixed[::2, 1::2] = -1  # experts of other ranks
+    mixed[1, 0] = EXPERTS + 3
+    out.append(("nonlocal", mixed))
+    return out
+
+
+def _layer(preset, tp, seed):
+    from moebench.kernels.layout import to_kernel_layout
+
+    shape = get_preset(preset, experts=EXPERTS).shard(tp)
+    weights = generate_expert_weights(shape, seed=seed, device="cuda")
+    return shape, weights, to_kernel_layout(weights, operand="e4m3")
+
+
+def _pair(kw, x_q, x_s, route, t1, t2):
+    from moebench.kernels.gemm import gemm1, gemm2
+
+    n = TILE * route.ctas
+    h_q = torch.full((n, kw.intermediate), 0xFF, dtype=torch.uint8, device="cuda")
+    h_s = torch.full((n, kw.intermediate // 32), 0xFE, dtype=torch.uint8, device="cuda")
+    out = torch.full((n, kw.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1)
+    gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)
+    return h_q, h_s, out
+
+
+def _fused(kw, x_q, x_s, route, ft, workspace):
+    from moebench.kernels.fused import fused_layer
+
+    n = TILE * route.ctas
+    h_q = torch.full((n, kw.intermediate), 0xFF, dtype=torch.uint8, device="cuda")  # poison
+    h_s = torch.full((n, kw.intermediate // 32), 0xFE, dtype=torch.uint8, device="cuda")
+    out = torch.full((n, kw.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fused_layer(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, out, tactic=ft, workspace=workspace)
+    return h_q, h_s, out
+
+
+def _same(a, b, used, what):
+    assert torch.equal(a[:used].view(torch.uint8), b[:used].view(torch.uint8)), what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,tp", sorted(G2))
+def test_fused_layer_equals_the_pair_bit_for_bit_and_the_oracle(preset, tp):
+    """Every routing shape (one expert: 6 tiles; rows 8: several units per
+    CTA, GEMM2 units beyond the resident ones on the ring), resident 0 / 1 /
+    2, poisoned outputs: H, its scales and the rows equal gemm1 + gemm2 with
+    the same tactics bit for bit, the rows meet the fp64 oracle, the
+    counters are zero after each launch and a second launch on the same
+    workspace gives the same bits."""
+    from moebench.kernels.gemm import alloc_workspace
+    from moebench.reference import ORACLE_TOLERANCE, reference_gemm1, reference_gemm2, relative_error
+
+    shape, weights, kw = _layer(preset, tp, seed=tp + 3)
+    t2 = G2[(preset, tp)]
+    for label, ids in _routings():
+        rows = ids.shape[0]
+        route = build_route_record(ids.cuda(), EXPERTS)
+        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 1, device="cuda"))
+        want = _pair(kw, x_q, x_s, route, G1, t2)
+        ref_q, ref_s = reference_gemm1(dequantize_mxfp8(x_q, x_s, torch.float64), weights, route)
+        oracle = reference_gemm2(dequantize_mxfp8(ref_q, ref_s, torch.float64), weights, route)
+        used = TILE * route.tiles_used
+        ws = alloc_workspace(fused_workspace_bytes(route.ctas), "cuda")
+        for resident in (0, 1, 2):
+            ft = FusedTactic(G1, t2, resident)
+            what = f"{preset} TP{tp} {label} resident {resident}"
+            for launch in range(2):
+                got = _fused(kw, x_q, x_s, route, ft, ws)
+                torch.cuda.synchronize()
+                for a, b, name in zip(got, want, ("H", "H scales", "rows")):
+                    _same(a, b, used, f"{what} launch {launch}: {name} differ from the pair's")
+                assert not torch.any(ws.view(torch.int32)), f"{what}: counters not back to zero"
+            err = relative_error(got[2][:used].double(), oracle[:used])
+            assert err <= ORACLE_TOLERANCE, f"{what}: relative error {err:.3e} vs the oracle"
+
+
+@pytest.mark.gpu
+def test_fused_layer_graph_replay_follows_new_inputs():
+    """A captured fused layer (behind the route kernel) replayed with new
+    ids and a new x equals the eager pair each time: no host work between
+    replays (the counters clean themselves, the mbarriers are per launch)."""
+    from moebench.kernels.fused import fused_layer
+    from moebench.kernels.gemm import alloc_workspace
+    from moebench.kernels.route import launch_route_quantize
+
+    preset, tp, rows = "dsv41-flash", 4, 2
+    shape, weights, kw = _layer(preset, tp, seed=11)
+    t2 = G2[(preset, tp)]
+    ft = FusedTactic(G1, t2, 2)
+    gen = torch.Generator().manual_seed(5)
+    ctas = max_ctas(rows, 6, EXPERTS)
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:6] for _ in range(rows)]).to(torch.int32).cuda()
+    x = generate_activations(rows, shape.hidden, seed=1, device="cuda")
+    record = torch.empty(route_words(ctas), dtype=torch.int32, device="cuda")
+    permuted = torch.empty(rows, 6, dtype=torch.int32, device="cuda")
+    x_q = torch.empty(rows, shape.hidden, dtype=torch.uint8, device="cuda")
+    x_s = torch.empty(rows, shape.hidden // 32, dtype=torch.uint8, device="cuda")
+    h_q = torch.empty(TILE * ctas, kw.intermediate, dtype=torch.uint8, device="cuda")
+    h_s = torch.empty(TILE * ctas, kw.intermediate // 32, dtype=torch.uint8, device="cuda")
+    out = torch.empty(TILE * ctas, kw.hidden, dtype=torch.bfloat16, device="cuda")
+    ws = alloc_workspace(fused_workspace_bytes(ctas), "cuda")
+
+    def step():
+        for _ in range(2):  # two layers per replay: the second route kernel follows the fused launch
+            launch_route_quantize(x, x_q, x_s, ids, record, permuted, EXPERTS, release_after_wait=True)
+            fused_layer(kw, x_q, x_s, record, ctas, h_q, h_s, out, tactic=ft, workspace=ws)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in range(3):
+        ids.copy_(torch.stack([torch.randperm(EXPERTS, generator=gen)[:6] for _ in range(rows)]).to(torch.int32))
+        x.copy_(generate_activations(rows, shape.hidden, seed=seed + 20, device="cuda"))
+        h_q.fill_(0xFF)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        route = build_route_record(ids, EXPERTS)
+        q, s = quantize_mxfp8(x)
+        want = _pair(kw, q.view(torch.uint8), s, route, G1, t2)
+        used = TILE * route.tiles_used
+        for a, b, name in zip((h_q, h_s, out), want, ("H", "H scales", "rows")):
+            _same(a, b, used, f"replay {seed}: {name}")
+        assert not torch.any(ws.view(torch.int32)), f"replay {seed}: counters not back to zero"
+
+
+@pytest.mark.gpu
+def test_fused_layer_rejects_bad_arguments():
+    from moebench.kernels.fused import fused_layer
+    from moebench.kernels.gemm import alloc_workspace
+    from moebench.kernels.layout import to_kernel_layout
+
+    shape, weights, kw = _layer("dsv41-flash", 4, seed=2)
+    ids = torch.arange(6, dtype=torch.int32).view(1, 6).cuda()
+    route = build_route_record(ids, EXPERTS)
+    x_q, x_s = quantize_mxfp8(generate_activations(1, shape.hidden, seed=1, device="cuda"))
+    n = TILE * route.ctas
+    h_q = torch.empty(n, kw.intermediate, dtype=torch.uint8, device="cuda")
+    h_s = torch.empty(n, kw.intermediate // 32, dtype=torch.uint8, device="cuda")
+    out = torch.empty(n, kw.hidden, dtype=torch.bfloat16, device="cuda")
+    ft = FusedTactic(G1, G2[("dsv41-flash", 4)], 2)
+    ws = alloc_workspace(fused_workspace_bytes(route.ctas), "cuda")
+    args = (x_q, x_s, route.record, route.ctas, h_q, h_s, out)
+    with pytest.raises(ValueError, match="e4m3 layout"):
+        fused_layer(to_kernel_layout(weights, operand="bf16"), *args, tactic=ft, workspace=ws)
+    with pytest.raises(ValueError, match="workspace must be"):
+        fused_layer(kw, *args, tactic=ft, workspace=ws[:8])
+    with pytest.raises(TypeError, match="tactic must be a FusedTactic"):
+        fused_layer(kw, *args, tactic=G1, workspace=ws)
+    with pytest.raises(ValueError, match="tactic .*shared memory"):
+        fused_layer(kw, *args, tactic=FusedTactic(G1, G2[("dsv41-flash", 4)], 3), workspace=ws)
+    with pytest.raises(ValueError, match="out"):
+        fused_layer(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, out[:, :64], tactic=ft, workspace=ws)
