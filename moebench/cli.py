@@ -24,7 +24,6 @@ import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
 
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -39,6 +38,12 @@ from moebench.cli_support import check_out as _check_out
 from moebench.cli_support import fail as _fail
 from moebench.cli_support import parse_path as _path
 from moebench.cli_support import wide_console as _wide_console
+from moebench.cli_options import (
+    ActBf16Opt, BaselineOpt, BudgetOpt, DeviceOpt, DistinctLayersOpt, ExpertsOpt, FailAboveOpt, Fp8Opt, GraphOpt,
+    HiddenOpt, IntermediateOpt, JobsOpt, LabelOpt, LayersOpt, PresetOpt, ReportForceOpt, ReportOutOpt, RowsOpt,
+    RunDirArg, RunsOutOpt, ScenarioOpt, SeedOpt, SpaceOpt, SummaryOpt, TablesOutOpt, TacticsOpt, TopKOpt, TopOpt,
+    TraceOpt, WarmL2Opt,
+)  # fmt: skip
 from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
 from moebench.reports import rich_tables  # torch- and pandas-free too
 from moebench.reports.rich_tables import escape_markup
@@ -61,36 +66,6 @@ def _main(
 ) -> None:
     """Microbenchmarks and tuning for low-batch MXFP4 routed-expert MoE decode on Hopper."""
     replace_unprintable()  # an ASCII terminal: 'µs' and the box lines print as '?'
-
-
-# Options of several verbs, declared once (typer reads them from the annotation; the default stays in the
-# signature). Sizes: sweep, step and tune; the run's grid: sweep and step.
-PresetOpt = Annotated[str, typer.Option(help="Preset name(s), comma-separated, or 'all' (see `moebench presets`).")]
-HiddenOpt = Annotated[int, typer.Option(help="Override hidden size H.")]
-IntermediateOpt = Annotated[int, typer.Option(help="Override moe intermediate size I (before TP).")]
-ExpertsOpt = Annotated[int, typer.Option(help=f"Override routed experts E ({KERNEL_EXPERTS_NOTE}).")]
-TopKOpt = Annotated[int, typer.Option("--top-k", help="Override top_k (at most 8).")]
-SeedOpt = Annotated[int, typer.Option(help="Seed of weights, routing and activations (0 to 2**32 - 1).")]
-RowsOpt = Annotated[str, typer.Option(help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU).")]
-ScenarioOpt = Annotated[str, typer.Option(
-    help="Routing scenarios, comma-separated, of: uniform, zipf, hot, correlated, replay (replay reads --trace).")]
-TacticsOpt = Annotated[str, typer.Option(help=(
-    "Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list (moebench: default ="
-    " the kernel family the tuning tables time faster (FP8 where no table and its built-ins fit), its tuned"
-    " tactics else built-in; builtin = what runs without any table; tuned = default, skipped without a table;"
-    " fp8 / bf16 = that kernel family (FP8: wgmma, BF16: mma.sync), skipped where it cannot run;"
-    " torch-bf16: grouped, gather)."
-))]
-GraphOpt = Annotated[bool, typer.Option("--graph/--no-graph", help="CUDA-graph replay for capturable backends.")]
-WarmL2Opt = Annotated[bool, typer.Option("--warm-l2", help="Time one weight set over and over (warm L2).")]
-LayersOpt = Annotated[int, typer.Option(
-    help=f"Force the number of rotated weight sets, 1 to {MAX_LAYERS} (default: >= 4x L2).")]
-TraceOpt = Annotated[Path, typer.Option(
-    parser=_path, help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario.")]
-LabelOpt = Annotated[str, typer.Option(help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
-                                       " letters, digits, '.', '_', '-', starting with a letter or digit).")]
-RunsOutOpt = Annotated[Path, typer.Option(parser=_path, help="Root directory of stored runs.")]
-DeviceOpt = Annotated[str, typer.Option(help="'cpu' or 'cuda[:N]' (default: the GPU if any).")]
 
 
 @app.command(cls=_Command)
@@ -498,26 +473,12 @@ def check(
 
 @app.command(cls=_Command)
 def report(
-    run_dir: Path = typer.Argument(..., parser=_path, help="A run directory (results.parquet + manifest.json)."),
-    baseline: Path = typer.Option(
-        None, parser=_path, help="A baseline run directory to compare with (per-case verdicts)."
-    ),
-    fail_above: str = typer.Option(
-        None, "--fail-above", help="Exit 1 when a case is slower than the baseline by more than this percentage"
-        " ('5%' or '5'; a bare number is percent, so 0.05 means 0.05 %), failed, or lost (ok in the baseline,"
-        " skipped or absent now). A case is 'slower' when its change is beyond the runs' noise; a regression"
-        " only when it is also beyond this threshold. Without it the verdicts are judged at 5 % and only shown."
-    ),
-    out: Path = typer.Option(
-        None, parser=_path, help="Where summary.md (and report.html + plots) go (default: beside the run,"
-        " in RUN_DIR's sibling <run>-report/, so a committed run directory stays as committed)."
-    ),
+    run_dir: RunDirArg,
+    baseline: BaselineOpt = None,
+    fail_above: FailAboveOpt = None,
+    out: ReportOutOpt = None,
     html: bool = typer.Option(True, "--html/--no-html", help="Also write report.html with PNG plots."),
-    force: bool = typer.Option(
-        False, "--force", help="Replace an earlier report: its files (summary.md, report.html, the plots) are"
-        " overwritten, and those an earlier report recorded writing there (.moebench-report.json) that this"
-        " one does not write are removed; other files, same-named ones included, are left alone."
-    ),
+    force: ReportForceOpt = False,
 ) -> None:
     """Summarize a run; with --baseline, compare it per case.
 
@@ -589,52 +550,23 @@ def tune(
     tp: str = typer.Option("4", help="Tensor-parallel degrees: one table per rank shape."),
     rows: str = typer.Option("1-8", help="Token rows to tune (1..8)."),
     stages: str = typer.Option("1,2", help="GEMM stages to tune (1, 2)."),
-    space: str = typer.Option(
-        "quick", help="Tactic space: 'quick' (default), 'full', or 'ship' (the defaults and their neighbours,"
-        " <= 10 per stage: what the shipped tables are tuned over)."
-    ),
+    space: SpaceOpt = "quick",
     scenario: str = typer.Option("correlated", help="Routing scenario of the timed cases."),
     repeats: int = typer.Option(3, help="Extra timings of each finalist."),
-    top: int = typer.Option(3, help="Finalists re-timed per row count, at least 2 (the default is always re-timed"
-                            " too)."),
+    top: TopOpt = 3,
     replays: int = typer.Option(50, help="Timed CUDA-graph replays per timing."),
     warmup: int = typer.Option(10, help="Warm-up calls per timing."),
     layers: LayersOpt = None,
     warm_l2: WarmL2Opt = False,
-    act_bf16: bool = typer.Option(
-        True, "--act-bf16/--e4m3",
-        help="Time the BF16-activation (_a16) twins, what the runtime runs by default; --e4m3 times the"
-             " MXFP8-operand tactics. Ignored with --fp8.",
-    ),
-    fp8: bool = typer.Option(
-        False, "--fp8",
-        help="Tune the FP8 (wgmma, _f8) kernel family instead of the BF16 one: e4m3-layout weights, the MXFP8"
-             " x / H as they are, candidates from the fp8 defaults, the measured warp-specialized variants and"
-             " their neighbours (--space sets how many: ship 10, quick 16, full 48 per stage, GEMM1 twice that"
-             " with the spec twins); the entries go"
-             " to the table's 'fp8' part (what FP8 layers run), the BF16 entries stay. By default each layer runs"
-             " the family whose entries are faster.",
-    ),
-    distinct_layers: bool = typer.Option(
-        False, "--distinct-layers", help="Generate every rotated weight set (default: copies of the first)."
-    ),
+    act_bf16: ActBf16Opt = True,
+    fp8: Fp8Opt = False,
+    distinct_layers: DistinctLayersOpt = False,
     seed: SeedOpt = 0,
-    budget: float = typer.Option(
-        None, help="Wall-time budget in seconds: no new step starts that would end past it; the tables keep"
-        " what was done (exit 1 lists what was left out)."
-    ),
-    jobs: int = typer.Option(
-        None, help="Worker processes compiling the kernels ahead of the timing (default: cores - 1; 0: compile"
-        " in this process)."
-    ),
-    summary: Path = typer.Option(
-        None, parser=_path, help="Also write the tuned-vs-default gains here (markdown; a .json beside it)."
-    ),
+    budget: BudgetOpt = None,
+    jobs: JobsOpt = None,
+    summary: SummaryOpt = None,
     device: str = typer.Option(None, help="'cuda[:N]' (default: the current GPU)."),
-    out: Path = typer.Option(
-        None, parser=_path, help="Directory of the tables (default: $MOEBENCH_TUNING_DIR, else ./tuning-tables;"
-        " moebench/tuning/tables ships them with the package)."
-    ),
+    out: TablesOutOpt = None,
     force: bool = typer.Option(False, "--force", help="Replace a table of another device or a newer version."),
 ) -> None:
     """Tune the GEMM tactics per rows on this GPU; write tuning tables.
