@@ -32,18 +32,18 @@ from moebench import render
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
 from moebench.bench.interrupt import sigterm_as_interrupt  # torch-free too
 from moebench.bench.plan import option_message, parse_names, step_plan, sweep_plan  # noqa: F401 - torch-free too
-from moebench.cli_support import Command as _Command
-from moebench.cli_support import Group, console, print_version, replace_unprintable
-from moebench.cli_support import check_out as _check_out
-from moebench.cli_support import fail as _fail
-from moebench.cli_support import parse_path as _path
-from moebench.cli_support import wide_console as _wide_console
 from moebench.cli_options import (
     ActBf16Opt, BaselineOpt, BudgetOpt, DeviceOpt, DistinctLayersOpt, ExpertsOpt, FailAboveOpt, Fp8Opt, GraphOpt,
     HiddenOpt, IntermediateOpt, JobsOpt, LabelOpt, LayersOpt, PresetOpt, ReportForceOpt, ReportOutOpt, RowsOpt,
     RunDirArg, RunsOutOpt, ScenarioOpt, SeedOpt, SpaceOpt, SummaryOpt, TablesOutOpt, TacticsOpt, TopKOpt, TopOpt,
     TraceOpt, WarmL2Opt,
 )  # fmt: skip
+from moebench.cli_support import Command as _Command
+from moebench.cli_support import Group, console, print_version, replace_unprintable
+from moebench.cli_support import check_out as _check_out
+from moebench.cli_support import fail as _fail
+from moebench.cli_support import parse_path as _path
+from moebench.cli_support import wide_console as _wide_console
 from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
 from moebench.reports import rich_tables  # torch- and pandas-free too
 from moebench.reports.rich_tables import escape_markup
