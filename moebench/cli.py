@@ -38,7 +38,7 @@ from moebench.cli_options import (
     RunDirArg, RunsOutOpt, ScenarioOpt, SeedOpt, SpaceOpt, SummaryOpt, TablesOutOpt, TacticsOpt, TopKOpt, TopOpt,
     TraceOpt, WarmL2Opt,
 )  # fmt: skip
-from moebench.cli_support import Command as _Command
+from moebench.cli_support import Command as _Command  # the private names are what sweep and step call
 from moebench.cli_support import Group, console, print_version, replace_unprintable
 from moebench.cli_support import check_out as _check_out
 from moebench.cli_support import fail as _fail
