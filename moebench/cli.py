@@ -20,57 +20,37 @@ skipped, the manifest marked "interrupted") and exits 130 / 143.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shlex
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated
 
 import typer
-import typer.core
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from moebench import render
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
 from moebench.bench.interrupt import sigterm_as_interrupt  # torch-free too
 from moebench.bench.plan import option_message, parse_names, step_plan, sweep_plan  # noqa: F401 - torch-free too
+from moebench.cli_options import (
+    ActBf16Opt, BaselineOpt, BudgetOpt, DeviceOpt, DistinctLayersOpt, ExpertsOpt, FailAboveOpt, Fp8Opt, GraphOpt,
+    HiddenOpt, IntermediateOpt, JobsOpt, LabelOpt, LayersOpt, PresetOpt, ReportForceOpt, ReportOutOpt, RowsOpt,
+    RunDirArg, RunsOutOpt, ScenarioOpt, SeedOpt, SpaceOpt, SummaryOpt, TablesOutOpt, TacticsOpt, TopKOpt, TopOpt,
+    TraceOpt, WarmL2Opt,
+)  # fmt: skip
+from moebench.cli_support import Command as _Command  # the private names are what sweep and step call
+from moebench.cli_support import Group, console, print_version, replace_unprintable
+from moebench.cli_support import check_out as _check_out
+from moebench.cli_support import fail as _fail
+from moebench.cli_support import parse_path as _path
+from moebench.cli_support import wide_console as _wide_console
 from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
-from moebench.reports import outdir, rich_tables  # torch- and pandas-free too
-from moebench.reports.outdir import REPORT_RECORD, default_report_dir  # noqa: F401 - the CLI's names for them
+from moebench.reports import rich_tables  # torch- and pandas-free too
 from moebench.reports.rich_tables import escape_markup
-from moebench.reports.rich_tables import fmt as _fmt  # noqa: F401 - the CLI's name for it
-
-
-def _flags_as_flags(params: list) -> list:
-    """`params` with an empty metavar on every plain flag (a bool option
-    that takes no value, --help included) that has none, so that the help
-    shows `--warm-l2`, not `--warm-l2 <bool>` (typer's rich help prints a
-    flag's type as if it took a value, which `--warm-l2 true` is refused)."""
-    for param in params:
-        if getattr(param, "is_flag", False) and not getattr(param, "count", False) and param.metavar is None:
-            param.metavar = ""
-    return params
-
-
-class _Command(typer.core.TyperCommand):
-    """A command whose help shows plain flags as flags (_flags_as_flags)."""
-
-    def get_params(self, ctx):
-        return _flags_as_flags(super().get_params(ctx))
-
-
-class _Group(typer.core.TyperGroup):
-    """The app's group, its help showing plain flags as flags (_flags_as_flags)."""
-
-    def get_params(self, ctx):
-        return _flags_as_flags(super().get_params(ctx))
-
 
 app = typer.Typer(
     name="moebench",
-    cls=_Group,
+    cls=Group,
     help="Microbenchmarks and tuning for low-batch MXFP4 routed-expert MoE decode on Hopper.",
     no_args_is_help=True,
     add_completion=False,
@@ -78,123 +58,14 @@ app = typer.Typer(
 )
 
 
-class _Console(Console):
-    """A rich Console that outlives its reader: when the pipe it prints to
-    closes (`moebench sweep | head`), printing stops (the stream goes to
-    /dev/null) and the command goes on, so a run is still stored and the exit
-    code is the work's, not rich's default SystemExit(1) in mid-run."""
-
-    def on_broken_pipe(self) -> None:
-        self.quiet = True
-        stream = sys.stderr if self.stderr else sys.stdout
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, stream.fileno())
-        os.close(devnull)
-
-
-def _wide_console(width: int) -> Console:
-    """A console for a wide table: at least `width` columns when stdout is not
-    a terminal (logs, CI keep every column on one line), the terminal's own
-    width when it is one (COLUMNS is honored; rich folds what does not fit)."""
-    return _Console(highlight=False, width=console.width if console.is_terminal else max(console.width, width))
-
-
-console = _Console(highlight=False)
-err_console = _Console(stderr=True, highlight=False)
-
-USAGE_ERROR = 2
-
-
-def _fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:
-    from rich.markup import escape
-
-    # Escaped: messages quote shapes like [steps, rows, top_k] that rich would eat.
-    err_console.print(f"[red]error: {escape(message)}[/red]", soft_wrap=True)
-    return typer.Exit(code)
-
-
-def _version() -> str:
-    """The installed package's version, else moebench.__version__ (a source tree on PYTHONPATH)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("moebench")
-    except PackageNotFoundError:
-        import moebench
-
-        return getattr(moebench, "__version__", "unknown")
-
-
-def _print_version(value: bool) -> None:
-    if value:
-        console.print(f"moebench {_version()}")
-        raise typer.Exit()
-
-
 @app.callback()
 def _main(
     version: bool = typer.Option(
-        False, "--version", callback=_print_version, is_eager=True, help="Print the moebench version and exit."
+        False, "--version", callback=print_version, is_eager=True, help="Print the moebench version and exit."
     ),
 ) -> None:
     """Microbenchmarks and tuning for low-batch MXFP4 routed-expert MoE decode on Hopper."""
-    for stream in (sys.stdout, sys.stderr):  # an ASCII terminal: 'µs' and the box lines print as '?'
-        encoding = getattr(stream, "encoding", None) or "utf-8"
-        try:
-            "µ─".encode(encoding)
-        except (UnicodeEncodeError, LookupError):
-            with contextlib.suppress(AttributeError, ValueError):
-                stream.reconfigure(errors="replace")
-
-
-def _path(text) -> Path:
-    """A path option's value (typer `parser`): an empty one is refused, since
-    Path("") is the current directory and the user meant something else;
-    click then names the option (exit 2)."""
-    if isinstance(text, Path):  # a default
-        return text
-    if not str(text).strip():
-        raise typer.BadParameter("the path is empty; give a path ('.' for the current directory)")
-    return Path(text)
-
-
-def _check_out(out, option: str = "--out", *, runs: bool = False) -> None:
-    """outdir.check_out(...), a refusal as a usage error. Call it after the
-    other checks, so that a refused command creates nothing."""
-    try:
-        outdir.check_out(out, option, runs=runs)
-    except ValueError as error:
-        raise _fail(str(error)) from None
-
-
-# Options of several verbs, declared once (typer reads them from the annotation; the default stays in the
-# signature). Sizes: sweep, step and tune; the run's grid: sweep and step.
-PresetOpt = Annotated[str, typer.Option(help="Preset name(s), comma-separated, or 'all' (see `moebench presets`).")]
-HiddenOpt = Annotated[int, typer.Option(help="Override hidden size H.")]
-IntermediateOpt = Annotated[int, typer.Option(help="Override moe intermediate size I (before TP).")]
-ExpertsOpt = Annotated[int, typer.Option(help=f"Override routed experts E ({KERNEL_EXPERTS_NOTE}).")]
-TopKOpt = Annotated[int, typer.Option("--top-k", help="Override top_k (at most 8).")]
-SeedOpt = Annotated[int, typer.Option(help="Seed of weights, routing and activations (0 to 2**32 - 1).")]
-RowsOpt = Annotated[str, typer.Option(help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU).")]
-ScenarioOpt = Annotated[str, typer.Option(
-    help="Routing scenarios, comma-separated, of: uniform, zipf, hot, correlated, replay (replay reads --trace).")]
-TacticsOpt = Annotated[str, typer.Option(help=(
-    "Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list (moebench: default ="
-    " the kernel family the tuning tables time faster (FP8 where no table and its built-ins fit), its tuned"
-    " tactics else built-in; builtin = what runs without any table; tuned = default, skipped without a table;"
-    " fp8 / bf16 = that kernel family (FP8: wgmma, BF16: mma.sync), skipped where it cannot run;"
-    " torch-bf16: grouped, gather)."
-))]
-GraphOpt = Annotated[bool, typer.Option("--graph/--no-graph", help="CUDA-graph replay for capturable backends.")]
-WarmL2Opt = Annotated[bool, typer.Option("--warm-l2", help="Time one weight set over and over (warm L2).")]
-LayersOpt = Annotated[int, typer.Option(
-    help=f"Force the number of rotated weight sets, 1 to {MAX_LAYERS} (default: >= 4x L2).")]
-TraceOpt = Annotated[Path, typer.Option(
-    parser=_path, help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario.")]
-LabelOpt = Annotated[str, typer.Option(help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
-                                       " letters, digits, '.', '_', '-', starting with a letter or digit).")]
-RunsOutOpt = Annotated[Path, typer.Option(parser=_path, help="Root directory of stored runs.")]
-DeviceOpt = Annotated[str, typer.Option(help="'cpu' or 'cuda[:N]' (default: the GPU if any).")]
+    replace_unprintable()  # an ASCII terminal: 'µs' and the box lines print as '?'
 
 
 @app.command(cls=_Command)
@@ -602,26 +473,12 @@ def check(
 
 @app.command(cls=_Command)
 def report(
-    run_dir: Path = typer.Argument(..., parser=_path, help="A run directory (results.parquet + manifest.json)."),
-    baseline: Path = typer.Option(
-        None, parser=_path, help="A baseline run directory to compare with (per-case verdicts)."
-    ),
-    fail_above: str = typer.Option(
-        None, "--fail-above", help="Exit 1 when a case is slower than the baseline by more than this percentage"
-        " ('5%' or '5'; a bare number is percent, so 0.05 means 0.05 %), failed, or lost (ok in the baseline,"
-        " skipped or absent now). A case is 'slower' when its change is beyond the runs' noise; a regression"
-        " only when it is also beyond this threshold. Without it the verdicts are judged at 5 % and only shown."
-    ),
-    out: Path = typer.Option(
-        None, parser=_path, help="Where summary.md (and report.html + plots) go (default: beside the run,"
-        " in RUN_DIR's sibling <run>-report/, so a committed run directory stays as committed)."
-    ),
+    run_dir: RunDirArg,
+    baseline: BaselineOpt = None,
+    fail_above: FailAboveOpt = None,
+    out: ReportOutOpt = None,
     html: bool = typer.Option(True, "--html/--no-html", help="Also write report.html with PNG plots."),
-    force: bool = typer.Option(
-        False, "--force", help="Replace an earlier report: its files (summary.md, report.html, the plots) are"
-        " overwritten, and those an earlier report recorded writing there (.moebench-report.json) that this"
-        " one does not write are removed; other files, same-named ones included, are left alone."
-    ),
+    force: ReportForceOpt = False,
 ) -> None:
     """Summarize a run; with --baseline, compare it per case.
 
@@ -633,75 +490,30 @@ def report(
     another way, no case in common, every compared case unclear) exits 2
     with the reason, with or without --fail-above: it is never a pass."""
     from moebench.reports.gate import judge_comparison
-    from moebench.reports.report import plan_report, report_markdown, write_report_html
+    from moebench.reports.report import ReportNotWritten, plan_report, write_report
 
     try:
         plan = plan_report(run_dir, baseline=baseline, fail_above=fail_above, out=out, html=html, force=force)
     except (FileNotFoundError, ValueError) as error:
         raise _fail(option_message(error)) from None
-    out, where, target, comparison = plan.out, plan.where, plan.target, plan.comparison
-    try:  # only now that every check passed (a refused report creates nothing), before any output:
-        out.mkdir(parents=True, exist_ok=True)  # a report that cannot be written is not a verdict
-    except OSError as error:
-        raise _fail(f"{where}: cannot create {out}: {error.strerror or error}") from None
-    earlier = outdir.report_record(target.parent)  # the files an earlier report wrote there (read before this one)
-    try:  # --force replaces a link itself, never the file it points to (which may be anywhere)
-        for path in plan.taken:
-            if path.is_symlink():
-                path.unlink()
-    except OSError as error:
-        raise _fail(f"cannot replace the link {path}: {error}", 1) from None
-    if plan.manifest.get("reduced"):
-        console.print("[yellow]This run used a reduced geometry on the CPU.[/yellow]")
-    _print_summary(plan.summary)
-    if plan.step_run:
-        _print_step(plan.df, plan.ranks, table=plan.step_table)
-    if comparison is not None:
-        _print_comparison(comparison)
+
+    def print_tables() -> None:  # once every check passed and the report's directory is there
+        if plan.manifest.get("reduced"):
+            console.print("[yellow]This run used a reduced geometry on the CPU.[/yellow]")
+        _print_summary(plan.summary)
+        if plan.step_run:
+            _print_step(plan.df, plan.ranks, table=plan.step_table)
+        if plan.comparison is not None:
+            render.print_comparison(plan.comparison)
+
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(report_markdown(plan), encoding="utf-8")
-        console.print(f"wrote [bold]{target}[/bold]")
-        stale = target.parent / "report.html"
-        if not html and not force and stale.exists():
-            whose = "an earlier report's" if "report.html" in earlier else "not this report's"
-            console.print(f"[yellow]{stale} is {whose} (--no-html leaves it as it is)[/yellow]")
-        paths = []
-        if html:
-            paths = write_report_html(plan)
-            plots = f"{len(paths) - 1} plots" if len(paths) > 1 else "no plots: no case was timed or failed"
-            console.print(f"wrote [bold]{paths[0]}[/bold] ({plots})")
-        if force:
-            removed = outdir.remove_stale_report_files(target.parent, [target, *paths], earlier)
-            if removed:
-                console.print(f"removed {', '.join(removed)} from {target.parent} (an earlier report's; this one"
-                              f" does not write {'it' if len(removed) == 1 else 'them'})")  # fmt: skip
-        outdir.write_report_record(target.parent, [target, *paths])
-    except OSError as error:  # exit 1, as the module docstring and docs/ci.md say: not a usage error
-        raise _fail(f"cannot write the report under {target.parent}: {error}", 1) from None
-    if comparison is None:
-        return
-    stop = judge_comparison(comparison, plan.threshold, gated=plan.gated)
+        render.print_report_files(write_report(plan, html=html, force=force, before_writing=print_tables))
+    except ReportNotWritten as error:
+        render.print_report_files(error.done)
+        raise _fail(str(error), error.code) from None
+    stop = None if plan.comparison is None else judge_comparison(plan.comparison, plan.threshold, gated=plan.gated)
     if stop is not None:
         raise _fail(*stop)
-
-
-def _print_comparison(comp) -> None:
-    """Render a Comparison: mismatches / notes, then one row per case (its
-    errors are the report's exit message, printed once, last)."""
-    from moebench.reports.compare import within_threshold_note
-
-    for m in comp.mismatches:
-        console.print(f"[yellow]mismatch: {m}[/yellow]", soft_wrap=True)
-    for n in comp.notes:
-        console.print(f"[dim]note: {n}[/dim]", soft_wrap=True)
-    _wide_console(150).print(rich_tables.comparison_table(comp))
-    console.print("verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
-    within = within_threshold_note(comp)
-    if within and not comp.errors:
-        console.print("no regression:" + within, soft_wrap=True)
-    if comp.unclear_note and not len(comp.regressions) and not comp.errors:  # an all-unclear error says it already
-        console.print(f"[yellow]{comp.unclear_note}[/yellow]", soft_wrap=True)
 
 
 @app.command(cls=_Command)
@@ -738,52 +550,23 @@ def tune(
     tp: str = typer.Option("4", help="Tensor-parallel degrees: one table per rank shape."),
     rows: str = typer.Option("1-8", help="Token rows to tune (1..8)."),
     stages: str = typer.Option("1,2", help="GEMM stages to tune (1, 2)."),
-    space: str = typer.Option(
-        "quick", help="Tactic space: 'quick' (default), 'full', or 'ship' (the defaults and their neighbours,"
-        " <= 10 per stage: what the shipped tables are tuned over)."
-    ),
+    space: SpaceOpt = "quick",
     scenario: str = typer.Option("correlated", help="Routing scenario of the timed cases."),
     repeats: int = typer.Option(3, help="Extra timings of each finalist."),
-    top: int = typer.Option(3, help="Finalists re-timed per row count, at least 2 (the default is always re-timed"
-                            " too)."),
+    top: TopOpt = 3,
     replays: int = typer.Option(50, help="Timed CUDA-graph replays per timing."),
     warmup: int = typer.Option(10, help="Warm-up calls per timing."),
     layers: LayersOpt = None,
     warm_l2: WarmL2Opt = False,
-    act_bf16: bool = typer.Option(
-        True, "--act-bf16/--e4m3",
-        help="Time the BF16-activation (_a16) twins, what the runtime runs by default; --e4m3 times the"
-             " MXFP8-operand tactics. Ignored with --fp8.",
-    ),
-    fp8: bool = typer.Option(
-        False, "--fp8",
-        help="Tune the FP8 (wgmma, _f8) kernel family instead of the BF16 one: e4m3-layout weights, the MXFP8"
-             " x / H as they are, candidates from the fp8 defaults, the measured warp-specialized variants and"
-             " their neighbours (--space sets how many: ship 10, quick 16, full 48 per stage, GEMM1 twice that"
-             " with the spec twins); the entries go"
-             " to the table's 'fp8' part (what FP8 layers run), the BF16 entries stay. By default each layer runs"
-             " the family whose entries are faster.",
-    ),
-    distinct_layers: bool = typer.Option(
-        False, "--distinct-layers", help="Generate every rotated weight set (default: copies of the first)."
-    ),
+    act_bf16: ActBf16Opt = True,
+    fp8: Fp8Opt = False,
+    distinct_layers: DistinctLayersOpt = False,
     seed: SeedOpt = 0,
-    budget: float = typer.Option(
-        None, help="Wall-time budget in seconds: no new step starts that would end past it; the tables keep"
-        " what was done (exit 1 lists what was left out)."
-    ),
-    jobs: int = typer.Option(
-        None, help="Worker processes compiling the kernels ahead of the timing (default: cores - 1; 0: compile"
-        " in this process)."
-    ),
-    summary: Path = typer.Option(
-        None, parser=_path, help="Also write the tuned-vs-default gains here (markdown; a .json beside it)."
-    ),
+    budget: BudgetOpt = None,
+    jobs: JobsOpt = None,
+    summary: SummaryOpt = None,
     device: str = typer.Option(None, help="'cuda[:N]' (default: the current GPU)."),
-    out: Path = typer.Option(
-        None, parser=_path, help="Directory of the tables (default: $MOEBENCH_TUNING_DIR, else ./tuning-tables;"
-        " moebench/tuning/tables ships them with the package)."
-    ),
+    out: TablesOutOpt = None,
     force: bool = typer.Option(False, "--force", help="Replace a table of another device or a newer version."),
 ) -> None:
     """Tune the GEMM tactics per rows on this GPU; write tuning tables.
@@ -792,9 +575,8 @@ def tune(
     with --fp8 the FP8 family's, merged next to them); prints what tuning
     buys over the built-in tactics at rows 1, 4, 8, and which kernel family
     each shape class tuned now runs by default (the faster by the tables' µs)."""
-    from moebench.tuning.family import default_families
     from moebench.tuning.plan import tune_plan
-    from moebench.tuning.save import tables_dir, write_gains_summary
+    from moebench.tuning.save import check_tune_targets, tune_and_save
 
     try:
         plan = tune_plan(
@@ -803,91 +585,14 @@ def tune(
             layers=layers, warm_l2=warm_l2, act_bf16=act_bf16, fp8=fp8, distinct_layers=distinct_layers, seed=seed,
             budget=budget, jobs=jobs, summary=summary, device=device,
         )  # fmt: skip
-    except (ValueError, TypeError) as error:
+        target = check_tune_targets(plan, out, summary)  # the GPU and the directories, before minutes of tuning
+    except (ValueError, TypeError, RuntimeError) as error:
         raise _fail(option_message(error)) from None
-    from moebench.tuning import runner as tuning_runner
-    from moebench.tuning.precompile import default_jobs
-
-    try:
-        tuning_runner.require_tuning_device(device)
-    except RuntimeError as error:
-        raise _fail(option_message(error)) from None
-    target = tables_dir(out)
-    _check_out(target)  # tables and the summary must be writable before minutes of tuning, not after
-    if summary is not None:
-        _check_out(summary.parent, "--summary")
-    configs = plan.configs()
-    clock = tuning_runner.Budget(budget)
-    problems: list[str] = []
-    written: list = []  # (device name, shape class, SMs) of each table written
-
-    def say(text: str) -> None:
-        console.print(f"[dim][{clock.elapsed():6.1f} s][/dim] {text}", soft_wrap=True)
-
-    def finished(config, outcome) -> None:
-        for (t, stage), secs in outcome.seconds.items():
-            say(f"{config.preset} TP{t} {config.family} GEMM{stage}: {len(outcome.results[t, stage].entries)} rows tuned"
-                f" in {secs:.1f} s ({outcome.layers[t, stage]} weight sets)")  # fmt: skip
-        problems.extend(_write_tables(outcome, target, force, label=f"{config.preset} {config.family}",
-                                      written=written))  # fmt: skip
-
-    n_jobs = default_jobs() if jobs is None else jobs
-    done = tuning_runner.tune_many(configs, budget=clock, jobs=n_jobs, progress=_progress_filter(say),
-                                   on_outcome=finished)  # fmt: skip
-    records = tuning_runner.gains(done, tuning_runner.GAIN_ROWS)
-    _print_gains(records)
-    families = default_families(written, target)
-    _print_default_families(families, target)
-    if summary is not None:
-        try:
-            md, js = write_gains_summary(summary, records, families, target)
-            console.print(f"wrote [bold]{md}[/bold] and [bold]{js}[/bold]")
-        except OSError as error:
-            problems.append(f"cannot write {summary}: {error}")
-    stopped = [line for _, o in done for line in o.stopped]
-    say(f"done in {clock.elapsed():.0f} s")
-    if stopped:
-        problems.append(f"the --budget of {budget:g} s left out: " + "; ".join(stopped))
-    if problems:
-        raise _fail(" | ".join(problems), 1)
-
-
-def _progress_filter(say):
-    """Progress lines of run_tune worth a log line (one per stage and shape),
-    not one per tactic."""
-
-    def progress(text: str) -> None:
-        if text.endswith("preparing weights") or text.startswith("compiling") or "kernels submitted" in text:
-            say(text)
-
-    return progress
-
-
-def _print_gains(records) -> None:
-    if records:
-        _wide_console(150).print(rich_tables.gains_table(records))
-
-
-def _print_default_families(families, target: Path) -> None:
-    if families:
-        _wide_console(150).print(rich_tables.families_table(families, target))
-
-
-def _write_tables(outcome, target: Path, force: bool, label: str = "", written: list | None = None) -> list[str]:
-    """Print each table's picks and save it (tuning.save.save_tables: merged
-    over an older table of the same device); returns the problems. Each
-    table written is appended to `written` as (device name, shape class, SMs)."""
-    from moebench.tuning.save import save_tables
-
-    for table in rich_tables.picks_tables(outcome, label):
-        _wide_console(150).print(table)
-    saved, problems = save_tables(outcome, target, force, label)
-    for s in saved:
-        console.print(f"wrote [bold]{s.path}[/bold] ({len(s.table.entries)} BF16 + {len(s.table.fp8_entries)} FP8"
-                      " entries)")  # fmt: skip
-        if written is not None:
-            written.append(s.key())
-    return problems
+    run = tune_and_save(plan, target, force=force, summary=summary, budget=budget, jobs=jobs,
+                        progress=render.print_tune_log, on_saved=render.print_tuned)  # fmt: skip
+    render.print_tune_run(run, target)
+    if run.problems:
+        raise _fail(" | ".join(run.problems), 1)
 
 
 def main() -> None:

@@ -4,7 +4,8 @@ import pytest
 from typer.testing import CliRunner
 
 from moebench.backends.registry import load_backend
-from moebench.cli import REPORT_RECORD, app
+from moebench.cli import app
+from moebench.reports.outdir import REPORT_RECORD
 
 runner = CliRunner()
 TINY = ["--preset", "dsv4-flash", "--hidden", "128", "--intermediate", "64", "--experts", "8", "--top-k", "2",
@@ -975,21 +976,6 @@ def test_a_run_is_not_stored_inside_another_run(tmp_path):
             message = " ".join(result.output.split())
             assert result.exit_code == 2 and f"--out: {out} is" in message and "outside any run" in message, message
     assert sorted(p.name for p in run.iterdir()) == ["manifest.json", "results.parquet"]
-
-
-def test_table_numbers_keep_small_values_visible():
-    """A CPU run's 0.024 GB/s shows as 0.024, not 0.0; zero stays 0.0, NaN -."""
-    from moebench.cli import _fmt
-
-    assert _fmt(0.0243) == "0.024"
-    assert (_fmt(0.06), _fmt(0.13), _fmt(0.2), _fmt(1.04)) == ("0.06", "0.13", "0.2", "1.0")  # one rule below 1
-    assert (_fmt(0.999), _fmt(1e-5), _fmt(-0.5)) == ("1.0", "1.0e-05", "-0.5")
-    assert _fmt(0.0) == "0.0"
-    assert _fmt(12.34) == "12.3"
-    assert _fmt(0.004, 2) == "0.004"
-    assert (_fmt(0.02, 2), _fmt(0.1, 2), _fmt(0.5, 2)) == ("0.02", "0.10", "0.50")
-    assert _fmt(float("nan")) == "-"
-    assert _fmt(None) == "-"
 
 
 def test_a_reader_that_goes_away_loses_nothing(tmp_path):

@@ -1,13 +1,15 @@
 """The plan of `moebench report`: the run (and a baseline) read and
 checked, the comparison made, the tables computed and the report's files
 named, all before anything is printed or written; then what goes into
-summary.md and report.html. Raises ValueError / FileNotFoundError naming
-the argument; prints nothing.
+summary.md and report.html, and the writing of them (write_report).
+Raises ValueError / FileNotFoundError naming the argument, ReportNotWritten
+when the files cannot be written; prints nothing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from moebench.reports import outdir
@@ -117,3 +119,68 @@ def write_report_html(plan: ReportPlan) -> list[Path]:
         tables[KERNEL_TACTICS_TITLE] = kt
     return write_html_report(plan.df, plan.manifest, plan.target.parent, comparison=plan.comparison,
                              title=f"moebench run {plan.run_dir.name}", tables=tables)  # fmt: skip
+
+
+@dataclass
+class ReportFiles:
+    """What write_report wrote: summary.md (None until written); with
+    --no-html and no --force, whose the report.html left in its directory is
+    (`stale_html`: "an earlier report's" / "not this report's", else None);
+    report.html and its plots (report.html first); the names of an earlier
+    report's files removed (--force)."""
+
+    target: Path | None = None
+    stale_html: str | None = None
+    html: list[Path] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+
+
+class ReportNotWritten(Exception):
+    """A report that could not be (wholly) written: the message, the exit
+    code (2, a usage error, when its directory cannot be created; 1 when a
+    file cannot be written or replaced) and the files written before it
+    (`done`, a ReportFiles)."""
+
+    def __init__(self, message: str, code: int, done: ReportFiles) -> None:
+        super().__init__(message)
+        self.code, self.done = code, done
+
+
+def write_report(plan: ReportPlan, *, html: bool = True, force: bool = False,
+                 before_writing: Callable[[], None] | None = None) -> ReportFiles:  # fmt: skip
+    """Write the planned report: make its directory, replace the links among
+    the files it replaces (--force; never the files they point to), call
+    `before_writing()` (every check passed, no file written yet), then write
+    summary.md, report.html and its plots when `html`, remove what an earlier
+    report wrote there and this one does not (`force`), and record the files
+    written (outdir.REPORT_RECORD). Raises ReportNotWritten."""
+    done = ReportFiles()
+    out, target = plan.out, plan.target
+    try:  # a report that cannot be written is not a verdict: before any output
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ReportNotWritten(f"{plan.where}: cannot create {out}: {error.strerror or error}", 2, done) from None
+    earlier = outdir.report_record(target.parent)  # the files an earlier report wrote there (read before this one)
+    for path in plan.taken:
+        try:
+            if path.is_symlink():
+                path.unlink()
+        except OSError as error:
+            raise ReportNotWritten(f"cannot replace the link {path}: {error}", 1, done) from None
+    if before_writing is not None:
+        before_writing()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(report_markdown(plan), encoding="utf-8")
+        done.target = target
+        stale = target.parent / "report.html"
+        if not html and not force and stale.exists():
+            done.stale_html = "an earlier report's" if "report.html" in earlier else "not this report's"
+        if html:
+            done.html = write_report_html(plan)
+        if force:
+            done.removed = outdir.remove_stale_report_files(target.parent, [target, *done.html], earlier)
+        outdir.write_report_record(target.parent, [target, *done.html])
+    except OSError as error:  # exit 1, as docs/ci.md says: not a usage error
+        raise ReportNotWritten(f"cannot write the report under {target.parent}: {error}", 1, done) from None
+    return done

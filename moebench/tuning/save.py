@@ -2,13 +2,16 @@
 tables directory, merged over an older table of the same device there (the
 other kernel family's entries and the rows not re-tuned stay), and the row
 counts no tactic passed for. Returns what was written and the problems;
-nothing here prints.
+nothing here prints. Also the whole of `moebench tune` after its options are
+checked: check_tune_targets (the GPU and the directories, before minutes of
+tuning) and tune_and_save (tune, save each table as it is tuned, the gains).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,3 +93,91 @@ def write_gains_summary(summary: str | Path, records: list[dict], families: list
     summary.write_text(text, encoding="utf-8")
     summary.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
     return summary, summary.with_suffix(".json")
+
+
+def check_tune_targets(plan, out: str | Path | None = None, summary: str | Path | None = None) -> Path:
+    """Before minutes of tuning: the GPU (runner.require_tuning_device of the
+    plan's device: RuntimeError saying what is missing), then the tables
+    directory (tables_dir(out)) and --summary's directory, which must take
+    files (ValueError naming --out / --summary). Returns the tables directory."""
+    from moebench.reports.outdir import check_out
+    from moebench.tuning import runner
+
+    runner.require_tuning_device(plan.settings.get("device"))
+    target = tables_dir(out)
+    check_out(target)
+    if summary is not None:
+        check_out(Path(summary).parent, "--summary")
+    return target
+
+
+def is_log_line(text: str) -> bool:
+    """Whether a run_tune progress line is worth a log line: one per stage
+    and shape (weights, compiling), not one per tactic."""
+    return text.endswith("preparing weights") or text.startswith("compiling") or "kernels submitted" in text
+
+
+@dataclass(frozen=True)
+class TuneRun:
+    """What tune_and_save did: the tuned-vs-default gains (runner.gains
+    records at runner.GAIN_ROWS); the kernel family each shape class tuned
+    now runs by default (family.default_families); the summary files
+    written (markdown, .json) or None; the problems (a table not written, a
+    row with no correct tactic, the summary not written, what the budget
+    left out: the command fails on any); the seconds it took."""
+
+    records: list[dict]
+    families: list
+    summary_files: tuple[Path, Path] | None
+    problems: list[str]
+    seconds: float
+
+
+def tune_and_save(plan, target: str | Path, *, force: bool = False, summary: str | Path | None = None,
+                  budget: float | None = None, jobs: int | None = None,
+                  progress: Callable[[float, str], None] | None = None,
+                  on_saved: Callable[[object, object, list[SavedTable]], None] | None = None,
+                  ) -> TuneRun:  # fmt: skip
+    """Tune every config of `plan` (a plan.TunePlan; `target` from
+    check_tune_targets) under one wall-time `budget` with `jobs` compiling
+    workers (default: precompile.default_jobs()), and save each config's
+    tables into `target` as soon as it is tuned (save_tables, merged over
+    the older ones; `force` replaces another device's). `progress(seconds,
+    text)` gets the log lines (seconds since the start), `on_saved(config,
+    outcome, saved tables)` each config once its tables are written. Then
+    the gains, the default families and, with `summary`, the gains summary
+    (write_gains_summary)."""
+    from moebench.tuning import runner
+    from moebench.tuning.family import default_families
+    from moebench.tuning.precompile import default_jobs
+
+    target = Path(target)
+    clock = runner.Budget(budget)
+    say = (lambda text: progress(clock.elapsed(), text)) if progress is not None else (lambda text: None)
+    problems: list[str] = []
+    written: list = []  # (device name, shape class, SMs) of each table written
+
+    def finished(config, outcome) -> None:
+        for (t, stage), secs in outcome.seconds.items():
+            say(f"{config.preset} TP{t} {config.family} GEMM{stage}: {len(outcome.results[t, stage].entries)} rows tuned"
+                f" in {secs:.1f} s ({outcome.layers[t, stage]} weight sets)")  # fmt: skip
+        saved, table_problems = save_tables(outcome, target, force, f"{config.preset} {config.family}")
+        written.extend(s.key() for s in saved)
+        if on_saved is not None:
+            on_saved(config, outcome, saved)
+        problems.extend(table_problems)
+
+    done = runner.tune_many(plan.configs(), budget=clock, jobs=default_jobs() if jobs is None else jobs,
+                            progress=lambda text: say(text) if is_log_line(text) else None, on_outcome=finished)  # fmt: skip
+    records = runner.gains(done, runner.GAIN_ROWS)
+    families = default_families(written, target)
+    files = None
+    if summary is not None:
+        try:
+            files = write_gains_summary(summary, records, families, target)
+        except OSError as error:
+            problems.append(f"cannot write {summary}: {error}")
+    stopped = [line for _, o in done for line in o.stopped]
+    if stopped:
+        problems.append(f"the --budget of {budget:g} s left out: " + "; ".join(stopped))
+    return TuneRun(records, families, files, problems, clock.elapsed())

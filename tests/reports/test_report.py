@@ -1,12 +1,14 @@
 """The plan of `moebench report` (moebench/reports/report.py): checks and
-reads before anything is written, the files named, what summary.md holds."""
+reads before anything is written, the files named, what summary.md holds;
+then the writing of them (write_report)."""
 
 import math
 
 import pandas as pd
 import pytest
 
-from moebench.reports.report import plan_report, report_markdown, write_report_html
+from moebench.reports.outdir import REPORT_RECORD
+from moebench.reports.report import ReportNotWritten, plan_report, report_markdown, write_report, write_report_html
 from moebench.reports.store import REQUIRED_COLUMNS, write_run
 
 
@@ -65,3 +67,45 @@ def test_errors_name_the_argument_and_come_before_any_file(tmp_path):
     with pytest.raises(ValueError, match=r"^--out: .*summary.md exists; pass --force"):
         plan_report(run, out=out, html=False)
     assert plan_report(run, out=out, html=False, force=True).taken == [out / "summary.md"]
+
+
+def test_write_report_writes_after_the_callback_and_records_its_files(tmp_path):
+    run = _run(tmp_path / "runs", "cur", {1: 20.0, 6: 40.0})
+    plan = plan_report(run)
+    seen = []
+    files = write_report(plan, before_writing=lambda: seen.append(sorted(p.name for p in plan.out.iterdir())))
+    assert seen == [[]]  # the directory is made, no file written yet
+    assert files.target == plan.target and plan.target.read_text(encoding="utf-8") == report_markdown(plan)
+    assert files.html == plan.written[1:] and files.html[0].name == "report.html"
+    assert all(p.is_file() for p in plan.written) and files.stale_html is None and files.removed == []
+    import json
+
+    record = json.loads((plan.out / REPORT_RECORD).read_text(encoding="utf-8"))["files"]
+    assert record == sorted(p.name for p in plan.written)
+
+
+def test_write_report_no_html_names_an_old_page_and_force_removes_what_it_does_not_write(tmp_path):
+    run = _run(tmp_path / "runs", "cur", {1: 20.0})
+    write_report(plan_report(run))
+    files = write_report(plan_report(run, html=False, force=True), html=False, force=True)
+    assert files.html == [] and "report.html" in files.removed and files.stale_html is None
+    assert not (files.target.parent / "report.html").exists()
+    (files.target.parent / "report.html").write_text("the user's", encoding="utf-8")
+    files = write_report(plan_report(run, html=False, force=True), html=False)
+    assert files.stale_html == "not this report's" and files.removed == []
+
+
+def test_write_report_failures_carry_their_exit_code_and_what_was_written(tmp_path):
+    run = _run(tmp_path / "runs", "cur", {1: 20.0})
+    plan = plan_report(run, out=tmp_path / "gone" / "r", html=False)
+    (tmp_path / "gone").write_text("a file since the plan")
+    with pytest.raises(ReportNotWritten, match="^--out: cannot create") as error:
+        write_report(plan, html=False)
+    assert error.value.code == 2 and error.value.done.target is None
+    out = tmp_path / "r"
+    (out / "report.html").mkdir(parents=True)  # summary.md is written, report.html cannot be
+    called = []
+    with pytest.raises(ReportNotWritten, match="^cannot write the report under") as error:
+        write_report(plan_report(run, out=out, force=True), force=True, before_writing=lambda: called.append(1))
+    assert error.value.code == 1 and error.value.done.target == out / "summary.md" and called == [1]
+    assert (out / "summary.md").is_file()

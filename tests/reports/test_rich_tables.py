@@ -79,3 +79,16 @@ def test_environment_and_check_tables():
     results = [SimpleNamespace(name="codec", ok=True, detail="d"), SimpleNamespace(name="oracle", ok=False, detail="x")]
     text = _text(rt.check_table("cpu", results, {"moebench": "no GPU"}))
     assert "moebench check (cpu)" in text and "FAIL" in text and "backend moebench" in text
+
+
+def test_table_numbers_keep_small_values_visible():
+    """A CPU run's 0.024 GB/s shows as 0.024, not 0.0; zero stays 0.0, NaN -."""
+    assert rt.fmt(0.0243) == "0.024"
+    assert (rt.fmt(0.06), rt.fmt(0.13), rt.fmt(0.2), rt.fmt(1.04)) == ("0.06", "0.13", "0.2", "1.0")  # one rule below 1
+    assert (rt.fmt(0.999), rt.fmt(1e-5), rt.fmt(-0.5)) == ("1.0", "1.0e-05", "-0.5")
+    assert rt.fmt(0.0) == "0.0"
+    assert rt.fmt(12.34) == "12.3"
+    assert rt.fmt(0.004, 2) == "0.004"
+    assert (rt.fmt(0.02, 2), rt.fmt(0.1, 2), rt.fmt(0.5, 2)) == ("0.02", "0.10", "0.50")
+    assert rt.fmt(float("nan")) == "-"
+    assert rt.fmt(None) == "-"

@@ -82,3 +82,77 @@ def test_write_gains_summary_writes_markdown_and_json(tmp_path):
     md, js = write_gains_summary(tmp_path / "g" / "gains.md", [], [], tmp_path)
     assert md.is_file() and json.loads(js.read_text()) == [] and js == tmp_path / "g" / "gains.json"
     assert "runs by default" not in md.read_text()
+
+
+def test_only_the_lines_of_a_stage_and_shape_are_logged():
+    from moebench.tuning.save import is_log_line
+
+    assert is_log_line("TP4 GEMM1: preparing weights") and is_log_line("compiling 12 kernels in 3 worker processes")
+    assert is_log_line("12 kernels submitted") and not is_log_line("GEMM1 rows=1 tactic 3/10: 12.1 us")
+
+
+def test_tune_targets_are_checked_before_any_tuning(tmp_path, monkeypatch):
+    import pytest
+
+    from moebench.tuning import runner
+    from moebench.tuning.save import check_tune_targets
+
+    plan = SimpleNamespace(settings={"device": "cuda:1"})
+    asked = []
+    monkeypatch.setattr(runner, "require_tuning_device", lambda device=None: asked.append(device))
+    assert check_tune_targets(plan, tmp_path / "t", tmp_path / "s" / "g.md") == tmp_path / "t" and asked == ["cuda:1"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="^--out: "):
+        check_tune_targets(plan, tmp_path / "file")
+    with pytest.raises(ValueError, match="^--summary: "):
+        check_tune_targets(plan, tmp_path / "t", tmp_path / "file" / "g.md")
+
+    def no_gpu(device=None):
+        raise RuntimeError("moebench tune needs an sm_90 GPU")
+
+    monkeypatch.setattr(runner, "require_tuning_device", no_gpu)
+    with pytest.raises(RuntimeError, match="sm_90"):
+        check_tune_targets(plan, tmp_path / "t")
+
+
+def test_tune_and_save_saves_each_config_as_it_is_tuned_then_sums_up(tmp_path, monkeypatch):
+    from moebench.tuning import family, runner
+    from moebench.tuning.save import tune_and_save
+
+    configs = [SimpleNamespace(preset="dsv41-flash", family="BF16"), SimpleNamespace(preset="dsv4-pro", family="BF16")]
+    outcomes = [_outcome([_table()]), _outcome([_table(rows=(3,))], untuned=(8,))]
+    for o, stopped in zip(outcomes, ([], ["GEMM2 of dsv4-pro TP4"])):
+        o.seconds, o.layers, o.stopped = {(4, 1): 1.5}, {(4, 1): 2}, stopped
+        o.results[4, 1].entries = [1]
+    events = []
+
+    def tune_many(configs_, *, budget, jobs, progress, on_outcome):
+        assert jobs == 0 and budget.deadline is not None
+        progress("TP4 GEMM1: preparing weights")
+        progress("GEMM1 rows=1 tactic 1/3")  # not a log line
+        for c, o in zip(configs_, outcomes):
+            on_outcome(c, o)
+        return list(zip(configs_, outcomes))
+
+    monkeypatch.setattr(runner, "tune_many", tune_many)
+    summed = []
+    monkeypatch.setattr(runner, "gains", lambda done, rows: summed.append((done, rows)) or [])
+    monkeypatch.setattr(family, "default_families", lambda written, target: summed.append((written, target)) or [])
+    run = tune_and_save(SimpleNamespace(configs=lambda: configs), tmp_path / "t", summary=tmp_path / "g.md",
+                        budget=60.0, jobs=0, progress=lambda s, text: events.append(text),
+                        on_saved=lambda c, o, saved: events.append((c.preset, [s.path.name for s in saved])))
+    name = _table().file_name
+    assert events == ["TP4 GEMM1: preparing weights", "dsv41-flash TP4 BF16 GEMM1: 1 rows tuned in 1.5 s (2 weight sets)",
+                      ("dsv41-flash", [name]), "dsv4-pro TP4 BF16 GEMM1: 1 rows tuned in 1.5 s (2 weight sets)",
+                      ("dsv4-pro", [name])]  # fmt: skip
+    assert set(read_table(tmp_path / "t" / name).entries) == {(1, 1), (2, 1), (1, 2), (2, 2), (1, 3), (2, 3)}
+    assert summed == [(list(zip(configs, outcomes)), runner.GAIN_ROWS), ([("NVIDIA H200", SHAPE, 132)] * 2, tmp_path / "t")]
+    assert run.records == [] and run.families == []
+    assert run.summary_files == (tmp_path / "g.md", tmp_path / "g.json") and (tmp_path / "g.json").is_file()
+    assert run.problems == ["no correct tactic for dsv4-pro BF16 TP4 GEMM1 rows=8",
+                            "the --budget of 60 s left out: GEMM2 of dsv4-pro TP4"]  # fmt: skip
+    assert run.seconds >= 0
+    (tmp_path / "g").mkdir()
+    run = tune_and_save(SimpleNamespace(configs=lambda: configs[:1]), tmp_path / "t", force=True, summary=tmp_path / "g",
+                        budget=60.0, jobs=0)  # fmt: skip
+    assert run.summary_files is None and run.problems[0].startswith(f"cannot write {tmp_path / 'g'}")

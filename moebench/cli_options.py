@@ -1,0 +1,162 @@
+"""The options of the moebench verbs declared apart from the verbs: those of
+several verbs (declared once) and the long ones of `tune` and `report`.
+Typer reads each from the annotation; the default stays in the verb's
+signature. Torch-free: `moebench --help` reads it at start-up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from moebench.bench import MAX_LAYERS
+from moebench.cli_support import parse_path
+from moebench.models import KERNEL_EXPERTS_NOTE
+
+# Options of several verbs, declared once (typer reads them from the annotation; the default stays in the
+# signature). Sizes: sweep, step and tune; the run's grid: sweep and step.
+PresetOpt = Annotated[str, typer.Option(help="Preset name(s), comma-separated, or 'all' (see `moebench presets`).")]
+HiddenOpt = Annotated[int, typer.Option(help="Override hidden size H.")]
+IntermediateOpt = Annotated[int, typer.Option(help="Override moe intermediate size I (before TP).")]
+ExpertsOpt = Annotated[int, typer.Option(help=f"Override routed experts E ({KERNEL_EXPERTS_NOTE}).")]
+TopKOpt = Annotated[int, typer.Option("--top-k", help="Override top_k (at most 8).")]
+SeedOpt = Annotated[int, typer.Option(help="Seed of weights, routing and activations (0 to 2**32 - 1).")]
+RowsOpt = Annotated[str, typer.Option(help="Token rows: '1-8', '1,2,4' or '6' (1..8); default 1-8 (1,4,8 on the CPU).")]
+ScenarioOpt = Annotated[
+    str,
+    typer.Option(
+        help="Routing scenarios, comma-separated, of: uniform, zipf, hot, correlated, replay (replay reads --trace)."
+    ),
+]
+TacticsOpt = Annotated[
+    str,
+    typer.Option(
+        help=(
+            "Tactics per backend: 'default', 'all' (every tactic each backend offers) or a list (moebench: default ="
+            " the kernel family the tuning tables time faster (FP8 where no table and its built-ins fit), its tuned"
+            " tactics else built-in; builtin = what runs without any table; tuned = default, skipped without a table;"
+            " fp8 / bf16 = that kernel family (FP8: wgmma, BF16: mma.sync), skipped where it cannot run;"
+            " torch-bf16: grouped, gather)."
+        )
+    ),
+]
+GraphOpt = Annotated[bool, typer.Option("--graph/--no-graph", help="CUDA-graph replay for capturable backends.")]
+WarmL2Opt = Annotated[bool, typer.Option("--warm-l2", help="Time one weight set over and over (warm L2).")]
+LayersOpt = Annotated[
+    int, typer.Option(help=f"Force the number of rotated weight sets, 1 to {MAX_LAYERS} (default: >= 4x L2).")
+]
+TraceOpt = Annotated[
+    Path,
+    typer.Option(
+        parser=parse_path,
+        help="Top-k trace (.npz with topk_ids) for the replay scenario; only with replay in --scenario.",
+    ),
+]
+LabelOpt = Annotated[
+    str,
+    typer.Option(
+        help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
+        " letters, digits, '.', '_', '-', starting with a letter or digit)."
+    ),
+]
+RunsOutOpt = Annotated[Path, typer.Option(parser=parse_path, help="Root directory of stored runs.")]
+DeviceOpt = Annotated[str, typer.Option(help="'cpu' or 'cuda[:N]' (default: the GPU if any).")]
+
+
+# `tune`'s options of more than a line.
+SpaceOpt = Annotated[
+    str,
+    typer.Option(
+        help="Tactic space: 'quick' (default), 'full', or 'ship' (the defaults and their neighbours,"
+        " <= 10 per stage: what the shipped tables are tuned over)."
+    ),
+]
+TopOpt = Annotated[
+    int, typer.Option(help="Finalists re-timed per row count, at least 2 (the default is always re-timed too).")
+]
+ActBf16Opt = Annotated[
+    bool,
+    typer.Option(
+        "--act-bf16/--e4m3",
+        help="Time the BF16-activation (_a16) twins, what the runtime runs by default; --e4m3 times the"
+        " MXFP8-operand tactics. Ignored with --fp8.",
+    ),
+]
+Fp8Opt = Annotated[
+    bool,
+    typer.Option(
+        "--fp8",
+        help="Tune the FP8 (wgmma, _f8) kernel family instead of the BF16 one: e4m3-layout weights, the MXFP8"
+        " x / H as they are, candidates from the fp8 defaults, the measured warp-specialized variants and"
+        " their neighbours (--space sets how many: ship 10, quick 16, full 48 per stage, GEMM1 twice that"
+        " with the spec twins); the entries go"
+        " to the table's 'fp8' part (what FP8 layers run), the BF16 entries stay. By default each layer runs"
+        " the family whose entries are faster.",
+    ),
+]
+DistinctLayersOpt = Annotated[
+    bool, typer.Option("--distinct-layers", help="Generate every rotated weight set (default: copies of the first).")
+]
+BudgetOpt = Annotated[
+    float,
+    typer.Option(
+        help="Wall-time budget in seconds: no new step starts that would end past it; the tables keep"
+        " what was done (exit 1 lists what was left out)."
+    ),
+]
+JobsOpt = Annotated[
+    int,
+    typer.Option(
+        help="Worker processes compiling the kernels ahead of the timing (default: cores - 1; 0: compile"
+        " in this process)."
+    ),
+]
+SummaryOpt = Annotated[
+    Path,
+    typer.Option(parser=parse_path, help="Also write the tuned-vs-default gains here (markdown; a .json beside it)."),
+]
+TablesOutOpt = Annotated[
+    Path,
+    typer.Option(
+        parser=parse_path,
+        help="Directory of the tables (default: $MOEBENCH_TUNING_DIR, else ./tuning-tables;"
+        " moebench/tuning/tables ships them with the package).",
+    ),
+]
+
+# `report`'s.
+RunDirArg = Annotated[
+    Path, typer.Argument(parser=parse_path, help="A run directory (results.parquet + manifest.json).")
+]
+BaselineOpt = Annotated[
+    Path, typer.Option(parser=parse_path, help="A baseline run directory to compare with (per-case verdicts).")
+]
+FailAboveOpt = Annotated[
+    str,
+    typer.Option(
+        "--fail-above",
+        help="Exit 1 when a case is slower than the baseline by more than this percentage"
+        " ('5%' or '5'; a bare number is percent, so 0.05 means 0.05 %), failed, or lost (ok in the baseline,"
+        " skipped or absent now). A case is 'slower' when its change is beyond the runs' noise; a regression"
+        " only when it is also beyond this threshold. Without it the verdicts are judged at 5 % and only shown.",
+    ),
+]
+ReportOutOpt = Annotated[
+    Path,
+    typer.Option(
+        parser=parse_path,
+        help="Where summary.md (and report.html + plots) go (default: beside the run,"
+        " in RUN_DIR's sibling <run>-report/, so a committed run directory stays as committed).",
+    ),
+]
+ReportForceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Replace an earlier report: its files (summary.md, report.html, the plots) are"
+        " overwritten, and those an earlier report recorded writing there (.moebench-report.json) that this"
+        " one does not write are removed; other files, same-named ones included, are left alone.",
+    ),
+]

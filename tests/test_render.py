@@ -1,0 +1,49 @@
+"""The printing of report's and tune's results (moebench/render.py): what
+each line says, in order, from the library's records."""
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from rich.console import Console
+
+from moebench import render
+from moebench.reports.report import ReportFiles
+
+
+@pytest.fixture
+def printed(monkeypatch):
+    """The text render prints, one string (wide, no colours)."""
+    out = Console(width=300, no_color=True, highlight=False, record=True)
+    monkeypatch.setattr(render, "console", out)
+    monkeypatch.setattr(render, "wide_console", lambda width: out)
+    return lambda: out.export_text()
+
+
+def test_report_files_are_said_in_the_order_written(printed, tmp_path):
+    render.print_report_files(ReportFiles())  # nothing written: nothing said
+    assert printed() == ""
+    files = ReportFiles(tmp_path / "summary.md", None, [tmp_path / "report.html", tmp_path / "a.png"], ["b.png"])
+    render.print_report_files(files)
+    lines = printed().splitlines()
+    assert lines == [f"wrote {tmp_path / 'summary.md'}", f"wrote {tmp_path / 'report.html'} (1 plots)",
+                     f"removed b.png from {tmp_path} (an earlier report's; this one does not write it)"]  # fmt: skip
+
+
+def test_a_page_left_as_it_was_and_a_page_without_plots(printed, tmp_path):
+    render.print_report_files(ReportFiles(tmp_path / "summary.md", "an earlier report's"))
+    render.print_report_files(ReportFiles(tmp_path / "summary.md", html=[tmp_path / "report.html"]))
+    text = printed()
+    assert f"{tmp_path / 'report.html'} is an earlier report's (--no-html leaves it as it is)" in text
+    assert "(no plots: no case was timed or failed)" in text
+
+
+def test_tune_lines_and_tables(printed, tmp_path, monkeypatch):
+    monkeypatch.setattr(render.rich_tables, "picks_tables", lambda outcome, label: [f"picks of {label}"])
+    table = SimpleNamespace(entries={1: 0, 2: 0}, fp8_entries={})
+    render.print_tuned(SimpleNamespace(preset="dsv4-pro", family="FP8"), None, [SimpleNamespace(path=Path("t.json"),
+                                                                                                table=table)])  # fmt: skip
+    render.print_tune_run(SimpleNamespace(records=[], families=[], summary_files=(Path("g.md"), Path("g.json")),
+                                          seconds=12.34), tmp_path)  # fmt: skip
+    assert printed().splitlines() == ["picks of dsv4-pro FP8", "wrote t.json (2 BF16 + 0 FP8 entries)",
+                                      "wrote g.md and g.json", "[  12.3 s] done in 12 s"]  # fmt: skip
