@@ -68,9 +68,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moebench import __version__
-from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
+from moebench.kernels.tactic import TACTICS_VERSION, GemmShape, GemmTactic, default_tactic
 from moebench.record import MAX_ROWS, MAX_TOP_K, max_ctas
-from moebench.tuning.space import TACTICS_VERSION
 
 logger = logging.getLogger("moebench.tuning")
 
@@ -84,9 +83,6 @@ PACKAGE_TABLES = Path(__file__).resolve().parent / "tables"
 STAGES = {1: "gemm1", 2: "gemm2"}
 #: The key of the FP8 family's entries in a table file.
 FP8_KEY = "fp8"
-_TACTIC_FIELDS = ("tile_rows", "warps_m", "warps_k", "unroll", "ctas_per_sm", "persistent", "pdl")
-#: Tactic fields a table may omit (older tables), with the value that means.
-_OPTIONAL_FIELDS = {"split_k": 1, "stages": 0, "act_bf16": False, "fp8": False, "spec": False}
 #: Tokens of a device name that name a board, memory size or slice, not the chip.
 _BOARD_TOKEN = re.compile(r"^(NVL|SXM\d*|PCIE|HBM\d*E?|\d+GB|NVLINK)$", re.IGNORECASE)
 
@@ -171,25 +167,12 @@ def table_file_name(shape, device_name: str, top_k: int | None = None) -> str:
 # ----------------------------------------------------------------------------- schema
 
 
-def tactic_to_dict(tactic: GemmTactic) -> dict:
-    return {"name": tactic.name, **{f: getattr(tactic, f) for f in (*_TACTIC_FIELDS, *_OPTIONAL_FIELDS)}}
-
-
-def tactic_from_dict(data, where: str) -> GemmTactic:
-    """GemmTactic from its dict; raises TableError naming `where`."""
-    if not isinstance(data, dict):
-        raise TableError(f"{where}: a tactic must be an object, got {type(data).__name__}")
-    missing = [f for f in _TACTIC_FIELDS if f not in data]
-    if missing:
-        raise TableError(f"{where}: tactic lacks {missing}")
+def _tactic(data, where: str) -> GemmTactic:
+    """`GemmTactic.from_fields(data)`; raises TableError naming `where`."""
     try:
-        tactic = GemmTactic(**{f: data[f] for f in _TACTIC_FIELDS},
-                            **{f: data.get(f, d) for f, d in _OPTIONAL_FIELDS.items()})
+        return GemmTactic.from_fields(data)
     except (TypeError, ValueError) as error:
-        raise TableError(f"{where}: invalid tactic: {error}") from error
-    if "name" in data and data["name"] != tactic.name:
-        raise TableError(f"{where}: tactic name {data['name']!r} does not match its fields ({tactic.name})")
-    return tactic
+        raise TableError(f"{where}: {error}") from error
 
 
 def _finite(where: str, name: str, value, *, positive: bool = True, optional: bool = False) -> float | None:
@@ -252,9 +235,9 @@ class TableEntry:
 
     def to_dict(self) -> dict:
         return {
-            "tactic": tactic_to_dict(self.tactic), "median_us": self.median_us, "p10_us": self.p10_us,
+            "tactic": self.tactic.to_fields(), "median_us": self.median_us, "p10_us": self.p10_us,
             "p90_us": self.p90_us,
-            "runner_up": None if self.runner_up is None else tactic_to_dict(self.runner_up),
+            "runner_up": None if self.runner_up is None else self.runner_up.to_fields(),
             "runner_up_us": self.runner_up_us, "margin_pct": self.margin_pct, "separated": self.separated,
             "candidates": self.candidates, "rejected": self.rejected, "provenance": self.provenance,
         }  # fmt: skip
@@ -269,11 +252,11 @@ class TableEntry:
         runner = data.get("runner_up")
         try:
             return cls(
-                tactic=tactic_from_dict(data["tactic"], f"{where}.tactic"),
+                tactic=_tactic(data["tactic"], f"{where}.tactic"),
                 median_us=_finite(where, "median_us", data["median_us"]),
                 p10_us=_finite(where, "p10_us", data["p10_us"]),
                 p90_us=_finite(where, "p90_us", data["p90_us"]),
-                runner_up=None if runner is None else tactic_from_dict(runner, f"{where}.runner_up"),
+                runner_up=None if runner is None else _tactic(runner, f"{where}.runner_up"),
                 runner_up_us=_finite(where, "runner_up_us", data.get("runner_up_us"), optional=True),
                 margin_pct=_finite(where, "margin_pct", data.get("margin_pct"), positive=False, optional=True),
                 separated=data.get("separated", False),

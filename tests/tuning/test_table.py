@@ -373,7 +373,7 @@ def test_each_family_holds_only_its_tactics(tmp_path):
         TuningTable(SHAPE, {"name": "NVIDIA H200"}, fp8_entries={(3, 1): fp8_entry()})
     bad = tmp_path / NAME
     for mutate, needle in [
-        (lambda d: d["fp8"]["gemm1"]["2"].update(tactic=tb.tactic_to_dict(T1)),
+        (lambda d: d["fp8"]["gemm1"]["2"].update(tactic=T1.to_fields()),
          r"fp8\.gemm1\[2\]\.tactic: r64_m1_k4_u2_c2 is not an fp8 tactic"),
         (lambda d: d["gemm2"].update({"5": d["fp8"]["gemm2"]["5"]}), r"gemm2\[5\]\.tactic: .*_f8 is an fp8 tactic"),
         (lambda d: d.update(fp8=[]), "fp8 must be an object"),
