@@ -782,7 +782,7 @@ def tune(
     device: str = typer.Option(None, help="'cuda[:N]' (default: the current GPU)."),
     out: Path = typer.Option(
         None, parser=_path, help="Directory of the tables (default: $MOEBENCH_TUNING_DIR, else ./tuning-tables;"
-        " moebench/tuning/tables ships them with the package)."
+        " moebench/kernels/tables ships them with the package)."
     ),
     force: bool = typer.Option(False, "--force", help="Replace a table of another device or a newer version."),
 ) -> None:
