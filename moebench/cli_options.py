@@ -122,7 +122,7 @@ TablesOutOpt = Annotated[
     typer.Option(
         parser=parse_path,
         help="Directory of the tables (default: $MOEBENCH_TUNING_DIR, else ./tuning-tables;"
-        " moebench/tuning/tables ships them with the package).",
+        " moebench/kernels/tables ships them with the package).",
     ),
 ]
 

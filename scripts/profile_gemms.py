@@ -20,11 +20,10 @@ import torch
 
 from moebench.formats import generate_activations, quantize_mxfp8
 from moebench.kernels.gemm import act_to_bf16, alloc_workspace, gemm1, gemm2
-from moebench.kernels.tactic import GemmShape, workspace_bytes_for
+from moebench.kernels.tactic import GemmShape, GemmTactic, workspace_bytes_for
 from moebench.models import get_preset
 from moebench.record import TILE, build_route_record
 from moebench.routing import scenario_topk_ids
-from moebench.tuning.space import tactic_from_name
 
 from time_gemms import TOP_K, random_kernel_weights
 
@@ -41,7 +40,7 @@ def main() -> None:
     ids = scenario_topk_ids("correlated", args.rows, TOP_K, shape.experts, seed=args.rows)
     route = build_route_record(ids.cuda(), shape.experts)
     kw = random_kernel_weights(shape, seed=0)
-    specs = [(int(s.split(":")[0]), tactic_from_name(s.split(":")[1])) for s in args.specs]
+    specs = [(int(s.split(":")[0]), GemmTactic.from_name(s.split(":")[1])) for s in args.specs]
     need = workspace_bytes_for(gs, [(st, t, route.ctas) for st, t in specs])
     ws = alloc_workspace(need, "cuda") if need else None
     x_q, x_s = quantize_mxfp8(generate_activations(args.rows, h, seed=args.rows, device="cuda"))

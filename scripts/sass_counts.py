@@ -12,14 +12,13 @@ dump = tempfile.mkdtemp(prefix="moebench_sass_")
 os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,sass", CUTE_DSL_DUMP_DIR=dump,
                   CUTE_DSL_COMPILER_OPT="remarks{ptx}")
 from moebench.kernels.gemm import compile_gemm
-from moebench.kernels.tactic import GemmShape
-from moebench.tuning.space import tactic_from_name
+from moebench.kernels.tactic import GemmShape, GemmTactic
 from moebench.models import get_preset
 ALU = ("LOP3", "SHF", "PRMT", "LEA", "IMAD", "ISETP", "SEL", "IADD3", "MOV", "SHL", "SHR", "IMNMX", "VIMNMX", "FSEL", "PLOP3", "LOP", "ISCADD", "BFE", "BFI", "P2R", "R2P", "LEA.HI")
 for spec in sys.argv[1:]:
     preset, tp, stage, name = spec.split(":")
     shape = GemmShape.of(get_preset(preset).shard(int(tp)))
-    t = tactic_from_name(name)
+    t = GemmTactic.from_name(name)
     for f in glob.glob(os.path.join(dump, "*")): os.remove(f)
     r, w = os.pipe(); saved = os.dup(2), os.dup(1); os.dup2(w, 2); os.dup2(w, 1)
     try:

@@ -25,7 +25,8 @@ import sys
 from pathlib import Path
 
 from moebench.kernels.tactic import GemmTactic
-from moebench.tuning.table import PACKAGE_TABLES, TableError, TuningTable, read_table, write_table
+from moebench.kernels.table import PACKAGE_TABLES, TableError, TuningTable, read_table
+from moebench.tuning.table import write_table
 
 _FIELDS = {f.name: f.type for f in dataclasses.fields(GemmTactic)}
 

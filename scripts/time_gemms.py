@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from moebench.bench import L2_MULTIPLE
 from moebench.bench.timing import time_graph as bench_time_graph
 from moebench.formats import generate_activations, quantize_mxfp8
 from moebench.kernels.gemm import act_to_bf16, alloc_workspace, gemm1, gemm2
@@ -131,7 +132,7 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
     per_expert_2 = h * i // 2 + h * i // 32
     ids_by_rows = {r: scenario_topk_ids("correlated", r, TOP_K, shape.experts, seed=r) for r in rows_list}
     min_touched = min(len(set(v.flatten().tolist())) for v in ids_by_rows.values())
-    n_sets = max(2, math.ceil(4 * L2_BYTES / (min_touched * (per_expert_1 + per_expert_2))))
+    n_sets = max(2, math.ceil(L2_MULTIPLE * L2_BYTES / (min_touched * (per_expert_1 + per_expert_2))))
     n_sets = min(n_sets, int(40e9 // (shape.experts * (per_expert_1 + per_expert_2))))
     sets = [random_kernel_weights(shape, seed=s) for s in range(n_sets)]
     extra1, extra2 = [], []

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from moebench.bench import L2_MULTIPLE
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps
 from moebench.bench.timing import time_graph
 from moebench.integration.step_layer import StepSharedExpert
@@ -41,8 +42,6 @@ from moebench.kernels.shared_expert import (
 from moebench.models import get_preset
 from moebench.reference import ORACLE_TOLERANCE, relative_error, swiglu_clamped
 
-#: Weights one replay reads, in L2 sizes (cold-L2 rotation, as the sweep).
-L2_MULTIPLE = 4
 #: Most device memory the layers of one shape may take (bytes; two copies each).
 MEMORY_CAP = 20e9
 

@@ -12,12 +12,12 @@
 # entries are merged into the same tables' "fp8" part, the BF16 entries stay
 # (and a BF16 run keeps the FP8 part); the log / gains files get an -fp8 suffix.
 #
-# Writes the tables into moebench/tuning/tables/ (where the package ships them)
+# Writes the tables into moebench/kernels/tables/ (where the package ships them)
 # and prints the tuned-vs-default gains at rows 1, 4, 8 (µs and %). With $OUT
 # set (a device call), also leaves there: tune-all.log (the full output),
 # tune-gains.md / tune-gains.json (the gains) and tuning-tables.tar.gz (the
 # tables: more files than a call brings back one by one). Unpack it here with
-#   tar -xzf <files_at>/tuning-tables.tar.gz -C moebench/tuning/tables
+#   tar -xzf <files_at>/tuning-tables.tar.gz -C moebench/kernels/tables
 #
 # Env: BUDGET (seconds for the tuning itself, default 400: with the bundles'
 # unpack, the ~20-30 s preflight and the tar this stays under a 9-minute
@@ -29,7 +29,7 @@
 # (compile workers, default cores - 1; 0 compiles in-process), PREFLIGHT (1:
 # first check on the GPU that a worker-compiled kernel gives the same bytes as
 # an in-process one, else fall back to JOBS=0), REPLAYS (50), TABLES
-# (moebench/tuning/tables), FP8 (0; 1: the FP8 family). Extra arguments go to `moebench tune`. Exits with
+# (moebench/kernels/tables), FP8 (0; 1: the FP8 family). Extra arguments go to `moebench tune`. Exits with
 # moebench tune's code (1 when the budget left something out or a table could
 # not be written; what was done is still written and packed).
 #
@@ -40,7 +40,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-}
-tables=${TABLES:-moebench/tuning/tables}
+tables=${TABLES:-moebench/kernels/tables}
 fp8=${FP8:-0}
 case "$fp8" in 0|1) ;; *) echo "tune_all.sh: FP8 must be 0 or 1, got '$fp8'" >&2; exit 2;; esac
 sfx=$([ "$fp8" = 1 ] && echo -fp8)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from moebench.tuning.table import PACKAGE_TABLES, read_table
+from moebench.kernels.table import PACKAGE_TABLES, read_table
 
 _SPEC = importlib.util.spec_from_file_location(
     "table_variant", Path(__file__).resolve().parents[1] / "scripts" / "table_variant.py")

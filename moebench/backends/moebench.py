@@ -7,7 +7,7 @@ Oracle "mxfp8" (MXFP8 x and H). Needs nvidia-cutlass-dsl and an sm_90 GPU.
 Tactics (each a kernel family, `RoutedExpertGemm`'s `fp8`, and where its
 GEMM tactics come from):
 - "default" = what the runtime runs: per layer (shape class) the faster
-  family by the tuning tables' µs of this device (`tuning.family`), its
+  family by the tuning tables' µs of this device (`kernels.family`), its
   table entries else its built-in tactics; with no table the FP8 family
   where its built-in tactics fit the shape, else BF16;
 - "builtin" = what runs with no tuning table at all: the family of that
@@ -68,12 +68,12 @@ class MoebenchBackend(Backend):
         why that family's built-in tactics do not fit the shape (a row count
         without a table entry could not run); else None."""
         if tactic in (self.FP8, self.BF16):
-            from moebench.tuning.family import builtin_refusal
+            from moebench.kernels.family import builtin_refusal
 
             return builtin_refusal(shape, shape.top_k, tactic == self.FP8)
         if tactic != self.TUNED:
             return None
-        from moebench.tuning.table import ShapeClass, default_search_dirs, find_table, table_file_name
+        from moebench.kernels.table import ShapeClass, default_search_dirs, find_table, table_file_name
 
         dev = torch.device(device)
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"

@@ -19,6 +19,11 @@ def check_seed(seed) -> None:
         raise ValueError(f"seed must be an int in [0, {MAX_SEED}] (2**32 - 1), got {seed!r}")
 
 
+#: Working set of one cold-L2 replay, in L2 sizes: the sweep, the decode step,
+#: the tuner and the size-matched ceiling rotate through enough distinct
+#: weight sets (buffers) to span this many L2s, so every launch starts cold.
+L2_MULTIPLE = 4
+
 #: Most weight sets a replay rotates through (a forced --layers included):
 #: 4 x L2 of the smallest shapes is reached well below it.
 MAX_LAYERS = 64

@@ -20,8 +20,8 @@ import time
 import numpy as np
 import torch
 
-#: Cold-cache rotation: the buffers of one ceiling measurement span >= this many L2s.
-L2_MULTIPLE = 4
+from moebench.bench import L2_MULTIPLE
+
 #: Most memory the ceiling's rotation buffers may take (bytes).
 CEILING_MEMORY_CAP = 4 << 30  # also keeps int32 word offsets in range
 

@@ -49,6 +49,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from moebench.bench import L2_MULTIPLE
 from moebench.bench.cases import Case, SweepConfig
 from moebench.bench.interrupt import INTERRUPTED, interrupted_rows, sigterm_as_interrupt
 from moebench.reports.store import CASE_COLUMNS
@@ -92,7 +93,7 @@ def expected_cost(case: Case, l2_bytes: int = H200_L2_BYTES) -> float:
     shape = case.shape
     touched = min(case.rows * shape.top_k, shape.experts)
     nbytes = touched * shape.expert_bytes() + 4 * case.rows * shape.hidden
-    layers = max(1, math.ceil(4 * l2_bytes / nbytes))
+    layers = max(1, math.ceil(L2_MULTIPLE * l2_bytes / nbytes))
     return float(min(layers, 64) * nbytes + CASE_OVERHEAD_BYTES)
 
 

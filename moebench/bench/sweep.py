@@ -78,7 +78,7 @@ import torch
 
 from moebench.backends.base import DEFAULT_TACTIC, Backend, BackendUnavailable
 from moebench.backends.registry import backend_names, load_backend
-from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS
+from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, L2_MULTIPLE, MAX_LAYERS
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
 from moebench.bench.cases import (
     CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes,
@@ -123,8 +123,6 @@ COLUMNS = (
 STATUSES = ("ok", "failed", "skipped")
 #: The tactic name that stands for every tactic a backend offers for a shape.
 ALL_TACTICS = "all"
-#: Working set of one replay, in L2 sizes, for cold-cache timing.
-L2_MULTIPLE = 4
 #: Seed stride between rotation layers' weight sets.
 LAYER_SEED_STRIDE = 1_000_003
 

@@ -16,7 +16,7 @@ kernels and no host synchronization, so a CUDA graph captures them.
 A layer runs one of two kernel families, each with its own copy of the
 weights in its layout: FP8 (e4m3 weights for wgmma, the MXFP8 x and H as
 they are) or BF16 (weights decoded to BF16 for mma.sync). By default the
-tuning tables' measured µs choose (`tuning.family`); with no table, FP8
+tuning tables' measured µs choose (`kernels.family`); with no table, FP8
 where its built-in tactics fit the shape. `fp8=True` / `False` asks for one.
 """
 
@@ -32,12 +32,12 @@ from moebench.formats import ExpertWeights
 from moebench.kernels import front as _front
 from moebench.kernels import gemm as _gemm
 from moebench.kernels import route as _route
+from moebench.kernels.family import FamilyChoice, resolve_family
 from moebench.kernels.layout import KernelWeights, to_kernel_layout
+from moebench.kernels.table import ShapeClass, load_tactic
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
 from moebench.moe_output import UnfinalizedMoEOutput
 from moebench.record import MAX_EXPERTS, MAX_ROWS, MAX_TOP_K, TILE, cta_words, max_ctas, route_words
-from moebench.tuning.family import FamilyChoice, resolve_family
-from moebench.tuning.table import ShapeClass, load_tactic
 
 __all__ = [
     "FrontConfig", "Routing", "RoutedExpertGemm", "build_routed_expert_gemms", "check_weights",
@@ -127,7 +127,7 @@ class RoutedExpertGemm:
     weights: canonical ExpertWeights on a CUDA device (validated by
     `check_weights`); top_k: experts per row; tactics: None = per (stage,
     rows) from the tuning table of this device and shape class, else the
-    built-in default (`moebench.tuning.table.load_tactic`); or explicit GEMM
+    built-in default (`moebench.kernels.table.load_tactic`); or explicit GEMM
     tactics {1: GemmTactic, 2: GemmTactic} (a missing stage: the built-in
     default; `{}` = the built-in defaults, no table). `tactic_sources`
     records where each (stage, rows) tactic came from.
@@ -147,7 +147,7 @@ class RoutedExpertGemm:
     fp8: the kernel family, one per layer (each lays the weights out in a
     copy of its own). None (the default): the faster family by the tuning
     tables' µs, else FP8 where its built-in tactics fit the shape, else BF16
-    (`tuning.family.resolve_family`: explicit `tactics` decide by their
+    (`kernels.family.resolve_family`: explicit `tactics` decide by their
     family, `{}` takes the built-in rule); True: the FP8 family, weights
     laid out for the e4m3 operand, fp8 (wgmma) tactics (`_f8`: FP8 MMA on
     the MXFP8 x and H, no BF16 copies; act_bf16 is then ignored): the

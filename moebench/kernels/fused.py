@@ -40,7 +40,8 @@ import torch
 
 from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
 from moebench.kernels.layout import KernelWeights
-from moebench.kernels.tactic import SMEM_PER_CTA, GemmShape, GemmTactic
+from moebench.kernels.limits import SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED_PER_CTA
+from moebench.kernels.tactic import GemmShape, GemmTactic
 from moebench.record import TILE
 
 if HAVE_DSL:
@@ -121,7 +122,7 @@ def fused_smem_bytes(ft: FusedTactic, shape) -> int:
     ring = t1.stages * (4 * max(w1, w2) + 16)
     acts = 8 * s.hidden + 8 * (s.hidden // 32) * 4 + 8 * s.intermediate + 8 * (s.intermediate // 32) * 4 + 512
     resident = ft.resident * nb2 * (4 * w2 + 8)
-    return partials + ring + acts + resident + 1024  # + alignment slack
+    return partials + ring + acts + resident + 1024  # + alignment slack of the allocations
 
 
 if HAVE_DSL:
@@ -142,7 +143,7 @@ if HAVE_DSL:
             self.ring_words = max(self.k1.stage_words, self.k2.stage_words)
             self.tm = max(self.k1.tm, self.k2.tm)
             self.smem_bytes = fused_smem_bytes(ft, shape)
-            self.smem_carveout = min(100, -(-100 * (self.smem_bytes + 1024) // (228 * 1024)))
+            self.smem_carveout = min(100, -(-100 * (self.smem_bytes + SMEM_RESERVED_PER_CTA) // SMEM_PER_SM))
 
         def grid(self, ctas: int, num_sms: int) -> int:
             """One CTA per SM, at most one per unit of the larger GEMM."""

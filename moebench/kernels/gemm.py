@@ -64,9 +64,10 @@ import torch
 
 from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
 from moebench.kernels.layout import KernelWeights
+from moebench.kernels.limits import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from moebench.kernels.tactic import (
-    SPEC_WORDS, GemmShape, GemmTactic, cluster_landing_bytes, default_tactic, workspace_bytes, workspace_bytes_for,
-    workspace_parts,
+    SPEC_WORDS, GemmShape, GemmTactic, cluster_landing_bytes, default_tactic, partial_smem_bytes, workspace_bytes,
+    workspace_bytes_for, workspace_parts,
 )  # fmt: skip
 from moebench.record import TILE, route_words
 
@@ -83,8 +84,6 @@ if HAVE_DSL:
     from moebench.kernels import fp4
     from moebench.kernels.ptx import mbarrier_arrive_cluster, mbarrier_try_wait_cluster, st_async_cluster, st_shared_u32x4, trap
 
-#: Shared memory + L1 of one H100/H200 SM that the carveout divides (bytes).
-_SMEM_PER_SM = 228 * 1024
 #: L2 cache policy "evict first" (CUTLASS CacheHintSm90::EVICT_FIRST) for the bulk copies.
 _EVICT_FIRST = 0x12F0000000000000
 
@@ -177,7 +176,7 @@ if HAVE_DSL:
             self.w_expert = npairs * self.nch * 128  # u32 words of one expert's weights
             self.s_expert = npairs * self.nch * 8  # u32 words of its scales
             # shared memory: fp32 partials [tm*128][warps][2 parities] (+ the bulk ring); the rest stays L1
-            self.smem_bytes = self.tm * 128 * self.nw * 2 * 4
+            self.smem_bytes = partial_smem_bytes(t)
             self.bulk = t.bulk
             self.a16 = t.act_bf16
             self.fp8 = t.fp8
@@ -198,8 +197,8 @@ if HAVE_DSL:
                 self.block_threads = self.threads + 32  # + the producer warp
                 if self.cl > 1:  # rank 0's landing zone for the other ranks' sums + 4 mbarriers
                     self.smem_bytes += cluster_landing_bytes(t) + 32
-            per_sm = (self.smem_bytes + 1024) * t.ctas_per_sm
-            self.smem_carveout = min(100, -(-100 * per_sm // _SMEM_PER_SM))
+            per_sm = (self.smem_bytes + SMEM_RESERVED_PER_CTA) * t.ctas_per_sm
+            self.smem_carveout = min(100, -(-100 * per_sm // SMEM_PER_SM))
 
         def warp_of(self, wm, wk):
             """Warp index of (wm, wk): wm-major, except fp8 tactics (wgmma),

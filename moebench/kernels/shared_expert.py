@@ -70,6 +70,9 @@ from dataclasses import dataclass
 import torch
 
 from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
+from moebench.kernels.limits import (
+    MAX_REGISTERS_PER_THREAD, MAX_THREADS_PER_SM, REGISTERS_PER_SM, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED_PER_CTA,
+)  # fmt: skip
 from moebench.record import MAX_ROWS
 
 if HAVE_DSL:
@@ -98,13 +101,6 @@ COLS_PER_TILE = 8
 FRAGMENT_BYTES = 512
 #: Bytes of one staged activation chunk (8 rows x 32 BF16).
 X_CHUNK_BYTES = MAX_ROWS * CHUNK * 2
-#: Shared memory of one SM (228 KB on sm_90, 1 KB of it reserved per CTA) and
-#: the most one CTA may use (227 KB).
-SMEM_PER_SM = 228 * 1024
-SMEM_PER_CTA = 227 * 1024
-#: Registers of one SM and the most one thread may hold.
-REGS_PER_SM = 65536
-MAX_REGS = 255
 #: Registers a thread needs beside its two weight stages (addresses, the
 #: accumulators, the activation fragment, the epilogue); a planning bound for
 #: `valid_for` (the compile tests check the real allocation for spills).
@@ -203,7 +199,7 @@ class SharedTactic:
 
     def regs_available(self) -> int:
         """Registers per thread at ctas_per_sm resident CTAs (allocation granularity 8)."""
-        return min(MAX_REGS, REGS_PER_SM // (self.threads * self.ctas_per_sm) // 8 * 8)
+        return min(MAX_REGISTERS_PER_THREAD, REGISTERS_PER_SM // (self.threads * self.ctas_per_sm) // 8 * 8)
 
     def valid_for(self, hidden: int, intermediate: int, stage: int) -> str | None:
         """None if this tactic can run GEMM`stage` (1 or 2) of a shared expert
@@ -225,11 +221,11 @@ class SharedTactic:
         if self.warps_k > per_cta:
             return f"warps_k {self.warps_k} exceeds the {per_cta} K chunks of a CTA"
         smem = self.smem_bytes(k)
-        if smem > SMEM_PER_CTA or (smem + 1024) * self.ctas_per_sm > SMEM_PER_SM:
+        if smem > SMEM_PER_CTA or (smem + SMEM_RESERVED_PER_CTA) * self.ctas_per_sm > SMEM_PER_SM:
             return (f"{smem} bytes of shared memory per CTA (K {k}) do not fit {self.ctas_per_sm}"
                     f" CTAs per SM")
-        if self.threads * self.ctas_per_sm > 2048:
-            return f"{self.threads} threads x {self.ctas_per_sm} CTAs exceed 2048 threads per SM"
+        if self.threads * self.ctas_per_sm > MAX_THREADS_PER_SM:
+            return f"{self.threads} threads x {self.ctas_per_sm} CTAs exceed {MAX_THREADS_PER_SM} threads per SM"
         need = 2 * self.unroll * self.tile_m * 8 + REGS_BESIDE_STAGES
         if self.regs_available() < need:
             return (f"two stages of unroll {self.unroll} x tile_m {self.tile_m} need ~{need} registers,"
@@ -462,7 +458,7 @@ if HAVE_DSL:
             self.elems = self.it * 128  # fp32 sums of one item (16 rows x 8 tokens per m-tile)
             self.x_words = self.per_cta * (X_CHUNK_BYTES // 4)
             self.smem_bytes = t.smem_bytes(self.k)
-            per_sm = (self.smem_bytes + 1024) * t.ctas_per_sm
+            per_sm = (self.smem_bytes + SMEM_RESERVED_PER_CTA) * t.ctas_per_sm
             self.smem_carveout = min(100, -(-100 * per_sm // SMEM_PER_SM))
             self.cluster_arg = [self.cl, 1, 1] if self.cl > 1 else None
 

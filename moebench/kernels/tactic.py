@@ -8,8 +8,10 @@ tactic can run a shape and why not.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import re
+from dataclasses import dataclass, fields
 
+from moebench.kernels.limits import SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from moebench.record import TILE
 
 #: Most compute warps of one CTA (768 threads; the bulk ring adds a producer warp).
@@ -22,8 +24,9 @@ SPEC_WORDS = 160
 MAX_STAGES = 8
 #: Largest cluster of CTAs that split an item's K (the portable cluster size limit).
 MAX_CLUSTER_K = 8
-#: Shared memory one CTA may use (bytes; 227 KB on sm_90).
-SMEM_PER_CTA = 227 * 1024
+#: Version of the tactic fields' meaning (tuning tables record it): bump it
+#: when the kernel changes what a field does, so tables written before are stale.
+TACTICS_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -197,12 +200,72 @@ class GemmTactic:
 
     @property
     def name(self) -> str:
-        return (f"r{self.tile_rows}_m{self.warps_m}_k{self.warps_k}_u{self.unroll}"
-                f"_c{self.ctas_per_sm}" + ("" if self.persistent else "_np")
-                + ("" if self.pdl else "_nopdl") + ("" if self.split_k == 1 else f"_s{self.split_k}")
-                + ("" if self.stages == 0 else f"_b{self.stages}")
-                + ("" if self.cluster_k == 1 else f"_cl{self.cluster_k}") + ("_sp" if self.spec else "")
-                + ("_a16" if self.act_bf16 else "") + ("_f8" if self.fp8 else ""))
+        """The tactic's one spelling, e.g. 'r64_m1_k8_u4_c1' (`to_name`)."""
+        return self.to_name()
+
+    def to_name(self) -> str:
+        """The name `from_name` reads back: each field in `NAME_PARTS` order,
+        the first five always (token + value), the others only where they
+        differ from the default (an int as token + value, a bool as the token)."""
+        out = []
+        for f, token, always in NAME_PARTS:
+            v = getattr(self, f)
+            if always or v != _DEFAULTS[f]:
+                out.append(token if isinstance(v, bool) else f"{token}{v}")
+        return "".join(out)
+
+    @classmethod
+    def from_name(cls, name: str) -> GemmTactic:
+        """The GemmTactic whose `to_name()` is `name` (e.g. 'r64_m1_k8_u4_c1',
+        'r32_m4_k1_u4_c4_np', '..._nopdl'; surrounding blanks ignored).
+        Raises TypeError for a non-str; ValueError naming the text when it
+        does not parse, makes an invalid tactic or is not the canonical
+        spelling (tables and reports compare names)."""
+        if not isinstance(name, str):
+            raise TypeError(f"tactic name must be a str, got {type(name).__name__}")
+        match = _NAME.match(name.strip())
+        if not match:
+            raise ValueError(f"cannot parse tactic name {name!r} (expected {NAME_FORMAT}, e.g. r64_m1_k8_u4_c1)")
+        values = {}
+        for (f, _, always), text in zip(NAME_PARTS, match.groups()):
+            if isinstance(_DEFAULTS[f], bool):
+                values[f] = _DEFAULTS[f] != bool(text)
+            elif always or text is not None:
+                values[f] = int(text)
+        try:
+            tactic = cls(**values)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"tactic {name!r}: {error}") from error
+        if tactic.to_name() != name.strip():
+            raise ValueError(f"tactic name {name!r} is not in canonical form: write {tactic.to_name()!r}")
+        return tactic
+
+    def to_fields(self) -> dict:
+        """The tactic as a tuning table stores it: {"name": ..., then every
+        field in declaration order}; a field of TABLE_SPARSE only where it
+        differs from its default (newer than the shipped tables, which stay
+        byte for byte)."""
+        return {"name": self.to_name(), **{f.name: getattr(self, f.name) for f in fields(self)
+                                            if f.name not in TABLE_SPARSE or getattr(self, f.name) != f.default}}
+
+    @classmethod
+    def from_fields(cls, data) -> GemmTactic:
+        """The GemmTactic `to_fields` wrote: TABLE_REQUIRED must be there, the
+        other fields default (tables written before they existed), a "name"
+        must match the fields. Raises TypeError for a non-dict, ValueError
+        for a missing field, an invalid tactic or a mismatched name."""
+        if not isinstance(data, dict):
+            raise TypeError(f"a tactic must be an object, got {type(data).__name__}")
+        missing = [f for f in TABLE_REQUIRED if f not in data]
+        if missing:
+            raise ValueError(f"tactic lacks {missing}")
+        try:
+            tactic = cls(**{f: data[f] if f in TABLE_REQUIRED else data.get(f, d) for f, d in _DEFAULTS.items()})
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"invalid tactic: {error}") from error
+        if "name" in data and data["name"] != tactic.to_name():
+            raise ValueError(f"tactic name {data['name']!r} does not match its fields ({tactic.to_name()})")
+        return tactic
 
     def valid_for(self, shape, stage: int) -> str | None:
         """None if this tactic can run GEMM`stage` (1 or 2) of `shape`
@@ -256,15 +319,36 @@ class GemmTactic:
         if self.cluster_k > 1:
             need += cluster_landing_bytes(self) + 32
             what.append("the cluster's landing zone")
-        limit = min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm - 1024)  # 1 KB of each CTA's is reserved
+        limit = min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm - SMEM_RESERVED_PER_CTA)
         if need > limit:
             ctas = f"{self.ctas_per_sm} CTA{'s' if self.ctas_per_sm > 1 else ''} per SM"
             return f"{', '.join(what)} need {need} bytes of shared memory per CTA, more than {limit} at {ctas}"
         return None
 
 
-#: Shared memory of one SM (bytes; 228 KB on sm_90, 1 KB of it reserved per CTA).
-SMEM_PER_SM = 228 * 1024
+#: A tactic's name, part by part in name order: (field, token, always).
+#: Fields marked always show as token + value; the others only where they
+#: differ from the default: an int as token + value, a bool as the token.
+NAME_PARTS = (
+    ("tile_rows", "r", True), ("warps_m", "_m", True), ("warps_k", "_k", True), ("unroll", "_u", True),
+    ("ctas_per_sm", "_c", True), ("persistent", "_np", False), ("pdl", "_nopdl", False),
+    ("split_k", "_s", False), ("stages", "_b", False), ("cluster_k", "_cl", False), ("spec", "_sp", False),
+    ("act_bf16", "_a16", False),
+    ("fp8", "_f8", False),
+)  # fmt: skip
+#: What a name looks like (for messages).
+NAME_FORMAT = ("r<tile_rows>_m<warps_m>_k<warps_k>_u<unroll>_c<ctas_per_sm>[_np][_nopdl][_s<split_k>][_b<stages>]"
+               "[_cl<cluster_k>][_sp][_a16|_f8]")  # fmt: skip
+#: Fields every table tactic holds (schema 1's); the later ones default when absent.
+TABLE_REQUIRED = ("tile_rows", "warps_m", "warps_k", "unroll", "ctas_per_sm", "persistent", "pdl")
+#: Fields a table holds only where they differ from the default.
+TABLE_SPARSE = ("cluster_k",)
+_DEFAULTS = {f.name: f.default for f in fields(GemmTactic)}
+if sorted(f for f, _, _ in NAME_PARTS) != sorted(_DEFAULTS) or not set(TABLE_REQUIRED) <= set(_DEFAULTS):
+    raise ImportError("NAME_PARTS / TABLE_REQUIRED must name GemmTactic's fields")  # a field added without its token
+_NAME = re.compile("^" + "".join(
+    f"{token}(\\d+)" if always else f"({token})?" if isinstance(_DEFAULTS[f], bool) else f"(?:{token}(\\d+))?"
+    for f, token, always in NAME_PARTS) + "$")  # fmt: skip
 
 
 def partial_smem_bytes(tactic: GemmTactic) -> int:

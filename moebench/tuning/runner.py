@@ -53,15 +53,13 @@ from moebench import __version__
 from moebench.backends.moebench import INPUTS_READY  # the route launch the sweep times
 from moebench.bench import check_layers, check_seed
 from moebench.env import environment, resolve_device
+from moebench.kernels.table import ShapeClass, TuningTable
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
 from moebench.models import RankShape, get_preset
 from moebench.record import MAX_ROWS, TILE, max_ctas
 from moebench.tuning.space import DEFAULT_FP8_SPACE, DEFAULT_SPACE, Fp8Space, NeighbourSpace, TacticSpace, valid_tactics
-from moebench.tuning.table import ShapeClass, TuningTable
 from moebench.tuning.tuner import TuneResult, tune
 
-#: Working set of one timed replay, in L2 sizes (as the sweep).
-L2_MULTIPLE = 4
 #: Device memory share the rotated weight sets may take.
 MEMORY_FRACTION = 0.6
 LAYER_SEED_STRIDE = 1_000_003

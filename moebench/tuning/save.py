@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moebench.tuning.table import TableError, TuningTable, read_table, write_table
+from moebench.kernels.table import TableError, TuningTable, read_table
+from moebench.tuning.table import write_table
 
 
 @dataclass(frozen=True)

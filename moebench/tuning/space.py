@@ -9,9 +9,9 @@ one shape class and stage. The rules:
    H; no more K-splitting warps than 32-K chunks).
 2. Occupancy: `ctas_per_sm` CTAs of `warps` warps must fit one SM (at most
    MAX_WARPS_PER_SM resident warps).
-3. Shared memory: the fp32 partial sums of a CTA (tile_rows/16 * 128 *
-   warps * 2 parities * 4 bytes, plus 1 KiB of reserve) times `ctas_per_sm`
-   fit SMEM_PER_SM; one CTA at most SMEM_PER_CTA.
+3. Shared memory: the fp32 partial sums of a CTA (`partial_smem_bytes`,
+   plus SMEM_RESERVED_PER_CTA) times `ctas_per_sm` fit SMEM_PER_SM; one CTA
+   at most SMEM_PER_CTA (`kernels.limits`).
 4. Registers (pruning, not a hard limit: the compiler spills instead of
    failing): `estimated_registers` must fit the per-thread share of the
    register file at `ctas_per_sm` CTAs (min_blocks_per_mp), capped at 255.
@@ -29,34 +29,25 @@ measured in perf-notes v11 (F8_BULK_1 / F8_BULK_2) and their neighbours; the
 rules are `GemmTactic.valid_for` (shape, K chunks, shared memory) and rule 2
 (the BF16 kernels' register estimate and partial-sum model do not apply).
 
-`TACTICS_VERSION` names the meaning of the tactic fields; bump it when the
-kernel changes what a field does, so tuning tables written before are stale.
+A tactic's name is `GemmTactic.to_name` / `GemmTactic.from_name`.
 """
 
 from __future__ import annotations
 
 import itertools
-import re
 from dataclasses import dataclass, fields, replace
 
-from moebench.kernels.tactic import MAX_STAGES, MAX_WARPS, GemmShape, GemmTactic, default_fp8_tactic, default_tactic
+from moebench.kernels.limits import (
+    MAX_REGISTERS_PER_THREAD, MAX_WARPS_PER_SM, REGISTERS_PER_SM, SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED_PER_CTA,
+)  # fmt: skip
+from moebench.kernels.tactic import (
+    MAX_STAGES, MAX_WARPS, GemmShape, GemmTactic, default_fp8_tactic, default_tactic, partial_smem_bytes,
+)  # fmt: skip
 from moebench.record import MAX_ROWS, MAX_TOP_K, max_ctas
 
-#: Version of the tactic fields' meaning (tuning tables record it).
-TACTICS_VERSION = 1
-#: Resident warps per SM on Hopper.
-MAX_WARPS_PER_SM = 64
-#: Shared memory of one SM and the most one CTA may take (bytes, sm_90).
-SMEM_PER_SM = 228 * 1024
-SMEM_PER_CTA = 227 * 1024
-#: 32-bit registers per SM and per thread (sm_90).
-REGISTERS_PER_SM = 65536
-MAX_REGISTERS_PER_THREAD = 255
 #: Registers a lane needs besides its load buffers and accumulators
 #: (addresses, loop state, the decode and the activation fragments).
 REGISTER_OVERHEAD = 40
-
-_NAME = re.compile(r"^r(\d+)_m(\d+)_k(\d+)_u(\d+)_c(\d+)((?:_np)?)((?:_nopdl)?)(?:_s(\d+))?(?:_b(\d+))?(?:_cl(\d+))?((?:_sp)?)((?:_a16)?)((?:_f8)?)$")
 
 
 @dataclass(frozen=True)
@@ -392,11 +383,6 @@ FP8_SPACES = {"ship": Fp8Space(10), "quick": Fp8Space(16), "full": Fp8Space(48)}
 DEFAULT_FP8_SPACE = FP8_SPACES["quick"]
 
 
-def smem_bytes(tactic: GemmTactic) -> int:
-    """Shared memory of one CTA: fp32 partials [tile_rows/16 * 128][warps][2]."""
-    return (tactic.tile_rows // 16) * 128 * tactic.warps * 2 * 4
-
-
 def estimated_registers(tactic: GemmTactic) -> int:
     """Registers a lane needs, estimated: two stages of unroll * tile_rows/32
     16-byte weight loads (4 registers each), tile_rows/16 m-tiles of fp32
@@ -445,11 +431,12 @@ def why_invalid(
     if tactic.warps * tactic.ctas_per_sm > MAX_WARPS_PER_SM:
         return (f"{tactic.ctas_per_sm} CTAs of {tactic.warps} warps exceed {MAX_WARPS_PER_SM}"
                 " resident warps per SM")  # fmt: skip
-    smem = smem_bytes(tactic)
+    smem = partial_smem_bytes(tactic)
     if smem > SMEM_PER_CTA:
         return f"{smem} bytes of shared memory per CTA exceed {SMEM_PER_CTA}"
-    if (smem + 1024) * tactic.ctas_per_sm > SMEM_PER_SM:
-        return f"{tactic.ctas_per_sm} CTAs of {smem + 1024} shared-memory bytes exceed {SMEM_PER_SM} per SM"
+    if (smem + SMEM_RESERVED_PER_CTA) * tactic.ctas_per_sm > SMEM_PER_SM:
+        per_cta = smem + SMEM_RESERVED_PER_CTA
+        return f"{tactic.ctas_per_sm} CTAs of {per_cta} shared-memory bytes exceed {SMEM_PER_SM} per SM"
     if not prune:
         return None
     need, have = estimated_registers(tactic), register_budget(tactic)
@@ -525,28 +512,3 @@ def rejected_tactics(
         if reason:
             out[tactic.name] = reason
     return out
-
-
-def tactic_from_name(name: str) -> GemmTactic:
-    """The GemmTactic whose `.name` is `name` (e.g. 'r64_m1_k8_u4_c1',
-    'r32_m4_k1_u4_c4_np', '..._nopdl'). Raises ValueError naming the text when
-    it does not parse or makes an invalid tactic."""
-    if not isinstance(name, str):
-        raise TypeError(f"tactic name must be a str, got {type(name).__name__}")
-    match = _NAME.match(name.strip())
-    if not match:
-        raise ValueError(
-            f"cannot parse tactic name {name!r} (expected r<tile_rows>_m<warps_m>_k<warps_k>_u<unroll>"
-            "_c<ctas_per_sm>[_np][_nopdl][_s<split_k>][_b<stages>][_cl<cluster_k>][_sp][_a16|_f8], e.g. r64_m1_k8_u4_c1)"
-        )
-    t, m, k, u, c = (int(match[i]) for i in range(1, 6))
-    try:
-        tactic = GemmTactic(tile_rows=t, warps_m=m, warps_k=k, unroll=u, ctas_per_sm=c,
-                            persistent=not match[6], pdl=not match[7], split_k=int(match[8] or 1),
-                            stages=int(match[9] or 0), cluster_k=int(match[10] or 1), spec=bool(match[11]),
-                            act_bf16=bool(match[12]), fp8=bool(match[13]))  # fmt: skip
-    except (ValueError, TypeError) as error:
-        raise ValueError(f"tactic {name!r}: {error}") from error
-    if tactic.name != name.strip():  # one spelling per tactic: tables and reports compare names
-        raise ValueError(f"tactic name {name!r} is not in canonical form: write {tactic.name!r}")
-    return tactic

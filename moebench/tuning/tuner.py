@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from moebench.kernels.tactic import GemmTactic
-from moebench.tuning.table import TableEntry
+from moebench.kernels.table import TableEntry
 
 TimeFn = Callable[[GemmTactic, int], object]
 CheckFn = Callable[[GemmTactic, int], "str | None"]

@@ -11,7 +11,7 @@ from moebench.backends.moebench import MoebenchBackend
 from moebench.formats import generate_expert_weights
 from moebench.kernels.tactic import GemmTactic
 from moebench.models import get_preset
-from moebench.tuning.family import FamilyChoice
+from moebench.kernels.family import FamilyChoice
 
 SHAPE = get_preset("dsv41-flash").shard(4)
 #: dsv41-flash at H 32768 (TP1): no fp8 tactic fits (the staged activation tile outgrows shared memory).
@@ -100,8 +100,8 @@ def test_gpu_sweep_runs_each_family_by_name_and_says_which_ran():
     H200 the shipped tables make "default" the FP8 family)."""
     from moebench.bench.cases import SweepConfig
     from moebench.bench.sweep import run_sweep
-    from moebench.tuning.family import choose_family
-    from moebench.tuning.table import ShapeClass
+    from moebench.kernels.family import choose_family
+    from moebench.kernels.table import ShapeClass
 
     cfg = SweepConfig(presets=("dsv41-flash",), tp=(8,), rows=(1, 6), scenarios=("correlated",),
                       backends=("moebench",), tactics=("default", "builtin", "fp8", "bf16"), replays=10, warmup=2,

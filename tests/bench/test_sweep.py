@@ -122,7 +122,8 @@ def test_moebench_backend_offers_default_builtin_and_tuned(monkeypatch, tmp_path
     from moebench.backends.moebench import MoebenchBackend
     from moebench.kernels.tactic import default_tactic
     from moebench.models import get_preset
-    from moebench.tuning import table as tb
+    from moebench.kernels import table as tb
+    from moebench.tuning.table import write_table
 
     shape = get_preset("dsv41-flash").shard(4)
     backend = MoebenchBackend()
@@ -138,7 +139,7 @@ def test_moebench_backend_offers_default_builtin_and_tuned(monkeypatch, tmp_path
     assert "no tuning table E=384,H=5120,I=576,top_k=6,device_name=cpu" in why and str(tmp_path) in why
     t = default_tactic(shape, 1, 6)
     table = tb.TuningTable(tb.ShapeClass.of(shape), {"name": "cpu"}, {(1, 1): tb.TableEntry(t, 10.0, 9.0, 11.0)})
-    tb.write_table(table, tmp_path)
+    write_table(table, tmp_path)
     assert backend.tactic_unavailable_reason(shape, "tuned", "cpu") is None
 
 

@@ -16,7 +16,7 @@ from moebench.moe_output import UnfinalizedMoEOutput
 from moebench.record import max_ctas
 from moebench.reference import reference_moe
 from moebench.routing import RouterConfig, route
-from moebench.tuning.family import FamilyChoice
+from moebench.kernels.family import FamilyChoice
 
 #: hidden 256, per-rank intermediate 64 (TP2 of 128), padded to 128; 32 experts, top-4;
 #: the router folds 1.5.

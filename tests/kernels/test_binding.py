@@ -210,7 +210,8 @@ def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypat
     µs, one per layer), with no table the FP8 family's built-ins."""
     from moebench.backends.moebench import MoebenchBackend
     from moebench.kernels.tactic import GemmTactic
-    from moebench.tuning import table as tb
+    from moebench.kernels import table as tb
+    from moebench.tuning.table import write_table
 
     shape = get_preset("dsv41-flash", experts=64).shard(4)
     w = generate_expert_weights(shape, seed=5, device="cuda")
@@ -227,7 +228,7 @@ def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypat
     entry = tb.TableEntry(tuned, 10.0, 9.0, 11.0)
     name = torch.cuda.get_device_name(0)
     table = tb.TuningTable(tb.ShapeClass.of(shape), {"name": name, "sm_count": 132}, {(1, 6): entry})
-    path = tb.write_table(table, tmp_path)
+    path = write_table(table, tmp_path)
     tb.reset_log_once()
     gemm = binding.RoutedExpertGemm(w, shape.top_k)  # only the BF16 family has an entry: BF16 runs
     assert gemm.family == "bf16" and gemm.family_choice.source == "tables"
@@ -246,7 +247,7 @@ def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypat
     assert plain8.tactics == default.tactics
     table = tb.TuningTable(tb.ShapeClass.of(shape), {"name": name, "sm_count": 132}, {(1, 6): entry},
                            fp8_entries={(1, 4): tb.TableEntry(f8, 10.0, 9.0, 11.0)})
-    tb.write_table(table, tmp_path)  # the same device and the BF16 entry kept: replaces the first
+    write_table(table, tmp_path)  # the same device and the BF16 entry kept: replaces the first
     tb.reset_log_once()
     mixed = binding.RoutedExpertGemm(w, shape.top_k, fp8=False)
     assert mixed.tactics[1, 6] == gemm.tactics[1, 6] and mixed.tactics[1, 4] == plain.tactics[1, 4]
@@ -265,7 +266,7 @@ def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypat
     assert backend.kernel_tactics(prepared, 4).startswith(f"fp8 family (asked); gemm1 {f8.name} (table); gemm2 ")
     # a faster BF16 entry at rows 4 too: rows 4 timed by both, BF16 faster there and the only one at 6: BF16
     table.entries[1, 4] = tb.TableEntry(tuned, 5.0, 4.9, 5.1)
-    tb.write_table(table, tmp_path)
+    write_table(table, tmp_path)
     tb.reset_log_once()
     chosen = binding.RoutedExpertGemm(w, shape.top_k)
     assert chosen.family == "bf16" and chosen.family_choice.reason == "bf16 faster at rows 4, 6"
@@ -284,9 +285,9 @@ def test_the_default_binding_runs_the_tables_family_and_matches_the_oracle(prese
     `h_fp8_mismatch`; BF16: >= 99.9 %, `h_mismatch`), GEMM2's rows and the
     finalized rows each within 2e-2 and in norm within 1e-2. Inputs are fresh
     (seeds no other test uses), so a row left unwritten holds no answer."""
-    from moebench.tuning.family import choose_family
+    from moebench.kernels.family import choose_family
     from moebench.tuning.runner import h_fp8_mismatch, h_mismatch
-    from moebench.tuning.table import ShapeClass
+    from moebench.kernels.table import ShapeClass
 
     shape = get_preset(preset).shard(tp)
     w = generate_expert_weights(shape, seed=70 + tp, device="cuda")

@@ -9,7 +9,8 @@ from kernel_checks import compile_reports, sass_count
 
 from moebench.formats import dequantize_mxfp8, generate_activations, generate_expert_weights, quantize_mxfp8
 from moebench.kernels.fused import MAX_RESIDENT, FusedTactic, fused_smem_bytes, fused_workspace_bytes
-from moebench.kernels.tactic import SMEM_PER_CTA, GemmTactic
+from moebench.kernels.limits import SMEM_PER_CTA
+from moebench.kernels.tactic import GemmTactic
 from moebench.models import get_preset
 from moebench.record import TILE, build_route_record, max_ctas, route_words
 

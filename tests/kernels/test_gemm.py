@@ -629,9 +629,7 @@ def test_bulk_tactic_validation():
             default_tactic(GemmShape(7168, 512, 384), 1, **{"ctas": 4, **kw})
         with pytest.raises(ValueError, match="num_sms|ctas"):
             default_fp8_tactic(GemmShape(7168, 512, 384), 1, **{"ctas": 4, **kw})
-    from moebench.tuning.space import tactic_from_name
-
-    assert tactic_from_name("r64_m1_k8_u2_c2_b4") == GemmTactic(stages=4)
+    assert GemmTactic.from_name("r64_m1_k8_u2_c2_b4") == GemmTactic(stages=4)
 
 
 @pytest.mark.compile
@@ -723,17 +721,14 @@ def _kernel_act_decode_bits(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
 
 
 def test_act_bf16_tactic_name_and_serialization():
-    from moebench.tuning.space import tactic_from_name
-    from moebench.tuning.table import tactic_from_dict, tactic_to_dict
-
     t = GemmTactic(64, 1, 4, 4, 3, act_bf16=True)
     assert t.name == "r64_m1_k4_u4_c3_a16" and not GemmTactic().act_bf16
     for t in (*A16_1, *A16_2, GemmTactic(64, 1, 4, 4, 3, split_k=2, act_bf16=True)):
-        assert tactic_from_name(t.name) == t
-        assert tactic_from_dict(tactic_to_dict(t), "test") == t
-    old = tactic_to_dict(GemmTactic())
+        assert GemmTactic.from_name(t.name) == t
+        assert GemmTactic.from_fields(t.to_fields()) == t
+    old = GemmTactic().to_fields()
     del old["act_bf16"]  # tables written before the field: default False
-    assert tactic_from_dict(old, "test") == GemmTactic()
+    assert GemmTactic.from_fields(old) == GemmTactic()
     with pytest.raises(TypeError, match="act_bf16"):
         GemmTactic(act_bf16=1)
 
@@ -876,10 +871,9 @@ F8_BULK_2 = [GemmTactic(32, 4, 1, 3, 2, stages=4, fp8=True), GemmTactic(16, 4, 2
 
 def test_fp8_tactic_name_validity_and_default():
     from moebench.kernels.tactic import default_fp8_tactic
-    from moebench.tuning.space import tactic_from_name
 
     t = GemmTactic(32, 4, 2, 4, 2, fp8=True)
-    assert t.name == "r32_m4_k2_u4_c2_f8" and tactic_from_name(t.name) == t
+    assert t.name == "r32_m4_k2_u4_c2_f8" and GemmTactic.from_name(t.name) == t
     with pytest.raises(ValueError, match="excludes act_bf16"):
         GemmTactic(fp8=True, act_bf16=True)
     with pytest.raises(TypeError, match="fp8"):
@@ -1058,10 +1052,8 @@ SPEC_1 = [GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, spec=True),
 
 
 def test_spec_tactic_validation():
-    from moebench.tuning.space import tactic_from_name
-
     t = SPEC_1[0]
-    assert t.name == "r16_m4_k4_u4_c1_b4_sp_f8" and tactic_from_name(t.name) == t
+    assert t.name == "r16_m4_k4_u4_c1_b4_sp_f8" and GemmTactic.from_name(t.name) == t
     for bad in (dict(stages=0), dict(fp8=False, tile_rows=32), dict(pdl=False)):
         with pytest.raises(ValueError, match="spec"):
             GemmTactic(**{**dict(tile_rows=16, warps_m=4, warps_k=4, unroll=4, ctas_per_sm=1, stages=4,
@@ -1172,14 +1164,11 @@ CLUSTER_2 = [GemmTactic(32, 4, 1, 3, 2, stages=4, fp8=True, cluster_k=2)]
 
 def test_cluster_tactic_validation_name_and_table_fields():
     from moebench.kernels.tactic import cluster_landing_bytes
-    from moebench.tuning.space import tactic_from_name
-    from moebench.tuning.table import tactic_from_dict, tactic_to_dict
-
     t = CLUSTER_1[1]
-    assert t.name == "r16_m4_k4_u4_c1_b4_cl2_sp_f8" and tactic_from_name(t.name) == t
-    assert tactic_from_dict(tactic_to_dict(t), "test") == t and tactic_to_dict(t)["cluster_k"] == 2
+    assert t.name == "r16_m4_k4_u4_c1_b4_cl2_sp_f8" and GemmTactic.from_name(t.name) == t
+    assert GemmTactic.from_fields(t.to_fields()) == t and t.to_fields()["cluster_k"] == 2
     plain = GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True)
-    assert "cluster_k" not in tactic_to_dict(plain)  # the shipped tables' entries stay as they are
+    assert "cluster_k" not in plain.to_fields()  # the shipped tables' entries stay as they are
     assert cluster_landing_bytes(t) == 2 * 1 * 8 * 64 * 4 and cluster_landing_bytes(plain) == 0
     for bad in (dict(fp8=False, tile_rows=32), dict(stages=0), dict(cluster_k=9), dict(cluster_k=0)):
         with pytest.raises(ValueError, match="cluster_k"):

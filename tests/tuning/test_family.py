@@ -6,13 +6,15 @@ import logging
 
 import pytest
 
+from moebench.kernels import table as tb
+from moebench.kernels.family import (
+    BF16, FP8, RowsTimes, builtin_refusal, choose_family, resolve_family, rows_text, rows_times,
+)  # fmt: skip
+from moebench.kernels.table import ShapeClass, TableEntry, TuningTable
 from moebench.kernels.tactic import default_fp8_tactic, default_tactic
 from moebench.models import get_preset
-from moebench.tuning import table as tb
-from moebench.tuning.family import (
-    BF16, FP8, RowsTimes, builtin_refusal, choose_family, family_markdown, resolve_family, rows_text, rows_times,
-)  # fmt: skip
-from moebench.tuning.table import ShapeClass, TableEntry, TuningTable, write_table
+from moebench.tuning.family import family_markdown
+from moebench.tuning.table import write_table
 
 SHAPE = ShapeClass.of(get_preset("dsv41-flash").shard(4))  # E 384, H 5120, I 576, top_k 6
 DEVICE = "NVIDIA H200"
@@ -142,7 +144,7 @@ def test_where_the_fp8_built_ins_do_not_fit_bf16(tmp_path):
 def test_a_family_whose_built_ins_do_not_fit_is_not_chosen_from_the_tables(tmp_path, monkeypatch):
     """A row count without a table entry runs the built-in tactics: where one
     family's do not fit the shape, the other runs whatever the µs say."""
-    from moebench.tuning import family
+    from moebench.kernels import family
 
     write_table(make(bf16=every(20.0), fp8={1: (15.0, 15.0)}), tmp_path)
     real = family.builtin_refusal

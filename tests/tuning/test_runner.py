@@ -167,7 +167,7 @@ def test_tune_command_writes_tables_and_prints_the_gains(monkeypatch, tmp_path):
     from typer.testing import CliRunner
 
     from moebench.cli import app
-    from moebench.tuning.table import read_table
+    from moebench.kernels.table import read_table
 
     _stand_in_kernels(monkeypatch, wrong=lambda t: t.ctas_per_sm == 4)
     summary = tmp_path / "gains" / "tune-gains.md"
@@ -416,7 +416,7 @@ def test_tune_fp8_command_keeps_the_bf16_entries(monkeypatch, tmp_path):
     from typer.testing import CliRunner
 
     from moebench.cli import app
-    from moebench.tuning.table import read_table
+    from moebench.kernels.table import read_table
 
     _stand_in_kernels(monkeypatch, wrong=lambda t: False)
     small = [a if a != "256" else "512" for a in SMALL]  # H 512: room for the fp8 tactics' K split
@@ -438,7 +438,7 @@ def test_tune_fp8_command_keeps_the_bf16_entries(monkeypatch, tmp_path):
     records = json.loads(summary.with_suffix(".json").read_text())
     assert {r["family"] for r in records} == {"FP8"} and "| dsv41-flash | FP8 | 4 | 1 |" in summary.read_text()
     # which family each tuned shape class now runs by default, from both families' µs in the table
-    from moebench.tuning.family import choose_family
+    from moebench.kernels.family import choose_family
 
     runs = choose_family(table.device["name"], table.shape, search=[tmp_path / "tables"])
     assert runs.source == "tables" and [t.rows for t in runs.times if t.bf16_us and t.fp8_us] == [1, 4]

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 from moebench.kernels.tactic import default_fp8_tactic, default_tactic
 from moebench.models import get_preset
 from moebench.tuning.save import save_tables, untuned_rows
-from moebench.tuning.table import ShapeClass, TableEntry, TuningTable, read_table, write_table
+from moebench.kernels.table import ShapeClass, TableEntry, TuningTable, read_table
+from moebench.tuning.table import write_table
 
 SHAPE = ShapeClass.of(get_preset("dsv41-flash").shard(4))
 T1, T2 = (default_tactic(SHAPE.gemm_shape, s, 6) for s in (1, 2))

@@ -4,12 +4,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
+from moebench.kernels.limits import MAX_WARPS_PER_SM, SMEM_PER_SM, SMEM_RESERVED_PER_CTA
+from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, partial_smem_bytes
 from moebench.models import PRESETS, get_preset
 from moebench.record import max_ctas
 from moebench.tuning import space as sp
 from moebench.tuning.space import (
-    FULL_SPACE, QUICK_SPACE, TacticSpace, rejected_tactics, tactic_from_name, valid_tactics, why_invalid,
+    FULL_SPACE, QUICK_SPACE, TacticSpace, rejected_tactics, valid_tactics, why_invalid,
 )  # fmt: skip
 
 TP4 = GemmShape.of(get_preset("dsv41-flash").shard(4))  # H 5120, I 576, E 384
@@ -17,8 +18,8 @@ TP4 = GemmShape.of(get_preset("dsv41-flash").shard(4))  # H 5120, I 576, E 384
 
 def _hard_rules_hold(t: GemmTactic, shape, stage):
     assert t.valid_for(shape, stage) is None
-    assert t.warps * t.ctas_per_sm <= sp.MAX_WARPS_PER_SM
-    assert (sp.smem_bytes(t) + 1024) * t.ctas_per_sm <= sp.SMEM_PER_SM
+    assert t.warps * t.ctas_per_sm <= MAX_WARPS_PER_SM
+    assert (partial_smem_bytes(t) + SMEM_RESERVED_PER_CTA) * t.ctas_per_sm <= SMEM_PER_SM
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -53,7 +54,7 @@ def test_occupancy_and_shared_memory_rules():
     many = GemmTactic(tile_rows=32, warps_m=16, warps_k=1, unroll=1, ctas_per_sm=5)
     assert "resident warps per SM" in why_invalid(many, TP4, 2)
     big = GemmTactic(tile_rows=128, warps_m=1, warps_k=16, unroll=2, ctas_per_sm=2)  # 2 x 129 KiB
-    assert sp.smem_bytes(big) == 8 * 128 * 16 * 8
+    assert partial_smem_bytes(big) == 8 * 128 * 16 * 8
     assert "shared memory per CTA" in why_invalid(big, TP4, 1)  # valid_for says it first
     one = GemmTactic(tile_rows=128, warps_m=1, warps_k=16, unroll=2, ctas_per_sm=1)
     assert why_invalid(one, TP4, 1, prune=False) is None
@@ -86,13 +87,13 @@ def test_rejected_and_valid_partition_the_space():
 
 def test_names_round_trip_over_the_full_space():
     for t in FULL_SPACE.tactics() + [GemmTactic(pdl=False), GemmTactic(persistent=False, pdl=False)]:
-        assert tactic_from_name(t.name) == t
+        assert GemmTactic.from_name(t.name) == t
 
 
 @pytest.mark.parametrize("bad", ["", "r64", "r48_m1_k8_u4_c1", "r64_m1_k8_u4_c1_x", "r64_m8_k8_u4_c1"])
 def test_bad_names_raise_value_error(bad):
     with pytest.raises(ValueError, match="tactic"):
-        tactic_from_name(bad)
+        GemmTactic.from_name(bad)
 
 
 def test_bad_arguments():

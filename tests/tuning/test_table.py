@@ -2,17 +2,19 @@
 
 import json
 import logging
+import os
 
 import pytest
 
+from moebench.kernels import table as tb
+from moebench.kernels.table import (
+    ShapeClass, TableConflict, TableEntry, TableError, TuningTable, load_tactic, normalize_device_name,
+    read_table, table_file_name,
+)  # fmt: skip
 from moebench.kernels.tactic import GemmTactic, default_fp8_tactic, default_tactic
 from moebench.models import get_preset
 from moebench.record import max_ctas
-from moebench.tuning import table as tb
-from moebench.tuning.table import (
-    ShapeClass, TableConflict, TableEntry, TableError, TuningTable, load_tactic, normalize_device_name,
-    read_table, table_file_name, write_table,
-)  # fmt: skip
+from moebench.tuning.table import verify_tables, write_table
 
 SHAPE = ShapeClass.of(get_preset("dsv41-flash").shard(4))  # E 384, H 5120, I 576, top_k 6
 NAME = "E=384,H=5120,I=576,top_k=6,device_name=NVIDIA_H200,dtype=mxfp4.json"
@@ -87,13 +89,13 @@ def test_atomic_write_leaves_no_partial_file(tmp_path, monkeypatch):
     def crash(fd):
         raise OSError("disk gone mid-write")
 
-    monkeypatch.setattr(tb.os, "fsync", crash)
+    monkeypatch.setattr(os, "fsync", crash)
     with pytest.raises(OSError, match="mid-write"):
         write_table(make_table(), tmp_path)
     assert [p.name for p in tmp_path.iterdir()] == [NAME] and old.read_text() == before
 
     monkeypatch.undo()
-    monkeypatch.setattr(tb.os, "replace", lambda a, b: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(os, "replace", lambda a, b: (_ for _ in ()).throw(KeyboardInterrupt()))
     fresh = tmp_path / "fresh"
     with pytest.raises(KeyboardInterrupt):
         write_table(make_table(), fresh)
@@ -310,7 +312,7 @@ def test_both_families_round_trip(tmp_path):
     back = read_table(path)
     assert back.entries == t.entries and back.fp8_entries == t.fp8_entries and back.schema == 2
     assert back.entry(1, 6, fp8=True).tactic == F1 and back.entry(1, 6).tactic == T1
-    assert tb.verify_tables(tmp_path) == []
+    assert verify_tables(tmp_path) == []
 
 
 def test_a_table_without_fp8_entries_stays_schema_1_and_old_tables_read(tmp_path):
@@ -373,7 +375,7 @@ def test_each_family_holds_only_its_tactics(tmp_path):
         TuningTable(SHAPE, {"name": "NVIDIA H200"}, fp8_entries={(3, 1): fp8_entry()})
     bad = tmp_path / NAME
     for mutate, needle in [
-        (lambda d: d["fp8"]["gemm1"]["2"].update(tactic=tb.tactic_to_dict(T1)),
+        (lambda d: d["fp8"]["gemm1"]["2"].update(tactic=T1.to_fields()),
          r"fp8\.gemm1\[2\]\.tactic: r64_m1_k4_u2_c2 is not an fp8 tactic"),
         (lambda d: d["gemm2"].update({"5": d["fp8"]["gemm2"]["5"]}), r"gemm2\[5\]\.tactic: .*_f8 is an fp8 tactic"),
         (lambda d: d.update(fp8=[]), "fp8 must be an object"),

@@ -7,7 +7,8 @@ import pytest
 from moebench.bench.timing import Timing
 from moebench.kernels.tactic import GemmTactic
 from moebench.models import get_preset
-from moebench.tuning.table import ShapeClass, TableEntry, TuningTable, read_table, write_table
+from moebench.kernels.table import ShapeClass, TableEntry, TuningTable, read_table
+from moebench.tuning.table import write_table
 from moebench.tuning.tuner import tune
 
 SHAPE = get_preset("dsv41-flash").shard(4)
