@@ -21,7 +21,12 @@ GEMM tactics come from):
 - "bf16" = the BF16 family (weights decoded to BF16 for mma.sync: the
   table's BF16 entries, else the built-in BF16 tactics), skipped where its
   built-in tactics do not fit; `sweep --tactics fp8,bf16` compares the two
-  families per layer call.
+  families per layer call;
+- "fused" = "fp8" with GEMM1 and GEMM2 in one launch (the fused layer,
+  `kernels.fused`, v24) at every row count where its built-in fused tactic
+  fits; `sweep --tactics fp8,fused` compares it with the pair. Its stage
+  columns are the route and the finalize (the fused launch has no GEMM1 or
+  GEMM2 alone: routed_us holds route + the fused launch).
 The `kernel_tactics` column (sweep and step) names the family that ran and
 how it was chosen, then each GEMM's tactic and its source.
 """
@@ -58,19 +63,20 @@ class MoebenchBackend(Backend):
     TUNED = "tuned"
     FP8 = "fp8"
     BF16 = "bf16"
+    FUSED = "fused"
 
     def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
-        return (DEFAULT_TACTIC, self.BUILTIN, self.TUNED, self.FP8, self.BF16)
+        return (DEFAULT_TACTIC, self.BUILTIN, self.TUNED, self.FP8, self.BF16, self.FUSED)
 
     def tactic_unavailable_reason(self, shape: RankShape, tactic: str, device: torch.device | str) -> str | None:
         """For "tuned": why no tuning table covers `device` and `shape`
         (naming the file and where it was looked for); for "fp8" / "bf16":
         why that family's built-in tactics do not fit the shape (a row count
         without a table entry could not run); else None."""
-        if tactic in (self.FP8, self.BF16):
+        if tactic in (self.FP8, self.BF16, self.FUSED):
             from moebench.kernels.family import builtin_refusal
 
-            return builtin_refusal(shape, shape.top_k, tactic == self.FP8)
+            return builtin_refusal(shape, shape.top_k, tactic != self.BF16)
         if tactic != self.TUNED:
             return None
         from moebench.kernels.table import ShapeClass, default_search_dirs, find_table, table_file_name
@@ -114,8 +120,8 @@ class MoebenchBackend(Backend):
         self.check_tactic(shape, tactic)
         check_weights(weights, shape)
         compile_finalize_kernel(False)  # compile now, not inside a graph capture
-        if tactic in (self.FP8, self.BF16):  # tactics=None: that family's table entries, else its built-ins
-            return RoutedExpertGemm(weights, shape.top_k, None, fp8=tactic == self.FP8)
+        if tactic in (self.FP8, self.BF16, self.FUSED):  # tactics=None: the family's table entries, else built-ins
+            return RoutedExpertGemm(weights, shape.top_k, None, fp8=tactic != self.BF16, fused=tactic == self.FUSED)
         # fp8=None: the family the tables choose ({}: the built-in rule and tactics, tables ignored)
         return RoutedExpertGemm(weights, shape.top_k, {} if tactic == self.BUILTIN else None)
 
@@ -129,6 +135,9 @@ class MoebenchBackend(Backend):
         family = "fp8" if prepared.tactics[1, rows].fp8 else "bf16"
         choice = getattr(prepared, "family_choice", None)
         parts = [f"{family} family" + (f" ({choice.source})" if choice is not None else "")]
+        fused = getattr(prepared, "fused_tactics", {}).get(rows)
+        if fused is not None:
+            return "; ".join([*parts, f"fused {fused.name} (built-in)"])
         for stage in (1, 2):
             source = prepared.tactic_sources[stage, rows]
             parts.append(f"gemm{stage} {prepared.tactics[stage, rows].name}"
@@ -150,6 +159,12 @@ class MoebenchBackend(Backend):
 
         check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.kw.device)
         routing = prepared.route(x, topk_ids, topk_weights, inputs_ready=INPUTS_READY)
+        if getattr(prepared, "fused_tactics", {}).get(x.shape[0]) is not None:  # one launch: no GEMM stages alone
+            routed = prepared.gemms(routing)
+            return [
+                ("route", lambda: prepared.route(x, topk_ids, topk_weights, inputs_ready=INPUTS_READY)),
+                ("finalize", lambda: finalize(routed)),
+            ]
         # (an act_bf16 tactic's H lives in the layer's buffers, which the gemm1 call
         # below rewrites with the same bytes; a copy would make gemm2 dequantize H itself)
         h = prepared.gemm1(routing)

@@ -30,6 +30,7 @@ import torch
 
 from moebench.formats import ExpertWeights
 from moebench.kernels import front as _front
+from moebench.kernels import fused as _fused
 from moebench.kernels import gemm as _gemm
 from moebench.kernels import route as _route
 from moebench.kernels.family import FamilyChoice, resolve_family
@@ -158,6 +159,11 @@ class RoutedExpertGemm:
     stage); a non-bool, non-None fp8 is a TypeError. `fp8` (bool) /
     `family` ("fp8" / "bf16") say which family the layer runs,
     `family_choice` (a `FamilyChoice`) how it was chosen and why.
+    fused (default False): `gemms` runs GEMM1 and GEMM2 as one launch (the
+    fused layer, `kernels.fused`, v24) at every row count where the built-in
+    fused tactic fits (`fused_tactics[rows]`; None: the pair), with the
+    layer's own zeroed counters (`fused_workspace`); needs the FP8 family
+    (ValueError otherwise). `gemm1` / `gemm2` stay the pair.
     """
 
     def __init__(
@@ -168,16 +174,22 @@ class RoutedExpertGemm:
         workspace: torch.Tensor | None = None,
         act_bf16: bool = True,
         fp8: bool | None = None,
+        fused: bool = False,
     ) -> None:
         check_weights(weights, top_k)
         if not isinstance(act_bf16, bool):
             raise TypeError(f"act_bf16 must be a bool, got {type(act_bf16).__name__}")
+        if not isinstance(fused, bool):
+            raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
         props = torch.cuda.get_device_properties(weights.w13.device)
         sms = props.multi_processor_count
         # the family first: it decides the weight layout (tactics and fp8 are checked there)
         self.family_choice: FamilyChoice = resolve_family(fp8, tactics, props.name, GemmShape.of(weights),
                                                           top_k=top_k, num_sms=sms)  # fmt: skip
         fp8 = self.family_choice.fp8
+        if fused and not fp8:
+            raise ValueError(f"fused=True needs the FP8 family; this layer runs {self.family_choice.family}"
+                             f" ({self.family_choice.source}): pass fp8=True")
         self.source = weights
         self.top_k = top_k
         self.fp8 = fp8
@@ -266,6 +278,16 @@ class RoutedExpertGemm:
             _route.compile_route_kernel(quantize=True, deq=True)
         if any(t.spec for (stage, _), t in self.tactics.items() if stage == 1):
             _route.compile_route_kernel(quantize=True, release_after_wait=True)  # `route` before a spec GEMM1
+        # the fused layer: one built-in fused tactic per row count where one fits, its counters
+        self.fused_tactics: dict[int, _fused.FusedTactic | None] = {}
+        self.fused_workspace: torch.Tensor | None = None
+        if fused:
+            for rows in range(1, MAX_ROWS + 1):
+                self.fused_tactics[rows] = _fused.default_fused_tactic(shape, max_ctas(rows, top_k, self.experts), sms)
+            most = max(max_ctas(r, top_k, self.experts) for r in range(1, MAX_ROWS + 1))
+            self.fused_workspace = _gemm.alloc_workspace(_fused.fused_workspace_bytes(most), self.kw.device)
+            for ft in set(t for t in self.fused_tactics.values() if t is not None):
+                _fused.compile_fused(shape, ft, scale_flag)
         for (stage, _), tactic in self.tactics.items():
             _gemm.compile_gemm(shape, tactic, stage, scale_flag)
             if tactic.spec:  # the front's routing runs its plain twin (`gemm1`: the ids come with the record)
@@ -474,8 +496,19 @@ class RoutedExpertGemm:
         return UnfinalizedMoEOutput(out, routing.topk_weights, routing.permuted)
 
     def gemms(self, routing: Routing) -> UnfinalizedMoEOutput:
-        """GEMM1 then GEMM2, right after the kernel that built `routing`."""
-        return self.gemm2(routing, *self.gemm1(routing))
+        """GEMM1 then GEMM2, right after the kernel that built `routing`: one
+        fused launch where the layer has a fused tactic for these rows, else the pair."""
+        _check_routing(routing)
+        ft = self.fused_tactics.get(routing.x_quant.shape[0])
+        if ft is None:
+            return self.gemm2(routing, *self.gemm1(routing))
+        n, device = TILE * routing.ctas, routing.x_quant.device
+        h_q = torch.empty(n, self.kw.intermediate, dtype=torch.uint8, device=device)
+        h_scale = torch.empty(n, self.kw.intermediate // 32, dtype=torch.uint8, device=device)
+        out = torch.empty(n, self.hidden, dtype=torch.bfloat16, device=device)
+        _fused.fused_layer(self.kw, routing.x_quant, routing.x_scale, routing.record, routing.ctas, h_q, h_scale,
+                           out, tactic=ft, workspace=self.fused_workspace)
+        return UnfinalizedMoEOutput(out, routing.topk_weights, routing.permuted)
 
 
 def build_routed_expert_gemms(

@@ -102,6 +102,35 @@ class FusedTactic:
         return None
 
 
+#: The built-in fused tactics' candidates, 16 warps each (one CTA per SM): GEMM1 64-row items of
+#: four warpgroups splitting K (unroll 4, then 2 where K's chunks ask for it); GEMM2 128-row items
+#: (K split in two) else 256-row items, unroll 4 down to 1 (the first whose steps divide I / 32).
+_FUSED_GEMM1 = tuple(GemmTactic(16, 4, 4, u, 1, stages=4, fp8=True) for u in (4, 2, 1))
+_FUSED_GEMM2 = tuple(GemmTactic(16, m, 16 // m, u, 1, stages=4, fp8=True) for m in (8, 16) for u in (4, 3, 2, 1))
+
+
+def default_fused_tactic(shape, ctas: int, num_sms: int = 132) -> FusedTactic | None:
+    """The built-in fused tactic for `ctas` token tiles (the most a row count
+    can need) on `num_sms` SMs, or None when no candidate runs the shape: the
+    first valid GEMM1 / GEMM2 of `_FUSED_GEMM1` / `_FUSED_GEMM2`, with as many
+    resident GEMM2 units as the busiest CTA takes at `ctas` tiles, or as fit."""
+    s = GemmShape.of(shape)
+    if not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1:
+        raise ValueError(f"ctas must be a positive int, got {ctas!r}")
+    g1 = next((t for t in _FUSED_GEMM1 if t.valid_for(s, 1) is None), None)
+    g2 = next((t for t in _FUSED_GEMM2 if t.valid_for(s, 2) is None), None)
+    if g1 is None or g2 is None:
+        return None
+    units1 = ctas * (2 * s.intermediate // g1.item_rows)
+    units2 = ctas * (s.hidden // g2.item_rows)
+    grid = max(1, min(max(units1, units2), num_sms))
+    for resident in range(min(-(-units2 // grid), MAX_RESIDENT), -1, -1):
+        ft = FusedTactic(g1, g2, resident)
+        if ft.why_invalid(s) is None:
+            return ft
+    return None
+
+
 def _stage_words(t: GemmTactic, k: int) -> tuple[int, int]:
     """(words of one bulk stage, stages per item) of tactic t over K = k (as StreamingGemmKernel)."""
     ks = t.unroll * t.warps_k

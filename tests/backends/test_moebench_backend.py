@@ -20,7 +20,7 @@ WIDE = get_preset("dsv41-flash", hidden=32768).shard(1)
 
 def test_tactic_names_and_the_error_for_others():
     backend = MoebenchBackend()
-    assert backend.valid_tactics(SHAPE) == ("default", "builtin", "tuned", "fp8", "bf16")
+    assert backend.valid_tactics(SHAPE) == ("default", "builtin", "tuned", "fp8", "bf16", "fused")
     for name in backend.valid_tactics(SHAPE):
         backend.check_tactic(SHAPE, name)
     for bad in ("BF16", "fp16", "", "f8"):
@@ -30,10 +30,11 @@ def test_tactic_names_and_the_error_for_others():
 
 def test_family_tactics_are_skipped_where_their_built_ins_do_not_fit():
     backend = MoebenchBackend()
-    for name in ("default", "builtin", "fp8", "bf16"):
+    for name in ("default", "builtin", "fp8", "bf16", "fused"):
         assert backend.tactic_unavailable_reason(SHAPE, name, "cpu") is None, name
-    why = backend.tactic_unavailable_reason(WIDE, "fp8", "cpu")
-    assert why is not None and "no fp8 GEMM1 tactic" in why and "shared memory" in why
+    for name in ("fp8", "fused"):  # the fused layer runs the FP8 family
+        why = backend.tactic_unavailable_reason(WIDE, name, "cpu")
+        assert why is not None and "no fp8 GEMM1 tactic" in why and "shared memory" in why
     assert backend.tactic_unavailable_reason(WIDE, "bf16", "cpu") is None
 
 
@@ -55,8 +56,9 @@ def recorded(monkeypatch):
     ("default", (None, {})),  # fp8=None: the family the tables choose
     ("tuned", (None, {})),
     ("builtin", ({}, {})),  # the built-in rule and tactics, tables ignored
-    ("fp8", (None, {"fp8": True})),
-    ("bf16", (None, {"fp8": False})),
+    ("fp8", (None, {"fp8": True, "fused": False})),
+    ("bf16", (None, {"fp8": False, "fused": False})),
+    ("fused", (None, {"fp8": True, "fused": True})),  # GEMM1 + GEMM2 in one launch where it fits
 ])  # fmt: skip
 def test_prepare_binds_each_tactic_name_to_its_family(recorded, tactic, want):
     shape = get_preset("dsv41-flash", hidden=256, intermediate=512, experts=32).shard(2)
