@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from integration_checks import TINY, FakeRoutedExpertGemm
+from integration_checks import TINY, FakeRoutedExpertGemm, build_reference_layer
 from moebench.formats import generate_activations, generate_expert_weights
 from moebench.integration.protocol import (
     DeferralConfig, MoERunner, RoutedExperts, Router, is_moe_runner,
 )  # fmt: skip
-from moebench.integration.reference_layer import ReferenceMoEConfig, build_reference_layer
+from moebench.integration.reference_layer import ReferenceMoEConfig
 from moebench.integration.step import (
     MoEStep, bind_front, build_moe_steps, current_weights, deferred_finalize, defers_finalize, front_applies,
     front_config, front_refusal,
