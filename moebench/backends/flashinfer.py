@@ -17,8 +17,8 @@ with a preallocated workspace.
   (`flashinfer/data/aot/fused_moe_90/MODULE` names the reduced build).
 
 prepare (one time, on the GPU): fc1 halves swapped to [up; gate], weights
-interleaved by FlashInfer's own kernel, scales folded (layouts.py holds
-tested torch equivalents), clamp passed as `swiglu_limit` [E] fp32; the
+interleaved by FlashInfer's own kernel, scales folded (the tests check them
+against a bit-exact torch model, tests/backends/sm90_layouts.py), clamp passed as `swiglu_limit` [E] fp32; the
 intermediate stays padded to a multiple of 128 (the scale fold needs it).
 Top-k weights arrive final (routed_scaling_factor folded by the router).
 

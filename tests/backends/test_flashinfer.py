@@ -24,9 +24,9 @@ import torch
 from baseline_checks import (
     EXPERTS, TINY, baseline_cases, hot_tiny_routing, tiny_expert_alone_error, tiny_weights,
 )
+import sm90_layouts as L
 
 from moebench.backends import flashinfer as fi_backend
-from moebench.backends import layouts as L
 from moebench.formats import generate_activations, generate_expert_weights
 from moebench.models import get_preset
 from moebench.reference import reference_moe, relative_error
