@@ -52,10 +52,6 @@ class DeviceInfo:
     memory_bytes: int | None
     driver: str | None
 
-    @property
-    def is_sm90(self) -> bool:
-        return self.kind == "cuda" and self.capability is not None and self.capability.startswith("9.")
-
 
 #: Device strings moebench takes: cpu, cuda, cuda:N.
 _DEVICE = re.compile(r"^(cpu|cuda)(:\d+)?$")

@@ -70,10 +70,6 @@ class RouteRecord:
         return int(self.record[0])
 
     @property
-    def valid_slots(self) -> int:
-        return int(self.record[1])
-
-    @property
     def tile_expert(self) -> torch.Tensor:
         """int32 [cta_words(ctas)], -1 for unused tiles."""
         w = cta_words(self.ctas)

@@ -21,7 +21,9 @@
 #          them) are dropped when the tarball would exceed LIMIT (30000000) bytes
 #
 # Env: BUILD (default .flashinfer-build, must be git-ignored), MAX_JOBS (2),
-#      ONLY=w4a16 (build stops after the W4A16 module), NICE (19).
+#      ONLY=w4a16 (build stops after the W4A16 module), NICE (19),
+#      UNPACK_SH (the workplace's unpack.sh, copied to .bundles/unpack.sh by
+#      pack when set; it lives outside this repository).
 # Background use:  nohup nice -n 19 scripts/build_flashinfer_bundle.sh all \
 #                    > .flashinfer-build/build.log 2>&1 &
 # Don't set LD_BIND_NOW on the host: the reduced module leaves the dropped
@@ -207,7 +209,12 @@ pack_once() {
   mkdir -p "$ROOT/.bundles"
   tar -C "$stage/trimmed" -cf - site wheels | xz --x86 --lzma2=preset=9e -T1 > "$ROOT/.bundles/flashinfer.tar.xz.tmp"
   mv "$ROOT/.bundles/flashinfer.tar.xz.tmp" "$ROOT/.bundles/flashinfer.tar.xz"
-  cp -p /work/shared/device/unpack.sh "$ROOT/.bundles/unpack.sh" 2>/dev/null || true
+  if [ -n "${UNPACK_SH:-}" ]; then
+    [ -f "$UNPACK_SH" ] || { echo "UNPACK_SH '$UNPACK_SH' is not a file" >&2; exit 2; }
+    cp -p "$UNPACK_SH" "$ROOT/.bundles/unpack.sh"
+  elif [ ! -f "$ROOT/.bundles/unpack.sh" ]; then
+    stamp "no .bundles/unpack.sh: set UNPACK_SH=<the workplace's unpack.sh> to copy it there"
+  fi
   stamp "wrote .bundles/flashinfer.tar.xz $(stat -c %s "$ROOT/.bundles/flashinfer.tar.xz") bytes"
 }
 

@@ -5,10 +5,12 @@
 e.g. dsv41-flash:4:1:r64_m1_k4_u4_c3 dsv41-flash:4:1:r64_m1_k4_u4_c3_a16. One JSON line
 per kernel: registers, spills, HMMA count and the ALU-pipe instructions
 (LOP3, SHF, PRMT, LEA, IMAD, ISETP, SEL, ...) between the first and last HMMA
-(the loop body), per HMMA (or QGMMA: the fp8 wgmma tactics) (docs/perf-notes.md v4-v7). SASS kept in /tmp/a16.
+(the loop body), per HMMA (or QGMMA: the fp8 wgmma tactics) (docs/perf-notes.md v4-v7). SASS kept in
+$SASS_OUT (default: moebench_sass_out in the system's temporary folder).
 """
 import glob, json, os, re, sys, tempfile, collections
 dump = tempfile.mkdtemp(prefix="moebench_sass_")
+keep = os.environ.get("SASS_OUT") or os.path.join(tempfile.gettempdir(), "moebench_sass_out")
 os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,sass", CUTE_DSL_DUMP_DIR=dump,
                   CUTE_DSL_COMPILER_OPT="remarks{ptx}")
 from moebench.kernels.gemm import compile_gemm
@@ -28,7 +30,7 @@ for spec in sys.argv[1:]:
     log = os.read(r, 1 << 22).decode(errors="replace"); os.close(r)
     files = glob.glob(os.path.join(dump, "*.sass"))
     sass = "".join(open(f).read() for f in files)
-    os.makedirs("/tmp/a16", exist_ok=True); open(f"/tmp/a16/{preset}_{tp}_{stage}_{name}.sass", "w").write(sass)
+    os.makedirs(keep, exist_ok=True); open(os.path.join(keep, f"{preset}_{tp}_{stage}_{name}.sass"), "w").write(sass)
     spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
     regs = [int(x) for x in re.findall(r"Used (\d+) registers", log)]
     lines = [l for l in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/", l)]

@@ -5,7 +5,7 @@ from moebench.env import device_info, environment, git_commit, package_versions,
 
 def test_cpu_environment(monkeypatch):
     info = device_info("cpu")
-    assert info.kind == "cpu" and info.sm_count >= 1 and not info.is_sm90
+    assert info.kind == "cpu" and info.sm_count >= 1 and info.capability is None
     env = environment("cpu")
     assert env["device"]["kind"] == "cpu" and env["packages"]["torch"]
     monkeypatch.setenv("MOEBENCH_COMMIT", "deadbeef")

@@ -113,7 +113,7 @@ def check_properties(rec: RouteRecord, ids: torch.Tensor, experts: int) -> None:
     r = rec.record.tolist()
     used, valid = r[0], r[1]
     assert r[2:4] == [rows, top_k]
-    assert used == rec.tiles_used and valid == rec.valid_slots
+    assert used == rec.tiles_used and valid == int(rec.record[1])  # header: valid slots
     assert used <= ctas
     tile_expert = r[4 : 4 + w]
     tile_valid = r[4 + w : 4 + 2 * w]
@@ -215,7 +215,7 @@ def test_builder_zero_rows_and_all_nonlocal():
     assert rec.ctas == 0 and rec.record.tolist() == [0, 0, 0, 6] and rec.permuted.shape == (0, 6)
     ids = torch.tensor([[-1, 5, 9]] * 4)
     rec = build_route_record(ids, 5)  # 5 and 9 are outside [0, 5)
-    assert rec.tiles_used == 0 and rec.valid_slots == 0
+    assert rec.tiles_used == 0 and int(rec.record[1]) == 0
     assert rec.permuted.tolist() == [[-1] * 3] * 4
     check_properties(rec, ids, 5)
 

@@ -27,9 +27,6 @@ import torch
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
 
-#: Oracle families (reference.py `activation`): which fp64 oracle a backend's
-#: numerics are held to.
-ORACLES = ("mxfp8", "bf16", "fp8_token")
 DEFAULT_TACTIC = "default"
 #: Relative Frobenius error vs its oracle a backend's finalized output may
 #: have, per oracle family (docs/baselines.md "Tolerances"): 1e-2 for the
@@ -54,7 +51,8 @@ class BackendUnavailable(RuntimeError):
 class Backend(abc.ABC):
     """One MoE path behind the common interface.
 
-    Class attributes: `name` (registry name), `oracle` (one of ORACLES),
+    Class attributes: `name` (registry name), `oracle` (the fp64 oracle family
+    its numerics are held to: one of reference.ACTIVATIONS),
     `capturable` (whether `forward` may be captured in a CUDA graph; False
     makes the bench time eager calls between device events instead), `peer`
     (True, the default: a path of another project, measured beside ours; a

@@ -17,10 +17,18 @@ with a preallocated workspace.
   (`flashinfer/data/aot/fused_moe_90/MODULE` names the reduced build).
 
 prepare (one time, on the GPU): fc1 halves swapped to [up; gate], weights
-interleaved by FlashInfer's own kernel, scales folded (layouts.py holds
-tested torch equivalents), clamp passed as `swiglu_limit` [E] fp32; the
+interleaved by FlashInfer's own kernel, scales folded (the tests check them
+against a bit-exact torch model, tests/backends/sm90_layouts.py), clamp passed as `swiglu_limit` [E] fp32; the
 intermediate stays padded to a multiple of 128 (the scale fold needs it).
 Top-k weights arrive final (routed_scaling_factor folded by the router).
+
+Output contract (`moe_output`): `forward` hands back FlashInfer's finalized
+output through `convert_flashinfer_moe_output` (which checks that the op
+wrote the preallocated buffer); `forward_unfinalized` leaves the top-k
+reduction open: it runs the same op over one row per route (each route
+routed alone to its expert with weight 1), so the op's output is the
+unweighted route-major GEMM2 rows, and wraps them with
+`route_major_moe_output` for `moe_output.finalize` (or a fused consumer).
 
 Tactics: FlashInfer's autotuner picks a (GEMM1, GEMM2) tactic pair per row
 count, tuned on the first forward of that row count (outside CUDA-graph
@@ -48,13 +56,13 @@ from moebench.backends.base import (
     DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, require_runnable, sm90_reason,
 )
 from moebench.backends.layouts import swap_halves
-from moebench.traffic import mxfp4_bytes, touched_bytes
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
+from moebench.moe_output import UnfinalizedMoEOutput, convert_flashinfer_moe_output, route_major_moe_output
+from moebench.traffic import mxfp4_bytes, touched_bytes
 
-#: The FlashInfer release these adapters were written and checked against.
-FLASHINFER_VERSION = "0.7.2.post1"
-#: Largest row count a prepared layer serves (the workspace is sized for it).
+#: Largest row count a prepared layer serves (the workspace is sized for it,
+#: and for the MAX_ROWS * top_k route rows of `forward_unfinalized`).
 MAX_ROWS = 8
 #: Set to 1 to let FlashInfer JIT-build fused_moe_90 when no AOT module is
 #: installed (~1 h on 16 cores for the full module): off by default.
@@ -115,6 +123,7 @@ class FlashInferPrepared:
     top_k: int
     humming: bool
     outputs: dict = field(default_factory=dict)   # rows -> bf16 [rows, H]
+    route_outputs: dict = field(default_factory=dict)   # routes -> bf16 [routes, H] (forward_unfinalized)
     tactics: dict = field(default_factory=dict)   # (rows, top_k) -> (gemm1 tactic, gemm2 tactic)
 
     @property
@@ -205,10 +214,13 @@ class _FlashInferBackend(Backend):
                 interleave_moe_scales_for_sm90_mixed_gemm(s2).view(torch.int32),
             ]
         del w13, s13
-        size = cutlass_fused_moe_workspace_size(
-            MAX_ROWS, shape.hidden, shape.padded_intermediate, shape.experts, shape.top_k,
-            x_dtype=torch.bfloat16, weight_dtype=torch.uint8, device=dev, **self._flags(),
-        )
+        size = max(  # the finalized call (MAX_ROWS tokens, top_k) and the route-major one (one expert per row)
+            cutlass_fused_moe_workspace_size(
+                tokens, shape.hidden, shape.padded_intermediate, shape.experts, top_k,
+                x_dtype=torch.bfloat16, weight_dtype=torch.uint8, device=dev, **self._flags(),
+            )
+            for tokens, top_k in ((MAX_ROWS, shape.top_k), (MAX_ROWS * shape.top_k, 1))
+        )  # fmt: skip
         return FlashInferPrepared(
             fc1=fc1, fc2=fc2, quant_scales=quant_scales,
             swiglu_limit=weights.clamp.to(device=dev, dtype=torch.float32).contiguous(),
@@ -217,19 +229,32 @@ class _FlashInferBackend(Backend):
         )  # fmt: skip
 
     # -- per call -------------------------------------------------------------------------
-    def _call(self, p: FlashInferPrepared, x, topk_ids, topk_weights, out, profile_ids):
+    def _call(self, p: FlashInferPrepared, x, topk_ids, topk_weights, out, profile_ids) -> torch.Tensor:
+        """One cutlass_fused_moe into `out`; returns its finalized output
+        (`convert_flashinfer_moe_output`: FlashInfer returns `out` itself, or
+        a list that starts with it and may carry the op's side outputs). A
+        call with one expert per row is `forward_unfinalized`'s route-major
+        call: its row bound is MAX_ROWS * top_k."""
         from flashinfer.fused_moe import cutlass_fused_moe
 
-        cutlass_fused_moe(
+        route_major = topk_ids.shape[1] == 1 < p.top_k
+        result = cutlass_fused_moe(
             x, topk_ids, topk_weights, p.fc1, p.fc2, torch.bfloat16,
             quant_scales=p.quant_scales, swiglu_limit=p.swiglu_limit, output=out,
-            workspace_buffer=p.workspace, tune_max_num_tokens=MAX_ROWS,
+            workspace_buffer=p.workspace, tune_max_num_tokens=MAX_ROWS * p.top_k if route_major else MAX_ROWS,
             profile_ids=profile_ids, **self._flags(),
         )  # fmt: skip
+        if isinstance(result, (list, tuple)):
+            result = result[:1] or [out]  # a release that returns nothing wrote `output=` only
+        return convert_flashinfer_moe_output(
+            out if result is None else result, do_finalize=True, num_tokens=x.shape[0],
+            top_k=topk_ids.shape[1], finalized_output=out,
+        )  # fmt: skip
 
-    def tune(self, prepared: FlashInferPrepared, x, topk_ids, topk_weights) -> tuple[int, int]:
+    def tune(self, prepared: FlashInferPrepared, x, topk_ids, topk_weights, out=None) -> tuple[int, int]:
         """Run FlashInfer's autotuner for x's row count (not inside a graph
-        capture) and pin the winning (gemm1, gemm2) tactics; returns them."""
+        capture) and pin the winning (gemm1, gemm2) tactics; returns them.
+        out: the output buffer of the call (default `prepared`'s for x's rows)."""
         from flashinfer.autotuner import AutoTuner, autotune
 
         rows = x.shape[0]
@@ -237,7 +262,7 @@ class _FlashInferBackend(Backend):
             raise RuntimeError(
                 f"{self.name}: rows={rows} is not tuned yet; call forward once outside CUDA-graph capture first"
             )
-        out = self._output(prepared, rows)
+        out = self._output(prepared, rows) if out is None else out
         tuner = AutoTuner.get()
         chosen: dict[str, object] = {}
         original = tuner.choose_one
@@ -259,31 +284,57 @@ class _FlashInferBackend(Backend):
         prepared.tactics[(rows, topk_ids.shape[1])] = pair
         return pair
 
-    def _output(self, p: FlashInferPrepared, rows: int) -> torch.Tensor:
-        out = p.outputs.get(rows)
+    @staticmethod
+    def _output(p: FlashInferPrepared, rows: int, buffers: dict | None = None) -> torch.Tensor:
+        buffers = p.outputs if buffers is None else buffers
+        out = buffers.get(rows)
         if out is None:
-            out = p.outputs[rows] = torch.empty(rows, p.hidden, dtype=torch.bfloat16, device=p.device)
+            out = buffers[rows] = torch.empty(rows, p.hidden, dtype=torch.bfloat16, device=p.device)
         return out
 
     def forward(self, prepared, x, topk_ids, topk_weights):
         """bf16 [rows, H] (a buffer owned by `prepared`, reused by the next call
         with the same row count). Raises ValueError for rows > 8."""
+        self._check_call(prepared, x, topk_ids, topk_weights)
+        return self._run(prepared, x, topk_ids, topk_weights, self._output(prepared, x.shape[0]))
+
+    def forward_unfinalized(self, prepared, x, topk_ids, topk_weights) -> UnfinalizedMoEOutput:
+        """The routed output with its top-k reduction left open: the op runs
+        over rows*top_k route rows (row t*top_k+k = x[t], routed to expert
+        topk_ids[t, k] alone with weight 1), so its output is the unweighted
+        GEMM2 row of each route; `route_major_moe_output` wraps them with
+        `topk_weights` (`moe_output.finalize` gives `forward`'s sum, up to
+        BF16 rounding of the rows). A non-local id leaves its row zero. The
+        rows are a buffer owned by `prepared`, reused by the next call with
+        the same route count. Raises as `forward`."""
+        self._check_call(prepared, x, topk_ids, topk_weights)
+        rows, top_k = topk_ids.shape
+        routes = rows * top_k
+        out = self._output(prepared, routes, prepared.route_outputs)
+        ones = torch.ones(routes, 1, dtype=topk_weights.dtype, device=x.device)
+        route_x = x.repeat_interleave(top_k, dim=0)
+        self._run(prepared, route_x, topk_ids.reshape(routes, 1), ones, out)
+        return route_major_moe_output(out, topk_weights, topk_ids)
+
+    def _check_call(self, prepared, x, topk_ids, topk_weights) -> None:
         if not isinstance(prepared, FlashInferPrepared) or prepared.humming != self.humming:
             raise TypeError(f"prepared must come from {type(self).__name__}.prepare, got {type(prepared).__name__}")
-        p = prepared
-        check_forward_inputs(x, topk_ids, topk_weights, p.hidden, p.device)
+        check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.device)
         rows = x.shape[0]
         if not 1 <= rows <= MAX_ROWS:
             raise ValueError(f"x has {rows} rows; this backend serves 1..{MAX_ROWS}")
-        if topk_ids.shape[1] > p.top_k:
-            raise ValueError(f"top_k {topk_ids.shape[1]} exceeds the prepared top_k {p.top_k}")
-        if (rows, topk_ids.shape[1]) not in p.tactics:
-            self.tune(p, x, topk_ids, topk_weights)
-        g1, g2 = p.tactics[(rows, topk_ids.shape[1])]
+        if topk_ids.shape[1] > prepared.top_k:
+            raise ValueError(f"top_k {topk_ids.shape[1]} exceeds the prepared top_k {prepared.top_k}")
+
+    def _run(self, p: FlashInferPrepared, x, topk_ids, topk_weights, out) -> torch.Tensor:
+        """The op into `out` with the tactics tuned for x's rows and top_k
+        (tuned on the first call of that pair)."""
+        key = (x.shape[0], topk_ids.shape[1])
+        if key not in p.tactics:
+            self.tune(p, x, topk_ids, topk_weights, out)
+        g1, g2 = p.tactics[key]
         self.last_tactic = f"g1={g1},g2={g2}"
-        out = self._output(p, rows)
-        self._call(p, x, topk_ids, topk_weights, out, [g1, g2])
-        return out
+        return self._call(p, x, topk_ids, topk_weights, out, [g1, g2])
 
 
 class FlashInferW4A16Backend(_FlashInferBackend):

@@ -199,21 +199,6 @@ def align_block_size_triton(expert_of_slot: torch.Tensor, experts: int, block: i
     return sorted_ids, expert_ids, padded
 
 
-def align_block_size_reference(expert_of_slot: torch.Tensor, experts: int, block: int):
-    """humming.testing.data.generate_moe_tensors' loop (host syncs): the
-    unpadded-capacity reference for `align_block_size`."""
-    flat = expert_of_slot.reshape(-1)
-    s = flat.numel()
-    ids, eids = [], []
-    for e in range(experts):
-        part = torch.where(flat == e)[0]
-        n = -(-part.numel() // block)
-        ids += part.tolist() + [s] * (n * block - part.numel())
-        eids += [e] * n
-    return (torch.tensor(ids, dtype=torch.int32), torch.tensor(eids, dtype=torch.int32),
-            torch.tensor([len(ids)], dtype=torch.int32))  # fmt: skip
-
-
 def align_block_size_vllm(expert_of_slot: torch.Tensor, experts: int, block: int):
     """vLLM's own `moe_align_block_size` op (vllm_align; what vLLM's humming
     experts call, with `ignore_invalid_experts=True` and no expert map):

@@ -86,15 +86,6 @@ def gptq_words(w: torch.Tensor) -> torch.Tensor:
     return w.contiguous().view(torch.int32).reshape(e, n, k // 8).transpose(1, 2).contiguous()
 
 
-def from_gptq_words(words: torch.Tensor) -> torch.Tensor:
-    """Inverse of `gptq_words`: int32 [E, K/8, N] -> uint8 [E, N, K/2]."""
-    if not isinstance(words, torch.Tensor) or words.dtype != torch.int32 or words.dim() != 3:
-        raise ValueError(f"words must be int32 [E, K/8, N], got {getattr(words, 'dtype', type(words))} "
-                         f"{tuple(getattr(words, 'shape', ()))}")
-    e, k8, n = words.shape
-    return words.transpose(1, 2).contiguous().view(torch.uint8).reshape(e, n, k8 * 4)
-
-
 def repacked_shape(n: int, k: int) -> tuple[int, int]:
     """Shape of one expert's `gptq_marlin_repack` output for 4-bit weights of
     N output rows and K inputs: (K / 16, N * 16 / 8) int32."""
@@ -129,18 +120,6 @@ def marlin_scales(scales: torch.Tensor) -> torch.Tensor:
     order = scale_order().to(scales.device)
     flat = scales.transpose(1, 2).reshape(e, groups * n // SCALE_RUN, SCALE_RUN)
     return flat[:, :, order].reshape(e, groups, n).contiguous()
-
-
-def from_marlin_scales(scales: torch.Tensor) -> torch.Tensor:
-    """Inverse of `marlin_scales`: uint8 [E, K/32, N] -> [E, N, K/32]."""
-    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 or scales.dim() != 3:
-        raise ValueError(f"scales must be uint8 [E, K/32, N], got {getattr(scales, 'dtype', type(scales))}")
-    e, groups, n = scales.shape
-    if n % SCALE_RUN:
-        raise ValueError(f"scales: N = {n} must be a multiple of {SCALE_RUN}")
-    inverse = torch.argsort(scale_order()).to(scales.device)
-    flat = scales.reshape(e, groups * n // SCALE_RUN, SCALE_RUN)[:, :, inverse]
-    return flat.reshape(e, groups, n).transpose(1, 2).contiguous()
 
 
 def check_marlin_shape(hidden: int, padded_intermediate: int) -> None:

@@ -3,8 +3,8 @@
 `vllm_ops`) with the buffers vLLM's Python wrapper
 (fused_moe/moe_align_block_size.py) gives it.
 
-Semantics (vLLM's kernel, read from its source; the `align_reference` loop
-below restates them): the top-k slots (t * top_k + k, flattened) are grouped
+Semantics (vLLM's kernel, read from its source; the tests' `align_reference` loop
+(tests/backends/baseline_checks.py) restates them): the top-k slots (t * top_k + k, flattened) are grouped
 by expert in ascending expert order, each expert's group padded to a multiple
 of `block`; sorted_ids[i] is a slot, or `numel` (= rows * top_k) for padding
 and for the unused tail of the buffer; expert_ids[b] is the expert of block b
@@ -111,33 +111,3 @@ def moe_align_block_size(
     ops.moe_align_block_size(topk_ids, experts, block, out.sorted_ids, out.expert_ids, out.num_tokens_post_pad,
                              expert_map)
     return out
-
-
-def align_reference(
-    topk_ids: torch.Tensor, experts: int, block: int, expert_map: torch.Tensor | None = None
-) -> tuple[list[tuple[int, tuple[int, ...]]], int]:
-    """The op's meaning, as a host loop: ([(expert, sorted slots of the block)
-    for each used block, in order], num_tokens_post_pad). Slots whose id maps
-    to -1 (through `expert_map`) are left out; padding slots are not listed.
-    For comparing outputs whose order within an expert may differ."""
-    flat = [int(v) for v in topk_ids.reshape(-1).tolist()]
-    local = [(expert_map[v].item() if expert_map is not None else v) for v in flat]
-    blocks, total = [], 0
-    for e in range(experts):
-        slots = [s for s, v in enumerate(local) if v == e]
-        for start in range(0, len(slots), block):
-            blocks.append((e, tuple(sorted(slots[start:start + block]))))
-        total += -(-len(slots) // block) * block
-    return blocks, total
-
-
-def blocks_of(buffers: AlignBuffers, numel: int) -> tuple[list[tuple[int, tuple[int, ...]]], int]:
-    """`align_reference`'s form of real outputs (host copies; syncs): the used
-    blocks as (expert, sorted slots other than the padding `numel`), and the
-    padded total."""
-    total = int(buffers.num_tokens_post_pad[0])
-    ids = buffers.sorted_ids[:total].tolist()
-    experts = buffers.expert_ids[: total // buffers.block].tolist()
-    blocks = [(experts[b], tuple(sorted(s for s in ids[b * buffers.block:(b + 1) * buffers.block] if s != numel)))
-              for b in range(total // buffers.block)]
-    return blocks, total

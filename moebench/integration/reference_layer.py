@@ -20,8 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from moebench.formats import ExpertWeights, generate_expert_weights
-from moebench.models import RankShape
+from moebench.formats import ExpertWeights
 from moebench.moe_output import UnfinalizedMoEOutput, finalize
 from moebench.record import MAX_ROWS
 from moebench.reference import reference_moe, swiglu_clamped
@@ -29,7 +28,7 @@ from moebench.routing import RouterConfig, route
 
 __all__ = [
     "Mxfp4Experts", "ReferenceGate", "ReferenceMoEConfig", "ReferenceMoELayer",
-    "ReferenceRouter", "ReferenceSharedExpert", "build_reference_layer",
+    "ReferenceRouter", "ReferenceSharedExpert",
 ]  # fmt: skip
 
 
@@ -253,47 +252,3 @@ class ReferenceMoELayer:
 
     def _scale_left(self, routed: torch.Tensor | UnfinalizedMoEOutput) -> float:
         return self.routed_scaling_factor if isinstance(routed, UnfinalizedMoEOutput) else 1.0
-
-
-def build_reference_layer(
-    shape: RankShape,
-    seed: int = 0,
-    device: torch.device | str = "cpu",
-    *,
-    image_sentinel_lo: int = 0,
-    hash_vocab: int = 0,
-    routed_scaling_factor: float = 1.0,
-) -> ReferenceMoELayer:
-    """A seeded reference layer of one rank of `shape` on `device`.
-
-    Gate weights BF16 [E, H] ~ N(0, 1/H); bias fp32 [E] ~ 0.1 N(0, 1); with
-    `image_sentinel_lo` > 0 also bias_vl; with `hash_vocab` > 0 a hash table
-    int32 [hash_vocab, top_k] of distinct experts per token. The shared
-    expert's intermediate is the rank's routed one (BF16 weights with std
-    1/sqrt(K)); routed experts from `generate_expert_weights(shape, seed)`.
-    The router folds `shape.routed_scaling_factor`; `routed_scaling_factor`
-    is the runner-side factor (1.0 for DeepSeek-V4).
-    """
-    dev = torch.device(device)
-    gen = torch.Generator().manual_seed(seed + 104729)
-    h, e, k, i = shape.hidden, shape.experts, shape.top_k, shape.intermediate
-
-    def randn(*size: int, std: float = 1.0) -> torch.Tensor:
-        return torch.randn(*size, generator=gen) * std
-
-    gate = ReferenceGate(randn(e, h, std=h**-0.5).to(torch.bfloat16).to(dev))
-    bias = (0.1 * randn(e)).to(dev)
-    bias_vl = (0.1 * randn(e)).to(dev) if image_sentinel_lo > 0 else None
-    table = None
-    if hash_vocab > 0:
-        table = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(hash_vocab)])
-        table = table.to(torch.int32).to(dev)
-    router = ReferenceRouter(e, k, shape.routed_scaling_factor, bias, bias_vl, image_sentinel_lo, table)
-    shared = ReferenceSharedExpert(
-        randn(i, h, std=h**-0.5).to(torch.bfloat16).to(dev),
-        randn(i, h, std=h**-0.5).to(torch.bfloat16).to(dev),
-        randn(h, i, std=i**-0.5).to(torch.bfloat16).to(dev),
-        shape.swiglu_limit,
-    )
-    experts = Mxfp4Experts(generate_expert_weights(shape, seed, dev))
-    return ReferenceMoELayer(gate, router, shared, experts, routed_scaling_factor=routed_scaling_factor)

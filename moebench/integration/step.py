@@ -16,6 +16,10 @@ RMSNorm) run as one fused kernel:
 - a layer that cannot defer (`defers_finalize`) runs its own forward.
 
 The runner is anything implementing `protocol.MoERunner` (vLLM's names).
+`build_moe_steps` builds the steps of a model's MoE layers at load, as a
+serving stack does: one `RoutedExpertGemm` per layer that can take the
+kernels, from `kernels.binding.build_routed_expert_gemms`, with the fused
+front bound where the router allows it.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from moebench.integration.protocol import is_moe_runner
 from moebench.integration.reference_layer import Mxfp4Experts
 from moebench.integration.side_stream import on_side_stream
 from moebench.kernels.front import FrontConfig, to_fp32
@@ -36,7 +41,7 @@ if TYPE_CHECKING:
     from moebench.kernels.binding import RoutedExpertGemm
 
 __all__ = [
-    "DEFERRABLE_EXPERTS", "MoEStep", "bind_front", "deferred_finalize", "defers_finalize",
+    "DEFERRABLE_EXPERTS", "MoEStep", "bind_front", "build_moe_steps", "deferred_finalize", "defers_finalize",
     "front_applies", "front_config", "front_refusal",
 ]  # fmt: skip
 
@@ -225,7 +230,8 @@ class MoEStep:
     forked from and joined back into the current stream, so a CUDA graph
     captures both branches); the output is the same bits either way.
     Raises ValueError for a bad max_rows, TypeError for a non-bool
-    overlap_shared.
+    overlap_shared or a layer that is not a `protocol.MoERunner`
+    (`protocol.is_moe_runner`).
     """
 
     def __init__(
@@ -241,6 +247,11 @@ class MoEStep:
             raise ValueError(f"max_rows must be a positive int, got {max_rows!r}")
         if not isinstance(overlap_shared, bool):
             raise TypeError(f"overlap_shared must be a bool, got {type(overlap_shared).__name__}")
+        if not is_moe_runner(layer):
+            raise TypeError(
+                f"layer must implement protocol.MoERunner (gate, router, _shared_experts, routed_experts,"
+                f" moe_config, routed_scaling_factor, _forward_impl, forward), got {type(layer).__name__}"
+            )
         self.layer = layer
         self.max_rows = max_rows
         self.deferrable = defers_finalize(layer, max_rows, experts_classes)
@@ -300,3 +311,42 @@ class MoEStep:
                 routing = gemm.route(x, topk_ids.to(torch.int32), topk_weights.to(torch.float32))
             routed = gemm.gemms(routing)
         return routed, shared_output
+
+
+def build_moe_steps(
+    runners: list[Any],
+    max_rows: int,
+    *,
+    tactics: dict | None = None,
+    fp8: bool | None = None,
+    front: bool = True,
+    experts_classes: tuple[type, ...] = DEFERRABLE_EXPERTS,
+    overlap_shared: bool = True,
+) -> list[MoEStep]:
+    """One `MoEStep` per runner (`protocol.MoERunner`), as a serving stack
+    builds its decode step at load: the runners that defer
+    (`defers_finalize(runner, max_rows, experts_classes)`) and whose routed
+    experts give their canonical weights (`expert_weights()`, as
+    `reference_layer.Mxfp4Experts`) get a `RoutedExpertGemm` from
+    `kernels.binding.build_routed_expert_gemms` (tactics / fp8 as there: None
+    lets the tuning tables choose; a layer the kernels refuse gets None, and
+    the builder logs why); with `front` its fused front is bound to the
+    runner's router where the routing allows it (`bind_front`: a refusal
+    leaves the router + route path, `front_refusal` says why). The others
+    get a step without kernels. Raises as `MoEStep`."""
+    from moebench.kernels.binding import build_routed_expert_gemms
+
+    bindable = [
+        defers_finalize(runner, max_rows, experts_classes)
+        and callable(getattr(runner.routed_experts, "expert_weights", None))
+        for runner in runners
+    ]
+    layers = [(r.routed_experts.expert_weights(), r.router.top_k) for r, ok in zip(runners, bindable) if ok]
+    gemms = iter(build_routed_expert_gemms(layers, tactics, fp8))
+    steps = []
+    for runner, ok in zip(runners, bindable):
+        gemm = next(gemms) if ok else None
+        if gemm is not None and front:
+            bind_front(gemm, runner)
+        steps.append(MoEStep(runner, gemm, max_rows, experts_classes, overlap_shared=overlap_shared))
+    return steps

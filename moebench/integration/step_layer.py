@@ -50,7 +50,7 @@ from moebench.integration.reference_layer import (
     Mxfp4Experts, ReferenceGate, ReferenceMoELayer, ReferenceRouter, ReferenceSharedExpert,
 )  # fmt: skip
 from moebench.integration.side_stream import on_side_stream
-from moebench.integration.step import MoEStep, bind_front, front_refusal
+from moebench.integration.step import MoEStep, bind_front, build_moe_steps, front_refusal
 from moebench.integration.tp_step import rank_slice
 from moebench.models import MoEConfig
 from moebench.moe_output import MoEOutput, UnfinalizedMoEOutput
@@ -427,7 +427,10 @@ class KernelStep(DecodeStep):
     - router path (`ROUTER_STAGES`): router (the runner's torch top-k),
       shared, route (MXFP8 x + route record), gemm1, gemm2, finalize.
 
-    gemm: a RoutedExpertGemm bound to the runner's routed experts;
+    gemm: a RoutedExpertGemm bound to the runner's routed experts, or None:
+    then the step builds it as a serving stack does at load
+    (`step.build_moe_steps`: `kernels.binding.build_routed_expert_gemms`,
+    the tuning tables' family and tactics, the front bound per `front`);
     finalize_fn(unfinalized, scale=, shared=) -> BF16 [T, H]: default the
     finalize kernel (`kernels.finalize.finalize`, compiled here, outside any
     capture); front: bind the fused front to the runner's router
@@ -448,8 +451,15 @@ class KernelStep(DecodeStep):
         overlap_shared: bool = True,
     ) -> None:
         super().__init__(runner, x, all_reduce=all_reduce, group=group, overlap_shared=overlap_shared)
-        if front:
-            bind_front(gemm, runner)  # a refusal is reported by front_refusal below
+        if gemm is None:
+            (self.step,) = build_moe_steps([runner], MAX_ROWS, front=front, overlap_shared=overlap_shared)
+            gemm = self.step.gemm
+            if gemm is None:
+                raise ValueError("the low-batch kernels refused this layer (build_routed_expert_gemms logged why)")
+        else:
+            if front:
+                bind_front(gemm, runner)  # a refusal is reported by front_refusal below
+            self.step = MoEStep(runner, gemm, MAX_ROWS, overlap_shared=overlap_shared)
         self.front_refusal = front_refusal(gemm, runner)
         self.uses_front = self.front_refusal is None
         self.stages = self.FRONT_STAGES if self.uses_front else self.ROUTER_STAGES
@@ -460,7 +470,6 @@ class KernelStep(DecodeStep):
             finalize_fn = finalize
         self.finalize_fn = finalize_fn
         self.gemm = gemm
-        self.step = MoEStep(runner, gemm, MAX_ROWS, overlap_shared=overlap_shared)
         fixed = copy.copy(runner)
         fixed.gate = FixedLogitsGate(self.logits)
         self.step_no_gate = MoEStep(fixed, gemm, MAX_ROWS, overlap_shared=overlap_shared)

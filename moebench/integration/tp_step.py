@@ -1,12 +1,11 @@
-"""A real TP-N decode-step MoE layer: per-rank I/tp slices + all-reduce.
+"""One rank's slice of a layer's routed experts for a real TP-N decode step.
 
 Every rank holds all E experts at intermediate I/tp (models.MoEConfig.shard):
 rank r owns gate/up rows [r*I/tp, (r+1)*I/tp) of w13 and the same columns of
-w2, zero-padded to a multiple of 128. Each rank runs the routed-expert path
-on its slice (the reference path, or any backend callable), finalizes its
-partial (top-k weighting and routed scale are linear, so they commute with
-the sum), and the layer output is the all-reduce(sum) of the partials
-through torch.distributed.
+w2, zero-padded to a multiple of 128 (`rank_slice`). Each rank runs the
+routed-expert path on its slice and finalizes its partial (top-k weighting
+and routed scale are linear, so they commute with the sum); the layer output
+is the all-reduce(sum) of the partials (`step_layer.DecodeStep.run`).
 
 Numerics vs the single-GPU oracle of the full, unsliced layer:
 - "bf16" oracle (H not quantized): the slices partition the GEMM1 rows and
@@ -29,29 +28,8 @@ Numerics vs the single-GPU oracle of the full, unsliced layer:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-
-import torch
-import torch.distributed as dist
-
 from moebench.formats import ExpertWeights
 from moebench.models import INTERMEDIATE_ALIGN, MX_BLOCK
-from moebench.moe_output import UnfinalizedMoEOutput, finalize
-from moebench.reference import reference_moe
-
-#: backend(rank_weights, x, topk_ids, topk_weights) -> finalized partial [rows, H]
-#: (or an UnfinalizedMoEOutput, finalized here).
-RankBackend = Callable[[ExpertWeights, torch.Tensor, torch.Tensor, torch.Tensor], object]
-
-
-def slice_expert_weights(full: ExpertWeights, tp: int) -> list[ExpertWeights]:
-    """The `tp` ranks' ExpertWeights of the unsliced `full` (its logical
-    intermediate I, any padding ignored): rank r gets gate rows, up rows and
-    w2 columns [r*I/tp, (r+1)*I/tp) (values and E8M0 scales, bytes copied
-    as-is), padded with zeros to a multiple of 128. Raises ValueError unless
-    I/tp is a positive multiple of 32 (as MoEConfig.shard requires)."""
-    _check_split(full, tp)
-    return [_slice_rank(full, tp, r) for r in range(tp)]
 
 
 def _check_split(full: ExpertWeights, tp: int) -> None:
@@ -79,64 +57,14 @@ def _slice_rank(full: ExpertWeights, tp: int, r: int) -> ExpertWeights:
     return ExpertWeights(w13, w13s, w2, w2s, full.clamp.clone(), intermediate=s)
 
 
-def reference_backend(activation: str = "bf16", dtype: torch.dtype = torch.float64) -> RankBackend:
-    """The oracle's path as a rank backend (finalized partial in `dtype`)."""
-
-    def run(weights, x, topk_ids, topk_weights):
-        return reference_moe(x, topk_ids, topk_weights, weights, activation=activation, dtype=dtype).output
-
-    return run
-
-
-def tp_moe_step(
-    rank_weights: ExpertWeights,
-    x: torch.Tensor,
-    topk_ids: torch.Tensor,
-    topk_weights: torch.Tensor,
-    group: dist.ProcessGroup | None = None,
-    *,
-    backend: RankBackend | None = None,
-    activation: str = "bf16",
-    scale: float = 1.0,
-    shared: torch.Tensor | None = None,
-    reduce_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """One decode step of the MoE layer on this rank: the routed path on this
-    rank's slice (`backend`, default the reference path with `activation` in
-    fp64), finalize, x `scale`, + `shared` on group rank 0 only (the shared
-    expert's output, counted once), then all_reduce(SUM) over `group` (the
-    default group when None). The partial is cast to `reduce_dtype` (default:
-    its own dtype) for the reduction, as a real step reduces BF16. Returns the
-    full layer output [rows, H], identical on every rank. Needs an initialized
-    torch.distributed; raises RuntimeError otherwise."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("tp_moe_step needs torch.distributed initialized (init_process_group)")
-    run = backend or reference_backend(activation)
-    part = run(rank_weights, x, topk_ids, topk_weights)
-    if isinstance(part, UnfinalizedMoEOutput):
-        part = finalize(part)
-    if not isinstance(part, torch.Tensor) or tuple(part.shape) != tuple(x.shape):
-        raise ValueError(f"backend returned {getattr(part, 'shape', type(part).__name__)}, expected {tuple(x.shape)}")
-    part = part * scale if scale != 1.0 else part.clone()
-    if shared is not None and dist.get_rank(group) == 0:
-        part = part + shared.to(part.dtype)
-    if reduce_dtype is not None:
-        part = part.to(reduce_dtype)
-    part = part.contiguous()
-    dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group)
-    return part
-
-
 def rank_slice(full: ExpertWeights, tp: int, rank: int) -> ExpertWeights:
-    """Just rank `rank`'s slice (see slice_expert_weights), without copying
-    the other ranks' slices. Raises ValueError for a bad tp or rank."""
+    """Rank `rank`'s ExpertWeights of the unsliced `full` (its logical
+    intermediate I, any padding ignored): gate rows, up rows and w2 columns
+    [rank*I/tp, (rank+1)*I/tp) (values and E8M0 scales, bytes copied as-is),
+    padded with zeros to a multiple of 128. Raises ValueError unless I/tp is
+    a positive multiple of 32 (as MoEConfig.shard requires) and rank lies in
+    [0, tp)."""
     _check_split(full, tp)
     if not isinstance(rank, int) or not 0 <= rank < tp:
         raise ValueError(f"rank must lie in [0, {tp}), got {rank!r}")
     return _slice_rank(full, tp, rank)
-
-
-def partial_sum_check(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Sum of partial outputs without a process group (a single-process
-    check of the slicing: equals what the all-reduce returns)."""
-    return torch.stack([p.to(torch.float64) for p in parts]).sum(0)

@@ -87,8 +87,8 @@ if HAVE_DSL:
 
 __all__ = [
     "SharedExpertKernels", "SharedExpertWeights", "SharedTactic", "compile_shared_gemm",
-    "default_shared_tactic", "from_shared_layout", "input_refusal", "kernels_refusal", "pack_weight", "shape_refusal",
-    "to_shared_layout", "unpack_weight",
+    "default_shared_tactic", "input_refusal", "kernels_refusal", "pack_weight", "shape_refusal",
+    "to_shared_layout",
 ]  # fmt: skip
 
 #: K elements of one chunk (two mma k-steps; one 16-byte activation load per lane).
@@ -326,16 +326,6 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return v.reshape(m // M_TILE, k // M_TILE, 32, 8).contiguous()
 
 
-def unpack_weight(p: torch.Tensor) -> torch.Tensor:
-    """Inverse of `pack_weight`: BF16 [M/16, K/16, 32, 8] -> [M, K]."""
-    if not isinstance(p, torch.Tensor) or p.dim() != 4 or tuple(p.shape[2:]) != (32, 8) or p.shape[1] % 2:
-        raise ValueError(f"p must be [M/16, K/16 (even), 32, 8], got {tuple(getattr(p, 'shape', ()))}")
-    mt, ks = p.shape[:2]
-    v = p.contiguous().view(mt, ks // 2, 2, 8, 4, 2, 2, 2)  # t q j g c kh rh e
-    v = v.permute(0, 6, 3, 1, 4, 2, 5, 7)  # t rh g q c j kh e
-    return v.reshape(mt * M_TILE, ks * M_TILE).contiguous()
-
-
 def _interleave_gate_up(w1: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
     """w1, w3 [I, H] -> [2I, H]: per 8 columns, 8 gate rows then 8 up rows."""
     i, h = w1.shape
@@ -401,15 +391,6 @@ def to_shared_layout(w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> Sh
         raise ValueError(f"w1: {reason}")
     w13 = pack_weight(_interleave_gate_up(w1.contiguous(), w3.contiguous()))
     return SharedExpertWeights(w13.view(i // 8, h // M_TILE, 32, 8), pack_weight(w2), h, i)
-
-
-def from_shared_layout(sw: SharedExpertWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of `to_shared_layout`: (w1, w3, w2) BF16 on sw's device."""
-    if not isinstance(sw, SharedExpertWeights):
-        raise TypeError(f"sw must be a SharedExpertWeights, got {type(sw).__name__}")
-    h, i = sw.hidden, sw.intermediate
-    w13 = unpack_weight(sw.w13).view(i // 8, 2, 8, h)
-    return w13[:, 0].reshape(i, h).contiguous(), w13[:, 1].reshape(i, h).contiguous(), unpack_weight(sw.w2)
 
 
 # ----------------------------------------------------------------------------- device side

@@ -89,19 +89,10 @@ def scores_per_thread(experts: int, threads: int) -> int:
     return -(-experts // threads)
 
 
-def vector_words(experts: int) -> int:
-    """fp32 words per load of a lane's experts/32 consecutive values: 4, 2 or 1
-    (the row and lane offsets keep that alignment on a 16-byte aligned base)."""
-    n = experts // WARP
-    return 4 if n % 4 == 0 else 2 if n % 2 == 0 else 1
-
-
 if HAVE_DSL:  # the device functions need the DSL's decorators at definition time
     import cutlass
     import cutlass.cute as cute
     from cutlass import Boolean, Float32, Int32, Uint32
-    from cutlass._mlir import ir
-    from cutlass._mlir.dialects import vector
     from cutlass.cutlass_dsl import dsl_user_op
 
     from moebench.kernels.ptx import asm_f32
@@ -142,15 +133,6 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
             " fma.rn.f32 e, e, s, $1;\n"
             " fma.rn.f32 $0, e, h, s; }",
             "=f,f", Float32(a), loc=loc, ip=ip)
-
-    @dsl_user_op
-    def load_words(ptr: cute.Pointer, words: int, *, loc=None, ip=None) -> list:
-        """`words` (1, 2 or 4) consecutive 32-bit words from a Uint32 global
-        pointer aligned to 4*words bytes, in one load -> list of Uint32."""
-        if words == 1:
-            return [cute.arch.load(ptr, Uint32, loc=loc, ip=ip)]
-        vec = cute.arch.load(ptr, ir.VectorType.get([words], Uint32.mlir_type), loc=loc, ip=ip)
-        return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(words)]
 
     @cute.jit
     def sqrt_fast_path_applies(a: Float32) -> Boolean:

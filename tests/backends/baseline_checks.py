@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from moebench.backends.vllm_align import AlignBuffers
 from moebench.formats import generate_expert_weights
 from moebench.models import PRESETS, get_preset
 from moebench.reference import reference_moe, relative_error
@@ -62,3 +63,36 @@ def tiny_expert_alone_error(backend, prepared, shape, weights, x: torch.Tensor, 
     err = relative_error(out, ref)
     print(f"{backend.name} {shape.describe()} rows={rows} tiny expert alone: rel err {err:.3e}")
     return err
+
+
+# --- vLLM's moe_align_block_size, as a host loop (tests of vllm_align and humming) -----------
+
+
+def align_reference(
+    topk_ids: torch.Tensor, experts: int, block: int, expert_map: torch.Tensor | None = None
+) -> tuple[list[tuple[int, tuple[int, ...]]], int]:
+    """The op's meaning, as a host loop: ([(expert, sorted slots of the block)
+    for each used block, in order], num_tokens_post_pad). Slots whose id maps
+    to -1 (through `expert_map`) are left out; padding slots are not listed.
+    For comparing outputs whose order within an expert may differ."""
+    flat = [int(v) for v in topk_ids.reshape(-1).tolist()]
+    local = [(expert_map[v].item() if expert_map is not None else v) for v in flat]
+    blocks, total = [], 0
+    for e in range(experts):
+        slots = [s for s, v in enumerate(local) if v == e]
+        for start in range(0, len(slots), block):
+            blocks.append((e, tuple(sorted(slots[start:start + block]))))
+        total += -(-len(slots) // block) * block
+    return blocks, total
+
+
+def blocks_of(buffers: AlignBuffers, numel: int) -> tuple[list[tuple[int, tuple[int, ...]]], int]:
+    """`align_reference`'s form of real outputs (host copies; syncs): the used
+    blocks as (expert, sorted slots other than the padding `numel`), and the
+    padded total."""
+    total = int(buffers.num_tokens_post_pad[0])
+    ids = buffers.sorted_ids[:total].tolist()
+    experts = buffers.expert_ids[: total // buffers.block].tolist()
+    blocks = [(experts[b], tuple(sorted(s for s in ids[b * buffers.block:(b + 1) * buffers.block] if s != numel)))
+              for b in range(total // buffers.block)]
+    return blocks, total

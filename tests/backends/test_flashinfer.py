@@ -24,9 +24,9 @@ import torch
 from baseline_checks import (
     EXPERTS, TINY, baseline_cases, hot_tiny_routing, tiny_expert_alone_error, tiny_weights,
 )
+import sm90_layouts as L
 
 from moebench.backends import flashinfer as fi_backend
-from moebench.backends import layouts as L
 from moebench.formats import generate_activations, generate_expert_weights
 from moebench.models import get_preset
 from moebench.reference import reference_moe, relative_error
@@ -168,6 +168,27 @@ def test_non_local_ids_contribute_nothing(prepared_cache, cls):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cls", [fi_backend.FlashInferW4A16Backend, fi_backend.FlashInferW4A8Backend])
+def test_unfinalized_output_finalizes_to_the_oracle(prepared_cache, cls):
+    """forward_unfinalized (one route per row, route_major_moe_output) finalized
+    by moe_output.finalize meets the oracle like forward; non-local ids give zero rows."""
+    from moebench.moe_output import finalize
+
+    backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
+    x = generate_activations(4, shape.hidden, seed=3, device="cuda")
+    ids, wts = hot_tiny_routing(4, shape.top_k, 1.5, seed=3)
+    masked = ids.clone()
+    masked[:, -1] = -1
+    u = backend.forward_unfinalized(prepared, x, masked, wts)
+    assert u.route_major and u.gemm2_permuted.shape == (4 * shape.top_k, shape.hidden)
+    assert not u.gemm2_permuted.view(4, shape.top_k, -1)[:, -1].any()
+    kept = wts.clone()
+    kept[:, -1] = 0
+    ref = reference_moe(x, ids, kept, w, activation=backend.oracle).output
+    assert relative_error(finalize(u), ref) <= TOLERANCE[backend.oracle]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cls", [fi_backend.FlashInferW4A16Backend, fi_backend.FlashInferW4A8Backend])
 def test_graph_capture_replays_the_eager_result(prepared_cache, cls):
     backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
     x = generate_activations(6, shape.hidden, seed=5, device="cuda")
@@ -185,9 +206,10 @@ def test_graph_capture_replays_the_eager_result(prepared_cache, cls):
 # --- CPU: the adapter's wiring against a fake flashinfer (real signatures, torch math) ------
 
 
-def _fake_flashinfer(monkeypatch, calls):
+def _fake_flashinfer(monkeypatch, calls, returns=lambda output: [output]):
     """Install a fake `flashinfer` whose cutlass_fused_moe undoes the SM90 layout
-    with layouts.py's inverses and computes the W4A16 MoE in fp32."""
+    with layouts.py's inverses and computes the W4A16 MoE in fp32; `returns`
+    makes its return value from the `output=` it wrote."""
     import contextlib
     import types
 
@@ -222,7 +244,9 @@ def _fake_flashinfer(monkeypatch, calls):
                           enable_pdl=None, activation_type=None, swizzled_input_sf=True, use_fused_finalize=True,
                           profile_ids=None, workspace_buffer=None):  # fmt: skip
         assert use_w4_group_scaling and not use_wfp4afp8_humming and len(quant_scales) == 2
-        assert workspace_buffer is not None and output is not None and tune_max_num_tokens == 8
+        assert workspace_buffer is not None and output is not None
+        # the route-major call of forward_unfinalized: one expert per row, 8 * top_k rows at most
+        assert tune_max_num_tokens == (48 if token_selected_experts.shape[1] == 1 else 8)
         if profile_ids is None:
             tuner = Tuner.get()
             tuner.choose_one("trtllm::fused_moe::gemm1", [])
@@ -244,7 +268,7 @@ def _fake_flashinfer(monkeypatch, calls):
                 h = swiglu_clamped(h13[ip:], h13[:ip], float(swiglu_limit[x])).to(torch.bfloat16).float()
                 out[t] += float(token_final_scales[t, k]) * (w2[x] @ h)
         output.copy_(out.to(output_dtype))
-        return [output]
+        return returns(output)
 
     fused_moe = types.ModuleType("flashinfer.fused_moe")
     fused_moe.cutlass_fused_moe = cutlass_fused_moe
@@ -286,3 +310,50 @@ def test_w4a16_wiring_against_a_fake_flashinfer(monkeypatch):
     assert calls == [("run", (3, 7))]  # tuned once per row count, then pinned
     with pytest.raises(ValueError, match="rows"):
         backend.forward(prepared, generate_activations(9, shape.hidden), ids.repeat(3, 1)[:9], wts.repeat(3, 1)[:9])
+
+
+def _fake_setup(monkeypatch, **fake):
+    calls = []
+    _fake_flashinfer(monkeypatch, calls, **fake)
+    backend = fi_backend.FlashInferW4A16Backend()
+    monkeypatch.setattr(backend, "unavailable_reason", lambda device: None)
+    shape = get_preset("dsv4-flash", hidden=256, intermediate=96, experts=8).shard(1)
+    w = generate_expert_weights(shape, seed=2)
+    x = generate_activations(3, shape.hidden, seed=1)
+    ids = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 7, 6, 5, 4, 3], [0, 2, 4, 6, -1, 9]], dtype=torch.int32)
+    wts = torch.rand(3, 6, generator=torch.Generator().manual_seed(0)) + 0.1
+    return backend, backend.prepare(w, shape), x, ids, wts, calls
+
+
+def test_unfinalized_route_major_rows_finalize_to_forward(monkeypatch):
+    """forward_unfinalized: the op over one row per route, wrapped by
+    route_major_moe_output; finalize gives forward's output (BF16 rows)."""
+    from moebench.moe_output import finalize
+
+    backend, prepared, x, ids, wts, calls = _fake_setup(monkeypatch)
+    u = backend.forward_unfinalized(prepared, x, ids, wts)
+    assert u.route_major and u.gemm2_permuted.shape == (18, x.shape[1])
+    assert torch.equal(u.expanded_idx_to_permuted_idx, torch.arange(18, dtype=torch.int32).view(3, 6))
+    assert torch.equal(u.gemm2_permuted[16:], torch.zeros(2, x.shape[1], dtype=torch.bfloat16))  # ids -1, 9
+    assert (18, 1) in prepared.tactics and u.gemm2_permuted.data_ptr() == prepared.route_outputs[18].data_ptr()
+    out = backend.forward(prepared, x, ids, wts)
+    assert relative_error(finalize(u).float(), out.float()) <= 1e-2
+    assert finalize(u).abs().sum() > 0
+    with pytest.raises(ValueError, match="rows"):
+        backend.forward_unfinalized(prepared, generate_activations(9, x.shape[1]), ids.repeat(3, 1)[:9],
+                                    wts.repeat(3, 1)[:9])  # fmt: skip
+
+
+@pytest.mark.parametrize("returns", [lambda o: o, lambda o: [o, torch.zeros(1)], lambda o: [], lambda o: None])
+def test_forward_takes_each_return_form_of_the_op(monkeypatch, returns):
+    """The op's return (its output, a list starting with it, nothing) goes
+    through convert_flashinfer_moe_output: forward returns the buffer written."""
+    backend, prepared, x, ids, wts, _ = _fake_setup(monkeypatch, returns=returns)
+    out = backend.forward(prepared, x, ids, wts)
+    assert out.data_ptr() == prepared.outputs[3].data_ptr() and out.abs().sum() > 0
+
+
+def test_forward_refuses_an_output_that_is_not_the_buffer(monkeypatch):
+    backend, prepared, x, ids, wts, _ = _fake_setup(monkeypatch, returns=lambda o: [o.clone()])
+    with pytest.raises(ValueError, match="does not alias finalized_output"):
+        backend.forward(prepared, x, ids, wts)

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 from baseline_checks import (
-    EXPERTS, TINY, baseline_cases, hot_tiny_routing, tiny_expert_alone_error, tiny_weights,
+    EXPERTS, TINY, baseline_cases, blocks_of, hot_tiny_routing, tiny_expert_alone_error, tiny_weights,
 )
 
 from moebench.backends import humming as hm
@@ -39,6 +39,21 @@ def test_import_never_needs_humming():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[0] == "bf16 fp8_token"
+
+
+def align_block_size_reference(expert_of_slot: torch.Tensor, experts: int, block: int):
+    """humming.testing.data.generate_moe_tensors' loop (host syncs): the
+    unpadded-capacity reference for `align_block_size`."""
+    flat = expert_of_slot.reshape(-1)
+    s = flat.numel()
+    ids, eids = [], []
+    for e in range(experts):
+        part = torch.where(flat == e)[0]
+        n = -(-part.numel() // block)
+        ids += part.tolist() + [s] * (n * block - part.numel())
+        eids += [e] * n
+    return (torch.tensor(ids, dtype=torch.int32), torch.tensor(eids, dtype=torch.int32),
+            torch.tensor([len(ids)], dtype=torch.int32))  # fmt: skip
 
 
 @pytest.mark.parametrize("cls", [hm.HummingW4A16Backend, hm.HummingW4A8Backend])
@@ -73,7 +88,7 @@ def test_align_matches_humming_reference(block, rows):
         ids = torch.stack([torch.randperm(experts, generator=g)[:6] for _ in range(rows)]).to(torch.int32)
         ids[0, 1] = ids[-1, 0] if rows > 1 else ids[0, 1]  # a shared expert across rows
         sorted_ids, expert_ids, padded = hm.align_block_size(ids, experts, block)
-        ref_ids, ref_experts, ref_padded = hm.align_block_size_reference(ids, experts, block)
+        ref_ids, ref_experts, ref_padded = align_block_size_reference(ids, experts, block)
         n = int(padded)
         assert n == int(ref_padded) and n % block == 0
         assert torch.equal(sorted_ids[:n], ref_ids)
@@ -186,7 +201,7 @@ def _prepared(cache, cls, preset, tp):
 def test_align_on_the_device_matches_reference():
     ids = torch.stack([torch.randperm(384)[:6] for _ in range(8)]).to(torch.int32).cuda()
     s, e, n = hm.align_block_size(ids, 384, 16)
-    rs, re, rn = hm.align_block_size_reference(ids.cpu(), 384, 16)
+    rs, re, rn = align_block_size_reference(ids.cpu(), 384, 16)
     k = int(n)
     assert k == int(rn) and torch.equal(s[:k].cpu(), rs) and torch.equal(e[: k // 16].cpu(), re)
 
@@ -324,7 +339,7 @@ def test_vllm_align_matches_triton_align(block):
         s = ids.numel()
         v = vllm_align.AlignBuffers(*hm.align_block_size_vllm(ids, experts, block), block)
         t = vllm_align.AlignBuffers(*hm.align_block_size_triton(ids, experts, block), block)
-        assert vllm_align.blocks_of(v, s) == vllm_align.blocks_of(t, s)
+        assert blocks_of(v, s) == blocks_of(t, s)
         assert v.sorted_ids.numel() == vllm_align.max_num_tokens_padded(s, experts, block)
         total = int(v.num_tokens_post_pad)
         assert bool((v.sorted_ids[total:] == s).all()) and bool((t.sorted_ids[total:] == s).all())

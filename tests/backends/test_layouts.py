@@ -1,10 +1,13 @@
-"""Layout converters canonical <-> FlashInfer / humming (CPU; the comparison
-with FlashInfer's own interleave kernel is a GPU test in test_flashinfer.py)."""
+"""Layout converters canonical -> FlashInfer / humming (`backends.layouts`) and
+the torch model of FlashInfer's SM90 layouts the tests use (`sm90_layouts`;
+its comparison with FlashInfer's own kernels is a GPU test in
+test_flashinfer.py)."""
 
 import pytest
 import torch
+import sm90_layouts as L
 
-from moebench.backends import layouts as L
+from moebench.backends.layouts import swap_halves, to_humming_logical
 from moebench.formats import ExpertWeights, dequantize_mxfp4, generate_expert_weights
 from moebench.models import MoEConfig
 
@@ -22,15 +25,15 @@ def random_bytes(*shape, seed=0):
 def test_swap_halves_is_an_involution_and_moves_gate_after_up():
     w = small_weights()
     ip = w.padded_intermediate
-    s = L.swap_halves(w.w13)
+    s = swap_halves(w.w13)
     assert torch.equal(s[:, :ip], w.w13[:, ip:]) and torch.equal(s[:, ip:], w.w13[:, :ip])
-    assert torch.equal(L.swap_halves(s), w.w13)
+    assert torch.equal(swap_halves(s), w.w13)
     assert s.is_contiguous()
 
 
 def test_swap_halves_rejects_odd():
     with pytest.raises(ValueError, match="even"):
-        L.swap_halves(torch.zeros(1, 3, 4, dtype=torch.uint8))
+        swap_halves(torch.zeros(1, 3, 4, dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("shape", [(1, 64, 4), (2, 128, 8), (3, 640, 160), (1, 5120, 20)])
@@ -145,7 +148,7 @@ def test_flashinfer_fc1_is_up_then_gate():
 
 def test_humming_logical_drops_and_restores_padding():
     w = small_weights(intermediate=96)
-    lg = L.to_humming_logical(w)
+    lg = to_humming_logical(w)
     i, ip = 96, 128
     assert tuple(lg.w13.shape) == (3, 2 * i, 128) and tuple(lg.w2.shape) == (3, 256, i // 2)
     assert tuple(lg.w13_scale.shape) == (3, 2 * i, 8) and tuple(lg.w2_scale.shape) == (3, 256, i // 32)
@@ -157,7 +160,7 @@ def test_humming_logical_drops_and_restores_padding():
 
 def test_humming_logical_unpadded_is_identity():
     w = small_weights(intermediate=128)
-    lg = L.to_humming_logical(w)
+    lg = to_humming_logical(w)
     assert torch.equal(lg.w13, w.w13) and torch.equal(lg.w2_scale, w.w2_scale)
     with pytest.raises(ValueError, match="below"):
         L.from_humming_logical(lg, 96)

@@ -8,6 +8,27 @@ from moebench.formats import generate_expert_weights
 from moebench.models import get_preset
 
 
+def from_gptq_words(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of `gptq_words`: int32 [E, K/8, N] -> uint8 [E, N, K/2]."""
+    if not isinstance(words, torch.Tensor) or words.dtype != torch.int32 or words.dim() != 3:
+        raise ValueError(f"words must be int32 [E, K/8, N], got {getattr(words, 'dtype', type(words))} "
+                         f"{tuple(getattr(words, 'shape', ()))}")
+    e, k8, n = words.shape
+    return words.transpose(1, 2).contiguous().view(torch.uint8).reshape(e, n, k8 * 4)
+
+
+def from_marlin_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Inverse of `marlin_scales`: uint8 [E, K/32, N] -> [E, N, K/32]."""
+    if not isinstance(scales, torch.Tensor) or scales.dtype != torch.uint8 or scales.dim() != 3:
+        raise ValueError(f"scales must be uint8 [E, K/32, N], got {getattr(scales, 'dtype', type(scales))}")
+    e, groups, n = scales.shape
+    if n % ml.SCALE_RUN:
+        raise ValueError(f"scales: N = {n} must be a multiple of {ml.SCALE_RUN}")
+    inverse = torch.argsort(ml.scale_order()).to(scales.device)
+    flat = scales.reshape(e, groups * n // ml.SCALE_RUN, ml.SCALE_RUN)[:, :, inverse]
+    return flat.reshape(e, groups, n).transpose(1, 2).contiguous()
+
+
 def test_float4_e2m1f_id_is_vllms():
     # vllm==0.26.0: scalar_types.float4_e2m1f.id, evaluated with vLLM's own scalar_type.py
     assert ml.FLOAT4_E2M1F_ID == 562949953487106
@@ -38,7 +59,7 @@ def test_gptq_words_elementwise_and_round_trip():
     for i in range(8):  # element 8j + i of row n sits in bits 4i..4i+3 of word [j, n]
         got = (unsigned >> (4 * i)) & 0xF
         assert torch.equal(got, nibbles[:, :, i::8].transpose(1, 2))
-    assert torch.equal(ml.from_gptq_words(words), w)
+    assert torch.equal(from_gptq_words(words), w)
 
 
 def test_gptq_words_rejects_bad_input():
@@ -49,7 +70,7 @@ def test_gptq_words_rejects_bad_input():
     with pytest.raises(ValueError, match="multiple of 8"):
         ml.gptq_words(torch.zeros(2, 64, 3, dtype=torch.uint8))
     with pytest.raises(ValueError, match="int32"):
-        ml.from_gptq_words(torch.zeros(2, 3, 4, dtype=torch.int64))
+        from_gptq_words(torch.zeros(2, 3, 4, dtype=torch.int64))
 
 
 def test_scale_order_hand_values():
@@ -92,7 +113,7 @@ def test_marlin_scales_equal_vllms_bf16_route_for_every_code():
 
 def test_marlin_scales_round_trip_and_errors():
     codes = torch.randint(0, 256, (3, 192, 5), dtype=torch.uint8)
-    assert torch.equal(ml.from_marlin_scales(ml.marlin_scales(codes)), codes)
+    assert torch.equal(from_marlin_scales(ml.marlin_scales(codes)), codes)
     with pytest.raises(ValueError, match="multiple of 64"):
         ml.marlin_scales(torch.zeros(1, 96, 4, dtype=torch.uint8))
     with pytest.raises(ValueError, match="uint8"):
@@ -134,10 +155,10 @@ def test_prepare_marlin_with_a_stand_in_repack():
     assert m.w13_scale.dtype == torch.float8_e8m0fnu and m.w13_scale.shape == (6, h // 32, 2 * ip)
     assert m.w2_scale.shape == (6, ip // 32, h)
     assert torch.equal(m.w13[1], ml.gptq_words(w.w13)[1].reshape(h // 16, 4 * ip))
-    assert torch.equal(ml.from_marlin_scales(m.w2_scale.view(torch.uint8)), w.w2_scale)
+    assert torch.equal(from_marlin_scales(m.w2_scale.view(torch.uint8)), w.w2_scale)
     assert (m.hidden, m.padded_intermediate, m.experts) == (h, ip, 6)
     # the intermediate padding stays zero: scale columns of the padded gate/up rows and w2's padded K groups
-    s13 = ml.from_marlin_scales(m.w13_scale.view(torch.uint8))
+    s13 = from_marlin_scales(m.w13_scale.view(torch.uint8))
     assert int(s13[:, 192:256].count_nonzero()) == 0 and int(s13[:, 256 + 192:].count_nonzero()) == 0
     assert int(m.w2_scale.view(torch.uint8)[:, 192 // 32:].count_nonzero()) == 0
     assert m.nbytes() == 6 * ml.marlin_expert_bytes(h, ip)

@@ -4,6 +4,7 @@ the vllm-moe bundle)."""
 
 import pytest
 import torch
+from baseline_checks import align_reference, blocks_of
 
 from moebench.backends import vllm_align as va
 from moebench.backends import vllm_ops
@@ -21,10 +22,10 @@ def test_buffer_sizes_follow_vllms_wrapper():
 
 def test_reference_hand_case():
     ids = torch.tensor([[2, 0], [2, 2]], dtype=torch.int32)  # slots 0..3
-    blocks, total = va.align_reference(ids, 3, 2)
+    blocks, total = align_reference(ids, 3, 2)
     assert blocks == [(0, (1,)), (2, (0, 2)), (2, (3,))] and total == 2 + 4
     expert_map = torch.tensor([-1, 0, 1], dtype=torch.int32)  # expert 0 remote, 1 -> 0, 2 -> 1
-    blocks, total = va.align_reference(ids, 3, 2, expert_map)
+    blocks, total = align_reference(ids, 3, 2, expert_map)
     assert blocks == [(1, (0, 2)), (1, (3,))] and total == 4
 
 
@@ -33,7 +34,7 @@ def test_blocks_of_reads_real_buffers():
     buf = va.AlignBuffers(torch.tensor([1, 4, 2, 0, 3, 4, 4, 4, 4, 4], dtype=torch.int32),
                           torch.tensor([0, 2, 2, -1, -1], dtype=torch.int32), torch.tensor([6], dtype=torch.int32), 2)
     ids = torch.tensor([[2, 0], [2, 2]], dtype=torch.int32)
-    assert va.blocks_of(buf, 4) == va.align_reference(ids, 3, 2)
+    assert blocks_of(buf, 4) == align_reference(ids, 3, 2)
 
 
 def test_bad_arguments_are_refused_before_the_op():
@@ -84,8 +85,8 @@ def test_op_matches_the_reference_and_fills_the_tail(experts, block):
         for t in out.as_tuple():
             t.fill_(12345)  # poison: every element must be written
         va.moe_align_block_size(ids.cuda(), experts, block, out=out)
-        got, total = va.blocks_of(out, numel)
-        ref, ref_total = va.align_reference(ids, experts, block)
+        got, total = blocks_of(out, numel)
+        ref, ref_total = align_reference(ids, experts, block)
         assert (got, total) == (ref, ref_total), (experts, block, rows)
         assert bool((out.sorted_ids[total:] == numel).all()), "sorted_ids tail must hold the sentinel numel"
         tail = out.expert_ids[total // block:].unique().tolist()
@@ -104,4 +105,4 @@ def test_op_skips_ids_the_expert_map_marks_remote(experts):
     ids[2, :] = experts    # a row with no local expert at all
     expert_map = torch.cat((torch.arange(experts, dtype=torch.int32), torch.tensor([-1], dtype=torch.int32)))
     out = va.moe_align_block_size(ids.cuda(), experts + 1, 8, expert_map=expert_map.cuda())
-    assert va.blocks_of(out, ids.numel()) == va.align_reference(ids, experts + 1, 8, expert_map)
+    assert blocks_of(out, ids.numel()) == align_reference(ids, experts + 1, 8, expert_map)

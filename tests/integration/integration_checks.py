@@ -1,6 +1,6 @@
 """Shared pieces of the integration tests (imported by name: tests/ has no
-__init__.py), the tiny shape and a CPU stand-in
-for `RoutedExpertGemm` (the real kernels need an H200)."""
+__init__.py): the tiny shape, a seeded reference layer (`build_reference_layer`)
+and a CPU stand-in for `RoutedExpertGemm` (the real kernels need an H200)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from moebench.formats import ExpertWeights
+from moebench.formats import ExpertWeights, generate_expert_weights
+from moebench.integration.reference_layer import (
+    Mxfp4Experts, ReferenceGate, ReferenceMoELayer, ReferenceRouter, ReferenceSharedExpert,
+)  # fmt: skip
 from moebench.kernels.front import FrontConfig
 from moebench.kernels.tactic import GemmShape, default_tactic
-from moebench.models import MoEConfig
+from moebench.models import MoEConfig, RankShape
 from moebench.moe_output import UnfinalizedMoEOutput
 from moebench.record import max_ctas
 from moebench.reference import reference_moe
@@ -21,6 +24,50 @@ from moebench.kernels.family import FamilyChoice
 #: hidden 256, per-rank intermediate 64 (TP2 of 128), padded to 128; 32 experts, top-4;
 #: the router folds 1.5.
 TINY = MoEConfig("tiny", 256, 128, 32, 4, 1, 1.5, 10.0).shard(2)
+
+
+def build_reference_layer(
+    shape: RankShape,
+    seed: int = 0,
+    device: torch.device | str = "cpu",
+    *,
+    image_sentinel_lo: int = 0,
+    hash_vocab: int = 0,
+    routed_scaling_factor: float = 1.0,
+) -> ReferenceMoELayer:
+    """A seeded reference layer of one rank of `shape` on `device`.
+
+    Gate weights BF16 [E, H] ~ N(0, 1/H); bias fp32 [E] ~ 0.1 N(0, 1); with
+    `image_sentinel_lo` > 0 also bias_vl; with `hash_vocab` > 0 a hash table
+    int32 [hash_vocab, top_k] of distinct experts per token. The shared
+    expert's intermediate is the rank's routed one (BF16 weights with std
+    1/sqrt(K)); routed experts from `generate_expert_weights(shape, seed)`.
+    The router folds `shape.routed_scaling_factor`; `routed_scaling_factor`
+    is the runner-side factor (1.0 for DeepSeek-V4).
+    """
+    dev = torch.device(device)
+    gen = torch.Generator().manual_seed(seed + 104729)
+    h, e, k, i = shape.hidden, shape.experts, shape.top_k, shape.intermediate
+
+    def randn(*size: int, std: float = 1.0) -> torch.Tensor:
+        return torch.randn(*size, generator=gen) * std
+
+    gate = ReferenceGate(randn(e, h, std=h**-0.5).to(torch.bfloat16).to(dev))
+    bias = (0.1 * randn(e)).to(dev)
+    bias_vl = (0.1 * randn(e)).to(dev) if image_sentinel_lo > 0 else None
+    table = None
+    if hash_vocab > 0:
+        table = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(hash_vocab)])
+        table = table.to(torch.int32).to(dev)
+    router = ReferenceRouter(e, k, shape.routed_scaling_factor, bias, bias_vl, image_sentinel_lo, table)
+    shared = ReferenceSharedExpert(
+        randn(i, h, std=h**-0.5).to(torch.bfloat16).to(dev),
+        randn(i, h, std=h**-0.5).to(torch.bfloat16).to(dev),
+        randn(h, i, std=i**-0.5).to(torch.bfloat16).to(dev),
+        shape.swiglu_limit,
+    )
+    experts = Mxfp4Experts(generate_expert_weights(shape, seed, dev))
+    return ReferenceMoELayer(gate, router, shared, experts, routed_scaling_factor=routed_scaling_factor)
 
 
 @dataclass

@@ -7,12 +7,11 @@ import torch
 
 from moebench.formats import dequantize_mxfp4, dequantize_mxfp8, generate_activations, quantize_mxfp8
 from moebench.integration.protocol import is_moe_runner
-from moebench.integration.reference_layer import build_reference_layer
 from moebench.moe_output import UnfinalizedMoEOutput
 from moebench.reference import relative_error, swiglu_clamped
 from moebench.routing import IMAGE_SENTINELS, sqrtsoftplus
 
-from integration_checks import TINY
+from integration_checks import TINY, build_reference_layer
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from integration_checks import TINY, FakeRoutedExpertGemm
+from integration_checks import TINY, FakeRoutedExpertGemm, build_reference_layer
 from moebench.formats import generate_activations, generate_expert_weights
 from moebench.integration.protocol import (
     DeferralConfig, MoERunner, RoutedExperts, Router, is_moe_runner,
 )  # fmt: skip
-from moebench.integration.reference_layer import ReferenceMoEConfig, build_reference_layer
+from moebench.integration.reference_layer import ReferenceMoEConfig
 from moebench.integration.step import (
-    MoEStep, bind_front, current_weights, deferred_finalize, defers_finalize, front_applies,
+    MoEStep, bind_front, build_moe_steps, current_weights, deferred_finalize, defers_finalize, front_applies,
     front_config, front_refusal,
 )  # fmt: skip
 from moebench.kernels.front import FrontConfig
@@ -400,6 +400,36 @@ def test_protocol_notices_a_missing_attribute(missing):
     assert not is_moe_runner(runner)
 
 
+def test_step_refuses_a_layer_that_is_not_a_runner(layer):
+    with pytest.raises(TypeError, match="protocol.MoERunner"):
+        MoEStep(object(), None, max_rows=8)
+    bare = VllmLikeRunner()
+    del bare.moe_config
+    with pytest.raises(TypeError, match="VllmLikeRunner"):
+        MoEStep(bare, None, max_rows=8)
+
+
+def test_build_moe_steps_binds_through_the_seeds_entry_point(caplog):
+    """build_moe_steps hands the deferrable layers (only them) to
+    build_routed_expert_gemms; on the CPU the kernels refuse (CUDA tensors
+    needed), so that layer's step runs the runner's deferred path, and the
+    builder's log says why."""
+    deferring = build_reference_layer(TINY, seed=11)
+    finalizing = build_reference_layer(TINY, seed=12)
+    finalizing.moe_config.deferral_supported = False
+    with caplog.at_level("INFO", logger="moebench.kernels.binding"):
+        steps = build_moe_steps([deferring, VllmLikeRunner(), finalizing], max_rows=8, overlap_shared=False)
+    assert [s.deferrable for s in steps] == [True, False, False]
+    assert all(s.gemm is None and s.max_rows == 8 and not s.overlap_shared for s in steps)
+    assert "on 0 of 1 MoE layers" in caplog.text and "CUDA" in caplog.text
+    x = generate_activations(3, TINY.hidden, seed=4)
+    got = steps[0].run(x, None, low_batch=True)
+    assert isinstance(got.routed, UnfinalizedMoEOutput)
+    assert torch.equal(_finalized(got), _finalized(MoEStep(deferring, None, 8).run(x, None, low_batch=True)))
+    with pytest.raises(ValueError, match="max_rows"):
+        build_moe_steps([deferring], max_rows=0)
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -422,6 +452,22 @@ def test_gpu_step_with_the_kernels_matches_the_reference_layer(rows):
     out = step.run(x, None, low_batch=True)
     assert isinstance(out, MoEOutput) and isinstance(out.routed, UnfinalizedMoEOutput)
     assert relative_error(out.finalize(torch.bfloat16), layer.forward(x)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("front", [True, False])
+def test_gpu_build_moe_steps_binds_the_kernels_and_the_front(front):
+    """The load-time path (build_moe_steps -> build_routed_expert_gemms ->
+    bind_front) gives steps on the kernels, the fused front bound when asked,
+    that match the reference layer."""
+    layers = [build_reference_layer(TINY, seed=s, device="cuda") for s in (31, 32)]
+    steps = build_moe_steps(layers, max_rows=8, front=front)
+    x = generate_activations(5, TINY.hidden, seed=5, device="cuda")
+    for layer, step in zip(layers, steps):
+        assert step.gemm is not None and step.uses_kernels(x, low_batch=True)
+        assert front_applies(step.gemm, layer) is front
+        out = step.run(x, None, low_batch=True)
+        assert relative_error(out.finalize(torch.bfloat16), layer.forward(x)) < 1e-2
 
 
 @pytest.mark.gpu

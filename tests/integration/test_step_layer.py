@@ -173,6 +173,33 @@ def test_kernel_step_router_path_where_the_front_does_not_apply(rows):
     assert torch.equal(step.run(), out) and gemm.calls["front"] == 0
 
 
+def test_kernel_step_without_a_gemm_binds_through_build_routed_expert_gemms(monkeypatch):
+    """gemm=None: the step builds its gemm as a serving stack does at load
+    (step.build_moe_steps -> binding.build_routed_expert_gemms, the front
+    bound); here the builder hands back the torch stand-in. On the CPU the
+    real builder refuses (CUDA tensors needed): the step says so."""
+    from moebench.kernels import binding
+
+    weights, ids, x, gate = _case(4)
+    oracle, _ = step_oracle(weights, gate, x, **_kw())
+    with pytest.raises(ValueError, match="refused this layer"):
+        KernelStep(build_runner(weights, gate, **_kw()), None, x, finalize_fn=torch_finalize)
+    asked = []
+
+    def build(layers, tactics=None, fp8=None):
+        asked.append((layers, tactics, fp8))
+        return [FakeRoutedExpertGemm(w, k) for w, k in layers]
+
+    monkeypatch.setattr(binding, "build_routed_expert_gemms", build)
+    for front in (True, False):
+        step = KernelStep(build_runner(weights, gate, **_kw()), None, x, finalize_fn=torch_finalize, front=front)
+        assert isinstance(step.gemm, FakeRoutedExpertGemm) and step.step.gemm is step.gemm is step.step_no_gate.gemm
+        assert step.uses_front is front
+        assert relative_error(step.run(), oracle) < ORACLE_TOLERANCE
+    (w, k), = asked[-1][0]
+    assert k == CFG.top_k and w.w13 is weights.experts.w13 and asked[-1][1:] == (None, None)
+
+
 def test_front_and_router_paths_agree():
     weights, ids, x, gate = _case(5)
     outs = []
@@ -207,11 +234,10 @@ def test_reference_shared_expert_converts_its_weights_once():
 @pytest.mark.parametrize("rows", [1, 4, 8])
 def test_gpu_kernel_step_matches_the_oracle_and_captures(rows, front):
     from moebench.bench.timing import time_graph
-    from moebench.kernels.binding import RoutedExpertGemm
 
     weights, ids, x, gate = _case(rows, device="cuda")
     runner = build_runner(weights, gate, **_kw())
-    step = KernelStep(runner, RoutedExpertGemm(weights.experts, CFG.top_k), x, front=front)
+    step = KernelStep(runner, None, x, front=front)  # built by build_moe_steps, as at load
     assert step.uses_front is front
     assert [n for n, _ in step.stage_calls()] == list(KernelStep.FRONT_STAGES if front else KernelStep.ROUTER_STAGES)
     oracle, _ = step_oracle(weights, gate, x, **_kw())

@@ -3,6 +3,7 @@ and a pure-torch emulation of one warp's MMA data flow over packed weights."""
 
 import pytest
 import torch
+from layout_inverse import from_kernel_layout, unpack_rows
 
 from moebench.formats import E2M1_VALUES, ExpertWeights, dequantize_mxfp4, generate_expert_weights
 from moebench.kernels.layout import (
@@ -10,7 +11,6 @@ from moebench.kernels.layout import (
     KernelWeights,
     bit_position,
     decode_terms,
-    from_kernel_layout,
     pack_rows,
     to_kernel_layout,
 )
@@ -69,8 +69,6 @@ def test_random_bytes_round_trip():
     gen = torch.Generator().manual_seed(5)
     codes = torch.randint(0, 256, (3, 64, 48), generator=gen, dtype=torch.int32).to(torch.uint8)
     scales = torch.randint(0, 255, (3, 64, 3), generator=gen, dtype=torch.int32).to(torch.uint8)
-    from moebench.kernels.layout import unpack_rows
-
     packed, s = pack_rows(codes, scales)
     c2, s2 = unpack_rows(packed, s)
     assert torch.equal(c2, codes) and torch.equal(s2, scales)
@@ -94,8 +92,6 @@ def test_nonzero_padding_is_rejected_naming_the_tensor(tensor, index):
 def test_bad_argument_type():
     with pytest.raises(TypeError, match="weights"):
         to_kernel_layout("not weights")
-    with pytest.raises(TypeError, match="kw"):
-        from_kernel_layout(None)
 
 
 def test_mma_data_flow_emulation_matches_dense_product():
@@ -251,12 +247,3 @@ def test_fp8_mma_data_flow_emulation_matches_dense_product():
                     y[32 * pair + 16 * t + row, n] = regs[flat // 4][flat % 4]
     want = dense @ dequantize_mxfp8(x_q, x_s, torch.float64).T
     assert torch.allclose(y, want, rtol=1e-12, atol=1e-12)
-
-
-def test_from_kernel_layout_rejects_fields_edited_apart():
-    import dataclasses
-
-    shape = get_preset("dsv4-flash", hidden=256, intermediate=256, experts=4, top_k=2).shard(2)
-    kw = to_kernel_layout(generate_expert_weights(shape, seed=0))
-    with pytest.raises(ValueError, match="kw.w13 is"):
-        from_kernel_layout(dataclasses.replace(kw, hidden=128))
