@@ -51,6 +51,33 @@ def test_fused_tactic_rules_and_name():
         fused_workspace_bytes(-1)
 
 
+def test_default_fused_tactic_for_every_preset_tp_and_row_count():
+    """A built-in fused tactic runs every preset x TP 1/2/4/8 at every row
+    count; its resident units are what the busiest CTA takes at that many
+    tiles where they fit (dsv41-flash TP4 rows 1: 240 GEMM2 units of 128 rows
+    on 132 CTAs, 2 each), else as many as fit (TP1: none, v13's order)."""
+    from moebench.kernels.fused import default_fused_tactic
+    from moebench.models import PRESETS
+
+    for preset in PRESETS:
+        for tp in (1, 2, 4, 8):
+            shape = get_preset(preset).shard(tp)
+            for rows in range(1, 9):
+                ctas = max_ctas(rows, shape.top_k, shape.experts)
+                ft = default_fused_tactic(shape, ctas)
+                assert ft is not None and ft.why_invalid(shape) is None, (preset, tp, rows)
+                units2 = ctas * (shape.hidden // ft.gemm2.item_rows)
+                units1 = ctas * (2 * shape.intermediate // ft.gemm1.item_rows)
+                busiest = -(-units2 // min(max(units1, units2), 132))
+                more = FusedTactic(ft.gemm1, ft.gemm2, ft.resident + 1)
+                assert ft.resident == busiest or (ft.resident < busiest and more.why_invalid(shape)), (preset, tp)
+    tp4 = get_preset("dsv41-flash").shard(4)
+    assert default_fused_tactic(tp4, 6).name == "r16_m4_k4_u4_c1_b4_f8+r16_m8_k2_u3_c1_b4_f8_res2"
+    assert default_fused_tactic(get_preset("dsv41-flash").shard(1), 6).resident == 0
+    with pytest.raises(ValueError, match="ctas"):
+        default_fused_tactic(tp4, 0)
+
+
 _COMPILE_SPEC = """
 from moebench.kernels.fused import FusedTactic, compile_fused
 from moebench.kernels.tactic import GemmShape, GemmTactic
@@ -256,3 +283,31 @@ def test_fused_layer_rejects_bad_arguments():
         fused_layer(kw, *args, tactic=FusedTactic(G1, G2[("dsv41-flash", 4)], 3), workspace=ws)
     with pytest.raises(ValueError, match="out"):
         fused_layer(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, out[:, :64], tactic=ft, workspace=ws)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset,tp", [("dsv41-flash", 4), ("dsv41-flash", 8)])
+def test_binding_with_fused_runs_the_fused_layer_and_meets_the_oracle(preset, tp):
+    """RoutedExpertGemm(fused=True): `gemms` runs the fused layer at every
+    row count (route -> fused -> finalize, poisoned-free fresh outputs)
+    within the oracle tolerance, per row too; fused=True on the BF16 family
+    is refused."""
+    from moebench.kernels.binding import RoutedExpertGemm
+    from moebench.kernels.finalize import finalize
+    from moebench.reference import ORACLE_TOLERANCE, oracle_gate, reference_moe
+    from moebench.routing import scenario_topk_ids
+
+    shape = get_preset(preset, experts=EXPERTS).shard(tp)
+    weights = generate_expert_weights(shape, seed=7, device="cuda")
+    layer = RoutedExpertGemm(weights, 6, None, fp8=True, fused=True)
+    assert all(layer.fused_tactics[r] is not None for r in range(1, 9))
+    for rows in (1, 2, 5, 8):
+        ids = scenario_topk_ids("correlated", rows, 6, EXPERTS, seed=rows).cuda()
+        w = torch.rand(rows, 6, device="cuda", dtype=torch.float32)
+        x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
+        got = finalize(layer.gemms(layer.route(x, ids, w)))
+        want = reference_moe(x, ids, w, weights, activation="mxfp8").output
+        err, row_err, why = oracle_gate(got.double(), want, ORACLE_TOLERANCE)
+        assert why is None, f"{preset} TP{tp} rows {rows}: {why}"
+    with pytest.raises(ValueError, match="fused=True needs the FP8 family"):
+        RoutedExpertGemm(weights, 6, None, fp8=False, fused=True)
