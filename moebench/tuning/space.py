@@ -378,7 +378,7 @@ def fp8_why_invalid(tactic: GemmTactic, shape, stage: int) -> str | None:
 
 #: The FP8 family's spaces by `--space` name (`moebench tune --fp8`): the
 #: same construction, at most 10 / 16 / 48 tactics per shape and stage (GEMM1
-#: twice that with the spec twins).
+#: twice that with the spec twins, plus its first 2-CTA cluster twins).
 FP8_SPACES = {"ship": Fp8Space(10), "quick": Fp8Space(16), "full": Fp8Space(48)}
 DEFAULT_FP8_SPACE = FP8_SPACES["quick"]
 
