@@ -19,12 +19,16 @@ scheme): a GEMM1 unit's H stores, a CTA barrier, one thread's gpu fence
 and `red.release.gpu.add` on its token tile's counter; a GEMM2 unit of
 that tile, before staging the tile's H rows, spins (one thread,
 `ld.acquire.gpu`) until the counter holds all the tile's GEMM1 units, then
-reads H with `ld.relaxed.gpu`; after each GEMM2 unit one thread arrives on
+reads H with `ld.relaxed.gpu` (the spin is relaxed too, then one
+`fence.acq_rel.gpu`); after each GEMM2 unit one thread arrives on
 the tile's second counter (wrapping at the tile's GEMM2 unit count), and
 the last one resets the first: both are zero again for the next launch or
 graph replay. Deadlock-free because every CTA finishes its GEMM1 units
 before it waits, the grid is at most one CTA per SM, and the kernel lets
-its dependents launch only at its end.
+its dependents launch only at its end; this assumes every SM can take one
+of its CTAs eventually (the whole device: no MPS thread-percentage limit or
+green context smaller than the GPU, no kernel on another stream that holds
+an SM until something after this one runs).
 
 The arithmetic of every unit is the pair's with the same two tactics (the
 same kernels' decode, wgmma, scaling and epilogues, `StreamingGemmKernel`
@@ -150,7 +154,7 @@ def fused_smem_bytes(ft: FusedTactic, shape) -> int:
     partials = tm * 128 * t1.warps * 2 * 4
     ring = t1.stages * (4 * max(w1, w2) + 16)
     acts = 8 * s.hidden + 8 * (s.hidden // 32) * 4 + 8 * s.intermediate + 8 * (s.intermediate // 32) * 4 + 512
-    resident = ft.resident * nb2 * (4 * w2 + 8)
+    resident = ft.resident * nb2 * (4 * w2 + 8)  # none allocated when resident is 0
     return partials + ring + acts + resident + 1024  # + alignment slack of the allocations
 
 
@@ -199,15 +203,17 @@ if HAVE_DSL:
                    x: cute.Pointer, x_s: cute.Pointer, record: cute.Pointer, clamp: cute.Pointer,
                    h: cute.Pointer, h_s: cute.Pointer, out: cute.Pointer, cnt: cute.Pointer, ctas: Int32):
             S, R = self.S, self.R
-            NR = max(1, R * self.k2.nb)  # resident stages (at least one slot so the arrays exist)
+            NR = R * self.k2.nb  # resident stages
             tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
             warp, lane = tid // 32, tid % 32
             smem = cutlass.memory.SmemAllocator()
             sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
             ring = smem.allocate_array(Uint32, S * self.ring_words, byte_alignment=128)
-            res = smem.allocate_array(Uint32, NR * self.k2.stage_words, byte_alignment=128)
             bars = smem.allocate_array(Int64, 2 * S, byte_alignment=8)  # full[0, S), empty[S, 2S)
-            rbars = smem.allocate_array(Int64, NR, byte_alignment=8)  # full of each resident stage
+            res = rbars = None
+            if cutlass.const_expr(R > 0):
+                res = smem.allocate_array(Uint32, NR * self.k2.stage_words, byte_alignment=128)
+                rbars = smem.allocate_array(Int64, NR, byte_alignment=8)  # full of each resident stage
             sB1 = self.smem_b(smem, self.k1.k)
             sB2 = self.smem_b(smem, self.k2.k)
             sXs1 = smem.allocate_tensor(Float32, cute.make_layout((8 * self.k1.nch,)), byte_alignment=16)
@@ -267,11 +273,13 @@ if HAVE_DSL:
                 wrap = Int32(b == self.k1.nb)
                 b, unit = b - wrap * self.k1.nb, unit + wrap * st1
             unit2 = u2
-            for r in cutlass.range(0, n_res, 1, unroll=1):
-                e = cute.arch.load(record + (4 + unit2 // self.k2.blocks), Int32)
-                for b2 in cutlass.range_constexpr(self.k2.nb):
-                    self.k2.issue_stage(p_w2, p_s2, res, rbars, r * self.k2.nb + b2, e, unit2 % self.k2.blocks, b2, lane)
-                unit2 = unit2 + st2
+            if cutlass.const_expr(self.R > 0):
+                for r in cutlass.range(0, n_res, 1, unroll=1):
+                    e = cute.arch.load(record + (4 + unit2 // self.k2.blocks), Int32)
+                    for b2 in cutlass.range_constexpr(self.k2.nb):
+                        self.k2.issue_stage(p_w2, p_s2, res, rbars, r * self.k2.nb + b2, e, unit2 % self.k2.blocks,
+                                            b2, lane)
+                    unit2 = unit2 + st2
             for i in cutlass.range(first, steps1, 1, unroll=1):
                 self.ring_step(1, p_w1, p_s1, record, ring, bars, i, unit, b, lane)
                 b = b + 1
@@ -326,17 +334,19 @@ if HAVE_DSL:
                 if tile != staged:  # a unit of a new tile: its activation rows into shared memory
                     staged = tile
                     if cutlass.const_expr(role == "wait"):
-                        if tid == 0:  # every GEMM1 unit of this tile has written its H
-                            ready = cute.arch.load(cnt + tile, Int32, sem="acquire", scope="gpu")
+                        if tid == 0:  # every GEMM1 unit of this tile has written its H: spin relaxed (an
+                            # acquire load would invalidate L1 on every try), then one acquire fence
+                            ready = cute.arch.load(cnt + tile, Int32, sem="relaxed", scope="gpu")
                             while ready < self.k1.blocks:
-                                ready = cute.arch.load(cnt + tile, Int32, sem="acquire", scope="gpu")
+                                ready = cute.arch.load(cnt + tile, Int32, sem="relaxed", scope="gpu")
+                            cute.arch.fence_acq_rel_gpu()
                         cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                     self.gemm(stage).stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid, 0,
                                  coherent=(role == "wait"))
                     cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 for b in cutlass.range(0, NB, 1, unroll=1):
-                    if cutlass.const_expr(role == "signal"):
+                    if cutlass.const_expr(role == "signal" or self.R == 0):
                         i = self.ring_words_to_registers(stage, ring, bars, i, st_w, st_s, pair, t16, wk, lane)
                     else:
                         if n >= n_res:
