@@ -59,20 +59,56 @@ _CHILD = textwrap.dedent(
 )
 
 
+#: Specs one child compiles before a second child is worth its start (importing the DSL takes ~6 s).
+_SPECS_PER_CHILD = 3
+
+
+def _compile_children(n_specs: int) -> int:
+    """How many children compile n_specs specs side by side: one per CPU core
+    (pytest waits idle meanwhile), at most one per _SPECS_PER_CHILD specs."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, n_specs // _SPECS_PER_CHILD))
+
+
 def compile_reports(compile_spec_source: str, specs: list) -> list[dict]:
-    """Compile one kernel per spec for sm_90a in a child process and read back
+    """Compile one kernel per spec for sm_90a in child processes and read back
     what ptxas and the SASS say. compile_spec_source: Python source defining
     `compile_spec(spec) -> dict` (compiles the kernel of one JSON-able spec;
-    the dict's items join its report). Returns one report per spec: spec,
-    regs / spills (from ptxas' remarks), instr (the SASS instructions; empty
-    when no disassembler is installed) and the extra items."""
+    the dict's items join its report). The specs are dealt round-robin to one
+    child per CPU core (each a fresh process: the DSL reads its options once
+    and the kernels' compile caches start empty). Returns one report per spec,
+    in the order of specs: spec, regs / spills (from ptxas' remarks), instr
+    (the SASS instructions; empty when no disassembler is installed) and the
+    extra items."""
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, textwrap.dedent(compile_spec_source), json.dumps(specs)],
-                          capture_output=True, text=True, env=env, timeout=1800)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    n = _compile_children(len(specs))
+    source = textwrap.dedent(compile_spec_source)
+    reports = [None] * len(specs)
+    with tempfile.TemporaryDirectory() as d:  # files, not pipes: the children write without waiting on us
+        children = []
+        try:
+            for c in range(n):
+                out, err = (open(os.path.join(d, f"{c}.{x}"), "w+") for x in ("out", "err"))
+                argv = [sys.executable, "-c", _CHILD, source, json.dumps(specs[c::n])]
+                children.append((subprocess.Popen(argv, stdout=out, stderr=err, text=True, env=env), out, err))
+            for c, (proc, out, err) in enumerate(children):
+                returncode = proc.wait(timeout=1800)
+                out.seek(0)
+                err.seek(0)
+                assert returncode == 0, err.read()[-4000:]
+                part = [json.loads(line) for line in out.read().splitlines() if line.startswith("{")]
+                for k, rep in enumerate(part):  # child c compiled specs[c::n]
+                    reports[c + n * k] = rep
+        finally:
+            for proc, out, err in children:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+                out.close()
+                err.close()
+    return [rep for rep in reports if rep is not None]
 
 
 def sass_count(report: dict, pattern: str) -> int:
