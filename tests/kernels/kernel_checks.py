@@ -9,6 +9,7 @@ tests/kernels on sys.path before it imports a test file from here."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -24,10 +25,14 @@ _GLOBAL_ACCESS = re.compile(r"(@!?P\d+ )?(LDG|STG)")
 
 # --------------------------------------------------------------------------- compile and SASS
 
-# Compiles in a child process: the DSL reads CUTE_DSL_KEEP / _DUMP_DIR /
-# _COMPILER_OPT once per process. argv[1] defines compile_spec(spec) -> dict
-# (it compiles one kernel; the dict joins the report), argv[2] is the JSON
-# list of specs. Prints one JSON report per spec.
+# A compile worker: a child process that imports the DSL once and serves
+# requests until its stdin closes (the DSL reads CUTE_DSL_KEEP / _DUMP_DIR /
+# _COMPILER_OPT once per process, so they are set before it is imported). A
+# request is one JSON line {"source": ..., "specs": [...]}: `source` defines
+# compile_spec(spec) -> dict (it compiles one kernel; the dict joins the
+# report). The worker prints one JSON report per spec, then a line DONE. The
+# kernels' compile caches are emptied before each spec, so every spec is
+# compiled (and ptxas reports on it) as in a fresh process.
 _CHILD = textwrap.dedent(
     """
     import atexit, glob, json, os, re, shutil, sys, tempfile
@@ -35,44 +40,116 @@ _CHILD = textwrap.dedent(
     atexit.register(shutil.rmtree, dump, ignore_errors=True)  # the cubins and SASS are read before exit
     os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,sass", CUTE_DSL_DUMP_DIR=dump,
                       CUTE_DSL_COMPILER_OPT="remarks{ptx}")
-    namespace = {}
-    exec(sys.argv[1], namespace)
     instr_re = re.compile(r"/\\*[0-9a-f]{4}\\*/\\s+([^;]+);")
-    for spec in json.loads(sys.argv[2]):
-        for f in glob.glob(os.path.join(dump, "*")):
-            os.remove(f)
-        r, w = os.pipe()
-        saved = os.dup(2), os.dup(1)
-        os.dup2(w, 2); os.dup2(w, 1)
-        try:
-            extra = namespace["compile_spec"](spec)
-        finally:
-            sys.stdout.flush(); sys.stderr.flush()
-            os.dup2(saved[0], 2); os.dup2(saved[1], 1); os.close(w)
-        log = os.read(r, 1 << 22).decode(errors="replace"); os.close(r)
-        sass = "".join(open(f).read() for f in glob.glob(os.path.join(dump, "*.sass")))
-        print(json.dumps(dict(extra, spec=spec,
-            regs=[int(x) for x in re.findall(r"Used (\\d+) registers", log)],
-            spills=[int(x) for x in re.findall(r"(\\d+) bytes spill (?:stores|loads)", log)],
-            instr=[s.strip() for s in instr_re.findall(sass)])), flush=True)
+    for request in sys.stdin:
+        request = json.loads(request)
+        namespace = {}
+        exec(request["source"], namespace)
+        for spec in request["specs"]:
+            for m in list(sys.modules.values()):
+                if getattr(m, "__name__", "").startswith("moebench.kernels"):
+                    for v in list(vars(m).values()):
+                        if callable(getattr(v, "cache_clear", None)):
+                            v.cache_clear()
+            for f in glob.glob(os.path.join(dump, "*")):
+                os.remove(f)
+            r, w = os.pipe()
+            saved = os.dup(2), os.dup(1)
+            os.dup2(w, 2); os.dup2(w, 1)
+            try:
+                extra = namespace["compile_spec"](spec)
+            finally:
+                sys.stdout.flush(); sys.stderr.flush()
+                os.dup2(saved[0], 2); os.dup2(saved[1], 1); os.close(w); os.close(saved[0]); os.close(saved[1])
+            log = os.read(r, 1 << 22).decode(errors="replace"); os.close(r)
+            sass = "".join(open(f).read() for f in glob.glob(os.path.join(dump, "*.sass")))
+            print(json.dumps(dict(extra, spec=spec,
+                regs=[int(x) for x in re.findall(r"Used (\\d+) registers", log)],
+                spills=[int(x) for x in re.findall(r"(\\d+) bytes spill (?:stores|loads)", log)],
+                instr=[s.strip() for s in instr_re.findall(sass)])), flush=True)
+        print("DONE", flush=True)
     """
 )
 
+#: Specs one worker compiles before a second worker is worth it.
+_SPECS_PER_CHILD = 3
 
-def compile_reports(compile_spec_source: str, specs: list) -> list[dict]:
-    """Compile one kernel per spec for sm_90a in a child process and read back
-    what ptxas and the SASS say. compile_spec_source: Python source defining
-    `compile_spec(spec) -> dict` (compiles the kernel of one JSON-able spec;
-    the dict's items join its report). Returns one report per spec: spec,
-    regs / spills (from ptxas' remarks), instr (the SASS instructions; empty
-    when no disassembler is installed) and the extra items."""
+#: The compile workers of this pytest process (started on first use, one per CPU core).
+_WORKERS: list = []
+
+
+def _compile_children(n_specs: int) -> int:
+    """How many workers compile n_specs specs side by side: one per CPU core
+    (pytest waits idle meanwhile), at most one per _SPECS_PER_CHILD specs."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cores, n_specs // _SPECS_PER_CHILD))
+
+
+def _stop_workers() -> None:
+    while _WORKERS:
+        proc, err = _WORKERS.pop()
+        if proc.poll() is None:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        err.close()
+
+
+atexit.register(_stop_workers)
+
+
+def _workers(n: int) -> list:
+    """n running compile workers (more are started when fewer are running)."""
+    if any(proc.poll() is not None for proc, _ in _WORKERS):
+        _stop_workers()
     env = dict(os.environ)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", _CHILD, textwrap.dedent(compile_spec_source), json.dumps(specs)],
-                          capture_output=True, text=True, env=env, timeout=1800)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    while len(_WORKERS) < n:
+        err = tempfile.TemporaryFile("w+")  # a file, not a pipe: the worker writes without waiting on us
+        proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=err, text=True, env=env)  # fmt: skip
+        _WORKERS.append((proc, err))
+    return _WORKERS[:n]
+
+
+def compile_reports(compile_spec_source: str, specs: list) -> list[dict]:
+    """Compile one kernel per spec for sm_90a in worker processes and read
+    back what ptxas and the SASS say. compile_spec_source: Python source
+    defining `compile_spec(spec) -> dict` (compiles the kernel of one
+    JSON-able spec; the dict's items join its report). The specs are dealt
+    round-robin to up to one worker per CPU core; the workers live as long as
+    this process, so the DSL is imported once per worker, not per call.
+    Returns one report per spec, in the order of specs: spec, regs / spills
+    (from ptxas' remarks), instr (the SASS instructions; empty when no
+    disassembler is installed) and the extra items."""
+    n = _compile_children(len(specs))
+    source = textwrap.dedent(compile_spec_source)
+    reports = [None] * len(specs)
+    try:
+        workers = _workers(n)
+        for c, (proc, _) in enumerate(workers):
+            proc.stdin.write(json.dumps({"source": source, "specs": specs[c::n]}) + "\n")
+            proc.stdin.flush()
+        for c, (proc, err) in enumerate(workers):
+            k = 0
+            for line in proc.stdout:  # child c compiles specs[c::n]
+                if line.startswith("DONE"):
+                    break
+                if line.startswith("{"):
+                    reports[c + n * k] = json.loads(line)
+                    k += 1
+            else:  # the worker died
+                proc.wait(timeout=60)
+                err.seek(0)
+                raise AssertionError(f"compile worker exited with {proc.returncode}: {err.read()[-4000:]}")
+    except BaseException:
+        _stop_workers()  # a failed or interrupted request leaves no half-read worker behind
+        raise
+    return [rep for rep in reports if rep is not None]
 
 
 def sass_count(report: dict, pattern: str) -> int:

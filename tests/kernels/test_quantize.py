@@ -332,8 +332,8 @@ def test_kernel_method_model_on_every_bf16_pattern():
     blocks[:, 0] = bits
     blocks[:, 1] = 0x8000
     blocks[:, 2] = 0x0001
-    x = _bits_to_bf16(blocks).view(-1, 4096)
-    for x in (x, _all_bf16(gen, "sorted"), _all_bf16(gen, "shuffled")):
+    every = _bits_to_bf16(blocks).view(-1, 4096)
+    for x in (every, _all_bf16(gen, "sorted"), _all_bf16(gen, "shuffled")):
         want_q, want_s = _reference(x)
         got_q, got_s = _kernel_method_model(x)
         assert torch.equal(got_s, want_s) and torch.equal(got_q, want_q)

@@ -323,7 +323,7 @@ def test_default_tactics_compile_for_sm90a_without_spills():
 @pytest.mark.compile
 def test_variant_tactics_compile_for_sm90a_without_spills():
     specs = []
-    for h, i, stage, t in VARIANTS + [(4096, 512, st, t) for st, t in FIRST_CALL_TACTICS.items()]:
+    for h, i, stage, t in VARIANTS + [(4096, 512, g, t) for g, t in FIRST_CALL_TACTICS.items()]:
         assert t.valid_for(h, i, stage) is None, (t.name, stage)
         specs.append([h, i, stage, _fields(t)])
     reports = _compile_reports(specs)
