@@ -10,6 +10,7 @@ checkout.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import os
 import platform
 import re
@@ -131,7 +132,6 @@ def package_versions() -> dict[str, str | None]:
     A package counts as present only if its import name is findable, so a
     stale dist-info without the package reads as missing.
     """
-    import importlib.util
 
     versions: dict[str, str | None] = {}
     for dist, module in TRACKED_PACKAGES.items():

@@ -74,7 +74,7 @@ def summarize(rows: list[dict]) -> dict:
         op = ops[opcode(r["Source"])]
         op[0] += executed[i]
         op[1] += samples[i]
-        for key, value in r.items():
+        for key in r:
             if key and key.startswith("stall_") and "Not Issued" not in key:
                 n = _int(r, key)
                 stalls_all[key[6:]] += n

@@ -230,7 +230,7 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                     print(f"TP{tp} rows {rows} ({touched:2d} experts) {kernel:5s} {tactic:40s} "
                           f"{med:7.2f} us [{p10:6.2f},{p90:6.2f}] {nbytes / 1e6:7.1f} MB {gbps:7.0f} GB/s "
                           f"{rec['pct_copy_bw']:5.1f}%", flush=True)
-    del sets, ws
+    sets = ws = None  # free the weight sets before the next shape
     torch.cuda.empty_cache()
 
 

@@ -160,7 +160,7 @@ def bench_shape(preset: str, tp: int, rows_list, do_variants: bool, copy_gbps: f
                 # one layer n_layers times per replay (its weights stay in L2): one call per
                 # graph launch would time the host's submission gap instead of the kernels
                 record("kernels-warm", names, lambda: [ks[0](x, out) for _ in ks], err)
-    del torch_layers, kernel_layers
+    torch_layers = kernel_layers = None  # free the layers before the next shape
     torch.cuda.empty_cache()
 
 

@@ -50,7 +50,6 @@ value for all experts (true for every preset).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 

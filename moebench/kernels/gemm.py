@@ -66,8 +66,7 @@ from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, r
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.limits import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from moebench.kernels.tactic import (
-    SPEC_WORDS, GemmShape, GemmTactic, cluster_landing_bytes, default_tactic, partial_smem_bytes, workspace_bytes,
-    workspace_bytes_for, workspace_parts,
+    SPEC_WORDS, GemmShape, GemmTactic, cluster_landing_bytes, default_tactic, partial_smem_bytes, workspace_parts,
 )  # fmt: skip
 from moebench.record import TILE, route_words
 
@@ -761,7 +760,7 @@ if HAVE_DSL:
             completing full[s]; the nw compute warps arrive on empty[s] when done
             with it. Warp (wm, wk) takes chunks b*KS + wk*unroll + j, so one
             stage holds the whole CTA's next K slab (K interleaved over warps)."""
-            S, NB, KS, NP = self.tactic.stages, self.nb, self.ks, self.np
+            S = self.tactic.stages
             tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
             warp, lane = tid // 32, tid % 32
             # a cluster (cluster_k > 1) takes the units a CTA would; its rank r streams K slice r
@@ -968,7 +967,7 @@ if HAVE_DSL:
             full[s], weight words and scales from the stage into registers,
             mma.sync, release the stage; per item the partials meet in shared
             memory (named barrier 1 over the compute warps) and the epilogue runs."""
-            S, NB, KS, NP, U = self.tactic.stages, self.nb, self.ks, self.np, self.u
+            S, NB, KS, U = self.tactic.stages, self.nb, self.ks, self.u
             g, c = lane // 4, lane % 4
             wm, wk = warp // self.wk, warp % self.wk
             words = (ctas + 3) // 4 * 4

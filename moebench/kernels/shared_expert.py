@@ -295,7 +295,8 @@ def default_shared_tactic(hidden: int, intermediate: int, stage: int, num_sms: i
     warps_k = min(warps_k, -(-nch // cluster))
     ctas = items * cluster
     cps = max(1, min(4, -(-ctas // num_sms)))
-    per_warp = -(-(-(-nch // cluster)) // warps_k)
+    per_cta = -(-nch // cluster)  # chunks of one CTA's K slice
+    per_warp = -(-per_cta // warps_k)
     unroll = max(1, min(-(-per_warp // 2), 6 // tile_m))
     why = None
     for c in range(cps, 0, -1):  # fewer CTAs per SM only when no unroll fits (shared memory)

@@ -558,7 +558,7 @@ def test_stage_calls_compose_to_forward(prepared_cache):
     assert torch.isnan(prepared.buffers[(3, shape.top_k)]["out"]).any()
     stages = backend.stage_calls(prepared, x, ids, wts)  # eager run of route..gemm2 again
     assert torch.equal(stages[-1][1](), want)
-    for name, call in stages:
+    for _name, call in stages:
         call()  # warm
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
