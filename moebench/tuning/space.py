@@ -405,14 +405,6 @@ def items_per_tile(shape, stage: int, tactic: GemmTactic) -> int:
     return rows // tactic.item_rows
 
 
-def grid_size(shape, stage: int, tactic: GemmTactic, ctas: int, num_sms: int) -> int:
-    """CTAs launched for `ctas` token tiles (as the kernel's `grid`)."""
-    items = ctas * items_per_tile(shape, stage, tactic)
-    if not tactic.persistent:
-        return max(1, items)
-    return max(1, min(items, num_sms * tactic.ctas_per_sm))
-
-
 def why_invalid(
     tactic: GemmTactic, shape, stage: int, ctas: int | None = None, num_sms: int = 132, prune: bool = True
 ) -> str | None:

@@ -17,14 +17,20 @@ from moebench.routing import scenario_topk_ids, scenario_weights
 binding = pytest.importorskip("moebench.kernels.binding", reason="needs nvidia-cutlass-dsl")
 
 
-def _small(tp=4, experts=64, device="cpu"):
+def _small(tp=4, experts=32, device="cpu"):
     shape = get_preset("dsv41-flash", hidden=512, intermediate=1152, experts=experts).shard(tp)
     return shape, generate_expert_weights(shape, seed=3, device=device)
 
 
+@pytest.fixture(scope="module")
+def small_cpu_weights():
+    """One CPU layer for the checks that only read it (generating one takes seconds on the CPU)."""
+    return _small()[1]
+
+
 @pytest.mark.parametrize("top_k", [0, 9, True])
-def test_check_weights_rejects_top_k(top_k):
-    _, w = _small()
+def test_check_weights_rejects_top_k(top_k, small_cpu_weights):
+    w = small_cpu_weights
     with pytest.raises(ValueError, match="top_k"):
         binding.check_weights(w, top_k)
 
@@ -43,8 +49,8 @@ def test_check_weights_rejects_nonzero_padding():
         binding.check_weights(w, 6)
 
 
-def test_check_weights_rejects_cpu_tensors():
-    _, w = _small()
+def test_check_weights_rejects_cpu_tensors(small_cpu_weights):
+    w = small_cpu_weights
     with pytest.raises(ValueError, match="w13 must be on a CUDA device"):
         binding.check_weights(w, 6)
 
