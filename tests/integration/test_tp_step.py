@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp_mp
 
-from moebench.bench.shard import free_port, worker_env
+from moebench.bench.launch import MULTICAST_OFF, free_port
 from moebench.formats import generate_activations, generate_expert_weights
 from moebench.integration.tp_step import partial_sum_check, reference_backend, slice_expert_weights, tp_moe_step
 from moebench.models import get_preset
@@ -64,7 +64,8 @@ def test_step_needs_a_process_group():
 
 
 def _rank_main(rank, world, port, out_dir, activation):
-    os.environ.update(worker_env(rank, world, master_port=port, base={}))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      **MULTICAST_OFF)
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     try:
         _, full, x, ids, w = _problem()
