@@ -2,8 +2,8 @@
 
 The layer (`integration.step_layer`): gate -> router top-k -> shared expert ->
 routed experts -> finalize (top-k weighted sum + shared add), one rank of a
-TP layer, for each backend: "moebench" = `MoEStep` + `RoutedExpertGemm` + the
-finalize kernel, with the fused front (top-k + MXFP8 x + route record in one
+TP layer, for each backend: ours (DEFERRED_FINALIZE, `make_step`) = `MoEStep` +
+`RoutedExpertGemm` + the finalize kernel, with the fused front (top-k + MXFP8 x + route record in one
 launch) bound to the layer's router where `step.front_applies` (DeepSeek-V4
 sqrtsoftplus routing with the layer's bias: every generated layer), else the
 runner's router + `route`; any other backend (torch-bf16, FlashInfer, ...) =
@@ -30,11 +30,18 @@ unavailable, the tactic is not offered for the shape, or
 
 Ranks: `ranks` = 1 times one rank's shard (I/tp, drawn directly, no
 all-reduce: the shape `moebench sweep --tp` times) in this process;
-`ranks` = tp runs a real TP-N step: N processes started like torchrun
-(`shard.worker_env`: RANK, WORLD_SIZE, MASTER_ADDR/PORT, NVLink multicast
-off), one GPU each, torch.distributed over NCCL (gloo on the CPU). Every rank
-slices one full seeded layer (`slice_layer`), runs its slice and the
-all-reduce (SUM, BF16) of the layer output.
+`ranks` = tp runs a real TP-N step: N ranks started by PyTorch's launcher
+(`launch.launch_local` on this host, or torchrun on several:
+`launch.rank_main`), one GPU each, torch.distributed over NCCL (gloo on the
+CPU), NVLink multicast off. Every rank slices one full seeded layer
+(`slice_layer`), runs its slice and the all-reduce (SUM, BF16) of the layer
+output.
+
+The step reaches a backend only through the `Backend` interface: a backend
+that declares DEFERRED_FINALIZE in `Backend.step_capabilities` (ours) runs
+inside `MoEStep` with the finalize kernel (`KernelStep`), with its fused
+front bound to the router where it also declares FUSED_FRONT; any other runs
+its `forward` behind the runner's router (`BackendStep`): `make_step`.
 
 Correctness gate (per case, layer 0): the step's output (all-reduced) vs
 `step_oracle` of the layer (the full unsliced layer for a TP-N step, on rank
