@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from moebench.bench import launch, run
 from moebench.bench.cases import SweepConfig, expand_cases
 from moebench.bench.interrupt import INTERRUPTED
-from moebench.bench.launch import Job, RankReport, merge_step, merge_sweep
+from moebench.bench.merge import Job, RankReport, merge_step, merge_sweep
 from moebench.bench.pipeline import case_row
 from moebench.bench.shard import plan_shards
 from moebench.cli import app
