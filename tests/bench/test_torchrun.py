@@ -93,7 +93,8 @@ def test_a_killed_rank_leaves_its_cases_failed(tmp_path):
 
 def test_an_interrupt_keeps_what_every_rank_measured(tmp_path):
     """Ctrl-C to both torchruns once each rank measured its 1-row cases: the
-    run keeps those, the rest is skipped (INTERRUPTED), rank 0 exits 130."""
+    run keeps what was measured, the rest is skipped (INTERRUPTED), rank 0
+    says so (exit 130)."""
     markers = tmp_path / "markers"
     markers.mkdir()
 
@@ -111,5 +112,6 @@ def test_an_interrupt_keeps_what_every_rank_measured(tmp_path):
     (run,) = (tmp_path / "runs").iterdir()
     df, manifest = read_run(run)
     assert manifest["interrupted"] is True and len(df) == 6
-    assert set(df[df.rows == 1].status) == {"ok"}
-    assert set(df[df.rows > 1].status) == {"skipped"} and (df[df.rows > 1].error == INTERRUPTED).all()
+    assert set(df[df.rows == 1].status) == {"ok"}  # every rank's measured cases kept
+    skipped = df[df.status == "skipped"]  # a rank may finish a 2-row case before the signal lands
+    assert set(df.status) == {"ok", "skipped"} and (skipped.error == INTERRUPTED).all() and (skipped.rows > 1).all()
