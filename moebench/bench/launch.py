@@ -451,7 +451,8 @@ def launch_local(job: Job, nproc: int, *, timeout_s: float | None = None,
             if progress is not None:
                 with contextlib.suppress(Exception):
                     progress(_progress(store, nproc), total)
-            if timeout_s is not None and state["stopped"] is None and time.monotonic() - start > timeout_s:
+            if timeout_s is not None and state["stopped"] is None and time.monotonic() - start > timeout_s \
+                    and not done.is_set():  # fmt: skip
                 state["stopped"] = f"stopped after the {timeout_s:g} s timeout"
                 os.kill(os.getpid(), signal.SIGTERM)  # the launcher stops its ranks (they keep what they measured)
 
@@ -461,6 +462,7 @@ def launch_local(job: Job, nproc: int, *, timeout_s: float | None = None,
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     interrupted, got = False, None
+    handlers = _handlers()  # the launcher installs its own for the ranks' lifetime: ours come back after
     try:
         elastic_launch(config, rank_main)(job)
     except ChildFailedError as error:
@@ -474,6 +476,7 @@ def launch_local(job: Job, nproc: int, *, timeout_s: float | None = None,
     finally:
         done.set()
         watcher.join()
+        _restore(handlers)
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -490,6 +493,22 @@ def launch_local(job: Job, nproc: int, *, timeout_s: float | None = None,
     if interrupted:
         result.manifest.update(interrupted=True, interrupt_signal=got)
     return result
+
+
+_SIGNALS = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
+
+
+def _handlers() -> dict:
+    """This process's handlers of the signals the launcher takes over (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {sig: signal.getsignal(sig) for sig in (getattr(signal, n) for n in _SIGNALS)}
+
+
+def _restore(handlers: dict) -> None:
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
 
 
 def _is_signal(error: BaseException) -> bool:
