@@ -241,7 +241,8 @@ def _min_over_ranks(value: int, world: int) -> int:
     return min(everyone)
 
 
-def _barrier(world: int, device: torch.device) -> None:
+def rank_barrier(world: int, device: torch.device) -> None:
+    """Wait for every one of `world` ranks (none when world is 1)."""
     if world == 1:
         return
     if device.type == "cuda":
@@ -580,13 +581,13 @@ def _time_case(config, steps, capturable, dev, world, rows, hidden) -> dict[str,
         return time_graph(fn, **counts)
 
     out: dict[str, Timing] = {}
-    _barrier(world, dev)
+    rank_barrier(world, dev)
     out["step"] = timed(lambda: [s.run(with_gate=False) for s in steps])
-    _barrier(world, dev)
+    rank_barrier(world, dev)
     out["step_with_gate"] = timed(lambda: [s.run(with_gate=True) for s in steps])
     if world > 1:
         buf = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=dev)
-        _barrier(world, dev)
+        rank_barrier(world, dev)
         out["allreduce"] = timed(lambda: [dist.all_reduce(buf, op=dist.ReduceOp.SUM) for _ in steps])
     # Local from here on: no collectives.
     out["gate"] = timed(lambda: [s.gate() for s in steps])

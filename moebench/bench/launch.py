@@ -208,8 +208,8 @@ def _heartbeat(addr: tuple[str, int], rank: int, stop: threading.Event) -> None:
 
 def wait_for_ranks(store, world: int, me: int, interrupted: bool = False) -> None:
     """Rank 0 under torchrun: wait until every other rank said its end, or
-    is silent past dead_after_s() (after an interrupt: at most a few
-    heartbeats, the agent's grace is short)."""
+    is silent past dead_after_s() (`interrupted`, this rank stopped early:
+    at most a few heartbeats, the agent's grace is short)."""
     import torch.distributed as dist
 
     prefixed = dist.PrefixStore("moebench/", store)
@@ -223,7 +223,7 @@ def wait_for_ranks(store, world: int, me: int, interrupted: bool = False) -> Non
             beat = float(prefixed.get(f"beat/{rank}")) if prefixed.check([f"beat/{rank}"]) else start
             if time.time() - beat < limit:
                 waiting.append(rank)
-        if not waiting:
+        if not waiting or (interrupted and time.time() - start > limit):
             return
         time.sleep(0.2)
 
@@ -288,10 +288,12 @@ def rank_main(job: Job):
             _signals_ignored()  # what was measured must land
         box.put("end", end)
         stop.set()
+        if end["status"] == "error" and job.kind == "step" and world > 1 and not merge_here:
+            _leave(1)  # the other ranks wait in a collective: the launcher stops them once it sees this exit
         result = None
         if merge_here:
             _signals_ignored()
-            wait_for_ranks(store, world, rank, interrupted=end["status"] == "interrupted")
+            wait_for_ranks(store, world, rank, interrupted=end["status"] != "done")
             result = merge(job, read_reports(store, world))
     if end["status"] == "interrupted" and RESULTS_STORE_ENV in os.environ:
         # launched here and stopped: what it measured is in the store, and the launcher, shutting
@@ -323,14 +325,14 @@ def _leave_after(seconds: float) -> None:
     _leave()
 
 
-def _leave() -> None:
-    """Exit this process at once (0), its output flushed."""
+def _leave(code: int = 0) -> None:
+    """Exit this process at once with `code`, its output flushed."""
     import sys
 
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _results_store(rank: int, group):
@@ -394,7 +396,7 @@ def _sweep_share(job: Job, rank: int, world: int, device: str, box: Outbox) -> b
 def _step_rank(job: Job, rank: int, world: int, device, box: Outbox) -> bool:
     """Run every case of a step as rank `rank`; rows put into the store as
     each case is done. True when an interrupt stopped it (one rank)."""
-    from moebench.bench.decode_step import run_rank
+    from moebench.bench.decode_step import rank_barrier, run_rank
 
     rows: list[dict] = []
 
@@ -405,6 +407,7 @@ def _step_rank(job: Job, rank: int, world: int, device, box: Outbox) -> bool:
 
     got, info = run_rank(job.config, rank, world, device, emit=emit)
     box.piece(got, info, replace_last=True)
+    rank_barrier(world, device)  # no rank leaves while another still runs a collective
     return bool(info.get("interrupted"))
 
 
