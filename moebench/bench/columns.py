@@ -76,7 +76,7 @@ def typed(rows, kind: str):
         elif k == "int":
             frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
         elif k == "str":
-            frame[col] = frame[col].fillna("").astype(str)
+            frame[col] = frame[col].astype(object).fillna("").astype(str)
         elif k == "bool":
             frame[col] = frame[col].astype("boolean")
     if kind == "step":
