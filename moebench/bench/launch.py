@@ -403,7 +403,8 @@ def _step_rank(job: Job, rank: int, world: int, device, box: Outbox) -> bool:
     def emit(row: dict) -> None:
         rows.append(row)
         box.piece(rows, {}, replace_last=True)
-        box.put("progress", len(rows))
+        if rank == 0:  # every rank runs every case of a step: rank 0's count is the run's
+            box.put("progress", len(rows))
 
     got, info = run_rank(job.config, rank, world, device, emit=emit)
     box.piece(got, info, replace_last=True)
