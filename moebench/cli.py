@@ -127,8 +127,6 @@ def sweep(
     OUT/<UTC date>-<label>. For backends that split their forward (moebench)
     each stage and the routed path (route + GEMM1 + GEMM2) are timed too:
     about three times the timing work of such a case (--no-split skips it)."""
-    from moebench.bench.sweep import run_sweep
-    from moebench.reports.store import write_run
     from moebench.reports.summary import summary_table
 
     try:
@@ -141,47 +139,78 @@ def sweep(
     except (ValueError, TypeError) as error:
         raise _fail(option_message(error)) from None
     _check_out(out, runs=True)  # last of the checks, before any case runs
-    config = plan.config
     if plan.gpus is not None:
-        _sharded_sweep(config, plan.gpus, plan.backends, out, label, worker_timeout, strict)
-        return
-
-    if plan.note:
+        console.print(f"sweep over GPUs {', '.join(map(str, plan.gpus))}: one worker process each")
+    elif plan.note:
         console.print(f"[yellow]{escape_markup(plan.note)}[/yellow]")
+    stored, signals = _measure("sweep", plan, out, label, worker_timeout)
+    if stored.path is None:
+        return
+    frame, manifest = stored.result.frame, stored.result.manifest
+    _print_summary(summary_table(frame))
+    counts = frame["status"].value_counts().to_dict()
+    bw = manifest.get("copy_bw_gbps")
+    console.print(
+        f"{counts.get('ok', 0)} ok, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped"
+        + (f"; copy bandwidth {bw:.1f} GB/s" if isinstance(bw, (int, float)) else "")
+        + ("" if manifest.get("sharded") else "; layer calls timed " + (
+            "back to back (--back-to-back)" if plan.config.back_to_back else
+            "at a layer boundary (x writes subtracted)"))
+    )  # fmt: skip
+    _finish(frame, manifest, stored.path, signals, strict)
+
+
+def _measure(kind: str, plan, out: Path, label: str, timeout_s):
+    """bench.run.measure under a progress bar, SIGTERM taken as Ctrl-C;
+    (Stored, the signals received). Errors become one red line."""
+    from moebench.bench.run import measure
+
     signals: list[int] = []
+    command = shlex.join(["moebench", *sys.argv[1:]])
     try:
         with Progress(
             TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
             TimeElapsedColumn(), console=console, transient=True,
         ) as bar:  # fmt: skip
-            task = bar.add_task("sweep", total=None)
+            task = bar.add_task(kind, total=None)
 
-            def progress(done: int, total: int, case, status: str) -> None:
-                bar.update(task, completed=done, total=total, description=f"{case.label()}: {status}")
+            def progress(done: int, total: int, what: str, status: str) -> None:
+                bar.update(task, completed=min(done, total), total=total,
+                           description=f"{what}: {status}" if what else kind)  # fmt: skip
 
             with sigterm_as_interrupt() as signals:
-                result = run_sweep(config, progress=progress)
+                stored = measure(kind, plan, out=out, label=label, command=command, timeout_s=timeout_s,
+                                 progress=progress)  # fmt: skip
     except (ValueError, TypeError) as error:
         raise _fail(option_message(error)) from None
-    except KeyboardInterrupt:  # before the first case was measured (the run keeps what it measured)
-        raise _fail("interrupted before any case was measured; nothing stored",
-                    128 + (signals[-1] if signals else signal.SIGINT)) from None
-
-    manifest = {**result.manifest, "command": shlex.join(["moebench", *sys.argv[1:]])}
-    try:
-        path = write_run(result.frame, manifest, root=out, label=label)
     except OSError as error:
         raise _fail(f"cannot write the run under {out}: {error}", 1) from None
-    _print_summary(summary_table(result.frame))
-    counts = result.frame["status"].value_counts().to_dict()
-    console.print(
-        f"{counts.get('ok', 0)} ok, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped; "
-        f"copy bandwidth {result.manifest['copy_bw_gbps']:.1f} GB/s; layer calls timed "
-        + ("back to back (--back-to-back)" if config.back_to_back else "at a layer boundary (x writes subtracted)")
-    )
+    except KeyboardInterrupt:  # before the first case was measured (a run keeps what it measured)
+        raise _fail("interrupted before any case was measured; nothing stored",
+                    128 + (signals[-1] if signals else signal.SIGINT)) from None
+    if stored.path is None:
+        console.print(f"rank {stored.rank} of {stored.world}: measured its share; rank 0 stores the run")
+    return stored, signals
+
+
+def _finish(frame, manifest: dict, path, signals: list[int], strict: bool) -> None:
+    """After a run is stored at `path`: each launched worker's line, the
+    path, then the exit: 128 + signal when interrupted, 1 when a worker
+    died or a case failed (`_fail_unless_every_case_passed`)."""
+    workers = manifest.get("workers") or []
+    for w in workers if manifest.get("sharded") else ():
+        gpu = f"GPU {w['gpu_index']} ({w.get('gpu_serial') or 'serial unknown'})" if w.get("gpu_index") is not None \
+            else f"rank {w['rank']} ({w.get('host') or 'host unknown'})"  # fmt: skip
+        console.print(f"  {gpu}: {w['rows']} rows" + (f" [red]{escape_markup(w['error'])}[/red]" if w.get("error")
+                                                      else "")  # fmt: skip
+                      + ("; [yellow]interrupted[/yellow]" if w.get("status") == "interrupted" else ""))
     console.print(f"run stored in [bold]{path}[/bold]")
-    _fail_if_interrupted(result.frame, result.manifest, path, signals)
-    _fail_unless_every_case_passed(result.frame, path, strict)
+    _fail_if_interrupted(frame, manifest, path, signals)
+    dead = [w for w in workers if w.get("error")]
+    if dead:
+        raise _fail("; ".join(w["error"] for w in dead) + f" ({len(dead)} worker(s) died; their unfinished cases"
+                    f" are stored as failed in {path})", 1)  # fmt: skip
+    _fail_unless_every_case_passed(frame, path, strict)
 
 
 def _fail_if_interrupted(frame, manifest: dict, path, signals: list[int]) -> None:
@@ -192,53 +221,6 @@ def _fail_if_interrupted(frame, manifest: dict, path, signals: list[int]) -> Non
     stop = interrupted_exit(frame, manifest, path, signals)
     if stop is not None:
         raise _fail(*stop)
-
-
-def _sharded_sweep(config, gpus, backend_list, out: Path, label: str, timeout_s, strict: bool = False) -> None:
-    """`sweep --devices`: one worker per GPU (bench/shard.py), one merged run."""
-    from moebench.bench.shard import run_sharded_sweep
-    from moebench.reports.store import read_run
-    from moebench.reports.summary import summary_table
-
-    console.print(f"sweep over GPUs {', '.join(map(str, gpus))}: one worker process each")
-    signals: list[int] = []
-    try:
-        with sigterm_as_interrupt() as signals, Progress(
-            TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=console, transient=True,
-        ) as bar:  # fmt: skip
-            task = bar.add_task(f"sweep on {len(gpus)} GPUs", total=None)
-            path = run_sharded_sweep(
-                config, gpus, tuple(backend_list), out, label, timeout_s=timeout_s,
-                manifest_extra={"command": shlex.join(["moebench", *sys.argv[1:]])},
-                progress=lambda done, total: bar.update(task, completed=min(done, total), total=total),
-            )  # fmt: skip
-    except (ValueError, TypeError) as error:
-        raise _fail(option_message(error)) from None
-    except OSError as error:
-        raise _fail(f"cannot write the run under {out}: {error}", 1) from None
-    except KeyboardInterrupt:  # outside the workers' run (planning, merging): nothing was stored
-        raise _fail("interrupted while starting or storing the sweep; nothing stored",
-                    128 + (signals[-1] if signals else signal.SIGINT)) from None
-    frame, manifest = read_run(path)
-    _print_summary(summary_table(frame))
-    counts = frame["status"].value_counts().to_dict()
-    bw = manifest.get("copy_bw_gbps")
-    console.print(
-        f"{counts.get('ok', 0)} ok, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped"
-        + (f"; copy bandwidth {bw:.1f} GB/s (GPU {gpus[0]})" if isinstance(bw, (int, float)) else "")
-    )
-    for w in manifest.get("workers") or []:
-        console.print(f"  GPU {w['gpu_index']} ({w.get('gpu_serial') or 'serial unknown'}):"
-                      f" {w.get('measured', w['rows'])} of {w['cases']} cases run"
-                      + (f" [red]{escape_markup(w['error'])}[/red]" if w.get("error") else "")
-                      + ("; [yellow]interrupted[/yellow]" if w.get("interrupted") else ""))
-    console.print(f"run stored in [bold]{path}[/bold]")
-    _fail_if_interrupted(frame, manifest, path, signals)
-    dead = [w for w in manifest.get("workers") or [] if w.get("error")]
-    if dead:
-        raise _fail(f"{len(dead)} worker(s) died; their unfinished cases are stored as failed in {path}", 1)
-    _fail_unless_every_case_passed(frame, path, strict)
 
 
 def _fail_unless_every_case_passed(frame, path, strict: bool = False) -> None:
@@ -333,9 +315,6 @@ def step(
     The layer: gate -> router -> shared expert -> routed experts -> finalize
     [-> all-reduce], per rows, backend and tactic under CUDA graphs, gated on
     the fp64 oracle of the layer."""
-    from moebench.bench.decode_step import run_step
-    from moebench.reports.store import write_run
-
     try:
         plan = step_plan(
             preset=preset, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, tp=tp,
@@ -348,44 +327,17 @@ def step(
         raise _fail(option_message(error)) from None
     _check_out(out, runs=True)  # last of the checks, before any rank runs
 
-    config = plan.config
     console.print(f"decode step, TP{tp}: {plan.where}")
     if plan.note:
         console.print(f"[yellow]{escape_markup(plan.note)}[/yellow]")
-    signals: list[int] = []
-    try:
-        with Progress(
-            TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-            TimeElapsedColumn(), console=console, transient=True,
-        ) as bar:  # fmt: skip
-            task = bar.add_task("step", total=None)
-
-            def progress(done: int, total: int, label_: str, status: str) -> None:
-                bar.update(task, completed=done, total=total, description=f"{label_}: {status}")
-
-            with sigterm_as_interrupt() as signals:
-                result = run_step(config, progress=progress, timeout_s=timeout)
-    except (ValueError, TypeError) as error:
-        raise _fail(option_message(error)) from None
-    except KeyboardInterrupt:  # before the first case was measured (the run keeps what it measured)
-        raise _fail("interrupted before any case was measured; nothing stored",
-                    128 + (signals[-1] if signals else signal.SIGINT)) from None
-
-    manifest = {**result.manifest, "command": shlex.join(["moebench", *sys.argv[1:]])}
-    tables = {"ranks": result.ranks} if result.ranks is not None else None
-    try:
-        path = write_run(result.frame, manifest, root=out, label=label, tables=tables)
-    except OSError as error:
-        raise _fail(f"cannot write the run under {out}: {error}", 1) from None
+    stored, signals = _measure("step", plan, out, label, timeout)
+    if stored.path is None:
+        return
+    result = stored.result
     _print_step(result.frame, result.ranks)
     counts = result.frame["status"].value_counts().to_dict()
     console.print(f"{counts.get('ok', 0)} ok, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped")
-    console.print(f"run stored in [bold]{path}[/bold]")
-    _fail_if_interrupted(result.frame, result.manifest, path, signals)
-    dead = [w for w in manifest.get("workers") or [] if w.get("error")]
-    if dead:
-        raise _fail("; ".join(w["error"] for w in dead) + f" (their cases are stored as failed in {path})", 1)
-    _fail_unless_every_case_passed(result.frame, path, strict)
+    _finish(result.frame, result.manifest, stored.path, signals, strict)
 
 
 #: The step tables' width when stdout is not a terminal: a normal wide terminal's.

@@ -48,6 +48,14 @@ class BackendUnavailable(RuntimeError):
         self.reason = reason
 
 
+#: Step capabilities (`Backend.step_capabilities`): DEFERRED_FINALIZE, the prepared layer is a
+#: routed-expert runner `integration.MoEStep` drives (route, GEMM1, GEMM2; the finalize left
+#: open for the step's finalize kernel, with the shared add fused); FUSED_FRONT, it can bind
+#: the layer's router into one launch (top-k + MXFP8 x + route record).
+DEFERRED_FINALIZE, FUSED_FRONT = "deferred_finalize", "fused_front"
+STEP_CAPABILITIES = (DEFERRED_FINALIZE, FUSED_FRONT)
+
+
 class Backend(abc.ABC):
     """One MoE path behind the common interface.
 
@@ -65,6 +73,9 @@ class Backend(abc.ABC):
     oracle: ClassVar[str]
     capturable: ClassVar[bool] = True
     peer: ClassVar[bool] = True
+    #: What a whole decode step may take from `prepare`'s result beyond `forward`
+    #: (STEP_CAPABILITIES; `moebench step` asks these, never the name).
+    step_capabilities: ClassVar[frozenset[str]] = frozenset()
 
     @property
     def tolerance(self) -> float:

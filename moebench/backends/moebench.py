@@ -37,7 +37,9 @@ import importlib.util
 
 import torch
 
-from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, sm90_reason
+from moebench.backends.base import (
+    DEFAULT_TACTIC, DEFERRED_FINALIZE, FUSED_FRONT, Backend, check_forward_inputs, check_weights, sm90_reason,
+)
 from moebench.traffic import mxfp4_bytes, touched_bytes
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
@@ -56,6 +58,7 @@ class MoebenchBackend(Backend):
     kernels compiled once); forward = route -> GEMM1 -> GEMM2 -> finalize."""
 
     name = "moebench"
+    step_capabilities = frozenset({DEFERRED_FINALIZE, FUSED_FRONT})
     oracle = "mxfp8"
     capturable = True
     peer = False  # ours: a failing case fails the command

@@ -2,8 +2,8 @@
 
 The layer (`integration.step_layer`): gate -> router top-k -> shared expert ->
 routed experts -> finalize (top-k weighted sum + shared add), one rank of a
-TP layer, for each backend: "moebench" = `MoEStep` + `RoutedExpertGemm` + the
-finalize kernel, with the fused front (top-k + MXFP8 x + route record in one
+TP layer, for each backend: ours (DEFERRED_FINALIZE, `make_step`) = `MoEStep` +
+`RoutedExpertGemm` + the finalize kernel, with the fused front (top-k + MXFP8 x + route record in one
 launch) bound to the layer's router where `step.front_applies` (DeepSeek-V4
 sqrtsoftplus routing with the layer's bias: every generated layer), else the
 runner's router + `route`; any other backend (torch-bf16, FlashInfer, ...) =
@@ -30,11 +30,18 @@ unavailable, the tactic is not offered for the shape, or
 
 Ranks: `ranks` = 1 times one rank's shard (I/tp, drawn directly, no
 all-reduce: the shape `moebench sweep --tp` times) in this process;
-`ranks` = tp runs a real TP-N step: N processes started like torchrun
-(`shard.worker_env`: RANK, WORLD_SIZE, MASTER_ADDR/PORT, NVLink multicast
-off), one GPU each, torch.distributed over NCCL (gloo on the CPU). Every rank
-slices one full seeded layer (`slice_layer`), runs its slice and the
-all-reduce (SUM, BF16) of the layer output.
+`ranks` = tp runs a real TP-N step: N ranks started by PyTorch's launcher
+(`launch.launch_local` on this host, or torchrun on several:
+`launch.rank_main`), one GPU each, torch.distributed over NCCL (gloo on the
+CPU), NVLink multicast off. Every rank slices one full seeded layer
+(`slice_layer`), runs its slice and the all-reduce (SUM, BF16) of the layer
+output.
+
+The step reaches a backend only through the `Backend` interface: a backend
+that declares DEFERRED_FINALIZE in `Backend.step_capabilities` (ours) runs
+inside `MoEStep` with the finalize kernel (`KernelStep`), with its fused
+front bound to the router where it also declares FUSED_FRONT; any other runs
+its `forward` behind the runner's router (`BackendStep`): `make_step`.
 
 Correctness gate (per case, layer 0): the step's output (all-reduced) vs
 `step_oracle` of the layer (the full unsliced layer for a TP-N step, on rank
@@ -74,34 +81,27 @@ renders both.
 from __future__ import annotations
 
 import contextlib
-import gc
-import json
-import multiprocessing as mp
-import os
-import shutil
-import tempfile
-import time
-import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta, timezone
-from pathlib import Path
+from datetime import datetime, timezone
 
 import pandas as pd
 import torch
 import torch.distributed as dist
 
-from moebench.backends.base import DEFAULT_TACTIC, BackendUnavailable
-from moebench.backends.registry import backend_names, load_backend
+from moebench.backends.base import DEFERRED_FINALIZE, FUSED_FRONT
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
-from moebench.bench.cases import CPU_BACKENDS, SweepConfig, expand_cases, rotation_bytes, unique_bytes
-from moebench.bench.interrupt import INTERRUPTED, sigterm_as_interrupt
-from moebench.bench.shard import MULTICAST_OFF, free_port, gpu_serial, gpu_uuid, visible_gpu_count, worker_env
+from moebench.bench.cases import CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes
+from moebench.bench.columns import KERNEL_COLUMNS, STEP_COLUMNS, STEP_STAGES, typed
+from moebench.bench.pipeline import (
+    RunResult, case_row, check_tactic_names, error_text, expand_all_tactics, is_peer, jsonable,
+    load_backends, pair_label, reduced_of, release, select_backends, skip_reason, unrun_rows, validate,
+)  # fmt: skip
+from moebench.bench.interrupt import sigterm_as_interrupt
+from moebench.bench.launch import placement, visible_gpu_count
 from moebench.bench.sweep import (
-    ALL_TACTICS, COLUMNS, LAYER_SEED_STRIDE, _error_text, _jsonable, _typed,
-    canonical_bytes, check_backend_names, check_tactic_names, expand_all_tactics, forced_layers_error, is_peer,
-    layer_count, loaded_backends,
-    skip_reason, timing_counts, timing_counts_used, timing_methods,
+    LAYER_SEED_STRIDE, canonical_bytes, forced_layers_error, layer_count, timing_counts, timing_counts_used,
+    timing_methods,
 )  # fmt: skip
 from moebench.bench.timing import Timing, time_graph
 from moebench.env import environment, resolve_device
@@ -115,15 +115,6 @@ from moebench.reference import ORACLE_TOLERANCE, relative_error
 from moebench.routing import SCENARIOS, scenario_topk_ids
 from moebench.traffic import unique_experts
 
-#: Every stage name a step kind has (kernel_<stage>_us columns).
-STEP_STAGES = ("front", "router", "shared", "route", "gemm1", "gemm2", "finalize", "experts", "shared_add")
-KERNEL_COLUMNS = tuple(f"kernel_{s}_us" for s in STEP_STAGES)
-#: Result columns of a step run: the sweep's, then the step's own.
-STEP_COLUMNS = (
-    *COLUMNS, "kind", "routing_path", "shared_path", "ranks", "rank", "gpu_index", "step_with_gate_us", "gate_us",
-    "stage_sum_us", "allreduce_us", "allreduce_share_pct", "shared_bytes",
-    *(c for c in KERNEL_COLUMNS if c not in COLUMNS),
-)  # fmt: skip
 #: Backends a step runs on a GPU when none are named (unavailable ones are skipped with the reason).
 GPU_STEP_BACKENDS = ("moebench", "torch-bf16", "flashinfer-w4a16", "flashinfer-w4a8")
 #: How the per-kernel split is measured (stored in the manifest).
@@ -182,15 +173,9 @@ class StepConfig(SweepConfig):
             object.__setattr__(self, "devices", devs)
 
 
-@dataclass
-class StepResult:
-    """frame: one row per case (STEP_COLUMNS, rank 0's numbers); ranks:
-    every rank's rows (None for a one-process run); manifest: JSON-ready
-    provenance (kind "step")."""
-
-    frame: pd.DataFrame
-    ranks: pd.DataFrame | None
-    manifest: dict
+#: What run_step returns: frame (STEP_COLUMNS, rank 0's numbers), manifest (kind "step"),
+#: ranks (every rank's rows; None for a one-process run).
+StepResult = RunResult
 
 
 def default_step_backends(device: torch.device | str) -> tuple[str, ...]:
@@ -200,30 +185,15 @@ def default_step_backends(device: torch.device | str) -> tuple[str, ...]:
 
 
 def _selection(config: StepConfig, dev: torch.device) -> tuple[bool, tuple[str, ...]]:
-    """(reduced geometry?, backend names) of `config` on `dev`: the reduced
-    presets on the CPU unless config says, the device's default backends
-    unless config names them."""
-    reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
-    names = config.backends if config.backends is not None else default_step_backends(dev)
-    return reduced, names
+    """(reduced geometry?, backend names) of `config` on `dev`."""
+    return reduced_of(config, dev), select_backends(config, dev, GPU_STEP_BACKENDS)
 
 
 def validate_step(config: StepConfig) -> None:
     """The checks `run_step` makes before measuring anything (device,
-    backend names, tactic names), for a caller that wants them up front.
-    Raises ValueError naming the option."""
-    _validate(config, resolve_device(config.device))
-
-
-def _validate(config: StepConfig, dev: torch.device) -> None:
-    reduced, names = _selection(config, dev)
-    check_backend_names(names)
-    check_tactic_names(config, names, loaded_backends(names), reduced=reduced)
-    if "replay" in config.scenarios:  # a bad --trace fails here, not in every rank (the CPU routings are cheap)
-        for preset in config.presets:
-            shape = config.config_for(preset, reduced=reduced).shard(config.tp[0])
-            for rows in config.rows:
-                scenario_topk_ids("replay", rows, shape.top_k, shape.experts, config.seed, config.trace)
+    backend names, tactic names, the replay trace), for a caller that wants
+    them up front. Raises ValueError naming the option."""
+    validate(config, resolve_device(config.device), GPU_STEP_BACKENDS)
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -271,7 +241,8 @@ def _min_over_ranks(value: int, world: int) -> int:
     return min(everyone)
 
 
-def _barrier(world: int, device: torch.device) -> None:
+def rank_barrier(world: int, device: torch.device) -> None:
+    """Wait for every one of `world` ranks (none when world is 1)."""
     if world == 1:
         return
     if device.type == "cuda":
@@ -280,27 +251,7 @@ def _barrier(world: int, device: torch.device) -> None:
         dist.barrier()
 
 
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
 # ----------------------------------------------------------------------------- one rank
-
-
-def _load_backends(names, device):
-    backends, reasons = {}, {}
-    for name in names:
-        try:
-            backends[name] = load_backend(name)
-            reasons[name] = backends[name].unavailable_reason(device)
-        except BackendUnavailable as error:
-            reasons[name] = error.reason
-        except Exception as error:  # noqa: BLE001
-            reasons[name] = f"availability check failed: {_error_text(error)}"
-    return backends, reasons
 
 
 def run_rank(
@@ -325,8 +276,7 @@ def run_rank(
         raise TypeError(f"config must be a StepConfig, got {type(config).__name__}")
     dev = resolve_device(device if device is not None else config.device)
     reduced, names = _selection(config, dev)
-    check_backend_names(names)
-    backends, reasons = _load_backends(names, dev)
+    backends, reasons = load_backends(names, dev)
     check_tactic_names(config, names, backends, reduced=reduced)  # before anything is measured
     env = environment(dev)
     copy_bytes, copy_repeats = ((1 << 30), 20) if dev.type == "cuda" else ((64 << 20), 5)
@@ -342,13 +292,12 @@ def run_rank(
         if emit is not None:
             emit(row)
         if progress is not None:
-            pair = _pair_label(row["backend"], row["tactic"])
+            pair = pair_label(row["backend"], row["tactic"])
             label = f"{row['preset']} rows={row['rows']} {row['scenario']} {pair}"
             progress(len(rows_out), total, label, row["status"])
 
     base = {"device": env["device"]["name"], "sm_count": env["device"]["sm_count"], "commit": env["commit"],
-            "seed": config.seed, "kind": "step", "ranks": world, "rank": rank,
-            "gpu_index": dev.index if dev.type == "cuda" else None}  # fmt: skip
+            "seed": config.seed, "kind": "step", "ranks": world, "rank": rank, **placement(dev)}  # fmt: skip
     groups = []
     interrupted = False
     try:
@@ -357,39 +306,17 @@ def run_rank(
             pairs = list(dict.fromkeys((c.backend, c.tactic) for c in cases if c.config == cfg))
             groups.append(_run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, reasons,
                                       base, record))  # fmt: skip
-            _release(dev)
+            release(dev)
     except KeyboardInterrupt:
         if world > 1:  # the launching process collects what the ranks delivered
             raise
         interrupted = True  # one rank here: the measured cases are kept, the rest skipped
-        have = {(r["preset"], r["rows"], r["scenario"], r["backend"], r["tactic"]) for r in rows_out}
-        for c in cases:
-            if (c.config.name, c.rows, c.scenario, c.backend, c.tactic) not in have:
-                rows_out.append(_row(base, c.config, c.config.shard(c.tp), c.rows, c.scenario, c.backend, c.tactic,
-                                     status="skipped", error=INTERRUPTED,
-                                     peer=is_peer(backends, c.backend)))  # fmt: skip
+        rows_out += unrun_rows("step", cases, rows_out, base, backends)
     info = {"copy_bw_gbps": copy_bw, "copy_bw_bytes": copy_bytes, "reduced": reduced, "backends": reasons,
             "groups": groups, "env": env, "rank": rank}  # fmt: skip
     if interrupted:
         info["interrupted"] = True
     return rows_out, info
-
-
-def _pair_label(backend: str, tactic: str) -> str:
-    """"backend" for its default tactic, else "backend[tactic]"."""
-    return backend if tactic == DEFAULT_TACTIC else f"{backend}[{tactic}]"
-
-
-def _row(base: dict, cfg, shape, rows: int, scenario: str, backend: str, tactic: str, **values) -> dict:
-    row = dict.fromkeys(STEP_COLUMNS)
-    row.update(base)
-    row.update(
-        preset=cfg.name, hidden=shape.hidden, intermediate=shape.intermediate,
-        padded_intermediate=shape.padded_intermediate, experts=shape.experts, top_k=shape.top_k,
-        tp=shape.tp, rows=rows, scenario=scenario, backend=backend, tactic=tactic, error="",
-    )  # fmt: skip
-    row.update(values)
-    return row
 
 
 def _run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, reasons, base, record) -> dict:
@@ -434,7 +361,8 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, re
 
     def all_cases(status: str, error: str, pair: tuple[str, str]) -> None:
         for r, s in cases:
-            record(_row(base, cfg, shape, r, s, *pair, status=status, error=error, layers=layers,
+            record(case_row("step", Case(cfg, tp, r, s, *pair, config.seed), base, status=status, error=error,
+                            layers=layers,
                         shared_bytes=shared_bytes, bytes=unique_bytes(shape, ids[(r, s)]) + shared_bytes,
                         unique_experts=unique_experts(ids[(r, s)], shape.experts)))  # fmt: skip
 
@@ -457,10 +385,10 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, re
         if oracle_weights is None and not sliced and weights:
             oracle_weights = weights[0]
     except Exception as e:  # noqa: BLE001 - e.g. out of memory: the whole preset fails
-        error = f"weight generation failed ({layers} layers): {_error_text(e)}"
+        error = f"weight generation failed ({layers} layers): {error_text(e)}"
         weights.clear()
         oracle_weights = None
-        _release(dev)
+        release(dev)
     error = _agree(error, world)
     if error is not None:
         for pair in pairs:
@@ -474,14 +402,14 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, re
             continue
         backend = backends[name]
         n_layers = backend_layers(name)
-        info["layers_per_backend"][_pair_label(name, tactic)] = n_layers
+        info["layers_per_backend"][pair_label(name, tactic)] = n_layers
         prepared, error = [], None
         try:
             prepared = [backend.prepare(w.experts, shape, tactic) for w in weights[:n_layers]]
         except Exception as e:  # noqa: BLE001
-            error = f"prepare failed: {_error_text(e)}"
+            error = f"prepare failed: {error_text(e)}"
             prepared = []
-            _release(dev)
+            release(dev)
         error = _agree(error, world)
         if error is not None:
             all_cases("failed", error, pair)
@@ -489,11 +417,25 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, re
         for r, s in cases:
             row = _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights[:n_layers],
                             oracle_weights, xs[r], ids[(r, s)], s, n_layers, copy_bw)  # fmt: skip
-            record(_row(base, cfg, shape, r, s, name, tactic, **row))
+            record(case_row("step", Case(cfg, tp, r, s, name, tactic, config.seed), base, **row))
         del prepared
-        _release(dev)
+        release(dev)
     del weights, oracle_weights
     return info
+
+
+def make_step(runner, backend, prepared, x, **kind) -> DecodeStep:
+    """The decode step of `backend`'s prepared layer, by what the backend
+    declares it can do (`Backend.step_capabilities`): with DEFERRED_FINALIZE
+    its prepared layer runs inside `MoEStep` (route, GEMM1, GEMM2, the
+    finalize kernel with the shared add fused: `KernelStep`), binding the
+    layer's router to its fused front where it declares FUSED_FRONT; any
+    other backend runs its `forward` behind the runner's router
+    (`BackendStep`). kind: all_reduce, overlap_shared, as DecodeStep takes."""
+    caps = backend.step_capabilities
+    if DEFERRED_FINALIZE in caps:
+        return KernelStep(runner, prepared, x, front=FUSED_FRONT in caps, **kind)
+    return BackendStep(runner, backend, prepared, x, **kind)
 
 
 def _routing_path(step: DecodeStep) -> str:
@@ -545,11 +487,8 @@ def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, 
             gate = scenario_gate_weight(x_cpu, ids_cpu, shape.experts, w.bias, seed).to(dev)
             gates.append(gate)
             runner = build_runner(w, gate, **kw)
-            kind = dict(all_reduce=world > 1, overlap_shared=config.overlap_shared)
-            if backend.name == "moebench":
-                steps.append(KernelStep(runner, prepared[layer], x, **kind))
-            else:
-                steps.append(BackendStep(runner, backend, prepared[layer], x, **kind))
+            steps.append(make_step(runner, backend, prepared[layer], x, all_reduce=world > 1,
+                                   overlap_shared=config.overlap_shared))
         row["kernel_tactics"] = backend.kernel_tactics(prepared[0], rows)  # e.g. which kernel family ran
         row["routing_path"] = _routing_path(steps[0])
         row["shared_path"] = _shared_path(steps[0])
@@ -557,7 +496,7 @@ def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, 
         _, got = steps[0].routing()
         row["unique_experts"] = unique_experts(got, shape.experts)
     except Exception as e:  # noqa: BLE001 - a backend failure fails its case only
-        error = _error_text(e)
+        error = error_text(e)
     error = _agree(error, world)
     if error is not None:
         return {**row, "status": "failed", "error": error}
@@ -576,7 +515,7 @@ def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, 
             verdict = (err, None if err <= tol else
                        f"rel. error {err:.3g} vs the {backend.oracle} oracle of {what} exceeds {tol:g}")  # fmt: skip
         except Exception as e:  # noqa: BLE001
-            verdict = (None, f"oracle failed: {_error_text(e)}")
+            verdict = (None, f"oracle failed: {error_text(e)}")
     err, error = _from_rank0(verdict, world)
     row["max_rel_err"] = err
     if error is not None:
@@ -586,7 +525,7 @@ def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, 
         timings = _time_case(config, steps, backend.capturable, dev, world, rows, shape.hidden)
         error = None
     except Exception as e:  # noqa: BLE001
-        timings, error = None, _error_text(e)
+        timings, error = None, error_text(e)
         if dev.type == "cuda":
             try:
                 torch.cuda.synchronize(dev)
@@ -642,13 +581,13 @@ def _time_case(config, steps, capturable, dev, world, rows, hidden) -> dict[str,
         return time_graph(fn, **counts)
 
     out: dict[str, Timing] = {}
-    _barrier(world, dev)
+    rank_barrier(world, dev)
     out["step"] = timed(lambda: [s.run(with_gate=False) for s in steps])
-    _barrier(world, dev)
+    rank_barrier(world, dev)
     out["step_with_gate"] = timed(lambda: [s.run(with_gate=True) for s in steps])
     if world > 1:
         buf = torch.zeros(rows, hidden, dtype=torch.bfloat16, device=dev)
-        _barrier(world, dev)
+        rank_barrier(world, dev)
         out["allreduce"] = timed(lambda: [dist.all_reduce(buf, op=dist.ReduceOp.SUM) for _ in steps])
     # Local from here on: no collectives.
     out["gate"] = timed(lambda: [s.gate() for s in steps])
@@ -663,19 +602,21 @@ def _time_case(config, steps, capturable, dev, world, rows, hidden) -> dict[str,
 
 
 def _frame(rows: list[dict]) -> pd.DataFrame:
-    frame = _typed(pd.DataFrame(rows, columns=list(STEP_COLUMNS)))
-    for col in ("step_with_gate_us", "gate_us", "stage_sum_us", "allreduce_us", "allreduce_share_pct",
-                *KERNEL_COLUMNS):  # fmt: skip
-        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("float64")
-    for col in ("ranks", "rank", "gpu_index", "shared_bytes"):
-        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
-    frame["kind"] = "step"
-    frame["routing_path"] = frame["routing_path"].fillna("").astype(str)
-    frame["shared_path"] = frame["shared_path"].fillna("").astype(str)
-    return frame
+    return typed(rows, "step")
 
 
-def _manifest(config: StepConfig, info: dict, **extra) -> dict:
+def step_cases(config: StepConfig) -> tuple[list[Case], dict]:
+    """(every case of `config` as the ranks expand it, the backends loaded
+    without an availability check): what a merged step run holds."""
+    dev = torch.device("cpu" if str(config.device or "cuda").startswith("cpu") else "cuda")
+    # the names were checked where the run was planned (a rank that does not know one fails its cases)
+    reduced, names = reduced_of(config, dev), config.backends or select_backends(config, dev, GPU_STEP_BACKENDS)
+    backends = load_backends(names)[0]
+    return expand_all_tactics(expand_cases(config, names, reduced=reduced), backends), backends
+
+
+def step_manifest(config: StepConfig, info: dict, **extra) -> dict:
+    """The manifest of a step run from a rank's `info` (run_rank's) and `extra` entries."""
     env = info.get("env") or {}
     return {
         "schema": 1,
@@ -694,7 +635,7 @@ def _manifest(config: StepConfig, info: dict, **extra) -> dict:
         "backends": info.get("backends"),
         "groups": info.get("groups"),
         "ranks": config.ranks,
-        "config": _jsonable(asdict(config)),
+        "config": jsonable(asdict(config)),
         **env,
         **{k: v for k, v in extra.items() if k not in env},
     }
@@ -702,7 +643,9 @@ def _manifest(config: StepConfig, info: dict, **extra) -> dict:
 
 def run_step(config: StepConfig, progress: ProgressFn | None = None, *, timeout_s: float | None = None) -> StepResult:
     """Run every case of `config` (module docstring): in this process when
-    config.ranks == 1, else in config.ranks processes (`launch_ranks`).
+    config.ranks == 1, else in config.ranks processes started by PyTorch's
+    elastic launch (`launch.launch_local`; under torchrun `run.measure`
+    runs the ranks instead).
 
     progress(done, total, label, status) after each case (rank 0's).
     Raises TypeError for a bad config, ValueError for unknown backends or
@@ -720,12 +663,19 @@ def run_step(config: StepConfig, progress: ProgressFn | None = None, *, timeout_
             rows, info = run_rank(config, 0, 1, dev, progress=progress)
         frame = _frame(rows)
         methods = timing_methods(frame)
-        manifest = _manifest(config, info, devices=[str(dev)], timing_methods=methods,
+        manifest = step_manifest(config, info, devices=[str(dev)], timing_methods=methods,
                              timing_counts=timing_counts_used(config, methods))
         if info.get("interrupted"):
             manifest["interrupted"] = True
-        return StepResult(frame, None, manifest)
-    return launch_ranks(config, progress=progress, timeout_s=timeout_s)
+        return StepResult(frame, manifest)
+    from moebench.bench.launch import Job, launch_local
+
+    rank_devices(config)  # more ranks than GPUs: fails here, naming both numbers
+    validate_step(config)  # unknown backends or tactics fail here, not in every rank
+    with sigterm_as_interrupt():  # SIGTERM as Ctrl-C: the ranks stop, what they measured is kept
+        return launch_local(Job("step", config, config.devices), config.ranks, timeout_s=timeout_s,
+                            progress=None if progress is None else lambda d, t: progress(d, t, "", ""),
+                            total=len(step_cases(config)[0]))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- TP-N processes
@@ -750,241 +700,6 @@ def rank_devices(config: StepConfig) -> tuple[torch.device, list[int] | None]:
     return dev, devices
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".tmp-{path.name}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def _rank_main(rank: int, world: int, env: dict, config: StepConfig, scratch: str, on_gpu: bool) -> None:
-    """Entry point of one rank's process (spawned): env first, then the
-    process group, then run_rank; rows are saved after every case."""
-    os.environ.clear()
-    os.environ.update(env)
-    out = Path(scratch)
-    info: dict = {"rank": rank, "pid": os.getpid(), "gpu_index": None, "gpu_serial": "", "gpu_uuid": "",
-                  "multicast_env": {k: os.environ.get(k) for k in MULTICAST_OFF}}  # fmt: skip
-    rows: list[dict] = []
-    nccl = False
-    try:
-        if on_gpu:
-            gpu = int(env["MOEBENCH_GPU_INDEX"])
-            torch.cuda.set_device(gpu)
-            device = torch.device("cuda", gpu)
-            info.update(gpu_index=gpu, gpu_serial=gpu_serial(gpu), gpu_uuid=gpu_uuid(gpu))
-        else:
-            device = torch.device("cpu")
-            # the ranks share the host's cores: one rank per core's share, not every core each
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        _write_atomic(out / f"rank-{rank}.json", json.dumps(info))
-        kwargs = {}
-        if on_gpu:
-            kwargs["device_id"] = device  # eager NCCL communicator on this rank's GPU
-        dist.init_process_group("nccl" if on_gpu else "gloo", init_method="env://", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=PG_TIMEOUT_S), **kwargs)  # fmt: skip
-        nccl = on_gpu
-
-        def emit(row: dict) -> None:
-            rows.append(row)
-            frame = _frame(rows)
-            tmp = out / f".tmp-rank-{rank}.parquet"
-            frame.to_parquet(tmp, index=False)
-            os.replace(tmp, out / f"rank-{rank}.parquet")
-
-        def progress(done, total, label, status) -> None:
-            if rank == 0:
-                _write_atomic(out / "progress.json", json.dumps({"done": done, "total": total, "label": label,
-                                                                  "status": status}))  # fmt: skip
-
-        _, rank_info = run_rank(config, rank, world, device, progress=progress, emit=emit)
-        info["info"] = _jsonable(rank_info)
-        _write_atomic(out / f"rank-{rank}.json", json.dumps(info, default=str))
-        _barrier(world, device)
-    except BaseException as error:  # noqa: BLE001 - reported to the parent, then exit nonzero
-        info["error"] = _error_text(error)
-        info["traceback"] = traceback.format_exc()[-4000:]
-        _write_atomic(out / f"rank-{rank}.json", json.dumps(info, default=str))
-        os._exit(1)
-    if nccl:
-        # destroy_process_group can hang once NCCL collectives were captured in
-        # CUDA graphs (pytorch#115388); the results are on disk: leave at once.
-        os._exit(0)
-    dist.destroy_process_group()
-
-
-def launch_ranks(
-    config: StepConfig,
-    *,
-    progress: ProgressFn | None = None,
-    timeout_s: float | None = None,
-    poll_s: float = 0.5,
-) -> StepResult:
-    """A real TP-N step: config.ranks processes started like torchrun
-    (spawn; `shard.worker_env`: RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR /
-    MASTER_PORT, NVLink multicast off: NCCL_NVLS_ENABLE=0,
-    TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1), one GPU per
-    rank (NCCL) or all on the CPU (gloo). When a rank dies the others get
-    RANK_GRACE_S to finish, then are stopped; a run past `timeout_s` is
-    stopped. Cases rank 0 did not deliver are failed rows carrying the dead
-    rank's error. Raises ValueError as rank_devices and validate_step."""
-    dev, devices = rank_devices(config)
-    world = config.ranks
-    on_gpu = dev.type == "cuda"
-    reduced, names = _selection(config, dev)
-    _validate(config, dev)  # unknown backends or tactics fail here, not in every rank
-    ctx = mp.get_context("spawn")
-    procs = []
-    with sigterm_as_interrupt():  # SIGTERM as Ctrl-C: the ranks stopped, the scratch removed, the cases kept
-        scratch = Path(tempfile.mkdtemp(prefix="moebench-step-"))
-        try:
-            port = free_port()
-            for rank in range(world):
-                env = worker_env(rank, world, master_port=port, gpu_index=devices[rank] if devices else rank)
-                p = ctx.Process(target=_rank_main, args=(rank, world, env, config, str(scratch), on_gpu),
-                                name=f"moebench-step-rank{rank}")  # fmt: skip
-                p.start()
-                procs.append(p)
-            timed_out = _wait(procs, scratch, progress, timeout_s, poll_s)
-            stopped = f"stopped after the {timeout_s:g} s timeout (--timeout)" if timed_out else None
-            return _collect(config, procs, scratch, names, reduced, devices, stopped)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the ranks stopped, what rank 0 delivered is kept
-            _stop(procs)
-            return _collect(config, procs, scratch, names, reduced, devices, "stopped: interrupted",
-                            interrupted=True)  # fmt: skip
-        except BaseException:
-            _stop(procs)
-            raise
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-
-
-def _stop(procs) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    for p in procs:
-        p.join(10)
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
-def _wait(procs, scratch: Path, progress, timeout_s, poll_s) -> bool:
-    """Wait for the ranks (progress relayed), stop them past `timeout_s` or
-    RANK_GRACE_S after one died; True when the timeout stopped them."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    timed_out = False
-    dead_since = None
-    seen = None
-    while any(p.is_alive() for p in procs):
-        if progress is not None:
-            try:
-                state = json.loads((scratch / "progress.json").read_text())
-                key = (state["done"], state["label"])
-                if key != seen:
-                    seen = key
-                    progress(state["done"], state["total"], state["label"], state["status"])
-            except Exception:  # noqa: BLE001 - not written yet
-                pass
-        now = time.monotonic()
-        if dead_since is None and any(p.exitcode not in (None, 0) for p in procs):
-            dead_since = now
-        if deadline is not None and now >= deadline:
-            timed_out = True
-            break
-        if dead_since is not None and now - dead_since > RANK_GRACE_S:
-            break
-        alive = next((p for p in procs if p.is_alive()), None)  # the last one may have ended since the check
-        if alive is not None:
-            alive.join(poll_s)
-    _stop(procs)
-    for p in procs:
-        p.join()
-    return timed_out
-
-
-def _collect(config, procs, scratch: Path, names, reduced, devices, stopped: str | None = None, *,
-             interrupted: bool = False) -> StepResult:
-    world = config.ranks
-    frames, infos, workers = {}, {}, []
-    for rank, p in enumerate(procs):
-        path = scratch / f"rank-{rank}.json"
-        info = json.loads(path.read_text()) if path.exists() else {}
-        infos[rank] = info
-        part = scratch / f"rank-{rank}.parquet"
-        frames[rank] = pd.read_parquet(part) if part.exists() else None
-        error = None
-        # a rank that reported its results (info, no error) and was stopped while it shut down
-        # (the timeout, or a peer's death) finished its work: not a failure
-        finished = bool(info.get("info")) and not info.get("error")
-        if p.exitcode != 0 and not (finished and p.exitcode is not None and p.exitcode < 0):
-            killed = p.exitcode is not None and p.exitcode < 0
-            why = info.get("error") or (stopped if killed and stopped else f"killed by signal {-p.exitcode}"
-                                        if killed else f"exit code {p.exitcode}")  # fmt: skip
-            gpu = f" (GPU {devices[rank]})" if devices else ""
-            error = f"rank {rank}{gpu} died: {why}"
-        workers.append({"rank": rank, "gpu_index": info.get("gpu_index"), "gpu_serial": info.get("gpu_serial", ""),
-                        "gpu_uuid": info.get("gpu_uuid", ""), "pid": info.get("pid"),
-                        "multicast_env": info.get("multicast_env"), "exitcode": p.exitcode,
-                        "error": error, "rows": 0 if frames[rank] is None else len(frames[rank])})  # fmt: skip
-    errors = [w["error"] for w in workers if w["error"]]
-    rank0 = frames.get(0)
-    have = set()
-    parts = []
-    if rank0 is not None and len(rank0):
-        parts.append(rank0)
-        have = set(zip(rank0["preset"], rank0["rows"], rank0["scenario"], rank0["backend"], rank0["tactic"]))
-    missing = []
-    error = "; ".join(errors) or "rank 0 delivered no row for this case"
-    tp = config.tp[0]
-    explicit = [t for t in config.tactics if t != ALL_TACTICS]
-    offered = loaded_backends(names) if ALL_TACTICS in config.tactics else {}
-    for preset in config.presets:
-        cfg = config.config_for(preset, reduced=reduced)
-        shape = cfg.shard(tp)
-        for r in config.rows:
-            for s in config.scenarios:
-                for name in names:
-                    want = list(explicit)
-                    # "all" expands inside the ranks (to "default" alone where the backend cannot run
-                    # there): a row of a tactic not named explicitly shows rank 0 expanded it; with
-                    # none, every tactic the backend offers is a failed case (never the name "all")
-                    if ALL_TACTICS in config.tactics and not any(
-                            k[:4] == (cfg.name, r, s, name) and k[4] not in explicit for k in have):
-                        tactics = offered[name].valid_tactics(shape) if name in offered else (DEFAULT_TACTIC,)
-                        want += [t for t in tactics if t not in want]
-                    for tactic in want:
-                        if (cfg.name, r, s, name, tactic) in have:
-                            continue
-                        status, why = ("skipped", INTERRUPTED) if interrupted else ("failed", error)
-                        missing.append(_row({"kind": "step", "ranks": world, "rank": 0, "seed": config.seed}, cfg,
-                                            shape, r, s, name, tactic, status=status, error=why))  # fmt: skip
-    if missing:
-        parts.append(_frame(missing))
-    frame = _frame(pd.concat(parts, ignore_index=True).to_dict("records")) if parts else _frame([])
-    ranks = [f for f in frames.values() if f is not None and len(f)]
-    ranks_frame = _frame(pd.concat(ranks, ignore_index=True).to_dict("records")) if ranks else _frame([])
-    info0 = (infos.get(0) or {}).get("info") or next(
-        ((i.get("info") or {}) for i in infos.values() if i.get("info")), {"reduced": reduced})
-    extra = {}
-    if not info0.get("env"):
-        # no rank reported its environment (every rank died or timed out): the host's, so that the
-        # run keeps its device, versions and commit and still compares with runs of this device
-        from moebench.env import launcher_environment
-
-        first = rank_devices(config)[1]
-        info0 = {**info0, "env": launcher_environment(f"cuda:{first[0]}" if first else "cpu")}
-        extra["provenance_from"] = "the launching process (no rank reported its environment)"
-    methods = timing_methods(frame)
-    manifest = _manifest(config, info0, devices=devices, workers=workers, timing_methods=methods, **extra,
-                         timing_counts=timing_counts_used(config, methods),
-                         rank_manifests=[{k: (i.get("info") or {}).get(k) for k in ("copy_bw_gbps", "groups")}
-                                         for i in infos.values()])  # fmt: skip
-    if interrupted:
-        manifest["interrupted"] = True
-    return StepResult(frame, ranks_frame, manifest)
-
-
 def step_config(**kwargs) -> StepConfig:
     """StepConfig(**kwargs) with `tp` given as an int (or a 1-tuple); a
     shorthand for callers that build one from options. Raises as StepConfig."""
@@ -995,6 +710,6 @@ def step_config(**kwargs) -> StepConfig:
 
 __all__ = [
     "GPU_STEP_BACKENDS", "KERNEL_COLUMNS", "STAGE_TIMING", "STEP_COLUMNS", "STEP_STAGES", "StepConfig",
-    "StepResult", "default_step_backends", "launch_ranks", "rank_devices", "run_rank", "run_step", "step_config",
+    "StepResult", "default_step_backends", "make_step", "rank_devices", "run_rank", "run_step", "step_config",
     "validate_step",
 ]  # fmt: skip

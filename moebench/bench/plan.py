@@ -9,6 +9,7 @@ Errors are ValueError naming the option as typed (--top-k, --experts, ...):
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -201,11 +202,13 @@ def sweep_plan(*, preset, hidden, intermediate, experts, top_k, rows, tp, backen
         backend_list = parse_names(backends, "--backends")
     gpus = None
     if devices is not None:
-        from moebench.bench import shard
+        from moebench.bench import launch, shard
 
         if device is not None:
             raise ValueError("--device and --devices exclude each other (--devices picks the GPUs)")
-        gpus = shard.parse_devices(devices, shard.visible_gpu_count())
+        if launch.under_torchrun():
+            raise ValueError("--devices: not under torchrun (its --nproc-per-node starts one rank per GPU)")
+        gpus = shard.parse_devices(devices, launch.visible_gpu_count())
         dev = resolve_device("cpu")  # the CLI process itself measures nothing
     else:
         dev = resolve_device(device)
@@ -230,7 +233,8 @@ def sweep_plan(*, preset, hidden, intermediate, experts, top_k, rows, tp, backen
     if gpus is None:  # a sharded sweep's workers check the tactics on their own GPU
         validate_sweep(config)
     else:
-        from moebench.bench.sweep import check_backend_names, default_backends
+        from moebench.bench.pipeline import check_backend_names
+        from moebench.bench.sweep import default_backends
 
         backend_list = backend_list or default_backends("cuda")
         check_backend_names(backend_list)
@@ -258,7 +262,8 @@ def step_plan(*, preset, hidden, intermediate, experts, top_k, tp, one_rank, row
     ValueError / TypeError naming the option."""
     from moebench.backends.registry import backend_names
     from moebench.bench.decode_step import StepConfig, rank_devices, validate_step
-    from moebench.bench.shard import parse_devices, visible_gpu_count
+    from moebench.bench.launch import under_torchrun, visible_gpu_count
+    from moebench.bench.shard import parse_devices
     from moebench.env import resolve_device
     from moebench.record import MAX_ROWS
     from moebench.reports.store import run_dir_name
@@ -267,6 +272,12 @@ def step_plan(*, preset, hidden, intermediate, experts, top_k, tp, one_rank, row
     if not isinstance(tp, int) or not 1 <= tp <= 64:
         raise ValueError(f"--tp: expected a TP degree in [1, 64], got {tp!r}")
     ranks = 1 if (tp == 1 or one_rank) else tp
+    torchrun = under_torchrun()
+    if torchrun:  # torchrun started the ranks: one per TP rank, on as many hosts as it was told
+        world = int(os.environ["WORLD_SIZE"])
+        if ranks != world or devices is not None or timeout is not None:
+            raise ValueError(f"--tp: under torchrun a step is TP-{world}, one rank per process (--tp {world},"
+                             " no --one-rank, --devices or --timeout: torchrun places and stops the ranks)")
     dev = resolve_device(None if device is None else device)
     if ranks > 1 and device is not None and dev.type == "cuda" and ":" in device:
         raise ValueError("--device: with --tp N > 1 give --devices (one GPU per rank), not an index")
@@ -306,9 +317,11 @@ def step_plan(*, preset, hidden, intermediate, experts, top_k, tp, one_rank, row
         replays=replays, use_graph=graph, trace=trace, ranks=ranks, devices=gpu_list, split=split,
         overlap_shared=overlap_shared,
     )  # fmt: skip
-    if ranks > 1:
+    gpu_used = None
+    if ranks > 1 and not torchrun:
         _, gpu_used = rank_devices(config)  # more ranks than GPUs: error naming both numbers
     validate_step(config)  # unknown backends or tactics
-    where = (f"{ranks} ranks on GPUs {', '.join(map(str, gpu_used))} (NCCL)" if ranks > 1 and dev.type == "cuda"
+    where = (f"{ranks} ranks under torchrun ({'NCCL' if dev.type == 'cuda' else 'gloo'})" if torchrun
+             else f"{ranks} ranks on GPUs {', '.join(map(str, gpu_used))} (NCCL)" if ranks > 1 and dev.type == "cuda"
              else f"{ranks} ranks on the CPU (gloo)" if ranks > 1 else f"one rank on {dev}")  # fmt: skip
     return StepPlan(config, note if reduced else None, where)

@@ -25,7 +25,7 @@ from moebench.formats import (
 )
 from moebench.models import get_preset
 from moebench.record import TILE, build_route_record
-from moebench.reference import ORACLE_TOLERANCE, reference_moe, relative_error, swiglu_clamped
+from moebench.reference import reference_moe, relative_error, swiglu_clamped
 from moebench.routing import scenario_topk_ids, scenario_weights
 
 

@@ -67,23 +67,25 @@ harness; the harness itself (timing.py, bandwidth.py) knows only callables.
 from __future__ import annotations
 
 import contextlib
-import gc
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict
 from datetime import datetime, timezone
 
 import pandas as pd
 import torch
 
-from moebench.backends.base import DEFAULT_TACTIC, Backend, BackendUnavailable
-from moebench.backends.registry import backend_names, load_backend
+from moebench.backends.base import Backend
+from moebench.backends.registry import backend_names
 from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, L2_MULTIPLE, MAX_LAYERS
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
-from moebench.bench.cases import (
-    CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes,
-)
-from moebench.bench.interrupt import INTERRUPTED
+from moebench.bench.cases import CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes
+from moebench.bench.columns import COLUMNS, SWEEP_STAGES, typed  # noqa: F401 - COLUMNS: the sweep's, re-exported
+from moebench.bench.pipeline import (
+    RunResult, case_row, check_tactic_names, error_text, expand_all_tactics, is_peer, jsonable, load_backends,
+    reduced_of, release, select_backends, skip_reason, unrun_rows, validate,
+)  # fmt: skip
+from moebench.bench.launch import placement
 from moebench.bench.timing import Timing, less, time_graph
 from moebench.env import environment, resolve_device
 from moebench.formats import generate_activations, generate_expert_weights
@@ -92,10 +94,6 @@ from moebench.reference import ORACLE_TOLERANCE, ROW_TOLERANCE_FACTOR, oracle_ga
 from moebench.routing import scenario_topk_ids, scenario_weights
 from moebench.traffic import unique_experts
 
-#: Stages a backend's `stage_calls` may name (kernel_<stage>_us columns), in launch order:
-#: ours (route, gemm1, gemm2, finalize) and the peers' own glue (the routing
-#: alignment, an activation quantize, the SwiGLU between the GEMMs, the top-k reduce).
-SWEEP_STAGES = ("route", "align", "quantize", "gemm1", "activation", "gemm2", "reduce", "finalize")
 #: How kernel_<stage>_us and routed_us are measured (stored in the manifest).
 STAGE_TIMING = ("kernel_<stage>_us: each stage alone, fed by an eager run of the stages before it;"
                 " routed_us: route + GEMM1 + GEMM2 as forward launches them, no finalize;"
@@ -111,30 +109,13 @@ BOUNDARY_TIMING = {
     BACK_TO_BACK: "layer calls back to back on static inputs (--back-to-back): call i+1 may start under call i;"
                   " per call = T(calls) / layers",
 }
-#: Result columns, in order (DESIGN.md "Store" plus timing/provenance extras).
-COLUMNS = (
-    "preset", "hidden", "intermediate", "padded_intermediate", "experts", "top_k", "tp", "rows",
-    "scenario", "backend", "tactic", "peer", "status", "error", "median_us", "p10_us", "p90_us",
-    "unique_experts", "bytes", "gbps", "pct_copy_bw", "ceiling_gbps", "pct_size_ceiling", "read_bytes",
-    "read_gbps", "max_rel_err", "max_row_rel_err", "oracle", "device", "sm_count", "commit", "timing_method",
-    "boundary", "x_write_us", "layers", "l2_multiple", "seed", "routed_us", "routed_pct_copy_bw",
-    *(f"kernel_{stage}_us" for stage in SWEEP_STAGES), "kernel_tactics",
-)  # fmt: skip
 STATUSES = ("ok", "failed", "skipped")
-#: The tactic name that stands for every tactic a backend offers for a shape.
-ALL_TACTICS = "all"
 #: Seed stride between rotation layers' weight sets.
 LAYER_SEED_STRIDE = 1_000_003
 
 ProgressFn = Callable[[int, int, Case, str], None]
-
-
-@dataclass
-class SweepResult:
-    """frame: one row per case (COLUMNS); manifest: JSON-ready provenance."""
-
-    frame: pd.DataFrame
-    manifest: dict
+#: What run_sweep returns (frame, manifest; ranks None).
+SweepResult = RunResult
 
 
 def canonical_bytes(shape: RankShape) -> int:
@@ -150,14 +131,6 @@ def default_backends(device: torch.device | str) -> tuple[str, ...]:
     if torch.device(device).type == "cpu":
         return CPU_BACKENDS
     return tuple(n for n in backend_names() if n != "reference")
-
-
-def check_backend_names(names) -> None:
-    """Raise ValueError naming the unknown ones unless every name is registered."""
-    known = backend_names()
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"backends (--backends): unknown {unknown}; expected names from {list(known)}")
 
 
 def layer_count(
@@ -197,18 +170,6 @@ def _nvtx_range(message: str):
         yield
 
 
-def _error_text(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}".strip()
-    return text.splitlines()[0][:500] if text else type(error).__name__
-
-
-def _release(device: torch.device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-
-
 def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepResult:
     """Run every case of `config`; see the module docstring.
 
@@ -222,19 +183,9 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
     if not isinstance(config, SweepConfig):
         raise TypeError(f"config must be a SweepConfig, got {type(config).__name__}")
     dev = resolve_device(config.device)
-    reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
-    names = _backend_selection(config, dev)
-
-    backends: dict[str, Backend] = {}
-    reasons: dict[str, str | None] = {}
-    for name in names:
-        try:
-            backends[name] = load_backend(name)
-            reasons[name] = backends[name].unavailable_reason(dev)
-        except BackendUnavailable as error:
-            reasons[name] = error.reason
-        except Exception as error:  # noqa: BLE001
-            reasons[name] = f"availability check failed: {_error_text(error)}"
+    reduced = reduced_of(config, dev)
+    names = select_backends(config, dev)
+    backends, reasons = load_backends(names, dev)
     check_tactic_names(config, names, backends, reduced=reduced)
 
     env = environment(dev)
@@ -250,7 +201,7 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
     rows_out: list[dict] = []
     groups_info: list[dict] = []
     base = {"device": dinfo["name"], "sm_count": dinfo["sm_count"], "commit": env["commit"], "seed": config.seed,
-            "boundary": boundary_of(config)}  # fmt: skip
+            "boundary": boundary_of(config), **placement(dev)}  # fmt: skip
 
     position = {case: i for i, case in enumerate(cases)}
     placed: list[int] = []  # each row's case position: rows come pair by pair, the frame keeps case order
@@ -272,18 +223,16 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
                 group = [c for c in cases if c.config == cfg and c.tp == tp]
                 info = _run_group(config, cfg.shard(tp), group, backends, reasons, dev, dinfo, copy_bw, base, emit)
                 groups_info.append({"preset": cfg.name, "tp": tp, **info})
-                _release(dev)
+                release(dev)
     except KeyboardInterrupt:  # Ctrl-C (or SIGTERM, as the CLI maps it): the measured cases are kept
         interrupted = True
         done = set(placed)
-        for i, case in enumerate(cases):
-            if i not in done:
-                rows_out.append(_row(case, case.config.shard(case.tp), base, status="skipped", error=INTERRUPTED,
-                                     peer=is_peer(backends, case.backend)))  # fmt: skip
-                placed.append(i)
+        unrun = [case for i, case in enumerate(cases) if i not in done]
+        rows_out += unrun_rows("sweep", unrun, [], base, backends)
+        placed += [position[case] for case in unrun]
 
     rows_out = [row for _, row in sorted(zip(placed, rows_out), key=lambda pr: pr[0])]
-    frame = _typed(pd.DataFrame(rows_out, columns=list(COLUMNS)))
+    frame = typed(rows_out, "sweep")
     methods = timing_methods(frame)
     manifest = {
         "schema": 1,
@@ -306,12 +255,12 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
         "timing_counts": timing_counts_used(config, methods),
         "backends": reasons,
         "groups": groups_info,
-        "config": _jsonable(asdict(config)),
+        "config": jsonable(asdict(config)),
         **env,
     }
     if interrupted:
         manifest["interrupted"] = True
-    return SweepResult(frame, manifest)
+    return RunResult(frame, manifest)
 
 
 def boundary_of(config) -> str:
@@ -320,10 +269,11 @@ def boundary_of(config) -> str:
     return BACK_TO_BACK if getattr(config, "back_to_back", False) else LAYER_BOUNDARY
 
 
-def is_peer(backends: dict[str, Backend], name: str) -> bool:
-    """`Backend.peer` of backend `name` (True, a peer, for one that did not load)."""
-    backend = backends.get(name)
-    return bool(backend.peer) if backend is not None else True
+def validate_sweep(config: SweepConfig) -> None:
+    """The checks `run_sweep` makes before measuring anything (device,
+    backend names, tactic names), for a caller that wants them up front.
+    Raises ValueError naming the option."""
+    validate(config, resolve_device(config.device))
 
 
 def layer_writes(x: torch.Tensor, layers: int) -> list[Callable[[], object]]:
@@ -372,165 +322,6 @@ INT_COLUMNS = ("unique_experts", "bytes", "read_bytes", "layers", "sm_count")
 BOOL_COLUMNS = ("peer",)
 
 
-def _backend_selection(config: SweepConfig, dev: torch.device) -> tuple[str, ...]:
-    """The backend names `config` selects on `dev` (ValueError for unknown ones)."""
-    if config.backends is not None:
-        names = config.backends
-    elif dev.type == "cpu":
-        names = CPU_BACKENDS
-    else:
-        names = tuple(n for n in backend_names() if n != "reference")
-    known = backend_names()
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise ValueError(f"backends (--backends): unknown {unknown}; expected names from {list(known)}")
-    return tuple(names)
-
-
-def validate_sweep(config: SweepConfig) -> None:
-    """The checks `run_sweep` makes before measuring anything (device,
-    backend names, tactic names), for a caller that wants them up front.
-    Raises ValueError naming the option."""
-    dev = resolve_device(config.device)
-    reduced = config.reduced if config.reduced is not None else dev.type == "cpu"
-    names = _backend_selection(config, dev)
-    check_tactic_names(config, names, loaded_backends(names), reduced=reduced)
-
-
-def loaded_backends(names) -> dict[str, Backend]:
-    """The backends of `names` that load, by name (no availability check:
-    enough for `check_tactic_names`; one that does not load is left out)."""
-    backends = {}
-    for name in names:
-        with contextlib.suppress(Exception):
-            backends[name] = load_backend(name)
-    return backends
-
-
-def check_tactic_names(config: SweepConfig, names, backends: dict[str, Backend], *, reduced: bool) -> None:
-    """Raise ValueError (naming --tactics and the valid values) for a tactic
-    name that none of the selected backends offers for any shape of the
-    sweep, before anything is measured. "all" is always valid; a selected
-    backend that could not be loaded (its tactics unknown) disables the
-    check, its cases are then skipped with the reason."""
-    if any(name not in backends for name in names):
-        return
-    shapes = [config.config_for(p, reduced=reduced).shard(tp) for p in config.presets for tp in config.tp]
-    offered: dict[str, list[str]] = {}
-    for name in names:
-        tactics: list[str] = []
-        for shape in shapes:
-            tactics += [t for t in backends[name].valid_tactics(shape) if t not in tactics]
-        offered[name] = tactics
-    known = {t for ts in offered.values() for t in ts} | {ALL_TACTICS}
-    unknown = [t for t in config.tactics if t not in known]
-    if unknown:
-        per_backend = "; ".join(f"{name}: {', '.join(ts)}" for name, ts in offered.items())
-        hints = []
-        for t in unknown:  # a tactic of a backend that is not selected: say which one
-            owners = [n for n in backend_names() if n not in names and _offers(n, t, shapes)]
-            if owners:
-                hints.append(f"{t!r} is a tactic of {' / '.join(owners)}: add it to --backends")
-        raise ValueError(
-            f"tactics (--tactics): {', '.join(repr(t) for t in unknown)} not offered by the selected backends;"
-            f" expected 'all', 'default' or a comma-separated list of {per_backend}"
-            + "".join(f"; {h}" for h in hints)
-        )
-
-
-def _offers(name: str, tactic: str, shapes) -> bool:
-    """Whether backend `name` (loaded without an availability check) offers
-    `tactic` for any of `shapes`; False if it does not load."""
-    with contextlib.suppress(Exception):
-        backend = load_backend(name)
-        return any(tactic in backend.valid_tactics(shape) for shape in shapes)
-    return False
-
-
-def expand_all_tactics(cases: list[Case], backends: dict[str, Backend]) -> list[Case]:
-    """Replace each case of tactic "all" by one case per tactic its backend
-    offers for the case's shape: also for a backend that loaded but cannot
-    run here (each such case is then skipped with the reason, so the run
-    lists what the backend offers); just "default" for one that did not load.
-    The tactic "default" only names (`Backend.default_alias`: torch-bf16's
-    "grouped") is stored as "default" whether or not "default" is held too,
-    from "all" or listed, so one kernel is not timed twice and its name does
-    not depend on how the list was spelled (`grouped,gather` and
-    `default,gather` store the same cases; a baseline recorded with
-    `--tactics all` matches one recorded with the default); the same tactic
-    is not repeated either. Order is kept (of first mention)."""
-    out: list[Case] = []
-    held: set[Case] = set()
-    for case in cases:
-        expanded = [case]
-        if case.tactic == ALL_TACTICS:
-            expanded = [replace(case, tactic=DEFAULT_TACTIC)]
-            if case.backend in backends:
-                try:
-                    expanded = [replace(case, tactic=t) for t in backends[case.backend].valid_tactics(case.shape)]
-                except Exception:  # noqa: BLE001 - a backend that cannot list its tactics here: default only
-                    pass
-        for c in expanded:
-            if c.tactic not in (DEFAULT_TACTIC, ALL_TACTICS) and c.tactic == _alias(backends, c):
-                c = replace(c, tactic=DEFAULT_TACTIC)
-            if c not in held:
-                held.add(c)
-                out.append(c)
-    return out
-
-
-def _alias(backends: dict[str, Backend], case: Case) -> str | None:
-    """The tactic "default" names for `case` (`Backend.default_alias`), or
-    None for a backend that did not load or cannot say."""
-    with contextlib.suppress(Exception):
-        return backends[case.backend].default_alias(case.shape)
-    return None
-
-
-def skip_reason(
-    backends: dict[str, Backend], reasons: dict[str, str | None], name: str, tactic: str, shape: RankShape,
-    device: torch.device,
-) -> str | None:
-    """Why (backend `name`, `tactic`) cannot run `shape` on `device`: the
-    backend's own reason (`reasons`, from `unavailable_reason` or loading it),
-    a tactic it does not offer for the shape, or the tactic's
-    `tactic_unavailable_reason`; None when the pair can run."""
-    reason = reasons.get(name)
-    if reason is not None:
-        return reason
-    valid = backends[name].valid_tactics(shape)
-    if tactic not in valid:
-        return f"tactic {tactic!r} not offered for this shape (valid: {', '.join(valid)})"
-    try:
-        return backends[name].tactic_unavailable_reason(shape, tactic, device)
-    except Exception as error:  # noqa: BLE001
-        return f"tactic {tactic!r} availability check failed: {_error_text(error)}"
-
-
-def _typed(frame: pd.DataFrame) -> pd.DataFrame:
-    """Fixed dtypes whatever the mix of cases: floats (NaN for missing),
-    strings ("" for missing), so the parquet schema is stable."""
-    for col in FLOAT_COLUMNS:
-        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("float64")
-    for col in STRING_COLUMNS:
-        frame[col] = frame[col].fillna("").astype(str)
-    for col in INT_COLUMNS:
-        frame[col] = pd.to_numeric(frame[col], errors="coerce").astype("Int64")
-    for col in BOOL_COLUMNS:
-        frame[col] = frame[col].astype("boolean")
-    return frame
-
-
-def _jsonable(value):
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
-
-
 def read_bytes_of(backend: Backend | None, shape: RankShape, topk_ids: torch.Tensor,
                   fallback: int) -> tuple[int, str | None]:
     """(`backend.read_bytes(shape, topk_ids)`, None), or (`fallback`, None)
@@ -541,25 +332,12 @@ def read_bytes_of(backend: Backend | None, shape: RankShape, topk_ids: torch.Ten
     try:
         value = backend.read_bytes(shape, topk_ids)
     except Exception as error:  # noqa: BLE001 - the count is extra: the case stays as it is
-        return fallback, f"read_bytes failed: {_error_text(error)}"
+        return fallback, f"read_bytes failed: {error_text(error)}"
     if value is None:
         return fallback, None
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         return fallback, f"read_bytes returned {value!r}, expected a positive int (bytes used instead)"
     return value, None
-
-
-def _row(case: Case, shape: RankShape, base: dict, **values) -> dict:
-    row = dict.fromkeys(COLUMNS)
-    row.update(base)
-    row.update(
-        preset=case.config.name, hidden=shape.hidden, intermediate=shape.intermediate,
-        padded_intermediate=shape.padded_intermediate, experts=shape.experts, top_k=shape.top_k,
-        tp=case.tp, rows=case.rows, scenario=case.scenario, backend=case.backend, tactic=case.tactic,
-        error="",
-    )  # fmt: skip
-    row.update(values)
-    return row
 
 
 def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, base, emit) -> dict:
@@ -597,7 +375,7 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
     if not active:  # nothing runs here: no weights to generate
         for case in group:
             ids = routings[(case.rows, case.scenario)]
-            put(case, _row(case, shape, base, status="skipped", error=skip[(case.backend, case.tactic)],
+            put(case, case_row("sweep", case, base, status="skipped", error=skip[(case.backend, case.tactic)],
                            unique_experts=unique_experts(ids, shape.experts), bytes=unique_bytes(shape, ids)))
         return {"layers": 0, "layers_capped": False, "min_touched_bytes": min_touched}
 
@@ -624,7 +402,7 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
         for case in group:
             key = (case.backend, case.tactic)
             status, text = ("skipped", skip[key]) if key in skip else ("failed", message)
-            put(case, _row(case, shape, base, status=status, error=text, layers=layers))
+            put(case, case_row("sweep", case, base, status=status, error=text, layers=layers))
         return {**info, "error": message}
 
     too_many = forced_layers_error(layers, per_layer, budget, config.memory_fraction)
@@ -646,8 +424,8 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
             weights.append(generate_expert_weights(shape, config.seed + LAYER_SEED_STRIDE * layer, dev))
     except Exception as error:  # noqa: BLE001 - e.g. out of memory: the whole group fails
         weights.clear()
-        _release(dev)
-        return fail_group(f"weight generation failed ({layers} layers): {_error_text(error)}")
+        release(dev)
+        return fail_group(f"weight generation failed ({layers} layers): {error_text(error)}")
 
     l2 = dinfo["l2_bytes"]
     inputs: dict[tuple[int, str], tuple] = {}  # (rows, scenario) -> device inputs and the case's common columns
@@ -670,7 +448,7 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
     for case in group:  # the skipped pairs first: they hold no memory
         key = (case.backend, case.tactic)
         if key in skip:
-            put(case, _row(case, shape, base, status="skipped", error=skip[key], layers=layers,
+            put(case, case_row("sweep", case, base, status="skipped", error=skip[key], layers=layers,
                            **inputs[(case.rows, case.scenario)][3]))  # fmt: skip
     for key in active:
         name, tactic = key
@@ -682,15 +460,15 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
         try:
             prepared = [backend.prepare(w, shape, tactic) for w in weights[:n_layers]]
         except Exception as error:  # noqa: BLE001
-            failed = f"prepare failed: {_error_text(error)}"
+            failed = f"prepare failed: {error_text(error)}"
             prepared = []
-            _release(dev)
+            release(dev)
         for case in mine:
             ids, topk_w, x, common = inputs[(case.rows, case.scenario)]
             common = {**common, "layers": n_layers,
                       "l2_multiple": (n_layers * (common["bytes"] - 4 * case.rows * shape.hidden) / l2) if l2 else None}  # fmt: skip
             if failed is not None:
-                put(case, _row(case, shape, base, status="failed", error=failed, **common))
+                put(case, case_row("sweep", case, base, status="failed", error=failed, **common))
                 continue
             row = _run_case(config, case, backend, prepared, weights[:n_layers], x, ids, topk_w,
                             oracles[(case.rows, case.scenario)], dev)  # fmt: skip
@@ -703,9 +481,9 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
                 row["pct_size_ceiling"] = 100.0 * gbps / ceiling if ceiling else None
             if row.get("routed_us") and copy_bw:
                 row["routed_pct_copy_bw"] = 100.0 * nbytes / (row["routed_us"] * 1e-6) / 1e9 / copy_bw
-            put(case, _row(case, shape, base, **common, **row))
+            put(case, case_row("sweep", case, base, **common, **row))
         del prepared
-        _release(dev)
+        release(dev)
     del weights, inputs, oracles
     return info
 
@@ -804,7 +582,7 @@ def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles,
             with contextlib.suppress(Exception):
                 torch.cuda.synchronize(dev)
                 torch.cuda.empty_cache()
-        row.update(status="failed", error=_error_text(error))
+        row.update(status="failed", error=error_text(error))
         return row
     row.update(
         status="ok", median_us=timing.median_us, p10_us=timing.p10_us, p90_us=timing.p90_us,
@@ -819,7 +597,7 @@ def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles,
             if dev.type == "cuda":
                 with contextlib.suppress(Exception):
                     torch.cuda.synchronize(dev)
-            notes.append(f"{what} failed: {_error_text(error)}")
+            notes.append(f"{what} failed: {error_text(error)}")
     if notes:
         row["error"] = "; ".join(notes)
     return row

@@ -396,7 +396,7 @@ def test_one_pair_is_prepared_at_a_time_and_the_frame_keeps_case_order(monkeypat
     from moebench.bench import sweep
 
     events = []
-    real_prepare, real_release = TorchBF16Backend.prepare, sweep._release
+    real_prepare, real_release = TorchBF16Backend.prepare, sweep.release
 
     def prepare(self, weights, shape, tactic="default"):
         events.append(f"prepare {tactic}")
@@ -407,7 +407,7 @@ def test_one_pair_is_prepared_at_a_time_and_the_frame_keeps_case_order(monkeypat
         real_release(device)
 
     monkeypatch.setattr(TorchBF16Backend, "prepare", prepare)
-    monkeypatch.setattr(sweep, "_release", release)
+    monkeypatch.setattr(sweep, "release", release)
     cfg = SweepConfig(backends=("torch-bf16",), tactics=("default", "gather"), layers=2,
                       **{k: v for k, v in TINY.items() if k != "rows"}, rows=(1, 2, 3))  # fmt: skip
     result = run_sweep(cfg)
