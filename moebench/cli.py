@@ -87,32 +87,44 @@ def sweep(
     seed: SeedOpt = 0,
     warm_l2: WarmL2Opt = False,
     layers: LayersOpt = None,
-    replays: int = typer.Option(100, help="Timed replays per case under CUDA graphs; eager timing (the CPU, --no-graph, an uncapturable backend) takes at most "
-        f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."),
+    replays: int = typer.Option(
+        100,
+        help="Timed replays per case under CUDA graphs; eager timing (the CPU, --no-graph, an uncapturable backend) takes at most "
+        f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran).",
+    ),
     warmup: int = typer.Option(10, help=f"Warm-up calls per case (eager timing: at most {EAGER_WARMUP_CAP})."),
     graph: GraphOpt = True,
     split: bool = typer.Option(
-        True, "--split/--no-split", help="Also time each stage alone and the routed path (route + GEMM1 + GEMM2)"
+        True,
+        "--split/--no-split",
+        help="Also time each stage alone and the routed path (route + GEMM1 + GEMM2)"
         " of backends that split their forward (moebench); --no-split: the layer call only, about a third of the"
-        " timing work."
+        " timing work.",
     ),
     back_to_back: bool = typer.Option(
-        False, "--back-to-back", help="Time the layer calls of a replay back to back (call i+1 may start under call"
+        False,
+        "--back-to-back",
+        help="Time the layer calls of a replay back to back (call i+1 may start under call"
         " i) instead of at a layer boundary (default: a plain kernel writes each call's x just before it, its own"
-        " time, x_write_us, is subtracted). Stored in the run; `report --baseline` does not compare the two."
+        " time, x_write_us, is subtracted). Stored in the run; `report --baseline` does not compare the two.",
     ),
     strict: bool = typer.Option(
-        False, "--strict", help="Exit 1 when a peer's case failed too (a backend that is not ours, e.g. one off its"
-        " oracle); without it only our cases' failures fail the command, the peers' are stored and listed."
+        False,
+        "--strict",
+        help="Exit 1 when a peer's case failed too (a backend that is not ours, e.g. one off its"
+        " oracle); without it only our cases' failures fail the command, the peers' are stored and listed.",
     ),
     device: DeviceOpt = None,
     devices: str = typer.Option(
-        None, help="Split the cases over GPUs: 'all' or a list like '0,1' (one worker process per GPU,"
-        " each case on one GPU, one merged run). Default: one process on --device."
+        None,
+        help="Split the cases over GPUs: 'all' or a list like '0,1' (one worker process per GPU,"
+        " each case on one GPU, one merged run). Default: one process on --device.",
     ),
     worker_timeout: float = typer.Option(
-        None, "--worker-timeout", help="With --devices: stop workers still running after this many seconds"
-        " (their unfinished cases are stored as failed)."
+        None,
+        "--worker-timeout",
+        help="With --devices: stop workers still running after this many seconds"
+        " (their unfinished cases are stored as failed).",
     ),
     trace: TraceOpt = None,
     label: LabelOpt = "sweep",
@@ -186,8 +198,10 @@ def _measure(kind: str, plan, out: Path, label: str, timeout_s):
     except OSError as error:
         raise _fail(f"cannot write the run under {out}: {error}", 1) from None
     except KeyboardInterrupt:  # before the first case was measured (a run keeps what it measured)
-        raise _fail("interrupted before any case was measured; nothing stored",
-                    128 + (signals[-1] if signals else signal.SIGINT)) from None
+        raise _fail(
+            "interrupted before any case was measured; nothing stored",
+            128 + (signals[-1] if signals else signal.SIGINT),
+        ) from None
     if stored.path is None:
         console.print(f"rank {stored.rank} of {stored.world}: measured its share; rank 0 stores the run")
     return stored, signals
@@ -201,9 +215,11 @@ def _finish(frame, manifest: dict, path, signals: list[int], strict: bool) -> No
     for w in workers if manifest.get("sharded") else ():
         gpu = f"GPU {w['gpu_index']} ({w.get('gpu_serial') or 'serial unknown'})" if w.get("gpu_index") is not None \
             else f"rank {w['rank']} ({w.get('host') or 'host unknown'})"  # fmt: skip
-        console.print(f"  {gpu}: {w['rows']} rows" + (f" [red]{escape_markup(w['error'])}[/red]" if w.get("error")
-                                                      else "")  # fmt: skip
-                      + ("; [yellow]interrupted[/yellow]" if w.get("status") == "interrupted" else ""))
+        console.print(
+            f"  {gpu}: {w['rows']} rows"
+            + (f" [red]{escape_markup(w['error'])}[/red]" if w.get("error") else "")  # fmt: skip
+            + ("; [yellow]interrupted[/yellow]" if w.get("status") == "interrupted" else "")
+        )
     console.print(f"run stored in [bold]{path}[/bold]")
     _fail_if_interrupted(frame, manifest, path, signals)
     dead = [w for w in workers if w.get("error")]
@@ -266,45 +282,63 @@ def step(
     experts: ExpertsOpt = None,
     top_k: TopKOpt = None,
     tp: int = typer.Option(
-        1, help="Tensor-parallel degree N: N ranks, one process per GPU (gloo processes on the CPU), each"
-        " holding all experts at I/N, with the all-reduce of the layer output."
+        1,
+        help="Tensor-parallel degree N: N ranks, one process per GPU (gloo processes on the CPU), each"
+        " holding all experts at I/N, with the all-reduce of the layer output.",
     ),
     one_rank: bool = typer.Option(
-        False, "--one-rank", help="Time one rank's I/tp shard on one device, without the all-reduce"
-        " (the shape `sweep --tp` times)."
+        False,
+        "--one-rank",
+        help="Time one rank's I/tp shard on one device, without the all-reduce (the shape `sweep --tp` times).",
     ),
     rows: RowsOpt = None,
     scenario: ScenarioOpt = "correlated",
     backends: str = typer.Option(
-        "default", help="'default' (GPU: moebench, torch-bf16, flashinfer-w4a16/-w4a8; CPU: reference,"
-        " torch-bf16), 'all', or a list."
+        "default",
+        help="'default' (GPU: moebench, torch-bf16, flashinfer-w4a16/-w4a8; CPU: reference,"
+        " torch-bf16), 'all', or a list.",
     ),
     tactics: TacticsOpt = "default",
     seed: SeedOpt = 0,
     warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one layer's weights over and over (warm L2)."),
-    layers: int = typer.Option(None, help=f"Force the number of rotated layers, 1 to {MAX_LAYERS} (default: >= 4x L2)."),
-    replays: int = typer.Option(100, help="Timed replays per quantity under CUDA graphs; eager timing (the CPU, --no-graph) takes at most "
-        f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."),
+    layers: int = typer.Option(
+        None, help=f"Force the number of rotated layers, 1 to {MAX_LAYERS} (default: >= 4x L2)."
+    ),
+    replays: int = typer.Option(
+        100,
+        help="Timed replays per quantity under CUDA graphs; eager timing (the CPU, --no-graph) takes at most "
+        f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran).",
+    ),
     warmup: int = typer.Option(10, help=f"Warm-up calls per quantity (eager timing: at most {EAGER_WARMUP_CAP})."),
     graph: GraphOpt = True,
     split: bool = typer.Option(
-        True, "--split/--no-split", help="Also time each stage alone (kernel_<stage>_us, stage_sum_us: moebench's"
+        True,
+        "--split/--no-split",
+        help="Also time each stage alone (kernel_<stage>_us, stage_sum_us: moebench's"
         " front, shared, GEMM1, GEMM2, finalize; torch-bf16's router, shared, experts, shared_add)."
         " --no-split times only the whole step (with and without the gate) and the gate alone: less timing work,"
-        " for when only the step's latency matters."
+        " for when only the step's latency matters.",
     ),
     overlap_shared: bool = typer.Option(
-        True, "--overlap-shared/--serial-shared", help="Run the shared expert on a side CUDA stream beside the gate"
-        " and the routed experts (every backend; as serving stacks do), or in order with them."
+        True,
+        "--overlap-shared/--serial-shared",
+        help="Run the shared expert on a side CUDA stream beside the gate"
+        " and the routed experts (every backend; as serving stacks do), or in order with them.",
     ),
     strict: bool = typer.Option(
-        False, "--strict", help="Exit 1 when a peer's case failed too (a backend that is not ours); without it only"
-        " our cases' failures fail the command, the peers' are stored and listed."
+        False,
+        "--strict",
+        help="Exit 1 when a peer's case failed too (a backend that is not ours); without it only"
+        " our cases' failures fail the command, the peers' are stored and listed.",
     ),
-    device: str = typer.Option(None, help="'cpu' or 'cuda[:N]' (default: the GPU if any; with --tp N > 1 only"
-                               " the kind counts, --devices picks the GPUs)."),
-    devices: str = typer.Option(None, help="With --tp N > 1: the N GPUs of the ranks, e.g. '0,1' or 'all'"
-                                " (default: the first N)."),
+    device: str = typer.Option(
+        None,
+        help="'cpu' or 'cuda[:N]' (default: the GPU if any; with --tp N > 1 only"
+        " the kind counts, --devices picks the GPUs).",
+    ),
+    devices: str = typer.Option(
+        None, help="With --tp N > 1: the N GPUs of the ranks, e.g. '0,1' or 'all' (default: the first N)."
+    ),
     timeout: float = typer.Option(None, help="With --tp N > 1: stop the ranks after this many seconds."),
     trace: TraceOpt = None,
     label: LabelOpt = "step",
@@ -367,11 +401,15 @@ def _print_step(frame, ranks=None, table=None) -> None:
         title = "decode step (µs, rank 0's timings: every rank below; the step excludes the gate)"
     _print_tables(rich_tables.split_tables(table, title))
     if ranks is not None and len(ranks):
-        _print_tables(rich_tables.split_tables(rank_table(ranks), "per rank (µs)",
-                                               constant_keys=("preset", "scenario", "tactic")))
+        _print_tables(
+            rich_tables.split_tables(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario", "tactic"))
+        )
     if "timing_method" in frame.columns and (frame["timing_method"].astype(str) == "cpu-wallclock").any():
-        console.print("[yellow]CPU wall-clock timings: each column is timed on its own and they are noisy, so they"
-                      " need not add up (step vs +gate, Σ stages vs step).[/yellow]", soft_wrap=True)
+        console.print(
+            "[yellow]CPU wall-clock timings: each column is timed on its own and they are noisy, so they"
+            " need not add up (step vs +gate, Σ stages vs step).[/yellow]",
+            soft_wrap=True,
+        )
 
 
 @app.command(cls=_Command)

@@ -36,9 +36,7 @@ def _check_float_blocks(x: torch.Tensor, name: str) -> None:
     if not x.is_floating_point() or x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         raise TypeError(f"{name} must be a float16/bfloat16/float32/float64 tensor, got {x.dtype}")
     if x.dim() == 0 or x.shape[-1] % MX_BLOCK:
-        raise ValueError(
-            f"{name}: last dim must be a multiple of {MX_BLOCK}, got shape {tuple(x.shape)}"
-        )
+        raise ValueError(f"{name}: last dim must be a multiple of {MX_BLOCK}, got shape {tuple(x.shape)}")
 
 
 def _to_fp32_blocks(x: torch.Tensor, name: str) -> torch.Tensor:
@@ -48,8 +46,10 @@ def _to_fp32_blocks(x: torch.Tensor, name: str) -> torch.Tensor:
     if x.dtype == torch.float64:
         big = x.isfinite() & (x.abs() > torch.finfo(torch.float32).max)
         if bool(big.any()):
-            raise ValueError(f"{name} holds finite values beyond the fp32 range (max |{name}| ="
-                             f" {float(x[big].abs().max()):.6g} > 3.4028e38); the MX rule scales in fp32")
+            raise ValueError(
+                f"{name} holds finite values beyond the fp32 range (max |{name}| ="
+                f" {float(x[big].abs().max()):.6g} > 3.4028e38); the MX rule scales in fp32"
+            )
     return x.to(torch.float32).reshape(*x.shape[:-1], x.shape[-1] // MX_BLOCK, MX_BLOCK)
 
 
@@ -69,9 +69,7 @@ def _check_blocks_u8(t: torch.Tensor, name: str) -> None:
 
 def _check_out_dtype(dtype) -> None:
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize == 1:
-        raise TypeError(
-            f"dtype must be a floating torch.dtype (float16/bfloat16/float32/float64), got {dtype!r}"
-        )
+        raise TypeError(f"dtype must be a floating torch.dtype (float16/bfloat16/float32/float64), got {dtype!r}")
 
 
 def e8m0_to_float32(scale: torch.Tensor) -> torch.Tensor:
@@ -141,9 +139,7 @@ def _apply_scales(v: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> 
     return (v.unflatten(-1, (-1, MX_BLOCK)) * s.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
-def dequantize_mxfp8(
-    values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def dequantize_mxfp8(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """values e4m3 [..., K] with scales uint8 [..., K/32] -> `dtype` [..., K]:
     the exact product rounded once to `dtype` (a zero element stays zero for
     every scale but NaN's 255; a product beyond `dtype`'s range is inf). Raises ValueError on
@@ -184,7 +180,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scaled = _scaled(blocks, code, E2M1_MAX)
     nib = _round_e2m1(scaled.abs()) | ((blocks < 0).to(torch.int32) << 3)
     nib = torch.where((code == E8M0_NAN).unsqueeze(-1), torch.full_like(nib, 0x7), nib)
-    zero = (blocks.abs().amax(-1, keepdim=True) == 0)
+    zero = blocks.abs().amax(-1, keepdim=True) == 0
     nib = torch.where(zero, torch.zeros_like(nib), nib)
     nib = nib.reshape(*shape[:-1], shape[-1] // 2, 2)
     packed = (nib[..., 0] | (nib[..., 1] << 4)).to(torch.uint8)
@@ -198,9 +194,7 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((p & 0xF, p >> 4), dim=-1).flatten(-2)
 
 
-def dequantize_mxfp4(
-    packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
+def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """packed uint8 [..., K/2] with scales uint8 [..., K/32] -> `dtype` [..., K],
     exact in fp32 / fp64, else the exact product rounded once to `dtype` (a zero
     element stays zero for every scale but NaN's 255).
@@ -262,9 +256,7 @@ class ExpertWeights:
         if not isinstance(self.clamp, torch.Tensor):
             raise TypeError(f"clamp must be a float32 torch.Tensor [{e}], got {type(self.clamp).__name__}")
         if self.clamp.dtype != torch.float32 or tuple(self.clamp.shape) != (e,):
-            raise ValueError(
-                f"clamp: expected float32 [{e}], got {self.clamp.dtype} {tuple(self.clamp.shape)}"
-            )
+            raise ValueError(f"clamp: expected float32 [{e}], got {self.clamp.dtype} {tuple(self.clamp.shape)}")
         if self.clamp.device != self.w13.device:
             raise ValueError(f"clamp is on {self.clamp.device}, w13 on {self.w13.device}")
         if self.clamp.device.type == "cpu" and bool((~(self.clamp > 0)).any()):
@@ -275,9 +267,7 @@ class ExpertWeights:
         if not isinstance(self.intermediate, int) or isinstance(self.intermediate, bool):
             raise TypeError(f"intermediate must be an int, got {type(self.intermediate).__name__}")
         if not 0 < self.intermediate <= ip or self.intermediate % MX_BLOCK:
-            raise ValueError(
-                f"intermediate must be a multiple of {MX_BLOCK} in (0, {ip}], got {self.intermediate}"
-            )
+            raise ValueError(f"intermediate must be a multiple of {MX_BLOCK} in (0, {ip}], got {self.intermediate}")
 
     @property
     def experts(self) -> int:
@@ -322,9 +312,7 @@ def _shape3(t: torch.Tensor, name: str) -> tuple[int, int, int]:
     return tuple(t.shape)  # type: ignore[return-value]
 
 
-def generate_expert_weights(
-    shape: RankShape, seed: int = 0, device: torch.device | str = "cpu"
-) -> ExpertWeights:
+def generate_expert_weights(shape: RankShape, seed: int = 0, device: torch.device | str = "cpu") -> ExpertWeights:
     """Seeded, realistic canonical MXFP4 weights for one rank of `shape`.
 
     Values are heavy-tailed (a log-normal scale mixture of normals) with a log-normal spread of magnitude per
@@ -334,9 +322,7 @@ def generate_expert_weights(
     Generated one expert at a time on `device` (bounded temporary memory).
     """
     if not isinstance(shape, RankShape):
-        raise TypeError(
-            f"shape must be a RankShape (e.g. get_preset(...).shard(tp)), got {type(shape).__name__}"
-        )
+        raise TypeError(f"shape must be a RankShape (e.g. get_preset(...).shard(tp)), got {type(shape).__name__}")
     if not isinstance(seed, int) or isinstance(seed, bool):
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     h, i, ip, e = shape.hidden, shape.intermediate, shape.padded_intermediate, shape.experts
@@ -357,17 +343,15 @@ def generate_expert_weights(
 
     for x in range(e):
         g, s = quantize_mxfp4(draw(2 * i, h))
-        w13[x, :i], w13[x, ip:ip + i] = g[:i], g[i:]
-        w13_s[x, :i], w13_s[x, ip:ip + i] = s[:i], s[i:]
+        w13[x, :i], w13[x, ip : ip + i] = g[:i], g[i:]
+        w13_s[x, :i], w13_s[x, ip : ip + i] = s[:i], s[i:]
         g, s = quantize_mxfp4(draw(h, i))
         w2[x, :, : i // 2], w2_s[x, :, : i // MX_BLOCK] = g, s
     clamp = torch.full((e,), shape.swiglu_limit, dtype=torch.float32, device=dev)
     return ExpertWeights(w13, w13_s, w2, w2_s, clamp, intermediate=i)
 
 
-def generate_activations(
-    rows: int, hidden: int, seed: int = 0, device: torch.device | str = "cpu"
-) -> torch.Tensor:
+def generate_activations(rows: int, hidden: int, seed: int = 0, device: torch.device | str = "cpu") -> torch.Tensor:
     """Seeded BF16 router inputs [rows, hidden]: N(0, 1) with a few outlier
     channels (x8), as post-norm hidden states have."""
     for name, v in (("rows", rows), ("hidden", hidden), ("seed", seed)):

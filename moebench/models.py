@@ -25,8 +25,10 @@ MAX_EXPERTS = 512
 #: `kernels.binding.check_weights` refuses others; the torch backends and the oracle take any E.
 KERNEL_EXPERTS_MULTIPLE = 32
 #: What `--experts` takes, for its help and `moebench check`.
-KERNEL_EXPERTS_NOTE = (f"at most {MAX_EXPERTS}, and a multiple of {KERNEL_EXPERTS_MULTIPLE} for the moebench GPU"
-                       " kernels (e.g. 256, 384); the other backends and CPU runs take any E")
+KERNEL_EXPERTS_NOTE = (
+    f"at most {MAX_EXPERTS}, and a multiple of {KERNEL_EXPERTS_MULTIPLE} for the moebench GPU"
+    " kernels (e.g. 256, 384); the other backends and CPU runs take any E"
+)
 
 
 @dataclass(frozen=True)
@@ -55,20 +57,18 @@ class MoEConfig:
         if self.hidden % 128:
             raise ValueError(f"hidden must be a multiple of 128, got {self.hidden}")
         if self.intermediate % MX_BLOCK:
-            raise ValueError(
-                f"intermediate must be a multiple of {MX_BLOCK}, got {self.intermediate}"
-            )
+            raise ValueError(f"intermediate must be a multiple of {MX_BLOCK}, got {self.intermediate}")
         if self.experts > MAX_EXPERTS:
-            raise ValueError(f"experts must be at most {MAX_EXPERTS} (the routing and the route record), got"
-                             f" {self.experts}")
+            raise ValueError(
+                f"experts must be at most {MAX_EXPERTS} (the routing and the route record), got {self.experts}"
+            )
         if self.top_k > MAX_TOP_K:
             raise ValueError(f"top_k must be at most {MAX_TOP_K} (the routing and the route record), got {self.top_k}")
         if self.top_k > self.experts:
             raise ValueError(f"top_k ({self.top_k}) exceeds experts ({self.experts})")
         if not isinstance(self.name, str):
             raise TypeError(f"name must be a str, got {type(self.name).__name__}")
-        if (not isinstance(self.shared_experts, int) or isinstance(self.shared_experts, bool)
-                or self.shared_experts < 0):
+        if not isinstance(self.shared_experts, int) or isinstance(self.shared_experts, bool) or self.shared_experts < 0:
             raise ValueError(f"shared_experts must be an int >= 0, got {self.shared_experts!r}")
         for field in ("routed_scaling_factor", "swiglu_limit"):
             value = getattr(self, field)
@@ -91,10 +91,7 @@ class MoEConfig:
             raise ValueError(f"tp must be a positive int, got {tp!r}")
         sizes = _slice(self.intermediate, tp)
         if sizes is None:
-            raise ValueError(
-                f"tp={tp}: intermediate {self.intermediate} does not split into "
-                f"multiples of {MX_BLOCK}"
-            )
+            raise ValueError(f"tp={tp}: intermediate {self.intermediate} does not split into multiples of {MX_BLOCK}")
         return RankShape(self, tp, *sizes)
 
 
@@ -196,14 +193,15 @@ def get_preset(
         raise ValueError(f"unknown preset {name!r}; expected one of {sorted(PRESETS)}")
     overrides = {
         k: v
-        for k, v in dict(
-            hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k
-        ).items()
+        for k, v in dict(hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k).items()
         if v is not None
     }
     config = PRESETS[name]
-    overrides = {k: v for k, v in overrides.items()
-                 if isinstance(v, bool) or type(v) is not type(getattr(config, k)) or v != getattr(config, k)}
+    overrides = {
+        k: v
+        for k, v in overrides.items()
+        if isinstance(v, bool) or type(v) is not type(getattr(config, k)) or v != getattr(config, k)
+    }
     if not overrides:
         return config
     return replace(config, name=f"{name}+custom", **overrides)

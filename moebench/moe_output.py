@@ -92,16 +92,12 @@ class MoEOutput:
 
     def __post_init__(self) -> None:
         if not isinstance(self.routed, (torch.Tensor, UnfinalizedMoEOutput)):
-            raise TypeError(
-                f"routed must be a Tensor or UnfinalizedMoEOutput, got {type(self.routed).__name__}"
-            )
+            raise TypeError(f"routed must be a Tensor or UnfinalizedMoEOutput, got {type(self.routed).__name__}")
         if self.shared_output is not None:
             _check_shared(self.shared_output, "shared_output")
             tokens, hidden = _routed_shape(self.routed)
             if tuple(self.shared_output.shape) != (tokens, hidden):
-                raise ValueError(
-                    f"shared_output must be [{tokens}, {hidden}], got {tuple(self.shared_output.shape)}"
-                )
+                raise ValueError(f"shared_output must be [{tokens}, {hidden}], got {tuple(self.shared_output.shape)}")
 
     def finalize(
         self,
@@ -211,8 +207,7 @@ def add_rms_norm(
         raise ValueError(f"norm_weight must be [{hidden}], got {tuple(norm_weight.shape)}")
     if not (x.device == residual.device == norm_weight.device):
         raise ValueError(
-            f"x, residual and norm_weight must share a device, got {x.device}, {residual.device}, "
-            f"{norm_weight.device}"
+            f"x, residual and norm_weight must share a device, got {x.device}, {residual.device}, {norm_weight.device}"
         )
     eps = check_eps(eps)
     dtype = residual.dtype
@@ -269,9 +264,7 @@ def finalize(
         idx = routed.expanded_idx_to_permuted_idx.to(torch.int64)
         # Checked on the CPU only: on a GPU it would cost a host sync (graph capture).
         if rows.device.type == "cpu" and idx.numel() and int(idx.max()) >= rows.shape[0]:
-            raise ValueError(
-                f"permute map points at row {int(idx.max())}, gemm2_permuted has {rows.shape[0]} rows"
-            )
+            raise ValueError(f"permute map points at row {int(idx.max())}, gemm2_permuted has {rows.shape[0]} rows")
         if rows.device.type == "cpu" and idx.numel() and int(idx.min()) < -1:
             raise ValueError(f"permute map holds {int(idx.min())}; only -1 marks a non-local route")
         acc_dtype = torch.float64 if rows.dtype == torch.float64 else torch.float32
@@ -381,14 +374,14 @@ def route_major_moe_output(
         raise ValueError(f"routes must hold tokens*top_k = {tokens * top_k} rows, got {tuple(routes.shape)}")
     idx = torch.arange(tokens * top_k, dtype=torch.int32, device=routes.device).view(tokens, top_k)
     if expert_map is not None:
-        if topk_ids.device.type == "cpu" and topk_ids.numel() and (
-            int(topk_ids.min()) < 0 or int(topk_ids.max()) >= expert_map.shape[0]
+        if (
+            topk_ids.device.type == "cpu"
+            and topk_ids.numel()
+            and (int(topk_ids.min()) < 0 or int(topk_ids.max()) >= expert_map.shape[0])
         ):
             raise ValueError(
                 f"topk_ids hold ids in [{int(topk_ids.min())}, {int(topk_ids.max())}],"
                 f" outside expert_map's [0, {expert_map.shape[0]})"
             )
         idx = idx.masked_fill(expert_map[topk_ids.long()] < 0, -1)
-    return UnfinalizedMoEOutput(
-        routes.reshape(tokens * top_k, routes.shape[-1]), topk_weights, idx, route_major=True
-    )
+    return UnfinalizedMoEOutput(routes.reshape(tokens * top_k, routes.shape[-1]), topk_weights, idx, route_major=True)

@@ -160,9 +160,7 @@ def reference_moe(
     if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids must be [{x.shape[0]}, top_k], got {tuple(topk_ids.shape)}")
     if topk_weights.shape != topk_ids.shape:
-        raise ValueError(
-            f"topk_weights must match topk_ids {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}"
-        )
+        raise ValueError(f"topk_weights must match topk_ids {tuple(topk_ids.shape)}, got {tuple(topk_weights.shape)}")
     if weights.w13.device != x.device:
         raise ValueError(f"weights are on {weights.w13.device}, x on {x.device}")
     for name, t in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
@@ -237,8 +235,11 @@ def row_relative_errors(out: torch.Tensor, oracle: torch.Tensor) -> torch.Tensor
     norm = torch.linalg.vector_norm(torch.where(finite, r, 0.0), dim=1)
     rows = norm.numel()
     total = torch.linalg.vector_norm(norm)
-    typical = total / math.sqrt(rows) if rows and float(total) > 0 else torch.ones((), dtype=torch.float64,
-                                                                                     device=norm.device)
+    typical = (
+        total / math.sqrt(rows)
+        if rows and float(total) > 0
+        else torch.ones((), dtype=torch.float64, device=norm.device)
+    )
     err = torch.where(norm > 0, diff / torch.where(norm > 0, norm, 1.0), diff / typical)
     return torch.where(broken, torch.full_like(err, math.inf), err)
 
@@ -272,6 +273,12 @@ def oracle_gate(out: torch.Tensor, oracle: torch.Tensor, tolerance: float) -> tu
         return err, row_err, f"rel. error {err:.3g} exceeds {tolerance:g}"
     if not row_err <= row_tol:
         bad = int((~(row_relative_errors(out, oracle) <= row_tol)).sum())
-        return err, row_err, (f"{bad} row(s) off: worst row rel. error {row_err:.3g} exceeds {row_tol:g}"
-                              f" ({ROW_TOLERANCE_FACTOR:g} x {tolerance:g}; whole output {err:.3g})")
+        return (
+            err,
+            row_err,
+            (
+                f"{bad} row(s) off: worst row rel. error {row_err:.3g} exceeds {row_tol:g}"
+                f" ({ROW_TOLERANCE_FACTOR:g} x {tolerance:g}; whole output {err:.3g})"
+            ),
+        )
     return err, row_err, None

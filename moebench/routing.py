@@ -58,8 +58,7 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.experts, int) or isinstance(self.experts, bool) or self.experts <= 0:
             raise ValueError(f"experts must be a positive int, got {self.experts!r}")
-        if (not isinstance(self.top_k, int) or isinstance(self.top_k, bool)
-                or not 1 <= self.top_k <= self.experts):
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not 1 <= self.top_k <= self.experts:
             raise ValueError(f"top_k must be an int in [1, experts={self.experts}], got {self.top_k!r}")
         rsf = self.routed_scaling_factor
         if isinstance(rsf, bool) or not isinstance(rsf, numbers.Real):
@@ -73,15 +72,11 @@ class RouterConfig:
         for name in ("bias", "bias_vl"):
             b = getattr(self, name)
             if b is not None and (b.dtype != torch.float32 or tuple(b.shape) != (self.experts,)):
-                raise ValueError(
-                    f"{name} must be float32 [{self.experts}], got {b.dtype} {tuple(b.shape)}"
-                )
+                raise ValueError(f"{name} must be float32 [{self.experts}], got {b.dtype} {tuple(b.shape)}")
         if self.hash_table is not None:
             t = self.hash_table
             if t.dtype not in (torch.int32, torch.int64) or t.dim() != 2 or t.shape[1] != self.top_k:
-                raise ValueError(
-                    f"hash_table must be int [vocab, top_k={self.top_k}], got {t.dtype} {tuple(t.shape)}"
-                )
+                raise ValueError(f"hash_table must be int [vocab, top_k={self.top_k}], got {t.dtype} {tuple(t.shape)}")
             if t.numel() and (int(t.min()) < 0 or int(t.max()) >= self.experts):
                 raise ValueError(f"hash_table ids must lie in [0, {self.experts})")
             ordered = t.sort(dim=1).values
@@ -142,9 +137,7 @@ def route(
     rows = logits.shape[0]
     device = logits.device
     scores = sqrtsoftplus(logits)
-    needs_ids = config.hash_table is not None or (
-        config.bias_vl is not None and config.image_sentinel_lo > 0
-    )
+    needs_ids = config.hash_table is not None or (config.bias_vl is not None and config.image_sentinel_lo > 0)
     if needs_ids:
         if input_ids is None:
             raise ValueError("input_ids is required for hash routing or image (bias_vl) routing")
@@ -265,15 +258,15 @@ def _replay(trace: str | Path | None, rows: int, top_k: int, experts: int, seed:
         why = error.strerror if isinstance(error, OSError) and error.strerror else str(error).strip("'\"")
         if isinstance(error, ValueError) and "pickle" in why:  # np.load of a file that is not .npy / .npz
             why = "not an .npz archive"
-        raise ValueError(f"trace {path}: cannot read topk_ids ({why}); expected an .npz archive (numpy.savez)"
-                         " holding an integer array topk_ids [steps, rows, top_k]") from error
+        raise ValueError(
+            f"trace {path}: cannot read topk_ids ({why}); expected an .npz archive (numpy.savez)"
+            " holding an integer array topk_ids [steps, rows, top_k]"
+        ) from error
     if ids.ndim != 3 or not np.issubdtype(ids.dtype, np.integer):
         raise ValueError(f"trace {path}: topk_ids must be integer [steps, rows, top_k], got {ids.shape} {ids.dtype}")
     steps, trace_rows, trace_k = ids.shape
     if trace_k != top_k or rows > trace_rows or steps == 0:
-        raise ValueError(
-            f"trace {path} holds [{steps}, {trace_rows}, {trace_k}]; asked for {rows} rows x top-{top_k}"
-        )
+        raise ValueError(f"trace {path} holds [{steps}, {trace_rows}, {trace_k}]; asked for {rows} rows x top-{top_k}")
     step = ids[seed % steps, :rows].astype(np.int64)
     if step.size and (step.min() < 0 or step.max() >= experts):
         raise ValueError(
@@ -295,9 +288,7 @@ def scenario_weights(rows: int, top_k: int, seed: int = 0, scale: float = 1.0) -
             raise TypeError(f"{name} must be an int, got {type(v).__name__}")
     if rows < 0 or top_k < 1:
         raise ValueError(f"need rows >= 0 and top_k >= 1, got rows={rows}, top_k={top_k}")
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (
-        scale > 0 and math.isfinite(scale)
-    ):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (scale > 0 and math.isfinite(scale)):
         raise ValueError(f"scale must be a finite number > 0, got {scale!r}")
     gen = torch.Generator().manual_seed(seed + 1)
     scores = sqrtsoftplus(torch.randn(rows, top_k, generator=gen) * 2)

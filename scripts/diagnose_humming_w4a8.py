@@ -42,7 +42,7 @@ def gate_up(x_values, weights, ids, dtype=torch.float64):
         for k in range(top_k):
             e = int(ids[t, k])
             wg = dequantize_mxfp4(weights.w13[e, :i], weights.w13_scale[e, :i], dtype)
-            wu = dequantize_mxfp4(weights.w13[e, ip:ip + i], weights.w13_scale[e, ip:ip + i], dtype)
+            wu = dequantize_mxfp4(weights.w13[e, ip : ip + i], weights.w13_scale[e, ip : ip + i], dtype)
             g[t * top_k + k] = x_values[t].to(dtype) @ wg.T
             u[t * top_k + k] = x_values[t].to(dtype) @ wu.T
     return g, u
@@ -92,8 +92,10 @@ def main() -> None:
                 prepared.layer, buf["gu"], activation_type="binary_split", activation_impl=prepared.activation,
                 sublayer_name="w2")  # fmt: skip
             scale = group_scale if group_scale is not None else token_scale
-            print(f"  h   : {tuple(h.shape)} {h.dtype}, scale {tuple(scale.shape)} {scale.dtype}"
-                  f" ({'group' if group_scale is not None else 'token'})")
+            print(
+                f"  h   : {tuple(h.shape)} {h.dtype}, scale {tuple(scale.shape)} {scale.dtype}"
+                f" ({'group' if group_scale is not None else 'token'})"
+            )
             if scale.dim() == 1 or scale.shape[-1] == 1:
                 h_h = h[:m].float() * scale[:m].float().view(m, 1)
                 sw = swiglu_clamped(gu[:, :i].float(), gu[:, i:].float(), limit)
@@ -102,9 +104,12 @@ def main() -> None:
             oracle = reference_moe(x, ids, tw, weights, activation="fp8_token").output
             sw_bf16 = swiglu_clamped(g.to(torch.bfloat16).double(), u.to(torch.bfloat16).double(), limit)
             emulated = finish(quantize_fp8_per_token(sw_bf16).double(), weights, ids, tw)
-            print(f"  out : vs fp8_token oracle {relative_error(out, oracle):.2e};"
-                  f" vs the oracle with BF16 gate/up {relative_error(out, emulated):.2e};"
-                  f" emulated vs oracle {relative_error(emulated, oracle):.2e}", flush=True)
+            print(
+                f"  out : vs fp8_token oracle {relative_error(out, oracle):.2e};"
+                f" vs the oracle with BF16 gate/up {relative_error(out, emulated):.2e};"
+                f" emulated vs oracle {relative_error(emulated, oracle):.2e}",
+                flush=True,
+            )
         del prepared, weights
         torch.cuda.empty_cache()
 

@@ -44,8 +44,9 @@ def kernel_blocks(text: str) -> list[tuple[str, list[dict]]]:
         elif blocks:
             blocks[-1][1].append(line)
     if not blocks:
-        raise ValueError("no kernel block found: expected the output of"
-                         " `ncu --import R --page source --csv --print-source sass`")
+        raise ValueError(
+            "no kernel block found: expected the output of `ncu --import R --page source --csv --print-source sass`"
+        )
     return [(name, list(csv.DictReader(io.StringIO("\n".join(lines))))) for name, lines in blocks]
 
 
@@ -80,10 +81,17 @@ def summarize(rows: list[dict]) -> dict:
                 stalls_all[key[6:]] += n
                 if i in loop:
                     stalls_loop[key[6:]] += n
-    return dict(executed=sum(executed), samples=sum(samples), mma_per_step=sum(
-        1 for i in loop if opcode(rows[i]["Source"]).startswith(_MMA)), loop_len=len(loop), steps=hot,
-        loop_samples=sum(samples[i] for i in loop), ops=dict(ops), stalls_all=stalls_all,
-        stalls_loop=stalls_loop)
+    return dict(
+        executed=sum(executed),
+        samples=sum(samples),
+        mma_per_step=sum(1 for i in loop if opcode(rows[i]["Source"]).startswith(_MMA)),
+        loop_len=len(loop),
+        steps=hot,
+        loop_samples=sum(samples[i] for i in loop),
+        ops=dict(ops),
+        stalls_all=stalls_all,
+        stalls_loop=stalls_loop,
+    )
 
 
 def _pct(part: float, whole: float) -> str:
@@ -92,10 +100,12 @@ def _pct(part: float, whole: float) -> str:
 
 def report(name: str, s: dict, top: int) -> str:
     """Text report of one kernel's summary."""
-    out = [f"== {name[:110]}",
-           f"instructions executed {s['executed']:,}, stall samples {s['samples']:,}",
-           f"hot loop: {s['loop_len']} SASS instructions executed {s['steps']:,} times each"
-           f" ({s['mma_per_step']} MMA per step), {_pct(s['loop_samples'], s['samples'])} of the samples"]
+    out = [
+        f"== {name[:110]}",
+        f"instructions executed {s['executed']:,}, stall samples {s['samples']:,}",
+        f"hot loop: {s['loop_len']} SASS instructions executed {s['steps']:,} times each"
+        f" ({s['mma_per_step']} MMA per step), {_pct(s['loop_samples'], s['samples'])} of the samples",
+    ]
     out.append(f"{'opcode':12s} {'executed':>12s} {'share':>8s} {'samples':>8s}")
     for op, (n, smp) in sorted(s["ops"].items(), key=lambda kv: -kv[1][0])[:top]:
         out.append(f"{op:12s} {n:12,d} {_pct(n, s['executed'])} {_pct(smp, s['samples'])}")

@@ -55,7 +55,9 @@ def main() -> None:
         k = dataclasses.replace(kw, operand="e4m3") if t.fp8 else kw
         if stage == 1:
             a16 = dict(x_deq=x_deq, h_deq_out=h_deq) if t.act_bf16 else {}
-            ids_in = ids.to("cuda", torch.int32).contiguous() if t.spec else None  # spec: the ids its producer reads before its wait
+            ids_in = (
+                ids.to("cuda", torch.int32).contiguous() if t.spec else None
+            )  # spec: the ids its producer reads before its wait
             gemm1(k, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t, workspace=ws, topk_ids=ids_in, **a16)
         else:
             a16 = dict(h_deq=h_deq) if t.act_bf16 else {}

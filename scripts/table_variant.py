@@ -52,8 +52,9 @@ def family_entries(table: TuningTable, family: str) -> dict:
     return table.fp8_entries if family == "fp8" else table.entries
 
 
-def variants(tables: list[TuningTable], field: str, value, family: str, stages: set[int],
-             only: set[str] | None) -> tuple[list[TuningTable], list[str], int]:
+def variants(
+    tables: list[TuningTable], field: str, value, family: str, stages: set[int], only: set[str] | None
+) -> tuple[list[TuningTable], list[str], int]:
     """(the tables with `field` = value in every entry of `family` and
     `stages` (and, with `only`, whose tactic is named there) that accepts it,
     each checked as a whole table; one line per entry changed or kept; the
@@ -72,8 +73,10 @@ def variants(tables: list[TuningTable], field: str, value, family: str, stages: 
             except (TypeError, ValueError) as error:
                 reason = str(error)
             if reason or tactic == entry.tactic:
-                lines.append(f"{new.file_name} gemm{stage} rows {rows}: kept {entry.tactic.name}"
-                             f" ({reason or 'already ' + field + '=' + str(value)})")
+                lines.append(
+                    f"{new.file_name} gemm{stage} rows {rows}: kept {entry.tactic.name}"
+                    f" ({reason or 'already ' + field + '=' + str(value)})"
+                )
                 continue
             entries[stage, rows] = dataclasses.replace(entry, tactic=tactic)
             lines.append(f"{new.file_name} gemm{stage} rows {rows}: {entry.tactic.name} -> {tactic.name}")
@@ -120,8 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, TableError) as error:
         ap.error(f"--set {args.setting}: {error}")
     if only is not None:
-        names = {e.tactic.name for t in originals for (stage, _), e in family_entries(t, args.family).items()
-                 if stage in stages}
+        names = {
+            e.tactic.name
+            for t in originals
+            for (stage, _), e in family_entries(t, args.family).items()
+            if stage in stages
+        }
         if only - names:
             ap.error(f"--only: no {args.family} entry of stage(s) {sorted(stages)} has {sorted(only - names)}")
     print("\n".join(lines))

@@ -40,8 +40,7 @@ from moebench.routing import RouterConfig, route
 def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float]:
     """(median, p10, p90) microseconds per call of a graph of n_calls calls of `fn`
     (moebench.bench.timing.time_graph)."""
-    t = bench_time_graph(lambda: [fn() for _ in range(n_calls)], warmup=1, replays=replays,
-                         calls_per_replay=n_calls)
+    t = bench_time_graph(lambda: [fn() for _ in range(n_calls)], warmup=1, replays=replays, calls_per_replay=n_calls)
     return t.median_us, t.p10_us, t.p90_us
 
 
@@ -93,8 +92,11 @@ def main() -> None:
     ap.add_argument("--presets", default="dsv41-flash")
     ap.add_argument("--rows", default="1,2,3,4,5,6,7,8")
     ap.add_argument("--calls", type=int, default=100, help="calls per graph")
-    ap.add_argument("--after-producer", action="store_true",
-                    help="also time each call behind a logits-producing kernel (minus that kernel)")
+    ap.add_argument(
+        "--after-producer",
+        action="store_true",
+        help="also time each call behind a logits-producing kernel (minus that kernel)",
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     t0 = time.time()
@@ -107,8 +109,7 @@ def main() -> None:
             by = {r["variant"]: r for r in rs}
             line = "  ".join(f"{v} {r['median_us']:6.2f}" for v, r in by.items())
             if args.after_producer:
-                line += "  | after producer: " + "  ".join(
-                    f"{v} {r['after_producer_us']:6.2f}" for v, r in by.items())
+                line += "  | after producer: " + "  ".join(f"{v} {r['after_producer_us']:6.2f}" for v, r in by.items())
             verdict = "OK" if by["front"]["median_us"] <= by["route"]["median_us"] + 1.0 else "SLOW"
             print(f"{preset} rows {rows}: {line} us  (front <= route + 1 us: {verdict})")
     if args.out:

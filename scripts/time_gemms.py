@@ -123,8 +123,17 @@ def time_graph(fn, n_calls: int, replays: int = 30) -> tuple[float, float, float
     return t.median_us, t.p10_us, t.p90_us
 
 
-def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list, bulk: bool = False,
-                act_bf16: bool = False, fp8: bool = False, fp8_bulk: bool = False) -> None:
+def bench_shape(
+    tp: int,
+    rows_list,
+    variants: bool,
+    split_k: bool,
+    results: list,
+    bulk: bool = False,
+    act_bf16: bool = False,
+    fp8: bool = False,
+    fp8_bulk: bool = False,
+) -> None:
     shape = get_preset("dsv41-flash").shard(tp)
     gs = GemmShape.of(shape)
     h, i = shape.hidden, shape.intermediate
@@ -158,7 +167,9 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
     fp8 = fp8 or fp8_bulk
     f8_1 = [t for t in f8_list1 if t.valid_for(gs, 1) is None]
     f8_2 = [t for t in f8_list2 if t.valid_for(gs, 2) is None]
-    need = workspace_bytes_for(gs, [(1, t, ctas_max) for t in extra1 + f8_1] + [(2, t, ctas_max) for t in extra2 + f8_2])
+    need = workspace_bytes_for(
+        gs, [(1, t, ctas_max) for t in extra1 + f8_1] + [(2, t, ctas_max) for t in extra2 + f8_2]
+    )
     ws = alloc_workspace(need, "cuda") if need else None
     for rows in rows_list:
         ids = ids_by_rows[rows]
@@ -206,8 +217,12 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
         for t1 in t1s:
             for t2 in t2s:
                 first_t2, first_t1 = t2 is t2s[0], t1 is t1s[0]
-                a16_pair = (t1.act_bf16 and t2.act_bf16 and dataclasses.replace(t1, act_bf16=False) == d1
-                            and dataclasses.replace(t2, act_bf16=False) == d2)
+                a16_pair = (
+                    t1.act_bf16
+                    and t2.act_bf16
+                    and dataclasses.replace(t1, act_bf16=False) == d1
+                    and dataclasses.replace(t2, act_bf16=False) == d2
+                )
                 a16_pair = a16_pair or (t1.fp8 and t2.fp8)
                 cases = []
                 if first_t2:
@@ -215,10 +230,19 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                 if first_t1:
                     cases.append(("gemm2", t2.name, bytes2, lambda t2=t2: [g2(kw, t2) for kw in sets]))
                 # (never a16 GEMM2 after an MXFP8 GEMM1: it would read an h_deq nobody wrote)
-                if (first_t1 or first_t2 or (t1.bulk and t2.bulk) or a16_pair) and (
-                        t1.act_bf16 or not t2.act_bf16) and t1.fp8 == t2.fp8:
-                    cases.append(("both", f"{t1.name}+{t2.name}", bytes1 + bytes2, lambda t1=t1, t2=t2: [
-                        (g1(kw, t1), g2(kw, t2)) for kw in sets]))
+                if (
+                    (first_t1 or first_t2 or (t1.bulk and t2.bulk) or a16_pair)
+                    and (t1.act_bf16 or not t2.act_bf16)
+                    and t1.fp8 == t2.fp8
+                ):
+                    cases.append(
+                        (
+                            "both",
+                            f"{t1.name}+{t2.name}",
+                            bytes1 + bytes2,
+                            lambda t1=t1, t2=t2: [(g1(kw, t1), g2(kw, t2)) for kw in sets],
+                        )
+                    )
                 for kernel, tactic, nbytes, fn in cases:
                     med, p10, p90 = time_graph(fn, n_sets)
                     gbps = nbytes / (med * 1e-6) / 1e9
@@ -227,15 +251,19 @@ def bench_shape(tp: int, rows_list, variants: bool, split_k: bool, results: list
                                median_us=med, p10_us=p10, p90_us=p90, bytes=nbytes, gbps=gbps,
                                pct_copy_bw=100 * gbps / COPY_GBPS)  # fmt: skip
                     results.append(rec)
-                    print(f"TP{tp} rows {rows} ({touched:2d} experts) {kernel:5s} {tactic:40s} "
-                          f"{med:7.2f} us [{p10:6.2f},{p90:6.2f}] {nbytes / 1e6:7.1f} MB {gbps:7.0f} GB/s "
-                          f"{rec['pct_copy_bw']:5.1f}%", flush=True)
+                    print(
+                        f"TP{tp} rows {rows} ({touched:2d} experts) {kernel:5s} {tactic:40s} "
+                        f"{med:7.2f} us [{p10:6.2f},{p90:6.2f}] {nbytes / 1e6:7.1f} MB {gbps:7.0f} GB/s "
+                        f"{rec['pct_copy_bw']:5.1f}%",
+                        flush=True,
+                    )
     sets = ws = None  # free the weight sets before the next shape
     torch.cuda.empty_cache()
 
 
 def _int_list(allowed):
     """argparse type: comma-separated ints, each in `allowed`."""
+
     def parse(text: str) -> list[int]:
         try:
             values = [int(v) for v in text.split(",")]
@@ -245,25 +273,43 @@ def _int_list(allowed):
         if bad:
             raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
         return values
+
     return parse
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tp", default="4,8", type=_int_list((1, 2, 4, 8)),
-                    help="TP degrees of dsv41-flash, comma-separated (of 1, 2, 4, 8; default 4,8)")
-    ap.add_argument("--rows", default="1,2,4,6,8", type=_int_list(range(1, 9)),
-                    help="token rows, comma-separated (1..8; default 1,2,4,6,8)")
+    ap.add_argument(
+        "--tp",
+        default="4,8",
+        type=_int_list((1, 2, 4, 8)),
+        help="TP degrees of dsv41-flash, comma-separated (of 1, 2, 4, 8; default 4,8)",
+    )
+    ap.add_argument(
+        "--rows",
+        default="1,2,4,6,8",
+        type=_int_list(range(1, 9)),
+        help="token rows, comma-separated (1..8; default 1,2,4,6,8)",
+    )
     ap.add_argument("--variants", action="store_true", help="also time alternative tactics (split-K included)")
     ap.add_argument("--split-k", action="store_true", help="also time the split-K variants (only those)")
     ap.add_argument("--bulk", action="store_true", help="also time the bulk-copy variants (all bulk pairs in 'both')")
-    ap.add_argument("--act-bf16", action="store_true",
-                    help="also time the act_bf16 (_a16) twin of every tactic, and the a16 defaults in 'both'")
-    ap.add_argument("--fp8", action="store_true",
-                    help="also time the fp8 (_f8) twin of every MXFP8 tactic, and the fp8 defaults in 'both'")
-    ap.add_argument("--fp8-bulk", action="store_true",
-                    help="also time the fp8 tactics on the bulk ring (the warp-specialized kernels, v11) and the"
-                         " fp8 defaults, and 'both' for every fp8 pair")
+    ap.add_argument(
+        "--act-bf16",
+        action="store_true",
+        help="also time the act_bf16 (_a16) twin of every tactic, and the a16 defaults in 'both'",
+    )
+    ap.add_argument(
+        "--fp8",
+        action="store_true",
+        help="also time the fp8 (_f8) twin of every MXFP8 tactic, and the fp8 defaults in 'both'",
+    )
+    ap.add_argument(
+        "--fp8-bulk",
+        action="store_true",
+        help="also time the fp8 tactics on the bulk ring (the warp-specialized kernels, v11) and the"
+        " fp8 defaults, and 'both' for every fp8 pair",
+    )
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -273,8 +319,9 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw:.0f} GB/s (reference {COPY_GBPS:.0f})")
     results: list = []
     for tp in args.tp:
-        bench_shape(tp, args.rows, args.variants, args.split_k, results, args.bulk,
-                    args.act_bf16, args.fp8, args.fp8_bulk)
+        bench_shape(
+            tp, args.rows, args.variants, args.split_k, results, args.bulk, args.act_bf16, args.fp8, args.fp8_bulk
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(copy_gbps=bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)

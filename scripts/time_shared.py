@@ -79,8 +79,11 @@ def variants(h: int, i: int, stage: int, sms: int) -> list[SharedTactic]:
             out.append(t)
 
     other = 1 if d.tile_m == 2 else 2
-    add(tile_m=other, cluster_k=min(8, max(1, d.cluster_k * other // d.tile_m)),
-        unroll=max(1, d.unroll * d.tile_m // other))
+    add(
+        tile_m=other,
+        cluster_k=min(8, max(1, d.cluster_k * other // d.tile_m)),
+        unroll=max(1, d.unroll * d.tile_m // other),
+    )
     add(cluster_k=max(1, d.cluster_k // 2), ctas_per_sm=max(1, d.ctas_per_sm - 1))
     add(cluster_k=min(8, d.cluster_k * 2), ctas_per_sm=min(4, d.ctas_per_sm + 1))
     add(warps_m=2, warps_k=max(1, d.warps_k // 2))
@@ -106,9 +109,12 @@ def bench_shape(preset: str, tp: int, rows_list, do_variants: bool, copy_gbps: f
         pairs += [(f"kernels default+{t.name}", {1: defaults[1], 2: t}) for t in variants(h, i, 2, sms)]
     ceiling = size_matched_ceiling_gbps(wbytes, "cuda")  # one read-streaming launch of the weight bytes
     ceiling_txt = f"{ceiling:.0f} GB/s = {wbytes / ceiling / 1e3:.2f} us" if ceiling else "n/a (no Triton)"
-    print(f"{preset} TP{tp}: H {h}, I {i}, weights {wbytes / 1e6:.1f} MB/call, {n_layers} layers per replay"
-          f" ({n_layers * wbytes / l2:.1f} x L2); size-matched ceiling {ceiling_txt}; defaults GEMM1"
-          f" {defaults[1].name}, GEMM2 {defaults[2].name}", flush=True)
+    print(
+        f"{preset} TP{tp}: H {h}, I {i}, weights {wbytes / 1e6:.1f} MB/call, {n_layers} layers per replay"
+        f" ({n_layers * wbytes / l2:.1f} x L2); size-matched ceiling {ceiling_txt}; defaults GEMM1"
+        f" {defaults[1].name}, GEMM2 {defaults[2].name}",
+        flush=True,
+    )
     torch_layers, kernel_layers, first = [], {name: [] for name, _ in pairs}, None
     for layer in range(n_layers):
         w1, w3, w2 = layer_weights(h, i, seed=1000 * tp + layer)
@@ -138,8 +144,11 @@ def bench_shape(preset: str, tp: int, rows_list, do_variants: bool, copy_gbps: f
                            pct_copy_bw=100 * gbps / copy_gbps, timing_method=t.method,
                            pct_size_ceiling=(100 * gbps / ceiling) if ceiling and nbytes == wbytes else None,
                            )  # fmt: skip
-                print(f"  rows {rows} {variant:48s} {t.median_us:7.2f} us [{t.p10_us:6.2f}, {t.p90_us:6.2f}]"
-                      f" {gbps:7.0f} GB/s {rec['pct_copy_bw']:5.1f}%  err {err:.1e}", flush=True)
+                print(
+                    f"  rows {rows} {variant:48s} {t.median_us:7.2f} us [{t.p10_us:6.2f}, {t.p90_us:6.2f}]"
+                    f" {gbps:7.0f} GB/s {rec['pct_copy_bw']:5.1f}%  err {err:.1e}",
+                    flush=True,
+                )
             results.append(rec)
 
         t_err = relative_error(torch_layers[0](x).double(), ref)
@@ -153,10 +162,8 @@ def bench_shape(preset: str, tp: int, rows_list, do_variants: bool, copy_gbps: f
             names = f"{tactics[1].name}+{tactics[2].name}"
             record(name, names, lambda ks=ks: [k(x, out) for k in ks], err)
             if name == "kernels":
-                record("gemm1", tactics[1].name, lambda: [k.launch_gemm1(x) for k in ks], err,
-                       nbytes=4 * h * i)
-                record("gemm2", tactics[2].name, lambda: [k.launch_gemm2(rows, out) for k in ks], err,
-                       nbytes=2 * h * i)
+                record("gemm1", tactics[1].name, lambda: [k.launch_gemm1(x) for k in ks], err, nbytes=4 * h * i)
+                record("gemm2", tactics[2].name, lambda: [k.launch_gemm2(rows, out) for k in ks], err, nbytes=2 * h * i)
                 # one layer n_layers times per replay (its weights stay in L2): one call per
                 # graph launch would time the host's submission gap instead of the kernels
                 record("kernels-warm", names, lambda: [ks[0](x, out) for _ in ks], err)
@@ -184,8 +191,17 @@ def main() -> None:
             bench_shape(preset, tp, [int(r) for r in args.rows.split(",")], args.variants, bw, results)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=props.name, sms=props.multi_processor_count, copy_gbps=bw,
-                           torch=torch.__version__, results=results), f, indent=1)
+            json.dump(
+                dict(
+                    device=props.name,
+                    sms=props.multi_processor_count,
+                    copy_gbps=bw,
+                    torch=torch.__version__,
+                    results=results,
+                ),
+                f,
+                indent=1,
+            )
         print(f"results in {args.json}")
     print(f"done in {time.time() - t0:.0f} s")
 

@@ -30,8 +30,15 @@ from moebench.formats import generate_activations, generate_expert_weights
 from moebench.models import get_preset
 from moebench.routing import scenario_topk_ids, scenario_weights
 
-SHORT = (("quantize", "quant"), ("Route", "route"), ("route", "route"), ("Gemm", "gemm"), ("gemm", "gemm"),
-         ("inaliz", "finalize"), ("Front", "front"))
+SHORT = (
+    ("quantize", "quant"),
+    ("Route", "route"),
+    ("route", "route"),
+    ("Gemm", "gemm"),
+    ("gemm", "gemm"),
+    ("inaliz", "finalize"),
+    ("Front", "front"),
+)
 
 
 def short(name: str) -> str:
@@ -81,8 +88,11 @@ def main() -> None:
     ap.add_argument("--tactics", default="fp8")
     ap.add_argument("--scenario", default="correlated")
     ap.add_argument("--routed", action="store_true", help="route + GEMM1 + GEMM2 only (no finalize)")
-    ap.add_argument("--gemms-only", action="store_true",
-                    help="GEMM1 + GEMM2 only, on routings built before capture (no route kernel)")
+    ap.add_argument(
+        "--gemms-only",
+        action="store_true",
+        help="GEMM1 + GEMM2 only, on routings built before capture (no route kernel)",
+    )
     ap.add_argument("--events", action="store_true", help="print every launch of the replay")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -91,8 +101,10 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     backend = MoebenchBackend()
     # the sweep's rotation: layers sized by its default rows 1, 2, 4, 6, 8 and these
-    routings = {r: scenario_topk_ids(args.scenario, r, shape.top_k, shape.experts, 0)
-                for r in sorted({1, 2, 4, 6, 8, *rows_list})}
+    routings = {
+        r: scenario_topk_ids(args.scenario, r, shape.top_k, shape.experts, 0)
+        for r in sorted({1, 2, 4, 6, 8, *rows_list})
+    }
     min_touched = min(unique_bytes(shape, ids) for ids in routings.values())
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     layers, _ = layer_count(min_touched, l2, 1, None)
@@ -120,14 +132,18 @@ def main() -> None:
                 gap = None if prev_end is None else s - prev_end
                 per.setdefault(k, []).append((e - s, gap))
                 prev_end = e
-            print(f"\n{args.preset} TP{args.tp} rows {rows} {tactic}: {len(ev)} launches, {layers} layers,"
-                  f" {span:.2f} µs per layer (first start to last end / layers), {unique_bytes(shape, ids.cpu())/1e6:.1f} MB")
+            print(
+                f"\n{args.preset} TP{args.tp} rows {rows} {tactic}: {len(ev)} launches, {layers} layers,"
+                f" {span:.2f} µs per layer (first start to last end / layers), {unique_bytes(shape, ids.cpu()) / 1e6:.1f} MB"
+            )
             for k, vals in per.items():
                 durs = [d for d, _ in vals]
                 gaps = [g for _, g in vals if g is not None]
-                print(f"  {k:10s} n={len(vals):3d} dur median {statistics.median(durs):6.2f} µs"
-                      f" [min {min(durs):6.2f} max {max(durs):6.2f}]  gap before median"
-                      f" {statistics.median(gaps) if gaps else float('nan'):6.2f} µs")
+                print(
+                    f"  {k:10s} n={len(vals):3d} dur median {statistics.median(durs):6.2f} µs"
+                    f" [min {min(durs):6.2f} max {max(durs):6.2f}]  gap before median"
+                    f" {statistics.median(gaps) if gaps else float('nan'):6.2f} µs"
+                )
             if args.events:
                 for name, s, e in ev:
                     print(f"    {s - t0:9.2f} {e - s:7.2f}  {short(name)}")

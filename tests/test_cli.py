@@ -118,8 +118,14 @@ def _stored_run(root, label, medians, *, device="NVIDIA H200", failed_rows=(), s
         rows.append(row)
     manifest = {"device": {"name": device, "sm_count": 132}, "copy_bw_gbps": 4000.0, "reduced": False,
                 **(manifest_extra or {})}  # fmt: skip
-    return write_run(pd.DataFrame(rows).reindex(columns=list(dict.fromkeys([*REQUIRED_COLUMNS, *rows[0]])))
-                     if rows else pd.DataFrame(columns=list(REQUIRED_COLUMNS)), manifest, root=root, label=label)
+    return write_run(
+        pd.DataFrame(rows).reindex(columns=list(dict.fromkeys([*REQUIRED_COLUMNS, *rows[0]])))
+        if rows
+        else pd.DataFrame(columns=list(REQUIRED_COLUMNS)),
+        manifest,
+        root=root,
+        label=label,
+    )
 
 
 def test_tune_without_a_gpu_fails_with_one_red_line(tmp_path):
@@ -188,15 +194,22 @@ def test_report_case_ok_in_the_baseline_but_not_timed_now_fails_the_gate(tmp_pat
     cur = _stored_run(tmp_path / "runs", "cur", {1: 20.0, 2: 30.0, 7: 45.0})  # rows 6 gone, rows 7 new
     df = pd.read_parquet(cur / "results.parquet")
     df.loc[df["rows"] == 2, ["status", "error", "median_us", "p10_us", "p90_us"]] = [
-        "skipped", "flashinfer not installed", float("nan"), float("nan"), float("nan")]
+        "skipped",
+        "flashinfer not installed",
+        float("nan"),
+        float("nan"),
+        float("nan"),
+    ]
     df.to_parquet(cur / "results.parquet", index=False)
     result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--fail-above", "5%",
                                  "--out", str(tmp_path / "r")])  # fmt: skip
     assert result.exit_code == 1, result.output
     message = " ".join(result.output.split())
     assert "2 case(s) ok in the baseline were not timed in this run (lost)" in message
-    assert "moebench dsv41-flash TP4 rows 2 correlated default (skipped in this run (flashinfer not installed);" \
-           " ok in the baseline)" in message
+    assert (
+        "moebench dsv41-flash TP4 rows 2 correlated default (skipped in this run (flashinfer not installed);"
+        " ok in the baseline)" in message
+    )
     assert "rows 6 correlated default (not in this run; ok in the baseline)" in message and "rows 7" not in message
     assert "1 same, 2 lost, 1 new" in message
     text = (tmp_path / "r" / "summary.md").read_text()
@@ -302,8 +315,9 @@ def test_report_option_errors(tmp_path):
 
         if os.access(ro, os.W_OK):  # root ignores the mode: use a path no one can create
             out = Path("/proc/moebench-cannot-create")
-        result = runner.invoke(app, ["report", str(run), "--baseline", str(run), "--fail-above", "5",
-                                     "--out", str(out)])
+        result = runner.invoke(
+            app, ["report", str(run), "--baseline", str(run), "--fail-above", "5", "--out", str(out)]
+        )
         assert result.exit_code == 2 and "--out: cannot create" in result.output, result.output
         assert "wrote" not in result.output and not out.exists()
     finally:
@@ -753,9 +767,7 @@ def test_name_lists_reject_empty_items_and_presets_take_all(tmp_path):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="on a GPU the moebench backend runs")
 def test_sweep_where_every_case_is_skipped_exits_nonzero(tmp_path):
-    result = runner.invoke(
-        app, ["sweep", "--rows", "1", "--tp", "8", "--backends", "moebench", "--out", str(tmp_path)]
-    )
+    result = runner.invoke(app, ["sweep", "--rows", "1", "--tp", "8", "--backends", "moebench", "--out", str(tmp_path)])
     assert result.exit_code == 1 and "no case ran" in result.output
 
 
@@ -880,8 +892,9 @@ def test_a_run_with_a_failed_or_no_case_exits_1_after_it_is_stored(capsys):
     from moebench.cli import _fail_unless_every_case_passed
 
     def frame(*statuses):
-        return pd.DataFrame({"status": list(statuses),
-                             "error": ["" if s == "ok" else f"why {s} {i}" for i, s in enumerate(statuses)]})
+        return pd.DataFrame(
+            {"status": list(statuses), "error": ["" if s == "ok" else f"why {s} {i}" for i, s in enumerate(statuses)]}
+        )
 
     _fail_unless_every_case_passed(frame("ok", "skipped"), "RUN")  # returns
     with pytest.raises(typer.Exit) as exc:
@@ -1025,7 +1038,6 @@ def test_report_record_is_read_with_care(tmp_path):
     assert precious.read_text() == '{"files": ["latency.png"]}' and not (out / REPORT_RECORD).is_symlink()
 
 
-
 def test_report_force_removes_an_earlier_reports_per_tp_plot_only(tmp_path):
     """A per-TP plot (latency_tp<N>.png) an earlier report recorded writing,
     and this one does not write, is removed by --force; one the record does
@@ -1051,8 +1063,9 @@ def _wrong_backend(name: str, peer: bool):
     def forward(self, prepared, x, topk_ids, topk_weights):
         return TorchBF16Backend.forward(self, prepared, x, topk_ids, topk_weights) * 2
 
-    return type(f"Wrong{name.title().replace('-', '')}", (TorchBF16Backend,),
-                {"name": name, "peer": peer, "forward": forward})
+    return type(
+        f"Wrong{name.title().replace('-', '')}", (TorchBF16Backend,), {"name": name, "peer": peer, "forward": forward}
+    )
 
 
 def test_a_peers_failure_fails_the_sweep_only_with_strict(tmp_path):

@@ -451,7 +451,7 @@ def test_tiny_amax_subnormal_scale():
     # amax normal but amax/448 an fp32 subnormal: code = exponent field 0 + 1 (mantissa != 0)
     x = torch.zeros(4, 32)
     x[0, 3] = 1e-37
-    x[1, 5] = -2.0**-126  # smallest normal
+    x[1, 5] = -(2.0**-126)  # smallest normal
     x[2, 0] = 2.0**-149  # smallest subnormal: amax/448 rounds to 0 -> code 0, elements 0
     x[3, 7] = 448.0 * 2.0**-126  # s = 2^-126 exactly, normal -> code 1, element 448
     q, s = quantize_mxfp8(x)

@@ -292,8 +292,7 @@ def test_finalize_with_residual_and_norm(dtype):
     want = add_rms_norm(finalize(u, scale=1.5, shared=shared), residual, weight, 1e-5)
     assert torch.equal(normed, want[0]) and torch.equal(new, want[1])
     # out_dtype rounds the MoE output before the residual add
-    n32, r32 = finalize(u, shared=shared, out_dtype=torch.bfloat16, residual=residual.float(),
-                        norm_weight=weight)
+    n32, r32 = finalize(u, shared=shared, out_dtype=torch.bfloat16, residual=residual.float(), norm_weight=weight)
     assert n32.dtype == r32.dtype == torch.float32
     moe16 = finalize(u, shared=shared, out_dtype=torch.bfloat16)
     assert torch.equal(r32, moe16.float() + residual.float())

@@ -15,11 +15,11 @@ from moebench.record import RouteRecord, build_route_record, check_topk_ids, cta
 # ----------------------------------------------------------------------------- formulas
 
 
-@pytest.mark.parametrize(
-    "rows, top_k, experts, want",
-    [(1, 6, 384, 6), (8, 6, 384, 48), (8, 8, 512, 64), (8, 8, 4, 11), (0, 6, 384, 0),
-     (8, 6, 1, 6), (1, 1, 1, 1), (6, 6, 22, 22 + 14 // 8), (2, 8, 3, 3 + 13 // 8)],  # fmt: skip
-)
+MAX_CTAS_EXAMPLES = [(1, 6, 384, 6), (8, 6, 384, 48), (8, 8, 512, 64), (8, 8, 4, 11), (0, 6, 384, 0),
+                     (8, 6, 1, 6), (1, 1, 1, 1), (6, 6, 22, 22 + 14 // 8), (2, 8, 3, 3 + 13 // 8)]  # fmt: skip
+
+
+@pytest.mark.parametrize("rows, top_k, experts, want", MAX_CTAS_EXAMPLES)
 def test_max_ctas_examples(rows, top_k, experts, want):
     assert max_ctas(rows, top_k, experts) == want
 

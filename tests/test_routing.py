@@ -117,11 +117,8 @@ def test_route_vs_naive_with_nonfinite(data):
     ).view(rows, experts)
     bias = None
     if data.draw(st.booleans()):
-        bias = torch.tensor(
-            data.draw(st.lists(st.one_of(st.floats(-2, 2, width=32), st.sampled_from([NAN, -INF])),
-                               min_size=experts, max_size=experts)),  # fmt: skip
-            dtype=torch.float32,
-        )
+        values = st.one_of(st.floats(-2, 2, width=32), st.sampled_from([NAN, -INF]))
+        bias = torch.tensor(data.draw(st.lists(values, min_size=experts, max_size=experts)), dtype=torch.float32)
     cfg = RouterConfig(experts, top_k, scale, bias=bias)
     weights, ids = route(logits, cfg)
     check_outputs(weights, ids, rows, top_k, experts)

@@ -11,7 +11,8 @@ import pytest
 from moebench.kernels.table import PACKAGE_TABLES, read_table
 
 _SPEC = importlib.util.spec_from_file_location(
-    "table_variant", Path(__file__).resolve().parents[1] / "scripts" / "table_variant.py")
+    "table_variant", Path(__file__).resolve().parents[1] / "scripts" / "table_variant.py"
+)
 table_variant = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(table_variant)
 
@@ -32,8 +33,12 @@ def test_variant_changes_only_fp8_gemm1(tmp_path):
 
 
 def test_refusals(tmp_path, capsys):
-    for bad in (["--set", "pdl=maybe"], ["--set", "nonsense=1"], ["--set", "stages"],
-                ["--set", "stages=2", "--match", "no-such-table"]):
+    for bad in (
+        ["--set", "pdl=maybe"],
+        ["--set", "nonsense=1"],
+        ["--set", "stages"],
+        ["--set", "stages=2", "--match", "no-such-table"],
+    ):
         with pytest.raises(SystemExit) as ex:
             table_variant.main([str(tmp_path / "a"), *bad])
         assert ex.value.code == 2
@@ -71,9 +76,11 @@ def test_only_the_named_tactics_of_both_stages(tmp_path):
 def test_changes_that_do_nothing_or_break_a_table_write_nothing(tmp_path, capsys):
     out = tmp_path / "o"
     # (GEMM2's entries: the shipped GEMM1 ones are mostly spec, which refuses fp8=false by itself)
-    for bad, needle in ((["--set", "fp8=false", "--stage", "2"], "not an fp8 tactic"),  # BF16 tactics in the fp8 part
-                        (["--set", "stages=-3"], "no entry changed"),
-                        (["--set", "stages=2", "--only", "r1_nosuch"], "--only: no fp8 entry")):
+    for bad, needle in (
+        (["--set", "fp8=false", "--stage", "2"], "not an fp8 tactic"),  # BF16 tactics in the fp8 part
+        (["--set", "stages=-3"], "no entry changed"),
+        (["--set", "stages=2", "--only", "r1_nosuch"], "--only: no fp8 entry"),
+    ):
         with pytest.raises(SystemExit) as ex:
             table_variant.main([str(out), *bad, "--match", _NAME])
         assert ex.value.code == 2 and needle in capsys.readouterr().err, bad

@@ -192,9 +192,7 @@ def check_weights(weights: ExpertWeights, shape: RankShape) -> None:
     got = (weights.experts, weights.hidden, weights.intermediate, weights.padded_intermediate)
     want = (shape.experts, shape.hidden, shape.intermediate, shape.padded_intermediate)
     if got != want:
-        raise ValueError(
-            f"weights (E, H, I, Ip) = {got} do not match shape {shape.describe()} {want}"
-        )
+        raise ValueError(f"weights (E, H, I, Ip) = {got} do not match shape {shape.describe()} {want}")
 
 
 def check_forward_inputs(

@@ -53,7 +53,12 @@ from typing import ClassVar
 import torch
 
 from moebench.backends.base import (
-    DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, require_runnable, sm90_reason,
+    DEFAULT_TACTIC,
+    Backend,
+    check_forward_inputs,
+    check_weights,
+    require_runnable,
+    sm90_reason,
 )
 from moebench.backends.layouts import swap_halves
 from moebench.formats import ExpertWeights
@@ -122,9 +127,9 @@ class FlashInferPrepared:
     experts: int
     top_k: int
     humming: bool
-    outputs: dict = field(default_factory=dict)   # rows -> bf16 [rows, H]
-    route_outputs: dict = field(default_factory=dict)   # routes -> bf16 [routes, H] (forward_unfinalized)
-    tactics: dict = field(default_factory=dict)   # (rows, top_k) -> (gemm1 tactic, gemm2 tactic)
+    outputs: dict = field(default_factory=dict)  # rows -> bf16 [rows, H]
+    route_outputs: dict = field(default_factory=dict)  # routes -> bf16 [routes, H] (forward_unfinalized)
+    tactics: dict = field(default_factory=dict)  # (rows, top_k) -> (gemm1 tactic, gemm2 tactic)
 
     @property
     def device(self) -> torch.device:

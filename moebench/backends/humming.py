@@ -50,7 +50,13 @@ import torch
 
 from moebench.backends import vllm_align, vllm_ops
 from moebench.backends.base import (
-    DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, one_clamp, require_runnable, sm90_reason,
+    DEFAULT_TACTIC,
+    Backend,
+    check_forward_inputs,
+    check_weights,
+    one_clamp,
+    require_runnable,
+    sm90_reason,
 )
 from moebench.backends.layouts import to_humming_logical
 from moebench.traffic import mxfp4_bytes, touched_bytes
@@ -124,11 +130,11 @@ def align_block_size(
     key = expert_of_slot.reshape(s).to(torch.int64)
     cap = align_capacity(s, experts, block)
     onehot = (key.unsqueeze(1) == torch.arange(experts, device=dev)).to(torch.int32)  # [S, E]
-    running = torch.cumsum(onehot, 0)                                                 # [S, E]
-    counts = running[-1]                                                              # [E]
+    running = torch.cumsum(onehot, 0)  # [S, E]
+    counts = running[-1]  # [E]
     blocks = (counts + (block - 1)) // block
     block_end = torch.cumsum(blocks, 0)
-    rank = running.gather(1, key.unsqueeze(1)).squeeze(1) - 1                         # [S]
+    rank = running.gather(1, key.unsqueeze(1)).squeeze(1) - 1  # [S]
     dest = (block_end - blocks)[key] * block + rank
     sorted_ids = torch.full((cap,), s, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, dest, torch.arange(s, dtype=torch.int32, device=dev))
@@ -148,9 +154,20 @@ def _triton_align_kernel():
         return None
 
     @triton.jit
-    def align_kernel(ids_ptr, sorted_ptr, expert_ids_ptr, padded_ptr, slots, experts, cap,
-                     BM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
-                     FILL: tl.constexpr, MAX_BLOCKS_PER_EXPERT: tl.constexpr):
+    def align_kernel(
+        ids_ptr,
+        sorted_ptr,
+        expert_ids_ptr,
+        padded_ptr,
+        slots,
+        experts,
+        cap,
+        BM: tl.constexpr,
+        BLOCK_S: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        FILL: tl.constexpr,
+        MAX_BLOCKS_PER_EXPERT: tl.constexpr,
+    ):
         s_off = tl.arange(0, BLOCK_S)
         s_mask = s_off < slots
         key = tl.load(ids_ptr + s_off, mask=s_mask, other=0)
@@ -194,8 +211,21 @@ def align_block_size_triton(expert_of_slot: torch.Tensor, experts: int, block: i
     padded = torch.empty(1, dtype=torch.int32, device=dev)
     block_s = max(16, 1 << (s - 1).bit_length())
     block_e = max(16, 1 << (experts - 1).bit_length())
-    kernel[(1,)](ids, sorted_ids, expert_ids, padded, s, experts, cap, BM=block, BLOCK_S=block_s,
-                 BLOCK_E=block_e, FILL=256, MAX_BLOCKS_PER_EXPERT=-(-s // block), num_warps=8 if block_e > 128 else 4)
+    kernel[(1,)](
+        ids,
+        sorted_ids,
+        expert_ids,
+        padded,
+        s,
+        experts,
+        cap,
+        BM=block,
+        BLOCK_S=block_s,
+        BLOCK_E=block_e,
+        FILL=256,
+        MAX_BLOCKS_PER_EXPERT=-(-s // block),
+        num_warps=8 if block_e > 128 else 4,
+    )
     return sorted_ids, expert_ids, padded
 
 
@@ -227,7 +257,7 @@ def _aligner(device: torch.device):
     if choice not in ALIGNERS:
         raise ValueError(f"${ALIGN_ENV} must be one of {ALIGNERS}, got {choice!r}")
     on_gpu = torch.device(device).type == "cuda"
-    for name in ALIGNERS[ALIGNERS.index(choice):]:
+    for name in ALIGNERS[ALIGNERS.index(choice) :]:
         if name == "vllm" and on_gpu and vllm_ops.reason("moe") is None:
             return align_block_size_vllm, "vllm"
         if name == "triton" and on_gpu and _triton_align_kernel() is not None:
@@ -256,7 +286,7 @@ class HummingPrepared:
     tuning configs per sublayer, geometry, and per-row-count buffers."""
 
     layer: torch.nn.Module
-    tuning: dict            # sub -> (configs list, json string)
+    tuning: dict  # sub -> (configs list, json string)
     activation: str
     hidden: int
     intermediate: int

@@ -55,7 +55,13 @@ import torch
 
 from moebench.backends import vllm_ops
 from moebench.backends.base import (
-    DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, one_clamp, require_runnable, sm90_reason,
+    DEFAULT_TACTIC,
+    Backend,
+    check_forward_inputs,
+    check_weights,
+    one_clamp,
+    require_runnable,
+    sm90_reason,
 )
 from moebench.backends.marlin_layout import (
     FLOAT4_E2M1F_ID, MarlinWeights, check_marlin_shape, marlin_expert_bytes, prepare_marlin,
@@ -111,7 +117,7 @@ class MarlinPrepared:
     workspace: torch.Tensor
     expert_map: torch.Tensor
     ops_moe: object = None  # torch.ops._moe_C (vllm_ops.load("moe"))
-    ops_c: object = None    # torch.ops._C (vllm_ops.load("c"))
+    ops_c: object = None  # torch.ops._C (vllm_ops.load("c"))
     buffers: dict = field(default_factory=dict)
 
     @property
@@ -227,8 +233,9 @@ class MarlinW4A16Backend(Backend):
         def align():
             torch.clamp(topk_ids, -1, p.experts, out=ids)
             ids.remainder_(p.global_experts)
-            moe.moe_align_block_size(ids, p.global_experts, block, al.sorted_ids, al.expert_ids,
-                                     al.num_tokens_post_pad, p.expert_map)
+            moe.moe_align_block_size(
+                ids, p.global_experts, block, al.sorted_ids, al.expert_ids, al.num_tokens_post_pad, p.expert_map
+            )
 
         def gemm(a, out, b, scales, top, mul, size_m, size_n, size_k):
             moe.moe_wna16_marlin_gemm(
@@ -276,5 +283,4 @@ class MarlinW4A16Backend(Backend):
         config (-1: its heuristic), the reduction flags, the aligner."""
         top_k = prepared.top_k if top_k is None else top_k
         block = block_size_m(rows, top_k, prepared.experts, prepared.global_experts)
-        return (f"block_m={block},thread_k/n=auto,blocks_per_sm=auto,fp32_reduce=1,atomic_add=0,"
-                f"align=vllm+expert_map")
+        return f"block_m={block},thread_k/n=auto,blocks_per_sm=auto,fp32_reduce=1,atomic_add=0,align=vllm+expert_map"

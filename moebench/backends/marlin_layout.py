@@ -47,8 +47,9 @@ PAD_INTERMEDIATE, PAD_HIDDEN = 128, 256
 TILE = 16
 
 
-def scalar_type_id(exponent: int, mantissa: int, signed: bool, bias: int = 0,
-                   finite_values_only: bool = False, nan_repr: int = 1) -> int:
+def scalar_type_id(
+    exponent: int, mantissa: int, signed: bool, bias: int = 0, finite_values_only: bool = False, nan_repr: int = 1
+) -> int:
     """vLLM's ScalarType id (scalar_type.py `ScalarType.id`): the fields packed
     little-end first into one int64 - exponent 8 bits, mantissa 8, signed 1,
     bias 32, finite_values_only 1, nan_repr 8 (0 none, 1 IEEE 754, 2 extended
@@ -169,8 +170,9 @@ def _repack_experts(words: torch.Tensor, size_k: int, size_n: int, repack: Repac
     for e in range(words.shape[0]):
         packed = repack(words[e], size_k, size_n)
         if tuple(packed.shape) != tuple(out.shape[1:]) or packed.dtype != torch.int32:
-            raise RuntimeError(f"repack returned {packed.dtype} {tuple(packed.shape)}, expected int32 "
-                               f"{tuple(out.shape[1:])}")
+            raise RuntimeError(
+                f"repack returned {packed.dtype} {tuple(packed.shape)}, expected int32 {tuple(out.shape[1:])}"
+            )
         out[e] = packed
     return out
 

@@ -38,7 +38,13 @@ import importlib.util
 import torch
 
 from moebench.backends.base import (
-    DEFAULT_TACTIC, DEFERRED_FINALIZE, FUSED_FRONT, Backend, check_forward_inputs, check_weights, sm90_reason,
+    DEFAULT_TACTIC,
+    DEFERRED_FINALIZE,
+    FUSED_FRONT,
+    Backend,
+    check_forward_inputs,
+    check_weights,
+    sm90_reason,
 )
 from moebench.traffic import mxfp4_bytes, touched_bytes
 from moebench.formats import ExpertWeights
@@ -143,8 +149,10 @@ class MoebenchBackend(Backend):
             return "; ".join([*parts, f"fused {fused.name} (built-in)"])
         for stage in (1, 2):
             source = prepared.tactic_sources[stage, rows]
-            parts.append(f"gemm{stage} {prepared.tactics[stage, rows].name}"
-                         f" ({'table' if source.startswith('table') else source})")
+            parts.append(
+                f"gemm{stage} {prepared.tactics[stage, rows].name}"
+                f" ({'table' if source.startswith('table') else source})"
+            )
         return "; ".join(parts)
 
     def forward(self, prepared, x, topk_ids, topk_weights):

@@ -92,7 +92,7 @@ class TorchBF16Backend(Backend):
         return TACTICS if has_grouped_mm() else (DEFAULT_TACTIC, "gather")
 
     def default_alias(self, shape: RankShape) -> str:
-        """"grouped" where torch has `_grouped_mm`, else "gather"."""
+        """ "grouped" where torch has `_grouped_mm`, else "gather"."""
         return "grouped" if has_grouped_mm() else "gather"
 
     def prepared_bytes(self, shape: RankShape) -> int:

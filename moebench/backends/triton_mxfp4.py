@@ -60,7 +60,13 @@ import torch
 
 from moebench.backends import vllm_ops
 from moebench.backends.base import (
-    DEFAULT_TACTIC, Backend, check_forward_inputs, check_weights, one_clamp, require_runnable, sm90_reason,
+    DEFAULT_TACTIC,
+    Backend,
+    check_forward_inputs,
+    check_weights,
+    one_clamp,
+    require_runnable,
+    sm90_reason,
 )
 from moebench.formats import MX_BLOCK, ExpertWeights
 from moebench.models import RankShape
@@ -255,8 +261,9 @@ class TritonMxfp4Backend(Backend):
         check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.device)
         rows, top_k = topk_ids.shape
         if not 1 <= rows <= MAX_ROWS or top_k > prepared.top_k:
-            raise ValueError(f"rows must be in 1..{MAX_ROWS} and top_k <= {prepared.top_k},"
-                             f" got {tuple(topk_ids.shape)}")
+            raise ValueError(
+                f"rows must be in 1..{MAX_ROWS} and top_k <= {prepared.top_k}, got {tuple(topk_ids.shape)}"
+            )
         if not x.is_contiguous():
             raise ValueError("x must be contiguous")
         return rows, top_k

@@ -108,6 +108,7 @@ def moe_align_block_size(
           or out.expert_ids.numel() != max_num_blocks(numel, experts, block)):  # fmt: skip
         raise ValueError(f"out buffers do not fit {numel} slots, {experts} experts, block {block}")
     ops = vllm_ops.load("moe")
-    ops.moe_align_block_size(topk_ids, experts, block, out.sorted_ids, out.expert_ids, out.num_tokens_post_pad,
-                             expert_map)
+    ops.moe_align_block_size(
+        topk_ids, experts, block, out.sorted_ids, out.expert_ids, out.num_tokens_post_pad, expert_map
+    )
     return out

@@ -75,8 +75,10 @@ def reason(which: str) -> str | None:
         return f"vLLM's {name} needs a CUDA GPU and torch's CUDA build"
     path = find(which)
     if path is None:
-        return (f"vLLM's {name} (vllm=={VLLM_VERSION}) not found in ${ENV_DIR}, a {BUNDLE_DIR}/ folder on"
-                " sys.path or an installed vllm: build the bundle with scripts/build_vllm_bundle.sh")
+        return (
+            f"vLLM's {name} (vllm=={VLLM_VERSION}) not found in ${ENV_DIR}, a {BUNDLE_DIR}/ folder on"
+            " sys.path or an installed vllm: build the bundle with scripts/build_vllm_bundle.sh"
+        )
     try:
         _load(str(path))
     except Exception as error:  # noqa: BLE001 - any load failure is a reason

@@ -32,6 +32,7 @@ MAX_LAYERS = 64
 def check_layers(layers) -> None:
     """Raise ValueError unless `layers` (the rotated weight sets a replay walks)
     is None or an int in [1, MAX_LAYERS]; the message names `layers`."""
-    if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool)
-                               or not 1 <= layers <= MAX_LAYERS):
+    if layers is not None and (
+        not isinstance(layers, int) or isinstance(layers, bool) or not 1 <= layers <= MAX_LAYERS
+    ):
         raise ValueError(f"layers must be an int in [1, {MAX_LAYERS}], got {layers!r}")

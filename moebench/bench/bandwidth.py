@@ -104,9 +104,7 @@ def triton_available() -> bool:
     return _stream_kernel() is not None
 
 
-def size_matched_ceiling_gbps(
-    nbytes: int, device: torch.device | str, repeats: int = 30
-) -> float | None:
+def size_matched_ceiling_gbps(nbytes: int, device: torch.device | str, repeats: int = 30) -> float | None:
     """GB/s a plain read-streaming kernel reaches over `nbytes` in one launch.
 
     The kernel reads int32 words (nbytes rounded up to 16 bytes), grid = 4 x

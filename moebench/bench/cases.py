@@ -47,10 +47,7 @@ class Case:
         return self.config.shard(self.tp)
 
     def label(self) -> str:
-        return (
-            f"{self.config.name} tp{self.tp} rows={self.rows} {self.scenario} "
-            f"{self.backend}[{self.tactic}]"
-        )
+        return f"{self.config.name} tp{self.tp} rows={self.rows} {self.scenario} {self.backend}[{self.tactic}]"
 
 
 def _tuple_of(name: str, values, kind) -> tuple:
@@ -160,8 +157,10 @@ class SweepConfig:
             raise ValueError(f"replays must be an int >= 1, got {self.replays!r}")
         check_layers(self.layers)
         if self.layers is not None and self.warm_l2 is True:
-            raise ValueError(f"layers must not be set with --warm-l2 (which times one weight set with the L2"
-                             f" warm), got {self.layers}: drop one of them")
+            raise ValueError(
+                f"layers must not be set with --warm-l2 (which times one weight set with the L2"
+                f" warm), got {self.layers}: drop one of them"
+            )
         if not isinstance(self.split, bool):
             raise TypeError(f"split must be a bool, got {type(self.split).__name__}")
         if not isinstance(self.back_to_back, bool):

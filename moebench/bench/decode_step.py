@@ -159,11 +159,15 @@ class StepConfig(SweepConfig):
         if not isinstance(self.ranks, int) or isinstance(self.ranks, bool) or self.ranks not in (1, tp):
             raise ValueError(f"ranks must be 1 (one rank's shard) or tp={tp} (a real TP-{tp} step), got {self.ranks!r}")
         if self.back_to_back:
-            raise ValueError("back_to_back (--back-to-back) is a sweep option: a step's gate and router write each"
-                             " layer's input before its routed experts, a layer boundary of its own")
+            raise ValueError(
+                "back_to_back (--back-to-back) is a sweep option: a step's gate and router write each"
+                " layer's input before its routed experts, a layer boundary of its own"
+            )
         if not isinstance(self.overlap_shared, bool):
-            raise TypeError(f"overlap_shared (--overlap-shared/--serial-shared) must be a bool, "
-                            f"got {type(self.overlap_shared).__name__}")
+            raise TypeError(
+                f"overlap_shared (--overlap-shared/--serial-shared) must be a bool, "
+                f"got {type(self.overlap_shared).__name__}"
+            )
         if self.devices is not None:
             devs = tuple(self.devices)
             if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in devs):
@@ -487,8 +491,11 @@ def _run_case(config, cfg, shape, rank, world, dev, backend, prepared, weights, 
             gate = scenario_gate_weight(x_cpu, ids_cpu, shape.experts, w.bias, seed).to(dev)
             gates.append(gate)
             runner = build_runner(w, gate, **kw)
-            steps.append(make_step(runner, backend, prepared[layer], x, all_reduce=world > 1,
-                                   overlap_shared=config.overlap_shared))
+            steps.append(
+                make_step(
+                    runner, backend, prepared[layer], x, all_reduce=world > 1, overlap_shared=config.overlap_shared
+                )
+            )
         row["kernel_tactics"] = backend.kernel_tactics(prepared[0], rows)  # e.g. which kernel family ran
         row["routing_path"] = _routing_path(steps[0])
         row["shared_path"] = _shared_path(steps[0])
@@ -628,8 +635,13 @@ def step_manifest(config: StepConfig, info: dict, **extra) -> dict:
         "copy_bw_gbps": info.get("copy_bw_gbps"),
         "copy_bw_bytes": info.get("copy_bw_bytes"),
         "oracle_tolerance": ORACLE_TOLERANCE,
-        "stage_timing": (None if not config.split else
-                         STAGE_TIMING if env.get("device", {}).get("kind") == "cuda" else STAGE_TIMING_CPU),
+        "stage_timing": (
+            None
+            if not config.split
+            else STAGE_TIMING
+            if env.get("device", {}).get("kind") == "cuda"
+            else STAGE_TIMING_CPU
+        ),
         "step_excludes": "the gate (router GEMM): gate_us and step_with_gate_us report it",
         "size_ceiling": "triton" if (env.get("device", {}).get("kind") == "cuda" and triton_available()) else None,
         "backends": info.get("backends"),
@@ -663,8 +675,9 @@ def run_step(config: StepConfig, progress: ProgressFn | None = None, *, timeout_
             rows, info = run_rank(config, 0, 1, dev, progress=progress)
         frame = _frame(rows)
         methods = timing_methods(frame)
-        manifest = step_manifest(config, info, devices=[str(dev)], timing_methods=methods,
-                             timing_counts=timing_counts_used(config, methods))
+        manifest = step_manifest(
+            config, info, devices=[str(dev)], timing_methods=methods, timing_counts=timing_counts_used(config, methods)
+        )
         if info.get("interrupted"):
             manifest["interrupted"] = True
         return StepResult(frame, manifest)

@@ -78,6 +78,7 @@ EXIT_GRACE_S = 20.0
 #: Seconds torchrun's agent gives the ranks to store what they measured after an interrupt.
 SHUTDOWN_GRACE_S = 30
 
+
 def dead_after_s() -> float:
     """Seconds without a heartbeat after which a rank counts as dead."""
     return float(os.environ.get(DEAD_AFTER_ENV, DEAD_AFTER_S))
@@ -94,7 +95,7 @@ def visible_gpu_count() -> int:
 
 
 def gpu_uuid(index: int) -> str:
-    """"GPU-<uuid>" of CUDA device `index` as this process numbers it, or "" when torch cannot say."""
+    """ "GPU-<uuid>" of CUDA device `index` as this process numbers it, or "" when torch cannot say."""
     try:
         import torch
 
@@ -522,7 +523,7 @@ def _is_signal(error: BaseException) -> bool:
 
 
 def _exit_words(failure) -> str:
-    """"exit code N" or "killed by signal NAME" of the launcher's ProcessFailure of a rank."""
+    """ "exit code N" or "killed by signal NAME" of the launcher's ProcessFailure of a rank."""
     code = failure.exitcode
     return f"killed by signal {failure.signal_name()}" if code is not None and code < 0 else f"exit code {code}"
 

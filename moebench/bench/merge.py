@@ -168,8 +168,10 @@ def _host_provenance(config) -> dict:
     """The manifest of a run no rank reported its environment for: this process's."""
     from moebench.env import launcher_environment
 
-    return {**launcher_environment(config.device or "cpu"),
-            "provenance_from": "the launching process (no rank reported its environment)"}
+    return {
+        **launcher_environment(config.device or "cpu"),
+        "provenance_from": "the launching process (no rank reported its environment)",
+    }
 
 
 def merge_step(job: Job, reports: Sequence[RankReport], stopped: str | None = None):

@@ -114,7 +114,7 @@ def is_peer(backends: dict[str, Backend], name: str) -> bool:
 
 
 def pair_label(backend: str, tactic: str) -> str:
-    """"backend" for its default tactic, else "backend[tactic]"."""
+    """ "backend" for its default tactic, else "backend[tactic]"."""
     return backend if tactic == DEFAULT_TACTIC else f"{backend}[{tactic}]"
 
 
@@ -147,8 +147,7 @@ def check_tactic_names(config: SweepConfig, names, backends: dict[str, Backend],
                 hints.append(f"{t!r} is a tactic of {' / '.join(owners)}: add it to --backends")
         raise ValueError(
             f"tactics (--tactics): {', '.join(repr(t) for t in unknown)} not offered by the selected backends;"
-            f" expected 'all', 'default' or a comma-separated list of {per_backend}"
-            + "".join(f"; {h}" for h in hints)
+            f" expected 'all', 'default' or a comma-separated list of {per_backend}" + "".join(f"; {h}" for h in hints)
         )
 
 
@@ -227,7 +226,11 @@ def _alias(backends: dict[str, Backend], case: Case) -> str | None:
 
 
 def skip_reason(
-    backends: dict[str, Backend], reasons: dict[str, str | None], name: str, tactic: str, shape: RankShape,
+    backends: dict[str, Backend],
+    reasons: dict[str, str | None],
+    name: str,
+    tactic: str,
+    shape: RankShape,
     device: torch.device,
 ) -> str | None:
     """Why (backend `name`, `tactic`) cannot run `shape` on `device`: the

@@ -13,6 +13,7 @@ import os
 import re
 from dataclasses import dataclass
 
+
 def parse_int_list(text: str, option: str, lo: int, hi: int) -> tuple[int, ...]:
     """'1-8', '1,2,4', '6' or '1-4,8' -> sorted distinct ints in [lo, hi].
     Raises ValueError naming `option`."""
@@ -20,8 +21,10 @@ def parse_int_list(text: str, option: str, lo: int, hi: int) -> tuple[int, ...]:
     for part in (p.strip() for p in str(text).split(",")):
         match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
         if not match or (match[2] is not None and int(match[1]) > int(match[2])):
-            raise ValueError(f"{option}: cannot parse {part!r} (expected a list of integers in [{lo}, {hi}]"
-                             f" such as '{lo}-{min(hi, lo + 3)}', '{lo},{min(hi, lo + 1)}' or '{lo}')")
+            raise ValueError(
+                f"{option}: cannot parse {part!r} (expected a list of integers in [{lo}, {hi}]"
+                f" such as '{lo}-{min(hi, lo + 3)}', '{lo},{min(hi, lo + 1)}' or '{lo}')"
+            )
         start = int(match[1])
         values.update(range(start, int(match[2] or start) + 1))
     bad = sorted(v for v in values if not lo <= v <= hi)
@@ -52,7 +55,6 @@ FIELD_OPTIONS = {"hidden": "--hidden", "intermediate": "--intermediate", "expert
                   "seed": "--seed", "label": "--label", "threshold": "--fail-above"}  # fmt: skip
 
 
-
 def option_message(error: Exception) -> str:
     """`error`'s text with a leading config field renamed to its option
     ('replays must be an int >= 1, got 0' -> '--replays must be ...')."""
@@ -63,7 +65,6 @@ def option_message(error: Exception) -> str:
     if text.startswith("trace ") and not text.startswith("trace (--trace)"):  # the replay trace: 'trace PATH: ...'
         return "--" + text
     return text
-
 
 
 def check_geometry(presets, overrides: dict, reduced: bool) -> None:
@@ -238,8 +239,9 @@ def sweep_plan(*, preset, hidden, intermediate, experts, top_k, rows, tp, backen
 
         backend_list = backend_list or default_backends("cuda")
         check_backend_names(backend_list)
-    return SweepPlan(config, note, None if gpus is None else tuple(gpus),
-                     None if backend_list is None else tuple(backend_list))
+    return SweepPlan(
+        config, note, None if gpus is None else tuple(gpus), None if backend_list is None else tuple(backend_list)
+    )
 
 
 @dataclass(frozen=True)
@@ -276,8 +278,10 @@ def step_plan(*, preset, hidden, intermediate, experts, top_k, tp, one_rank, row
     if torchrun:  # torchrun started the ranks: one per TP rank, on as many hosts as it was told
         world = int(os.environ["WORLD_SIZE"])
         if ranks != world or devices is not None or timeout is not None:
-            raise ValueError(f"--tp: under torchrun a step is TP-{world}, one rank per process (--tp {world},"
-                             " no --one-rank, --devices or --timeout: torchrun places and stops the ranks)")
+            raise ValueError(
+                f"--tp: under torchrun a step is TP-{world}, one rank per process (--tp {world},"
+                " no --one-rank, --devices or --timeout: torchrun places and stops the ranks)"
+            )
     dev = resolve_device(None if device is None else device)
     if ranks > 1 and device is not None and dev.type == "cuda" and ":" in device:
         raise ValueError("--device: with --tp N > 1 give --devices (one GPU per rank), not an index")
@@ -285,16 +289,20 @@ def step_plan(*, preset, hidden, intermediate, experts, top_k, tp, one_rank, row
     if devices is not None:
         if ranks == 1:
             why = "--one-rank times one rank" if one_rank else "--tp 1 is one rank"
-            raise ValueError(f"--devices: only for several ranks (--tp N > 1 without --one-rank; {why});"
-                             " use --device for one rank")
+            raise ValueError(
+                f"--devices: only for several ranks (--tp N > 1 without --one-rank; {why}); use --device for one rank"
+            )
         if dev.type != "cuda":
             raise ValueError("--devices: the ranks run on the CPU here (no GPU, or --device cpu)")
         gpu_list = tuple(parse_devices(devices, visible_gpu_count()))
         if len(gpu_list) != ranks:
             raise ValueError(f"--devices: --tp {tp} needs {ranks} GPUs, got {len(gpu_list)} ({devices!r})")
     if timeout is not None and ranks == 1:
-        raise ValueError("--timeout: only for a real TP step (--tp N > 1 without --one-rank: it bounds the"
-                         " rank processes)" if one_rank and tp > 1 else "--timeout: needs --tp N > 1")
+        raise ValueError(
+            "--timeout: only for a real TP step (--tp N > 1 without --one-rank: it bounds the rank processes)"
+            if one_rank and tp > 1
+            else "--timeout: needs --tp N > 1"
+        )
     if timeout is not None and not timeout > 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {timeout}")
     reduced = dev.type == "cpu"

@@ -56,8 +56,13 @@ def measure(kind: str, plan, *, out: Path, label: str, command: str, timeout_s: 
         from moebench.bench.launch import sweep_cases
 
         job = Job("sweep", config, tuple(plan.gpus), PIECE_RUNNER)
-        result = launch_local(job, len(plan.gpus), timeout_s=timeout_s, total=len(sweep_cases(job)),
-                              progress=None if progress is None else lambda d, t: progress(d, t, "", ""))
+        result = launch_local(
+            job,
+            len(plan.gpus),
+            timeout_s=timeout_s,
+            total=len(sweep_cases(job)),
+            progress=None if progress is None else lambda d, t: progress(d, t, "", ""),
+        )
     elif kind == "sweep":
         from moebench.bench.sweep import run_sweep
 

@@ -95,19 +95,21 @@ from moebench.routing import scenario_topk_ids, scenario_weights
 from moebench.traffic import unique_experts
 
 #: How kernel_<stage>_us and routed_us are measured (stored in the manifest).
-STAGE_TIMING = ("kernel_<stage>_us: each stage alone, fed by an eager run of the stages before it;"
-                " routed_us: route + GEMM1 + GEMM2 as forward launches them, no finalize;"
-                " both with the case's timing method, layer rotation and boundary")
+STAGE_TIMING = (
+    "kernel_<stage>_us: each stage alone, fed by an eager run of the stages before it;"
+    " routed_us: route + GEMM1 + GEMM2 as forward launches them, no finalize;"
+    " both with the case's timing method, layer rotation and boundary"
+)
 #: How a replay's layer calls meet (the `boundary` column and the manifest's "boundary").
 LAYER_BOUNDARY, BACK_TO_BACK = "layer", "back-to-back"
 BOUNDARIES = (LAYER_BOUNDARY, BACK_TO_BACK)
 #: What each boundary means (the manifest's "boundary_timing").
 BOUNDARY_TIMING = {
     LAYER_BOUNDARY: "a plain kernel (x from the layer's own source buffer, no PDL) writes each call's x just"
-                    " before it; the writes alone (x_write_us: same writes, rotation and counts, no MoE) are"
-                    " subtracted: per call = (T(writes + calls) - T(writes)) / layers, medians",
+    " before it; the writes alone (x_write_us: same writes, rotation and counts, no MoE) are"
+    " subtracted: per call = (T(writes + calls) - T(writes)) / layers, medians",
     BACK_TO_BACK: "layer calls back to back on static inputs (--back-to-back): call i+1 may start under call i;"
-                  " per call = T(calls) / layers",
+    " per call = T(calls) / layers",
 }
 STATUSES = ("ok", "failed", "skipped")
 #: Seed stride between rotation layers' weight sets.
@@ -155,8 +157,10 @@ def forced_layers_error(
     a forced --layers can exceed it: `layer_count` caps its own count."""
     if budget_bytes is None or layers * per_layer_bytes <= budget_bytes:
         return None
-    return (f"layers (--layers) {layers} need {layers * per_layer_bytes / 1e9:.1f} GB of weights, more than the"
-            f" {budget_bytes / 1e9:.1f} GB budget (memory_fraction {memory_fraction} of the free device memory)")
+    return (
+        f"layers (--layers) {layers} need {layers * per_layer_bytes / 1e9:.1f} GB of weights, more than the"
+        f" {budget_bytes / 1e9:.1f} GB budget (memory_fraction {memory_fraction} of the free device memory)"
+    )
 
 
 @contextlib.contextmanager
@@ -300,8 +304,10 @@ def timing_counts_used(config, methods: list[str]) -> dict[str, dict[str, int]]:
 def capped_counts(config, full: bool) -> dict[str, int]:
     """{"warmup", "replays"} of `config`, as given for CUDA-graph timing
     (`full`), else capped at EAGER_WARMUP_CAP / EAGER_REPLAYS_CAP."""
-    return {"warmup": config.warmup if full else min(config.warmup, EAGER_WARMUP_CAP),
-            "replays": config.replays if full else min(config.replays, EAGER_REPLAYS_CAP)}
+    return {
+        "warmup": config.warmup if full else min(config.warmup, EAGER_WARMUP_CAP),
+        "replays": config.replays if full else min(config.replays, EAGER_REPLAYS_CAP),
+    }
 
 
 def timing_methods(frame: pd.DataFrame) -> list[str]:
@@ -322,8 +328,9 @@ INT_COLUMNS = ("unique_experts", "bytes", "read_bytes", "layers", "sm_count")
 BOOL_COLUMNS = ("peer",)
 
 
-def read_bytes_of(backend: Backend | None, shape: RankShape, topk_ids: torch.Tensor,
-                  fallback: int) -> tuple[int, str | None]:
+def read_bytes_of(
+    backend: Backend | None, shape: RankShape, topk_ids: torch.Tensor, fallback: int
+) -> tuple[int, str | None]:
     """(`backend.read_bytes(shape, topk_ids)`, None), or (`fallback`, None)
     when it returns None or the backend did not load, or (`fallback`, why)
     when it raises or returns something other than a positive int."""
@@ -375,8 +382,18 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
     if not active:  # nothing runs here: no weights to generate
         for case in group:
             ids = routings[(case.rows, case.scenario)]
-            put(case, case_row("sweep", case, base, status="skipped", error=skip[(case.backend, case.tactic)],
-                           unique_experts=unique_experts(ids, shape.experts), bytes=unique_bytes(shape, ids)))
+            put(
+                case,
+                case_row(
+                    "sweep",
+                    case,
+                    base,
+                    status="skipped",
+                    error=skip[(case.backend, case.tactic)],
+                    unique_experts=unique_experts(ids, shape.experts),
+                    bytes=unique_bytes(shape, ids),
+                ),
+            )
         return {"layers": 0, "layers_capped": False, "min_touched_bytes": min_touched}
 
     # The canonical weight sets are held for the whole group; each (backend,
@@ -607,8 +624,9 @@ def timing_counts(config, calls: int, graph: bool, dev) -> dict:
     """`time_graph` keyword arguments of a case: `calls` calls per replay,
     the config's warmup / replays, capped for slow eager paths (the
     reference, anything on the CPU: EAGER_WARMUP_CAP / EAGER_REPLAYS_CAP)."""
-    return dict(**capped_counts(config, graph and dev.type == "cuda"), calls_per_replay=calls, use_graph=graph,
-                device=dev)
+    return dict(
+        **capped_counts(config, graph and dev.type == "cuda"), calls_per_replay=calls, use_graph=graph, device=dev
+    )
 
 
 def _time_at_boundary(calls: list[Callable[[], object]], writes, written: Timing | None, counts: dict) -> float:
@@ -639,11 +657,15 @@ def _time_stages(config, backend, prepared, x, ids, topk_w, graph: bool, dev, wr
         raise ValueError(f"{backend.name}.stage_calls named {names}; expected distinct names from {SWEEP_STAGES}")
     for layer, calls in enumerate(per_layer[1:], 1):
         if [name for name, _ in calls] != names:
-            raise ValueError(f"{backend.name}.stage_calls gave layer {layer} the stages"
-                             f" {[name for name, _ in calls]}, layer 0 {names}; expected the same for every layer")
+            raise ValueError(
+                f"{backend.name}.stage_calls gave layer {layer} the stages"
+                f" {[name for name, _ in calls]}, layer 0 {names}; expected the same for every layer"
+            )
     counts = timing_counts(config, len(prepared), graph, dev)
-    return {f"kernel_{name}_us": _time_at_boundary([calls[i][1] for calls in per_layer], writes, written, counts)
-            for i, name in enumerate(names)}
+    return {
+        f"kernel_{name}_us": _time_at_boundary([calls[i][1] for calls in per_layer], writes, written, counts)
+        for i, name in enumerate(names)
+    }
 
 
 def _time_routed(config, backend, prepared, x, ids, topk_w, graph: bool, dev, writes=None, written=None) -> dict:

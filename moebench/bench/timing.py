@@ -73,12 +73,16 @@ def less(total: Timing, part: Timing) -> Timing:
     if not isinstance(total, Timing) or not isinstance(part, Timing):
         raise TypeError("total and part must be Timing")
     if total.calls_per_replay != part.calls_per_replay:
-        raise ValueError(f"total and part were timed with {total.calls_per_replay} and {part.calls_per_replay}"
-                         " calls per replay; expected the same")
+        raise ValueError(
+            f"total and part were timed with {total.calls_per_replay} and {part.calls_per_replay}"
+            " calls per replay; expected the same"
+        )
     net = Timing.from_samples([s - part.median_us for s in total.samples_us], total.method, total.calls_per_replay)
     if not net.median_us > 0:
-        raise ValueError(f"the whole ({total.median_us:.3g} µs per call) is not above its part timed alone"
-                         f" ({part.median_us:.3g} µs): nothing left to measure")
+        raise ValueError(
+            f"the whole ({total.median_us:.3g} µs per call) is not above its part timed alone"
+            f" ({part.median_us:.3g} µs): nothing left to measure"
+        )
     return replace(net, checked=total.checked)
 
 
@@ -178,8 +182,9 @@ def _time_cuda_events(fn, warmup: int, replays: int, calls: int) -> Timing:
     return _replay_with_events(fn, replays, calls, "cuda-events")
 
 
-def _time_cuda_graph(fn, warmup: int, replays: int, calls: int, capture_error_mode: str = "global",
-                     check=None) -> Timing:
+def _time_cuda_graph(
+    fn, warmup: int, replays: int, calls: int, capture_error_mode: str = "global", check=None
+) -> Timing:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

@@ -187,9 +187,7 @@ class Mxfp4Experts:
             maps.append(torch.where(idx >= 0, idx + offset, idx))
             rows.append(u.gemm2_permuted.to(torch.bfloat16))
             offset += u.gemm2_permuted.shape[0]
-        return UnfinalizedMoEOutput(
-            torch.cat(rows).contiguous(), topk_weights.float(), torch.cat(maps).to(torch.int32)
-        )
+        return UnfinalizedMoEOutput(torch.cat(rows).contiguous(), topk_weights.float(), torch.cat(maps).to(torch.int32))
 
 
 class ReferenceMoELayer:
@@ -237,16 +235,12 @@ class ReferenceMoELayer:
         routed = self.routed_experts.forward_unfinalized(hidden_states, ids, weights)
         if self.moe_config.should_defer_moe_finalize(hidden_states.shape[0]):
             return shared_output, routed
-        return shared_output, finalize(
-            routed, scale=self.routed_scaling_factor, out_dtype=torch.bfloat16
-        )
+        return shared_output, finalize(routed, scale=self.routed_scaling_factor, out_dtype=torch.bfloat16)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The finalized layer output BF16 [T, H] = shared + routed (fp32 sum)."""
         shared_output, routed = self._forward_impl(x, x, x, input_ids)
-        return finalize(
-            routed, scale=self._scale_left(routed), shared=shared_output, out_dtype=torch.bfloat16
-        )
+        return finalize(routed, scale=self._scale_left(routed), shared=shared_output, out_dtype=torch.bfloat16)
 
     __call__ = forward
 

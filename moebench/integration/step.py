@@ -73,9 +73,7 @@ def experts_class(runner: Any) -> type | None:
     return getattr(method, "experts_cls", None)
 
 
-def defers_finalize(
-    layer: Any, max_num_tokens: int, experts_classes: tuple[type, ...] = DEFERRABLE_EXPERTS
-) -> bool:
+def defers_finalize(layer: Any, max_num_tokens: int, experts_classes: tuple[type, ...] = DEFERRABLE_EXPERTS) -> bool:
     """Whether `layer` (a `protocol.MoERunner`) can leave the top-k reduction
     of calls of up to `max_num_tokens` rows to its caller. All three must hold:
 
@@ -144,8 +142,10 @@ def bind_front(gemm: Any, runner: Any) -> str | None:
         return config
     router = runner.router
     if router.top_k != gemm.top_k or router.global_num_experts != gemm.experts:
-        return (f"the router's top-{router.top_k} of {router.global_num_experts} experts is not"
-                f" the gemm's top-{gemm.top_k} of {gemm.experts}")
+        return (
+            f"the router's top-{router.top_k} of {router.global_num_experts} experts is not"
+            f" the gemm's top-{gemm.top_k} of {gemm.experts}"
+        )
     try:
         gemm.set_front(config)
     except (TypeError, ValueError) as error:
@@ -263,14 +263,10 @@ class MoEStep:
         deferrable layer with a gemm that accepts `x` and the runner's current
         weights (a weight reload since binding makes it refuse)."""
         return (
-            low_batch
-            and self.gemm is not None
-            and self.gemm.accepts(x, current_weights(self.layer))  # type: ignore[arg-type]
+            low_batch and self.gemm is not None and self.gemm.accepts(x, current_weights(self.layer))  # type: ignore[arg-type]
         )
 
-    def run(
-        self, x: torch.Tensor, input_ids: torch.Tensor | None, low_batch: bool
-    ) -> torch.Tensor | MoEOutput:
+    def run(self, x: torch.Tensor, input_ids: torch.Tensor | None, low_batch: bool) -> torch.Tensor | MoEOutput:
         """The layer's TP-partial output of `x` BF16 [T, H]: a `MoEOutput`
         (routed part unfinalized) where the layer defers, else the finalized
         BF16 [T, H] tensor. `input_ids` [T] int feeds image / hash routing."""

@@ -255,8 +255,16 @@ class StepSharedExpert:
     latest call took (None before the first). tactics: optional
     {stage: SharedTactic} for the kernels (default: built-in per shape)."""
 
-    def __init__(self, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, limit: float, *,
-                 kernels: bool = True, tactics: dict | None = None) -> None:
+    def __init__(
+        self,
+        w1: torch.Tensor,
+        w3: torch.Tensor,
+        w2: torch.Tensor,
+        limit: float,
+        *,
+        kernels: bool = True,
+        tactics: dict | None = None,
+    ) -> None:
         if w1.shape != w3.shape or w2.shape != (w1.shape[1], w1.shape[0]):
             raise ValueError(f"w1 {tuple(w1.shape)} / w3 {tuple(w3.shape)} must be [I, H], w2 {tuple(w2.shape)} [H, I]")
         self.w13 = torch.cat([w1, w3]).contiguous()
@@ -273,7 +281,7 @@ class StepSharedExpert:
 
     @property
     def path(self) -> str:
-        """"kernels" when calls of 1-8 rows take the fused kernels, else "torch"."""
+        """ "kernels" when calls of 1-8 rows take the fused kernels, else "torch"."""
         return "kernels" if self.kernels is not None else "torch"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -360,7 +368,12 @@ class DecodeStep(abc.ABC):
     stages: tuple[str, ...] = ()
 
     def __init__(
-        self, runner: ReferenceMoELayer, x: torch.Tensor, *, all_reduce: bool = False, group=None,
+        self,
+        runner: ReferenceMoELayer,
+        x: torch.Tensor,
+        *,
+        all_reduce: bool = False,
+        group=None,
         overlap_shared: bool = True,
     ) -> None:
         if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2:
@@ -447,7 +460,15 @@ class KernelStep(DecodeStep):
     stages = FRONT_STAGES
 
     def __init__(
-        self, runner, gemm, x, *, finalize_fn=None, front: bool = True, all_reduce: bool = False, group=None,
+        self,
+        runner,
+        gemm,
+        x,
+        *,
+        finalize_fn=None,
+        front: bool = True,
+        all_reduce: bool = False,
+        group=None,
         overlap_shared: bool = True,
     ) -> None:
         super().__init__(runner, x, all_reduce=all_reduce, group=group, overlap_shared=overlap_shared)
@@ -487,7 +508,7 @@ class KernelStep(DecodeStep):
 
     @property
     def routing_path(self) -> str:
-        """"front" (fused front) or "router+route" (the runner's router, then route)."""
+        """ "front" (fused front) or "router+route" (the runner's router, then route)."""
         return "front" if self.uses_front else "router+route"
 
     def _stage_front(self, s: dict) -> dict:

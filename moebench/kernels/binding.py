@@ -93,9 +93,7 @@ def check_weights(weights: ExpertWeights, top_k: int) -> None:
     if h % 128:
         raise ValueError(f"hidden must be a multiple of 128, got {h}")
     if ip % 128 or i % 32:
-        raise ValueError(
-            f"padded intermediate must be a multiple of 128 and the logical one of 32, got {ip} / {i}"
-        )
+        raise ValueError(f"padded intermediate must be a multiple of 128 and the logical one of 32, got {ip} / {i}")
     if not weights.padding_is_zero():
         raise ValueError(f"the intermediate padding ({i}..{ip}) of w13/w2 or their scales is not zero")
     for name in ("w13", "w13_scale", "w2", "w2_scale", "clamp"):
@@ -188,8 +186,10 @@ class RoutedExpertGemm:
                                                           top_k=top_k, num_sms=sms)  # fmt: skip
         fp8 = self.family_choice.fp8
         if fused and not fp8:
-            raise ValueError(f"fused=True needs the FP8 family; this layer runs {self.family_choice.family}"
-                             f" ({self.family_choice.source}): pass fp8=True")
+            raise ValueError(
+                f"fused=True needs the FP8 family; this layer runs {self.family_choice.family}"
+                f" ({self.family_choice.source}): pass fp8=True"
+            )
         self.source = weights
         self.top_k = top_k
         self.fp8 = fp8
@@ -209,8 +209,13 @@ class RoutedExpertGemm:
             for stage in (1, 2):
                 if tactics is None:
                     tactic, source = load_tactic(
-                        props.name, ShapeClass.of(shape, top_k), rows, stage, num_sms=sms,
-                        wide_scales=scale_flag, fp8=fp8,
+                        props.name,
+                        ShapeClass.of(shape, top_k),
+                        rows,
+                        stage,
+                        num_sms=sms,
+                        wide_scales=scale_flag,
+                        fp8=fp8,
                     )
                 elif tactics.get(stage) is not None:
                     tactic, source = tactics[stage], "explicit"
@@ -244,9 +249,15 @@ class RoutedExpertGemm:
                 if not isinstance(workspace, torch.Tensor):
                     raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
                 have = workspace.numel() * workspace.element_size()
-                if (workspace.dim() != 1 or workspace.dtype not in (torch.uint8, torch.int32)
-                        or workspace.device != self.kw.device or have < need or have % 16
-                        or not workspace.is_contiguous() or workspace.data_ptr() % 16):
+                if (
+                    workspace.dim() != 1
+                    or workspace.dtype not in (torch.uint8, torch.int32)
+                    or workspace.device != self.kw.device
+                    or have < need
+                    or have % 16
+                    or not workspace.is_contiguous()
+                    or workspace.data_ptr() % 16
+                ):
                     raise ValueError(
                         f"workspace must be a contiguous, 16-byte aligned 1-D uint8/int32 tensor of"
                         f" >= {need} bytes (a multiple of 16) on {self.kw.device}, zeroed once"
@@ -269,8 +280,10 @@ class RoutedExpertGemm:
             self.h_deq = torch.empty(n, self.kw.intermediate, dtype=torch.bfloat16, device=self.kw.device)
             # an a16 GEMM1 writes H into these (views of them are returned), so the H that GEMM2
             # is given is always the one h_deq holds, however GEMM2 is called (e.g. timed alone)
-            self._h_out = (torch.empty(n, self.kw.intermediate, dtype=torch.uint8, device=self.kw.device),
-                           torch.empty(n, self.kw.intermediate // 32, dtype=torch.uint8, device=self.kw.device))
+            self._h_out = (
+                torch.empty(n, self.kw.intermediate, dtype=torch.uint8, device=self.kw.device),
+                torch.empty(n, self.kw.intermediate // 32, dtype=torch.uint8, device=self.kw.device),
+            )
         self.front_config: FrontConfig | None = None
         # Compile now, not inside a CUDA-graph capture.
         _route.compile_route_kernel(quantize=True)
@@ -327,8 +340,9 @@ class RoutedExpertGemm:
             )
         return bool(ok)
 
-    def route(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
-              inputs_ready: bool = False) -> Routing:
+    def route(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, inputs_ready: bool = False
+    ) -> Routing:
         """Quantize `x` (BF16 [rows, H]) to MXFP8 and build the route record of
         `topk_ids` (int32 [rows, top_k]; ids outside [0, E) are non-local);
         `topk_weights` fp32 [rows, top_k] is carried to the output. One launch
@@ -367,8 +381,18 @@ class RoutedExpertGemm:
         record = torch.empty(route_words(ctas), dtype=torch.int32, device=device)
         permuted = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
         spec = self.tactics[1, rows].spec  # GEMM1 reads the ids before its wait: release after ours
-        _route.launch_route_quantize(x, x_quant, x_scale, ids, record, permuted, self.experts, x_deq_out=x_deq,
-                                     release_after_wait=spec, inputs_ready=inputs_ready)
+        _route.launch_route_quantize(
+            x,
+            x_quant,
+            x_scale,
+            ids,
+            record,
+            permuted,
+            self.experts,
+            x_deq_out=x_deq,
+            release_after_wait=spec,
+            inputs_ready=inputs_ready,
+        )
         return Routing(x_quant, x_scale, ids, topk_weights, permuted, record, ctas, x_deq, early_ids=spec)
 
     def _x_deq_for(self, rows: int, device: torch.device) -> torch.Tensor | None:
@@ -395,9 +419,7 @@ class RoutedExpertGemm:
             _front.compile_front_kernel(self.experts, self.top_k, config.image, deq=True)
         self.front_config = config
 
-    def front(
-        self, x: torch.Tensor, router_logits: torch.Tensor, input_ids: torch.Tensor | None = None
-    ) -> Routing:
+    def front(self, x: torch.Tensor, router_logits: torch.Tensor, input_ids: torch.Tensor | None = None) -> Routing:
         """Top-k, MXFP8 quantization and route record in one launch (the fused
         front bound by `set_front`); equal bit for bit to routing the router's
         reference top-k of the same logits through `route`. No host sync.
@@ -431,8 +453,20 @@ class RoutedExpertGemm:
         record = torch.empty(route_words(ctas), dtype=torch.int32, device=device)
         permuted = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
         x_deq = self._x_deq_for(rows, device)
-        _front.launch_front(x, router_logits, config, self.top_k, input_ids, topk_ids, topk_weights,
-                            x_quant, x_scale, record, permuted, x_deq_out=x_deq)
+        _front.launch_front(
+            x,
+            router_logits,
+            config,
+            self.top_k,
+            input_ids,
+            topk_ids,
+            topk_weights,
+            x_quant,
+            x_scale,
+            record,
+            permuted,
+            x_deq_out=x_deq,
+        )
         return Routing(x_quant, x_scale, topk_ids, topk_weights, permuted, record, ctas, x_deq)
 
     def gemm1(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
@@ -457,8 +491,7 @@ class RoutedExpertGemm:
             x_deq = routing.x_deq
             if x_deq is None:
                 # a Routing made elsewhere: dequantize here (a few torch launches, the same bits)
-                x_deq = _gemm.act_to_bf16(routing.x_quant, routing.x_scale,
-                                          out=self.x_deq[: routing.x_quant.shape[0]])
+                x_deq = _gemm.act_to_bf16(routing.x_quant, routing.x_scale, out=self.x_deq[: routing.x_quant.shape[0]])
             h_deq = self.h_deq[:rows]
         _gemm.gemm1(self.kw, routing.x_quant, routing.x_scale, routing.record, routing.ctas,
                     h_q, h_scale, tactic=tactic, workspace=self.workspace, x_deq=x_deq,
@@ -476,9 +509,14 @@ class RoutedExpertGemm:
         for name, t, want in (("h_q", h_q, (n, inter)), ("h_scale", h_scale, (n, inter // 32))):
             if not isinstance(t, torch.Tensor):
                 raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if (tuple(t.shape) != want or t.element_size() != 1 or t.is_floating_point() and name == "h_scale"
-                    or t.device != routing.x_quant.device
-                    or not t.is_contiguous()):
+            if (
+                tuple(t.shape) != want
+                or t.element_size() != 1
+                or t.is_floating_point()
+                and name == "h_scale"
+                or t.device != routing.x_quant.device
+                or not t.is_contiguous()
+            ):
                 raise ValueError(
                     f"{name} must be contiguous uint8 {list(want)} on {routing.x_quant.device} (GEMM1's"
                     f" output), got {t.dtype} {tuple(t.shape)} on {t.device}"
@@ -491,8 +529,17 @@ class RoutedExpertGemm:
             if self._h_deq_of != h_q.data_ptr():
                 # GEMM1 ran without act_bf16 (or h_q came from elsewhere): dequantize H here
                 _gemm.act_to_bf16(h_q, h_scale, out=h_deq)
-        _gemm.gemm2(self.kw, h_q, h_scale, routing.record, routing.ctas, out,
-                    tactic=tactic, workspace=self.workspace, h_deq=h_deq)
+        _gemm.gemm2(
+            self.kw,
+            h_q,
+            h_scale,
+            routing.record,
+            routing.ctas,
+            out,
+            tactic=tactic,
+            workspace=self.workspace,
+            h_deq=h_deq,
+        )
         return UnfinalizedMoEOutput(out, routing.topk_weights, routing.permuted)
 
     def gemms(self, routing: Routing) -> UnfinalizedMoEOutput:
@@ -506,8 +553,18 @@ class RoutedExpertGemm:
         h_q = torch.empty(n, self.kw.intermediate, dtype=torch.uint8, device=device)
         h_scale = torch.empty(n, self.kw.intermediate // 32, dtype=torch.uint8, device=device)
         out = torch.empty(n, self.hidden, dtype=torch.bfloat16, device=device)
-        _fused.fused_layer(self.kw, routing.x_quant, routing.x_scale, routing.record, routing.ctas, h_q, h_scale,
-                           out, tactic=ft, workspace=self.fused_workspace)
+        _fused.fused_layer(
+            self.kw,
+            routing.x_quant,
+            routing.x_scale,
+            routing.record,
+            routing.ctas,
+            h_q,
+            h_scale,
+            out,
+            tactic=ft,
+            workspace=self.fused_workspace,
+        )
         return UnfinalizedMoEOutput(out, routing.topk_weights, routing.permuted)
 
 
@@ -537,8 +594,6 @@ def build_routed_expert_gemms(
         bound,
         len(gemms),
         " (" + ", ".join(f"{n} {f}" for f, n in sorted(families.items())) + ")" if families else "",
-        "; the others keep their path: " + "; ".join(f"{r} ({n})" for r, n in reasons.items())
-        if reasons
-        else "",
+        "; the others keep their path: " + "; ".join(f"{r} ({n})" for r, n in reasons.items()) if reasons else "",
     )
     return gemms

@@ -107,8 +107,11 @@ def rows_text(rows) -> str:
 def _family_us(device_name: str, shape: ShapeClass, rows: int, fp8: bool, search) -> float | None:
     """The lower median µs of the family's GEMM1 / GEMM2 entries at `rows`
     that the runtime takes, or None when the tables hold neither."""
-    times = [hit[0].median_us for stage in (1, 2)
-             if (hit := lookup_entry(device_name, shape, rows, stage, search=search, fp8=fp8)) is not None]
+    times = [
+        hit[0].median_us
+        for stage in (1, 2)
+        if (hit := lookup_entry(device_name, shape, rows, stage, search=search, fp8=fp8)) is not None
+    ]
     return min(times) if times else None
 
 

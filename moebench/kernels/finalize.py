@@ -117,8 +117,15 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     def _mul_add_rn(acc: Uint32, w: Uint32, x: Uint32, *, loc=None, ip=None) -> Uint32:
         """fp32 bits of acc + (w * x) (fp32 bits in): two IEEE round-to-nearest
         operations, no FMA contraction, no flush to zero."""
-        return _asm("{ .reg .f32 p;\n mul.rn.f32 p, $2, $3;\n add.rn.f32 $0, $1, p; }",
-                    "=r,r,r,r", Uint32(acc), Uint32(w), Uint32(x), loc=loc, ip=ip)
+        return _asm(
+            "{ .reg .f32 p;\n mul.rn.f32 p, $2, $3;\n add.rn.f32 $0, $1, p; }",
+            "=r,r,r,r",
+            Uint32(acc),
+            Uint32(w),
+            Uint32(x),
+            loc=loc,
+            ip=ip,
+        )
 
     @dsl_user_op
     def _mul_rn(a: Uint32, s: Float32, *, loc=None, ip=None) -> Uint32:
@@ -140,15 +147,21 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         """fp32 bits of 1 / sqrt(ss / float(hidden) + eps) (ss: fp32 bits): a
         division, an add, a square root and a reciprocal, each IEEE
         round-to-nearest (no rsqrt.approx, no flush to zero)."""
-        return _asm("{ .reg .f32 h, m, v, s;\n cvt.rn.f32.s32 h, $2;\n div.rn.f32 m, $1, h;\n"
-                    " add.rn.f32 v, m, $3;\n sqrt.rn.f32 s, v;\n rcp.rn.f32 $0, s; }",
-                    "=r,r,r,f", Uint32(ss), Int32(hidden), Float32(eps), loc=loc, ip=ip)
+        return _asm(
+            "{ .reg .f32 h, m, v, s;\n cvt.rn.f32.s32 h, $2;\n div.rn.f32 m, $1, h;\n"
+            " add.rn.f32 v, m, $3;\n sqrt.rn.f32 s, v;\n rcp.rn.f32 $0, s; }",
+            "=r,r,r,f",
+            Uint32(ss),
+            Int32(hidden),
+            Float32(eps),
+            loc=loc,
+            ip=ip,
+        )
 
     @dsl_user_op
     def _cvt_bf16x2(lo: Uint32, hi: Uint32, *, loc=None, ip=None) -> Uint32:
         """Two fp32 values (bits) -> a bf16x2 word (RNE), `lo` in the low half."""
-        return _asm("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", Uint32(lo), Uint32(hi),
-                    loc=loc, ip=ip)
+        return _asm("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", Uint32(lo), Uint32(hi), loc=loc, ip=ip)
 
     @dsl_user_op
     def _ld_v4(ptr, *, loc=None, ip=None):
@@ -165,14 +178,18 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         griddepcontrol.wait."""
         res = llvm.inline_asm(
             llvm.StructType.get_literal([T.i32()] * 4),
-            [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip),
-             Int32(flag).ir_value(loc=loc, ip=ip)],
+            [ptr.toint(loc=loc, ip=ip).ir_value(loc=loc, ip=ip), Int32(flag).ir_value(loc=loc, ip=ip)],
             "{ .reg .pred q;\n"
             " setp.ne.b32 q, $5, 0;\n"
             " mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;\n"
             " @q ld.global.v4.b32 {$0, $1, $2, $3}, [$4]; }",
-            "=r,=r,=r,=r,l,r", has_side_effects=True, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+            "=r,=r,=r,=r,l,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+            loc=loc,
+            ip=ip,
+        )
         return [Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
 
     @dsl_user_op
@@ -180,7 +197,10 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         """One 128-bit global store (STG.E.128) of 4 x Uint32."""
         vec = vector.from_elements(
             ir.VectorType.get([4], Uint32.mlir_type),
-            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)], loc=loc, ip=ip)
+            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
+            loc=loc,
+            ip=ip,
+        )
         cute.arch.store(ptr, vec, loc=loc, ip=ip)
 
     def _unpack(word: Uint32, i: int) -> Uint32:
@@ -206,8 +226,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         (bf16, 16-byte aligned) and eps (Float32), all unused without `norm`.
         """
 
-        def __init__(self, has_shared: bool, pdl: bool = True, threads: int = DEFAULT_THREADS,
-                     norm: bool = False):
+        def __init__(self, has_shared: bool, pdl: bool = True, threads: int = DEFAULT_THREADS, norm: bool = False):
             check_bool("has_shared", has_shared)
             check_bool("pdl", pdl)
             check_threads(threads)
@@ -244,10 +263,23 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                 ctas = 1  # one CTA per token row (the host checks chunks <= threads)
             # min_blocks_per_mp=1 (.minnctapersm 1): without it ptxas schedules for
             # occupancy and sinks the row loads between the adds (serial L2 trips)
-            self.kernel(rows, weights, permuted, shared, out, top_k, hidden, permuted_rows,
-                        scale, residual, residual_out, norm_weight,
-                        eps).launch(grid=[ctas, tokens, 1], block=[self.threads, 1, 1],
-                                    stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1)
+            self.kernel(
+                rows,
+                weights,
+                permuted,
+                shared,
+                out,
+                top_k,
+                hidden,
+                permuted_rows,
+                scale,
+                residual,
+                residual_out,
+                norm_weight,
+                eps,
+            ).launch(
+                grid=[ctas, tokens, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1
+            )
 
         @cute.jit
         def routed_sum(self, p_rows, p_w, permuted, t, top_k, permuted_rows, words, col, active):
@@ -308,11 +340,11 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         ):
             tid = cute.arch.thread_idx()[0]
             cx, t, _ = cute.arch.block_idx()
-            c = cx * self.threads + tid                  # this thread's 8-element chunk
-            words = hidden // 2                          # 32-bit words per row
-            col = c * 4                                  # word offset of the chunk
+            c = cx * self.threads + tid  # this thread's 8-element chunk
+            words = hidden // 2  # 32-bit words per row
+            col = c * 4  # word offset of the chunk
             p_rows = cute.recast_ptr(rows, dtype=Uint32)
-            p_w = cute.recast_ptr(weights, dtype=Uint32)     # fp32 bits
+            p_w = cute.recast_ptr(weights, dtype=Uint32)  # fp32 bits
             p_out = cute.recast_ptr(out, dtype=Uint32)
             s_part = None
             if cutlass.const_expr(self.norm):
@@ -325,8 +357,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
 
             if cutlass.const_expr(not self.norm):
                 if c < hidden // _CHUNK:
-                    ws, xs = self.routed_sum(p_rows, p_w, permuted, t, top_k, permuted_rows,
-                                             words, col, None)
+                    ws, xs = self.routed_sum(p_rows, p_w, permuted, t, top_k, permuted_rows, words, col, None)
                     sh = []
                     if cutlass.const_expr(self.has_shared):
                         p_sh = cute.recast_ptr(shared, dtype=Uint32)
@@ -338,16 +369,53 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                         if cutlass.const_expr(self.has_shared):
                             a = _add_rn(a, _unpack(sh[i // 2], i))
                         res.append(a)
-                    _st_v4(p_out + (t * words + col),
-                           _cvt_bf16x2(res[0], res[1]), _cvt_bf16x2(res[2], res[3]),
-                           _cvt_bf16x2(res[4], res[5]), _cvt_bf16x2(res[6], res[7]))
+                    _st_v4(
+                        p_out + (t * words + col),
+                        _cvt_bf16x2(res[0], res[1]),
+                        _cvt_bf16x2(res[2], res[3]),
+                        _cvt_bf16x2(res[4], res[5]),
+                        _cvt_bf16x2(res[6], res[7]),
+                    )
             else:
-                self.norm_body(p_rows, p_w, permuted, shared, p_out, residual, residual_out,
-                               norm_weight, s_part, t, tid, top_k, hidden, permuted_rows, scale, eps)
+                self.norm_body(
+                    p_rows,
+                    p_w,
+                    permuted,
+                    shared,
+                    p_out,
+                    residual,
+                    residual_out,
+                    norm_weight,
+                    s_part,
+                    t,
+                    tid,
+                    top_k,
+                    hidden,
+                    permuted_rows,
+                    scale,
+                    eps,
+                )
 
         @cute.jit
-        def norm_body(self, p_rows, p_w, permuted, shared, p_out, residual, residual_out,
-                      norm_weight, s_part, t, tid, top_k, hidden, permuted_rows, scale, eps):
+        def norm_body(
+            self,
+            p_rows,
+            p_w,
+            permuted,
+            shared,
+            p_out,
+            residual,
+            residual_out,
+            norm_weight,
+            s_part,
+            t,
+            tid,
+            top_k,
+            hidden,
+            permuted_rows,
+            scale,
+            eps,
+        ):
             """The `norm` variant (one CTA per token row t, thread tid owns chunk
             tid): moe = bf16(routed sum * scale [+ shared]); r = bf16(residual
             + moe), stored to residual_out; the block's sum of r^2 (see the
@@ -355,8 +423,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             words = hidden // 2
             col = tid * 4
             active = Int32(tid < hidden // _CHUNK)
-            ws, xs = self.routed_sum(p_rows, p_w, permuted, t, top_k, permuted_rows,
-                                     words, col, active)
+            ws, xs = self.routed_sum(p_rows, p_w, permuted, t, top_k, permuted_rows, words, col, active)
             sh = []
             if cutlass.const_expr(self.has_shared):
                 sh = _ld_v4_if(cute.recast_ptr(shared, dtype=Uint32) + (t * words + col), active)
@@ -404,16 +471,19 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             o = [_mul_rn_bits(_unpack(y_w[i // 2], i), _unpack(nw[i // 2], i)) for i in range(_CHUNK)]
             if active != 0:
                 _st_v4(p_res_out + (t * words + col), r_w[0], r_w[1], r_w[2], r_w[3])
-                _st_v4(p_out + (t * words + col),
-                       _cvt_bf16x2(o[0], o[1]), _cvt_bf16x2(o[2], o[3]),
-                       _cvt_bf16x2(o[4], o[5]), _cvt_bf16x2(o[6], o[7]))
+                _st_v4(
+                    p_out + (t * words + col),
+                    _cvt_bf16x2(o[0], o[1]),
+                    _cvt_bf16x2(o[2], o[3]),
+                    _cvt_bf16x2(o[4], o[5]),
+                    _cvt_bf16x2(o[6], o[7]),
+                )
 
 
 _KERNEL = "the finalize kernel"
 
 
-def compile_finalize_kernel(has_shared: bool, pdl: bool = True, threads: int = DEFAULT_THREADS,
-                            *, norm: bool = False):
+def compile_finalize_kernel(has_shared: bool, pdl: bool = True, threads: int = DEFAULT_THREADS, *, norm: bool = False):
     """Compile the finalize kernel once per process, shared variant, PDL
     setting, CTA size and norm variant (cached; see FinalizeKernel).
 
@@ -445,10 +515,24 @@ def _compile(has_shared: bool, pdl: bool, threads: int, norm: bool):
         return gmem_ptr(dtype, 16, align)
 
     kernel = FinalizeKernel(has_shared=has_shared, pdl=pdl, threads=threads, norm=norm)
-    return cute.compile(kernel, fake(BFloat16), fake(Float32, 4), fake(Int32, 4), fake(BFloat16),
-                        fake(BFloat16), Int32(1), Int32(1), Int32(H_MULTIPLE), Int32(1),
-                        Float32(1.0), fake(BFloat16), fake(BFloat16), fake(BFloat16), Float32(1e-6),
-                        _cuda.CUstream(0))
+    return cute.compile(
+        kernel,
+        fake(BFloat16),
+        fake(Float32, 4),
+        fake(Int32, 4),
+        fake(BFloat16),
+        fake(BFloat16),
+        Int32(1),
+        Int32(1),
+        Int32(H_MULTIPLE),
+        Int32(1),
+        Float32(1.0),
+        fake(BFloat16),
+        fake(BFloat16),
+        fake(BFloat16),
+        Float32(1e-6),
+        _cuda.CUstream(0),
+    )
 
 
 def norm_threads(hidden: int) -> int:
@@ -456,10 +540,14 @@ def norm_threads(hidden: int) -> int:
     one thread per 8-element chunk, rounded up to a warp (512 / 640 / 896
     for H 4096 / 5120 / 7168). Raises ValueError for a hidden size that is
     not a positive multiple of 128 or above MAX_NORM_HIDDEN."""
-    if (not isinstance(hidden, int) or isinstance(hidden, bool) or hidden <= 0
-            or hidden % H_MULTIPLE or hidden > MAX_NORM_HIDDEN):
-        raise ValueError(f"hidden must be a positive multiple of {H_MULTIPLE} <= {MAX_NORM_HIDDEN}, "
-                         f"got {hidden!r}")
+    if (
+        not isinstance(hidden, int)
+        or isinstance(hidden, bool)
+        or hidden <= 0
+        or hidden % H_MULTIPLE
+        or hidden > MAX_NORM_HIDDEN
+    ):
+        raise ValueError(f"hidden must be a positive multiple of {H_MULTIPLE} <= {MAX_NORM_HIDDEN}, got {hidden!r}")
     return -(-hidden // (_CHUNK * 32)) * 32
 
 
@@ -493,27 +581,27 @@ def _check_top_k_tensor(name: str, t, dtype: torch.dtype) -> tuple[int, int]:
 
 
 def _check_scale(scale) -> float:
-    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or isinstance(
-            scale, torch.Tensor):
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or isinstance(scale, torch.Tensor):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     return float(scale)
 
 
-def _check_norm_args(residual, norm_weight, eps, residual_out, out, tokens: int, h: int,
-                     device: torch.device) -> float:
+def _check_norm_args(residual, norm_weight, eps, residual_out, out, tokens: int, h: int, device: torch.device) -> float:
     """Validate the norm arguments (all present: residual and norm_weight given)."""
     check_tensor("residual", residual, torch.bfloat16, (tokens, h), device, device_of="rows", align=16)
     check_tensor("norm_weight", norm_weight, torch.bfloat16, (h,), device, device_of="rows", align=16)
     if residual_out is not None:
-        check_tensor("residual_out", residual_out, torch.bfloat16, (tokens, h), device,
-                     device_of="rows", align=16)
+        check_tensor("residual_out", residual_out, torch.bfloat16, (tokens, h), device, device_of="rows", align=16)
     if h > MAX_NORM_HIDDEN:
-        raise ValueError(f"rows: H must be <= {MAX_NORM_HIDDEN} with residual / norm_weight "
-                         f"(one CTA per token row), got {h}")
+        raise ValueError(
+            f"rows: H must be <= {MAX_NORM_HIDDEN} with residual / norm_weight (one CTA per token row), got {h}"
+        )
     target = residual if residual_out is None else residual_out
     if out.data_ptr() == target.data_ptr():
-        raise ValueError("out must not be the buffer the new residual is written to "
-                         "(residual_out, or residual when residual_out is None)")
+        raise ValueError(
+            "out must not be the buffer the new residual is written to "
+            "(residual_out, or residual when residual_out is None)"
+        )
     return check_eps(eps)
 
 
@@ -601,8 +689,10 @@ def launch_finalize(
         threads = norm_threads(h) if norm else DEFAULT_THREADS
     check_threads(threads)
     if norm and h > _CHUNK * threads:
-        raise ValueError(f"threads must be >= H / 8 = {h // _CHUNK} with residual / norm_weight "
-                         f"(one thread per 8 elements of a row), got {threads}")
+        raise ValueError(
+            f"threads must be >= H / 8 = {h // _CHUNK} with residual / norm_weight "
+            f"(one thread per 8 elements of a row), got {threads}"
+        )
     if device.type != "cuda":
         raise ValueError(f"rows, weights, permuted and out must be CUDA tensors, got {device}")
     if n_rows >= 2**31 // max(h, 1):
@@ -615,10 +705,23 @@ def launch_finalize(
         nw_ptr = gmem_ptr(BFloat16, norm_weight, 16)
     else:  # never read: any valid pointer
         res_ptr = res_out_ptr = nw_ptr = gmem_ptr(BFloat16, out, 16)
-    compiled(gmem_ptr(BFloat16, rows, 16), gmem_ptr(Float32, weights, 4), gmem_ptr(Int32, permuted, 4),
-             gmem_ptr(BFloat16, shared if shared is not None else out, 16), gmem_ptr(BFloat16, out, 16),
-             Int32(tokens), Int32(top_k), Int32(h), Int32(n_rows), Float32(scale),
-             res_ptr, res_out_ptr, nw_ptr, Float32(eps), cu_stream(stream, device))
+    compiled(
+        gmem_ptr(BFloat16, rows, 16),
+        gmem_ptr(Float32, weights, 4),
+        gmem_ptr(Int32, permuted, 4),
+        gmem_ptr(BFloat16, shared if shared is not None else out, 16),
+        gmem_ptr(BFloat16, out, 16),
+        Int32(tokens),
+        Int32(top_k),
+        Int32(h),
+        Int32(n_rows),
+        Float32(scale),
+        res_ptr,
+        res_out_ptr,
+        nw_ptr,
+        Float32(eps),
+        cu_stream(stream, device),
+    )
 
 
 def finalize(
@@ -665,13 +768,23 @@ def finalize(
     tokens, _ = _check_top_k_tensor("weights", weights, torch.float32)
     out = torch.empty(tokens, h, dtype=torch.bfloat16, device=rows.device)
     if not check_norm_pair(residual, norm_weight):
-        launch_finalize(rows, weights, permuted, out, scale=scale, shared=shared, eps=eps,
-                        stream=stream, pdl=pdl)
+        launch_finalize(rows, weights, permuted, out, scale=scale, shared=shared, eps=eps, stream=stream, pdl=pdl)
         return out
     new_residual = torch.empty(tokens, h, dtype=torch.bfloat16, device=rows.device)
-    launch_finalize(rows, weights, permuted, out, scale=scale, shared=shared, residual=residual,
-                    norm_weight=norm_weight, eps=eps, residual_out=new_residual, stream=stream,
-                    pdl=pdl)
+    launch_finalize(
+        rows,
+        weights,
+        permuted,
+        out,
+        scale=scale,
+        shared=shared,
+        residual=residual,
+        norm_weight=norm_weight,
+        eps=eps,
+        residual_out=new_residual,
+        stream=stream,
+        pdl=pdl,
+    )
     return out, new_residual
 
 

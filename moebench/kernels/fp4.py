@@ -33,15 +33,17 @@ F32_2_M127 = 0x00400000
 
 
 def _asm(ret, args, text: str, constraints: str):
-    return llvm.inline_asm(ret, args, text, constraints, has_side_effects=False,
-                           is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    return llvm.inline_asm(
+        ret, args, text, constraints, has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT
+    )
 
 
 @dsl_user_op
 def load_u32x4(ptr, priority: str, *, loc=None, ip=None):
     """One 16-byte global load (LDG.E.128 with the L1 `priority`) -> 4 x Uint32."""
-    vec = cute.arch.load(ptr, ir.VectorType.get([4], Uint32.mlir_type),
-                         level1_eviction_priority=priority, loc=loc, ip=ip)
+    vec = cute.arch.load(
+        ptr, ir.VectorType.get([4], Uint32.mlir_type), level1_eviction_priority=priority, loc=loc, ip=ip
+    )
     return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4)]
 
 
@@ -62,47 +64,70 @@ def load_u32x2_shared(ptr, *, loc=None, ip=None):
 @dsl_user_op
 def load_u32x2(ptr, priority: str, *, loc=None, ip=None):
     """One 8-byte global load (LDG.E.64) -> 2 x Uint32."""
-    vec = cute.arch.load(ptr, ir.VectorType.get([2], Uint32.mlir_type),
-                         level1_eviction_priority=priority, loc=loc, ip=ip)
+    vec = cute.arch.load(
+        ptr, ir.VectorType.get([2], Uint32.mlir_type), level1_eviction_priority=priority, loc=loc, ip=ip
+    )
     return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(2)]
 
 
 @dsl_user_op
 def prmt(a: Uint32, sel: int, *, loc=None, ip=None) -> Uint32:
     """prmt.b32 d, a, 0, sel (byte permute with zero bytes), free of side effects."""
-    return Uint32(_asm(T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip)],
-                       f"prmt.b32 $0, $1, 0, {sel:#x};", "=r,r"))
+    return Uint32(_asm(T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip)], f"prmt.b32 $0, $1, 0, {sel:#x};", "=r,r"))
 
 
 @dsl_user_op
 def mul_bf16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
     """Packed bf16x2 multiply, round to nearest (exact for our powers of two)."""
-    return Uint32(_asm(T.i32(), [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
-                       "mul.rn.bf16x2 $0, $1, $2;", "=r,r,r"))
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Uint32(a).ir_value(loc=loc, ip=ip), Uint32(b).ir_value(loc=loc, ip=ip)],
+            "mul.rn.bf16x2 $0, $1, $2;",
+            "=r,r,r",
+        )
+    )
 
 
 @dsl_user_op
 def pack_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     """Two fp32 -> bf16x2 (round to nearest even); `lo` in bits 15:0."""
-    return Uint32(_asm(T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-                       "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f"))
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+            "cvt.rn.bf16x2.f32 $0, $1, $2;",
+            "=r,f,f",
+        )
+    )
 
 
 @dsl_user_op
 def div_rn(a: Float32, b: Float32, *, loc=None, ip=None) -> Float32:
     """IEEE fp32 division, round to nearest (div.rn.f32)."""
-    return Float32(_asm(T.f32(), [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
-                        "div.rn.f32 $0, $1, $2;", "=f,f,f"))
+    return Float32(
+        _asm(
+            T.f32(),
+            [Float32(a).ir_value(loc=loc, ip=ip), Float32(b).ir_value(loc=loc, ip=ip)],
+            "div.rn.f32 $0, $1, $2;",
+            "=f,f,f",
+        )
+    )
 
 
 @dsl_user_op
 def to_e4m3(a: Float32, *, loc=None, ip=None) -> Uint32:
     """fp32 -> e4m3 byte (low 8 bits), round to nearest even, saturating at
     +-448; NaN -> 0x7F."""
-    return Uint32(_asm(
-        T.i32(), [Float32(a).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b16 t; .reg .f32 z; mov.f32 z, 0f00000000;\n"
-        " cvt.rn.satfinite.e4m3x2.f32 t, z, $1; cvt.u32.u16 $0, t; }", "=r,f"))
+    return Uint32(
+        _asm(
+            T.i32(),
+            [Float32(a).ir_value(loc=loc, ip=ip)],
+            "{ .reg .b16 t; .reg .f32 z; mov.f32 z, 0f00000000;\n"
+            " cvt.rn.satfinite.e4m3x2.f32 t, z, $1; cvt.u32.u16 $0, t; }",
+            "=r,f",
+        )
+    )
 
 
 @cute.jit
@@ -224,18 +249,24 @@ def arrive_inc(ptr, bound: int, *, loc=None, ip=None) -> Uint32:
     caller's earlier writes (fenced) are visible to whoever sees a later old
     value, and the caller sees the writes of earlier arrivals."""
     addr = Int64(ptr.toint(loc=loc, ip=ip))
-    return Uint32(llvm.inline_asm(
-        T.i32(), [addr.ir_value(loc=loc, ip=ip), Uint32(bound).ir_value(loc=loc, ip=ip)],
-        "atom.acq_rel.gpu.global.inc.u32 $0, [$1], $2;", "=r,l,r,~{memory}",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [addr.ir_value(loc=loc, ip=ip), Uint32(bound).ir_value(loc=loc, ip=ip)],
+            "atom.acq_rel.gpu.global.inc.u32 $0, [$1], $2;",
+            "=r,l,r,~{memory}",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
 
 
 @dsl_user_op
 def load_u32x4_coherent(ptr, *, loc=None, ip=None):
     """One 16-byte global load of data another CTA of this grid wrote
     (ld.relaxed.gpu: coherent at GPU scope, never a stale L1 line) -> 4 x Uint32."""
-    vec = cute.arch.load(ptr, ir.VectorType.get([4], Uint32.mlir_type), sem="relaxed", scope="gpu",
-                         loc=loc, ip=ip)
+    vec = cute.arch.load(ptr, ir.VectorType.get([4], Uint32.mlir_type), sem="relaxed", scope="gpu", loc=loc, ip=ip)
     return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4)]
 
 
@@ -245,9 +276,15 @@ def red_add_release(ptr, value: int, *, loc=None, ip=None) -> None:
     `ptr` (a gmem pointer): the caller's earlier (fenced) writes are visible
     to whoever acquires a later value of the counter."""
     addr = Int64(ptr.toint(loc=loc, ip=ip))
-    llvm.inline_asm(None, [addr.ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
-                    "red.release.gpu.global.add.s32 [$0], $1;", "l,r,~{memory}",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    llvm.inline_asm(
+        None,
+        [addr.ir_value(loc=loc, ip=ip), Uint32(value).ir_value(loc=loc, ip=ip)],
+        "red.release.gpu.global.add.s32 [$0], $1;",
+        "l,r,~{memory}",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 @cute.jit

@@ -108,8 +108,9 @@ class FrontConfig:
             raise ValueError(f"bias: {reason}")
         check_tensor("bias", self.bias, torch.float32, (experts,), align=16)
         if self.bias_vl is not None:
-            check_tensor("bias_vl", self.bias_vl, torch.float32, (experts,), self.bias.device,
-                         device_of="bias", align=16)
+            check_tensor(
+                "bias_vl", self.bias_vl, torch.float32, (experts,), self.bias.device, device_of="bias", align=16
+            )
         lo = self.image_sentinel_lo
         if not isinstance(lo, int) or isinstance(lo, bool):
             raise TypeError(f"image_sentinel_lo must be an int, got {type(lo).__name__}")
@@ -234,13 +235,34 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         ):
             """Launch 8 + ceil(blocks / 256) CTAs of 256 threads (whole 8-CTA clusters) on `stream`."""
             ctas = (CLUSTER + (blocks + (THREADS - 1)) // THREADS + (CLUSTER - 1)) // CLUSTER * CLUSTER
-            self.kernel(logits, bias, bias_vl, input_ids, ids64, sentinel_lo, scale, x, topk_ids,
-                        topk_weights, x_q, x_scale, x_deq, permuted, record, rows, blocks).launch(
-                grid=[ctas, 1, 1], block=[THREADS, 1, 1], cluster=[CLUSTER, 1, 1], stream=stream,
+            self.kernel(
+                logits,
+                bias,
+                bias_vl,
+                input_ids,
+                ids64,
+                sentinel_lo,
+                scale,
+                x,
+                topk_ids,
+                topk_weights,
+                x_q,
+                x_scale,
+                x_deq,
+                permuted,
+                record,
+                rows,
+                blocks,
+            ).launch(
+                grid=[ctas, 1, 1],
+                block=[THREADS, 1, 1],
+                cluster=[CLUSTER, 1, 1],
+                stream=stream,
                 use_pdl=self.pdl,
                 # one CTA per SM is all it needs: lets ptxas keep every load
                 # in flight together rather than sink them to their first use
-                min_blocks_per_mp=1)
+                min_blocks_per_mp=1,
+            )
 
         @cute.kernel
         def kernel(
@@ -295,8 +317,18 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                         cute.recast_ptr(logits, dtype=Uint32) + cta * e,
                         cute.recast_ptr(bias, dtype=Uint32),
                         cute.recast_ptr(bias_vl, dtype=Uint32),
-                        input_ids, ids64, sentinel_lo, s_scores, s_keys, cta, tid, e, THREADS,
-                        self.image, self.pdl)
+                        input_ids,
+                        ids64,
+                        sentinel_lo,
+                        s_scores,
+                        s_keys,
+                        cta,
+                        tid,
+                        e,
+                        THREADS,
+                        self.image,
+                        self.pdl,
+                    )
                     if cta == 0:  # the record's defaults and the zeroed map, before the ids exist
                         # (CTA 0 always gets here: the host admits rows 1..8 only)
                         record_prologue(tid, s_map, record, rows, Int32(k), Int32(e), THREADS)
@@ -321,15 +353,35 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                     expert_of_slot = Int32(-1)
                     if tid < rows * k:
                         expert_of_slot = s_ids[tid]
-                    build_record(tid, expert_of_slot, s_key, s_start, s_count, s_map, record, permuted,
-                                 rows, Int32(k), Int32(e), THREADS, DEFAULT_KEYS_PER_STEP, True)
+                    build_record(
+                        tid,
+                        expert_of_slot,
+                        s_key,
+                        s_start,
+                        s_count,
+                        s_map,
+                        record,
+                        permuted,
+                        rows,
+                        Int32(k),
+                        Int32(e),
+                        THREADS,
+                        DEFAULT_KEYS_PER_STEP,
+                        True,
+                    )
             else:
                 if cutlass.const_expr(self.pdl):
                     cute.arch.griddepcontrol_wait()
                 b = (cta - CLUSTER) * THREADS + tid
                 if b < blocks:
-                    quantize_block(cute.recast_ptr(x, dtype=Uint32), cute.recast_ptr(x_q, dtype=Uint32),
-                                   x_scale, b, cute.recast_ptr(x_deq, dtype=Uint32), self.deq)
+                    quantize_block(
+                        cute.recast_ptr(x, dtype=Uint32),
+                        cute.recast_ptr(x_q, dtype=Uint32),
+                        x_scale,
+                        b,
+                        cute.recast_ptr(x_deq, dtype=Uint32),
+                        self.deq,
+                    )
 
         @cute.jit
         def weights(self, s_scores, ids, topk_ids, topk_weights, expert, scale, cta, rows, tid):
@@ -404,8 +456,7 @@ def _check_inputs(x, logits, config, top_k, input_ids) -> tuple[int, int]:
     if config.image:
         if input_ids is None:
             raise ValueError("input_ids is required with image routing (config.bias_vl is set)")
-        check_tensor("input_ids", input_ids, (torch.int32, torch.int64), (rows,), device,
-                     device_of="x", align=4)
+        check_tensor("input_ids", input_ids, (torch.int32, torch.int64), (rows,), device, device_of="x", align=4)
     return rows, hidden
 
 
@@ -529,7 +580,19 @@ def front(
         empty(rows, hidden, dtype=torch.uint8), empty(rows, hidden // MX_BLOCK, dtype=torch.uint8),
         RouteRecord(empty(route_words(ctas), dtype=torch.int32), empty(rows, top_k, dtype=torch.int32), ctas),
     )  # fmt: skip
-    launch_front(x, logits, config, top_k, input_ids, out.topk_ids, out.topk_weights, out.x_q,
-                 out.x_scale, out.route.record, out.route.permuted, stream=stream, pdl=pdl)
+    launch_front(
+        x,
+        logits,
+        config,
+        top_k,
+        input_ids,
+        out.topk_ids,
+        out.topk_weights,
+        out.x_q,
+        out.x_scale,
+        out.route.record,
+        out.route.permuted,
+        stream=stream,
+        pdl=pdl,
+    )
     return out
-

@@ -93,8 +93,10 @@ class FusedTactic:
             if not (t.fp8 and t.bulk and t.pdl and t.persistent):
                 return f"GEMM{stage} tactic {t.name} must be fp8 on the bulk ring, persistent, with PDL"
             if t.ctas_per_sm != 1 or t.split_k != 1 or t.cluster_k != 1 or t.spec:
-                return (f"GEMM{stage} tactic {t.name} must run one CTA per SM without split_k, cluster_k or spec"
-                        " (the fused grid is one CTA per SM)")
+                return (
+                    f"GEMM{stage} tactic {t.name} must run one CTA per SM without split_k, cluster_k or spec"
+                    " (the fused grid is one CTA per SM)"
+                )
             reason = t.valid_for(s, stage)
             if reason:
                 return f"GEMM{stage} tactic {t.name}: {reason}"
@@ -183,13 +185,32 @@ if HAVE_DSL:
             return max(1, min(ctas * max(self.k1.blocks, self.k2.blocks), num_sms))
 
         @cute.jit
-        def __call__(self, w1: cute.Pointer, ws1: cute.Pointer, w2: cute.Pointer, ws2: cute.Pointer,
-                     x: cute.Pointer, x_s: cute.Pointer, record: cute.Pointer, clamp: cute.Pointer,
-                     h: cute.Pointer, h_s: cute.Pointer, out: cute.Pointer, cnt: cute.Pointer, ctas: Int32,
-                     grid: Int32, stream: _cuda.CUstream):
+        def __call__(
+            self,
+            w1: cute.Pointer,
+            ws1: cute.Pointer,
+            w2: cute.Pointer,
+            ws2: cute.Pointer,
+            x: cute.Pointer,
+            x_s: cute.Pointer,
+            record: cute.Pointer,
+            clamp: cute.Pointer,
+            h: cute.Pointer,
+            h_s: cute.Pointer,
+            out: cute.Pointer,
+            cnt: cute.Pointer,
+            ctas: Int32,
+            grid: Int32,
+            stream: _cuda.CUstream,
+        ):
             self.kernel(w1, ws1, w2, ws2, x, x_s, record, clamp, h, h_s, out, cnt, ctas).launch(
-                grid=[grid, 1, 1], block=[self.threads + 32, 1, 1], stream=stream, use_pdl=True,
-                min_blocks_per_mp=1, preferred_smem_carveout=self.smem_carveout)
+                grid=[grid, 1, 1],
+                block=[self.threads + 32, 1, 1],
+                stream=stream,
+                use_pdl=True,
+                min_blocks_per_mp=1,
+                preferred_smem_carveout=self.smem_carveout,
+            )
 
         def smem_b(self, smem, k: int):
             """The wgmma B operand of 8 activation rows of K = k (K-major
@@ -199,9 +220,22 @@ if HAVE_DSL:
             return smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)
 
         @cute.kernel
-        def kernel(self, w1: cute.Pointer, ws1: cute.Pointer, w2: cute.Pointer, ws2: cute.Pointer,
-                   x: cute.Pointer, x_s: cute.Pointer, record: cute.Pointer, clamp: cute.Pointer,
-                   h: cute.Pointer, h_s: cute.Pointer, out: cute.Pointer, cnt: cute.Pointer, ctas: Int32):
+        def kernel(
+            self,
+            w1: cute.Pointer,
+            ws1: cute.Pointer,
+            w2: cute.Pointer,
+            ws2: cute.Pointer,
+            x: cute.Pointer,
+            x_s: cute.Pointer,
+            record: cute.Pointer,
+            clamp: cute.Pointer,
+            h: cute.Pointer,
+            h_s: cute.Pointer,
+            out: cute.Pointer,
+            cnt: cute.Pointer,
+            ctas: Int32,
+        ):
             S, R = self.S, self.R
             NR = R * self.k2.nb  # resident stages
             tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
@@ -234,10 +268,60 @@ if HAVE_DSL:
             if warp == self.nw:
                 self.produce(w1, ws1, w2, ws2, record, ring, bars, res, rbars, u1, n1, st1, u2, n2, st2, n_res, lane)
             else:
-                i = self.consume(1, x, x_s, record, clamp, h, h_s, ctas, sP, ring, bars, res, rbars, sB1, sXs1,
-                                 tid, warp, lane, u1, n1, st1, Int32(0), Int32(0), cnt, "signal")
-                self.consume(2, h, h_s, record, clamp, out, h_s, ctas, sP, ring, bars, res, rbars, sB2, sXs2,
-                             tid, warp, lane, u2, n2, st2, i, n_res, cnt, "wait")
+                i = self.consume(
+                    1,
+                    x,
+                    x_s,
+                    record,
+                    clamp,
+                    h,
+                    h_s,
+                    ctas,
+                    sP,
+                    ring,
+                    bars,
+                    res,
+                    rbars,
+                    sB1,
+                    sXs1,
+                    tid,
+                    warp,
+                    lane,
+                    u1,
+                    n1,
+                    st1,
+                    Int32(0),
+                    Int32(0),
+                    cnt,
+                    "signal",
+                )
+                self.consume(
+                    2,
+                    h,
+                    h_s,
+                    record,
+                    clamp,
+                    out,
+                    h_s,
+                    ctas,
+                    sP,
+                    ring,
+                    bars,
+                    res,
+                    rbars,
+                    sB2,
+                    sXs2,
+                    tid,
+                    warp,
+                    lane,
+                    u2,
+                    n2,
+                    st2,
+                    i,
+                    n_res,
+                    cnt,
+                    "wait",
+                )
             cute.arch.griddepcontrol_launch_dependents()  # only now: every CTA of this grid is running
 
         @cute.jit
@@ -253,8 +337,9 @@ if HAVE_DSL:
             if i >= S:
                 cute.arch.mbarrier_wait(bars + (S + s), (i // S - 1) % 2)
             e = cute.arch.load(record + (4 + unit // self.gemm(stage).blocks), Int32)
-            self.gemm(stage).issue_stage(p_w, p_s, ring, bars, s, e, unit % self.gemm(stage).blocks, b, lane,
-                                         self.ring_words)
+            self.gemm(stage).issue_stage(
+                p_w, p_s, ring, bars, s, e, unit % self.gemm(stage).blocks, b, lane, self.ring_words
+            )
 
         @cute.jit
         def produce(self, w1, ws1, w2, ws2, record, ring, bars, res, rbars, u1, n1, st1, u2, n2, st2, n_res, lane):
@@ -277,8 +362,9 @@ if HAVE_DSL:
                 for r in cutlass.range(0, n_res, 1, unroll=1):
                     e = cute.arch.load(record + (4 + unit2 // self.k2.blocks), Int32)
                     for b2 in cutlass.range_constexpr(self.k2.nb):
-                        self.k2.issue_stage(p_w2, p_s2, res, rbars, r * self.k2.nb + b2, e, unit2 % self.k2.blocks,
-                                            b2, lane)
+                        self.k2.issue_stage(
+                            p_w2, p_s2, res, rbars, r * self.k2.nb + b2, e, unit2 % self.k2.blocks, b2, lane
+                        )
                     unit2 = unit2 + st2
             for i in cutlass.range(first, steps1, 1, unroll=1):
                 self.ring_step(1, p_w1, p_s1, record, ring, bars, i, unit, b, lane)
@@ -293,7 +379,9 @@ if HAVE_DSL:
                 b, unit2 = b - wrap * self.k2.nb, unit2 + wrap * st2
 
         @cute.jit
-        def ring_words_to_registers(self, stage: cutlass.Constexpr[int], ring, bars, i, st_w, st_s, pair, t16, wk, lane):
+        def ring_words_to_registers(
+            self, stage: cutlass.Constexpr[int], ring, bars, i, st_w, st_s, pair, t16, wk, lane
+        ):
             """Ring step i's words of GEMM`stage` into registers, then its stage freed; returns i + 1."""
             S = self.S
             s = i % S
@@ -305,8 +393,34 @@ if HAVE_DSL:
             return i + 1
 
         @cute.jit
-        def consume(self, stage: cutlass.Constexpr[int], act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, res, rbars, sB, sXs,
-                    tid, warp, lane, unit, count, stride, i, n_res, cnt, role: cutlass.Constexpr[str]):
+        def consume(
+            self,
+            stage: cutlass.Constexpr[int],
+            act,
+            act_s,
+            record,
+            clamp,
+            out,
+            out_s,
+            ctas,
+            sP,
+            ring,
+            bars,
+            res,
+            rbars,
+            sB,
+            sXs,
+            tid,
+            warp,
+            lane,
+            unit,
+            count,
+            stride,
+            i,
+            n_res,
+            cnt,
+            role: cutlass.Constexpr[str],
+        ):
             """The consumer warps over `count` units of GEMM`stage` from `unit`
             (step `stride`): GEMM1 (`role` "signal") from the ring, releasing
             each unit on its tile's counter; GEMM2 ("wait") waiting for its
@@ -341,8 +455,9 @@ if HAVE_DSL:
                                 ready = cute.arch.load(cnt + tile, Int32, sem="relaxed", scope="gpu")
                             cute.arch.fence_acq_rel_gpu()
                         cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                    self.gemm(stage).stage_acts(sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid, 0,
-                                 coherent=(role == "wait"))
+                    self.gemm(stage).stage_acts(
+                        sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid, 0, coherent=(role == "wait")
+                    )
                     cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 for b in cutlass.range(0, NB, 1, unroll=1):
@@ -354,11 +469,17 @@ if HAVE_DSL:
                         else:  # resident: loaded at the start, never refilled in this launch
                             q = n * NB + b
                             cute.arch.mbarrier_wait(rbars + q, 0)
-                            self.gemm(stage).stage_words_to_registers(res + q * self.gemm(stage).stage_words, st_w, st_s, pair, t16, wk, lane)
-                    self.gemm(stage).compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, b * KS + wk * U, lane)
+                            self.gemm(stage).stage_words_to_registers(
+                                res + q * self.gemm(stage).stage_words, st_w, st_s, pair, t16, wk, lane
+                            )
+                    self.gemm(stage).compute_wgmma(
+                        tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, b * KS + wk * U, lane
+                    )
                 self.gemm(stage).stash_partials(sP, acc, parity, warp, lane)
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                self.gemm(stage).epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
+                self.gemm(stage).epilogue(
+                    sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid
+                )
                 parity = parity ^ 1
                 if cutlass.const_expr(role == "signal"):
                     # the unit's H stores, a barrier, then one thread's gpu fence (cumulative over
@@ -412,9 +533,20 @@ def fused_workspace_bytes(ctas: int) -> int:
     return max(16, -(-8 * ctas // 16) * 16)
 
 
-def fused_layer(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: torch.Tensor, ctas: int,
-                h_q_out: torch.Tensor, h_scale_out: torch.Tensor, out: torch.Tensor, *, tactic: FusedTactic,
-                workspace: torch.Tensor, stream=None) -> None:
+def fused_layer(
+    kw: KernelWeights,
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    record: torch.Tensor,
+    ctas: int,
+    h_q_out: torch.Tensor,
+    h_scale_out: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    tactic: FusedTactic,
+    workspace: torch.Tensor,
+    stream=None,
+) -> None:
     """GEMM1 and GEMM2 in one launch (`FusedLayerKernel`): the outputs of
     `gemm1` then `gemm2` with tactic.gemm1 / tactic.gemm2, bit for bit (H
     into h_q_out / h_scale_out, the unweighted BF16 rows into out), on
@@ -448,18 +580,37 @@ def fused_layer(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, rec
     if not isinstance(workspace, torch.Tensor):
         raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
     need = fused_workspace_bytes(ctas)
-    if (workspace.dtype not in (torch.uint8, torch.int32) or workspace.dim() != 1 or workspace.device != device
-            or not workspace.is_contiguous() or workspace.data_ptr() % 16
-            or workspace.numel() * workspace.element_size() < need):
-        raise ValueError(f"workspace must be a contiguous, 16-byte aligned 1-D uint8 / int32 tensor of >= {need}"
-                         f" bytes on {device} (alloc_workspace(fused_workspace_bytes({ctas})))")
+    if (
+        workspace.dtype not in (torch.uint8, torch.int32)
+        or workspace.dim() != 1
+        or workspace.device != device
+        or not workspace.is_contiguous()
+        or workspace.data_ptr() % 16
+        or workspace.numel() * workspace.element_size() < need
+    ):
+        raise ValueError(
+            f"workspace must be a contiguous, 16-byte aligned 1-D uint8 / int32 tensor of >= {need}"
+            f" bytes on {device} (alloc_workspace(fused_workspace_bytes({ctas})))"
+        )
     require_dsl(_KERNEL)
     if ctas == 0:
         return
     kernel, compiled = compile_fused(shape, tactic, kw.scale_variant(True))
     sms = _num_sms(device.index if device.index is not None else 0)
-    compiled(gmem_ptr(Uint8, kw.w13, 16), gmem_ptr(Uint8, kw.w13_scale, 16), gmem_ptr(Uint8, kw.w2, 16),
-             gmem_ptr(Uint8, kw.w2_scale, 16), gmem_ptr(Uint8, x_q, 16), gmem_ptr(Uint8, x_scale, 4),
-             gmem_ptr(Int32, record, 16), gmem_ptr(Float32, kw.clamp, 4), gmem_ptr(Uint8, h_q_out, 16),
-             gmem_ptr(Uint8, h_scale_out, 4), gmem_ptr(BFloat16, out, 16), gmem_ptr(Int32, workspace, 16),
-             Int32(ctas), Int32(kernel.grid(ctas, sms)), cu_stream(stream, device))
+    compiled(
+        gmem_ptr(Uint8, kw.w13, 16),
+        gmem_ptr(Uint8, kw.w13_scale, 16),
+        gmem_ptr(Uint8, kw.w2, 16),
+        gmem_ptr(Uint8, kw.w2_scale, 16),
+        gmem_ptr(Uint8, x_q, 16),
+        gmem_ptr(Uint8, x_scale, 4),
+        gmem_ptr(Int32, record, 16),
+        gmem_ptr(Float32, kw.clamp, 4),
+        gmem_ptr(Uint8, h_q_out, 16),
+        gmem_ptr(Uint8, h_scale_out, 4),
+        gmem_ptr(BFloat16, out, 16),
+        gmem_ptr(Int32, workspace, 16),
+        Int32(ctas),
+        Int32(kernel.grid(ctas, sms)),
+        cu_stream(stream, device),
+    )

@@ -81,7 +81,13 @@ if HAVE_DSL:
     from cutlass.experimental import primitives as prims
 
     from moebench.kernels import fp4
-    from moebench.kernels.ptx import mbarrier_arrive_cluster, mbarrier_try_wait_cluster, st_async_cluster, st_shared_u32x4, trap
+    from moebench.kernels.ptx import (
+        mbarrier_arrive_cluster,
+        mbarrier_try_wait_cluster,
+        st_async_cluster,
+        st_shared_u32x4,
+        trap,
+    )
 
 #: L2 cache policy "evict first" (CUTLASS CacheHintSm90::EVICT_FIRST) for the bulk copies.
 _EVICT_FIRST = 0x12F0000000000000
@@ -114,8 +120,15 @@ if HAVE_DSL:
         flight), and `m_tiles` accumulators `acc` (zeroed; one per 16-row
         m-tile of the warp), each (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)."""
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            Float8E4M3FN, Float8E4M3FN, OperandMajorMode.K, OperandMajorMode.K, Float32, (1, 1, 1),
-            tiler_mn=(64, 8), a_source=warpgroup.OperandSource.RMEM)
+            Float8E4M3FN,
+            Float8E4M3FN,
+            OperandMajorMode.K,
+            OperandMajorMode.K,
+            Float32,
+            (1, 1, 1),
+            tiler_mn=(64, 8),
+            a_source=warpgroup.OperandSource.RMEM,
+        )
         tiled_mma.set(warpgroup.Field.ACCUMULATE, False)  # every MMA writes a fresh result (one MX block)
         shape_c = tiled_mma.partition_shape_C((64, 8))
         tCrA = [tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((64, 32))) for _ in range(n_mma)]
@@ -215,15 +228,34 @@ if HAVE_DSL:
             return max(1, min(units, num_sms * self.tactic.ctas_per_sm // self.cl)) * self.cl
 
         @cute.jit
-        def __call__(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
-                     record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
-                     out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ids: cute.Pointer,
-                     meta: Int32, ctas: Int32, grid: Int32, stream: _cuda.CUstream):
+        def __call__(
+            self,
+            w: cute.Pointer,
+            ws: cute.Pointer,
+            act: cute.Pointer,
+            act_s: cute.Pointer,
+            record: cute.Pointer,
+            clamp: cute.Pointer,
+            out: cute.Pointer,
+            out_s: cute.Pointer,
+            out_deq: cute.Pointer,
+            cnt: cute.Pointer,
+            part: cute.Pointer,
+            ids: cute.Pointer,
+            meta: Int32,
+            ctas: Int32,
+            grid: Int32,
+            stream: _cuda.CUstream,
+        ):
             self.kernel(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ids, meta, ctas).launch(
-                grid=[grid, 1, 1], block=[self.block_threads, 1, 1], stream=stream,
+                grid=[grid, 1, 1],
+                block=[self.block_threads, 1, 1],
+                stream=stream,
                 cluster=[self.cl, 1, 1] if self.cl > 1 else None,
-                use_pdl=self.tactic.pdl, min_blocks_per_mp=self.tactic.ctas_per_sm,
-                preferred_smem_carveout=self.smem_carveout)
+                use_pdl=self.tactic.pdl,
+                min_blocks_per_mp=self.tactic.ctas_per_sm,
+                preferred_smem_carveout=self.smem_carveout,
+            )
 
         # ------------------------------------------------------------------ loads
         @cute.jit
@@ -270,7 +302,8 @@ if HAVE_DSL:
                             for x in cutlass.range_constexpr(4):
                                 st_w[(j * self.pairs + t2) * 4 + x] = q[x]
                             st_s[j * self.pairs + t2] = cute.arch.load(
-                                ps + (t2 * self.nch + j) * 8, Uint32, level1_eviction_priority="evict_first")
+                                ps + (t2 * self.nch + j) * 8, Uint32, level1_eviction_priority="evict_first"
+                            )
 
         @cute.jit
         def issue_acts(self, st_a, st_as, p_a, p_as, rec, slots_at, top_k, unit, ch, n_valid, g, c):
@@ -304,8 +337,9 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ math
         @cute.jit
-        def stage_acts(self, sB32, sXs, p_a, p_as, rec, slots_at, top_k, unit, tid, rank,
-                       coherent: cutlass.Constexpr[bool] = False):
+        def stage_acts(
+            self, sB32, sXs, p_a, p_as, rec, slots_at, top_k, unit, tid, rank, coherent: cutlass.Constexpr[bool] = False
+        ):
             """fp8 tactics, at the start of a unit: its tile's 8 activation rows
             (e4m3, K bytes each; GEMM1: token rows through the slots) into the
             shared-memory B operand (16-byte unit q = 8 * (k slot // 16) + n at
@@ -507,8 +541,9 @@ if HAVE_DSL:
                     st_async_cluster(sL.iterator + (base + f), cbars + parity, Int32(0), fp4.f32_bits(v))
 
         @cute.jit
-        def cluster_epilogue(self, sP, sL, cbars, parity, n, count, rank, rec, clamp, out, out_s, unit, valid_at,
-                             warp, lane, tid):
+        def cluster_epilogue(
+            self, sP, sL, cbars, parity, n, count, rank, rec, clamp, out, out_s, unit, valid_at, warp, lane, tid
+        ):
             """The end of the cluster's n-th unit (of `count`), after this CTA's
             partials are in sP. Rank 0: arm land[parity] for the other ranks'
             bytes, wait for them (acquire at cluster scope), run the epilogue;
@@ -618,10 +653,23 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ kernel
         @cute.kernel
-        def kernel(self, w: cute.Pointer, ws: cute.Pointer, act: cute.Pointer, act_s: cute.Pointer,
-                   record: cute.Pointer, clamp: cute.Pointer, out: cute.Pointer, out_s: cute.Pointer,
-                   out_deq: cute.Pointer, cnt: cute.Pointer, part: cute.Pointer, ids: cute.Pointer, meta: Int32,
-                   ctas: Int32):
+        def kernel(
+            self,
+            w: cute.Pointer,
+            ws: cute.Pointer,
+            act: cute.Pointer,
+            act_s: cute.Pointer,
+            record: cute.Pointer,
+            clamp: cute.Pointer,
+            out: cute.Pointer,
+            out_s: cute.Pointer,
+            out_deq: cute.Pointer,
+            cnt: cute.Pointer,
+            part: cute.Pointer,
+            ids: cute.Pointer,
+            meta: Int32,
+            ctas: Int32,
+        ):
             if cutlass.const_expr(self.bulk):
                 self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, ids, meta, ctas)
             else:
@@ -688,8 +736,7 @@ if HAVE_DSL:
             n_steps = my_units * NB
             if cutlass.const_expr(not self.fp8):
                 if n_steps > 0:
-                    self.issue_acts(st_a[0], st_as[0], p_a, p_as, record, slots_at, top_k, bid, c_beg,
-                                    n_mine, g, c)
+                    self.issue_acts(st_a[0], st_as[0], p_a, p_as, record, slots_at, top_k, bid, c_beg, n_mine, g, c)
 
             l_unit, l_b = bid, Int32(1)  # load cursor: step 1
             wrap = Int32(l_b == NB)
@@ -699,11 +746,24 @@ if HAVE_DSL:
                 for s in cutlass.range_constexpr(2):
                     if i + s < n_steps:
                         if i + s + 1 < n_steps:  # next step's loads go out first
-                            self.issue_weights(st_w[1 - s], st_s[1 - s], p_w, p_s, record, l_unit, l_b,
-                                               n_mine, c_beg, wm, lane, g)
+                            self.issue_weights(
+                                st_w[1 - s], st_s[1 - s], p_w, p_s, record, l_unit, l_b, n_mine, c_beg, wm, lane, g
+                            )
                             if cutlass.const_expr(not self.fp8):
-                                self.issue_acts(st_a[1 - s], st_as[1 - s], p_a, p_as, record, slots_at, top_k,
-                                                l_unit, c_beg + l_b * U, n_mine - l_b * U, g, c)
+                                self.issue_acts(
+                                    st_a[1 - s],
+                                    st_as[1 - s],
+                                    p_a,
+                                    p_as,
+                                    record,
+                                    slots_at,
+                                    top_k,
+                                    l_unit,
+                                    c_beg + l_b * U,
+                                    n_mine - l_b * U,
+                                    g,
+                                    c,
+                                )
                             l_b = l_b + 1
                             wrap = Int32(l_b == NB)
                             l_b, l_unit = l_b - wrap * NB, l_unit + wrap * nblk
@@ -713,17 +773,40 @@ if HAVE_DSL:
                                 cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                                 cute.arch.sync_threads()
                             _, ch = self.unit_item(c_unit, c_beg + c_b * U)
-                            self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w[s], st_s[s], ch,
-                                               lane)
+                            self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w[s], st_s[s], ch, lane)
                         else:
-                            self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w[s], st_s[s], st_a[s],
-                                         st_as[s], n_mine - c_b * U)
+                            self.compute(
+                                tiled_mma,
+                                acc,
+                                rA,
+                                rB,
+                                tCrA,
+                                tCrB,
+                                st_w[s],
+                                st_s[s],
+                                st_a[s],
+                                st_as[s],
+                                n_mine - c_b * U,
+                            )
                         if c_b == NB - 1:  # unit done: partials to smem, one barrier, epilogue
                             self.stash_partials(sP, acc, parity, warp, lane)
                             cute.arch.sync_threads()
                             if cutlass.const_expr(SK == 1):
-                                self.epilogue(sP, parity, part, record, clamp, out, out_s, out_deq, c_unit,
-                                              valid_at, warp, lane, tid)
+                                self.epilogue(
+                                    sP,
+                                    parity,
+                                    part,
+                                    record,
+                                    clamp,
+                                    out,
+                                    out_s,
+                                    out_deq,
+                                    c_unit,
+                                    valid_at,
+                                    warp,
+                                    lane,
+                                    tid,
+                                )
                             else:
                                 # split-K: partial sums to the workspace, then arrive on the item's
                                 # counter; the last of its SK units reduces and runs the epilogue.
@@ -742,8 +825,21 @@ if HAVE_DSL:
                                     sLast[0] = Int32(old == Uint32(SK - 1))
                                 cute.arch.sync_threads()
                                 if sLast[0] != 0:  # uniform over the CTA: the last unit of the item
-                                    self.epilogue(sP, parity, part, record, clamp, out, out_s, out_deq, item,
-                                                  valid_at, warp, lane, tid)
+                                    self.epilogue(
+                                        sP,
+                                        parity,
+                                        part,
+                                        record,
+                                        clamp,
+                                        out,
+                                        out_s,
+                                        out_deq,
+                                        item,
+                                        valid_at,
+                                        warp,
+                                        lane,
+                                        tid,
+                                    )
                         last = Int32(c_b == NB - 1)
                         parity = parity ^ last
                         c_b = c_b + 1 - last * NB
@@ -783,8 +879,9 @@ if HAVE_DSL:
                 sXs = smem.allocate_tensor(Float32, cute.make_layout((8 * self.nch,)), byte_alignment=16)
             sL = cbars = None
             if cutlass.const_expr(self.cl > 1):
-                sL = smem.allocate_tensor(Float32, cute.make_layout((cluster_landing_bytes(self.tactic) // 4,)),
-                                          byte_alignment=16)
+                sL = smem.allocate_tensor(
+                    Float32, cute.make_layout((cluster_landing_bytes(self.tactic) // 4,)), byte_alignment=16
+                )
                 cbars = smem.allocate_array(Int64, 4, byte_alignment=8)  # land[0, 2) (rank 0), free[2, 4)
             if tid == 0:
                 for s in cutlass.range_constexpr(S):
@@ -801,11 +898,32 @@ if HAVE_DSL:
             if warp == self.nw:
                 self.bulk_produce(w, ws, record, ring, bars, cid, ncl, lane, ids, meta, scratch, rank)
             elif cutlass.const_expr(self.fp8):
-                self.bulk_consume_wgmma(act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
-                                        tid, cid, ncl, warp, lane, rank, sL, cbars)
+                self.bulk_consume_wgmma(
+                    act,
+                    act_s,
+                    record,
+                    clamp,
+                    out,
+                    out_s,
+                    ctas,
+                    sP,
+                    ring,
+                    bars,
+                    sB,
+                    sXs,
+                    tid,
+                    cid,
+                    ncl,
+                    warp,
+                    lane,
+                    rank,
+                    sL,
+                    cbars,
+                )
             else:
-                self.bulk_consume(act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars,
-                                  tid, bid, nblk, warp, lane)
+                self.bulk_consume(
+                    act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars, tid, bid, nblk, warp, lane
+                )
 
         @cute.jit
         def bulk_produce(self, w, ws, record, ring, bars, bid, nblk, lane, ids, meta, scratch, rank):
@@ -878,10 +996,11 @@ if HAVE_DSL:
                     src_w = p_w + (Int64(e) * self.w_expert + (pair * self.nch + ch0) * 128)
                     src_s = p_s + (Int64(e) * self.s_expert + (pair * self.nch + ch0) * 8)
                     prims.cp_async_bulk_shared_cluster_global(
-                        stage + p * (KS * 128), src_w, bars + s, nck * 512, l2_cache_hint=_EVICT_FIRST)
+                        stage + p * (KS * 128), src_w, bars + s, nck * 512, l2_cache_hint=_EVICT_FIRST
+                    )
                     prims.cp_async_bulk_shared_cluster_global(
-                        stage + (self.sw_words + p * (KS * 8)), src_s, bars + s, nck * 32,
-                        l2_cache_hint=_EVICT_FIRST)
+                        stage + (self.sw_words + p * (KS * 8)), src_s, bars + s, nck * 32, l2_cache_hint=_EVICT_FIRST
+                    )
 
         @cute.jit
         def predict_tiles(self, ids, meta, scratch, lane):
@@ -961,8 +1080,9 @@ if HAVE_DSL:
             return first, count, stride
 
         @cute.jit
-        def bulk_consume(self, act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars,
-                         tid, bid, nblk, warp, lane):
+        def bulk_consume(
+            self, act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars, tid, bid, nblk, warp, lane
+        ):
             """The compute warps: per step, activation loads (global, L1), wait
             full[s], weight words and scales from the stage into registers,
             mma.sync, release the stage; per item the partials meet in shared
@@ -1001,8 +1121,7 @@ if HAVE_DSL:
                             q = fp4.load_u32x4_shared(stage + (entry * 128 + lane * 4))
                             for x in cutlass.range_constexpr(4):
                                 st_w[(j * self.pairs + t2) * 4 + x] = q[x]
-                            st_s[j * self.pairs + t2] = cute.arch.load(stage + (self.sw_words + entry * 8 + g),
-                                                                       Uint32)
+                            st_s[j * self.pairs + t2] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
                 self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid)
                 cute.arch.sync_warp()
                 if lane == 0:
@@ -1010,8 +1129,7 @@ if HAVE_DSL:
                 if b == NB - 1:  # item done: partials to smem, one barrier, epilogue
                     self.stash_partials(sP, acc, parity, warp, lane)
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
-                    self.epilogue(sP, parity, sP, record, clamp, out, out_s, out_deq, unit, valid_at, warp, lane,
-                                  tid)
+                    self.epilogue(sP, parity, sP, record, clamp, out, out_s, out_deq, unit, valid_at, warp, lane, tid)
                     parity = parity ^ 1
                 b = b + 1
                 wrap = Int32(b == NB)
@@ -1039,8 +1157,29 @@ if HAVE_DSL:
                     st_s[j] = sv >> Uint32(16 * t16)
 
         @cute.jit
-        def bulk_consume_wgmma(self, act, act_s, record, clamp, out, out_s, ctas, sP, ring, bars, sB, sXs,
-                               tid, bid, nblk, warp, lane, rank, sL, cbars):
+        def bulk_consume_wgmma(
+            self,
+            act,
+            act_s,
+            record,
+            clamp,
+            out,
+            out_s,
+            ctas,
+            sP,
+            ring,
+            bars,
+            sB,
+            sXs,
+            tid,
+            bid,
+            nblk,
+            warp,
+            lane,
+            rank,
+            sL,
+            cbars,
+        ):
             """fp8 tactics on the bulk ring (warp-specialized: the producer warp
             streams the weights, these warpgroups only decode and multiply). Per
             unit of a new token tile: its 8 activation rows into shared memory
@@ -1092,8 +1231,9 @@ if HAVE_DSL:
                     cute.arch.sync_warp()
                     if lane == 0:  # the words are in registers: the stage may be refilled
                         cute.arch.mbarrier_arrive(bars + (S + s))
-                    self.compute_wgmma(tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, (b0 + b) * KS + wk * U,
-                                       lane)
+                    self.compute_wgmma(
+                        tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, (b0 + b) * KS + wk * U, lane
+                    )
                     wrap = Int32(s == S - 1)
                     s, ph = s + 1 - wrap * S, ph ^ wrap
                 # unit done: partials to smem, one barrier, epilogue
@@ -1102,8 +1242,24 @@ if HAVE_DSL:
                 if cutlass.const_expr(self.cl == 1):
                     self.epilogue(sP, parity, sP, record, clamp, out, out_s, out, unit, valid_at, warp, lane, tid)
                 else:
-                    self.cluster_epilogue(sP, sL, cbars, parity, n, count, rank, record, clamp, out, out_s, unit,
-                                          valid_at, warp, lane, tid)
+                    self.cluster_epilogue(
+                        sP,
+                        sL,
+                        cbars,
+                        parity,
+                        n,
+                        count,
+                        rank,
+                        record,
+                        clamp,
+                        out,
+                        out_s,
+                        unit,
+                        valid_at,
+                        warp,
+                        lane,
+                        tid,
+                    )
                 parity = parity ^ 1
                 unit = unit + stride
 
@@ -1211,7 +1367,9 @@ def _split_k_ptrs(workspace, shape: GemmShape, tactic: GemmTactic, stage: int, c
     if not isinstance(workspace, torch.Tensor):
         raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
     if workspace.dtype not in (torch.uint8, torch.int32) or workspace.dim() != 1:
-        raise TypeError(f"workspace must be a 1-D uint8 or int32 tensor, got {workspace.dtype} {tuple(workspace.shape)}")
+        raise TypeError(
+            f"workspace must be a 1-D uint8 or int32 tensor, got {workspace.dtype} {tuple(workspace.shape)}"
+        )
     if workspace.device != device:
         raise ValueError(f"workspace must be on {device}, got {workspace.device}")
     if not workspace.is_contiguous() or workspace.data_ptr() % 16:
@@ -1238,10 +1396,12 @@ def _resolve(kw: KernelWeights, stage: int, tactic, ctas: int, device) -> tuple[
         raise TypeError(f"tactic must be a GemmTactic or None, got {type(tactic).__name__}")
     if tactic.fp8 != (kw.operand == "e4m3"):
         want = "an fp8 tactic (suffix _f8)" if kw.operand == "e4m3" else "a BF16 tactic (no _f8)"
-        raise ValueError(f"tactic {tactic.name} does not match the weights: kw is laid out for the"
-                         f" {kw.operand} operand and needs {want}; convert with"
-                         f" to_kernel_layout(weights, operand={'e4m3' if tactic.fp8 else 'bf16'!r})"
-                         f" for this tactic")
+        raise ValueError(
+            f"tactic {tactic.name} does not match the weights: kw is laid out for the"
+            f" {kw.operand} operand and needs {want}; convert with"
+            f" to_kernel_layout(weights, operand={'e4m3' if tactic.fp8 else 'bf16'!r})"
+            f" for this tactic"
+        )
     reason = tactic.valid_for(shape, stage)
     if reason:
         raise ValueError(f"tactic {tactic.name} cannot run GEMM{stage}: {reason}")
@@ -1253,18 +1413,32 @@ def _bf16_act(name: str, t, tactic: GemmTactic, shape: tuple[int, int], device, 
     tactic.act_bf16): None when the tactic does not use it."""
     if not tactic.act_bf16:
         if t is not None:
-            raise ValueError(f"{name} was given but tactic {tactic.name} does not use BF16 activations"
-                             f" (act_bf16, name suffix _a16); pass {name}=None")
+            raise ValueError(
+                f"{name} was given but tactic {tactic.name} does not use BF16 activations"
+                f" (act_bf16, name suffix _a16); pass {name}=None"
+            )
         return None
     if t is None:
-        raise ValueError(f"{name} is required: tactic {tactic.name} (act_bf16) {what}; allocate bfloat16"
-                         f" {list(shape)} once")
+        raise ValueError(
+            f"{name} is required: tactic {tactic.name} (act_bf16) {what}; allocate bfloat16 {list(shape)} once"
+        )
     check_tensor(name, t, (torch.bfloat16,), shape, device, align=16)
     return t
 
 
-def _launch(kw: KernelWeights, stage: int, tactic: GemmTactic, sms: int, args, ctas: int, device, stream,
-            record, workspace, topk_ids=None) -> None:
+def _launch(
+    kw: KernelWeights,
+    stage: int,
+    tactic: GemmTactic,
+    sms: int,
+    args,
+    ctas: int,
+    device,
+    stream,
+    record,
+    workspace,
+    topk_ids=None,
+) -> None:
     shape = GemmShape.of(kw)
     split = _split_k_ptrs(workspace, shape, tactic, stage, ctas, device, record)
     if ctas == 0:
@@ -1297,10 +1471,16 @@ def act_to_bf16(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None =
     if not isinstance(q, torch.Tensor) or q.dtype not in (torch.uint8, torch.float8_e4m3fn) or q.dim() < 1:
         raise TypeError(f"q must be uint8 / float8_e4m3fn [..., K], got {getattr(q, 'dtype', type(q).__name__)}")
     k = q.shape[-1]
-    if k % 32 or not isinstance(scale, torch.Tensor) or scale.dtype != torch.uint8 or (
-            tuple(scale.shape) != (*q.shape[:-1], k // 32)):
-        raise ValueError(f"scale must be uint8 {[*q.shape[:-1], k // 32]} for q {list(q.shape)},"
-                         f" got {getattr(scale, 'dtype', None)} {list(getattr(scale, 'shape', []))}")
+    if (
+        k % 32
+        or not isinstance(scale, torch.Tensor)
+        or scale.dtype != torch.uint8
+        or (tuple(scale.shape) != (*q.shape[:-1], k // 32))
+    ):
+        raise ValueError(
+            f"scale must be uint8 {[*q.shape[:-1], k // 32]} for q {list(q.shape)},"
+            f" got {getattr(scale, 'dtype', None)} {list(getattr(scale, 'shape', []))}"
+        )
     qu = q.view(torch.uint8)
     v = qu.view(torch.float8_e4m3fn).to(torch.float32)
     nan_code = (qu & 0x7F) == 0x7F
@@ -1314,16 +1494,29 @@ def act_to_bf16(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None =
     if out is None:
         return y
     if out.dtype != torch.bfloat16 or out.shape != q.shape or out.device != q.device:
-        raise ValueError(f"out must be bfloat16 {list(q.shape)} on {q.device}, got {out.dtype}"
-                         f" {list(out.shape)} on {out.device}")
+        raise ValueError(
+            f"out must be bfloat16 {list(q.shape)} on {q.device}, got {out.dtype} {list(out.shape)} on {out.device}"
+        )
     out.copy_(y)
     return out
 
 
-def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: torch.Tensor, ctas: int,
-          h_q_out: torch.Tensor, h_scale_out: torch.Tensor, *, tactic: GemmTactic | None = None,
-          stream=None, workspace: torch.Tensor | None = None, x_deq: torch.Tensor | None = None,
-          h_deq_out: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None) -> None:
+def gemm1(
+    kw: KernelWeights,
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    record: torch.Tensor,
+    ctas: int,
+    h_q_out: torch.Tensor,
+    h_scale_out: torch.Tensor,
+    *,
+    tactic: GemmTactic | None = None,
+    stream=None,
+    workspace: torch.Tensor | None = None,
+    x_deq: torch.Tensor | None = None,
+    h_deq_out: torch.Tensor | None = None,
+    topk_ids: torch.Tensor | None = None,
+) -> None:
     """Launch GEMM1 (x . w13^T, SwiGLU with clamp, MXFP8 H) on `stream`
     (torch's current stream when None); no host sync, no allocation.
 
@@ -1369,23 +1562,42 @@ def gemm1(kw: KernelWeights, x_q: torch.Tensor, x_scale: torch.Tensor, record: t
     x_deq = _bf16_act("x_deq", x_deq, tactic, (rows, h), device, "reads x as BF16")
     h_deq_out = _bf16_act("h_deq_out", h_deq_out, tactic, (TILE * ctas, i), device, "writes H as BF16 too")
     if tactic.spec != (topk_ids is not None):
-        raise ValueError(f"topk_ids is required exactly with a spec tactic (_sp); tactic {tactic.name}"
-                         f" {'is' if tactic.spec else 'is not'} one, topk_ids {'missing' if topk_ids is None else 'given'}")
+        raise ValueError(
+            f"topk_ids is required exactly with a spec tactic (_sp); tactic {tactic.name}"
+            f" {'is' if tactic.spec else 'is not'} one, topk_ids {'missing' if topk_ids is None else 'given'}"
+        )
     if topk_ids is not None:
         if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2 or not 1 <= topk_ids.shape[1] <= 8:
             raise ValueError(f"topk_ids must be int32 [{rows}, top_k <= 8], got {getattr(topk_ids, 'shape', topk_ids)}")
         check_tensor("topk_ids", topk_ids, (torch.int32,), (rows, topk_ids.shape[1]), device, align=4)
     require_dsl(_KERNEL)
-    args = (gmem_ptr(Uint8, kw.w13, 16), gmem_ptr(Uint8, kw.w13_scale, 16), gmem_ptr(Uint8, x_q if x_deq is None
-            else x_deq, 16), gmem_ptr(Uint8, x_scale, 4), gmem_ptr(Int32, record, 16),
-            gmem_ptr(Float32, kw.clamp, 4), gmem_ptr(Uint8, h_q_out, 16), gmem_ptr(Uint8, h_scale_out, 4),
-            gmem_ptr(BFloat16, h_q_out if h_deq_out is None else h_deq_out, 16))  # placeholder: never written
+    args = (
+        gmem_ptr(Uint8, kw.w13, 16),
+        gmem_ptr(Uint8, kw.w13_scale, 16),
+        gmem_ptr(Uint8, x_q if x_deq is None else x_deq, 16),
+        gmem_ptr(Uint8, x_scale, 4),
+        gmem_ptr(Int32, record, 16),
+        gmem_ptr(Float32, kw.clamp, 4),
+        gmem_ptr(Uint8, h_q_out, 16),
+        gmem_ptr(Uint8, h_scale_out, 4),
+        gmem_ptr(BFloat16, h_q_out if h_deq_out is None else h_deq_out, 16),
+    )  # placeholder: never written
     _launch(kw, 1, tactic, sms, args, ctas, device, stream, record, workspace, topk_ids)
 
 
-def gemm2(kw: KernelWeights, h_q: torch.Tensor, h_scale: torch.Tensor, record: torch.Tensor, ctas: int,
-          out: torch.Tensor, *, tactic: GemmTactic | None = None, stream=None,
-          workspace: torch.Tensor | None = None, h_deq: torch.Tensor | None = None) -> None:
+def gemm2(
+    kw: KernelWeights,
+    h_q: torch.Tensor,
+    h_scale: torch.Tensor,
+    record: torch.Tensor,
+    ctas: int,
+    out: torch.Tensor,
+    *,
+    tactic: GemmTactic | None = None,
+    stream=None,
+    workspace: torch.Tensor | None = None,
+    h_deq: torch.Tensor | None = None,
+) -> None:
     """Launch GEMM2 (dequant(H) . w2^T -> BF16 rows, unweighted) on `stream`.
 
     h_q: float8_e4m3fn/uint8 [8*ctas, I], h_scale: uint8 [8*ctas, I/32]

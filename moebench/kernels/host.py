@@ -31,13 +31,20 @@ def check_bool(name: str, v) -> None:
 
 def check_threads(threads) -> None:
     """A CTA size: an int multiple of 32 in [32, 1024]."""
-    if (not isinstance(threads, int) or isinstance(threads, bool)
-            or threads < 32 or threads % 32 or threads > 1024):
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 32 or threads % 32 or threads > 1024:
         raise ValueError(f"threads must be a multiple of 32 in [32, 1024], got {threads!r}")
 
 
-def check_tensor(name: str, t, dtypes, shape: tuple[int, ...], device: torch.device | None = None,
-                 *, device_of: str | None = None, align: int | None = None) -> None:
+def check_tensor(
+    name: str,
+    t,
+    dtypes,
+    shape: tuple[int, ...],
+    device: torch.device | None = None,
+    *,
+    device_of: str | None = None,
+    align: int | None = None,
+) -> None:
     """Check a kernel argument: a torch.Tensor (else TypeError) of one of
     `dtypes` (a dtype or a tuple of them; else TypeError), of exactly
     `shape`, contiguous, on `device` (unless None; `device_of` names the

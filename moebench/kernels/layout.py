@@ -110,8 +110,9 @@ def _check_operand(operand) -> str:
 
 
 for _op in OPERANDS:
-    _POSITIONS = [code_bit_position(_op, rh, hh, h, b) for rh in range(2) for hh in range(2) for h in range(2)
-                  for b in range(4)]
+    _POSITIONS = [
+        code_bit_position(_op, rh, hh, h, b) for rh in range(2) for hh in range(2) for h in range(2) for b in range(4)
+    ]
     assert sorted(_POSITIONS) == list(range(32)), f"{_op} packed word bit layout is not a permutation"
 
 
@@ -169,8 +170,9 @@ class KernelWeights:
         return sum(t[0].numel() for t in (self.w13, self.w13_scale, self.w2, self.w2_scale))
 
 
-def pack_rows(codes_packed: torch.Tensor, scales: torch.Tensor,
-              operand: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
+def pack_rows(
+    codes_packed: torch.Tensor, scales: torch.Tensor, operand: str = "bf16"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pack canonical MXFP4 rows into the kernel unit layout.
 
     codes_packed: uint8 [E, M, K/2] (even k in the low nibble); scales: uint8
@@ -253,9 +255,7 @@ def to_kernel_layout(weights: ExpertWeights, operand: str = "bf16") -> KernelWei
     h, i, ip = weights.hidden, weights.intermediate, weights.padded_intermediate
     if h % 32 or i % 32:
         raise ValueError(f"weights: hidden {h} and intermediate {i} must be multiples of 32")
-    w13, w13_s = pack_rows(
-        _interleave_w13(weights.w13, i, ip), _interleave_w13(weights.w13_scale, i, ip), operand
-    )
+    w13, w13_s = pack_rows(_interleave_w13(weights.w13, i, ip), _interleave_w13(weights.w13_scale, i, ip), operand)
     w2, w2_s = pack_rows(
         weights.w2[:, :, : i // 2].contiguous(), weights.w2_scale[:, :, : i // MX_BLOCK].contiguous(), operand
     )

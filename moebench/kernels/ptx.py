@@ -13,17 +13,33 @@ def asm_u32(text: str, constraints: str, *args, loc=None, ip=None) -> Uint32:
     """One pure (side-effect free) inline-PTX instruction group -> Uint32.
     `args` are DSL numerics of the types the constraints name (wrap them,
     e.g. Uint32(a), at the call site)."""
-    return Uint32(llvm.inline_asm(
-        T.i32(), [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [a.ir_value(loc=loc, ip=ip) for a in args],
+            text,
+            constraints,
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
 
 
 def asm_f32(text: str, constraints: str, *args, loc=None, ip=None) -> Float32:
     """As `asm_u32`, for an instruction group whose result is an fp32
     register ("=f"); `args` wrapped as Float32 for "f" operands."""
-    return Float32(llvm.inline_asm(
-        T.f32(), [a.ir_value(loc=loc, ip=ip) for a in args], text, constraints,
-        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+    return Float32(
+        llvm.inline_asm(
+            T.f32(),
+            [a.ir_value(loc=loc, ip=ip) for a in args],
+            text,
+            constraints,
+            has_side_effects=False,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
 
 
 @dsl_user_op
@@ -31,14 +47,19 @@ def st_shared_u32x4(ptr, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None
     """st.shared.v4.u32 of four words at the (16-byte aligned) shared-memory
     pointer `ptr` (a cute smem Pointer)."""
     addr = llvm.ptrtoint(T.i32(), ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-    llvm.inline_asm(None, [addr] + [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
-                    "st.shared.v4.u32 [$0], {$1, $2, $3, $4};", "r,r,r,r,r",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    llvm.inline_asm(
+        None,
+        [addr] + [Uint32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
+        "st.shared.v4.u32 [$0], {$1, $2, $3, $4};",
+        "r,r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 @dsl_user_op
-def st_shared_cluster_f32x4(ptr, rank, a: Float32, b: Float32, c: Float32, d: Float32, *,
-                            loc=None, ip=None) -> None:
+def st_shared_cluster_f32x4(ptr, rank, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
     """st.shared::cluster.v4.f32 of four fp32 values at the (16-byte aligned)
     shared-memory pointer `ptr` of this CTA mapped (mapa) to CTA `rank` of the
     cluster (distributed shared memory)."""
@@ -46,9 +67,15 @@ def st_shared_cluster_f32x4(ptr, rank, a: Float32, b: Float32, c: Float32, d: Fl
 
     remote = cute.arch.map_dsmem_ptr(ptr, rank, loc=loc, ip=ip)
     addr = llvm.ptrtoint(T.i32(), remote.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-    llvm.inline_asm(None, [addr] + [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
-                    "st.shared::cluster.v4.f32 [$0], {$1, $2, $3, $4};", "r,f,f,f,f",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    llvm.inline_asm(
+        None,
+        [addr] + [Float32(v).ir_value(loc=loc, ip=ip) for v in (a, b, c, d)],
+        "st.shared::cluster.v4.f32 [$0], {$1, $2, $3, $4};",
+        "r,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 @dsl_user_op
@@ -59,18 +86,26 @@ def sync_threads_or(flag, *, loc=None, ip=None):
     shared-memory accesses as a plain barrier does."""
     from cutlass import Int32
 
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(flag).ir_value(loc=loc, ip=ip)],
-        "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p; selp.s32 $0, 1, 0, q; }",
-        "=r,r,~{memory}", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+    return Int32(
+        llvm.inline_asm(
+            T.i32(),
+            [Int32(flag).ir_value(loc=loc, ip=ip)],
+            "{ .reg .pred p, q; setp.ne.s32 p, $1, 0; bar.red.or.pred q, 0, p; selp.s32 $0, 1, 0, q; }",
+            "=r,r,~{memory}",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
 
 
 @dsl_user_op
 def trap(*, loc=None, ip=None) -> None:
     """`trap;`: abort the kernel (the launch fails with an illegal-instruction
     error), for a state the kernel must never compute on."""
-    llvm.inline_asm(None, [], "trap;", "", has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT)
+    llvm.inline_asm(
+        None, [], "trap;", "", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT
+    )
 
 
 @dsl_user_op
@@ -80,11 +115,19 @@ def mbarrier_try_wait_cluster(mbar, phase: Int32, *, loc=None, ip=None) -> Uint3
     acquire at cluster scope, which pairs with st.async's cluster-scope
     release of its complete-tx), else 0 (after the hardware's time limit)."""
     addr = llvm.ptrtoint(T.i32(), mbar.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-    return Uint32(llvm.inline_asm(
-        T.i32(), [addr, Int32(phase).ir_value(loc=loc, ip=ip)],
-        "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$1], $2;"
-        " selp.u32 $0, 1, 0, p; }", "=r,r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(),
+            [addr, Int32(phase).ir_value(loc=loc, ip=ip)],
+            "{ .reg .pred p; mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$1], $2;"
+            " selp.u32 $0, 1, 0, p; }",
+            "=r,r,r",
+            has_side_effects=True,
+            is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )
+
 
 @dsl_user_op
 def st_async_cluster(ptr, mbar, rank: Int32, value: Int32, *, loc=None, ip=None) -> None:
@@ -97,9 +140,15 @@ def st_async_cluster(ptr, mbar, rank: Int32, value: Int32, *, loc=None, ip=None)
     addr = llvm.ptrtoint(T.i32(), remote.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
     rbar = cute.arch.map_dsmem_ptr(mbar, rank, loc=loc, ip=ip)
     baddr = llvm.ptrtoint(T.i32(), rbar.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-    llvm.inline_asm(None, [addr, Int32(value).ir_value(loc=loc, ip=ip), baddr],
-                    "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [$0], $1, [$2];", "r,r,r",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    llvm.inline_asm(
+        None,
+        [addr, Int32(value).ir_value(loc=loc, ip=ip), baddr],
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.u32 [$0], $1, [$2];",
+        "r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
 
 
 @dsl_user_op
@@ -112,5 +161,12 @@ def mbarrier_arrive_cluster(mbar, rank: Int32, *, loc=None, ip=None) -> None:
 
     rbar = cute.arch.map_dsmem_ptr(mbar, rank, loc=loc, ip=ip)
     baddr = llvm.ptrtoint(T.i32(), rbar.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
-    llvm.inline_asm(None, [baddr], "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];", "r",
-                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+    llvm.inline_asm(
+        None,
+        [baddr],
+        "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [$0];",
+        "r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )

@@ -53,8 +53,8 @@ H_MULTIPLE = 128
 #: Default CTA size (threads = 32-element blocks per CTA).
 DEFAULT_THREADS = 64
 #: Constants of the rule.
-_E4M3_MAX_BITS = 0x43E00000       # 448.0f
-_ONE_NAN_WORD = 0x7F7F7F7F        # four e4m3 NaN bytes
+_E4M3_MAX_BITS = 0x43E00000  # 448.0f
+_ONE_NAN_WORD = 0x7F7F7F7F  # four e4m3 NaN bytes
 _E8M0_NAN = 255
 
 if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
@@ -89,10 +89,17 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         """Four fp32 values (bits) -> e4m3 bytes (RNE, saturated at +-448), f0 in byte 0."""
         return _asm(
             "{ .reg .b16 lo, hi;\n"
-            " cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"   # first source -> upper byte
+            " cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"  # first source -> upper byte
             " cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
             " mov.b32 $0, {lo, hi}; }",
-            "=r,r,r,r,r", Uint32(f0), Uint32(f1), Uint32(f2), Uint32(f3), loc=loc, ip=ip)
+            "=r,r,r,r,r",
+            Uint32(f0),
+            Uint32(f1),
+            Uint32(f2),
+            Uint32(f3),
+            loc=loc,
+            ip=ip,
+        )
 
     @dsl_user_op
     def _ld_v4(ptr, *, loc=None, ip=None):
@@ -105,7 +112,10 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         """One 128-bit global store (STG.E.128) of 4 x Uint32."""
         vec = vector.from_elements(
             ir.VectorType.get([4], Uint32.mlir_type),
-            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)], loc=loc, ip=ip)
+            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
+            loc=loc,
+            ip=ip,
+        )
         cute.arch.store(ptr, vec, loc=loc, ip=ip)
 
     @cute.jit
@@ -132,11 +142,13 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         out = []
         for i in cutlass.range_constexpr(8):
             a, c = w[2 * i], w[2 * i + 1]
-            q = _cvt_e4m3x4(_mul_rn(a << Uint32(16), mult),
-                            _mul_rn(a & Uint32(0xFFFF0000), mult),
-                            _mul_rn(c << Uint32(16), mult),
-                            _mul_rn(c & Uint32(0xFFFF0000), mult))
-            if amax == Uint32(0):            # all +-0.0: zero bytes (no -0 0x80)
+            q = _cvt_e4m3x4(
+                _mul_rn(a << Uint32(16), mult),
+                _mul_rn(a & Uint32(0xFFFF0000), mult),
+                _mul_rn(c << Uint32(16), mult),
+                _mul_rn(c & Uint32(0xFFFF0000), mult),
+            )
+            if amax == Uint32(0):  # all +-0.0: zero bytes (no -0 0x80)
                 q = Uint32(0)
             if not finite:
                 q = Uint32(_ONE_NAN_WORD)
@@ -146,8 +158,14 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         return out, code
 
     @cute.jit
-    def quantize_block(px: cute.Pointer, pq: cute.Pointer, x_scale: cute.Pointer, b: Int32,
-                       pd: cute.Pointer, deq: cutlass.Constexpr[bool]):
+    def quantize_block(
+        px: cute.Pointer,
+        pq: cute.Pointer,
+        x_scale: cute.Pointer,
+        b: Int32,
+        pd: cute.Pointer,
+        deq: cutlass.Constexpr[bool],
+    ):
         """Quantize 32-element block `b` of the flattened input (device code,
         shared by QuantizeKernel, the fused front and the route kernel): px / pq are Uint32
         views of x (16 words a block) and x_q (8 words a block), x_scale the
@@ -170,8 +188,9 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         return w
 
     @cute.jit
-    def store_block(pq: cute.Pointer, x_scale: cute.Pointer, b: Int32, out, code, pd: cute.Pointer,
-                    deq: cutlass.Constexpr[bool]):
+    def store_block(
+        pq: cute.Pointer, x_scale: cute.Pointer, b: Int32, out, code, pd: cute.Pointer, deq: cutlass.Constexpr[bool]
+    ):
         """Block `b`'s bytes and scale (from `quantize_words`) to x_q / x_scale
         (and with `deq` its BF16 value to x_deq), as `quantize_block` writes them."""
         _st_v4(pq + b * 8, out[0], out[1], out[2], out[3])
@@ -221,16 +240,16 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             """Launch ceil(blocks / threads) CTAs of `threads` threads on `stream`."""
             ctas = (blocks + (self.threads - 1)) // self.threads
             self.kernel(x, x_q, x_scale, x_deq, blocks).launch(
-                grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
+            )
 
         @cute.kernel
-        def kernel(self, x: cute.Pointer, x_q: cute.Pointer, x_scale: cute.Pointer, x_deq: cute.Pointer,
-                   blocks: Int32):
+        def kernel(self, x: cute.Pointer, x_q: cute.Pointer, x_scale: cute.Pointer, x_deq: cute.Pointer, blocks: Int32):
             tid = cute.arch.thread_idx()[0]
             cta = cute.arch.block_idx()[0]
             b = cta * self.threads + tid
-            px = cute.recast_ptr(x, dtype=Uint32)      # 16 words (32 bf16) per block
-            pq = cute.recast_ptr(x_q, dtype=Uint32)    # 8 words (32 e4m3) per block
+            px = cute.recast_ptr(x, dtype=Uint32)  # 16 words (32 bf16) per block
+            pq = cute.recast_ptr(x_q, dtype=Uint32)  # 8 words (32 e4m3) per block
 
             if cutlass.const_expr(self.pdl):
                 cute.arch.griddepcontrol_launch_dependents()
@@ -269,8 +288,15 @@ def _compile(pdl: bool, threads: int, deq: bool = False):
     def fake(dtype):
         return gmem_ptr(dtype, 16, 16)
 
-    return cute.compile(QuantizeKernel(pdl=pdl, threads=threads, deq=deq), fake(BFloat16), fake(Uint8),
-                        fake(Uint8), fake(BFloat16), Int32(MX_BLOCK), _cuda.CUstream(0))
+    return cute.compile(
+        QuantizeKernel(pdl=pdl, threads=threads, deq=deq),
+        fake(BFloat16),
+        fake(Uint8),
+        fake(Uint8),
+        fake(BFloat16),
+        Int32(MX_BLOCK),
+        _cuda.CUstream(0),
+    )
 
 
 def _check_x(x) -> tuple[int, int]:
@@ -298,10 +324,8 @@ def check_quantize_args(
     Raises TypeError / ValueError naming the argument."""
     rows, h = _check_x(x)
     device = x.device
-    check_tensor("x_q_out", x_q_out, (torch.uint8, torch.float8_e4m3fn), (rows, h), device,
-                 device_of="x", align=16)
-    check_tensor("x_scale_out", x_scale_out, torch.uint8, (rows, h // MX_BLOCK), device,
-                 device_of="x", align=16)
+    check_tensor("x_q_out", x_q_out, (torch.uint8, torch.float8_e4m3fn), (rows, h), device, device_of="x", align=16)
+    check_tensor("x_scale_out", x_scale_out, torch.uint8, (rows, h // MX_BLOCK), device, device_of="x", align=16)
     if x_deq_out is not None:
         check_tensor("x_deq_out", x_deq_out, torch.bfloat16, (rows, h), device, device_of="x", align=16)
     return rows, h
@@ -350,9 +374,14 @@ def launch_quantize_mxfp8(
     require_dsl(_KERNEL)
     deq = x_deq_out is not None
     compiled = compile_quantize_kernel(pdl, threads, deq)
-    compiled(gmem_ptr(BFloat16, x, 16), gmem_ptr(Uint8, x_q_out, 16), gmem_ptr(Uint8, x_scale_out, 16),
-             gmem_ptr(BFloat16, x_deq_out if deq else x, 16), Int32(rows * h // MX_BLOCK),
-             cu_stream(stream, device))
+    compiled(
+        gmem_ptr(BFloat16, x, 16),
+        gmem_ptr(Uint8, x_q_out, 16),
+        gmem_ptr(Uint8, x_scale_out, 16),
+        gmem_ptr(BFloat16, x_deq_out if deq else x, 16),
+        Int32(rows * h // MX_BLOCK),
+        cu_stream(stream, device),
+    )
 
 
 def quantize_mxfp8(x: torch.Tensor, *, stream=None, pdl: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

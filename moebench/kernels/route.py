@@ -91,8 +91,7 @@ DEFAULT_KEYS_PER_STEP = 16
 
 
 def _check_keys_per_step(keys_per_step) -> None:
-    if (not isinstance(keys_per_step, int) or isinstance(keys_per_step, bool)
-            or keys_per_step not in KEYS_PER_STEP):
+    if not isinstance(keys_per_step, int) or isinstance(keys_per_step, bool) or keys_per_step not in KEYS_PER_STEP:
         raise ValueError(f"keys_per_step must be one of {KEYS_PER_STEP}, got {keys_per_step!r}")
 
 
@@ -100,8 +99,13 @@ def _check_static(pdl, keys_per_step, quantize, deq, release_after_wait=False, i
     """The route kernel's compile-time switches (RouteKernel and
     compile_route_kernel): TypeError for a non-bool flag, ValueError for a
     keys_per_step not in KEYS_PER_STEP or deq without quantize."""
-    for name, flag in (("pdl", pdl), ("quantize", quantize), ("deq", deq),
-                       ("release_after_wait", release_after_wait), ("inputs_ready", inputs_ready)):
+    for name, flag in (
+        ("pdl", pdl),
+        ("quantize", quantize),
+        ("deq", deq),
+        ("release_after_wait", release_after_wait),
+        ("inputs_ready", inputs_ready),
+    ):
         check_bool(name, flag)
     _check_keys_per_step(keys_per_step)
     if deq and not quantize:
@@ -164,8 +168,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         return Uint32(1) << Uint32(row)
 
     @cute.jit
-    def record_prologue(tid, s_map, record, rows, top_k, experts, threads: cutlass.Constexpr[int],
-                        zero_map=True):
+    def record_prologue(tid, s_map, record, rows, top_k, experts, threads: cutlass.Constexpr[int], zero_map=True):
         """What `build_record` does before it needs the ids: every body word
         of the record gets its unused default (tile_expert -1,
         tile_valid_rows 0, tile_slots -1) and, with `zero_map` (a runtime or
@@ -232,7 +235,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             if tid < slots and e >= 0 and e < experts:
                 key = (e << _SLOT_BITS) + tid
             if tid < MAX_SLOTS:
-                s_key[tid] = key                        # slots .. 63 hold the sentinel
+                s_key[tid] = key  # slots .. 63 hold the sentinel
             local = key != _SENTINEL
             warp = tid // 32
             n_local = cute.arch.popc(cute.arch.vote_ballot_sync(local))
@@ -247,11 +250,23 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                     repeated = _mark_slot(s_map, e, row_bit, shift)
                 scan = sync_threads_or(repeated)
                 if scan == Int32(0):
-                    _fast(tid, e, local, row_bit, shift, s_map, slots, w, g_rec, g_perm,
-                          s_count[0] + s_count[1], rows, top_k)
+                    _fast(
+                        tid,
+                        e,
+                        local,
+                        row_bit,
+                        shift,
+                        s_map,
+                        slots,
+                        w,
+                        g_rec,
+                        g_perm,
+                        s_count[0] + s_count[1],
+                        rows,
+                        top_k,
+                    )
             if scan != Int32(0):
-                _scans(tid, e, key, local, s_key, s_start, s_count, slots, w, g_rec, g_perm, rows, top_k,
-                       keys_per_step)
+                _scans(tid, e, key, local, s_key, s_start, s_count, slots, w, g_rec, g_perm, rows, top_k, keys_per_step)
 
     @cute.jit
     def _mark_slot(s_map, e, row_bit, shift):
@@ -285,8 +300,22 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             _header(g_rec, tiles, valid, rows, top_k)
 
     @cute.jit
-    def _scans(tid, e, key, local, s_key, s_start, s_count, slots, w, g_rec, g_perm, rows, top_k,
-               keys_per_step: cutlass.Constexpr[int]):
+    def _scans(
+        tid,
+        e,
+        key,
+        local,
+        s_key,
+        s_start,
+        s_count,
+        slots,
+        w,
+        g_rec,
+        g_perm,
+        rows,
+        top_k,
+        keys_per_step: cutlass.Constexpr[int],
+    ):
         """The method of the module docstring over the keys in `s_key`: two
         scans (keys_per_step keys a step, up to the step holding the last
         slot), one CTA barrier between them, then the words and the header."""
@@ -301,8 +330,8 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
                 c_lo = c_lo + Int32(kj < lo)
                 c_me = c_me + Int32(kj < key)
                 c_hi = c_hi + Int32(kj < hi)
-        rank = c_me - c_lo              # rank within the expert
-        count = c_hi - c_lo             # the expert's slot count
+        rank = c_me - c_lo  # rank within the expert
+        count = c_hi - c_lo  # the expert's slot count
         pos = rank % TILE
         starts = local and pos == 0
         if tid < MAX_SLOTS:
@@ -312,7 +341,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         if tid % 32 == 0 and warp < MAX_SLOTS // 32:
             s_count[MAX_SLOTS // 32 + warp] = n_starts
         cute.arch.sync_threads()
-        c_tile = Int32(0)               # tile starters with a key <= mine
+        c_tile = Int32(0)  # tile starters with a key <= mine
         for g in cutlass.range(steps, unroll=1):
             for q in cutlass.range_constexpr(step):
                 c_tile = c_tile + Int32(s_start[g * step + q] <= key)
@@ -354,18 +383,29 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         docstring).
         """
 
-        def __init__(self, pdl: bool = True, threads: int = 128,
-                     keys_per_step: int = DEFAULT_KEYS_PER_STEP, quantize: bool = False, deq: bool = False,
-                     release_after_wait: bool = False, inputs_ready: bool = False):
+        def __init__(
+            self,
+            pdl: bool = True,
+            threads: int = 128,
+            keys_per_step: int = DEFAULT_KEYS_PER_STEP,
+            quantize: bool = False,
+            deq: bool = False,
+            release_after_wait: bool = False,
+            inputs_ready: bool = False,
+        ):
             _check_static(pdl, keys_per_step, quantize, deq, release_after_wait, inputs_ready)
             self.release_after_wait = release_after_wait
             self.inputs_ready = inputs_ready
             self.quantize = quantize
             self.deq = deq
-            if (not isinstance(threads, int) or isinstance(threads, bool)
-                    or threads < MAX_SLOTS or threads % 32 or threads > 1024):
-                raise ValueError(
-                    f"threads must be a multiple of 32 in [{MAX_SLOTS}, 1024], got {threads!r}")
+            if (
+                not isinstance(threads, int)
+                or isinstance(threads, bool)
+                or threads < MAX_SLOTS
+                or threads % 32
+                or threads > 1024
+            ):
+                raise ValueError(f"threads must be a multiple of 32 in [{MAX_SLOTS}, 1024], got {threads!r}")
             self.pdl = pdl
             self.threads = threads
             self.keys_per_step = keys_per_step
@@ -374,8 +414,11 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         def can_implement(rows: int, top_k: int, experts: int) -> tuple[bool, str]:
             """Whether the kernel can route `rows` x `top_k` slots over `experts`
             local experts: (True, "") or (False, the reason)."""
-            for name, v, lo, hi in (("rows", rows, 0, MAX_ROWS), ("top_k", top_k, 1, MAX_TOP_K),
-                                    ("experts", experts, 1, MAX_EXPERTS)):
+            for name, v, lo, hi in (
+                ("rows", rows, 0, MAX_ROWS),
+                ("top_k", top_k, 1, MAX_TOP_K),
+                ("experts", experts, 1, MAX_EXPERTS),
+            ):
                 if not isinstance(v, int) or isinstance(v, bool):
                     return False, f"{name} must be an int, got {type(v).__name__}"
                 if not lo <= v <= hi:
@@ -404,7 +447,8 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             if cutlass.const_expr(self.quantize):
                 ctas = 1 + (blocks + (self.threads - 1)) // self.threads
             self.kernel(ids, record, permuted, rows, top_k, experts, x, x_q, x_scale, x_deq, blocks).launch(
-                grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl)
+                grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
+            )
 
         @cute.kernel
         def kernel(
@@ -442,11 +486,25 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             if cta == 0:
                 e = Int32(-1)
                 if tid < rows * top_k:
-                    e = g_ids[tid]                      # issued before the fill's stores
+                    e = g_ids[tid]  # issued before the fill's stores
                 if cutlass.const_expr(early):
-                    cute.arch.griddepcontrol_wait()     # the record buffers may still be read before
-                build_record(tid, e, s_key, s_start, s_count, s_map, record, permuted, rows, top_k, experts,
-                             self.threads, self.keys_per_step, False)
+                    cute.arch.griddepcontrol_wait()  # the record buffers may still be read before
+                build_record(
+                    tid,
+                    e,
+                    s_key,
+                    s_start,
+                    s_count,
+                    s_map,
+                    record,
+                    permuted,
+                    rows,
+                    top_k,
+                    experts,
+                    self.threads,
+                    self.keys_per_step,
+                    False,
+                )
             else:  # only launched with quantize
                 if cutlass.const_expr(self.quantize):
                     b = (cta - 1) * self.threads + tid
@@ -466,9 +524,14 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
 _KERNEL = "the route kernel"
 
 
-def compile_route_kernel(pdl: bool = True, keys_per_step: int = DEFAULT_KEYS_PER_STEP,
-                         quantize: bool = False, deq: bool = False, release_after_wait: bool = False,
-                         inputs_ready: bool = False):
+def compile_route_kernel(
+    pdl: bool = True,
+    keys_per_step: int = DEFAULT_KEYS_PER_STEP,
+    quantize: bool = False,
+    deq: bool = False,
+    release_after_wait: bool = False,
+    inputs_ready: bool = False,
+):
     """Compile the route kernel once per process and (pdl, keys_per_step,
     quantize, deq) (cached; see RouteKernel).
 
@@ -489,8 +552,14 @@ def compile_route_kernel(pdl: bool = True, keys_per_step: int = DEFAULT_KEYS_PER
 
 
 @functools.lru_cache(maxsize=None)
-def _compile(pdl: bool, keys_per_step: int, quantize: bool, deq: bool, release_after_wait: bool = False,
-             inputs_ready: bool = False):
+def _compile(
+    pdl: bool,
+    keys_per_step: int,
+    quantize: bool,
+    deq: bool,
+    release_after_wait: bool = False,
+    inputs_ready: bool = False,
+):
     require_dsl(_KERNEL)
 
     def fake(dtype=Int32, align=4):
@@ -516,20 +585,34 @@ def _check_ids(topk_ids, experts) -> tuple[int, int]:
 
 def _check_outs(record_out, permuted_out, rows: int, top_k: int, experts: int, device: torch.device) -> None:
     """The record and permute-map buffers, int32 on topk_ids' `device`."""
-    for name, t, shape in (("record_out", record_out, (route_words(max_ctas(rows, top_k, experts)),)),
-                           ("permuted_out", permuted_out, (rows, top_k))):
+    for name, t, shape in (
+        ("record_out", record_out, (route_words(max_ctas(rows, top_k, experts)),)),
+        ("permuted_out", permuted_out, (rows, top_k)),
+    ):
         check_tensor(name, t, torch.int32, shape, device, device_of="topk_ids")
 
 
-def _run(compiled, topk_ids, record_out, permuted_out, experts: int, x, x_q, x_scale, x_deq, blocks: int,
-         stream, device) -> None:
+def _run(
+    compiled, topk_ids, record_out, permuted_out, experts: int, x, x_q, x_scale, x_deq, blocks: int, stream, device
+) -> None:
     """Launch a compiled route kernel; x / x_q / x_scale / x_deq: its
     quantization operands (tensors, or one 16-byte aligned address that a
     kernel without `quantize` never reads)."""
     rows, top_k = topk_ids.shape
-    compiled(gmem_ptr(Int32, topk_ids, 4), gmem_ptr(Int32, record_out, 4), gmem_ptr(Int32, permuted_out, 4),
-             Int32(rows), Int32(top_k), Int32(experts), gmem_ptr(BFloat16, x, 16), gmem_ptr(Uint8, x_q, 16),
-             gmem_ptr(Uint8, x_scale, 16), gmem_ptr(BFloat16, x_deq, 16), Int32(blocks), cu_stream(stream, device))
+    compiled(
+        gmem_ptr(Int32, topk_ids, 4),
+        gmem_ptr(Int32, record_out, 4),
+        gmem_ptr(Int32, permuted_out, 4),
+        Int32(rows),
+        Int32(top_k),
+        Int32(experts),
+        gmem_ptr(BFloat16, x, 16),
+        gmem_ptr(Uint8, x_q, 16),
+        gmem_ptr(Uint8, x_scale, 16),
+        gmem_ptr(BFloat16, x_deq, 16),
+        Int32(blocks),
+        cu_stream(stream, device),
+    )
 
 
 def launch_route(
@@ -572,8 +655,20 @@ def launch_route(
         raise ValueError(f"topk_ids, record_out and permuted_out must be CUDA tensors, got {device}")
     require_dsl(_KERNEL)
     unused = record_out.data_ptr() // 16 * 16  # x stand-ins, never read without quantize
-    _run(compile_route_kernel(pdl, keys_per_step), topk_ids, record_out, permuted_out, experts,
-         unused, unused, unused, unused, 0, stream, device)
+    _run(
+        compile_route_kernel(pdl, keys_per_step),
+        topk_ids,
+        record_out,
+        permuted_out,
+        experts,
+        unused,
+        unused,
+        unused,
+        unused,
+        0,
+        stream,
+        device,
+    )
 
 
 def launch_route_quantize(
@@ -638,9 +733,20 @@ def launch_route_quantize(
     require_dsl(_KERNEL)
     deq = x_deq_out is not None
     release = release_after_wait and not inputs_ready  # inputs_ready releases on entry (one compiled kernel)
-    _run(compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq, release, inputs_ready), topk_ids,
-         record_out, permuted_out, experts,
-         x, x_q_out, x_scale_out, x_deq_out if deq else x, rows * h // 32, stream, device)
+    _run(
+        compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq, release, inputs_ready),
+        topk_ids,
+        record_out,
+        permuted_out,
+        experts,
+        x,
+        x_q_out,
+        x_scale_out,
+        x_deq_out if deq else x,
+        rows * h // 32,
+        stream,
+        device,
+    )
 
 
 def route(topk_ids: torch.Tensor, experts: int, *, stream=None, pdl: bool = True) -> RouteRecord:

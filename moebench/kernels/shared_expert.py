@@ -181,8 +181,10 @@ class SharedTactic:
 
     @property
     def name(self) -> str:
-        return (f"t{self.tile_m}_m{self.warps_m}_k{self.warps_k}_cl{self.cluster_k}_u{self.unroll}"
-                f"_c{self.ctas_per_sm}" + ("" if self.pdl else "_nopdl"))
+        return (
+            f"t{self.tile_m}_m{self.warps_m}_k{self.warps_k}_cl{self.cluster_k}_u{self.unroll}"
+            f"_c{self.ctas_per_sm}" + ("" if self.pdl else "_nopdl")
+        )
 
     def chunks_per_cta(self, k: int) -> int:
         """32-K chunks of one CTA's K slice (the last CTA of a cluster may hold fewer)."""
@@ -222,14 +224,15 @@ class SharedTactic:
             return f"warps_k {self.warps_k} exceeds the {per_cta} K chunks of a CTA"
         smem = self.smem_bytes(k)
         if smem > SMEM_PER_CTA or (smem + SMEM_RESERVED_PER_CTA) * self.ctas_per_sm > SMEM_PER_SM:
-            return (f"{smem} bytes of shared memory per CTA (K {k}) do not fit {self.ctas_per_sm}"
-                    f" CTAs per SM")
+            return f"{smem} bytes of shared memory per CTA (K {k}) do not fit {self.ctas_per_sm} CTAs per SM"
         if self.threads * self.ctas_per_sm > MAX_THREADS_PER_SM:
             return f"{self.threads} threads x {self.ctas_per_sm} CTAs exceed {MAX_THREADS_PER_SM} threads per SM"
         need = 2 * self.unroll * self.tile_m * 8 + REGS_BESIDE_STAGES
         if self.regs_available() < need:
-            return (f"two stages of unroll {self.unroll} x tile_m {self.tile_m} need ~{need} registers,"
-                    f" {self.regs_available()} available at {self.ctas_per_sm} CTAs of {self.threads} threads")
+            return (
+                f"two stages of unroll {self.unroll} x tile_m {self.tile_m} need ~{need} registers,"
+                f" {self.regs_available()} available at {self.ctas_per_sm} CTAs of {self.threads} threads"
+            )
         if m * k * 2 >= 2**33:
             return "weights over 8 GiB (32-bit word offsets)"
         return None
@@ -451,12 +454,25 @@ if HAVE_DSL:
             return clusters * self.cl
 
         @cute.jit
-        def __call__(self, w: cute.Pointer, x: cute.Pointer, out: cute.Pointer, rows: Int32, limit: Float32,
-                     grid: Int32, stream: _cuda.CUstream):
+        def __call__(
+            self,
+            w: cute.Pointer,
+            x: cute.Pointer,
+            out: cute.Pointer,
+            rows: Int32,
+            limit: Float32,
+            grid: Int32,
+            stream: _cuda.CUstream,
+        ):
             self.kernel(w, x, out, rows, limit).launch(
-                grid=[grid, 1, 1], block=[self.threads, 1, 1], cluster=self.cluster_arg, stream=stream,
-                use_pdl=self.tactic.pdl, min_blocks_per_mp=self.tactic.ctas_per_sm,
-                preferred_smem_carveout=self.smem_carveout)
+                grid=[grid, 1, 1],
+                block=[self.threads, 1, 1],
+                cluster=self.cluster_arg,
+                stream=stream,
+                use_pdl=self.tactic.pdl,
+                min_blocks_per_mp=self.tactic.ctas_per_sm,
+                preferred_smem_carveout=self.smem_carveout,
+            )
 
         # ------------------------------------------------------------------ loads and math
         @cute.jit
@@ -700,8 +716,9 @@ _KERNEL = "the shared-expert kernels"
 
 
 @functools.lru_cache(maxsize=None)
-def compile_shared_gemm(hidden: int, intermediate: int, tactic: SharedTactic, stage: int,
-                        device_index: int | None = None):
+def compile_shared_gemm(
+    hidden: int, intermediate: int, tactic: SharedTactic, stage: int, device_index: int | None = None
+):
     """Compile shared GEMM`stage` for (hidden, intermediate, tactic) (cached
     per process and `device_index`, the CUDA device it will run on; None for a
     cross-compile with CUTE_DSL_ARCH=sm_90a and no GPU).
@@ -778,8 +795,9 @@ class SharedExpertKernels:
     nvidia-cutlass-dsl.
     """
 
-    def __init__(self, weights: SharedExpertWeights, limit: float, *,
-                 tactics: dict[int, SharedTactic] | None = None) -> None:
+    def __init__(
+        self, weights: SharedExpertWeights, limit: float, *, tactics: dict[int, SharedTactic] | None = None
+    ) -> None:
         if not isinstance(weights, SharedExpertWeights):
             raise TypeError(f"weights must be a SharedExpertWeights, got {type(weights).__name__}")
         if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not math.isfinite(limit) or limit <= 0:

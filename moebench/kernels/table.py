@@ -306,8 +306,11 @@ class TuningTable:
                 where = entry_path(key[0], key[1], fp8)
                 for what, t in (("tactic", entry.tactic), ("runner_up", entry.runner_up)):
                     if t is not None and t.fp8 != fp8:
-                        family = ("the FP8 family's part holds fp8 (_f8) tactics only" if fp8 else
-                                  f"the BF16 family's entries hold no fp8 (_f8) tactics; those go in {FP8_KEY!r}")
+                        family = (
+                            "the FP8 family's part holds fp8 (_f8) tactics only"
+                            if fp8
+                            else f"the BF16 family's entries hold no fp8 (_f8) tactics; those go in {FP8_KEY!r}"
+                        )
                         raise ValueError(f"{where}.{what}: {t.name} is {'not ' if fp8 else ''}an fp8 tactic"
                                          f" ({family})")  # fmt: skip
                 reason = entry.tactic.valid_for(self.shape.gemm_shape, key[0])

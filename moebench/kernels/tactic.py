@@ -54,12 +54,11 @@ class GemmShape:
         try:
             values = {name: getattr(obj, name) for name in ("hidden", "intermediate", "experts")}
         except AttributeError as err:
-            raise TypeError(
-                f"shape must have hidden, intermediate and experts, got {type(obj).__name__}"
-            ) from err
+            raise TypeError(f"shape must have hidden, intermediate and experts, got {type(obj).__name__}") from err
         # ints as they are (numpy / torch integers too); a float is refused by __post_init__, not truncated
-        return cls(**{k: int(v) if hasattr(v, "__index__") and not isinstance(v, bool) else v
-                      for k, v in values.items()})
+        return cls(
+            **{k: int(v) if hasattr(v, "__index__") and not isinstance(v, bool) else v for k, v in values.items()}
+        )
 
 
 def _check_int(name: str, v, lo: int, hi: int) -> None:
@@ -172,17 +171,19 @@ class GemmTactic:
         if self.stages and self.split_k != 1:
             raise ValueError(f"the bulk-copy load path (stages {self.stages}) needs split_k 1, got {self.split_k}")
         if self.warps_m * self.warps_k > MAX_WARPS:
-            raise ValueError(
-                f"warps_m * warps_k must be at most {MAX_WARPS}, got {self.warps_m * self.warps_k}"
-            )
+            raise ValueError(f"warps_m * warps_k must be at most {MAX_WARPS}, got {self.warps_m * self.warps_k}")
         if self.fp8 and self.act_bf16:
             raise ValueError("fp8 (e4m3 x e4m3 MMA on the MXFP8 activations) excludes act_bf16 (BF16 activations)")
         if self.cluster_k > 1 and not (self.fp8 and self.stages and self.split_k == 1):
-            raise ValueError(f"cluster_k {self.cluster_k} needs an fp8 tactic on the bulk ring with split_k 1, got"
-                             f" fp8={self.fp8}, stages={self.stages}, split_k={self.split_k}")
+            raise ValueError(
+                f"cluster_k {self.cluster_k} needs an fp8 tactic on the bulk ring with split_k 1, got"
+                f" fp8={self.fp8}, stages={self.stages}, split_k={self.split_k}"
+            )
         if self.spec and not (self.fp8 and self.stages and self.pdl):
-            raise ValueError("spec (GEMM1's first stages before griddepcontrol.wait) needs an fp8 tactic on the"
-                             f" bulk ring with PDL, got fp8={self.fp8}, stages={self.stages}, pdl={self.pdl}")
+            raise ValueError(
+                "spec (GEMM1's first stages before griddepcontrol.wait) needs an fp8 tactic on the"
+                f" bulk ring with PDL, got fp8={self.fp8}, stages={self.stages}, pdl={self.pdl}"
+            )
 
     @property
     def warps(self) -> int:
@@ -245,8 +246,14 @@ class GemmTactic:
         field in declaration order}; a field of TABLE_SPARSE only where it
         differs from its default (newer than the shipped tables, which stay
         byte for byte)."""
-        return {"name": self.to_name(), **{f.name: getattr(self, f.name) for f in fields(self)
-                                            if f.name not in TABLE_SPARSE or getattr(self, f.name) != f.default}}
+        return {
+            "name": self.to_name(),
+            **{
+                f.name: getattr(self, f.name)
+                for f in fields(self)
+                if f.name not in TABLE_SPARSE or getattr(self, f.name) != f.default
+            },
+        }
 
     @classmethod
     def from_fields(cls, data) -> GemmTactic:
@@ -302,12 +309,16 @@ class GemmTactic:
             if self.warps_m % 4:
                 return f"fp8 (wgmma) tactics need warps_m a multiple of 4 (whole warpgroups), got {self.warps_m}"
             if per_slice % (self.warps_k * self.unroll):
-                return (f"fp8 (wgmma) tactics need warps_k * unroll ({self.warps_k * self.unroll}) to divide"
-                        f" the {per_slice} K chunks of a slice")
+                return (
+                    f"fp8 (wgmma) tactics need warps_k * unroll ({self.warps_k * self.unroll}) to divide"
+                    f" the {per_slice} K chunks of a slice"
+                )
             if nch % (self.cluster_k * self.warps_k * self.unroll):
-                return (f"cluster_k {self.cluster_k} needs cluster_k * warps_k * unroll"
-                        f" ({self.cluster_k * self.warps_k * self.unroll}) to divide the {nch} K chunks"
-                        " (equal slices of whole ring steps)")
+                return (
+                    f"cluster_k {self.cluster_k} needs cluster_k * warps_k * unroll"
+                    f" ({self.cluster_k * self.warps_k * self.unroll}) to divide the {nch} K chunks"
+                    " (equal slices of whole ring steps)"
+                )
         need = partial_smem_bytes(self)
         what = ["the fp32 partial sums"]
         if self.fp8:
@@ -453,7 +464,11 @@ EXPECTED_TILE_FRACTION = 0.55
 
 
 def default_tactic(
-    shape, stage: int, ctas: int | None = None, num_sms: int = 132, wide_scales: bool = False,
+    shape,
+    stage: int,
+    ctas: int | None = None,
+    num_sms: int = 132,
+    wide_scales: bool = False,
     fp8: bool = False,
 ) -> GemmTactic:
     """A sensible tactic for GEMM`stage` of `shape` when `ctas` token tiles
@@ -484,8 +499,7 @@ def default_tactic(
         elif items <= 2 * num_sms:
             tactic = GemmTactic(tile_rows=64, warps_m=1, warps_k=8, unroll=2, ctas_per_sm=2)
         elif items <= 3 * num_sms or items > 4 * num_sms or wide_scales:
-            tactic = GemmTactic(tile_rows=64, warps_m=1, warps_k=4, unroll=3 if wide_scales else 4,
-                                ctas_per_sm=3)
+            tactic = GemmTactic(tile_rows=64, warps_m=1, warps_k=4, unroll=3 if wide_scales else 4, ctas_per_sm=3)
         else:  # just past one pass at 3 CTAs/SM: the bulk ring overlaps GEMM2's start better (v4)
             tactic = GemmTactic(tile_rows=64, warps_m=1, warps_k=4, unroll=4, ctas_per_sm=2, stages=4)
     else:
@@ -496,8 +510,7 @@ def default_tactic(
                 # weights before griddepcontrol.wait, so GEMM2 starts while GEMM1 drains (v4)
                 tactic = GemmTactic(tile_rows=64, warps_m=4, warps_k=2, unroll=2, ctas_per_sm=2, stages=4)
             elif tiles * (s.hidden // 512) < num_sms // 2:
-                tactic = GemmTactic(tile_rows=32, warps_m=4, warps_k=1, unroll=4, ctas_per_sm=4,
-                                    persistent=False)
+                tactic = GemmTactic(tile_rows=32, warps_m=4, warps_k=1, unroll=4, ctas_per_sm=4, persistent=False)
             else:
                 tactic = GemmTactic(tile_rows=64, warps_m=8, warps_k=1, unroll=2, ctas_per_sm=2)
         else:
@@ -528,6 +541,7 @@ def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int 
     s = GemmShape.of(shape)
     tiles = 10**6 if ctas is None else max(1, round(EXPECTED_TILE_FRACTION * ctas))
     if stage == 1:
+
         def cost(rows: int) -> int:  # weight rows one SM streams: passes x item rows
             return -(-tiles * (2 * s.intermediate // rows) // num_sms) * rows
 
@@ -539,8 +553,13 @@ def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int 
     else:
         first = [GemmTactic(32, 4, 1, u, 4, stages=st, fp8=True) for u in (3, 4, 2) for st in (4, 3, 2)]
         first.append(GemmTactic(32, 4, 1, 3, 4, fp8=True))
-    candidates = first + [GemmTactic(tile_rows=r, warps_m=4, warps_k=wk, unroll=u, ctas_per_sm=c, fp8=True)
-                          for r in (32, 16) for wk in (2, 1) for u in (4, 3, 2) for c in (2, 3, 1)]
+    candidates = first + [
+        GemmTactic(tile_rows=r, warps_m=4, warps_k=wk, unroll=u, ctas_per_sm=c, fp8=True)
+        for r in (32, 16)
+        for wk in (2, 1)
+        for u in (4, 3, 2)
+        for c in (2, 3, 1)
+    ]
     last = None
     for t in candidates:
         last = t.valid_for(s, stage)

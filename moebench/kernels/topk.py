@@ -77,8 +77,10 @@ def topk_reason(experts, top_k) -> str | None:
         if not isinstance(v, int) or isinstance(v, bool):
             return f"{name} must be an int, got {type(v).__name__}"
     if experts % WARP or not WARP <= experts <= MAX_EXPERTS:
-        return (f"experts must be a multiple of {WARP} in [{WARP}, {MAX_EXPERTS}] (each lane of a"
-                f" warp holds experts/{WARP} scores), got {experts}")
+        return (
+            f"experts must be a multiple of {WARP} in [{WARP}, {MAX_EXPERTS}] (each lane of a"
+            f" warp holds experts/{WARP} scores), got {experts}"
+        )
     if not 1 <= top_k <= MAX_TOP_K:
         return f"top_k must be in [1, {MAX_TOP_K}] (the route record's limit), got {top_k}"
     return None
@@ -132,7 +134,11 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
             " neg.f32 e, s;\n"
             " fma.rn.f32 e, e, s, $1;\n"
             " fma.rn.f32 $0, e, h, s; }",
-            "=f,f", Float32(a), loc=loc, ip=ip)
+            "=f,f",
+            Float32(a),
+            loc=loc,
+            ip=ip,
+        )
 
     @cute.jit
     def sqrt_fast_path_applies(a: Float32) -> Boolean:
@@ -188,7 +194,7 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
         while cutlass.const_expr(len(items) > 1):
             merged = []
             for i in cutlass.range_constexpr(0, len(items) - 1, 2):
-                ka, ja = items[i]                 # a holds the lower ids
+                ka, ja = items[i]  # a holds the lower ids
                 kb, jb = items[i + 1]
                 take_b = kb > ka
                 merged.append((kb if take_b else ka, jb if take_b else ja))
@@ -317,7 +323,7 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
             bits = v_r.bitcast(Uint32)
             if (bits & Uint32(0x7FFFFFFF)) > Uint32(_F32_INF_BITS):
                 v_r = Float32(0.0)
-            if bits == Uint32(0xFF800000):                   # -inf (cannot occur)
+            if bits == Uint32(0xFF800000):  # -inf (cannot occur)
                 v_r = Uint32(0x80000000 | _F32_MAX_BITS).bitcast(Float32)
             n_inf = n_inf + Int32(v_r.bitcast(Uint32) == Uint32(_F32_INF_BITS))
             c.append(v_r)
@@ -337,9 +343,7 @@ if HAVE_DSL:  # the device functions need the DSL's decorators at definition tim
         return mul_rn(w, scale)
 
     @cute.jit
-    def is_image_row(
-        input_ids: cute.Pointer, ids64: Int32, row: Int32, sentinel_lo: Int32
-    ) -> Boolean:
+    def is_image_row(input_ids: cute.Pointer, ids64: Int32, row: Int32, sentinel_lo: Int32) -> Boolean:
         """Whether token `row` is an image row: its input id (int32, or int64
         when ids64 != 0, read as two int32 words) lies in
         [sentinel_lo, sentinel_lo + 5), sentinel_lo in [1, 2^31 - 6]."""

@@ -133,9 +133,11 @@ class Comparison:
 
 
 #: The error of a comparison whose cases were all timed on the CPU (module docstring).
-CPU_CANNOT_GATE = ("CPU timings cannot gate: the compared cases were timed by CPU wall clock (eager, at most"
-                   f" {EAGER_REPLAYS_CAP} replays on a shared host; torch on a CPU, not the GPU kernels), so their"
-                   " verdicts are shown, not judged; compare runs timed on a GPU (cuda-graph)")
+CPU_CANNOT_GATE = (
+    "CPU timings cannot gate: the compared cases were timed by CPU wall clock (eager, at most"
+    f" {EAGER_REPLAYS_CAP} replays on a shared host; torch on a CPU, not the GPU kernels), so their"
+    " verdicts are shown, not judged; compare runs timed on a GPU (cuda-graph)"
+)
 
 #: The note of an "unclear" case whose times cannot be compared at all.
 NO_VALID_TIME = "no valid time: a median / p10 / p90 missing, not finite or not positive"
@@ -224,13 +226,17 @@ def run_mismatches(current: dict, baseline: dict) -> tuple[list[str], list[str]]
         mism.append(f"ranks: {_ranks(current)} vs baseline {_ranks(baseline)}")
     bounds = _boundary(current), _boundary(baseline)
     if _kind(current) == _kind(baseline) == "sweep" and bounds[0] != bounds[1]:
-        mism.append(f"layer boundary: {bounds[0]} vs baseline {bounds[1]} (a boundary run writes each layer call's"
-                    " x before it; --back-to-back lets call i+1 start under call i)")
+        mism.append(
+            f"layer boundary: {bounds[0]} vs baseline {bounds[1]} (a boundary run writes each layer call's"
+            " x before it; --back-to-back lets call i+1 start under call i)"
+        )
     side = shared_overlap(current), shared_overlap(baseline)
     if _kind(current) == _kind(baseline) == "step" and side[0] != side[1]:
         where = {True: "side stream", False: "in order"}
-        mism.append(f"shared expert: {where[side[0]]} vs baseline {where[side[1]]}"
-                    " (moebench step --overlap-shared / --serial-shared)")
+        mism.append(
+            f"shared expert: {where[side[0]]} vs baseline {where[side[1]]}"
+            " (moebench step --overlap-shared / --serial-shared)"
+        )
     if dc.get("driver") != db.get("driver"):
         notes.append(f"driver {dc.get('driver')} vs baseline {db.get('driver')}")
     if current.get("cuda_runtime") != baseline.get("cuda_runtime"):
@@ -254,7 +260,12 @@ def _num(value) -> float:
 
 
 def classify(
-    median: float, p10: float, p90: float, base_median: float, base_p10: float, base_p90: float,
+    median: float,
+    p10: float,
+    p90: float,
+    base_median: float,
+    base_p10: float,
+    base_p90: float,
     threshold_pct: float = DEFAULT_THRESHOLD_PCT,
 ) -> tuple[str, float, float, float]:
     """(verdict, ratio, delta_pct, noise_pct) of two ok timings (module
@@ -375,8 +386,11 @@ def compare_runs(
         row["status"] = cur["status"] if cur is not None else ""
         row["base_status"] = base["status"] if base is not None else ""
         if cur is None:
-            row["verdict"], row["note"] = ("lost", "not in this run; ok in the baseline") if base["status"] == "ok" \
+            row["verdict"], row["note"] = (
+                ("lost", "not in this run; ok in the baseline")
+                if base["status"] == "ok"
                 else ("missing", "only in the baseline")
+            )
         elif base is None:
             row["verdict"], row["note"] = ("failed", _error_text(cur)) if cur["status"] == "failed" else (
                 "new", "not in the baseline")  # fmt: skip
@@ -384,8 +398,10 @@ def compare_runs(
             row["verdict"], row["note"] = "failed", _error_text(cur)
         elif cur["status"] != "ok" and base["status"] == "ok":
             why = _error_text(cur)
-            row["verdict"], row["note"] = "lost", f"{cur['status']} in this run" + (
-                f" ({why})" if why else "") + "; ok in the baseline"
+            row["verdict"], row["note"] = (
+                "lost",
+                f"{cur['status']} in this run" + (f" ({why})" if why else "") + "; ok in the baseline",
+            )
         elif cur["status"] != "ok" or base["status"] == "skipped":
             row["verdict"] = "skipped"
             row["note"] = _error_text(cur if cur["status"] != "ok" else base)
@@ -459,8 +475,10 @@ def _key_hint(cur_ix: dict, base_ix: dict) -> str:
         rest = [{k[:i] + k[i + 1 :] for k in ix} for ix in (cur_ix, base_ix)]
         if rest[0] & rest[1]:
             values = [", ".join(sorted({str(k[i]) for k in ix})) for ix in (cur_ix, base_ix)]
-            return (f"; cases match on preset, TP, rows, scenario, backend AND tactic, and only the {key} differs"
-                    f" ({values[0]} vs {values[1]})")
+            return (
+                f"; cases match on preset, TP, rows, scenario, backend AND tactic, and only the {key} differs"
+                f" ({values[0]} vs {values[1]})"
+            )
     return ""
 
 
@@ -470,8 +488,9 @@ def within_threshold_note(comp: Comparison) -> str:
     slower = int(comp.counts.get("slower", 0))
     if not slower or len(comp.regressions):
         return ""
-    return (f" {slower} case(s) read slower (beyond the noise) but by no more than the {comp.threshold_pct:g} %"
-            " threshold.")
+    return (
+        f" {slower} case(s) read slower (beyond the noise) but by no more than the {comp.threshold_pct:g} % threshold."
+    )
 
 
 def comparison_markdown(comp: Comparison) -> str:

@@ -244,11 +244,27 @@ def plot_kernels(df: pd.DataFrame, path: Path) -> Path | None:
             ax.bar(sub["rows"], vals, bottom=bottom, label=KERNEL_COLUMN.match(col)[1])
             bottom = [b + v for b, v in zip(bottom, vals)]
         step = "kind" in sub.columns and (sub["kind"] == "step").all()
-        ax.plot(sub["rows"], sub["median_us"], linestyle="none", marker="_", markersize=16, markeredgewidth=2.5,
-                color="k", label="whole step" if step else "layer call")
+        ax.plot(
+            sub["rows"],
+            sub["median_us"],
+            linestyle="none",
+            marker="_",
+            markersize=16,
+            markeredgewidth=2.5,
+            color="k",
+            label="whole step" if step else "layer call",
+        )
         if "routed_us" in sub.columns and sub["routed_us"].notna().any():
-            ax.plot(sub["rows"], sub["routed_us"], linestyle="none", marker="o", markersize=5, markerfacecolor="none",
-                    color="k", label="routed path")
+            ax.plot(
+                sub["rows"],
+                sub["routed_us"],
+                linestyle="none",
+                marker="o",
+                markersize=5,
+                markerfacecolor="none",
+                color="k",
+                label="routed path",
+            )
         ax.set_title(_title(key[:-1]) + f" {key[-1]}", fontsize=9)
         ax.set_xlabel("token rows")
         ax.set_ylabel("µs")
@@ -347,8 +363,10 @@ def is_report_file(name: str) -> bool:
 def _caption(name: str) -> str:
     m = TP_PLOT.match(name)
     if m:
-        return (f"TP{m[1]}: µs per layer call vs rows, every backend and tactic side by side (the run's main"
-                " scenario; log scale)")
+        return (
+            f"TP{m[1]}: µs per layer call vs rows, every backend and tactic side by side (the run's main"
+            " scenario; log scale)"
+        )
     return PLOT_CAPTIONS.get(name, name)
 
 
@@ -386,8 +404,11 @@ def write_html_report(
     copy_bw = manifest.get("copy_bw_gbps")
     copy_bw = float(copy_bw) if isinstance(copy_bw, (int, float)) and copy_bw > 0 else None
     table = summary_table(df)
-    note = "layer calls back to back" if manifest.get("boundary") == "back-to-back" else (
-        "at a layer boundary (x written before each call)" if manifest.get("boundary") == "layer" else None)
+    note = (
+        "layer calls back to back"
+        if manifest.get("boundary") == "back-to-back"
+        else ("at a layer boundary (x written before each call)" if manifest.get("boundary") == "layer" else None)
+    )
     pngs = [plot_tp_latency(sub, tp, note, out / tp_plot_name(tp)) for tp, sub in tp_plot_frames(df).items()]
     if _drawn(df):
         pngs += [plot_latency(df, copy_bw, out / "latency.png"), plot_bandwidth(df, copy_bw, out / "bandwidth.png")]
@@ -422,8 +443,11 @@ def write_html_report(
     parts.append("</ul>")
     if comparison is not None:
         parts.append(f"<h2>Comparison with {html.escape(comparison.baseline_label)}</h2><ul>")
-        parts.append(f"<li>threshold {comparison.threshold_pct:g} %; verdicts: "
-                     + html.escape(", ".join(f"{n} {v}" for v, n in comparison.counts.items()) or "none") + "</li>")
+        parts.append(
+            f"<li>threshold {comparison.threshold_pct:g} %; verdicts: "
+            + html.escape(", ".join(f"{n} {v}" for v, n in comparison.counts.items()) or "none")
+            + "</li>"
+        )
         for e in comparison.errors:
             parts.append(f"<li class='warn'>error: {html.escape(e)}</li>")
         for m in comparison.mismatches:
@@ -452,5 +476,13 @@ def write_html_report(
     return [report, *pngs]
 
 
-__all__ = ["HTML_FILES", "is_report_file", "report_files", "write_html_report", "speedup_frame", "kernel_columns",
-           "main_scenario", "tp_plot_frames"]
+__all__ = [
+    "HTML_FILES",
+    "is_report_file",
+    "report_files",
+    "write_html_report",
+    "speedup_frame",
+    "kernel_columns",
+    "main_scenario",
+    "tp_plot_frames",
+]

@@ -66,8 +66,11 @@ def report_record(out: Path) -> set[str]:
 def is_our_page(page: Path) -> bool:
     """Whether `page` is a plain file written by `report` (its <title> says "moebench run")."""
     try:
-        return not page.is_symlink() and page.is_file() and "<title>moebench run" in page.read_text(
-            encoding="utf-8", errors="replace")[:4096]
+        return (
+            not page.is_symlink()
+            and page.is_file()
+            and "<title>moebench run" in page.read_text(encoding="utf-8", errors="replace")[:4096]
+        )
     except OSError:
         return False
 
@@ -159,4 +162,3 @@ def read_report_run(path: Path, what: str):
         raise FileNotFoundError(f"{what}: {error}") from None
     except ValueError as error:
         raise ValueError(f"{what}: {error}") from None
-

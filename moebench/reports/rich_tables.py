@@ -69,14 +69,17 @@ def summary_table(table_df) -> tuple[Table, str | None]:
              if not table_df[c].replace("", None).notna().any()]  # fmt: skip
     shown = [c for c in columns if c in table_df.columns and c not in constant and c not in empty]
     for col in shown:
-        table.add_column(columns[col], overflow="fold", no_wrap=col != "note",
-                         min_width=None if col == "note" else len(columns[col]))
+        table.add_column(
+            columns[col], overflow="fold", no_wrap=col != "note", min_width=None if col == "note" else len(columns[col])
+        )
     for rec in table_df.to_dict("records"):
         table.add_row(*(cell(col, rec[col]) for col in shown))
     note = None
     if "routed_us" in shown:
-        note = ("routed = route + GEMM1 + GEMM2 without the finalize; each stage's time alone"
-                " (kernel_<stage>_us) is in the report's summary.md")
+        note = (
+            "routed = route + GEMM1 + GEMM2 without the finalize; each stage's time alone"
+            " (kernel_<stage>_us) is in the report's summary.md"
+        )
     return table, note
 
 
@@ -100,6 +103,7 @@ def frame_table(frame, title: str | None,
     """A table of `frame` (columns named by STEP_HEADS or kernel_<s>_us ->
     <s>) and the lines to print below it: columns with one value everywhere
     move to the title (a SAID_ONCE message below the table), empty ones go."""
+
     def single(c):
         return c in frame.columns and len(frame) and frame[c].nunique(dropna=False) == 1
 
@@ -158,10 +162,12 @@ def comparison_table(comp) -> Table:
 
 def gains_table(records) -> Table:
     """Tuned vs built-in µs per (preset, family, TP, rows) of tuning_runner.gains records."""
-    table = Table(title="tuned vs built-in default (µs per routed path: route + GEMM1 + GEMM2, timed side by side;"
-                        " GEMM1's candidates beside GEMM2's default, GEMM2's beside the tuned GEMM1; both: both defaults"
-                        " (GEMM1's pass) vs both tuned (GEMM2's pass), est.: estimated from the two ratios; gain > 0: tuned"
-                        " is faster)")
+    table = Table(
+        title="tuned vs built-in default (µs per routed path: route + GEMM1 + GEMM2, timed side by side;"
+        " GEMM1's candidates beside GEMM2's default, GEMM2's beside the tuned GEMM1; both: both defaults"
+        " (GEMM1's pass) vs both tuned (GEMM2's pass), est.: estimated from the two ratios; gain > 0: tuned"
+        " is faster)"
+    )
     for head in ("preset", "family", "TP", "rows", "GEMM1 default", "GEMM1 tuned", "gain", "GEMM2 default", "GEMM2 tuned",
                  "gain", "both default", "both tuned", "gain µs", "gain %"):  # fmt: skip
         table.add_column(head)

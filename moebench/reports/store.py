@@ -260,8 +260,10 @@ def _check_cases(df: pd.DataFrame, results: Path) -> None:
     bad = df[(df["status"].astype(str) == "ok") & ~(median.notna() & (median > 0) & (median < float("inf")))]
     if len(bad):
         case = _case_text(bad.iloc[0], keys)
-        raise ValueError(f"{results}: {len(bad)} ok row(s) without a finite positive median_us, e.g. {case}"
-                         f" (median_us {bad.iloc[0]['median_us']})")
+        raise ValueError(
+            f"{results}: {len(bad)} ok row(s) without a finite positive median_us, e.g. {case}"
+            f" (median_us {bad.iloc[0]['median_us']})"
+        )
 
 
 def _case_text(rec, keys) -> str:
@@ -356,8 +358,10 @@ def merge_runs(paths) -> tuple[pd.DataFrame, dict]:
     for key in ("kind", "commit"):
         for path, _, manifest in parts[1:]:
             if manifest.get(key) != first.get(key):
-                raise ValueError(f"runs differ in {key!r}: {first_path} has {first.get(key)!r}, {path} has"
-                                 f" {manifest.get(key)!r}; merge only runs of one {key}")
+                raise ValueError(
+                    f"runs differ in {key!r}: {first_path} has {first.get(key)!r}, {path} has"
+                    f" {manifest.get(key)!r}; merge only runs of one {key}"
+                )
     devices = {str(v) for _, frame, _ in parts for v in frame["device"].dropna().unique()}
     if len(devices) > 1:
         raise ValueError(f"runs were measured on different devices {sorted(devices)}; merge only one device's runs")

@@ -39,8 +39,10 @@ def failure_lines(failed: pd.DataFrame, most: int = 10) -> list[str]:
     for rec in failed.head(most).to_dict("records"):
         tactic = rec.get("tactic")
         name = rec.get("backend") if tactic in (None, "", "default") else f"{rec.get('backend')}[{tactic}]"
-        lines.append(f"{name} {rec.get('preset')} TP{rec.get('tp')} rows {rec.get('rows')} {rec.get('scenario')}:"
-                     f" {rec.get('error') or 'no reason recorded'}")
+        lines.append(
+            f"{name} {rec.get('preset')} TP{rec.get('tp')} rows {rec.get('rows')} {rec.get('scenario')}:"
+            f" {rec.get('error') or 'no reason recorded'}"
+        )
     if len(failed) > most:
         lines.append(f"and {len(failed) - most} more (see the table)")
     return lines
@@ -152,8 +154,9 @@ def boundary_text(manifest: dict) -> str | None:
     if manifest.get("kind") == "step":
         return None
     boundary = manifest.get("boundary") or "back-to-back"
-    how = manifest.get("boundary_timing") or ("stored before the layer-boundary timing: calls back to back"
-                                              if "boundary" not in manifest else "")
+    how = manifest.get("boundary_timing") or (
+        "stored before the layer-boundary timing: calls back to back" if "boundary" not in manifest else ""
+    )
     return f"{boundary} ({how})" if how else boundary
 
 
@@ -200,7 +203,7 @@ def _cell(value, digits: int) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)) or value is pd.NA:
         return ""
     if isinstance(value, float):
-        if value != 0 and (abs(value) < 10 ** -digits or abs(value) >= 1e7):
+        if value != 0 and (abs(value) < 10**-digits or abs(value) >= 1e7):
             return f"{value:.3g}"
         return f"{value:.{digits}f}"
     return str(value).replace("|", "\\|").replace("\n", " ")

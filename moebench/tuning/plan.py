@@ -53,8 +53,12 @@ def tune_plan(*, preset, hidden, intermediate, experts, top_k, tp, rows, stages,
                 tp=tps, seed=seed, layers=layers, reduced=False)  # fmt: skip
     row_list = parse_int_list(rows, "--rows", 1, MAX_ROWS)
     stage_list = parse_int_list(stages, "--stages", 1, 2)
-    for name, v, lo in (("--repeats", repeats, 1), ("--top", top, 2), ("--replays", replays, 1),
-                        ("--warmup", warmup, 0)):
+    for name, v, lo in (
+        ("--repeats", repeats, 1),
+        ("--top", top, 2),
+        ("--replays", replays, 1),
+        ("--warmup", warmup, 0),
+    ):
         if v < lo:
             raise ValueError(f"{name} must be >= {lo}, got {v}")
     if budget is not None and not budget > 0:

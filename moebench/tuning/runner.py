@@ -219,8 +219,9 @@ class GemmStageRunner:
         run: its `_a16` twin with the BF16 operand."""
         ctas = max_ctas(rows, self.shape.top_k, self.shape.experts)
         st = self.stage if stage is None else stage
-        return operand_twins([default_tactic(self.gshape, st, ctas, self.num_sms, self.wide, fp8=self.fp8)],
-                             self.act_bf16)[0]
+        return operand_twins(
+            [default_tactic(self.gshape, st, ctas, self.num_sms, self.wide, fp8=self.fp8)], self.act_bf16
+        )[0]
 
     def _case(self, rows: int) -> dict:
         """Routing, activations, oracle and static buffers of `rows` (cached)."""
@@ -269,8 +270,18 @@ class GemmStageRunner:
         route = case["route"]
         if self.stage == 1:
             a16 = dict(x_deq=case["x_deq"], h_deq_out=case["h_deq"]) if tactic.act_bf16 else {}
-            gemm1(kw, case["x_q"], case["x_s"], route.record, route.ctas, case["h_q"], case["h_s"], tactic=tactic,
-                  topk_ids=case["ids"] if tactic.spec else None, **a16)
+            gemm1(
+                kw,
+                case["x_q"],
+                case["x_s"],
+                route.record,
+                route.ctas,
+                case["h_q"],
+                case["h_s"],
+                tactic=tactic,
+                topk_ids=case["ids"] if tactic.spec else None,
+                **a16,
+            )
         else:
             a16 = dict(h_deq=case["ref_deq"]) if tactic.act_bf16 else {}
             gemm2(kw, case["ref_q"], case["ref_s"], route.record, route.ctas, case["out"], tactic=tactic, **a16)
@@ -299,7 +310,7 @@ class GemmStageRunner:
             return f"relative error {err:.3g} exceeds {ORACLE_TOLERANCE:g}"
         valid = case["route"].tile_valid_rows.tolist()
         for t in range(case["route"].tiles_used):
-            if not torch.all(case["out"][TILE * t + valid[t]: TILE * (t + 1)] == 0):
+            if not torch.all(case["out"][TILE * t + valid[t] : TILE * (t + 1)] == 0):
                 return f"padding rows of tile {t} not zero"
         return None
 
@@ -338,11 +349,30 @@ class GemmStageRunner:
 
         def launch_all() -> None:
             for kw in self.kws:
-                launch_route_quantize(case["x"], x_q, x_s, ids, record, case["permuted"], self.shape.experts,
-                                      x_deq_out=case["t_x_deq"] if t1.act_bf16 else None,
-                                      release_after_wait=t1.spec, inputs_ready=INPUTS_READY)
-                gemm1(kw, x_q, x_s, record, ctas, case["h_q"], case["h_s"], tactic=t1,
-                      topk_ids=ids if t1.spec else None, **a1)
+                launch_route_quantize(
+                    case["x"],
+                    x_q,
+                    x_s,
+                    ids,
+                    record,
+                    case["permuted"],
+                    self.shape.experts,
+                    x_deq_out=case["t_x_deq"] if t1.act_bf16 else None,
+                    release_after_wait=t1.spec,
+                    inputs_ready=INPUTS_READY,
+                )
+                gemm1(
+                    kw,
+                    x_q,
+                    x_s,
+                    record,
+                    ctas,
+                    case["h_q"],
+                    case["h_s"],
+                    tactic=t1,
+                    topk_ids=ids if t1.spec else None,
+                    **a1,
+                )
                 gemm2(kw, case["h_q"], case["h_s"], record, ctas, case["out"], tactic=t2, **a2)
 
         return time_graph(launch_all, warmup=self.warmup, replays=self.replays, calls_per_replay=len(self.kws),
@@ -580,8 +610,18 @@ def _revisit_gemm1(config, shape, dev, weight_sets, first, entries, base, say, s
     runner = _stage_runner(config, shape, 1, dev, weight_sets, {r: entries[2, r].tactic for r in rows})
     say(f"{shape.describe()} {config.family} GEMM1: revisiting {len(rows)} row counts beside the tuned GEMM2")
     prov = {**base, "timing": {**entries[1, rows[0]].provenance.get("timing", {}), "revisit": True}}
-    return tune(shape, rows, lambda _s, r: finalists[r], runner.time, runner.check, repeats=config.repeats,
-                top=max(2, config.top), prefer=lambda r: picks[r], provenance=prov, should_stop=stop)
+    return tune(
+        shape,
+        rows,
+        lambda _s, r: finalists[r],
+        runner.time,
+        runner.check,
+        repeats=config.repeats,
+        top=max(2, config.top),
+        prefer=lambda r: picks[r],
+        provenance=prov,
+        should_stop=stop,
+    )
 
 
 class Budget:
@@ -608,7 +648,7 @@ class Budget:
     def __call__(self) -> bool:
         now = self.clock()
         if self._last is not None:
-            self._steps = (self._steps + [now - self._last])[-self.window:]
+            self._steps = (self._steps + [now - self._last])[-self.window :]
         self._last = now
         if self.deadline is None:
             return False

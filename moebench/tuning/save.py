@@ -89,8 +89,10 @@ def write_gains_summary(summary: str | Path, records: list[dict], families: list
     summary.parent.mkdir(parents=True, exist_ok=True)
     text = gains_markdown(records)
     if families:
-        text += (f"\n## What `moebench` runs by default (the tables of {target} first, then"
-                 f" $MOEBENCH_TUNING_DIR and the package's)\n\n{family_markdown(families)}")
+        text += (
+            f"\n## What `moebench` runs by default (the tables of {target} first, then"
+            f" $MOEBENCH_TUNING_DIR and the package's)\n\n{family_markdown(families)}"
+        )
     summary.write_text(text, encoding="utf-8")
     summary.with_suffix(".json").write_text(json.dumps(records, indent=1) + "\n", encoding="utf-8")
     return summary, summary.with_suffix(".json")

@@ -493,7 +493,12 @@ def valid_tactics(
 
 
 def rejected_tactics(
-    shape, stage: int, ctas: int | None = None, *, num_sms: int = 132, space: TacticSpace = DEFAULT_SPACE,
+    shape,
+    stage: int,
+    ctas: int | None = None,
+    *,
+    num_sms: int = 132,
+    space: TacticSpace = DEFAULT_SPACE,
     prune: bool = True,
 ) -> dict[str, str]:
     """Tactic name -> why it is not in `valid_tactics` (for reports)."""

@@ -81,7 +81,7 @@ def align_reference(
     for e in range(experts):
         slots = [s for s, v in enumerate(local) if v == e]
         for start in range(0, len(slots), block):
-            blocks.append((e, tuple(sorted(slots[start:start + block]))))
+            blocks.append((e, tuple(sorted(slots[start : start + block]))))
         total += -(-len(slots) // block) * block
     return blocks, total
 
@@ -93,6 +93,8 @@ def blocks_of(buffers: AlignBuffers, numel: int) -> tuple[list[tuple[int, tuple[
     total = int(buffers.num_tokens_post_pad[0])
     ids = buffers.sorted_ids[:total].tolist()
     experts = buffers.expert_ids[: total // buffers.block].tolist()
-    blocks = [(experts[b], tuple(sorted(s for s in ids[b * buffers.block:(b + 1) * buffers.block] if s != numel)))
-              for b in range(total // buffers.block)]
+    blocks = [
+        (experts[b], tuple(sorted(s for s in ids[b * buffers.block : (b + 1) * buffers.block] if s != numel)))
+        for b in range(total // buffers.block)
+    ]
     return blocks, total

@@ -11,4 +11,3 @@ def prepared_cache():
     yield cache
     cache.clear()
     torch.cuda.empty_cache()
-

@@ -44,10 +44,10 @@ def _scale_geometry(scales: torch.Tensor) -> tuple[int, int, int, int, int]:
     if scales.element_size() != 1:
         raise TypeError(f"scales must be 1-byte E8M0 codes, got {scales.dtype}")
     e, rows, kgs = scales.shape
-    groups = SCALE_K // MX_BLOCK          # 4 scale groups per 128 K
-    cols = 16                             # 16 one-byte scales per 16 B
-    slices = cols // groups               # 4 row slices per 64-row block
-    folded = SCALE_ROWS // slices         # 16 folded rows
+    groups = SCALE_K // MX_BLOCK  # 4 scale groups per 128 K
+    cols = 16  # 16 one-byte scales per 16 B
+    slices = cols // groups  # 4 row slices per 64-row block
+    folded = SCALE_ROWS // slices  # 16 folded rows
     if rows % SCALE_ROWS:
         raise ValueError(f"scale rows {rows} must be a multiple of {SCALE_ROWS}")
     if kgs % groups:
@@ -133,8 +133,10 @@ def _permute_bits(words: torch.Tensor, moves: tuple[tuple[int, int], ...], inver
 
 def _check_packed(w: torch.Tensor, name: str) -> tuple[int, int, int]:
     if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.dtype != torch.uint8:
-        raise ValueError(f"{name} must be a uint8 tensor [E, n, K/2], got {getattr(w, 'dtype', type(w))} "
-                         f"{tuple(getattr(w, 'shape', ()))}")
+        raise ValueError(
+            f"{name} must be a uint8 tensor [E, n, K/2], got {getattr(w, 'dtype', type(w))} "
+            f"{tuple(getattr(w, 'shape', ()))}"
+        )
     e, n, kb = w.shape
     if n % 16:
         raise ValueError(f"{name}: n = {n} rows must be a multiple of 16")

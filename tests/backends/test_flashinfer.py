@@ -22,7 +22,12 @@ import sys
 import pytest
 import torch
 from baseline_checks import (
-    EXPERTS, TINY, baseline_cases, hot_tiny_routing, tiny_expert_alone_error, tiny_weights,
+    EXPERTS,
+    TINY,
+    baseline_cases,
+    hot_tiny_routing,
+    tiny_expert_alone_error,
+    tiny_weights,
 )
 import sm90_layouts as L
 
@@ -96,15 +101,12 @@ def test_scale_fold_matches_flashinfer_when_installed():
 CASES = baseline_cases((1, 4))
 
 
-
-
 def _backend(cls):
     backend = cls()
     reason = backend.unavailable_reason("cuda")
     if reason is not None:
         pytest.skip(reason)
     return backend
-
 
 
 def _prepared(cache, cls, preset, tp):

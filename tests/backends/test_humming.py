@@ -15,7 +15,13 @@ import sys
 import pytest
 import torch
 from baseline_checks import (
-    EXPERTS, TINY, baseline_cases, blocks_of, hot_tiny_routing, tiny_expert_alone_error, tiny_weights,
+    EXPERTS,
+    TINY,
+    baseline_cases,
+    blocks_of,
+    hot_tiny_routing,
+    tiny_expert_alone_error,
+    tiny_weights,
 )
 
 from moebench.backends import humming as hm
@@ -175,15 +181,12 @@ def test_prepare_rejects_per_expert_clamps(monkeypatch):
 CASES = baseline_cases((1, 4))
 
 
-
-
 def _backend(cls):
     backend = cls()
     reason = backend.unavailable_reason("cuda")
     if reason is not None:
         pytest.skip(reason)
     return backend
-
 
 
 def _prepared(cache, cls, preset, tp):
@@ -243,7 +246,8 @@ def test_matches_oracle(prepared_cache, cls, preset, tp):
 #: at TP 1 / 4 and humming W4A16 pass): a defect of the baseline, kept
 #: visible as a strict xfail (an XPASS, once humming handles it, fails the run).
 _HUMMING_TINY_DEFECT = pytest.mark.xfail(
-    strict=True, reason="humming-kernels 0.1.19 W4A8: zeros for a 2^-20-scale expert at dsv41-flash TP4/TP8")
+    strict=True, reason="humming-kernels 0.1.19 W4A8: zeros for a 2^-20-scale expert at dsv41-flash TP4/TP8"
+)
 
 
 def _tiny_cases():
@@ -302,8 +306,10 @@ def test_graph_capture_replays_the_eager_result(prepared_cache, cls):
     ref = reference_moe(x, ids, wts, w, activation=backend.oracle).output
     err, eager_err = relative_error(out, ref), relative_error(eager[-1], ref)
     deterministic = torch.equal(eager[1], eager[2])
-    print(f"{backend.name}: replay rel err {err:.3e}, eager {eager_err:.3e}, eager calls bit-identical:"
-          f" {deterministic}, replay == eager: {torch.equal(out, eager[-1])}")
+    print(
+        f"{backend.name}: replay rel err {err:.3e}, eager {eager_err:.3e}, eager calls bit-identical:"
+        f" {deterministic}, replay == eager: {torch.equal(out, eager[-1])}"
+    )
     # A deterministic backend must replay the eager bits; one whose eager calls
     # already differ (a reduction order that varies) must still meet the oracle.
     if deterministic:
@@ -360,8 +366,10 @@ def test_vllm_aligner_gives_the_triton_aligners_output(prepared_cache, cls, monk
             outs[how] = backend.forward(prepared, x, ids, wts).clone()
             assert backend.last_tactic.endswith(f"align={how}")
         err = relative_error(outs["vllm"], outs["triton"])
-        print(f"{backend.name} rows={rows}: vllm vs triton aligner rel diff {err:.3e},"
-              f" bit-identical: {torch.equal(outs['vllm'], outs['triton'])}")
+        print(
+            f"{backend.name} rows={rows}: vllm vs triton aligner rel diff {err:.3e},"
+            f" bit-identical: {torch.equal(outs['vllm'], outs['triton'])}"
+        )
         _assert_same_function(backend, prepared, x, ids, wts, w, outs["vllm"], outs["triton"], err)
 
 

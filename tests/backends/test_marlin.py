@@ -14,7 +14,13 @@ import sys
 import pytest
 import torch
 from baseline_checks import (
-    EXPERTS, HOT, TINY, baseline_cases, hot_tiny_routing, tiny_expert_alone_error, tiny_weights,
+    EXPERTS,
+    HOT,
+    TINY,
+    baseline_cases,
+    hot_tiny_routing,
+    tiny_expert_alone_error,
+    tiny_weights,
 )
 
 from moebench.backends import marlin as mb
@@ -75,21 +81,23 @@ def test_tactics():
     shape = get_preset("dsv41-flash").shard(4)
     assert backend.valid_tactics(shape) == ("default",)
     with pytest.raises(ValueError, match="tactic 'fast' is not valid for backend 'marlin-w4a16'"):
-        backend.prepare(generate_expert_weights(get_preset("dsv4-flash", experts=8, hidden=256,
-                                                           intermediate=128).shard(1)),
-                        get_preset("dsv4-flash", experts=8, hidden=256, intermediate=128).shard(1), "fast")
+        backend.prepare(
+            generate_expert_weights(get_preset("dsv4-flash", experts=8, hidden=256, intermediate=128).shard(1)),
+            get_preset("dsv4-flash", experts=8, hidden=256, intermediate=128).shard(1),
+            "fast",
+        )
 
 
 def test_block_size_follows_vllms_rule():
     # M * top_k / E / block < 0.9 picks the first of 8, 16, 32, 48, 64
     assert mb.block_size_m(1, 6, 384) == 8 and mb.block_size_m(8, 6, 384) == 8
-    assert mb.block_size_m(8, 6, 16) == 8            # 48 / 16 / 8 = 0.375
-    assert mb.block_size_m(8, 6, 4) == 16            # 1.5 at 8, 0.75 at 16
-    assert mb.block_size_m(8, 6, 2) == 32            # 3.0, 1.5, 0.75
-    assert mb.block_size_m(6, 6, 1) == 48            # 36: 4.5, 2.25, 1.125, then 0.75 at 48
-    assert mb.block_size_m(64, 8, 2) == 64           # never below 0.9: the last
+    assert mb.block_size_m(8, 6, 16) == 8  # 48 / 16 / 8 = 0.375
+    assert mb.block_size_m(8, 6, 4) == 16  # 1.5 at 8, 0.75 at 16
+    assert mb.block_size_m(8, 6, 2) == 32  # 3.0, 1.5, 0.75
+    assert mb.block_size_m(6, 6, 1) == 48  # 36: 4.5, 2.25, 1.125, then 0.75 at 48
+    assert mb.block_size_m(64, 8, 2) == 64  # never below 0.9: the last
     # with global experts: M = ceil(rows * local / global)
-    assert mb.block_size_m(8, 6, 4, global_experts=8) == 8   # M = 4: 24 / 4 / 8 = 0.75
+    assert mb.block_size_m(8, 6, 4, global_experts=8) == 8  # M = 4: 24 / 4 / 8 = 0.75
     assert mb.block_size_m(8, 6, 16, global_experts=17) == 8
     with pytest.raises(ValueError, match="rows"):
         mb.block_size_m(0, 6, 16)
@@ -195,9 +203,6 @@ def _backend():
     return backend
 
 
-
-
-
 def _prepared(cache, preset, tp, experts=EXPERTS):
     key = (preset, tp, experts)
     if key not in cache:
@@ -250,7 +255,7 @@ def test_matches_oracle_with_all_experts(prepared_cache, preset, tp):
     g = torch.Generator().manual_seed(tp)
     for rows in (1, 5, 8):
         x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
-        ids = torch.stack([torch.randperm(shape.experts, generator=g)[:shape.top_k] for _ in range(rows)])
+        ids = torch.stack([torch.randperm(shape.experts, generator=g)[: shape.top_k] for _ in range(rows)])
         ids = ids.to(torch.int32).cuda()
         wts = (torch.rand(rows, shape.top_k, generator=g) + 0.1).cuda()
         backend.forward(prepared, x, ids, wts)
@@ -321,8 +326,10 @@ def test_graph_capture_replays_the_eager_result(prepared_cache):
     torch.cuda.synchronize()
     ref = reference_moe(x, ids, wts, w, activation="bf16").output
     deterministic = torch.equal(eager[1], eager[2])
-    print(f"replay rel err {relative_error(out, ref):.3e}, eager calls bit-identical: {deterministic},"
-          f" replay == eager: {torch.equal(out, eager[-1])}")
+    print(
+        f"replay rel err {relative_error(out, ref):.3e}, eager calls bit-identical: {deterministic},"
+        f" replay == eager: {torch.equal(out, eager[-1])}"
+    )
     if deterministic:
         assert torch.equal(out, eager[-1])
     _check_rows(out, ref, "graph replay")
@@ -359,8 +366,9 @@ def test_read_bytes_of_device_ids(prepared_cache):
     backend, shape, _, _ = _prepared(prepared_cache, "dsv41-flash", 4)
     ids, _ = hot_tiny_routing(4, shape.top_k, 1.5, seed=1)
     touched = len(set(ids.flatten().tolist()))
-    assert backend.read_bytes(shape, ids) == (touched * marlin_expert_bytes(shape.hidden, shape.padded_intermediate)
-                                              + 2 * 4 * shape.hidden * 2)
+    assert backend.read_bytes(shape, ids) == (
+        touched * marlin_expert_bytes(shape.hidden, shape.padded_intermediate) + 2 * 4 * shape.hidden * 2
+    )
 
 
 def test_gpu_tests_need_only_the_vllm_bundles():
@@ -372,7 +380,12 @@ def test_gpu_tests_need_only_the_vllm_bundles():
         "import tests.backends.test_marlin\n"
         "print(sorted(m for m in ('cutlass', 'humming', 'flashinfer', 'vllm') if m in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "[]"

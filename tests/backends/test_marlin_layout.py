@@ -11,8 +11,10 @@ from moebench.models import get_preset
 def from_gptq_words(words: torch.Tensor) -> torch.Tensor:
     """Inverse of `gptq_words`: int32 [E, K/8, N] -> uint8 [E, N, K/2]."""
     if not isinstance(words, torch.Tensor) or words.dtype != torch.int32 or words.dim() != 3:
-        raise ValueError(f"words must be int32 [E, K/8, N], got {getattr(words, 'dtype', type(words))} "
-                         f"{tuple(getattr(words, 'shape', ()))}")
+        raise ValueError(
+            f"words must be int32 [E, K/8, N], got {getattr(words, 'dtype', type(words))} "
+            f"{tuple(getattr(words, 'shape', ()))}"
+        )
     e, k8, n = words.shape
     return words.transpose(1, 2).contiguous().view(torch.uint8).reshape(e, n, k8 * 4)
 
@@ -96,7 +98,7 @@ def _vllm_scale_path(codes: torch.Tensor) -> torch.Tensor:
     e, n, groups = codes.shape
     out = []
     for i in range(e):
-        s = codes[i].view(torch.float8_e8m0fnu).to(torch.bfloat16).t().contiguous()   # [K/32, N]
+        s = codes[i].view(torch.float8_e8m0fnu).to(torch.bfloat16).t().contiguous()  # [K/32, N]
         perm = [a + 8 * b for a in range(8) for b in range(8)]
         s = s.reshape(-1, 64)[:, perm].reshape(-1, n)
         s = s.reshape(-1, 4)[:, [0, 2, 1, 3]].reshape(groups, n)
@@ -159,8 +161,8 @@ def test_prepare_marlin_with_a_stand_in_repack():
     assert (m.hidden, m.padded_intermediate, m.experts) == (h, ip, 6)
     # the intermediate padding stays zero: scale columns of the padded gate/up rows and w2's padded K groups
     s13 = from_marlin_scales(m.w13_scale.view(torch.uint8))
-    assert int(s13[:, 192:256].count_nonzero()) == 0 and int(s13[:, 256 + 192:].count_nonzero()) == 0
-    assert int(m.w2_scale.view(torch.uint8)[:, 192 // 32:].count_nonzero()) == 0
+    assert int(s13[:, 192:256].count_nonzero()) == 0 and int(s13[:, 256 + 192 :].count_nonzero()) == 0
+    assert int(m.w2_scale.view(torch.uint8)[:, 192 // 32 :].count_nonzero()) == 0
     assert m.nbytes() == 6 * ml.marlin_expert_bytes(h, ip)
 
 

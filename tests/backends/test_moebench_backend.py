@@ -46,8 +46,11 @@ def recorded(monkeypatch):
     from moebench.kernels import binding, finalize
 
     calls = []
-    monkeypatch.setattr(binding, "RoutedExpertGemm",
-                        lambda weights, top_k, tactics=None, **kw: calls.append((top_k, tactics, kw)) or "layer")
+    monkeypatch.setattr(
+        binding,
+        "RoutedExpertGemm",
+        lambda weights, top_k, tactics=None, **kw: calls.append((top_k, tactics, kw)) or "layer",
+    )
     monkeypatch.setattr(finalize, "compile_finalize_kernel", lambda *a: None)
     return calls
 
@@ -83,13 +86,15 @@ def test_kernel_tactics_names_the_family_that_ran_and_how_it_was_chosen():
         family_choice=FamilyChoice(True, "tables", "fp8 faster at rows 1-8"),
     )
     assert MoebenchBackend().kernel_tactics(prepared, 6) == (
-        "fp8 family (tables); gemm1 r16_m4_k4_u4_c1_b6_f8 (table); gemm2 r32_m4_k1_u3_c3_b6_f8 (default (fp8))")
+        "fp8 family (tables); gemm1 r16_m4_k4_u4_c1_b6_f8 (table); gemm2 r32_m4_k1_u3_c3_b6_f8 (default (fp8))"
+    )
     b1, b2 = GemmTactic(64, 1, 8, 4, 1, act_bf16=True), GemmTactic(32, 8, 1, 2, 2, act_bf16=True)
     prepared = SimpleNamespace(tactics={(1, 2): b1, (2, 2): b2},
                                tactic_sources={(1, 2): "default (gemm1 rows=2)", (2, 2): "explicit"},
                                family_choice=FamilyChoice(False, "asked", "fp8=False"))  # fmt: skip
     assert MoebenchBackend().kernel_tactics(prepared, 2) == (
-        f"bf16 family (asked); gemm1 {b1.name} (default (gemm1 rows=2)); gemm2 {b2.name} (explicit)")
+        f"bf16 family (asked); gemm1 {b1.name} (default (gemm1 rows=2)); gemm2 {b2.name} (explicit)"
+    )
 
 
 # ----------------------------------------------------------------------------- GPU

@@ -53,6 +53,11 @@ def test_ours_and_the_oracle_are_not_peers():
     """`peer` is declared by the class, never derived from a name."""
     assert MoebenchBackend.peer is False and ReferenceBackend.peer is False
     assert Backend.peer is True
-    for cls in (TorchBF16Backend, FlashInferW4A16Backend, FlashInferW4A8Backend, HummingW4A16Backend,
-                HummingW4A8Backend):
+    for cls in (
+        TorchBF16Backend,
+        FlashInferW4A16Backend,
+        FlashInferW4A8Backend,
+        HummingW4A16Backend,
+        HummingW4A8Backend,
+    ):
         assert cls.peer is True, cls.name

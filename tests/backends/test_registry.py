@@ -12,8 +12,15 @@ from moebench.backends.registry import (
 
 def test_builtin_names_and_cpu_availability():
     names = backend_names()
-    for name in ("torch-bf16", "reference", "moebench", "flashinfer-w4a16", "flashinfer-w4a8", "humming-w4a16",
-                 "humming-w4a8"):
+    for name in (
+        "torch-bf16",
+        "reference",
+        "moebench",
+        "flashinfer-w4a16",
+        "flashinfer-w4a8",
+        "humming-w4a16",
+        "humming-w4a8",
+    ):
         assert name in names
     avail = available_backends("cpu")
     assert avail["torch-bf16"] is None and avail["reference"] is None

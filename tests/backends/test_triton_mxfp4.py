@@ -17,7 +17,12 @@ import types
 import pytest
 import torch
 from baseline_checks import (
-    EXPERTS, TINY, baseline_cases, hot_tiny_routing, tiny_expert_alone_error, tiny_weights,
+    EXPERTS,
+    TINY,
+    baseline_cases,
+    hot_tiny_routing,
+    tiny_expert_alone_error,
+    tiny_weights,
 )
 
 from moebench.backends import triton_mxfp4 as tm
@@ -94,8 +99,11 @@ def test_unavailable_on_other_gpus(monkeypatch):
 
 def test_unavailable_without_triton_kernels(monkeypatch):
     _fake_hopper(monkeypatch)
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "triton_kernels" else types.SimpleNamespace(name=name))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "triton_kernels" else types.SimpleNamespace(name=name),
+    )
     reason = tm.TritonMxfp4Backend().unavailable_reason("cuda:0")
     assert "triton_kernels" in reason and "vllm-moe" in reason
 
@@ -410,8 +418,12 @@ def test_pack_bitmatrix_compiles_like_vllms(rows, tmp_path):
     module.__file__ = str(module_file)
     importlib.machinery.SourceFileLoader("vllm_pack", str(module_file)).exec_module(module)
     rows_const = {"rows": 1} if rows == 1 else {}
-    ours = _sm90_resources(g._pack_bitmatrix_kernel, {"bits_ptr": "*u32", "ids_ptr": "*i16"},
-                           dict(WORDS=12, BLOCK_M=g.PACK_BLOCK_M, BLOCK_K=g.PACK_BLOCK_K, **rows_const), tmp_path)
+    ours = _sm90_resources(
+        g._pack_bitmatrix_kernel,
+        {"bits_ptr": "*u32", "ids_ptr": "*i16"},
+        dict(WORDS=12, BLOCK_M=g.PACK_BLOCK_M, BLOCK_K=g.PACK_BLOCK_K, **rows_const),
+        tmp_path,
+    )
     theirs = _sm90_resources(module.pack_bitmatrix, {"bitmatrix": "*u32", "topk_ids": "*i16"},
                              dict(bm_cols=12, BLOCK_SIZE_M=512, BLOCK_SIZE_K=32,
                                   **({"n_rows": 1} if rows == 1 else {})), tmp_path)  # fmt: skip
@@ -437,9 +449,6 @@ def test_forward_rejects_foreign_prepared_and_bad_rows():
 
 #: every preset at TP 1, 4 and 8; MOEBENCH_BASELINE_CASES="dsv41-flash:4,dsv4-pro:1" narrows it.
 CASES = baseline_cases((1, 4, 8))
-
-
-
 
 
 def _prepared(cache, preset, tp):

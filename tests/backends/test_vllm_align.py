@@ -12,7 +12,7 @@ from moebench.backends import vllm_ops
 
 def test_buffer_sizes_follow_vllms_wrapper():
     assert va.max_num_tokens_padded(12, 4, 4) == 12 + 4 * 3
-    assert va.max_num_tokens_padded(6, 384, 8) == 48          # fewer slots than experts: numel * block
+    assert va.max_num_tokens_padded(6, 384, 8) == 48  # fewer slots than experts: numel * block
     assert va.max_num_tokens_padded(48, 16, 8) == 48 + 16 * 7
     assert va.max_num_tokens_padded(10, 12, 64) == min(640, 10 + 12 * 63)
     assert va.max_num_blocks(12, 4, 4) == 6 and va.max_num_blocks(49, 3, 8) == -(-(49 + 21) // 8)
@@ -31,8 +31,12 @@ def test_reference_hand_case():
 
 def test_blocks_of_reads_real_buffers():
     # what the op writes for the hand case (block 2, numel 4): expert 0 [1, pad], expert 2 [2, 0, 3, pad]
-    buf = va.AlignBuffers(torch.tensor([1, 4, 2, 0, 3, 4, 4, 4, 4, 4], dtype=torch.int32),
-                          torch.tensor([0, 2, 2, -1, -1], dtype=torch.int32), torch.tensor([6], dtype=torch.int32), 2)
+    buf = va.AlignBuffers(
+        torch.tensor([1, 4, 2, 0, 3, 4, 4, 4, 4, 4], dtype=torch.int32),
+        torch.tensor([0, 2, 2, -1, -1], dtype=torch.int32),
+        torch.tensor([6], dtype=torch.int32),
+        2,
+    )
     ids = torch.tensor([[2, 0], [2, 2]], dtype=torch.int32)
     assert blocks_of(buf, 4) == align_reference(ids, 3, 2)
 
@@ -89,7 +93,7 @@ def test_op_matches_the_reference_and_fills_the_tail(experts, block):
         ref, ref_total = align_reference(ids, experts, block)
         assert (got, total) == (ref, ref_total), (experts, block, rows)
         assert bool((out.sorted_ids[total:] == numel).all()), "sorted_ids tail must hold the sentinel numel"
-        tail = out.expert_ids[total // block:].unique().tolist()
+        tail = out.expert_ids[total // block :].unique().tolist()
         assert tail in ([], [-1]), f"expert_ids past the used blocks hold {tail} (vLLM 0.26 writes -1)"
 
 
@@ -102,7 +106,7 @@ def test_op_skips_ids_the_expert_map_marks_remote(experts):
     g = torch.Generator().manual_seed(experts)
     ids = torch.stack([torch.randperm(experts, generator=g)[:6] for _ in range(5)]).to(torch.int32)
     ids[:, -2:] = experts  # remote slots
-    ids[2, :] = experts    # a row with no local expert at all
+    ids[2, :] = experts  # a row with no local expert at all
     expert_map = torch.cat((torch.arange(experts, dtype=torch.int32), torch.tensor([-1], dtype=torch.int32)))
     out = va.moe_align_block_size(ids.cuda(), experts + 1, 8, expert_map=expert_map.cuda())
     assert blocks_of(out, ids.numel()) == align_reference(ids, experts + 1, 8, expert_map)

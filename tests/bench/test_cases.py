@@ -71,7 +71,11 @@ def test_reduced_tp_error_suggests_the_reduced_geometrys_degrees():
         with pytest.raises(ValueError) as info:
             SweepConfig(tp=(tp,), reduced=True)
         text = str(info.value)
-        assert "valid --tp values on the CPU: 1,2,4,8," in text and "the sweep runs a reduced geometry" in text and "9,12" not in text
+        assert (
+            "valid --tp values on the CPU: 1,2,4,8," in text
+            and "the sweep runs a reduced geometry" in text
+            and "9,12" not in text
+        )
     with pytest.raises(ValueError, match=r"valid --tp values: 1,2,3,4,6,8,9,12,18,24,36$"):
         SweepConfig(tp=(16,), reduced=False)
     with pytest.raises(ValueError, match=r"valid --tp values: 1,2,4,8$"):  # an --intermediate runs on both

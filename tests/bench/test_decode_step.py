@@ -128,7 +128,8 @@ def test_step_tactics_on_the_cpu():
                                  device="cpu", warmup=0, replays=2, split=False)).frame  # fmt: skip
     grouped = load_backend("torch-bf16").default_alias(None) == "grouped"  # else it names "gather"
     assert list(zip(every["backend"], every["tactic"])) == [("reference", "default"), ("torch-bf16", "default")] + (
-        [("torch-bf16", "gather")] if grouped else [])
+        [("torch-bf16", "gather")] if grouped else []
+    )
     assert (every["status"] == "ok").all(), every[["backend", "tactic", "error"]].to_string()
 
 
@@ -285,7 +286,8 @@ def test_cli_tp2_step_stores_the_ranks_and_report_renders_them(tmp_path):
     for rank in (0, 1):  # every rank ran the same (backend, tactic) sequence
         mine = ranks[ranks["rank"] == rank]
         assert list(zip(mine["backend"], mine["tactic"], mine["status"])) == list(
-            zip(frame["backend"], frame["tactic"], frame["status"]))
+            zip(frame["backend"], frame["tactic"], frame["status"])
+        )
     workers = manifest["workers"]
     assert [w["status"] for w in workers] == ["done", "done"] and not any(w["error"] for w in workers)
     assert all(w["multicast_env"] == MULTICAST_OFF for w in workers)
@@ -342,7 +344,9 @@ def test_gpu_tp2_step_matches_the_single_gpu_oracle():
                       rows=(1, 5, 8), backends=("moebench", "torch-bf16"), device="cuda", devices=(0, 1), layers=2,
                       warmup=2, replays=10)  # fmt: skip
     res = run_step(cfg, timeout_s=900)
-    _check_ok(res.frame, BACKEND_STAGES, shared="kernels")  # max_rel_err: the all-reduced output vs the full layer's oracle
+    _check_ok(
+        res.frame, BACKEND_STAGES, shared="kernels"
+    )  # max_rel_err: the all-reduced output vs the full layer's oracle
     assert (res.frame["allreduce_us"] > 0).all() and (res.frame["timing_method"] == "cuda-graph").all()
     assert sorted(set(res.ranks["gpu_index"])) == [0, 1] and (res.ranks["status"] == "ok").all()
     workers = res.manifest["workers"]
@@ -374,6 +378,7 @@ def test_a_terminated_tp_step_stops_its_ranks_and_removes_its_scratch(tmp_path):
     out = proc.communicate(timeout=60)[0]
     assert proc.returncode == 128 + signal.SIGTERM, out
     assert not list(tmp_path.glob("moebench-launch-*"))
+
     def running(pid: int) -> bool:  # a zombie awaiting its new parent has stopped
         with contextlib.suppress(FileNotFoundError):
             return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"

@@ -72,8 +72,12 @@ class _Declares(Backend):
 ])  # fmt: skip
 def test_a_step_takes_a_backend_by_its_capabilities_not_its_name(monkeypatch, caps, kind, front):
     made = []
-    monkeypatch.setattr(decode_step, "KernelStep", lambda runner, prepared, x, front, **k: made.append(("kernel", front)))
-    monkeypatch.setattr(decode_step, "BackendStep", lambda runner, backend, prepared, x, **k: made.append(("backend", None)))
+    monkeypatch.setattr(
+        decode_step, "KernelStep", lambda runner, prepared, x, front, **k: made.append(("kernel", front))
+    )
+    monkeypatch.setattr(
+        decode_step, "BackendStep", lambda runner, backend, prepared, x, **k: made.append(("backend", None))
+    )
     backend = type("Other", (_Declares,), {"step_capabilities": caps})()
     decode_step.make_step(None, backend, None, None, all_reduce=False, overlap_shared=True)
     assert made == [(kind, front)]

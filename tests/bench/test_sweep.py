@@ -11,8 +11,17 @@ from moebench.bench.sweep import COLUMNS, layer_count, run_sweep
 from moebench.reports.store import REQUIRED_COLUMNS
 
 TINY = dict(
-    presets=("dsv4-flash",), hidden=128, intermediate=64, experts=8, top_k=2, tp=(1,), rows=(1, 3),
-    scenarios=("uniform",), replays=3, warmup=1, device="cpu",
+    presets=("dsv4-flash",),
+    hidden=128,
+    intermediate=64,
+    experts=8,
+    top_k=2,
+    tp=(1,),
+    rows=(1, 3),
+    scenarios=("uniform",),
+    replays=3,
+    warmup=1,
+    device="cpu",
 )
 
 
@@ -117,7 +126,7 @@ def test_a_tactic_no_selected_backend_offers_fails_up_front_naming_the_valid_one
 
 
 def test_moebench_backend_offers_default_builtin_and_tuned(monkeypatch, tmp_path):
-    """"tuned" is skipped with the reason while no table covers the device
+    """ "tuned" is skipped with the reason while no table covers the device
     and shape class; a table in $MOEBENCH_TUNING_DIR makes it available."""
     from moebench.backends.moebench import MoebenchBackend
     from moebench.kernels.tactic import default_tactic
@@ -144,7 +153,7 @@ def test_moebench_backend_offers_default_builtin_and_tuned(monkeypatch, tmp_path
 
 
 def test_moebench_backend_fp8_tactic_is_skipped_with_the_reason_where_it_cannot_run():
-    """"fp8" (the FP8 kernel family by name) is available where fp8 tactics fit
+    """ "fp8" (the FP8 kernel family by name) is available where fp8 tactics fit
     both GEMMs, else its reason names the GEMM and the rule."""
     from moebench.backends.moebench import MoebenchBackend
     from moebench.models import get_preset
@@ -254,8 +263,11 @@ def test_a_split_backend_gets_per_stage_and_routed_times():
     with the reason in its note."""
     from moebench.bench.sweep import STAGE_TIMING, SWEEP_STAGES
 
-    names = {"test-staged": StagedBackend, "test-bad-stage": BadStageBackend,
-             "test-repeated-stage": RepeatedStageBackend}
+    names = {
+        "test-staged": StagedBackend,
+        "test-bad-stage": BadStageBackend,
+        "test-repeated-stage": RepeatedStageBackend,
+    }
     for name, cls in names.items():
         register_backend(name, cls)
     StagedBackend.calls = {}
@@ -284,7 +296,9 @@ def test_a_split_backend_gets_per_stage_and_routed_times():
     assert bad["routed_us"] > 0  # the routed path is timed even though the stages failed
     rep = by["test-repeated-stage"]
     assert rep["status"] == "ok" and math.isnan(rep["kernel_gemm1_us"]) and math.isnan(rep["routed_us"])
-    assert "distinct names" in rep["error"] and "routed-path timing failed: RuntimeError: no routed path" in rep["error"]
+    assert (
+        "distinct names" in rep["error"] and "routed-path timing failed: RuntimeError: no routed path" in rep["error"]
+    )
     assert result.manifest["stage_timing"] == STAGE_TIMING
 
 
@@ -297,8 +311,9 @@ def test_no_split_times_the_layer_call_only():
     register_backend("test-staged", StagedBackend)
     StagedBackend.calls = {}
     try:
-        result = run_sweep(SweepConfig(backends=("test-staged",), split=False,
-                                       **{**TINY, "rows": (3,), "replays": 30, "warmup": 5}))
+        result = run_sweep(
+            SweepConfig(backends=("test-staged",), split=False, **{**TINY, "rows": (3,), "replays": 30, "warmup": 5})
+        )
     finally:
         unregister_backend("test-staged")
     row = result.frame.to_dict("records")[0]
@@ -324,8 +339,17 @@ def test_gpu_sweep_times_our_stages_and_routed_path():
     faster than the routed path."""
     from moebench.bench.sweep import SWEEP_STAGES
 
-    cfg = SweepConfig(presets=("dsv41-flash",), tp=(8,), rows=(6,), scenarios=("correlated",),
-                      backends=("moebench",), tactics=("default", "fp8"), replays=20, warmup=3, device="cuda")
+    cfg = SweepConfig(
+        presets=("dsv41-flash",),
+        tp=(8,),
+        rows=(6,),
+        scenarios=("correlated",),
+        backends=("moebench",),
+        tactics=("default", "fp8"),
+        replays=20,
+        warmup=3,
+        device="cuda",
+    )
     df = run_sweep(cfg).frame
     assert (df["status"] == "ok").all(), df["error"].tolist()
     for r in df.to_dict("records"):
@@ -384,8 +408,10 @@ def test_forced_layers_error_names_layers_only_beyond_the_budget():
     assert forced_layers_error(4, 10**9, 4 * 10**9, 0.6) is None
     assert forced_layers_error(64, 10**9, None, 0.6) is None
     text = forced_layers_error(5, 10**9, 4 * 10**9, 0.6)
-    assert text == ("layers (--layers) 5 need 5.0 GB of weights, more than the 4.0 GB budget (memory_fraction 0.6"
-                    " of the free device memory)")
+    assert text == (
+        "layers (--layers) 5 need 5.0 GB of weights, more than the 4.0 GB budget (memory_fraction 0.6"
+        " of the free device memory)"
+    )
 
 
 def test_one_pair_is_prepared_at_a_time_and_the_frame_keeps_case_order(monkeypatch):
@@ -442,7 +468,7 @@ def test_an_interrupted_sweep_keeps_the_cases_it_measured():
 
 
 class AliasedBackend(TorchBF16Backend):
-    """"default" names "grouped" whatever this torch has (the tactics as torch-bf16's with _grouped_mm)."""
+    """ "default" names "grouped" whatever this torch has (the tactics as torch-bf16's with _grouped_mm)."""
 
     name = "test-aliased"
 
@@ -502,7 +528,9 @@ def _slow_writes(monkeypatch, events):
                 events.append(f"w{layer}")
                 time.sleep(1e-3)
                 return write()
+
             return call
+
         return [slow(w, i) for i, w in enumerate(real(x, layers))]
 
     monkeypatch.setattr(sweep, "layer_writes", writes)

@@ -69,7 +69,9 @@ def test_cuda_graph_timing_of_a_kernel():
 def test_capture_error_mode_is_checked():
     with pytest.raises(ValueError, match="capture_error_mode"):
         time_graph(lambda: None, replays=1, device="cpu", capture_error_mode="loose")
-    assert time_graph(lambda: None, replays=2, device="cpu", capture_error_mode="thread_local").method == "cpu-wallclock"
+    assert (
+        time_graph(lambda: None, replays=2, device="cpu", capture_error_mode="thread_local").method == "cpu-wallclock"
+    )
 
 
 def test_check_sees_one_more_run_of_what_was_timed_and_its_result_is_kept():

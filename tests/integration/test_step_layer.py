@@ -196,7 +196,7 @@ def test_kernel_step_without_a_gemm_binds_through_build_routed_expert_gemms(monk
         assert isinstance(step.gemm, FakeRoutedExpertGemm) and step.step.gemm is step.gemm is step.step_no_gate.gemm
         assert step.uses_front is front
         assert relative_error(step.run(), oracle) < ORACLE_TOLERANCE
-    (w, k), = asked[-1][0]
+    ((w, k),) = asked[-1][0]
     assert k == CFG.top_k and w.w13 is weights.experts.w13 and asked[-1][1:] == (None, None)
 
 

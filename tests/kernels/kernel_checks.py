@@ -162,7 +162,6 @@ def sass_first(report: dict, pattern: str) -> int:
     return next((n for n, s in enumerate(report["instr"]) if re.search(pattern, s)), -1)
 
 
-
 def compile_sm90a(kernel, *args, ptx: bool = False) -> tuple[str, str | None]:
     """(SASS, PTX) of cute.compile(kernel, *args) for sm_90a; PTX is None unless asked for."""
     import cutlass.cute as cute

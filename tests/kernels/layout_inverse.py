@@ -13,8 +13,7 @@ from moebench.kernels.shared_expert import M_TILE, SharedExpertWeights
 from moebench.models import MX_BLOCK
 
 
-def unpack_rows(packed: torch.Tensor, scales: torch.Tensor,
-                operand: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_rows(packed: torch.Tensor, scales: torch.Tensor, operand: str = "bf16") -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of `pack_rows` (the same `operand`): (uint8 [E, M, K/2], uint8
     [E, M, K/32]). Raises ValueError for an unknown operand."""
     if operand not in OPERANDS:

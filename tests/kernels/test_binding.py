@@ -65,8 +65,7 @@ def _bare_gemm(hidden=512, top_k=6, experts=64, intermediate=256):
     import types
 
     g = object.__new__(binding.RoutedExpertGemm)
-    g.kw = types.SimpleNamespace(hidden=hidden, experts=experts, intermediate=intermediate,
-                                 device=torch.device("cpu"))
+    g.kw = types.SimpleNamespace(hidden=hidden, experts=experts, intermediate=intermediate, device=torch.device("cpu"))
     g.top_k = top_k
     return g
 
@@ -97,8 +96,15 @@ def test_gemms_reject_non_routing_and_foreign_h():
     with pytest.raises(TypeError, match="Routing"):
         g.gemm2({"x": 1}, torch.zeros(1), torch.zeros(1))
     u8 = lambda *s: torch.zeros(*s, dtype=torch.uint8)  # noqa: E731
-    routing = binding.Routing(u8(1, 512), u8(1, 16), torch.zeros(1, 6, dtype=torch.int32), torch.ones(1, 6),
-                              torch.zeros(1, 6, dtype=torch.int32), torch.zeros(32, dtype=torch.int32), ctas=6)
+    routing = binding.Routing(
+        u8(1, 512),
+        u8(1, 16),
+        torch.zeros(1, 6, dtype=torch.int32),
+        torch.ones(1, 6),
+        torch.zeros(1, 6, dtype=torch.int32),
+        torch.zeros(32, dtype=torch.int32),
+        ctas=6,
+    )
     with pytest.raises(ValueError, match="h_q must be"):
         g.gemm2(routing, u8(48, 128), u8(48, 8))
     with pytest.raises(ValueError, match="h_scale must be"):
@@ -251,8 +257,12 @@ def test_tactics_come_from_the_tuning_table_else_the_default(tmp_path, monkeypat
     plain8 = binding.RoutedExpertGemm(w, shape.top_k, fp8=True)  # no fp8 part yet: the fp8 defaults
     assert all(s.startswith("default") for s in plain8.tactic_sources.values())
     assert plain8.tactics == default.tactics
-    table = tb.TuningTable(tb.ShapeClass.of(shape), {"name": name, "sm_count": 132}, {(1, 6): entry},
-                           fp8_entries={(1, 4): tb.TableEntry(f8, 10.0, 9.0, 11.0)})
+    table = tb.TuningTable(
+        tb.ShapeClass.of(shape),
+        {"name": name, "sm_count": 132},
+        {(1, 6): entry},
+        fp8_entries={(1, 4): tb.TableEntry(f8, 10.0, 9.0, 11.0)},
+    )
     write_table(table, tmp_path)  # the same device and the BF16 entry kept: replaces the first
     tb.reset_log_once()
     mixed = binding.RoutedExpertGemm(w, shape.top_k, fp8=False)
@@ -388,8 +398,9 @@ def test_act_bf16_binding_writes_x_deq_and_matches_the_e4m3_binding(bound):
         x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
         routing, out = _run(gemm, x, ids, tw)
         assert e4m3.route(x, ids, tw).x_deq is None
-        assert torch.equal(routing.x_deq.view(torch.int16),
-                           act_to_bf16(routing.x_quant, routing.x_scale).view(torch.int16))
+        assert torch.equal(
+            routing.x_deq.view(torch.int16), act_to_bf16(routing.x_quant, routing.x_scale).view(torch.int16)
+        )
         _, want = _run(e4m3, x, ids, tw)
         idx = want.expanded_idx_to_permuted_idx.flatten()
         idx = idx[idx >= 0].long()
@@ -453,8 +464,9 @@ def test_fp8_binding_runs_fp8_twins_and_matches_the_oracle(bound):
     with pytest.raises(ValueError, match="fp8"):
         binding.RoutedExpertGemm(w, shape.top_k, {2: GemmTactic(32, 4, 1, 3, 2, fp8=True)}, fp8=False)
     with pytest.raises(ValueError, match="tactics mix the fp8 and BF16 families"):
-        binding.RoutedExpertGemm(w, shape.top_k, {1: GemmTactic(64, 1, 8, 4, 1),
-                                                  2: GemmTactic(32, 4, 1, 3, 2, fp8=True)})
+        binding.RoutedExpertGemm(
+            w, shape.top_k, {1: GemmTactic(64, 1, 8, 4, 1), 2: GemmTactic(32, 4, 1, 3, 2, fp8=True)}
+        )
     with pytest.raises(TypeError, match="fp8 must be a bool or None"):
         binding.RoutedExpertGemm(w, shape.top_k, fp8="yes")
     # explicit tactics without fp8: the layer runs their family

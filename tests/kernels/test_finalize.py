@@ -38,8 +38,7 @@ NAN_BITS = 0x7FC1  # bf16 NaN, the poison of rows nobody may read and of `out`
 # --------------------------------------------------------------------------- CPU: compile
 
 
-def _compile(has_shared: bool, pdl: bool = True, threads: int = 64,
-             norm: bool = False) -> tuple[list[str], str]:
+def _compile(has_shared: bool, pdl: bool = True, threads: int = 64, norm: bool = False) -> tuple[list[str], str]:
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32
@@ -50,11 +49,25 @@ def _compile(has_shared: bool, pdl: bool = True, threads: int = 64,
     def fake(dtype, align=16):
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
 
-    sass, ptx = compile_sm90a(FinalizeKernel(has_shared=has_shared, pdl=pdl, threads=threads, norm=norm),
-                              fake(BFloat16), fake(Float32, 4), fake(Int32, 4), fake(BFloat16),
-                              fake(BFloat16), Int32(1), Int32(1), Int32(128), Int32(1),
-                              Float32(1.0), fake(BFloat16), fake(BFloat16), fake(BFloat16), Float32(1e-6),
-                              cuda.CUstream(0), ptx=True)
+    sass, ptx = compile_sm90a(
+        FinalizeKernel(has_shared=has_shared, pdl=pdl, threads=threads, norm=norm),
+        fake(BFloat16),
+        fake(Float32, 4),
+        fake(Int32, 4),
+        fake(BFloat16),
+        fake(BFloat16),
+        Int32(1),
+        Int32(1),
+        Int32(128),
+        Int32(1),
+        Float32(1.0),
+        fake(BFloat16),
+        fake(BFloat16),
+        fake(BFloat16),
+        Float32(1e-6),
+        cuda.CUstream(0),
+        ptx=True,
+    )
     return sass_instructions(sass), ptx
 
 
@@ -75,7 +88,7 @@ def test_compiles_for_sm90a_without_spills(has_shared, pdl, threads):
     assert not re.search(r"\bSTG\.E\s", text)
     # separately rounded fp32 multiplies and adds, no FMA contraction, no flush to zero
     assert not re.search(r"\bFFMA\b|\bHFMA2?\b", text), "a multiply-add was contracted"
-    assert len(re.findall(r"\bFMUL\b", text)) == 8 * 8 + 8             # w*x, then the scale
+    assert len(re.findall(r"\bFMUL\b", text)) == 8 * 8 + 8  # w*x, then the scale
     assert len(re.findall(r"\bFADD\b", text)) == 8 * 8 + 8 * has_shared  # acc+, then shared
     assert not re.search(r"\.FTZ\b", text)
     assert len(re.findall(r"F2FP\.BF16\.F32\.PACK_AB", text)) == 4
@@ -92,8 +105,14 @@ def test_compiles_for_sm90a_without_spills(has_shared, pdl, threads):
 @pytest.mark.compile
 @pytest.mark.parametrize(
     "has_shared, pdl, threads",
-    [(True, True, 896), (False, True, 512), (True, True, 640), (True, False, 896),
-     (True, True, 1024), (False, False, 32)],
+    [
+        (True, True, 896),
+        (False, True, 512),
+        (True, True, 640),
+        (True, False, 896),
+        (True, True, 1024),
+        (False, False, 32),
+    ],
 )
 def test_norm_variant_compiles_for_sm90a_without_spills(has_shared, pdl, threads):
     instr, ptx = _compile(has_shared, pdl, threads, norm=True)
@@ -136,10 +155,8 @@ def test_compile_finalize_kernel_is_cached_and_validates():
     assert compile_finalize_kernel(True) is compile_finalize_kernel(True, pdl=True, threads=64)
     assert compile_finalize_kernel(True) is not compile_finalize_kernel(False)
     assert compile_finalize_kernel(True, False) is not compile_finalize_kernel(True, True)
-    assert compile_finalize_kernel(True, threads=640, norm=True) is compile_finalize_kernel(
-        True, True, 640, norm=True)
-    assert compile_finalize_kernel(True, threads=640, norm=True) is not compile_finalize_kernel(
-        True, threads=640)
+    assert compile_finalize_kernel(True, threads=640, norm=True) is compile_finalize_kernel(True, True, 640, norm=True)
+    assert compile_finalize_kernel(True, threads=640, norm=True) is not compile_finalize_kernel(True, threads=640)
     for bad in (1, None, "yes"):
         with pytest.raises(TypeError, match="has_shared"):
             compile_finalize_kernel(bad)
@@ -164,10 +181,12 @@ def test_compile_finalize_kernel_is_cached_and_validates():
 
 
 def _args(tokens=4, top_k=6, h=4096, n_rows=32):
-    return dict(rows=torch.zeros(n_rows, h, dtype=torch.bfloat16),
-                weights=torch.zeros(tokens, top_k, dtype=torch.float32),
-                permuted=torch.zeros(tokens, top_k, dtype=torch.int32),
-                out=torch.empty(tokens, h, dtype=torch.bfloat16))
+    return dict(
+        rows=torch.zeros(n_rows, h, dtype=torch.bfloat16),
+        weights=torch.zeros(tokens, top_k, dtype=torch.float32),
+        permuted=torch.zeros(tokens, top_k, dtype=torch.int32),
+        out=torch.empty(tokens, h, dtype=torch.bfloat16),
+    )
 
 
 BF16 = torch.bfloat16
@@ -183,10 +202,8 @@ BF16 = torch.bfloat16
         (lambda a: a.update(rows=a["rows"][0]), ValueError, "rows must be 2-D"),
         (lambda a: a.update(rows=torch.zeros(32, 4000, dtype=BF16)), ValueError, "rows: H"),
         (lambda a: a.update(rows=torch.zeros(32, 64, dtype=BF16)), ValueError, "rows: H"),
-        (lambda a: a.update(rows=torch.zeros(32, 8192, dtype=BF16)[:, ::2]), ValueError,
-         "rows must be contiguous"),
-        (lambda a: a.update(rows=misaligned((32, 4096), BF16)), ValueError,
-         "rows must be 16-byte aligned"),
+        (lambda a: a.update(rows=torch.zeros(32, 8192, dtype=BF16)[:, ::2]), ValueError, "rows must be contiguous"),
+        (lambda a: a.update(rows=misaligned((32, 4096), BF16)), ValueError, "rows must be 16-byte aligned"),
         (lambda a: a.update(weights=None), TypeError, "weights must be a torch.Tensor"),
         (lambda a: a.update(weights=a["weights"].double()), TypeError, "weights must be torch.float32"),
         (lambda a: a.update(weights=a["weights"].to(BF16)), TypeError, "weights must be torch.float32"),
@@ -201,24 +218,22 @@ BF16 = torch.bfloat16
         (lambda a: a.update(permuted=a["permuted"].float()), TypeError, "permuted must be torch.int32"),
         (lambda a: a.update(permuted=a["permuted"][:3]), ValueError, "permuted must have shape"),
         (lambda a: a.update(permuted=a["permuted"].view(-1)), ValueError, "permuted must have shape"),
-        (lambda a: a.update(permuted=torch.zeros(6, 4, dtype=torch.int32).t()), ValueError,
-         "permuted must be contiguous"),
+        (
+            lambda a: a.update(permuted=torch.zeros(6, 4, dtype=torch.int32).t()),
+            ValueError,
+            "permuted must be contiguous",
+        ),
         (lambda a: a.update(out=None), TypeError, "out must be a torch.Tensor"),
         (lambda a: a.update(out=a["out"].float()), TypeError, "out must be torch.bfloat16"),
         (lambda a: a.update(out=a["out"][:3]), ValueError, "out must have shape"),
         (lambda a: a.update(out=torch.empty(4, 5120, dtype=BF16)), ValueError, "out must have shape"),
-        (lambda a: a.update(out=torch.empty(4096, 4, dtype=BF16).t()), ValueError,
-         "out must be contiguous"),
-        (lambda a: a.update(out=misaligned((4, 4096), BF16)), ValueError,
-         "out must be 16-byte aligned"),
+        (lambda a: a.update(out=torch.empty(4096, 4, dtype=BF16).t()), ValueError, "out must be contiguous"),
+        (lambda a: a.update(out=misaligned((4, 4096), BF16)), ValueError, "out must be 16-byte aligned"),
         (lambda a: a.update(shared=[1.0]), TypeError, "shared must be a torch.Tensor"),
         (lambda a: a.update(shared=torch.zeros(4, 4096)), TypeError, "shared must be torch.bfloat16"),
-        (lambda a: a.update(shared=torch.zeros(3, 4096, dtype=BF16)), ValueError,
-         "shared must have shape"),
-        (lambda a: a.update(shared=torch.zeros(4096, 4, dtype=BF16).t()), ValueError,
-         "shared must be contiguous"),
-        (lambda a: a.update(shared=misaligned((4, 4096), BF16)), ValueError,
-         "shared must be 16-byte aligned"),
+        (lambda a: a.update(shared=torch.zeros(3, 4096, dtype=BF16)), ValueError, "shared must have shape"),
+        (lambda a: a.update(shared=torch.zeros(4096, 4, dtype=BF16).t()), ValueError, "shared must be contiguous"),
+        (lambda a: a.update(shared=misaligned((4, 4096), BF16)), ValueError, "shared must be 16-byte aligned"),
         (lambda a: a.update(scale="2"), TypeError, "scale"),
         (lambda a: a.update(scale=None), TypeError, "scale"),
         (lambda a: a.update(scale=True), TypeError, "scale"),
@@ -271,39 +286,44 @@ def _norm_args(**kw):
     [
         (lambda a: a.pop("norm_weight"), ValueError, "norm_weight is required"),
         (lambda a: a.pop("residual"), ValueError, "residual is required"),
-        (lambda a: [a.pop("residual"), a.pop("norm_weight"),
-                    a.update(residual_out=torch.zeros(4, 4096, dtype=BF16))], ValueError,
-         "residual_out needs residual"),
+        (
+            lambda a: [
+                a.pop("residual"),
+                a.pop("norm_weight"),
+                a.update(residual_out=torch.zeros(4, 4096, dtype=BF16)),
+            ],
+            ValueError,
+            "residual_out needs residual",
+        ),
         (lambda a: a.update(residual=[[0.0]]), TypeError, "residual must be a torch.Tensor"),
         (lambda a: a.update(residual=a["residual"].float()), TypeError, "residual must be torch.bfloat16"),
-        (lambda a: a.update(residual=torch.zeros(3, 4096, dtype=BF16)), ValueError,
-         "residual must have shape"),
-        (lambda a: a.update(residual=torch.zeros(4, 5120, dtype=BF16)), ValueError,
-         "residual must have shape"),
-        (lambda a: a.update(residual=torch.zeros(4096, 4, dtype=BF16).t()), ValueError,
-         "residual must be contiguous"),
-        (lambda a: a.update(residual=misaligned((4, 4096), BF16)), ValueError,
-         "residual must be 16-byte aligned"),
+        (lambda a: a.update(residual=torch.zeros(3, 4096, dtype=BF16)), ValueError, "residual must have shape"),
+        (lambda a: a.update(residual=torch.zeros(4, 5120, dtype=BF16)), ValueError, "residual must have shape"),
+        (lambda a: a.update(residual=torch.zeros(4096, 4, dtype=BF16).t()), ValueError, "residual must be contiguous"),
+        (lambda a: a.update(residual=misaligned((4, 4096), BF16)), ValueError, "residual must be 16-byte aligned"),
         (lambda a: a.update(residual=a["residual"].to("meta")), ValueError, "residual must be on"),
-        (lambda a: a.update(norm_weight=None, residual=None, residual_out=a["residual"]), ValueError,
-         "residual_out needs"),
+        (
+            lambda a: a.update(norm_weight=None, residual=None, residual_out=a["residual"]),
+            ValueError,
+            "residual_out needs",
+        ),
         (lambda a: a.update(norm_weight="w"), TypeError, "norm_weight must be a torch.Tensor"),
-        (lambda a: a.update(norm_weight=a["norm_weight"].half()), TypeError,
-         "norm_weight must be torch.bfloat16"),
-        (lambda a: a.update(norm_weight=torch.zeros(1, 4096, dtype=BF16)), ValueError,
-         "norm_weight must have shape"),
-        (lambda a: a.update(norm_weight=torch.zeros(4224, dtype=BF16)), ValueError,
-         "norm_weight must have shape"),
-        (lambda a: a.update(norm_weight=torch.zeros(8192, dtype=BF16)[::2]), ValueError,
-         "norm_weight must be contiguous"),
-        (lambda a: a.update(norm_weight=misaligned((4096,), BF16)), ValueError,
-         "norm_weight must be 16-byte aligned"),
-        (lambda a: a.update(residual_out=torch.zeros(4, 4096)), TypeError,
-         "residual_out must be torch.bfloat16"),
-        (lambda a: a.update(residual_out=torch.zeros(8, 4096, dtype=BF16)), ValueError,
-         "residual_out must have shape"),
-        (lambda a: a.update(residual_out=misaligned((4, 4096), BF16)), ValueError,
-         "residual_out must be 16-byte aligned"),
+        (lambda a: a.update(norm_weight=a["norm_weight"].half()), TypeError, "norm_weight must be torch.bfloat16"),
+        (lambda a: a.update(norm_weight=torch.zeros(1, 4096, dtype=BF16)), ValueError, "norm_weight must have shape"),
+        (lambda a: a.update(norm_weight=torch.zeros(4224, dtype=BF16)), ValueError, "norm_weight must have shape"),
+        (
+            lambda a: a.update(norm_weight=torch.zeros(8192, dtype=BF16)[::2]),
+            ValueError,
+            "norm_weight must be contiguous",
+        ),
+        (lambda a: a.update(norm_weight=misaligned((4096,), BF16)), ValueError, "norm_weight must be 16-byte aligned"),
+        (lambda a: a.update(residual_out=torch.zeros(4, 4096)), TypeError, "residual_out must be torch.bfloat16"),
+        (lambda a: a.update(residual_out=torch.zeros(8, 4096, dtype=BF16)), ValueError, "residual_out must have shape"),
+        (
+            lambda a: a.update(residual_out=misaligned((4, 4096), BF16)),
+            ValueError,
+            "residual_out must be 16-byte aligned",
+        ),
         (lambda a: a.update(out=a["residual"]), ValueError, "out must not"),
         (lambda a: a.update(residual_out=a["out"]), ValueError, "out must not"),
         (lambda a: a.update(eps="1e-6"), TypeError, "eps"),
@@ -319,8 +339,7 @@ def _norm_args(**kw):
         (lambda a: None, ValueError, "CUDA"),
         (lambda a: a.update(threads=1024, eps=0, scale=2.5), ValueError, "CUDA"),
         (lambda a: a.update(shared=torch.zeros(4, 4096, dtype=BF16)), ValueError, "CUDA"),
-        (lambda a: a.update(out=a["residual"], residual_out=torch.zeros(4, 4096, dtype=BF16)),
-         ValueError, "CUDA"),
+        (lambda a: a.update(out=a["residual"], residual_out=torch.zeros(4, 4096, dtype=BF16)), ValueError, "CUDA"),
     ],
 )
 def test_launch_finalize_validates_the_norm_arguments(mutate, exc, name):
@@ -337,18 +356,20 @@ def test_launch_finalize_norm_hidden_limit_and_norm_threads():
         with pytest.raises(ValueError, match="hidden"):
             norm_threads(bad)
     h = 8320  # a multiple of 128 the no-norm kernel takes, but over 1024 threads of 8
-    args = dict(rows=torch.zeros(16, h, dtype=BF16), weights=torch.zeros(2, 6),
-                permuted=torch.zeros(2, 6, dtype=torch.int32), out=torch.empty(2, h, dtype=BF16))
+    args = dict(
+        rows=torch.zeros(16, h, dtype=BF16),
+        weights=torch.zeros(2, 6),
+        permuted=torch.zeros(2, 6, dtype=torch.int32),
+        out=torch.empty(2, h, dtype=BF16),
+    )
     with pytest.raises(ValueError, match="CUDA"):
         launch_finalize(**args)
     with pytest.raises(ValueError, match="8192"):
-        launch_finalize(**args, residual=torch.zeros(2, h, dtype=BF16),
-                        norm_weight=torch.zeros(h, dtype=BF16))
+        launch_finalize(**args, residual=torch.zeros(2, h, dtype=BF16), norm_weight=torch.zeros(h, dtype=BF16))
 
 
 def test_finalize_validates_the_norm_arguments():
-    u = UnfinalizedMoEOutput(torch.zeros(16, 4096, dtype=BF16), torch.zeros(2, 6),
-                             torch.zeros(2, 6, dtype=torch.int32))
+    u = UnfinalizedMoEOutput(torch.zeros(16, 4096, dtype=BF16), torch.zeros(2, 6), torch.zeros(2, 6, dtype=torch.int32))
     res, nw = torch.zeros(2, 4096, dtype=BF16), torch.zeros(4096, dtype=BF16)
     with pytest.raises(ValueError, match="norm_weight"):
         finalize(u, residual=res)
@@ -369,8 +390,9 @@ def _bf16_from_bits(bits: int, shape, device="cpu") -> torch.Tensor:
     return torch.full(shape, bits, dtype=torch.int16, device=device).view(BF16)
 
 
-def _make_case(tokens: int, top_k: int, h: int, gen: torch.Generator, *, shared: bool,
-               skip: float = 0.25, extra_rows: int = 5):
+def _make_case(
+    tokens: int, top_k: int, h: int, gen: torch.Generator, *, shared: bool, skip: float = 0.25, extra_rows: int = 5
+):
     """(rows, weights, permuted, shared) on the CPU. The referenced rows hold
     values at random scales (some bf16 subnormals), every other row NaN; the
     map is a random injection into the rows with `skip` of the slots skipped
@@ -474,8 +496,9 @@ def _assert_close(got: torch.Tensor, want: torch.Tensor, ctx: str, rel: float = 
     assert err <= rel * ref, f"{ctx}: max abs err {err} > {rel} * max |ref| {ref}"
 
 
-def _norm_model(moe: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _norm_model(
+    moe: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The norm variant's defined result on the CPU, its reduction order
     included: (out, new_residual), bf16 [tokens, H], from moe = the bf16
     finalize output. Each fp32 torch op below is one IEEE round-to-nearest
@@ -569,8 +592,9 @@ def test_norm_model_matches_add_rms_norm():
                 _assert_norm_close(want_out, ref_out, ctx)
                 # and the torch contract end to end: moe_output.finalize with the norm
                 idx = torch.where((perm >= 0) & (perm < rows.shape[0]), perm, -1)
-                fin_out, fin_r = moe_output.finalize(UnfinalizedMoEOutput(rows, w, idx), shared=sh,
-                                                     residual=residual, norm_weight=nw, eps=eps)
+                fin_out, fin_r = moe_output.finalize(
+                    UnfinalizedMoEOutput(rows, w, idx), shared=sh, residual=residual, norm_weight=nw, eps=eps
+                )
                 _assert_close(fin_r, want_r, ctx)
                 _assert_close(fin_out, want_out, ctx)
 
@@ -593,8 +617,9 @@ def test_norm_model_special_values():
     assert out[0, 3].isnan() and (out[0, :3] == 0).all()
     for eps in (0.0, 1e-6):  # and add_rms_norm agrees on all of it
         for res in (zero, big, inf):
-            _assert_same_bits(add_rms_norm(zero, res, nw, eps)[0], _norm_model(zero, res, nw, eps)[0],
-                              f"special eps={eps}")
+            _assert_same_bits(
+                add_rms_norm(zero, res, nw, eps)[0], _norm_model(zero, res, nw, eps)[0], f"special eps={eps}"
+            )
 
 
 # --------------------------------------------------------------------------- GPU
@@ -611,8 +636,10 @@ def _check(rows, weights, permuted, shared, *, scale=1.0, pdl=True, threads=64, 
     and within 1e-2 with moe_output.finalize; check guards and inputs."""
     tokens, top_k = weights.shape
     h = rows.shape[1]
-    ctx = (f"{what} tokens={tokens} top_k={top_k} H={h} scale={scale} "
-           f"shared={shared is not None} pdl={pdl} threads={threads}")
+    ctx = (
+        f"{what} tokens={tokens} top_k={top_k} H={h} scale={scale} "
+        f"shared={shared is not None} pdl={pdl} threads={threads}"
+    )
     want = _loop_reference(rows, weights, permuted, scale, shared)
     dev = torch.device("cuda")
     r, w, p = rows.to(dev), weights.to(dev), permuted.to(dev)
@@ -621,8 +648,7 @@ def _check(rows, weights, permuted, shared, *, scale=1.0, pdl=True, threads=64, 
     launch_finalize(r, w, p, out, scale=scale, shared=s, pdl=pdl, threads=threads)
     torch.cuda.synchronize()
     _assert_same_bits(out, want, ctx)
-    assert_guards_intact(buf.view(torch.int16), GUARD, tokens * h, NAN_BITS,
-                         f"out written out of bounds: {ctx}")
+    assert_guards_intact(buf.view(torch.int16), GUARD, tokens * h, NAN_BITS, f"out written out of bounds: {ctx}")
     assert torch.equal(r.cpu().view(torch.int16), rows.view(torch.int16)), f"rows modified: {ctx}"
     if s is not None:
         assert torch.equal(s.cpu().view(torch.int16), shared.view(torch.int16)), f"shared modified: {ctx}"
@@ -731,7 +757,7 @@ def test_finalize_cuda_graph_capture_and_replay():
     n_rows = first[0].shape[0]
     assert second[0].shape[0] == n_rows
     dev = "cuda"
-    src = torch.empty(n_rows, h, dtype=BF16, device=dev)   # graph inputs
+    src = torch.empty(n_rows, h, dtype=BF16, device=dev)  # graph inputs
     rows = torch.empty_like(src)
     w = torch.empty(tokens, top_k, device=dev)
     perm = torch.empty(tokens, top_k, dtype=torch.int32, device=dev)
@@ -781,11 +807,12 @@ def test_finalize_graph_timing(capsys):
     gen = torch.Generator().manual_seed(6)
     rows, w, perm, sh = (t.cuda() for t in _make_case(tokens, top_k, h, gen, shared=True))
     out = torch.empty(tokens, h, dtype=BF16, device="cuda")
-    med, times = graph_launch_times(lambda: launch_finalize(rows, w, perm, out, shared=sh),
-                                    n=n, replays=20)
+    med, times = graph_launch_times(lambda: launch_finalize(rows, w, perm, out, shared=sh), n=n, replays=20)
     with capsys.disabled():
-        print(f"\n[finalize] tokens={tokens} top_k={top_k} H={h} +shared: {med:.2f} us per launch "
-              f"in a graph (median of 20 replays of {n}; min {min(times):.2f}, max {max(times):.2f})")
+        print(
+            f"\n[finalize] tokens={tokens} top_k={top_k} H={h} +shared: {med:.2f} us per launch "
+            f"in a graph (median of 20 replays of {n}; min {min(times):.2f}, max {max(times):.2f})"
+        )
     _assert_same_bits(out, _loop_reference(rows, w, perm, 1.0, sh), "timing run")
     assert med < 50
 
@@ -793,8 +820,21 @@ def test_finalize_graph_timing(capsys):
 # --------------------------------------------------------------------------- GPU: the norm variant
 
 
-def _check_norm(rows, weights, permuted, shared, residual, norm_weight, *, eps=1e-6, scale=1.0,
-                pdl=True, threads=None, in_place=False, what=""):
+def _check_norm(
+    rows,
+    weights,
+    permuted,
+    shared,
+    residual,
+    norm_weight,
+    *,
+    eps=1e-6,
+    scale=1.0,
+    pdl=True,
+    threads=None,
+    in_place=False,
+    what="",
+):
     """Launch the norm variant on poisoned, guarded output buffers (the new
     residual in place over a guarded copy of `residual`, or into a poisoned
     residual_out); compare out and the new residual bit for bit with
@@ -804,8 +844,10 @@ def _check_norm(rows, weights, permuted, shared, residual, norm_weight, *, eps=1
     no input changed. Returns (out, new_residual) on the GPU."""
     tokens, top_k = weights.shape
     h = rows.shape[1]
-    ctx = (f"{what} tokens={tokens} top_k={top_k} H={h} scale={scale} eps={eps} "
-           f"shared={shared is not None} pdl={pdl} threads={threads} in_place={in_place}")
+    ctx = (
+        f"{what} tokens={tokens} top_k={top_k} H={h} scale={scale} eps={eps} "
+        f"shared={shared is not None} pdl={pdl} threads={threads} in_place={in_place}"
+    )
     moe = _loop_reference(rows, weights, permuted, scale, shared)
     want_out, want_r = _norm_model(moe, residual, norm_weight, eps)
     ref_out, ref_r = add_rms_norm(moe, residual, norm_weight, eps)
@@ -823,8 +865,20 @@ def _check_norm(rows, weights, permuted, shared, residual, norm_weight, *, eps=1
         res.copy_(residual)
         obuf, res_out = _poisoned_out(tokens, h, dev)
         new_r = res_out
-    launch_finalize(r, w, p, out, scale=scale, shared=s, residual=res, norm_weight=nw, eps=eps,
-                    residual_out=res_out, pdl=pdl, threads=threads)
+    launch_finalize(
+        r,
+        w,
+        p,
+        out,
+        scale=scale,
+        shared=s,
+        residual=res,
+        norm_weight=nw,
+        eps=eps,
+        residual_out=res_out,
+        pdl=pdl,
+        threads=threads,
+    )
     torch.cuda.synchronize()
     _assert_same_bits(new_r, want_r, f"new residual: {ctx}")
     _assert_same_bits(out, want_out, f"out: {ctx}")
@@ -832,20 +886,18 @@ def _check_norm(rows, weights, permuted, shared, residual, norm_weight, *, eps=1
     if not want_out.isnan().any():
         _assert_norm_close(out, ref_out, f"out vs add_rms_norm: {ctx}")
     for b, name in ((buf, "out"), (rbuf, "residual")) + (() if in_place else ((obuf, "residual_out"),)):
-        assert_guards_intact(b.view(torch.int16), GUARD, tokens * h, NAN_BITS,
-                             f"{name} written out of bounds: {ctx}")
+        assert_guards_intact(b.view(torch.int16), GUARD, tokens * h, NAN_BITS, f"{name} written out of bounds: {ctx}")
     assert torch.equal(r.cpu().view(torch.int16), rows.view(torch.int16)), f"rows modified: {ctx}"
-    assert torch.equal(nw.cpu().view(torch.int16), norm_weight.view(torch.int16)), \
-        f"norm_weight modified: {ctx}"
+    assert torch.equal(nw.cpu().view(torch.int16), norm_weight.view(torch.int16)), f"norm_weight modified: {ctx}"
     if s is not None:
         assert torch.equal(s.cpu().view(torch.int16), shared.view(torch.int16)), f"shared modified: {ctx}"
     if not in_place:
-        assert torch.equal(res.cpu().view(torch.int16), residual.view(torch.int16)), \
-            f"residual modified: {ctx}"
+        assert torch.equal(res.cpu().view(torch.int16), residual.view(torch.int16)), f"residual modified: {ctx}"
     if not (want_out.isnan().any() or want_out.isinf().any() or want_r.isinf().any()):
         idx = torch.where((p >= 0) & (p < r.shape[0]), p, -1)
-        fin_out, fin_r = moe_output.finalize(UnfinalizedMoEOutput(r, w, idx), scale=scale, shared=s,
-                                             residual=residual.to(dev), norm_weight=nw, eps=eps)
+        fin_out, fin_r = moe_output.finalize(
+            UnfinalizedMoEOutput(r, w, idx), scale=scale, shared=s, residual=residual.to(dev), norm_weight=nw, eps=eps
+        )
         _assert_close(new_r, fin_r, f"new residual vs moe_output.finalize: {ctx}")
         _assert_close(out, fin_out, f"out vs moe_output.finalize: {ctx}")
     return out, new_r
@@ -862,8 +914,7 @@ def test_finalize_norm_bit_exact(h, shared):
             scale = (1.0, 2.5)[tokens % 2]
             rows, w, perm, sh = _make_case(tokens, top_k, h, gen, shared=shared)
             residual, nw = _make_norm_inputs(tokens, h, gen)  # fresh inputs every launch
-            _check_norm(rows, w, perm, sh, residual, nw, eps=eps, scale=scale,
-                        in_place=bool(tokens % 3 == 0))
+            _check_norm(rows, w, perm, sh, residual, nw, eps=eps, scale=scale, in_place=bool(tokens % 3 == 0))
 
 
 @pytest.mark.gpu
@@ -873,12 +924,12 @@ def test_finalize_norm_bits_do_not_depend_on_the_cta_size_or_pdl():
         rows, w, perm, sh = _make_case(8, 6, h, gen, shared=True)
         residual, nw = _make_norm_inputs(8, h, gen)
         outs = []
-        for threads, pdl in ((None, True), (1024, True), (norm_threads(h) + 32, False),
-                             (norm_threads(h), False)):
+        for threads, pdl in ((None, True), (1024, True), (norm_threads(h) + 32, False), (norm_threads(h), False)):
             if threads is not None and threads > 1024:
                 continue
-            out, new_r = _check_norm(rows, w, perm, sh, residual, nw, scale=1.5, pdl=pdl,
-                                     threads=threads, what="cta sizes")
+            out, new_r = _check_norm(
+                rows, w, perm, sh, residual, nw, scale=1.5, pdl=pdl, threads=threads, what="cta sizes"
+            )
             outs.append(torch.cat([out, new_r]).cpu().view(torch.int16))
         assert all(torch.equal(o, outs[0]) for o in outs)
 
@@ -960,7 +1011,7 @@ def test_finalize_norm_cuda_graph_capture_and_replay():
     n_rows = cases[0][0].shape[0]
     assert cases[1][0].shape[0] == n_rows
     dev = "cuda"
-    src = torch.empty(n_rows, h, dtype=BF16, device=dev)   # graph inputs
+    src = torch.empty(n_rows, h, dtype=BF16, device=dev)  # graph inputs
     rows = torch.empty_like(src)
     w = torch.empty(tokens, top_k, device=dev)
     perm = torch.empty(tokens, top_k, dtype=torch.int32, device=dev)
@@ -1019,13 +1070,14 @@ def test_finalize_norm_graph_timing(capsys):
         rows, w, perm, sh = (t.cuda() for t in _make_case(tokens, top_k, h, gen, shared=True))
         residual, nw = (t.cuda() for t in _make_norm_inputs(tokens, h, gen))
         out = torch.empty(tokens, h, dtype=BF16, device="cuda")
-        plain, _ = graph_launch_times(lambda: launch_finalize(rows, w, perm, out, shared=sh),
-                                      n=n, replays=20)
+        plain, _ = graph_launch_times(lambda: launch_finalize(rows, w, perm, out, shared=sh), n=n, replays=20)
         med, times = graph_launch_times(
-            lambda: launch_finalize(rows, w, perm, out, shared=sh, residual=residual, norm_weight=nw),
-            n=n, replays=20)
+            lambda: launch_finalize(rows, w, perm, out, shared=sh, residual=residual, norm_weight=nw), n=n, replays=20
+        )
         with capsys.disabled():
-            print(f"\n[finalize+norm] tokens={tokens} top_k={top_k} H={h} +shared: {med:.2f} us per "
-                  f"launch in a graph (min {min(times):.2f}, max {max(times):.2f}); plain finalize "
-                  f"{plain:.2f} us")
+            print(
+                f"\n[finalize+norm] tokens={tokens} top_k={top_k} H={h} +shared: {med:.2f} us per "
+                f"launch in a graph (min {min(times):.2f}, max {max(times):.2f}); plain finalize "
+                f"{plain:.2f} us"
+            )
         assert med < 50

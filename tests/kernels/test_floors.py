@@ -61,11 +61,22 @@ def test_the_core_below_the_kernels_imports_only_the_core(name):
 def test_the_import_walk_sees_every_form(tmp_path):
     """The walker itself: deferred, relative and package-root imports count."""
     src = tmp_path / "mod.py"
-    src.write_text("import moebench.bench.sweep\nfrom moebench import __version__, tuning\n"
-                   "def f():\n    from ..backends import registry\n    from .tactic import GemmTactic\n"
-                   "    from . import gemm\n    import torch\n")
+    src.write_text(
+        "import moebench.bench.sweep\nfrom moebench import __version__, tuning\n"
+        "def f():\n    from ..backends import registry\n    from .tactic import GemmTactic\n"
+        "    from . import gemm\n    import torch\n"
+    )
     found = moebench_imports(src, "moebench.kernels")
-    assert found == {"moebench.bench.sweep", "moebench", "moebench.tuning", "moebench.backends",
-                     "moebench.kernels.tactic", "moebench.kernels.gemm"}
+    assert found == {
+        "moebench.bench.sweep",
+        "moebench",
+        "moebench.tuning",
+        "moebench.backends",
+        "moebench.kernels.tactic",
+        "moebench.kernels.gemm",
+    }
     assert _above(found - {"moebench"}, {"moebench.kernels", *CORE}) == [
-        "moebench.backends", "moebench.bench.sweep", "moebench.tuning"]
+        "moebench.backends",
+        "moebench.bench.sweep",
+        "moebench.tuning",
+    ]

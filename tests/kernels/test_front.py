@@ -6,7 +6,6 @@ adversarial logits (NaN / +-inf / ties / extremes, image rows), poisoned
 outputs, sqrtsoftplus on every fp32 input, CUDA-graph replay, the binding's
 `front`, and (printed) timing against quantize + route."""
 
-
 import itertools
 import re
 import struct
@@ -30,11 +29,11 @@ from moebench.kernels.topk import FLOOR_BITS, WARP, scores_per_thread, topk_reas
 from moebench.record import build_route_record, max_ctas, route_words
 from moebench.routing import RouterConfig, route, sqrtsoftplus
 
-POISON = 0x7FBADBAD          # int32 / fp32 outputs (an fp32 NaN pattern)
+POISON = 0x7FBADBAD  # int32 / fp32 outputs (an fp32 NaN pattern)
 POISON_U8 = 0xA5
-GUARD_WORDS = 4              # 16 bytes: keeps the views 16-byte aligned
+GUARD_WORDS = 4  # 16 bytes: keeps the views 16-byte aligned
 GUARD_BYTES = 16
-LO = 1000                    # image sentinel of the image configs
+LO = 1000  # image sentinel of the image configs
 
 # --------------------------------------------------------------------------- CPU: config, reasons
 
@@ -57,17 +56,23 @@ def _bias(e=384, device="cpu", seed=0):
         (dict(bias=torch.zeros(32), bias_vl=torch.zeros(64)), ValueError, "bias_vl must have shape"),
         (dict(bias=torch.zeros(32), bias_vl=torch.zeros(32, dtype=torch.bfloat16)), TypeError, "bias_vl"),
         (dict(bias=torch.zeros(32), bias_vl=torch.zeros(32)), ValueError, "image_sentinel_lo must be in"),
-        (dict(bias=torch.zeros(32), bias_vl=torch.zeros(32), image_sentinel_lo=2**31 - 5), ValueError,
-         "image_sentinel_lo must be in"),
+        (
+            dict(bias=torch.zeros(32), bias_vl=torch.zeros(32), image_sentinel_lo=2**31 - 5),
+            ValueError,
+            "image_sentinel_lo must be in",
+        ),
         (dict(bias=torch.zeros(32), image_sentinel_lo=7), ValueError, "image_sentinel_lo must be 0"),
-        (dict(bias=torch.zeros(32), bias_vl=torch.zeros(32), image_sentinel_lo=7.0), TypeError,
-         "image_sentinel_lo must be an int"),
+        (
+            dict(bias=torch.zeros(32), bias_vl=torch.zeros(32), image_sentinel_lo=7.0),
+            TypeError,
+            "image_sentinel_lo must be an int",
+        ),
         (dict(bias=torch.zeros(32), scale=0.0), ValueError, "scale"),
         (dict(bias=torch.zeros(32), scale=-1.5), ValueError, "scale"),
         (dict(bias=torch.zeros(32), scale=float("inf")), ValueError, "scale"),
         (dict(bias=torch.zeros(32), scale=float("nan")), ValueError, "scale"),
-        (dict(bias=torch.zeros(32), scale=1e39), ValueError, "scale"),       # inf in fp32
-        (dict(bias=torch.zeros(32), scale=1e-50), ValueError, "scale"),      # 0 in fp32
+        (dict(bias=torch.zeros(32), scale=1e39), ValueError, "scale"),  # inf in fp32
+        (dict(bias=torch.zeros(32), scale=1e-50), ValueError, "scale"),  # 0 in fp32
         (dict(bias=torch.zeros(32), scale=True), ValueError, "scale"),
         (dict(bias=torch.zeros(32), scale="1.5"), ValueError, "scale"),
     ],
@@ -144,10 +149,15 @@ def test_compiles_for_sm90a_without_spills(experts, top_k, image, pdl, deq):
     assert len(re.findall(r"barrier\.cluster\.arrive\.relaxed(?:\.aligned)?;", ptx)) == 1
     assert not re.search(r"barrier\.cluster\.arrive(?:\.release)?(?:\.aligned)?;", ptx)
     assert len(re.findall(r"barrier\.cluster\.wait(?:\.acquire)?(?:\.aligned)?;", ptx)) == 1
-    order = [r"mbarrier\.init\.", r"mbarrier\.arrive\.expect_tx\.", r"fence\.mbarrier_init\.release\.cluster",
-             r"barrier\.cluster\.arrive\.relaxed", r"barrier\.cluster\.wait",
-             r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.u32",
-             r"mbarrier\.try_wait\.parity\.acquire\.cluster\.shared::cta\.b64"]
+    order = [
+        r"mbarrier\.init\.",
+        r"mbarrier\.arrive\.expect_tx\.",
+        r"fence\.mbarrier_init\.release\.cluster",
+        r"barrier\.cluster\.arrive\.relaxed",
+        r"barrier\.cluster\.wait",
+        r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.u32",
+        r"mbarrier\.try_wait\.parity\.acquire\.cluster\.shared::cta\.b64",
+    ]
     at = [next((m.start() for m in re.finditer(pat, ptx)), -1) for pat in order]
     assert -1 not in at and at == sorted(at), dict(zip(order, at))
     assert len(re.findall(order[-2], ptx)) == 1
@@ -155,7 +165,7 @@ def test_compiles_for_sm90a_without_spills(experts, top_k, image, pdl, deq):
     per = scores_per_thread(experts, THREADS)
     arrays = 3 if image else 2
     _assert_pdl_order_after_bias_loads(instr, pdl, bias_loads=(arrays - 1) * per)
-    assert len(re.findall(r"\bLDG\.E\.128\b", text)) == 4       # the quantize part's x loads
+    assert len(re.findall(r"\bLDG\.E\.128\b", text)) == 4  # the quantize part's x loads
     # the quantize part: 16 hardware e4m3 conversions, 16-byte stores
     assert len(re.findall(r"F2FP\.SATFINITE\.E4M3\.F32", text)) == 16
     # a warp max and a warp min per top-k round; IEEE arithmetic: correctly
@@ -267,8 +277,9 @@ def test_sqrt_fast_path_is_ptxas_own_fast_path():
     start = next(i for i, s in enumerate(fast) if s.startswith("MUFU.RSQ"))
     got = _expression(fast[start : start + 5])
     assert got == want, (fast[start : start + 5], ieee[block : block + 4])
-    assert want == ("FFMA(FFMA(-(FMUL.FTZ(rsq(x), x)), FMUL.FTZ(rsq(x), x); x), FMUL.FTZ(0.5, rsq(x));"
-                    " FMUL.FTZ(rsq(x), x))")  # s = x*r, h = r/2: fma(fma(-s, s, x), h, s)
+    assert want == (
+        "FFMA(FFMA(-(FMUL.FTZ(rsq(x), x)), FMUL.FTZ(rsq(x), x); x), FMUL.FTZ(0.5, rsq(x)); FMUL.FTZ(rsq(x), x))"
+    )  # s = x*r, h = r/2: fma(fma(-s, s, x), h, s)
 
 
 @pytest.mark.compile
@@ -364,6 +375,7 @@ SPECIAL_LOGITS = (
 
 def _logits(kind: str, rows: int, e: int, gen: torch.Generator) -> torch.Tensor:
     """fp32 [rows, E] logits of the named kind (CPU)."""
+
     def randn(*s):
         return torch.randn(*s, generator=gen)
 
@@ -390,10 +402,10 @@ def _logits(kind: str, rows: int, e: int, gen: torch.Generator) -> torch.Tensor:
         x[:] = torch.tensor([0.0, 1.25, -3.0, 90.0])[torch.randint(4, (rows, 1), generator=gen)]
     elif kind == "ties":
         x = torch.tensor([-1.0, 0.0, 0.5, 2.0])[torch.randint(4, (rows, e), generator=gen)]
-    elif kind == "big":      # > 88: softplus(x) = x, exp(-x) subnormal or 0
+    elif kind == "big":  # > 88: softplus(x) = x, exp(-x) subnormal or 0
         x = 88 + torch.rand(rows, e, generator=gen) * 40
         x[mask(0.2)] = 1e30
-    elif kind == "tiny":     # < -20: score sqrt(log1p(exp(x))), subnormal exp below -87.3
+    elif kind == "tiny":  # < -20: score sqrt(log1p(exp(x))), subnormal exp below -87.3
         x = -20 - torch.rand(rows, e, generator=gen) * 90
     elif kind == "huge":
         x = torch.where(mask(0.5), 3.4e38, -3.4e38) * torch.rand(rows, e, generator=gen)
@@ -445,10 +457,10 @@ def _kernel_method_model(logits, bias, bias_vl, image_rows, top_k, scale):
             keys = _order_key((scores[t] + b).astype(f32)).reshape(n, WARP).T.copy()
         chosen = []
         for r in range(top_k):
-            best_j = keys.argmax(axis=1)                  # first of equals: lower id
+            best_j = keys.argmax(axis=1)  # first of equals: lower id
             best = keys[np.arange(WARP), best_j]
             lane_ids = np.arange(WARP) + WARP * best_j
-            src = int(lane_ids[best == best.max()].min()) % WARP   # the lowest id holding it
+            src = int(lane_ids[best == best.max()].min()) % WARP  # the lowest id holding it
             ids[t, r] = src + WARP * best_j[src]
             chosen.append(scores[t, ids[t, r]])
             keys[src, best_j[src]] = 0
@@ -597,8 +609,9 @@ def test_front_writes_x_deq_bit_exact(h):
     dev = torch.device("cuda")
     for rows in (1, 6, 8):
         config = FrontConfig(_bias(384, dev, seed=rows), scale=1.5)
-        _check_front(_x(rows, h, gen).to(dev), _logits("normal", rows, 384, gen).to(dev), config, 6, None,
-                     what="deq", deq=True)
+        _check_front(
+            _x(rows, h, gen).to(dev), _logits("normal", rows, 384, gen).to(dev), config, 6, None, what="deq", deq=True
+        )
 
 
 @pytest.mark.gpu
@@ -608,8 +621,9 @@ def test_front_dsv4_shapes_other_hidden_and_scales(h):
     dev = torch.device("cuda")
     for rows, scale in itertools.product((1, 6, 8), (1.0, 1.5, 2.5, 1.1)):
         config = FrontConfig(_bias(384, dev, seed=rows), scale=scale)
-        _check_front(_x(rows, h, gen).to(dev), _logits("normal", rows, 384, gen).to(dev), config, 6, None,
-                     what=f"scale={scale}")
+        _check_front(
+            _x(rows, h, gen).to(dev), _logits("normal", rows, 384, gen).to(dev), config, 6, None, what=f"scale={scale}"
+        )
 
 
 @pytest.mark.gpu
@@ -696,8 +710,12 @@ def _score_probe(force_sqrt_rn: bool):
     compiled = cute.compile(ScoreProbe(), gmem_ptr(Uint32, 16, 16), Uint32(0), Int32(1), cuda.CUstream(0))
 
     def run(out: torch.Tensor, base: int) -> None:
-        compiled(gmem_ptr(Uint32, out, 16), Uint32(base), Int32(out.numel()),
-                 cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+        compiled(
+            gmem_ptr(Uint32, out, 16),
+            Uint32(base),
+            Int32(out.numel()),
+            cuda.CUstream(torch.cuda.current_stream().cuda_stream),
+        )
 
     return run
 
@@ -736,7 +754,7 @@ def test_front_cuda_graph_capture_and_replay():
     config = FrontConfig(_bias(e, dev), torch.linspace(1, -1, e).to(dev), LO, 1.5)
     inputs = [(_x(rows, h, gen), _logits(kind, rows, e, gen), torch.tensor([LO, 3, LO + 1, LO, 9, LO + 4]))
               for kind in ("normal", "mixed", "all-nan-row")]  # fmt: skip
-    src_x = torch.empty(rows, h, dtype=torch.bfloat16, device=dev)       # graph inputs
+    src_x = torch.empty(rows, h, dtype=torch.bfloat16, device=dev)  # graph inputs
     src_l = torch.empty(rows, e, dtype=torch.float32, device=dev)
     src_ids = torch.empty(rows, dtype=torch.int64, device=dev)
     x, logits, ids = torch.empty_like(src_x), torch.empty_like(src_l), torch.empty_like(src_ids)

@@ -347,13 +347,21 @@ def test_other_tactics_match_the_oracle():
     route = build_route_record(ids.cuda(), experts)
     ref_q, ref_s = reference_gemm1(dequantize_mxfp8(x_q, x_s, torch.float64), weights, route)
     oracle = reference_gemm2(dequantize_mxfp8(ref_q, ref_s, torch.float64), weights, route)
-    for t1 in (GemmTactic(64, 1, 4, 4, 3), GemmTactic(128, 1, 16, 1, 1, pdl=False), GemmTactic(64, 2, 8, 3, 1),
-               GemmTactic(64, 1, 8, 2, 2, persistent=False)):
+    for t1 in (
+        GemmTactic(64, 1, 4, 4, 3),
+        GemmTactic(128, 1, 16, 1, 1, pdl=False),
+        GemmTactic(64, 2, 8, 3, 1),
+        GemmTactic(64, 1, 8, 2, 2, persistent=False),
+    ):
         if t1.valid_for(kw, 1) is None:
             h_q, h_s = _run_gemm1(kw, x_q, x_s, route, tactic=t1)
             _check_h(h_q, h_s, ref_q, ref_s, TILE * route.tiles_used, t1.name)
-    for t2 in (GemmTactic(64, 4, 2, 3, 2), GemmTactic(128, 1, 8, 1, 1), GemmTactic(32, 16, 1, 4, 1, pdl=False),
-               GemmTactic(64, 8, 1, 2, 2, persistent=False)):
+    for t2 in (
+        GemmTactic(64, 4, 2, 3, 2),
+        GemmTactic(128, 1, 8, 1, 1),
+        GemmTactic(32, 16, 1, 4, 1, pdl=False),
+        GemmTactic(64, 8, 1, 2, 2, persistent=False),
+    ):
         if t2.valid_for(kw, 2) is None:
             out = _run_gemm2(kw, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route, tactic=t2)
             _check_rows(out, oracle, route, t2.name)
@@ -491,8 +499,9 @@ def test_split_k_matches_the_oracle_and_leaves_the_workspace_clean(split_k):
             _check_h(h_q, h_s, ref_q, ref_s, used, tag)
             h_q2, h_s2 = _run_gemm1(kw, x_q, x_s, route, tactic=t1, workspace=ws)
             assert torch.equal(h_q[:used], h_q2[:used]) and torch.equal(h_s[:used], h_s2[:used]), tag
-            out = _run_gemm2(kw, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route, tactic=t2,
-                             workspace=ws)
+            out = _run_gemm2(
+                kw, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route, tactic=t2, workspace=ws
+            )
             _check_rows(out, oracle, route, tag)
             out2 = _run_gemm2(kw, h_q, h_s, route, tactic=t2, workspace=ws)
             _check_rows(out2, oracle, route, tag + " (chained)")
@@ -617,8 +626,11 @@ def test_bulk_tactic_validation():
     # the register path too: 16 warps of 128 rows hold 128 KB of fp32 partial sums
     why = GemmTactic(128, 1, 16, 1, 2).valid_for(GemmShape(7168, 512, 384), 1)
     assert why is not None and "fp32 partial sums need 131072 bytes" in why and "2 CTAs per SM" in why
-    assert GemmTactic(32, 4, 4, 8, 1, stages=8, fp8=True).valid_for(GemmShape(7168, 512, 384), 1).endswith(
-        "at 1 CTA per SM")
+    assert (
+        GemmTactic(32, 4, 4, 8, 1, stages=8, fp8=True)
+        .valid_for(GemmShape(7168, 512, 384), 1)
+        .endswith("at 1 CTA per SM")
+    )
     for bad in (True, 1.0, 3):
         with pytest.raises(ValueError, match="stage must be 1 or 2"):
             GemmTactic().valid_for(GemmShape(7168, 512, 384), bad)
@@ -811,11 +823,24 @@ def test_act_bf16_matches_the_oracle_and_the_e4m3_path_bit_for_bit(preset, tp):
             if t2.valid_for(kw, 2) is not None:
                 continue
             out = torch.full((n, kw.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-            gemm2(kw, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route.record, route.ctas, out,
-                  tactic=t2, h_deq=h_deq)
+            gemm2(
+                kw,
+                ref_q.view(torch.uint8).contiguous(),
+                ref_s.contiguous(),
+                route.record,
+                route.ctas,
+                out,
+                tactic=t2,
+                h_deq=h_deq,
+            )
             _check_rows(out, oracle, route, f"{label} {t2.name}")
-            e = _run_gemm2(kw, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route,
-                           tactic=dataclasses.replace(t2, act_bf16=False))
+            e = _run_gemm2(
+                kw,
+                ref_q.view(torch.uint8).contiguous(),
+                ref_s.contiguous(),
+                route,
+                tactic=dataclasses.replace(t2, act_bf16=False),
+            )
             assert torch.equal(out[:used].view(torch.int16), e[:used].view(torch.int16)), f"{label} {t2.name}"
 
 
@@ -979,8 +1004,7 @@ def _fp8_check(kw8, weights, x_q, x_s, route, label, t1s=F8_1, t2s=F8_2):
         h_q, h_s = _run_gemm1(kw8, x_q, x_s, route, tactic=t1, workspace=ws)
         _check_h_fp8(h_q, h_s, ref_q, ref_s, used, f"{label} {t1.name if t1 else 'default'}")
     for t2 in [None, *t2s]:
-        out = _run_gemm2(kw8, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route, tactic=t2,
-                         workspace=ws)
+        out = _run_gemm2(kw8, ref_q.view(torch.uint8).contiguous(), ref_s.contiguous(), route, tactic=t2, workspace=ws)
         _check_rows(out, oracle, route, f"{label} {t2.name if t2 else 'default'}")
     return ws
 
@@ -1000,8 +1024,11 @@ def test_fp8_tactics_match_the_oracle(preset, tp):
         rows = ids.shape[0]
         x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 9, device="cuda"))
         route = build_route_record(ids.cuda(), experts)
-        t1s, t2s = (F8_1 + F8_BULK_1, F8_2 + F8_BULK_2) if label.startswith(("correlated", "one", "nonlocal")) else (
-            F8_1[:1] + F8_BULK_1[:1], F8_2[:1] + F8_BULK_2[:1])
+        t1s, t2s = (
+            (F8_1 + F8_BULK_1, F8_2 + F8_BULK_2)
+            if label.startswith(("correlated", "one", "nonlocal"))
+            else (F8_1[:1] + F8_BULK_1[:1], F8_2[:1] + F8_BULK_2[:1])
+        )
         _fp8_check(kw8, weights, x_q, x_s, route, f"{preset} TP{tp} {label}", t1s, t2s)
 
 
@@ -1056,8 +1083,12 @@ def test_spec_tactic_validation():
     assert t.name == "r16_m4_k4_u4_c1_b4_sp_f8" and GemmTactic.from_name(t.name) == t
     for bad in (dict(stages=0), dict(fp8=False, tile_rows=32), dict(pdl=False)):
         with pytest.raises(ValueError, match="spec"):
-            GemmTactic(**{**dict(tile_rows=16, warps_m=4, warps_k=4, unroll=4, ctas_per_sm=1, stages=4,
-                                 fp8=True, spec=True), **bad})
+            GemmTactic(
+                **{
+                    **dict(tile_rows=16, warps_m=4, warps_k=4, unroll=4, ctas_per_sm=1, stages=4, fp8=True, spec=True),
+                    **bad,
+                }
+            )
     with pytest.raises(TypeError, match="spec must be a bool"):
         GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, spec=1)
     shape = get_preset("dsv41-flash").shard(4)
@@ -1110,7 +1141,8 @@ def test_spec_gemm1_equals_its_plain_twin_and_replays():
             gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t, topk_ids=ids)
             used = TILE * route.tiles_used
             assert torch.equal(h_q[:used], want[0][:used]) and torch.equal(h_s[:used], want[1][:used]), (
-                f"{t.name} {label}")
+                f"{t.name} {label}"
+            )
     # behind the route kernel that releases after its wait, in a graph; new ids between replays
     t, rows = SPEC_1[0], 6
     x = generate_activations(rows, shape.hidden, seed=3, device="cuda")
@@ -1126,10 +1158,12 @@ def test_spec_gemm1_equals_its_plain_twin_and_replays():
     # two layers per replay: the second route kernel follows the first GEMM1 under PDL; with
     # inputs_ready it reads ids and x before its wait and lets GEMM1 launch on entry
     for ready in (False, True):
+
         def step():
             for _ in range(2):
-                launch_route_quantize(x, x_q, x_s, ids, record, permuted, experts, release_after_wait=not ready,
-                                      inputs_ready=ready)
+                launch_route_quantize(
+                    x, x_q, x_s, ids, record, permuted, experts, release_after_wait=not ready, inputs_ready=ready
+                )
                 gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, tactic=t, topk_ids=ids)
 
         step()
@@ -1164,6 +1198,7 @@ CLUSTER_2 = [GemmTactic(32, 4, 1, 3, 2, stages=4, fp8=True, cluster_k=2)]
 
 def test_cluster_tactic_validation_name_and_table_fields():
     from moebench.kernels.tactic import cluster_landing_bytes
+
     t = CLUSTER_1[1]
     assert t.name == "r16_m4_k4_u4_c1_b4_cl2_sp_f8" and GemmTactic.from_name(t.name) == t
     assert GemmTactic.from_fields(t.to_fields()) == t and t.to_fields()["cluster_k"] == 2
@@ -1172,8 +1207,14 @@ def test_cluster_tactic_validation_name_and_table_fields():
     assert cluster_landing_bytes(t) == 2 * 1 * 8 * 64 * 4 and cluster_landing_bytes(plain) == 0
     for bad in (dict(fp8=False, tile_rows=32), dict(stages=0), dict(cluster_k=9), dict(cluster_k=0)):
         with pytest.raises(ValueError, match="cluster_k"):
-            GemmTactic(**{**dict(tile_rows=16, warps_m=4, warps_k=4, unroll=4, ctas_per_sm=1, stages=4, fp8=True,
-                                 cluster_k=2), **bad})
+            GemmTactic(
+                **{
+                    **dict(
+                        tile_rows=16, warps_m=4, warps_k=4, unroll=4, ctas_per_sm=1, stages=4, fp8=True, cluster_k=2
+                    ),
+                    **bad,
+                }
+            )
     with pytest.raises(TypeError, match="cluster_k must be an int"):
         GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, cluster_k=2.0)
     tp8, tp4 = get_preset("dsv41-flash").shard(8), get_preset("dsv41-flash").shard(4)
@@ -1248,7 +1289,8 @@ def test_cluster_k_matches_the_oracle(preset, tp):
             h_s = torch.full_like(want[1], 0xFE)
             gemm1(kw8, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t, topk_ids=ids.cuda())
             assert torch.equal(h_q[:used], want[0][:used]) and torch.equal(h_s[:used], want[1][:used]), (
-                f"{t.name} {label}")
+                f"{t.name} {label}"
+            )
 
 
 @pytest.mark.gpu

@@ -122,8 +122,11 @@ def test_mma_data_flow_emulation_matches_dense_product():
                         regs = _decode_py(int(words[pair, ch, lane, 2 * t + j]))
                         s_lo = int(sp[pair, ch, g, 2 * t]) - 127
                         s_hi = int(sp[pair, ch, g, 2 * t + 1]) - 127
-                        a = [_bf16_value(regs[i] >> (16 * h)) * 2.0**126 * 2.0 ** (s_lo if i % 2 == 0 else s_hi)
-                             for i in range(4) for h in range(2)]
+                        a = [
+                            _bf16_value(regs[i] >> (16 * h)) * 2.0**126 * 2.0 ** (s_lo if i % 2 == 0 else s_hi)
+                            for i in range(4)
+                            for h in range(2)
+                        ]
                         k0 = 32 * ch + 8 * c + 4 * j
                         b = x[g, k0 : k0 + 4].tolist()
                         for v in range(8):  # PTX A fragment map
@@ -165,8 +168,7 @@ def test_e4m3_word_layout_decodes_every_code_exactly():
     for rh in range(2):
         for byte in range(4):
             for code in range(16):
-                word = sum(((code >> b) & 1) << code_bit_position("e4m3", rh, byte // 2, byte % 2, b)
-                           for b in range(4))
+                word = sum(((code >> b) & 1) << code_bit_position("e4m3", rh, byte // 2, byte % 2, b) for b in range(4))
                 regs = _decode_e4m3_py(word)
                 got = (regs[rh] >> (8 * byte)) & 0xFF
                 assert _e4m3_value(got) * 2.0**6 == E2M1_VALUES[code], (rh, byte, code)

@@ -42,13 +42,23 @@ def _compile_sass(pdl: bool, threads: int = 64, deq: bool = False) -> tuple[str,
     def fake(dtype):
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=16)
 
-    return compile_sm90a(QuantizeKernel(pdl=pdl, threads=threads, deq=deq), fake(BFloat16), fake(Uint8),
-                         fake(Uint8), fake(BFloat16), Int32(32), cuda.CUstream(0), ptx=True)
+    return compile_sm90a(
+        QuantizeKernel(pdl=pdl, threads=threads, deq=deq),
+        fake(BFloat16),
+        fake(Uint8),
+        fake(Uint8),
+        fake(BFloat16),
+        Int32(32),
+        cuda.CUstream(0),
+        ptx=True,
+    )
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("pdl, threads, deq", [(True, 64, False), (False, 64, False), (True, 32, False),
-                                               (True, 1024, False), (True, 64, True)])
+@pytest.mark.parametrize(
+    "pdl, threads, deq",
+    [(True, 64, False), (False, 64, False), (True, 32, False), (True, 1024, False), (True, 64, True)],
+)
 def test_compiles_for_sm90a_without_spills(pdl, threads, deq):
     sass, ptx = _compile_sass(pdl, threads, deq)
     instr = sass_instructions(sass)
@@ -89,9 +99,11 @@ def test_compile_quantize_kernel_is_cached_and_validates():
 
 
 def _args(rows=4, h=4096):
-    return dict(x=torch.zeros(rows, h, dtype=torch.bfloat16),
-                x_q_out=torch.empty(rows, h, dtype=torch.uint8),
-                x_scale_out=torch.empty(rows, h // 32, dtype=torch.uint8))
+    return dict(
+        x=torch.zeros(rows, h, dtype=torch.bfloat16),
+        x_q_out=torch.empty(rows, h, dtype=torch.uint8),
+        x_scale_out=torch.empty(rows, h // 32, dtype=torch.uint8),
+    )
 
 
 @pytest.mark.parametrize(
@@ -106,25 +118,27 @@ def _args(rows=4, h=4096):
         (lambda a: a.update(x=torch.zeros(9, 4096, dtype=torch.bfloat16)), ValueError, "rows"),
         (lambda a: a.update(x=torch.zeros(4, 4000, dtype=torch.bfloat16)), ValueError, "H"),
         (lambda a: a.update(x=torch.zeros(4, 96, dtype=torch.bfloat16)), ValueError, "H"),
-        (lambda a: a.update(x=torch.zeros(4, 8192, dtype=torch.bfloat16)[:, ::2]), ValueError,
-         "x must be contiguous"),
-        (lambda a: a.update(x=misaligned((4, 4096), torch.bfloat16)), ValueError,
-         "x must be 16-byte aligned"),
+        (lambda a: a.update(x=torch.zeros(4, 8192, dtype=torch.bfloat16)[:, ::2]), ValueError, "x must be contiguous"),
+        (lambda a: a.update(x=misaligned((4, 4096), torch.bfloat16)), ValueError, "x must be 16-byte aligned"),
         (lambda a: a.update(x_q_out=None), TypeError, "x_q_out"),
         (lambda a: a.update(x_q_out=a["x_q_out"].to(torch.int8)), TypeError, "x_q_out"),
         (lambda a: a.update(x_q_out=a["x_q_out"].to(torch.bfloat16)), TypeError, "x_q_out"),
         (lambda a: a.update(x_q_out=a["x_q_out"][:3]), ValueError, "x_q_out"),
         (lambda a: a.update(x_q_out=a["x_q_out"].view(-1)), ValueError, "x_q_out"),
-        (lambda a: a.update(x_q_out=torch.empty(4096, 4, dtype=torch.uint8).t()), ValueError,
-         "x_q_out must be contiguous"),
-        (lambda a: a.update(x_q_out=misaligned((4, 4096), torch.uint8)), ValueError,
-         "x_q_out must be 16-byte aligned"),
+        (
+            lambda a: a.update(x_q_out=torch.empty(4096, 4, dtype=torch.uint8).t()),
+            ValueError,
+            "x_q_out must be contiguous",
+        ),
+        (lambda a: a.update(x_q_out=misaligned((4, 4096), torch.uint8)), ValueError, "x_q_out must be 16-byte aligned"),
         (lambda a: a.update(x_scale_out=a["x_scale_out"].view(torch.int8)), TypeError, "x_scale_out"),
         (lambda a: a.update(x_scale_out=a["x_scale_out"].float()), TypeError, "x_scale_out"),
-        (lambda a: a.update(x_scale_out=torch.empty(4, 4096 // 16, dtype=torch.uint8)), ValueError,
-         "x_scale_out"),
-        (lambda a: a.update(x_scale_out=misaligned((4, 128), torch.uint8)), ValueError,
-         "x_scale_out must be 16-byte aligned"),
+        (lambda a: a.update(x_scale_out=torch.empty(4, 4096 // 16, dtype=torch.uint8)), ValueError, "x_scale_out"),
+        (
+            lambda a: a.update(x_scale_out=misaligned((4, 128), torch.uint8)),
+            ValueError,
+            "x_scale_out must be 16-byte aligned",
+        ),
         (lambda a: a.update(pdl=1), TypeError, "pdl"),
         (lambda a: a.update(threads=48), ValueError, "threads"),
         (lambda a: None, ValueError, "CUDA"),  # everything right, but on the CPU
@@ -174,6 +188,7 @@ SPECIAL_KINDS = (
 
 def _special_block(kind: str, gen: torch.Generator) -> torch.Tensor:
     """One bf16 [32] block of the named kind."""
+
     def randn(n=32):
         return torch.randn(n, generator=gen)
 
@@ -206,8 +221,7 @@ def _special_block(kind: str, gen: torch.Generator) -> torch.Tensor:
             bits = torch.zeros(32, dtype=torch.int64)
             if kind == "neg-min-subnormal":
                 bits[:] = 0x8000
-            bits[pos()] = 0x8001 if kind == "neg-min-subnormal" else int(
-                torch.randint(1, 0x80, (), generator=gen))
+            bits[pos()] = 0x8001 if kind == "neg-min-subnormal" else int(torch.randint(1, 0x80, (), generator=gen))
         return _bits_to_bf16(bits)
     elif kind == "bf16-max":
         x = torch.finfo(torch.bfloat16).max * signs()
@@ -217,8 +231,14 @@ def _special_block(kind: str, gen: torch.Generator) -> torch.Tensor:
     elif kind in ("nan", "neg-nan", "snan", "inf", "neg-inf", "nan-and-inf"):
         b = randn().bfloat16()
         bits = b.view(torch.int16).to(torch.int64) & 0xFFFF
-        special = {"nan": [0x7FC0], "neg-nan": [0xFFC1], "snan": [0x7F81], "inf": [0x7F80],
-                   "neg-inf": [0xFF80], "nan-and-inf": [0x7FC0, 0xFF80]}[kind]
+        special = {
+            "nan": [0x7FC0],
+            "neg-nan": [0xFFC1],
+            "snan": [0x7F81],
+            "inf": [0x7F80],
+            "neg-inf": [0xFF80],
+            "nan-and-inf": [0x7FC0, 0xFF80],
+        }[kind]
         for s in special:
             bits[pos()] = s
         return _bits_to_bf16(bits)
@@ -357,8 +377,10 @@ def _check_deq(got_d: torch.Tensor, want_q: torch.Tensor, want_s: torch.Tensor, 
     same = (g == w) | (torch.isnan(got_d) & torch.isnan(want))
     if not bool(same.all()):
         bad = (~same).nonzero()[:4].tolist()
-        raise AssertionError(f"x_deq differs: {ctx} (row, col, got, want): "
-                             f"{[(r, c, got_d[r, c].item(), want[r, c].item()) for r, c in bad]}")
+        raise AssertionError(
+            f"x_deq differs: {ctx} (row, col, got, want): "
+            f"{[(r, c, got_d[r, c].item(), want[r, c].item()) for r, c in bad]}"
+        )
 
 
 def _check(x_cpu: torch.Tensor, *, pdl=True, threads=64, what="", deq=False):
@@ -378,12 +400,15 @@ def _check(x_cpu: torch.Tensor, *, pdl=True, threads=64, what="", deq=False):
     got_q, got_s = q.cpu(), s.cpu()
     if not torch.equal(got_s, want_s):
         bad = (got_s != want_s).nonzero()[:4].tolist()
-        raise AssertionError(f"scales differ: {ctx} at {bad}: "
-                             f"{[(got_s[r, c].item(), want_s[r, c].item()) for r, c in bad]}")
+        raise AssertionError(
+            f"scales differ: {ctx} at {bad}: {[(got_s[r, c].item(), want_s[r, c].item()) for r, c in bad]}"
+        )
     if not torch.equal(got_q, want_q):
         bad = (got_q != want_q).nonzero()[:4].tolist()
-        detail = [(r, c, x_cpu[r, c].item(), got_q[r, c].item(), want_q[r, c].item(),
-                   want_s[r, c // 32].item()) for r, c in bad]
+        detail = [
+            (r, c, x_cpu[r, c].item(), got_q[r, c].item(), want_q[r, c].item(), want_s[r, c // 32].item())
+            for r, c in bad
+        ]
         raise AssertionError(f"bytes differ: {ctx} (row, col, x, got, want, code): {detail}")
     for name, buf, n in (("x_q", q_buf, q.numel()), ("x_scale", s_buf, s.numel())):
         assert_guards_intact(buf, GUARD, n, POISON, f"{name} written out of bounds: {ctx}")
@@ -469,7 +494,7 @@ def test_quantize_cuda_graph_capture_and_replay():
     rows, h = 6, 7168
     gen = torch.Generator().manual_seed(11)
     first, second = _make_input(rows, h, gen), _make_input(rows, h, gen)
-    src = torch.empty(rows, h, dtype=torch.bfloat16, device="cuda")   # graph input
+    src = torch.empty(rows, h, dtype=torch.bfloat16, device="cuda")  # graph input
     x = torch.empty_like(src)
     q = torch.empty(rows, h, dtype=torch.uint8, device="cuda")
     s = torch.empty(rows, h // 32, dtype=torch.uint8, device="cuda")
@@ -515,7 +540,9 @@ def test_quantize_graph_timing(capsys):
     s = torch.empty(rows, h // 32, dtype=torch.uint8, device="cuda")
     med, times = graph_launch_times(lambda: launch_quantize_mxfp8(x, q, s), n=n, replays=20)
     with capsys.disabled():
-        print(f"\n[quantize] rows={rows} H={h}: {med:.2f} us per launch in a graph "
-              f"(median of 20 replays of {n}; min {min(times):.2f}, max {max(times):.2f})")
+        print(
+            f"\n[quantize] rows={rows} H={h}: {med:.2f} us per launch in a graph "
+            f"(median of 20 replays of {n}; min {min(times):.2f}, max {max(times):.2f})"
+        )
     assert torch.equal(q.cpu(), _reference(x.cpu())[0])
     assert med < 50

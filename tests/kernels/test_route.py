@@ -27,8 +27,9 @@ GUARD = 8  # poisoned guard words on each side of every output buffer
 # --------------------------------------------------------------------------- CPU: compile
 
 
-def _compile_sass(pdl: bool, threads: int = 128, keys_per_step: int = 16, quantize=False, deq=False,
-                  inputs_ready=False) -> str:
+def _compile_sass(
+    pdl: bool, threads: int = 128, keys_per_step: int = 16, quantize=False, deq=False, inputs_ready=False
+) -> str:
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass import BFloat16, Int32, Uint8
@@ -39,8 +40,9 @@ def _compile_sass(pdl: bool, threads: int = 128, keys_per_step: int = 16, quanti
     def fake(dtype=Int32, align=4):
         return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
 
-    kernel = RouteKernel(pdl=pdl, threads=threads, keys_per_step=keys_per_step, quantize=quantize, deq=deq,
-                         inputs_ready=inputs_ready)
+    kernel = RouteKernel(
+        pdl=pdl, threads=threads, keys_per_step=keys_per_step, quantize=quantize, deq=deq, inputs_ready=inputs_ready
+    )
     sass, _ = compile_sm90a(kernel, fake(), fake(), fake(), Int32(1), Int32(1), Int32(1),
                             fake(BFloat16, 16), fake(Uint8, 16), fake(Uint8, 16), fake(BFloat16, 16), Int32(4),
                             cuda.CUstream(0))  # fmt: skip
@@ -50,9 +52,16 @@ def _compile_sass(pdl: bool, threads: int = 128, keys_per_step: int = 16, quanti
 @pytest.mark.compile
 @pytest.mark.parametrize(
     "pdl, threads, keys_per_step, quantize, deq",
-    [(True, 128, 16, False, False), (False, 128, 16, False, False), (True, 64, 16, False, False),
-     (True, 128, 4, False, False), (True, 128, 32, False, False), (True, 128, 16, True, False),
-     (False, 128, 16, True, False), (True, 128, 16, True, True)],
+    [
+        (True, 128, 16, False, False),
+        (False, 128, 16, False, False),
+        (True, 64, 16, False, False),
+        (True, 128, 4, False, False),
+        (True, 128, 32, False, False),
+        (True, 128, 16, True, False),
+        (False, 128, 16, True, False),
+        (True, 128, 16, True, True),
+    ],
 )
 def test_compiles_for_sm90a_without_spills(pdl, threads, keys_per_step, quantize, deq):
     sass = _compile_sass(pdl, threads, keys_per_step, quantize, deq)
@@ -114,8 +123,14 @@ def test_route_kernel_config_and_can_implement():
             RouteKernel(keys_per_step=bad)
     assert RouteKernel.can_implement(8, 8, 512) == (True, "")
     assert RouteKernel.can_implement(0, 1, 1) == (True, "")
-    for args, name in (((9, 6, 384), "rows"), ((6, 0, 384), "top_k"), ((6, 9, 384), "top_k"),
-                       ((6, 6, 0), "experts"), ((6, 6, 513), "experts"), ((6.0, 6, 384), "rows")):
+    for args, name in (
+        ((9, 6, 384), "rows"),
+        ((6, 0, 384), "top_k"),
+        ((6, 9, 384), "top_k"),
+        ((6, 6, 0), "experts"),
+        ((6, 6, 513), "experts"),
+        ((6.0, 6, 384), "rows"),
+    ):
         ok, why = RouteKernel.can_implement(*args)
         assert not ok and name in why
 
@@ -139,8 +154,11 @@ def _bufs(rows, top_k, experts, device="cpu"):
         (lambda a: a.update(topk_ids=a["topk_ids"][None]), ValueError, "topk_ids"),
         (lambda a: a.update(topk_ids=torch.zeros(9, 6, dtype=torch.int32)), ValueError, "rows"),
         (lambda a: a.update(topk_ids=torch.zeros(6, 9, dtype=torch.int32)), ValueError, "top_k"),
-        (lambda a: a.update(topk_ids=torch.zeros(6, 12, dtype=torch.int32)[:, ::2]), ValueError,
-         "topk_ids must be contiguous"),
+        (
+            lambda a: a.update(topk_ids=torch.zeros(6, 12, dtype=torch.int32)[:, ::2]),
+            ValueError,
+            "topk_ids must be contiguous",
+        ),
         (lambda a: a.update(experts=0), ValueError, "experts"),
         (lambda a: a.update(experts=513), ValueError, "experts"),
         (lambda a: a.update(experts=384.0), TypeError, "experts"),
@@ -150,8 +168,11 @@ def _bufs(rows, top_k, experts, device="cpu"):
         (lambda a: a.update(record_out=a["record_out"].long()), TypeError, "record_out"),
         (lambda a: a.update(record_out=a["record_out"][1:]), ValueError, "record_out"),
         (lambda a: a.update(record_out=a["record_out"].view(2, -1)), ValueError, "record_out"),
-        (lambda a: a.update(record_out=torch.empty(2 * a["record_out"].numel(), dtype=torch.int32)[::2]),
-         ValueError, "record_out must be contiguous"),
+        (
+            lambda a: a.update(record_out=torch.empty(2 * a["record_out"].numel(), dtype=torch.int32)[::2]),
+            ValueError,
+            "record_out must be contiguous",
+        ),
         (lambda a: a.update(permuted_out=a["permuted_out"].t()), ValueError, "permuted_out"),
         (lambda a: a.update(permuted_out=a["permuted_out"].short()), TypeError, "permuted_out"),
         (lambda a: a.update(permuted_out=a["permuted_out"][:5]), ValueError, "permuted_out"),
@@ -191,8 +212,14 @@ def _routings(rows, top_k, experts, gen):
 
     out = []
     if top_k <= experts:
-        out.append(("uniform", torch.stack([distinct(top_k) for _ in range(rows)])
-                    if rows else torch.empty(0, top_k, dtype=torch.int64)))
+        out.append(
+            (
+                "uniform",
+                torch.stack([distinct(top_k) for _ in range(rows)])
+                if rows
+                else torch.empty(0, top_k, dtype=torch.int64),
+            )
+        )
         hot = ints(0, experts, ()).item()
         rows_h = []
         for _ in range(rows):
@@ -237,12 +264,12 @@ def _check(ids_cpu, experts, *, pdl=True, keys_per_step=16, what=""):
     ids.copy_(ids_cpu.flatten())
     rec_buf, rec = _guarded(route_words(want.ctas), dev)
     perm_buf, perm = _guarded(rows * top_k, dev)
-    launch_route(ids.view(rows, top_k), rec, perm.view(rows, top_k), experts, pdl=pdl,
-                 keys_per_step=keys_per_step)
+    launch_route(ids.view(rows, top_k), rec, perm.view(rows, top_k), experts, pdl=pdl, keys_per_step=keys_per_step)
     torch.cuda.synchronize()
     ctx = f"{what} rows={rows} top_k={top_k} experts={experts} ids={ids_cpu.tolist()}"
     assert torch.equal(rec.cpu(), want.record), (
-        f"record differs: {ctx}\n got {rec.cpu().tolist()}\nwant {want.record.tolist()}")
+        f"record differs: {ctx}\n got {rec.cpu().tolist()}\nwant {want.record.tolist()}"
+    )
     assert torch.equal(perm.cpu().view(rows, top_k), want.permuted), f"permuted differs: {ctx}"
     for name, buf, n in (("record", rec_buf, rec.numel()), ("permuted", perm_buf, perm.numel())):
         assert_guards_intact(buf, GUARD, n, POISON, f"{name} written out of bounds: {ctx}")
@@ -278,8 +305,7 @@ def test_route_tiles_of_one_expert_and_full_table():
     # 64 slots of one expert: 8 full tiles; 64 distinct experts: 64 one-row tiles
     want = _check(torch.full((8, 8), 7, dtype=torch.int32), 384, what="8 tiles of expert 7")
     assert want.tiles_used == 8 and (want.tile_valid_rows[:8] == 8).all()
-    want = _check(torch.arange(64, dtype=torch.int32).flip(0).view(8, 8) * 8, 512,
-                  what="64 experts")
+    want = _check(torch.arange(64, dtype=torch.int32).flip(0).view(8, 8) * 8, 512, what="64 experts")
     assert want.tiles_used == 64 == want.ctas
     # 9 slots of one expert: a full tile and a tile of one row
     ids = torch.full((3, 3), -1, dtype=torch.int32)
@@ -328,7 +354,7 @@ def test_route_cuda_graph_capture_and_replay():
     second[::2, 1] = -1
     first, second = first.to(torch.int32), second.to(torch.int32)
     ctas = max_ctas(rows, top_k, experts)
-    src = torch.empty(rows, top_k, dtype=torch.int32, device="cuda")   # graph input
+    src = torch.empty(rows, top_k, dtype=torch.int32, device="cuda")  # graph input
     ids = torch.empty_like(src)
     rec = torch.empty(route_words(ctas), dtype=torch.int32, device="cuda")
     perm = torch.empty(rows, top_k, dtype=torch.int32, device="cuda")
@@ -369,10 +395,15 @@ def test_route_cuda_graph_capture_and_replay():
 
 def _rq_args(rows=6, top_k=6, experts=384, h=256, device="cpu"):
     ids, rec, perm = _bufs(rows, top_k, experts, device)
-    return dict(x=torch.zeros(rows, h, dtype=torch.bfloat16, device=device),
-                x_q_out=torch.empty(rows, h, dtype=torch.uint8, device=device),
-                x_scale_out=torch.empty(rows, h // 32, dtype=torch.uint8, device=device),
-                topk_ids=ids, record_out=rec, permuted_out=perm, experts=experts)
+    return dict(
+        x=torch.zeros(rows, h, dtype=torch.bfloat16, device=device),
+        x_q_out=torch.empty(rows, h, dtype=torch.uint8, device=device),
+        x_scale_out=torch.empty(rows, h // 32, dtype=torch.uint8, device=device),
+        topk_ids=ids,
+        record_out=rec,
+        permuted_out=perm,
+        experts=experts,
+    )
 
 
 @pytest.mark.parametrize(
@@ -437,18 +468,30 @@ def test_route_quantize_bit_exact(h):
                     d_buf, d = guarded(rows * h, 0x7FA5, torch.int16, 8, dev)
                     d = d.view(torch.bfloat16).view(rows, h)
                 x = x_cpu.to(dev)
-                launch_route_quantize(x, q.view(rows, h), s.view(rows, h // 32), ids, rec,
-                                      perm.view(rows, top_k), experts, pdl=pdl, x_deq_out=d, inputs_ready=ready)
+                launch_route_quantize(
+                    x,
+                    q.view(rows, h),
+                    s.view(rows, h // 32),
+                    ids,
+                    rec,
+                    perm.view(rows, top_k),
+                    experts,
+                    pdl=pdl,
+                    x_deq_out=d,
+                    inputs_ready=ready,
+                )
                 torch.cuda.synchronize()
                 ctx = f"{name} rows={rows} top_k={top_k} H={h} deq={deq} pdl={pdl} inputs_ready={ready}"
                 assert torch.equal(rec.cpu(), want.record), f"record differs: {ctx}"
                 assert torch.equal(perm.cpu().view(rows, top_k), want.permuted), f"permuted differs: {ctx}"
                 assert torch.equal(s.cpu().view(rows, h // 32), want_s), f"scales differ: {ctx}"
                 assert torch.equal(q.cpu().view(rows, h), want_q), f"bytes differ: {ctx}"
-                for what, buf, n, g, p in (("record", rec_buf, rec.numel(), GUARD, POISON),
-                                           ("permuted", perm_buf, perm.numel(), GUARD, POISON),
-                                           ("x_q", q_buf, q.numel(), QGUARD, QPOISON),
-                                           ("x_scale", s_buf, s.numel(), QGUARD, QPOISON)):
+                for what, buf, n, g, p in (
+                    ("record", rec_buf, rec.numel(), GUARD, POISON),
+                    ("permuted", perm_buf, perm.numel(), GUARD, POISON),
+                    ("x_q", q_buf, q.numel(), QGUARD, QPOISON),
+                    ("x_scale", s_buf, s.numel(), QGUARD, QPOISON),
+                ):
                     assert_guards_intact(buf, g, n, p, f"{what} written out of bounds: {ctx}")
                 if deq:
                     _check_deq(d.cpu(), want_q, want_s, ctx)

@@ -12,7 +12,9 @@ def test_gemm_shape_of_takes_integers_and_refuses_floats():
     float naming the field rather than truncating it to another shape."""
     shape = get_preset("dsv41-flash").shard(4)
     assert GemmShape.of(shape) == GemmShape(5120, 576, 384)
-    assert GemmShape.of(SimpleNamespace(hidden=np.int64(4096), intermediate=512, experts=32)) == GemmShape(4096, 512, 32)
+    assert GemmShape.of(SimpleNamespace(hidden=np.int64(4096), intermediate=512, experts=32)) == GemmShape(
+        4096, 512, 32
+    )
     with pytest.raises(ValueError, match="hidden must be a positive int, got 4096.7"):
         GemmShape.of(SimpleNamespace(hidden=4096.7, intermediate=512, experts=32))
     with pytest.raises(ValueError, match="experts"):
@@ -34,8 +36,15 @@ def _space_tactics():
             for stage in (1, 2):
                 out.update(SHIP_SPACE.tactics_for(shape, stage))
                 out.update(FP8_SPACES["full"].tactics_for(shape, stage))
-    out.update([GemmTactic(pdl=False), GemmTactic(persistent=False, pdl=False), GemmTactic(split_k=4),
-                GemmTactic(64, 1, 4, 4, 3, split_k=2, act_bf16=True), GemmTactic(stages=4, act_bf16=True)])
+    out.update(
+        [
+            GemmTactic(pdl=False),
+            GemmTactic(persistent=False, pdl=False),
+            GemmTactic(split_k=4),
+            GemmTactic(64, 1, 4, 4, 3, split_k=2, act_bf16=True),
+            GemmTactic(stages=4, act_bf16=True),
+        ]
+    )
     return sorted(out, key=lambda t: t.to_name())
 
 

@@ -21,8 +21,9 @@ def _committed(runs: Path) -> list[Path]:
     if not runs.is_dir():
         return []
     try:
-        out = subprocess.run(["git", "ls-files", "--", "."], cwd=runs, capture_output=True, text=True,
-                             check=True, timeout=60).stdout
+        out = subprocess.run(
+            ["git", "ls-files", "--", "."], cwd=runs, capture_output=True, text=True, check=True, timeout=60
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return sorted(p for p in runs.iterdir() if p.is_dir())
     names = {Path(line).parts[0] for line in out.splitlines() if len(Path(line).parts) > 1}
@@ -81,13 +82,19 @@ def test_readme_tables_quote_the_committed_run():
     for tp, at in zip((4, 8), headers):
         cols = [c.strip() for c in lines[at].strip("|").split("|")]
         assert cols[-2:] == ["fastest peer", "speed-up"] and set(cols[1:-2]) == set(README_COLUMNS), cols
-        for ln in lines[at + 2:]:
+        for ln in lines[at + 2 :]:
             if not ln.startswith("| "):
                 break
             cells = [c.strip() for c in ln.strip("|").split("|")]
             rows = int(cells[0])
-            case = df[(df.preset == "dsv41-flash") & (df.tp == tp) & (df.rows == rows) & (df.scenario == "correlated")
-                      & (df.tactic == "default") & (df.status == "ok")].set_index("backend")
+            case = df[
+                (df.preset == "dsv41-flash")
+                & (df.tp == tp)
+                & (df.rows == rows)
+                & (df.scenario == "correlated")
+                & (df.tactic == "default")
+                & (df.status == "ok")
+            ].set_index("backend")
             for col, cell in zip(cols[1:-2], cells[1:-2]):
                 rec = case.loc[README_COLUMNS[col]]
                 us, pct = (float(v.strip(" %")) for v in cell.split("/"))

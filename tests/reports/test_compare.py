@@ -9,16 +9,36 @@ from moebench.reports.compare import (
     classify, compare_runs, comparison_markdown, parse_threshold, within_threshold_note,
 )  # fmt: skip
 
-MANIFEST = {"device": {"name": "NVIDIA H200", "sm_count": 132, "driver": "570.1"}, "reduced": False,
-            "warm_l2": False, "packages": {"torch": "2.9"}, "cuda_runtime": "12.8", "copy_bw_gbps": 4200.0}
+MANIFEST = {
+    "device": {"name": "NVIDIA H200", "sm_count": 132, "driver": "570.1"},
+    "reduced": False,
+    "warm_l2": False,
+    "packages": {"torch": "2.9"},
+    "cuda_runtime": "12.8",
+    "copy_bw_gbps": 4200.0,
+}
 
 
 def case(rows, backend="moebench", median=10.0, spread=0.02, status="ok", error="", **kw):
-    row = dict(preset="dsv41-flash", hidden=5120, intermediate=576, experts=384, top_k=6, tp=4, rows=rows,
-               scenario="correlated", backend=backend, tactic="default", status=status, error=error,
-               median_us=median if status == "ok" else math.nan,
-               p10_us=median * (1 - spread) if status == "ok" else math.nan,
-               p90_us=median * (1 + spread) if status == "ok" else math.nan, unique_experts=6 * rows, seed=0)
+    row = dict(
+        preset="dsv41-flash",
+        hidden=5120,
+        intermediate=576,
+        experts=384,
+        top_k=6,
+        tp=4,
+        rows=rows,
+        scenario="correlated",
+        backend=backend,
+        tactic="default",
+        status=status,
+        error=error,
+        median_us=median if status == "ok" else math.nan,
+        p10_us=median * (1 - spread) if status == "ok" else math.nan,
+        p90_us=median * (1 + spread) if status == "ok" else math.nan,
+        unique_experts=6 * rows,
+        seed=0,
+    )
     row.update(kw)
     return row
 
@@ -227,7 +247,12 @@ def test_classify_edges():
 
 
 def test_parse_threshold():
-    assert parse_threshold("5%") == 5.0 and parse_threshold("0.5 %") == 0.5 and parse_threshold(3) == 3.0 and parse_threshold("0") == 0.0
+    assert (
+        parse_threshold("5%") == 5.0
+        and parse_threshold("0.5 %") == 0.5
+        and parse_threshold(3) == 3.0
+        and parse_threshold("0") == 0.0
+    )
     for bad in ("x", "-1%", "-0", "-0.0%", "nan", "inf", "", True):
         with pytest.raises(ValueError, match="threshold"):
             parse_threshold(bad)
@@ -387,8 +412,9 @@ def test_slower_cases_within_the_threshold_are_explained_not_a_contradiction():
     cur = pd.DataFrame([case(1, median=12.0), case(2, median=10.0)])  # +20 % in 2 % noise
     comp = compare_runs(cur, MANIFEST, base, MANIFEST, threshold_pct=100.0)
     assert verdicts(comp)[("moebench", 1)] == "slower" and not len(comp.regressions)
-    assert within_threshold_note(comp) == (" 1 case(s) read slower (beyond the noise) but by no more than the"
-                                           " 100 % threshold.")
+    assert within_threshold_note(comp) == (
+        " 1 case(s) read slower (beyond the noise) but by no more than the 100 % threshold."
+    )
     assert "No regressions. 1 case(s) read slower" in comparison_markdown(comp)
     comp = compare_runs(cur, MANIFEST, base, MANIFEST, threshold_pct=5.0)  # now a regression: no such note
     assert len(comp.regressions) == 1 and within_threshold_note(comp) == ""

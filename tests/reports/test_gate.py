@@ -10,9 +10,18 @@ from moebench.reports.gate import FAILED, UNJUDGED, case_list, interrupted_exit,
 
 
 def _frame(*statuses, peer=None):
-    df = pd.DataFrame({"status": list(statuses),
-                       "error": ["" if s == "ok" else f"why {s} {i}" for i, s in enumerate(statuses)],
-                       "backend": "b", "preset": "p", "tp": 1, "rows": 1, "scenario": "s", "tactic": "default"})
+    df = pd.DataFrame(
+        {
+            "status": list(statuses),
+            "error": ["" if s == "ok" else f"why {s} {i}" for i, s in enumerate(statuses)],
+            "backend": "b",
+            "preset": "p",
+            "tp": 1,
+            "rows": 1,
+            "scenario": "s",
+            "tactic": "default",
+        }
+    )
     if peer is not None:
         df["peer"] = peer
     return df
@@ -26,8 +35,10 @@ def test_ok_beside_skipped_passes_and_no_case_ran_fails():
 
 def test_a_failed_case_of_ours_fails_with_its_reasons():
     verdict = judge_run(_frame("ok", "failed", "failed", "failed", "failed"), "RUN")
-    assert verdict.failure.startswith("4 case(s) failed: an error, or an output off the oracle (stored as failed in"
-                                      " RUN): why failed 1; why failed 2; why failed 3")  # at most three reasons
+    assert verdict.failure.startswith(
+        "4 case(s) failed: an error, or an output off the oracle (stored as failed in"
+        " RUN): why failed 1; why failed 2; why failed 3"
+    )  # at most three reasons
     assert "why failed 4" not in verdict.failure and verdict.peers == 0
 
 
@@ -54,8 +65,18 @@ def test_interrupted_exit_is_128_plus_the_signal():
 
 
 def _comparison(verdicts=(), mismatches=(), errors=()):
-    reg = pd.DataFrame({"verdict": list(verdicts), "backend": "b", "preset": "p", "tp": 1, "rows": 1,
-                        "scenario": "s", "tactic": "t", "note": "n"})
+    reg = pd.DataFrame(
+        {
+            "verdict": list(verdicts),
+            "backend": "b",
+            "preset": "p",
+            "tp": 1,
+            "rows": 1,
+            "scenario": "s",
+            "tactic": "t",
+            "note": "n",
+        }
+    )
     return SimpleNamespace(regressions=reg, mismatches=list(mismatches), errors=list(errors), differs_in="device")
 
 
@@ -65,13 +86,16 @@ def test_judge_comparison():
     message, code = judge_comparison(_comparison(["slower", "slower", "failed", "lost"]), 5.0, gated=True)
     assert code == FAILED and message == (
         "2 case(s) slower than the baseline by more than 5 %; 1 case(s) failed their correctness gate in this run;"
-        " 1 case(s) ok in the baseline were not timed in this run (lost): b p TP1 rows 1 s t (n)")
+        " 1 case(s) ok in the baseline were not timed in this run (lost): b p TP1 rows 1 s t (n)"
+    )
     message, code = judge_comparison(_comparison(mismatches=["device: a vs b"]), 5.0, gated=False)
     assert code == UNJUDGED and message.startswith("--baseline: the baseline is of another device / geometry")
     message, code = judge_comparison(_comparison(mismatches=["mode: x"]), 5.0, gated=False)
     assert "of a different kind of run" in message
     assert judge_comparison(_comparison(errors=["no case in common", "x"]), 5.0, gated=True) == (
-        "no case in common; x", UNJUDGED)
+        "no case in common; x",
+        UNJUDGED,
+    )
 
 
 def test_case_list_says_how_many_more():

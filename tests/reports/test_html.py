@@ -51,8 +51,8 @@ def test_report_and_plots_are_written(tmp_path):
     for name in names[1:]:
         assert f"src='{name}'" in text
     assert "NVIDIA H200" in text and "abc&lt;def&gt;" in text  # escaped
-    assert "Regressions (" in text and "class=\"slower\"" in text
-    assert "class=\"failed\"" in text and "rel. error 1 exceeds 0.01" in text  # failed shown as failed
+    assert "Regressions (" in text and 'class="slower"' in text
+    assert 'class="failed"' in text and "rel. error 1 exceeds 0.01" in text  # failed shown as failed
 
 
 def test_optional_plots_are_left_out(tmp_path):
@@ -63,8 +63,15 @@ def test_optional_plots_are_left_out(tmp_path):
 
 
 def test_a_run_whose_cases_were_all_skipped_gets_no_empty_plots(tmp_path):
-    df = frame(with_kernels=False).assign(status="skipped", error="needs a CUDA device, got cpu", median_us=math.nan,
-                                          p10_us=math.nan, p90_us=math.nan, gbps=math.nan, pct_copy_bw=math.nan)
+    df = frame(with_kernels=False).assign(
+        status="skipped",
+        error="needs a CUDA device, got cpu",
+        median_us=math.nan,
+        p10_us=math.nan,
+        p90_us=math.nan,
+        gbps=math.nan,
+        pct_copy_bw=math.nan,
+    )
     paths = write_html_report(df, MANIFEST, tmp_path)
     assert [p.name for p in paths] == report_files(df) == ["report.html"]
     assert not list(tmp_path.glob("*.png"))

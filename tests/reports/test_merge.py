@@ -20,8 +20,13 @@ def test_merge_keeps_every_case_and_names_the_parts(tmp_path):
     b = _part(tmp_path, "peers", "marlin-w4a16", copy_bw=4240.0)
     c = _part(tmp_path, "more", "torch-bf16", rows=(6,), copy_bw=4210.0)
     df, manifest = merge_runs([a, b, c])
-    assert sorted(zip(df["backend"], df["rows"])) == [("marlin-w4a16", 1), ("marlin-w4a16", 2), ("moebench", 1),
-                                                      ("moebench", 2), ("torch-bf16", 6)]
+    assert sorted(zip(df["backend"], df["rows"])) == [
+        ("marlin-w4a16", 1),
+        ("marlin-w4a16", 2),
+        ("moebench", 1),
+        ("moebench", 2),
+        ("torch-bf16", 6),
+    ]
     assert manifest["copy_bw_gbps"] == 4210.0  # the parts' median
     assert [m["path"] for m in manifest["merged_from"]] == [str(a), str(b), str(c)]
     assert manifest["merged_from"][1]["copy_bw_gbps"] == 4240.0

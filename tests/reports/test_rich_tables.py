@@ -22,8 +22,16 @@ def test_cells_format_errors_ratios_status_and_notes():
 
 
 def test_frame_table_moves_constant_columns_to_the_title_and_says_a_message_once():
-    frame = pd.DataFrame({"preset": ["p", "p"], "rows": [1, 2], "backend": ["a", "b"], "median_us": [1.0, 2.0],
-                          "shared_path": ["side [stream]", "side [stream]"], "note": ["", ""]})
+    frame = pd.DataFrame(
+        {
+            "preset": ["p", "p"],
+            "rows": [1, 2],
+            "backend": ["a", "b"],
+            "median_us": [1.0, 2.0],
+            "shared_path": ["side [stream]", "side [stream]"],
+            "note": ["", ""],
+        }
+    )
     table, lines = rt.frame_table(frame, "decode step")
     assert table.title == "decode step, preset p" and lines == ["shared expert (every row): side \\[stream]"]
     heads = [c.header for c in table.columns]
@@ -31,8 +39,15 @@ def test_frame_table_moves_constant_columns_to_the_title_and_says_a_message_once
 
 
 def test_split_tables_adds_the_stage_table_only_when_a_stage_was_timed():
-    frame = pd.DataFrame({"preset": ["p", "p"], "rows": [1, 2], "backend": ["a", "a"], "median_us": [1.0, 2.0],
-                          "kernel_gemm1_us": [None, None]})
+    frame = pd.DataFrame(
+        {
+            "preset": ["p", "p"],
+            "rows": [1, 2],
+            "backend": ["a", "a"],
+            "median_us": [1.0, 2.0],
+            "kernel_gemm1_us": [None, None],
+        }
+    )
     assert len(rt.split_tables(frame, "t")) == 1
     frame["kernel_gemm1_us"] = [0.5, 0.7]
     (whole, _), (stages, _) = rt.split_tables(frame, "t")
@@ -41,27 +56,59 @@ def test_split_tables_adds_the_stage_table_only_when_a_stage_was_timed():
 
 
 def test_comparison_gains_families_and_presets_tables():
-    comp = SimpleNamespace(threshold_pct=5.0, frame=pd.DataFrame([{
-        "preset": "p", "tp": 1, "rows": 2, "scenario": "s", "backend": "b", "tactic": "t", "base_median_us": 10.0,
-        "median_us": 12.0, "ratio": 1.2, "delta_pct": 20.0, "noise_pct": 1.0, "verdict": "slower", "note": ""}]))
+    comp = SimpleNamespace(
+        threshold_pct=5.0,
+        frame=pd.DataFrame(
+            [
+                {
+                    "preset": "p",
+                    "tp": 1,
+                    "rows": 2,
+                    "scenario": "s",
+                    "backend": "b",
+                    "tactic": "t",
+                    "base_median_us": 10.0,
+                    "median_us": 12.0,
+                    "ratio": 1.2,
+                    "delta_pct": 20.0,
+                    "noise_pct": 1.0,
+                    "verdict": "slower",
+                    "note": "",
+                }
+            ]
+        ),
+    )
     text = _text(rt.comparison_table(comp))
     assert "vs baseline (threshold 5 %)" in text and "slower" in text and "1.200" in text
     g = {"default_us": 10.0, "tuned_us": 8.0, "gain_pct": 20.0}
     record = {"preset": "p", "tp": 4, "rows": 1, "gemm1": g, "gemm2": g,
               "both": {**g, "gain_us": 2.0, "estimated": True}}  # fmt: skip
     assert "8.00 (est.)" in _text(rt.gains_table([record])) and "+20.0%" in _text(rt.gains_table([record]))
-    choice = SimpleNamespace(family="FP8", source="tables", reason="faster", times=[
-        SimpleNamespace(rows=1, faster="FP8", bf16_us=9.0, fp8_us=7.0)])
+    choice = SimpleNamespace(
+        family="FP8",
+        source="tables",
+        reason="faster",
+        times=[SimpleNamespace(rows=1, faster="FP8", bf16_us=9.0, fp8_us=7.0)],
+    )
     assert "1: FP8 (9.0 / 7.0)" in _text(rt.families_table([("shape", choice)], "dir"))
     presets, shapes = rt.presets_tables()
     assert "dsv41-flash" in _text(presets) and "GB / rank" in _text(shapes)
 
 
 def test_picks_tables_one_per_stage_and_none_correct_in_red():
-    entry = SimpleNamespace(tactic=SimpleNamespace(name="T1"), median_us=5.0, p10_us=4.9, p90_us=5.2, runner_up=None,
-                            margin_pct=None, separated=False)
-    res = {1: SimpleNamespace(entry=entry, baseline=None, rejected=[1], note="n"),
-           2: SimpleNamespace(entry=None, baseline=None, rejected=[1, 2], note="")}
+    entry = SimpleNamespace(
+        tactic=SimpleNamespace(name="T1"),
+        median_us=5.0,
+        p10_us=4.9,
+        p90_us=5.2,
+        runner_up=None,
+        margin_pct=None,
+        separated=False,
+    )
+    res = {
+        1: SimpleNamespace(entry=entry, baseline=None, rejected=[1], note="n"),
+        2: SimpleNamespace(entry=None, baseline=None, rejected=[1, 2], note=""),
+    }
     outcome = SimpleNamespace(results={(4, 1): SimpleNamespace(results=res)}, layers={(4, 1): 3})
     (table,) = rt.picks_tables(outcome, "dsv41-flash BF16")
     text = _text(table)

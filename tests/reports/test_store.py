@@ -13,11 +13,32 @@ def frame(n=2):
     rows = []
     for i in range(n):
         row = dict.fromkeys(REQUIRED_COLUMNS, None)
-        row.update(preset="dsv41-flash", hidden=5120, intermediate=288, experts=384, top_k=6, tp=8, rows=i + 1,
-                   scenario="uniform", backend="torch-bf16", tactic="default", status="ok", error="",
-                   median_us=10.0 + i, p10_us=9.0, p90_us=12.0, unique_experts=6, bytes=1000, gbps=1.5,
-                   pct_copy_bw=30.0, pct_size_ceiling=float("nan"), max_rel_err=1e-3, device="cpu",
-                   sm_count=2, commit="abc")
+        row.update(
+            preset="dsv41-flash",
+            hidden=5120,
+            intermediate=288,
+            experts=384,
+            top_k=6,
+            tp=8,
+            rows=i + 1,
+            scenario="uniform",
+            backend="torch-bf16",
+            tactic="default",
+            status="ok",
+            error="",
+            median_us=10.0 + i,
+            p10_us=9.0,
+            p90_us=12.0,
+            unique_experts=6,
+            bytes=1000,
+            gbps=1.5,
+            pct_copy_bw=30.0,
+            pct_size_ceiling=float("nan"),
+            max_rel_err=1e-3,
+            device="cpu",
+            sm_count=2,
+            commit="abc",
+        )
         rows.append(row)
     return pd.DataFrame(rows)
 

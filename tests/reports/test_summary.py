@@ -49,17 +49,30 @@ def test_summary_shows_the_routed_path_and_stages_only_where_a_row_has_them():
     df["kernel_gemm2_us"] = float("nan")
     s = summary_table(df)
     cols = list(s.columns)
-    assert cols[cols.index("pct_size_ceiling") + 1:cols.index("vs_torch_bf16")] == ["routed_us", "kernel_gemm1_us"]
+    assert cols[cols.index("pct_size_ceiling") + 1 : cols.index("vs_torch_bf16")] == ["routed_us", "kernel_gemm1_us"]
     assert s[s["rows"] == 2]["routed_us"].iloc[0] == 9.5
 
 
 def test_kernel_columns_come_in_launch_order():
     from moebench.reports.summary import kernel_columns
 
-    df = pd.DataFrame({"kernel_gemm2_us": [1.0], "kernel_warp_us": [1.0], "kernel_front_us": [1.0],
-                       "kernel_finalize_us": [1.0], "kernel_shared_us": [float("nan")], "kernel_gemm1_us": [2.0]})
-    assert kernel_columns(df) == ["kernel_front_us", "kernel_gemm1_us", "kernel_gemm2_us", "kernel_finalize_us",
-                                  "kernel_warp_us"]
+    df = pd.DataFrame(
+        {
+            "kernel_gemm2_us": [1.0],
+            "kernel_warp_us": [1.0],
+            "kernel_front_us": [1.0],
+            "kernel_finalize_us": [1.0],
+            "kernel_shared_us": [float("nan")],
+            "kernel_gemm1_us": [2.0],
+        }
+    )
+    assert kernel_columns(df) == [
+        "kernel_front_us",
+        "kernel_gemm1_us",
+        "kernel_gemm2_us",
+        "kernel_finalize_us",
+        "kernel_warp_us",
+    ]
 
 
 def test_shared_stream_text_names_the_setting_and_the_device():

@@ -42,6 +42,7 @@ def _entry(tactic, us):
 
 def make(bf16=None, fp8=None, shape=SHAPE, device=DEVICE) -> TuningTable:
     """A table with {rows: (GEMM1 µs, GEMM2 µs)} per family (a None µs: no entry)."""
+
     def part(times, t1, t2):
         out = {}
         for rows, (g1, g2) in (times or {}).items():
@@ -148,13 +149,22 @@ def test_a_family_whose_built_ins_do_not_fit_is_not_chosen_from_the_tables(tmp_p
 
     write_table(make(bf16=every(20.0), fp8={1: (15.0, 15.0)}), tmp_path)
     real = family.builtin_refusal
-    monkeypatch.setattr(family, "builtin_refusal",
-                        lambda shape, top_k, fp8, num_sms=132: "no fp8 GEMM2 tactic (stand-in)" if fp8 else None)
+    monkeypatch.setattr(
+        family,
+        "builtin_refusal",
+        lambda shape, top_k, fp8, num_sms=132: "no fp8 GEMM2 tactic (stand-in)" if fp8 else None,
+    )
     c = choose_family(DEVICE, SHAPE, search=[tmp_path])
-    assert c.family == BF16 and c.source == "tables" and c.reason == (
-        "the fp8 family cannot run every row count: no fp8 GEMM2 tactic (stand-in)")
-    monkeypatch.setattr(family, "builtin_refusal",
-                        lambda shape, top_k, fp8, num_sms=132: None if fp8 else "no default GEMM1 tactic (stand-in)")
+    assert (
+        c.family == BF16
+        and c.source == "tables"
+        and c.reason == ("the fp8 family cannot run every row count: no fp8 GEMM2 tactic (stand-in)")
+    )
+    monkeypatch.setattr(
+        family,
+        "builtin_refusal",
+        lambda shape, top_k, fp8, num_sms=132: None if fp8 else "no default GEMM1 tactic (stand-in)",
+    )
     write_table(make(bf16=every(10.0), fp8={1: (15.0, 15.0)}), tmp_path / "b")
     c = choose_family(DEVICE, SHAPE, search=[tmp_path / "b"])
     assert c.family == FP8 and "the BF16 family cannot run every row count" in c.reason

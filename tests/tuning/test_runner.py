@@ -140,8 +140,9 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
 
     routes = []  # the timed path starts with the route kernel (record + MXFP8 x), as the binding's
 
-    def launch_route_quantize(x, x_q, x_s, ids, record, permuted, experts, *, x_deq_out=None,
-                              release_after_wait=False, inputs_ready=False):
+    def launch_route_quantize(
+        x, x_q, x_s, ids, record, permuted, experts, *, x_deq_out=None, release_after_wait=False, inputs_ready=False
+    ):
         # whether a spec GEMM1 may read the ids before its wait: either promise gives it
         routes.append((tuple(ids.shape), release_after_wait or inputs_ready))
 
@@ -475,7 +476,8 @@ def test_run_tune_revisits_gemm1_beside_the_tuned_gemm2(monkeypatch):
         d1[rows], d2[rows] = (rn.default_tactic(self.gshape, st, ctas, self.num_sms, self.wide) for st in (1, 2))
         t1, t2 = (tactic, self.partner(rows)) if self.stage == 1 else (self.partner(rows), tactic)
         us = {(True, True): 10.0, (False, True): 9.0, (True, False): 7.0, (False, False): 8.0}[
-            t1 == d1[rows], t2 == d2[rows]]
+            t1 == d1[rows], t2 == d2[rows]
+        ]
         return SimpleNamespace(median_us=us, p10_us=us - 0.01, p90_us=us + 0.01)
 
     monkeypatch.setattr(rn.GemmStageRunner, "valid_tactics", valid)

@@ -139,15 +139,24 @@ def test_tune_and_save_saves_each_config_as_it_is_tuned_then_sums_up(tmp_path, m
     summed = []
     monkeypatch.setattr(runner, "gains", lambda done, rows: summed.append((done, rows)) or [])
     monkeypatch.setattr(family, "default_families", lambda written, target: summed.append((written, target)) or [])
-    run = tune_and_save(SimpleNamespace(configs=lambda: configs), tmp_path / "t", summary=tmp_path / "g.md",
-                        budget=60.0, jobs=0, progress=lambda s, text: events.append(text),
-                        on_saved=lambda c, o, saved: events.append((c.preset, [s.path.name for s in saved])))
+    run = tune_and_save(
+        SimpleNamespace(configs=lambda: configs),
+        tmp_path / "t",
+        summary=tmp_path / "g.md",
+        budget=60.0,
+        jobs=0,
+        progress=lambda s, text: events.append(text),
+        on_saved=lambda c, o, saved: events.append((c.preset, [s.path.name for s in saved])),
+    )
     name = _table().file_name
     assert events == ["TP4 GEMM1: preparing weights", "dsv41-flash TP4 BF16 GEMM1: 1 rows tuned in 1.5 s (2 weight sets)",
                       ("dsv41-flash", [name]), "dsv4-pro TP4 BF16 GEMM1: 1 rows tuned in 1.5 s (2 weight sets)",
                       ("dsv4-pro", [name])]  # fmt: skip
     assert set(read_table(tmp_path / "t" / name).entries) == {(1, 1), (2, 1), (1, 2), (2, 2), (1, 3), (2, 3)}
-    assert summed == [(list(zip(configs, outcomes)), runner.GAIN_ROWS), ([("NVIDIA H200", SHAPE, 132)] * 2, tmp_path / "t")]
+    assert summed == [
+        (list(zip(configs, outcomes)), runner.GAIN_ROWS),
+        ([("NVIDIA H200", SHAPE, 132)] * 2, tmp_path / "t"),
+    ]
     assert run.records == [] and run.families == []
     assert run.summary_files == (tmp_path / "g.md", tmp_path / "g.json") and (tmp_path / "g.json").is_file()
     assert run.problems == ["no correct tactic for dsv4-pro BF16 TP4 GEMM1 rows=8",

@@ -118,8 +118,12 @@ def test_quick_space_is_a_subset_of_the_full_one():
 
 
 @settings(max_examples=25, deadline=None)
-@given(h=st.integers(1, 64).map(lambda v: 128 * v), i=st.integers(1, 96).map(lambda v: 32 * v),
-       stage=st.sampled_from([1, 2]), ctas=st.one_of(st.none(), st.integers(1, 64)))
+@given(
+    h=st.integers(1, 64).map(lambda v: 128 * v),
+    i=st.integers(1, 96).map(lambda v: 32 * v),
+    stage=st.sampled_from([1, 2]),
+    ctas=st.one_of(st.none(), st.integers(1, 64)),
+)
 def test_valid_tactics_respect_the_hard_rules_for_any_shape(h, i, stage, ctas):
     shape = GemmShape(hidden=h, intermediate=i, experts=64)
     for t in valid_tactics(shape, stage, ctas):

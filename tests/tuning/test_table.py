@@ -261,7 +261,6 @@ def test_bad_arguments_raise_but_tables_never_do(tmp_path):
     assert tactic == default_for(1, 1)
 
 
-
 def test_written_tables_are_readable_by_others_under_the_umask(tmp_path):
     import os
     import stat
