@@ -29,10 +29,10 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from moebench import render
-from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS  # torch-free: the help texts quote them
 from moebench.bench.interrupt import sigterm_as_interrupt  # torch-free too
 from moebench.bench.plan import option_message, parse_names, step_plan, sweep_plan  # noqa: F401 - torch-free too
 from moebench.cli_options import (
+    SweepTpOpt, SweepBackendsOpt, SweepReplaysOpt, SweepWarmupOpt, SweepSplitOpt, SweepBackToBackOpt, SweepStrictOpt, SweepDevicesOpt, SweepWorkerTimeoutOpt, StepTpOpt, StepOneRankOpt, StepBackendsOpt, StepWarmL2Opt, StepLayersOpt, StepReplaysOpt, StepWarmupOpt, StepSplitOpt, StepOverlapSharedOpt, StepStrictOpt, StepDeviceOpt, StepDevicesOpt, StepTimeoutOpt,
     ActBf16Opt, BaselineOpt, BudgetOpt, DeviceOpt, DistinctLayersOpt, ExpertsOpt, FailAboveOpt, Fp8Opt, GraphOpt,
     HiddenOpt, IntermediateOpt, JobsOpt, LabelOpt, LayersOpt, PresetOpt, ReportForceOpt, ReportOutOpt, RowsOpt,
     RunDirArg, RunsOutOpt, ScenarioOpt, SeedOpt, SpaceOpt, SummaryOpt, TablesOutOpt, TacticsOpt, TopKOpt, TopOpt,
@@ -43,7 +43,6 @@ from moebench.cli_support import Group, console, print_version, replace_unprinta
 from moebench.cli_support import check_out as _check_out
 from moebench.cli_support import fail as _fail
 from moebench.cli_support import parse_path as _path
-from moebench.cli_support import wide_console as _wide_console
 from moebench.models import KERNEL_EXPERTS_NOTE  # torch-free too
 from moebench.reports import rich_tables  # torch- and pandas-free too
 from moebench.reports.rich_tables import escape_markup
@@ -76,56 +75,22 @@ def sweep(
     experts: ExpertsOpt = None,
     top_k: TopKOpt = None,
     rows: RowsOpt = None,
-    tp: str = typer.Option(
-        None, help="Tensor-parallel degrees (one rank's shape each); default 1,2,4,8 (1,8 on the CPU)."
-    ),
-    backends: str = typer.Option(
-        "default", help="'default' (GPU: all but reference; CPU: reference,torch-bf16), 'all', or a list."
-    ),
+    tp: SweepTpOpt = None,
+    backends: SweepBackendsOpt = "default",
     scenario: ScenarioOpt = "correlated",
     tactics: TacticsOpt = "default",
     seed: SeedOpt = 0,
     warm_l2: WarmL2Opt = False,
     layers: LayersOpt = None,
-    replays: int = typer.Option(
-        100,
-        help="Timed replays per case under CUDA graphs; eager timing (the CPU, --no-graph, an uncapturable backend) takes at most "
-        f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran).",
-    ),
-    warmup: int = typer.Option(10, help=f"Warm-up calls per case (eager timing: at most {EAGER_WARMUP_CAP})."),
+    replays: SweepReplaysOpt = 100,
+    warmup: SweepWarmupOpt = 10,
     graph: GraphOpt = True,
-    split: bool = typer.Option(
-        True,
-        "--split/--no-split",
-        help="Also time each stage alone and the routed path (route + GEMM1 + GEMM2)"
-        " of backends that split their forward (moebench); --no-split: the layer call only, about a third of the"
-        " timing work.",
-    ),
-    back_to_back: bool = typer.Option(
-        False,
-        "--back-to-back",
-        help="Time the layer calls of a replay back to back (call i+1 may start under call"
-        " i) instead of at a layer boundary (default: a plain kernel writes each call's x just before it, its own"
-        " time, x_write_us, is subtracted). Stored in the run; `report --baseline` does not compare the two.",
-    ),
-    strict: bool = typer.Option(
-        False,
-        "--strict",
-        help="Exit 1 when a peer's case failed too (a backend that is not ours, e.g. one off its"
-        " oracle); without it only our cases' failures fail the command, the peers' are stored and listed.",
-    ),
+    split: SweepSplitOpt = True,
+    back_to_back: SweepBackToBackOpt = False,
+    strict: SweepStrictOpt = False,
     device: DeviceOpt = None,
-    devices: str = typer.Option(
-        None,
-        help="Split the cases over GPUs: 'all' or a list like '0,1' (one worker process per GPU,"
-        " each case on one GPU, one merged run). Default: one process on --device.",
-    ),
-    worker_timeout: float = typer.Option(
-        None,
-        "--worker-timeout",
-        help="With --devices: stop workers still running after this many seconds"
-        " (their unfinished cases are stored as failed).",
-    ),
+    devices: SweepDevicesOpt = None,
+    worker_timeout: SweepWorkerTimeoutOpt = None,
     trace: TraceOpt = None,
     label: LabelOpt = "sweep",
     out: RunsOutOpt = Path("reports/runs"),
@@ -159,7 +124,7 @@ def sweep(
     if stored.path is None:
         return
     frame, manifest = stored.result.frame, stored.result.manifest
-    _print_summary(summary_table(frame))
+    render.print_summary(summary_table(frame))
     counts = frame["status"].value_counts().to_dict()
     bw = manifest.get("copy_bw_gbps")
     console.print(
@@ -212,15 +177,7 @@ def _finish(frame, manifest: dict, path, signals: list[int], strict: bool) -> No
     path, then the exit: 128 + signal when interrupted, 1 when a worker
     died or a case failed (`_fail_unless_every_case_passed`)."""
     workers = manifest.get("workers") or []
-    for w in workers if manifest.get("sharded") else ():
-        gpu = f"GPU {w['gpu_index']} ({w.get('gpu_serial') or 'serial unknown'})" if w.get("gpu_index") is not None \
-            else f"rank {w['rank']} ({w.get('host') or 'host unknown'})"  # fmt: skip
-        console.print(
-            f"  {gpu}: {w['rows']} rows"
-            + (f" [red]{escape_markup(w['error'])}[/red]" if w.get("error") else "")  # fmt: skip
-            + ("; [yellow]interrupted[/yellow]" if w.get("status") == "interrupted" else "")
-        )
-    console.print(f"run stored in [bold]{path}[/bold]")
+    render.print_stored(manifest, path)
     _fail_if_interrupted(frame, manifest, path, signals)
     dead = [w for w in workers if w.get("error")]
     if dead:
@@ -246,32 +203,9 @@ def _fail_unless_every_case_passed(frame, path, strict: bool = False) -> None:
     from moebench.reports.gate import FAILED, judge_run
 
     verdict = judge_run(frame, path, strict)
-    if verdict.peers:
-        console.print(f"[yellow]{verdict.peers} peer case(s) failed (stored as failed in {escape_markup(path)}; not"
-                      f" ours: {'--strict fails the command on them' if strict else 'pass --strict to fail on them'}"
-                      "):[/yellow]")  # fmt: skip
-        for line in verdict.peer_lines:
-            console.print(f"  {escape_markup(line)}", soft_wrap=True)
+    render.print_peer_failures(verdict, path, strict)
     if verdict.failure is not None:
         raise _fail(verdict.failure, FAILED)
-
-
-def _print_summary(table_df) -> None:
-    """Render summary_table(df) with rich; columns that hold one value for
-    every row (preset, tp, scenario, tactic) move into the title; skipped
-    rows are said below it, one line per backend and reason."""
-    skipped = table_df[table_df["status"] == "skipped"]
-    table_df = table_df[table_df["status"] != "skipped"]
-    if len(table_df):
-        table, note = rich_tables.summary_table(table_df)
-        out = _wide_console(150)  # wide enough for the table even when stdout is not a terminal (logs, CI)
-        out.print(table)
-        if note:
-            out.print(note)
-    for (backend, reason), group in skipped.groupby(["backend", "note"], sort=False, dropna=False):
-        n = len(group)
-        console.print(f"[yellow]skipped[/yellow] {escape_markup(backend)} ({n} case{'s' if n != 1 else ''}):"
-                      f" {escape_markup(reason)}", soft_wrap=True)  # fmt: skip
 
 
 @app.command(cls=_Command)
@@ -281,65 +215,24 @@ def step(
     intermediate: IntermediateOpt = None,
     experts: ExpertsOpt = None,
     top_k: TopKOpt = None,
-    tp: int = typer.Option(
-        1,
-        help="Tensor-parallel degree N: N ranks, one process per GPU (gloo processes on the CPU), each"
-        " holding all experts at I/N, with the all-reduce of the layer output.",
-    ),
-    one_rank: bool = typer.Option(
-        False,
-        "--one-rank",
-        help="Time one rank's I/tp shard on one device, without the all-reduce (the shape `sweep --tp` times).",
-    ),
+    tp: StepTpOpt = 1,
+    one_rank: StepOneRankOpt = False,
     rows: RowsOpt = None,
     scenario: ScenarioOpt = "correlated",
-    backends: str = typer.Option(
-        "default",
-        help="'default' (GPU: moebench, torch-bf16, flashinfer-w4a16/-w4a8; CPU: reference,"
-        " torch-bf16), 'all', or a list.",
-    ),
+    backends: StepBackendsOpt = "default",
     tactics: TacticsOpt = "default",
     seed: SeedOpt = 0,
-    warm_l2: bool = typer.Option(False, "--warm-l2", help="Time one layer's weights over and over (warm L2)."),
-    layers: int = typer.Option(
-        None, help=f"Force the number of rotated layers, 1 to {MAX_LAYERS} (default: >= 4x L2)."
-    ),
-    replays: int = typer.Option(
-        100,
-        help="Timed replays per quantity under CUDA graphs; eager timing (the CPU, --no-graph) takes at most "
-        f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran).",
-    ),
-    warmup: int = typer.Option(10, help=f"Warm-up calls per quantity (eager timing: at most {EAGER_WARMUP_CAP})."),
+    warm_l2: StepWarmL2Opt = False,
+    layers: StepLayersOpt = None,
+    replays: StepReplaysOpt = 100,
+    warmup: StepWarmupOpt = 10,
     graph: GraphOpt = True,
-    split: bool = typer.Option(
-        True,
-        "--split/--no-split",
-        help="Also time each stage alone (kernel_<stage>_us, stage_sum_us: moebench's"
-        " front, shared, GEMM1, GEMM2, finalize; torch-bf16's router, shared, experts, shared_add)."
-        " --no-split times only the whole step (with and without the gate) and the gate alone: less timing work,"
-        " for when only the step's latency matters.",
-    ),
-    overlap_shared: bool = typer.Option(
-        True,
-        "--overlap-shared/--serial-shared",
-        help="Run the shared expert on a side CUDA stream beside the gate"
-        " and the routed experts (every backend; as serving stacks do), or in order with them.",
-    ),
-    strict: bool = typer.Option(
-        False,
-        "--strict",
-        help="Exit 1 when a peer's case failed too (a backend that is not ours); without it only"
-        " our cases' failures fail the command, the peers' are stored and listed.",
-    ),
-    device: str = typer.Option(
-        None,
-        help="'cpu' or 'cuda[:N]' (default: the GPU if any; with --tp N > 1 only"
-        " the kind counts, --devices picks the GPUs).",
-    ),
-    devices: str = typer.Option(
-        None, help="With --tp N > 1: the N GPUs of the ranks, e.g. '0,1' or 'all' (default: the first N)."
-    ),
-    timeout: float = typer.Option(None, help="With --tp N > 1: stop the ranks after this many seconds."),
+    split: StepSplitOpt = True,
+    overlap_shared: StepOverlapSharedOpt = True,
+    strict: StepStrictOpt = False,
+    device: StepDeviceOpt = None,
+    devices: StepDevicesOpt = None,
+    timeout: StepTimeoutOpt = None,
     trace: TraceOpt = None,
     label: LabelOpt = "step",
     out: RunsOutOpt = Path("reports/runs"),
@@ -368,50 +261,13 @@ def step(
     if stored.path is None:
         return
     result = stored.result
-    _print_step(result.frame, result.ranks)
+    render.print_step(result.frame, result.ranks)
     counts = result.frame["status"].value_counts().to_dict()
     console.print(f"{counts.get('ok', 0)} ok, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped")
     _finish(result.frame, result.manifest, stored.path, signals, strict)
 
 
 #: The step tables' width when stdout is not a terminal: a normal wide terminal's.
-STEP_TABLE_WIDTH = 160
-
-
-def _print_tables(tables, width: int = STEP_TABLE_WIDTH) -> None:
-    """Print rich_tables' (table, lines below) pairs, wide enough that no
-    number is cut when stdout is not a terminal (a terminal folds at its width)."""
-    out = _wide_console(width)
-    for table, lines in tables:
-        out.print(table)
-        for line in lines:
-            out.print(line, soft_wrap=True)
-
-
-def _print_step(frame, ranks=None, table=None) -> None:
-    """The step table (whole step, gate, all-reduce; then the per-stage
-    split; `table`: step_summary_table(frame) when the caller has it) and,
-    for a TP step, the per-rank tables."""
-    from moebench.reports.summary import rank_table, step_summary_table
-
-    table = step_summary_table(frame) if table is None else table
-    table = table.drop(columns=["p10_us", "p90_us"])  # in summary.md / report.html
-    title = "decode step (µs; the step excludes the gate)"
-    if ranks is not None and len(ranks) and ranks["rank"].nunique() > 1:
-        title = "decode step (µs, rank 0's timings: every rank below; the step excludes the gate)"
-    _print_tables(rich_tables.split_tables(table, title))
-    if ranks is not None and len(ranks):
-        _print_tables(
-            rich_tables.split_tables(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario", "tactic"))
-        )
-    if "timing_method" in frame.columns and (frame["timing_method"].astype(str) == "cpu-wallclock").any():
-        console.print(
-            "[yellow]CPU wall-clock timings: each column is timed on its own and they are noisy, so they"
-            " need not add up (step vs +gate, Σ stages vs step).[/yellow]",
-            soft_wrap=True,
-        )
-
-
 @app.command(cls=_Command)
 def presets() -> None:
     """Geometry presets and one rank's shape per TP degree."""
@@ -490,9 +346,9 @@ def report(
     def print_tables() -> None:  # once every check passed and the report's directory is there
         if plan.manifest.get("reduced"):
             console.print("[yellow]This run used a reduced geometry on the CPU.[/yellow]")
-        _print_summary(plan.summary)
+        render.print_summary(plan.summary)
         if plan.step_run:
-            _print_step(plan.df, plan.ranks, table=plan.step_table)
+            render.print_step(plan.df, plan.ranks, table=plan.step_table)
         if plan.comparison is not None:
             render.print_comparison(plan.comparison)
 

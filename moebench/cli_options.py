@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from moebench.bench import MAX_LAYERS
+from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, MAX_LAYERS
 from moebench.cli_support import parse_path
 from moebench.models import KERNEL_EXPERTS_NOTE
 
@@ -160,3 +160,134 @@ ReportForceOpt = Annotated[
         " one does not write are removed; other files, same-named ones included, are left alone.",
     ),
 ]
+
+# The longer options of sweep and step.
+SweepTpOpt = Annotated[
+    str, typer.Option(help="Tensor-parallel degrees (one rank's shape each); default 1,2,4,8 (1,8 on the CPU).")
+]
+SweepBackendsOpt = Annotated[
+    str, typer.Option(help="'default' (GPU: all but reference; CPU: reference,torch-bf16), 'all', or a list.")
+]
+SweepReplaysOpt = Annotated[
+    int,
+    typer.Option(
+        help="Timed replays per case under CUDA graphs; eager timing (the CPU, --no-graph, an uncapturable backend) takes at most "
+        f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."
+    ),
+]
+SweepWarmupOpt = Annotated[
+    int, typer.Option(help=f"Warm-up calls per case (eager timing: at most {EAGER_WARMUP_CAP}).")
+]
+SweepSplitOpt = Annotated[
+    bool,
+    typer.Option(
+        "--split/--no-split",
+        help="Also time each stage alone and the routed path (route + GEMM1 + GEMM2)"
+        " of backends that split their forward (moebench); --no-split: the layer call only, about a third of the"
+        " timing work.",
+    ),
+]
+SweepBackToBackOpt = Annotated[
+    bool,
+    typer.Option(
+        "--back-to-back",
+        help="Time the layer calls of a replay back to back (call i+1 may start under call"
+        " i) instead of at a layer boundary (default: a plain kernel writes each call's x just before it, its own"
+        " time, x_write_us, is subtracted). Stored in the run; `report --baseline` does not compare the two.",
+    ),
+]
+SweepStrictOpt = Annotated[
+    bool,
+    typer.Option(
+        "--strict",
+        help="Exit 1 when a peer's case failed too (a backend that is not ours, e.g. one off its"
+        " oracle); without it only our cases' failures fail the command, the peers' are stored and listed.",
+    ),
+]
+SweepDevicesOpt = Annotated[
+    str,
+    typer.Option(
+        help="Split the cases over GPUs: 'all' or a list like '0,1' (one worker process per GPU,"
+        " each case on one GPU, one merged run). Default: one process on --device."
+    ),
+]
+SweepWorkerTimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--worker-timeout",
+        help="With --devices: stop workers still running after this many seconds"
+        " (their unfinished cases are stored as failed).",
+    ),
+]
+StepTpOpt = Annotated[
+    int,
+    typer.Option(
+        help="Tensor-parallel degree N: N ranks, one process per GPU (gloo processes on the CPU), each"
+        " holding all experts at I/N, with the all-reduce of the layer output."
+    ),
+]
+StepOneRankOpt = Annotated[
+    bool,
+    typer.Option(
+        "--one-rank",
+        help="Time one rank's I/tp shard on one device, without the all-reduce (the shape `sweep --tp` times).",
+    ),
+]
+StepBackendsOpt = Annotated[
+    str,
+    typer.Option(
+        help="'default' (GPU: moebench, torch-bf16, flashinfer-w4a16/-w4a8; CPU: reference,"
+        " torch-bf16), 'all', or a list."
+    ),
+]
+StepWarmL2Opt = Annotated[bool, typer.Option("--warm-l2", help="Time one layer's weights over and over (warm L2).")]
+StepLayersOpt = Annotated[
+    int, typer.Option(help=f"Force the number of rotated layers, 1 to {MAX_LAYERS} (default: >= 4x L2).")
+]
+StepReplaysOpt = Annotated[
+    int,
+    typer.Option(
+        help="Timed replays per quantity under CUDA graphs; eager timing (the CPU, --no-graph) takes at most "
+        f"{EAGER_REPLAYS_CAP} (the manifest's timing_counts says what ran)."
+    ),
+]
+StepWarmupOpt = Annotated[
+    int, typer.Option(help=f"Warm-up calls per quantity (eager timing: at most {EAGER_WARMUP_CAP}).")
+]
+StepSplitOpt = Annotated[
+    bool,
+    typer.Option(
+        "--split/--no-split",
+        help="Also time each stage alone (kernel_<stage>_us, stage_sum_us: moebench's"
+        " front, shared, GEMM1, GEMM2, finalize; torch-bf16's router, shared, experts, shared_add)."
+        " --no-split times only the whole step (with and without the gate) and the gate alone: less timing work,"
+        " for when only the step's latency matters.",
+    ),
+]
+StepOverlapSharedOpt = Annotated[
+    bool,
+    typer.Option(
+        "--overlap-shared/--serial-shared",
+        help="Run the shared expert on a side CUDA stream beside the gate"
+        " and the routed experts (every backend; as serving stacks do), or in order with them.",
+    ),
+]
+StepStrictOpt = Annotated[
+    bool,
+    typer.Option(
+        "--strict",
+        help="Exit 1 when a peer's case failed too (a backend that is not ours); without it only"
+        " our cases' failures fail the command, the peers' are stored and listed.",
+    ),
+]
+StepDeviceOpt = Annotated[
+    str,
+    typer.Option(
+        help="'cpu' or 'cuda[:N]' (default: the GPU if any; with --tp N > 1 only"
+        " the kind counts, --devices picks the GPUs)."
+    ),
+]
+StepDevicesOpt = Annotated[
+    str, typer.Option(help="With --tp N > 1: the N GPUs of the ranks, e.g. '0,1' or 'all' (default: the first N).")
+]
+StepTimeoutOpt = Annotated[float, typer.Option(help="With --tp N > 1: stop the ranks after this many seconds.")]

@@ -1,6 +1,6 @@
 """The printing of what the library returns to the command line, for the
-verbs that take more than a line or two to render it (report's comparison
-and files, tune's tables and gains): the tables come from
+verbs that take more than a line or two to render it (sweep's and step's
+tables, report's comparison and files, tune's tables and gains): the tables come from
 reports/rich_tables.py, the consoles from cli_support.py. Only the CLI
 calls this module.
 """
@@ -11,6 +11,7 @@ from pathlib import Path
 
 from moebench.cli_support import console, wide_console
 from moebench.reports import rich_tables
+from moebench.reports.rich_tables import escape_markup
 
 
 def print_comparison(comp) -> None:
@@ -77,3 +78,83 @@ def print_tune_run(run, target: Path) -> None:
         md, js = run.summary_files
         console.print(f"wrote [bold]{md}[/bold] and [bold]{js}[/bold]")
     print_tune_log(run.seconds, f"done in {run.seconds:.0f} s")
+
+
+def print_summary(table_df) -> None:
+    """Render summary_table(df) with rich; columns that hold one value for
+    every row (preset, tp, scenario, tactic) move into the title; skipped
+    rows are said below it, one line per backend and reason."""
+    skipped = table_df[table_df["status"] == "skipped"]
+    table_df = table_df[table_df["status"] != "skipped"]
+    if len(table_df):
+        table, note = rich_tables.summary_table(table_df)
+        out = wide_console(150)  # wide enough for the table even when stdout is not a terminal (logs, CI)
+        out.print(table)
+        if note:
+            out.print(note)
+    for (backend, reason), group in skipped.groupby(["backend", "note"], sort=False, dropna=False):
+        n = len(group)
+        console.print(f"[yellow]skipped[/yellow] {escape_markup(backend)} ({n} case{'s' if n != 1 else ''}):"
+                      f" {escape_markup(reason)}", soft_wrap=True)  # fmt: skip
+
+
+STEP_TABLE_WIDTH = 160
+
+
+def print_tables(tables, width: int = STEP_TABLE_WIDTH) -> None:
+    """Print rich_tables' (table, lines below) pairs, wide enough that no
+    number is cut when stdout is not a terminal (a terminal folds at its width)."""
+    out = wide_console(width)
+    for table, lines in tables:
+        out.print(table)
+        for line in lines:
+            out.print(line, soft_wrap=True)
+
+
+def print_step(frame, ranks=None, table=None) -> None:
+    """The step table (whole step, gate, all-reduce; then the per-stage
+    split; `table`: step_summary_table(frame) when the caller has it) and,
+    for a TP step, the per-rank tables."""
+    from moebench.reports.summary import rank_table, step_summary_table
+
+    table = step_summary_table(frame) if table is None else table
+    table = table.drop(columns=["p10_us", "p90_us"])  # in summary.md / report.html
+    title = "decode step (µs; the step excludes the gate)"
+    if ranks is not None and len(ranks) and ranks["rank"].nunique() > 1:
+        title = "decode step (µs, rank 0's timings: every rank below; the step excludes the gate)"
+    print_tables(rich_tables.split_tables(table, title))
+    if ranks is not None and len(ranks):
+        print_tables(
+            rich_tables.split_tables(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario", "tactic"))
+        )
+    if "timing_method" in frame.columns and (frame["timing_method"].astype(str) == "cpu-wallclock").any():
+        console.print(
+            "[yellow]CPU wall-clock timings: each column is timed on its own and they are noisy, so they"
+            " need not add up (step vs +gate, Σ stages vs step).[/yellow]",
+            soft_wrap=True,
+        )
+
+
+def print_stored(manifest: dict, path) -> None:
+    """After a run is stored at `path`: each launched worker's line (GPU or
+    rank, rows, its error, interrupted), then where the run is."""
+    for w in manifest.get("workers") or [] if manifest.get("sharded") else ():
+        where = (f"GPU {w['gpu_index']} ({w.get('gpu_serial') or 'serial unknown'})" if w.get("gpu_index") is not None
+                 else f"rank {w['rank']} ({w.get('host') or 'host unknown'})")  # fmt: skip
+        console.print(
+            f"  {where}: {w['rows']} rows"
+            + (f" [red]{escape_markup(w['error'])}[/red]" if w.get("error") else "")
+            + ("; [yellow]interrupted[/yellow]" if w.get("status") == "interrupted" else "")
+        )
+    console.print(f"run stored in [bold]{path}[/bold]")
+
+
+def print_peer_failures(verdict, path, strict: bool) -> None:
+    """The peers' failed cases of a `reports.gate.RunVerdict` (none: nothing)."""
+    if not verdict.peers:
+        return
+    console.print(f"[yellow]{verdict.peers} peer case(s) failed (stored as failed in {escape_markup(path)}; not"
+                  f" ours: {'--strict fails the command on them' if strict else 'pass --strict to fail on them'}"
+                  "):[/yellow]")  # fmt: skip
+    for line in verdict.peer_lines:
+        console.print(f"  {escape_markup(line)}", soft_wrap=True)
