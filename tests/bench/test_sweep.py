@@ -136,7 +136,7 @@ def test_moebench_backend_offers_default_builtin_and_tuned(monkeypatch, tmp_path
 
     shape = get_preset("dsv41-flash").shard(4)
     backend = MoebenchBackend()
-    assert backend.valid_tactics(shape) == ("default", "builtin", "tuned", "fp8", "bf16")
+    assert backend.valid_tactics(shape) == ("default", "builtin", "tuned", "fp8", "bf16", "fused")
     validate = SweepConfig(backends=("moebench",), tactics=("tuned", "builtin", "default"), **TINY)
     from moebench.bench.sweep import validate_sweep
 
