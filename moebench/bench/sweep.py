@@ -102,7 +102,6 @@ STAGE_TIMING = (
 )
 #: How a replay's layer calls meet (the `boundary` column and the manifest's "boundary").
 LAYER_BOUNDARY, BACK_TO_BACK = "layer", "back-to-back"
-BOUNDARIES = (LAYER_BOUNDARY, BACK_TO_BACK)
 #: What each boundary means (the manifest's "boundary_timing").
 BOUNDARY_TIMING = {
     LAYER_BOUNDARY: "a plain kernel (x from the layer's own source buffer, no PDL) writes each call's x just"
