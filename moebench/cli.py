@@ -370,17 +370,18 @@ def merge(
 ) -> None:
     """Store the cases of several runs of one commit and device as one run
     (a comparison measured over several device calls). The parts are kept."""
-    from moebench.reports.store import merge_runs, run_dir_name, write_run
+    from moebench.reports.store import merge_runs, merged_tables, run_dir_name, write_run
 
     try:
         run_dir_name(label)
         frame, manifest = merge_runs(runs)
+        tables = merged_tables(runs)
     except (ValueError, TypeError, FileNotFoundError) as error:
         raise _fail(option_message(error)) from None
     _check_out(out, runs=True)
     manifest = {**manifest, "command": shlex.join(["moebench", *sys.argv[1:]])}
     try:
-        path = write_run(frame, manifest, root=out, label=label)
+        path = write_run(frame, manifest, root=out, label=label, tables=tables)
     except OSError as error:
         raise _fail(f"cannot write the run under {out}: {error}", 1) from None
     console.print(f"{len(frame)} cases from {len(runs)} runs stored in [bold]{path}[/bold]")

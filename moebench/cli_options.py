@@ -38,7 +38,8 @@ TacticsOpt = Annotated[
             " the kernel family the tuning tables time faster (FP8 where no table and its built-ins fit), its tuned"
             " tactics else built-in; builtin = what runs without any table; tuned = default, skipped without a table;"
             " fp8 / bf16 = that kernel family (FP8: wgmma, BF16: mma.sync), skipped where it cannot run;"
-            " fused = fp8 with GEMM1 + GEMM2 in one launch; torch-bf16: grouped, gather)."
+            " fused = fp8 with GEMM1 and GEMM2 in one launch where its built-in fused tactic fits;"
+            " torch-bf16: grouped, gather)."
         )
     ),
 ]

@@ -1118,3 +1118,21 @@ def test_back_to_back_is_stored_and_named(tmp_path):
     assert (df["boundary"] == "back-to-back").all() and df["x_write_us"].isna().all()
     assert "--back-to-back" in runner.invoke(app, ["sweep", "--help"]).output
     assert "--strict" in runner.invoke(app, ["step", "--help"]).output
+
+
+def test_tactics_help_names_every_tactic_of_ours():
+    """`--tactics fused` runs (moebench backend, GPU) but neither --help nor usage.md named it: the help of
+    sweep and step names every tactic the moebench backend offers."""
+    import re
+
+    from moebench.backends.moebench import MoebenchBackend
+
+    tactics = [MoebenchBackend.BUILTIN, MoebenchBackend.TUNED, MoebenchBackend.FP8, MoebenchBackend.BF16,
+               MoebenchBackend.FUSED]  # fmt: skip
+    docs = (Path(__file__).parents[1] / "docs" / "usage.md").read_text(encoding="utf-8")
+    for command in ("sweep", "step"):
+        result = runner.invoke(app, [command, "--help"], env={"COLUMNS": "400"}, terminal_width=400)
+        text = " ".join(result.output.split())
+        for tactic in tactics:
+            assert re.search(rf"\b{tactic} (/ \w+ )?=", text), (command, tactic)
+            assert f"`{tactic}`" in docs, tactic

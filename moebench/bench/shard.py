@@ -115,18 +115,20 @@ def parse_devices(spec: str, available: int | None = None) -> list[int]:
 
         available = torch.cuda.device_count()
     spec = str(spec).strip()
+    out = None
+    if spec != "all":  # a malformed list is named as such, GPU or not
+        try:
+            out = [int(p) for p in spec.split(",") if p.strip()]
+        except ValueError as error:
+            raise ValueError(f"devices (--devices): expected 'all' or e.g. 0,1, got {spec!r}") from error
+        if not out:
+            raise ValueError("devices (--devices): empty list")
+        if len(set(out)) != len(out):
+            raise ValueError(f"devices (--devices): duplicates in {spec!r}")
     if available < 1:
         raise ValueError(f"devices (--devices): {spec!r} but no GPU is visible")
-    if spec == "all":
+    if out is None:
         return list(range(available))
-    try:
-        out = [int(p) for p in spec.split(",") if p.strip()]
-    except ValueError as error:
-        raise ValueError(f"devices (--devices): expected 'all' or e.g. 0,1, got {spec!r}") from error
-    if not out:
-        raise ValueError("devices (--devices): empty list")
-    if len(set(out)) != len(out):
-        raise ValueError(f"devices (--devices): duplicates in {spec!r}")
     bad = [d for d in out if not 0 <= d < available]
     if bad:
         raise ValueError(f"devices (--devices): {bad} not in [0, {available}) visible GPUs")

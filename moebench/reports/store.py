@@ -335,13 +335,31 @@ def read_table(path: str | Path, name: str) -> pd.DataFrame | None:
         raise ValueError(f"{f} is not a readable parquet file: {error}") from error
 
 
+def merged_tables(paths) -> dict[str, pd.DataFrame]:
+    """The extra tables (<name>.parquet beside the results, e.g. a TP step's
+    ranks.parquet) of the runs `paths`, each name's parts concatenated in
+    order, for the run merge_runs makes of them. Raises ValueError naming a
+    file that is not readable parquet."""
+    tables: dict[str, list[pd.DataFrame]] = {}
+    for path in (Path(p) for p in paths):
+        for f in sorted(path.glob("*.parquet")):
+            name = f.stem
+            if f.name != RESULTS and _TABLE.match(name):
+                table = read_table(path, name)
+                if table is not None:
+                    tables.setdefault(name, []).append(table)
+    return {name: pd.concat(parts, ignore_index=True) for name, parts in tables.items()}
+
+
 def merge_runs(paths) -> tuple[pd.DataFrame, dict]:
     """(results, manifest) of one run holding every case of the stored runs
     `paths` (two or more), for a comparison measured in several device calls
     (bundles that cannot travel together, a grid too long for one call).
 
-    The runs must be of one kind, device and commit, and hold distinct cases
-    (`CASE_COLUMNS`): the merged run is what one sweep of that code on that
+    The runs must be of one kind, device and commit, measured the same way
+    (none of the run-level mismatches `report --baseline` refuses to compare:
+    L2 mode, rank count, layer boundary, shared-expert stream, reduced CPU
+    geometry), and hold distinct cases (`CASE_COLUMNS`): the merged run is what one sweep of that code on that
     device would have stored, each row with the copy bandwidth its own run
     measured (`pct_copy_bw` was computed against it). The manifest is the
     first run's, with "merged_from" listing each part (path, created_utc,
@@ -362,6 +380,14 @@ def merge_runs(paths) -> tuple[pd.DataFrame, dict]:
                     f"runs differ in {key!r}: {first_path} has {first.get(key)!r}, {path} has"
                     f" {manifest.get(key)!r}; merge only runs of one {key}"
                 )
+    from moebench.reports.compare import run_mismatches  # compare imports this module
+
+    for path, _, manifest in parts[1:]:  # one manifest speaks for the merged run: what `report --baseline` tells apart
+        mismatches, _ = run_mismatches(manifest, first)
+        if mismatches:
+            text = "; ".join(m.replace(" vs baseline ", " vs ") for m in mismatches)
+            raise ValueError(f"runs were measured differently, {path} vs {first_path}: {text}; merge only runs"
+                             " measured the same way")  # fmt: skip
     devices = {str(v) for _, frame, _ in parts for v in frame["device"].dropna().unique()}
     if len(devices) > 1:
         raise ValueError(f"runs were measured on different devices {sorted(devices)}; merge only one device's runs")

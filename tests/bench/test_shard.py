@@ -79,6 +79,16 @@ def test_parse_devices():
             parse_devices(bad, 4 if bad != "all" else 0)
 
 
+def test_parse_devices_names_a_malformed_list_without_a_gpu_too():
+    """On a CPU machine `--devices x` said "'x' but no GPU is visible", not what --devices takes."""
+    with pytest.raises(ValueError, match=r"expected 'all' or e.g. 0,1, got 'x'"):
+        parse_devices("x", 0)
+    with pytest.raises(ValueError, match="duplicates"):
+        parse_devices("0,0", 0)
+    with pytest.raises(ValueError, match="no GPU is visible"):
+        parse_devices("0,1", 0)
+
+
 def test_pieces_of_a_shard_are_its_weight_groups_in_order():
     _, cases = _grid(presets=("dsv4-flash",), tp=(1, 2), rows=(1, 2), scenarios=("uniform",))
     pieces = pieces_of(cases)

@@ -1,10 +1,11 @@
 """merge_runs and `moebench merge`: one run from the parts of a comparison."""
 
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
 from moebench.cli import app
-from moebench.reports.store import merge_runs, read_run, write_run
+from moebench.reports.store import merge_runs, read_run, read_table, write_run
 
 from test_store import WHEN, frame
 
@@ -53,3 +54,29 @@ def test_cli_merge_stores_one_run_and_leaves_the_parts(tmp_path):
     assert len(read_run(merged)[0]) == 4 and len(read_run(a)[0]) == 2 and len(read_run(b)[0]) == 2
     bad = CliRunner().invoke(app, ["merge", str(a), str(a), "--label", "x", "--out", str(tmp_path / "runs")])
     assert bad.exit_code == 2 and "named twice" in bad.output
+
+
+def test_merge_refuses_runs_measured_differently(tmp_path):
+    # one manifest speaks for the merged run: warm-L2 and cold-L2 cases (or 1 and 2 ranks) under one would be
+    # compared by `report --baseline` as if measured one way
+    a = _part(tmp_path, "cold", "moebench")
+    warm = write_run(frame(1).assign(backend="torch-bf16", commit="abc"),
+                     {"schema": 1, "kind": "sweep", "commit": "abc", "warm_l2": True}, root=tmp_path / "parts",
+                     label="warm", when=WHEN)  # fmt: skip
+    with pytest.raises(ValueError, match=r"measured differently, .*warm vs .*cold: L2 mode: warm_l2=True vs False"):
+        merge_runs([a, warm])
+
+
+def test_cli_merge_keeps_the_ranks_table_of_step_runs(tmp_path):
+    # a TP step run stores every rank's rows in ranks.parquet; the merged run keeps both parts' rows
+    parts = []
+    for label, rows in (("r1", (1,)), ("r2", (2,))):
+        df = frame(1).assign(backend="torch-bf16", rows=list(rows), commit="abc")
+        ranks = pd.concat([df.assign(rank=0), df.assign(rank=1)], ignore_index=True)
+        manifest = {"schema": 1, "kind": "step", "commit": "abc", "ranks": 2}
+        parts.append(write_run(df, manifest, root=tmp_path / "parts", label=label, when=WHEN, tables={"ranks": ranks}))
+    result = CliRunner().invoke(app, ["merge", *map(str, parts), "--label", "m", "--out", str(tmp_path / "runs")])
+    assert result.exit_code == 0, result.output
+    [merged] = list((tmp_path / "runs").iterdir())
+    ranks = read_table(merged, "ranks")
+    assert ranks is not None and sorted(zip(ranks["rows"], ranks["rank"])) == [(1, 0), (1, 1), (2, 0), (2, 1)]
