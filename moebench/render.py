@@ -71,7 +71,7 @@ def print_tune_run(run, target: Path) -> None:
     built-in tactics, the kernel family each shape class tuned now runs
     (from the tables in `target` first), the summary files, the time taken;
     on a torchrun rank other than 0, one line saying rank 0 writes them."""
-    if run.rank > 0:
+    if getattr(run, "rank", 0) > 0:
         console.print(f"rank {run.rank} of {run.world}: tuned its share; rank 0 writes the tables")
         return
     if run.records:
