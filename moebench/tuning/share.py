@@ -15,6 +15,7 @@ interrupted). Writing the tables is `tuning.save`'s.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
@@ -58,13 +59,15 @@ def tune_share(job: TuneJob, rank: int, world: int, device, box) -> bool:
     """Tune rank `rank`'s share of `job` on `device` (a torch.device: its
     GPU, whose index the configs are given; on the CPU they keep the
     plan's), each config's outcome put into the store (`box`, a
-    launch.Outbox) when tuned. False (an interrupt raises KeyboardInterrupt
+    launch.Outbox) when tuned. Without --jobs the rank compiles with its
+    part of the host's cores (precompile.default_jobs over LOCAL_WORLD_SIZE). False (an interrupt raises KeyboardInterrupt
     to rank_main, which tells the store)."""
     from moebench.tuning import runner
     from moebench.tuning.precompile import default_jobs
 
     configs = job.plan.configs()
     mine = share_of(len(configs), world)[rank]
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on this host, sharing its cores
     if not mine:
         return False
     if device.type == "cuda":
@@ -78,7 +81,7 @@ def tune_share(job: TuneJob, rank: int, world: int, device, box) -> bool:
         box.put("progress", len(delivered))
 
     runner.tune_many([configs[i] for i in mine], budget=runner.Budget(job.budget),
-                     jobs=default_jobs() if job.jobs is None else job.jobs, progress=job.progress,
+                     jobs=default_jobs(local) if job.jobs is None else job.jobs, progress=job.progress,
                      on_outcome=deliver)  # fmt: skip
     return False
 

@@ -35,3 +35,12 @@ def test_merge_tune_gathers_in_plan_order_and_names_what_was_not_delivered():
     assert gathered.problems == ["not tuned: dsv41-flash TP4 BF16: rank 1 (h, GPU 1) died: killed by signal SIGKILL"]
     reports[2].pieces = []
     assert merge_tune(job, reports).problems[1] == f"not tuned: dsv4-pro TP2 BF16: {INTERRUPTED}"
+
+
+def test_ranks_of_one_host_share_its_cores_for_compiling(monkeypatch):
+    from moebench.tuning import precompile
+
+    monkeypatch.setattr(precompile.os, "sched_getaffinity", lambda pid: set(range(128)), raising=False)
+    assert [precompile.default_jobs(n) for n in (1, 8, 64)] == [127, 15, 0]
+    with pytest.raises(ValueError, match="ranks"):
+        precompile.default_jobs(0)
