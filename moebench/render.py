@@ -69,7 +69,11 @@ def print_tuned(config, outcome, saved) -> None:
 def print_tune_run(run, target: Path) -> None:
     """The end of a tune (a tuning.save.TuneRun): what tuning buys over the
     built-in tactics, the kernel family each shape class tuned now runs
-    (from the tables in `target` first), the summary files, the time taken."""
+    (from the tables in `target` first), the summary files, the time taken;
+    on a torchrun rank other than 0, one line saying rank 0 writes them."""
+    if getattr(run, "rank", 0) > 0:
+        console.print(f"rank {run.rank} of {run.world}: tuned its share; rank 0 writes the tables")
+        return
     if run.records:
         wide_console(150).print(rich_tables.gains_table(run.records))
     if run.families:

@@ -1,12 +1,13 @@
-"""A sweep or a step over several processes and hosts, on PyTorch's launcher.
+"""A sweep, a step or a tune over several processes and hosts, on PyTorch's launcher.
 
 Two ways in, one rank program (`rank_main`):
 
-- `torchrun --nnodes N --nproc-per-node G -m moebench sweep|step ...`:
+- `torchrun --nnodes N --nproc-per-node G -m moebench sweep|step|tune ...`:
   torchrun starts every rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR /
   MASTER_PORT in its environment) and each runs the CLI, which calls
-  `rank_main` (`run.measure`); rank 0 hosts the results store and stores
-  the run.
+  `rank_main` (`run.measure`; a tune: `tuning.save.tune_and_save`); rank 0
+  hosts the results store and stores the run (a tune: writes the tables;
+  its share and gathering are `tuning/share.py`).
 - `sweep --devices` / `step --tp N` on one host: `launch_local` starts the
   ranks through torch.distributed's elastic launch API (`LaunchConfig`,
   `elastic_launch`; c10d rendezvous on 127.0.0.1, no restarts); the
@@ -274,6 +275,10 @@ def rank_main(job: Job):
         try:
             if job.kind == "sweep":
                 stopped = _sweep_share(job, rank, world, str(device), box)
+            elif job.kind == "tune":
+                from moebench.tuning.share import tune_share
+
+                stopped = tune_share(config, rank, world, device, box)
             else:
                 stopped = _step_rank(job, rank, world, device, box)
             if stopped:

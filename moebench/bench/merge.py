@@ -28,7 +28,8 @@ CaseRunner = Callable[[list, str], pd.DataFrame]
 
 @dataclass(frozen=True)
 class Job:
-    """What every rank runs: kind "sweep" or "step" and its config;
+    """What every rank runs: kind "sweep", "step" or "tune" and its config
+    (a tune's: tuning.share.TuneJob);
     devices: the CUDA index of each local rank (None: LOCAL_RANK; ignored
     on the CPU); runner: a sweep's piece runner (cases, device) -> frame
     (None: run_sweep; a module-level function, for tests)."""
@@ -39,8 +40,8 @@ class Job:
     runner: CaseRunner | None = None
 
     def __post_init__(self) -> None:
-        if self.kind not in ("sweep", "step"):
-            raise ValueError(f"kind must be 'sweep' or 'step', got {self.kind!r}")
+        if self.kind not in ("sweep", "step", "tune"):
+            raise ValueError(f"kind must be 'sweep', 'step' or 'tune', got {self.kind!r}")
 
 
 def sweep_cases(job: Job) -> list:
@@ -215,5 +216,9 @@ def merge_step(job: Job, reports: Sequence[RankReport], stopped: str | None = No
 
 
 def merge(job: Job, reports: Sequence[RankReport], stopped: str | None = None):
-    """merge_sweep or merge_step, by the job's kind."""
+    """merge_sweep, merge_step or (a tune) tuning.share.merge_tune, by the job's kind."""
+    if job.kind == "tune":
+        from moebench.tuning.share import merge_tune
+
+        return merge_tune(job, reports, stopped)
     return (merge_sweep if job.kind == "sweep" else merge_step)(job, reports, stopped)

@@ -65,6 +65,12 @@ def tune_plan(*, preset, hidden, intermediate, experts, top_k, tp, rows, stages,
         raise ValueError(f"--budget must be a positive number of seconds, got {budget}")
     if jobs is not None and jobs < 0:
         raise ValueError(f"--jobs must be >= 0, got {jobs}")
+    if device is not None and ":" in str(device):
+        from moebench.bench.launch import under_torchrun
+
+        if under_torchrun():
+            raise ValueError(f"--device: under torchrun each rank tunes on its LOCAL_RANK's GPU; got {device!r},"
+                             " give 'cuda' or no --device")  # fmt: skip
     if summary is not None and Path(summary).exists() and Path(summary).is_dir():
         raise ValueError(f"--summary: {summary} is a directory; give a file name, e.g. tune-gains.md")
     settings = dict(

@@ -46,10 +46,15 @@ logger = logging.getLogger("moebench.tuning")
 Spec = tuple[GemmShape, int, GemmTactic, bool]
 
 
-def default_jobs() -> int:
+def default_jobs(ranks: int = 1) -> int:
     """Workers worth starting here: all cores but one (the timing process),
-    none on a machine of fewer than 4 cores (nothing to gain)."""
+    none on a machine of fewer than 4 cores (nothing to gain); `ranks`
+    tuning processes on this host (torchrun's LOCAL_WORLD_SIZE) share the
+    cores: each gets its part of them."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores //= ranks
     return cores - 1 if cores >= 4 else 0
 
 

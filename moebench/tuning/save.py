@@ -47,9 +47,19 @@ def save_tables(outcome, target: str | Path, force: bool = False, label: str = "
     Returns (the tables written, in order; the problems: one message per
     table that could not be written, then one naming the row counts with no
     correct tactic (untuned_rows, `label` first), when any)."""
+    saved, problems = write_tables(outcome.tables, target, force)
+    failed = untuned_rows(outcome, label)
+    if failed:
+        problems.append(f"no correct tactic for {', '.join(failed)}")
+    return saved, problems
+
+
+def write_tables(tables, target: str | Path, force: bool = False) -> tuple[list[SavedTable], list[str]]:
+    """Write each of `tables` (TuningTables) that holds entries into `target`
+    as save_tables does; (the tables written, one problem per table not)."""
     target = Path(target)
     saved, problems = [], []
-    for t in outcome.tables:
+    for t in tables:
         if not t.entries and not t.fp8_entries:
             continue
         path = target / t.file_name
@@ -62,10 +72,34 @@ def save_tables(outcome, target: str | Path, force: bool = False, label: str = "
             saved.append(SavedTable(write_table(t, target, force=force), t))
         except (TableError, OSError) as error:
             problems.append(str(error))
-    failed = untuned_rows(outcome, label)
-    if failed:
-        problems.append(f"no correct tactic for {', '.join(failed)}")
     return saved, problems
+
+
+def merge_tables(tables) -> tuple[list[TuningTable], list[str]]:
+    """One table per file name of `tables` (TuningTables in tuning order): a
+    later table merged over the earlier ones of its name (merged_over: its
+    entries win, as when one process writes them in turn). A table of
+    another device (raw name or SM count) than the first of its name is
+    refused as write_table refuses it: left out, one problem line each.
+    Returns (the merged tables, in first-seen order; the problems)."""
+    merged: dict[str, TuningTable] = {}
+    problems = []
+    for t in tables:
+        old = merged.get(t.file_name)
+        if old is None:
+            merged[t.file_name] = t
+            continue
+        if old.device.get("sm_count") != t.device.get("sm_count"):
+            problems.append(
+                f"{t.file_name}: tuned on {old.device.get('name')} ({old.device.get('sm_count')} SMs)"
+                f" and on {t.device.get('name')} ({t.device.get('sm_count')} SMs); the second left out"
+            )
+            continue
+        try:
+            merged[t.file_name] = t.merged_over(old)
+        except TableError as error:
+            problems.append(f"{t.file_name}: {error}; the second left out")
+    return list(merged.values()), problems
 
 
 def tables_dir(out: str | Path | None) -> Path:
@@ -102,12 +136,17 @@ def check_tune_targets(plan, out: str | Path | None = None, summary: str | Path 
     """Before minutes of tuning: the GPU (runner.require_tuning_device of the
     plan's device: RuntimeError saying what is missing), then the tables
     directory (tables_dir(out)) and --summary's directory, which must take
-    files (ValueError naming --out / --summary). Returns the tables directory."""
+    files (ValueError naming --out / --summary; on a torchrun rank other
+    than 0, which writes nothing, not checked). Returns the tables directory."""
     from moebench.reports.outdir import check_out
     from moebench.tuning import runner
 
+    from moebench.bench.launch import under_torchrun
+
     runner.require_tuning_device(plan.settings.get("device"))
     target = tables_dir(out)
+    if under_torchrun() and int(os.environ["RANK"]) > 0:
+        return target  # only rank 0 writes: another host's --out need not exist
     check_out(target)
     if summary is not None:
         check_out(Path(summary).parent, "--summary")
@@ -127,13 +166,17 @@ class TuneRun:
     now runs by default (family.default_families); the summary files
     written (markdown, .json) or None; the problems (a table not written, a
     row with no correct tactic, the summary not written, what the budget
-    left out: the command fails on any); the seconds it took."""
+    left out, a torchrun rank's config not tuned: the command fails on any);
+    the seconds it took; on a torchrun rank other than 0 (which tunes its
+    share and writes nothing: the rest empty) `rank` and `world` say which."""
 
     records: list[dict]
     families: list
     summary_files: tuple[Path, Path] | None
     problems: list[str]
     seconds: float
+    rank: int = 0
+    world: int = 1
 
 
 def tune_and_save(plan, target: str | Path, *, force: bool = False, summary: str | Path | None = None,
@@ -149,7 +192,16 @@ def tune_and_save(plan, target: str | Path, *, force: bool = False, summary: str
     text)` gets the log lines (seconds since the start), `on_saved(config,
     outcome, saved tables)` each config once its tables are written. Then
     the gains, the default families and, with `summary`, the gains summary
-    (write_gains_summary)."""
+    (write_gains_summary).
+
+    Under torchrun (one rank of several) every rank tunes its share of the
+    configs on its GPU, each under its own `budget` (tuning/share.py), and
+    rank 0 gathers them, merges the tables of one shape class
+    (merge_tables), writes each once, then the gains of every config as one
+    process gives them; a config a rank did not deliver (it died, or was
+    interrupted) is a problem naming it and why. Another rank returns a
+    TuneRun saying which it is."""
+    from moebench.bench.launch import under_torchrun
     from moebench.tuning import runner
     from moebench.tuning.family import default_families
     from moebench.tuning.precompile import default_jobs
@@ -157,21 +209,30 @@ def tune_and_save(plan, target: str | Path, *, force: bool = False, summary: str
     target = Path(target)
     clock = runner.Budget(budget)
     say = (lambda text: progress(clock.elapsed(), text)) if progress is not None else (lambda text: None)
+    log = lambda text: say(text) if is_log_line(text) else None  # noqa: E731
     problems: list[str] = []
     written: list = []  # (device name, shape class, SMs) of each table written
 
-    def finished(config, outcome) -> None:
+    def finished(config, outcome, saved, table_problems) -> None:
         for (t, stage), secs in outcome.seconds.items():
             say(f"{config.preset} TP{t} {config.family} GEMM{stage}: {len(outcome.results[t, stage].entries)} rows tuned"
                 f" in {secs:.1f} s ({outcome.layers[t, stage]} weight sets)")  # fmt: skip
-        saved, table_problems = save_tables(outcome, target, force, f"{config.preset} {config.family}")
         written.extend(s.key() for s in saved)
         if on_saved is not None:
             on_saved(config, outcome, saved)
         problems.extend(table_problems)
 
-    done = runner.tune_many(plan.configs(), budget=clock, jobs=default_jobs() if jobs is None else jobs,
-                            progress=lambda text: say(text) if is_log_line(text) else None, on_outcome=finished)  # fmt: skip
+    if under_torchrun():
+        done = _tune_ranks(plan, target, force, budget, jobs, log, finished, problems)
+        if done is None:
+            return TuneRun([], [], None, [], clock.elapsed(), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+    else:
+
+        def save(config, outcome) -> None:
+            finished(config, outcome, *save_tables(outcome, target, force, f"{config.preset} {config.family}"))
+
+        done = runner.tune_many(plan.configs(), budget=clock, jobs=default_jobs() if jobs is None else jobs,
+                                progress=log, on_outcome=save)  # fmt: skip
     records = runner.gains(done, runner.GAIN_ROWS)
     families = default_families(written, target)
     files = None
@@ -183,4 +244,28 @@ def tune_and_save(plan, target: str | Path, *, force: bool = False, summary: str
     stopped = [line for _, o in done for line in o.stopped]
     if stopped:
         problems.append(f"the --budget of {budget:g} s left out: " + "; ".join(stopped))
-    return TuneRun(records, families, files, problems, clock.elapsed())
+    return TuneRun(records, families, files, problems, clock.elapsed(), 0, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _tune_ranks(plan, target: Path, force: bool, budget, jobs, log, finished, problems) -> list | None:
+    """tune_and_save's part under torchrun: this rank's share, then on rank 0
+    the tables of every rank merged and written once, finished(config,
+    outcome, its tables written, its problems) per config in the plan's
+    order, and the configs not delivered added to `problems`. Returns the
+    (config, outcome) of every config delivered (rank 0), else None."""
+    from moebench.bench.launch import Job, rank_main
+    from moebench.tuning.share import TuneJob
+
+    gathered = rank_main(Job("tune", TuneJob(plan, budget, jobs, log)))
+    if gathered is None:
+        return None
+    tables, conflicts = merge_tables([t for _, outcome in gathered.done for t in outcome.tables])
+    saved, write_problems = write_tables(tables, target, force)
+    problems.extend(conflicts + write_problems)
+    for config, outcome in gathered.done:
+        names = {t.file_name for t in outcome.tables}
+        failed = untuned_rows(outcome, f"{config.preset} {config.family}")
+        finished(config, outcome, [s for s in saved if s.table.file_name in names],
+                 [f"no correct tactic for {', '.join(failed)}"] if failed else [])  # fmt: skip
+    problems.extend(gathered.problems)
+    return gathered.done

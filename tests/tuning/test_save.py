@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from moebench.kernels.tactic import default_fp8_tactic, default_tactic
 from moebench.models import get_preset
-from moebench.tuning.save import save_tables, untuned_rows
+from moebench.tuning.save import merge_tables, save_tables, untuned_rows
 from moebench.kernels.table import ShapeClass, TableEntry, TuningTable, read_table
 from moebench.tuning.table import write_table
 
@@ -166,3 +166,19 @@ def test_tune_and_save_saves_each_config_as_it_is_tuned_then_sums_up(tmp_path, m
     run = tune_and_save(SimpleNamespace(configs=lambda: configs[:1]), tmp_path / "t", force=True, summary=tmp_path / "g",
                         budget=60.0, jobs=0)  # fmt: skip
     assert run.summary_files is None and run.problems[0].startswith(f"cannot write {tmp_path / 'g'}")
+
+
+def test_merge_tables_is_the_union_later_entries_winning_another_device_refused():
+    """rank 0's merge of the ranks' tables (tune under torchrun): one table per
+    file name, as one process writing them in turn; another device named."""
+    h20 = TuningTable(ShapeClass.of(get_preset("dsv41-flash").shard(2)), {"name": "NVIDIA H200", "sm_count": 132},
+                      {(1, 1): _table().entries[1, 1]})  # fmt: skip
+    other_sms = _table(rows=(8,))
+    other_sms.device["sm_count"] = 114
+    tables, problems = merge_tables([_table(rows=(1, 2)), h20, _table(rows=(2, 3), us=30.0), _table(rows=(4,), fp8=True),
+                                     other_sms])  # fmt: skip
+    assert [t.file_name for t in tables] == [_table().file_name, h20.file_name]
+    assert set(tables[0].entries) == {(s, r) for s in (1, 2) for r in (1, 2, 3)} and len(tables[0].fp8_entries) == 2
+    assert tables[0].entries[1, 1].median_us == 11.0 and tables[0].entries[1, 2].median_us == 32.0
+    assert tables[1].entries == h20.entries
+    assert len(problems) == 1 and "114 SMs" in problems[0] and _table().file_name in problems[0]

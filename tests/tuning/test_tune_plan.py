@@ -36,3 +36,12 @@ def test_bad_options_are_named(tmp_path):
                         ({"experts": 2}, "--experts 2 is below")):  # fmt: skip
         with pytest.raises((ValueError, TypeError), match=message):
             tune_plan(**_options(**kw))
+
+
+def test_a_device_index_is_refused_under_torchrun(monkeypatch):
+    assert tune_plan(**_options(device="cuda:1")).settings["device"] == "cuda:1"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert tune_plan(**_options(device="cuda")).settings["device"] == "cuda"
+    with pytest.raises(ValueError, match="--device: under torchrun each rank tunes on its LOCAL_RANK's GPU"):
+        tune_plan(**_options(device="cuda:1"))
