@@ -311,3 +311,34 @@ def test_binding_with_fused_runs_the_fused_layer_and_meets_the_oracle(preset, tp
         assert why is None, f"{preset} TP{tp} rows {rows}: {why}"
     with pytest.raises(ValueError, match="fused=True needs the FP8 family"):
         RoutedExpertGemm(weights, 6, None, fp8=False, fused=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset", ["dsv41-flash", "dsv4-flash", "dsv4-pro"])
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_default_fused_layer_every_preset_tp_and_row_count(preset, tp):
+    """The built-in fused tactic of each preset x TP 1/2/4/8 at rows 1-8
+    (uniform routing; rows 8 also with every slot on one expert and with
+    non-local ids), poisoned outputs: H and the rows equal gemm1 + gemm2 of
+    the same two tactics bit for bit, counters back to zero."""
+    from moebench.kernels.fused import default_fused_tactic
+    from moebench.kernels.gemm import alloc_workspace
+    from moebench.routing import scenario_topk_ids
+
+    shape, weights, kw = _layer(preset, tp, seed=tp + 13)
+    cases = [(f"uniform-r{r}", scenario_topk_ids("uniform", r, 6, EXPERTS, seed=r)) for r in range(1, 9)]
+    cases += [c for c in _routings(rows_list=()) if c[0] in ("one-expert", "nonlocal")]
+    for label, ids in cases:
+        rows = ids.shape[0]
+        route = build_route_record(ids.cuda(), EXPERTS)
+        ft = default_fused_tactic(kw, max_ctas(rows, 6, EXPERTS))
+        assert ft is not None, (preset, tp, rows)
+        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 2, device="cuda"))
+        want = _pair(kw, x_q, x_s, route, ft.gemm1, ft.gemm2)
+        ws = alloc_workspace(fused_workspace_bytes(route.ctas), "cuda")
+        got = _fused(kw, x_q, x_s, route, ft, ws)
+        torch.cuda.synchronize()
+        used = TILE * route.tiles_used
+        for a, b, name in zip(got, want, ("H", "H scales", "rows")):
+            _same(a, b, used, f"{preset} TP{tp} {label} {ft.name}: {name} differ from the pair's")
+        assert not torch.any(ws.view(torch.int32)), f"{preset} TP{tp} {label}: counters not back to zero"
