@@ -56,7 +56,7 @@ if HAVE_DSL:
     from cutlass.cute.nvgpu import warpgroup
 
     from moebench.kernels import fp4
-    from moebench.kernels.gemm import StreamingGemmKernel, _check_common, _num_sms, wgmma_fp8_fragments
+    from moebench.kernels.gemm import StreamingGemmKernel, _check_common, _num_sms
 
 #: Most GEMM2 units a CTA may hold resident (compile-time size of the region).
 MAX_RESIDENT = 16
@@ -427,20 +427,9 @@ if HAVE_DSL:
             tile's H, the first `n_res` units from the resident region, the
             rest from the ring; ring steps counted on from `i`. Returns the
             ring position after the last step."""
-            NB, KS, U, tm = self.gemm(stage).nb, self.gemm(stage).ks, self.gemm(stage).u, self.gemm(stage).tm
-            wm, wk = warp % self.gemm(stage).wm, warp // self.gemm(stage).wm
-            words = (ctas + 3) // 4 * 4
-            valid_at = 4 + words
-            slots_at = 4 + 2 * words
-            p_a = cute.recast_ptr(act, dtype=Uint32)
-            p_as = cute.recast_ptr(act_s, dtype=Uint8)
-            sB32 = cute.recast_ptr(sB.iterator, dtype=Uint32)
-            tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(tm * U, tm)
-            tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
-            st_w = cute.make_rmem_tensor((4 * U,), Uint32)
-            st_s = cute.make_rmem_tensor((U,), Uint32)
-            pair = wm if tm == 2 else wm // 2
-            t16 = 0 if tm == 2 else wm % 2
+            NB, KS, U = self.gemm(stage).nb, self.gemm(stage).ks, self.gemm(stage).u
+            (wk, valid_at, slots_at, p_a, p_as, sB32, tiled_mma, rA, tCrA, acc, tmp, tCrB, st_w, st_s, pair,
+             t16) = self.gemm(stage).wgmma_consumer(act, act_s, sB, ctas, tid, warp)  # fmt: skip
             top_k = cute.arch.load(record + 3, Int32)
             parity, staged = Int32(0), Int32(-1)
             for n in cutlass.range(0, count, 1, unroll=1):

@@ -1135,6 +1135,28 @@ if HAVE_DSL:
                 wrap = Int32(b == NB)
                 b, unit = b - wrap * NB, unit + wrap * nblk
 
+        def wgmma_consumer(self, act, act_s, sB, ctas: Int32, tid, warp) -> tuple:
+            """The per-thread state of an fp8 consumer warp on the bulk ring
+            (trace-time Python, before its loops): (wk, valid_at, slots_at,
+            p_a, p_as, sB32, tiled_mma, rA, tCrA, acc, tmp, tCrB, st_w, st_s,
+            pair, t16): its K part, the record's valid-rows and slots offsets
+            for `ctas` tiles, the activation and B-operand views, the wgmma
+            fragments (`wgmma_fp8_fragments`), one stage's word and scale
+            registers, and where warp wm's words sit in a stage (tile_rows 32:
+            pair wm, 16 bytes per lane; 16: m-tile t16 = wm % 2 of pair wm // 2,
+            8 bytes per lane). Shared by `bulk_consume_wgmma` and the fused
+            layer's consumers."""
+            U, tm = self.u, self.tm
+            wm, wk = warp % self.wm, warp // self.wm
+            words = (ctas + 3) // 4 * 4
+            tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(tm * U, tm)
+            tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
+            return (wk, 4 + words, 4 + 2 * words, cute.recast_ptr(act, dtype=Uint32),
+                    cute.recast_ptr(act_s, dtype=Uint8), cute.recast_ptr(sB.iterator, dtype=Uint32), tiled_mma,
+                    rA, tCrA, acc, tmp, tCrB, cute.make_rmem_tensor((4 * U,), Uint32),
+                    cute.make_rmem_tensor((U,), Uint32), wm if tm == 2 else wm // 2,
+                    0 if tm == 2 else wm % 2)  # fmt: skip
+
         @cute.jit
         def stage_words_to_registers(self, stage, st_w, st_s, pair, t16, wk, lane):
             """fp8 consumers: warp (pair, t16, wk)'s weight words and scale words
@@ -1192,23 +1214,10 @@ if HAVE_DSL:
             b*KS + wk*unroll + j of m-tile(s) wm of the item. With a cluster
             (`bid` / `nblk`: the cluster's index and count) steps b of K slice
             `rank` only, and the sums meet on rank 0 (`cluster_epilogue`)."""
-            S, NB, KS, U, tm = self.tactic.stages, self.nb_c, self.ks, self.u, self.tm
+            S, NB, KS, U = self.tactic.stages, self.nb_c, self.ks, self.u
             b0 = rank * NB  # the slice's first step
-            wm, wk = warp % self.wm, warp // self.wm
-            words = (ctas + 3) // 4 * 4
-            valid_at = 4 + words
-            slots_at = 4 + 2 * words
-            p_a = cute.recast_ptr(act, dtype=Uint32)
-            p_as = cute.recast_ptr(act_s, dtype=Uint8)
-            sB32 = cute.recast_ptr(sB.iterator, dtype=Uint32)
-            tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(tm * U, tm)
-            tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
-            st_w = cute.make_rmem_tensor((4 * U,), Uint32)
-            st_s = cute.make_rmem_tensor((U,), Uint32)
-            # where warp wm's words sit in a stage: tile_rows 32 = pair wm (16 bytes per lane);
-            # tile_rows 16 = m-tile wm % 2 of pair wm // 2 (words 2t, 2t+1: 8 bytes per lane)
-            pair = wm if tm == 2 else wm // 2
-            t16 = 0 if tm == 2 else wm % 2
+            (wk, valid_at, slots_at, p_a, p_as, sB32, tiled_mma, rA, tCrA, acc, tmp, tCrB, st_w, st_s, pair,
+             t16) = self.wgmma_consumer(act, act_s, sB, ctas, tid, warp)  # fmt: skip
             if cutlass.const_expr(self.tactic.pdl):
                 cute.arch.griddepcontrol_wait()
                 cute.arch.griddepcontrol_launch_dependents()
