@@ -42,10 +42,11 @@ from dataclasses import dataclass
 
 import torch
 
+from moebench.kernels.gemm import _check_common, _num_sms, check_gemm1_io
 from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.limits import SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED_PER_CTA
-from moebench.kernels.tactic import GemmShape, GemmTactic
+from moebench.kernels.tactic import GemmShape, GemmTactic, bulk_stage_bytes, partial_smem_bytes
 from moebench.record import TILE
 
 if HAVE_DSL:
@@ -56,7 +57,7 @@ if HAVE_DSL:
     from cutlass.cute.nvgpu import warpgroup
 
     from moebench.kernels import fp4
-    from moebench.kernels.gemm import StreamingGemmKernel, _check_common, _num_sms
+    from moebench.kernels.gemm import StreamingGemmKernel
 
 #: Most GEMM2 units a CTA may hold resident (compile-time size of the region).
 MAX_RESIDENT = 16
@@ -137,26 +138,17 @@ def default_fused_tactic(shape, ctas: int, num_sms: int = 132) -> FusedTactic | 
     return None
 
 
-def _stage_words(t: GemmTactic, k: int) -> tuple[int, int]:
-    """(words of one bulk stage, stages per item) of tactic t over K = k (as StreamingGemmKernel)."""
-    ks = t.unroll * t.warps_k
-    pairs = t.item_rows // 32
-    return pairs * ks * 128 + pairs * ks * 8, -(-(k // 32) // ks)
-
-
 def fused_smem_bytes(ft: FusedTactic, shape) -> int:
-    """Shared memory of one fused CTA: partials, the ring (the larger stage
-    of the two), both B operands and activation scales, the resident region
-    and the mbarriers."""
+    """Shared memory of one fused CTA: partials (the larger of the two
+    tactics', the same warps), the ring (the larger stage of the two), both
+    B operands and activation scales, the resident region and the mbarriers."""
     s = GemmShape.of(shape)
     t1, t2 = ft.gemm1, ft.gemm2
-    w1, _ = _stage_words(t1, s.hidden)
-    w2, nb2 = _stage_words(t2, s.intermediate)
-    tm = max(t1.tile_rows, t2.tile_rows) // 16
-    partials = tm * 128 * t1.warps * 2 * 4
-    ring = t1.stages * (4 * max(w1, w2) + 16)
+    nb2 = -(-(s.intermediate // 32) // (t2.warps_k * t2.unroll))  # GEMM2's stages per item
+    partials = max(partial_smem_bytes(t1), partial_smem_bytes(t2))
+    ring = t1.stages * (max(bulk_stage_bytes(t1), bulk_stage_bytes(t2)) + 16)
     acts = 8 * s.hidden + 8 * (s.hidden // 32) * 4 + 8 * s.intermediate + 8 * (s.intermediate // 32) * 4 + 512
-    resident = ft.resident * nb2 * (4 * w2 + 8)  # none allocated when resident is 0
+    resident = ft.resident * nb2 * (bulk_stage_bytes(t2) + 8)  # none allocated when resident is 0
     return partials + ring + acts + resident + 1024  # + alignment slack of the allocations
 
 
@@ -550,16 +542,8 @@ def fused_layer(
     device = _check_common(kw, record, ctas)
     if not isinstance(tactic, FusedTactic):
         raise TypeError(f"tactic must be a FusedTactic, got {type(tactic).__name__}")
-    h, i = kw.hidden, kw.intermediate
-    if not isinstance(x_q, torch.Tensor) or x_q.dim() != 2 or not 1 <= x_q.shape[0] <= 8:
-        raise ValueError(f"x_q must be [rows, {h}] with 1 <= rows <= 8, got {getattr(x_q, 'shape', x_q)}")
-    rows = x_q.shape[0]
-    u8 = (torch.uint8, torch.float8_e4m3fn)
-    check_tensor("x_q", x_q, u8, (rows, h), device, align=16)
-    check_tensor("x_scale", x_scale, (torch.uint8,), (rows, h // 32), device, align=4)
-    check_tensor("h_q_out", h_q_out, u8, (TILE * ctas, i), device, align=16)
-    check_tensor("h_scale_out", h_scale_out, (torch.uint8,), (TILE * ctas, i // 32), device, align=4)
-    check_tensor("out", out, (torch.bfloat16,), (TILE * ctas, h), device, align=16)
+    check_gemm1_io(kw, device, ctas, x_q, x_scale, h_q_out, h_scale_out)
+    check_tensor("out", out, (torch.bfloat16,), (TILE * ctas, kw.hidden), device, align=16)
     if kw.operand != "e4m3":
         raise ValueError("kw must be in the e4m3 layout (to_kernel_layout(..., operand='e4m3')) for the fused layer")
     shape = GemmShape.of(kw)

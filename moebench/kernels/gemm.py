@@ -1510,6 +1510,23 @@ def act_to_bf16(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None =
     return out
 
 
+def check_gemm1_io(kw: KernelWeights, device, ctas: int, x_q, x_scale, h_q_out, h_scale_out) -> int:
+    """Check GEMM1's activation inputs and H outputs (as `gemm1` documents
+    them: x_q [rows, H] e4m3 / uint8 with 1 <= rows <= 8, x_scale uint8
+    [rows, H/32], h_q_out [8*ctas, I], h_scale_out uint8 [8*ctas, I/32] on
+    `device`); returns rows. Raises ValueError / TypeError naming the argument."""
+    h, i = kw.hidden, kw.intermediate
+    if not isinstance(x_q, torch.Tensor) or x_q.dim() != 2 or not 1 <= x_q.shape[0] <= 8:
+        raise ValueError(f"x_q must be [rows, {h}] with 1 <= rows <= 8, got {getattr(x_q, 'shape', x_q)}")
+    rows = x_q.shape[0]
+    u8 = (torch.uint8, torch.float8_e4m3fn)
+    check_tensor("x_q", x_q, u8, (rows, h), device, align=16)
+    check_tensor("x_scale", x_scale, (torch.uint8,), (rows, h // 32), device, align=4)
+    check_tensor("h_q_out", h_q_out, u8, (TILE * ctas, i), device, align=16)
+    check_tensor("h_scale_out", h_scale_out, (torch.uint8,), (TILE * ctas, i // 32), device, align=4)
+    return rows
+
+
 def gemm1(
     kw: KernelWeights,
     x_q: torch.Tensor,
@@ -1559,14 +1576,7 @@ def gemm1(
     """
     device = _check_common(kw, record, ctas)
     h, i = kw.hidden, kw.intermediate
-    if not isinstance(x_q, torch.Tensor) or x_q.dim() != 2 or not 1 <= x_q.shape[0] <= 8:
-        raise ValueError(f"x_q must be [rows, {h}] with 1 <= rows <= 8, got {getattr(x_q, 'shape', x_q)}")
-    rows = x_q.shape[0]
-    u8 = (torch.uint8, torch.float8_e4m3fn)
-    check_tensor("x_q", x_q, u8, (rows, h), device, align=16)
-    check_tensor("x_scale", x_scale, (torch.uint8,), (rows, h // 32), device, align=4)
-    check_tensor("h_q_out", h_q_out, u8, (TILE * ctas, i), device, align=16)
-    check_tensor("h_scale_out", h_scale_out, (torch.uint8,), (TILE * ctas, i // 32), device, align=4)
+    rows = check_gemm1_io(kw, device, ctas, x_q, x_scale, h_q_out, h_scale_out)
     tactic, sms = _resolve(kw, 1, tactic, ctas, device)
     x_deq = _bf16_act("x_deq", x_deq, tactic, (rows, h), device, "reads x as BF16")
     h_deq_out = _bf16_act("h_deq_out", h_deq_out, tactic, (TILE * ctas, i), device, "writes H as BF16 too")
