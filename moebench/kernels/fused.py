@@ -322,9 +322,10 @@ if HAVE_DSL:
             return self.k1 if stage == 1 else self.k2
 
         @cute.jit
-        def ring_step(self, stage: cutlass.Constexpr[int], p_w, p_s, record, ring, bars, i, unit, b, lane):
-            """Ring step i (stage i % S) <- step b of `unit` of GEMM`stage`, once its ring stage is free."""
-            S = self.S
+        def ring_step(self, stage: cutlass.Constexpr[int], p_w, p_s, record, ring, bars, i, unit, b, stride, lane):
+            """Ring step i (stage i % S) <- step b of `unit` of GEMM`stage`, once its ring stage is free;
+            returns the next (unit, b) (units `stride` apart)."""
+            S, nb = self.S, self.gemm(stage).nb
             s = i % S
             if i >= S:
                 cute.arch.mbarrier_wait(bars + (S + s), (i // S - 1) % 2)
@@ -332,6 +333,8 @@ if HAVE_DSL:
             self.gemm(stage).issue_stage(
                 p_w, p_s, ring, bars, s, e, unit % self.gemm(stage).blocks, b, lane, self.ring_words
             )
+            wrap = Int32(b + 1 == nb)
+            return unit + wrap * stride, b + 1 - wrap * nb
 
         @cute.jit
         def produce(self, w1, ws1, w2, ws2, record, ring, bars, res, rbars, u1, n1, st1, u2, n2, st2, n_res, lane):
@@ -345,10 +348,7 @@ if HAVE_DSL:
             first = cutlass.min(steps1, Int32(S))
             unit, b = u1, Int32(0)
             for i in cutlass.range(0, first, 1, unroll=1):
-                self.ring_step(1, p_w1, p_s1, record, ring, bars, i, unit, b, lane)
-                b = b + 1
-                wrap = Int32(b == self.k1.nb)
-                b, unit = b - wrap * self.k1.nb, unit + wrap * st1
+                unit, b = self.ring_step(1, p_w1, p_s1, record, ring, bars, i, unit, b, st1, lane)
             unit2 = u2
             if cutlass.const_expr(self.R > 0):
                 for r in cutlass.range(0, n_res, 1, unroll=1):
@@ -359,16 +359,10 @@ if HAVE_DSL:
                         )
                     unit2 = unit2 + st2
             for i in cutlass.range(first, steps1, 1, unroll=1):
-                self.ring_step(1, p_w1, p_s1, record, ring, bars, i, unit, b, lane)
-                b = b + 1
-                wrap = Int32(b == self.k1.nb)
-                b, unit = b - wrap * self.k1.nb, unit + wrap * st1
+                unit, b = self.ring_step(1, p_w1, p_s1, record, ring, bars, i, unit, b, st1, lane)
             b = Int32(0)
             for i in cutlass.range(steps1, steps1 + (n2 - n_res) * self.k2.nb, 1, unroll=1):
-                self.ring_step(2, p_w2, p_s2, record, ring, bars, i, unit2, b, lane)
-                b = b + 1
-                wrap = Int32(b == self.k2.nb)
-                b, unit2 = b - wrap * self.k2.nb, unit2 + wrap * st2
+                unit2, b = self.ring_step(2, p_w2, p_s2, record, ring, bars, i, unit2, b, st2, lane)
 
         @cute.jit
         def ring_words_to_registers(
