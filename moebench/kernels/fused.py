@@ -56,24 +56,35 @@ if HAVE_DSL:
     from cutlass import BFloat16, Float8E4M3FN, Float32, Int32, Int64, Uint8, Uint32
     from cutlass.cute.nvgpu import warpgroup
 
-    from moebench.kernels import fp4
+    from moebench.kernels import fp4, ptx
     from moebench.kernels.gemm import StreamingGemmKernel
 
 #: Most GEMM2 units a CTA may hold resident (compile-time size of the region).
 MAX_RESIDENT = 16
+#: Most GEMM1 ring steps a `lead` may name.
+MAX_LEAD = 1 << 12
+#: int64 stamps per CTA of a traced launch (`fused_layer(..., trace=)`), %globaltimer ns:
+#: start (after the dependency wait), GEMM1 consumed, first H ready, first resident stage in
+#: shared memory (as the consumer sees it, so >= H ready), last resident stage in, GEMM2
+#: done, the producer's last GEMM1 issue, its last resident issue; -1 where a CTA had none.
+TRACE_STAMPS = ("start", "gemm1_done", "h_ready", "res_first", "res_last", "gemm2_done", "g1_issued", "res_issued")
 
 
 @dataclass(frozen=True)
 class FusedTactic:
     """The fused layer's parameters: GEMM1's and GEMM2's tactics (fp8 on the
     bulk ring, one CTA per SM, the same number of warps, PDL; the ring has
-    gemm1.stages stages) and `resident`, the GEMM2 units per CTA whose
-    weights are loaded at the start into their own shared memory (0: all of
-    GEMM2 streams through the ring after GEMM1, v13's order)."""
+    gemm1.stages stages), `resident`, the GEMM2 units per CTA whose
+    weights are loaded into their own shared memory (0: all of GEMM2
+    streams through the ring after GEMM1, v13's order), and `lead`, when the
+    producer issues those loads: with `lead` of the CTA's GEMM1 ring steps
+    still to issue (0: after GEMM1's last; None: right after the ring's
+    first fill, v24's order)."""
 
     gemm1: GemmTactic
     gemm2: GemmTactic
     resident: int = 2
+    lead: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("gemm1", "gemm2"):
@@ -82,10 +93,14 @@ class FusedTactic:
         r = self.resident
         if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= MAX_RESIDENT:
             raise ValueError(f"resident must be an int in [0, {MAX_RESIDENT}], got {r!r}")
+        ld = self.lead
+        if ld is not None and (not isinstance(ld, int) or isinstance(ld, bool) or not 0 <= ld <= MAX_LEAD):
+            raise ValueError(f"lead must be None or an int in [0, {MAX_LEAD}], got {ld!r}")
 
     @property
     def name(self) -> str:
-        return f"{self.gemm1.name}+{self.gemm2.name}_res{self.resident}"
+        lead = "" if self.lead is None else f"_ld{self.lead}"
+        return f"{self.gemm1.name}+{self.gemm2.name}_res{self.resident}{lead}"
 
     def why_invalid(self, shape) -> str | None:
         """None if this fused tactic can run `shape`, else the reason."""
@@ -157,11 +172,12 @@ if HAVE_DSL:
     class FusedLayerKernel:
         """One persistent launch of GEMM1 then GEMM2 (module docstring)."""
 
-        def __init__(self, ft: FusedTactic, shape: GemmShape, wide_scales: bool = False):
+        def __init__(self, ft: FusedTactic, shape: GemmShape, wide_scales: bool = False, trace: bool = False):
             reason = ft.why_invalid(shape)
             if reason:
                 raise ValueError(f"fused tactic {ft.name} cannot run {shape}: {reason}")
             self.ft = ft
+            self.trace = trace
             self.k1 = StreamingGemmKernel(ft.gemm1, shape, 1, wide_scales)
             self.k2 = StreamingGemmKernel(ft.gemm2, shape, 2, wide_scales)
             self.nw, self.threads = self.k1.nw, self.k1.threads
@@ -191,11 +207,12 @@ if HAVE_DSL:
             h_s: cute.Pointer,
             out: cute.Pointer,
             cnt: cute.Pointer,
+            trace: cute.Pointer,
             ctas: Int32,
             grid: Int32,
             stream: _cuda.CUstream,
         ):
-            self.kernel(w1, ws1, w2, ws2, x, x_s, record, clamp, h, h_s, out, cnt, ctas).launch(
+            self.kernel(w1, ws1, w2, ws2, x, x_s, record, clamp, h, h_s, out, cnt, trace, ctas).launch(
                 grid=[grid, 1, 1],
                 block=[self.threads + 32, 1, 1],
                 stream=stream,
@@ -226,6 +243,7 @@ if HAVE_DSL:
             h_s: cute.Pointer,
             out: cute.Pointer,
             cnt: cute.Pointer,
+            trace: cute.Pointer,
             ctas: Int32,
         ):
             S, R = self.S, self.R
@@ -253,12 +271,17 @@ if HAVE_DSL:
             cute.arch.mbarrier_init_fence()
             cute.arch.sync_threads()
             cute.arch.griddepcontrol_wait()  # the record and x come from the previous kernel
+            stamps = trace + bid * len(TRACE_STAMPS)
+            if tid == 0:
+                self.stamp(stamps, "start")
             tiles = cute.arch.load(record, Int32)
             u1, n1, st1 = self.k1.unit_span(tiles * self.k1.blocks, bid, nblk)
             u2, n2, st2 = self.k2.unit_span(tiles * self.k2.blocks, bid, nblk)
             n_res = cutlass.min(n2, Int32(R))
             if warp == self.nw:
-                self.produce(w1, ws1, w2, ws2, record, ring, bars, res, rbars, u1, n1, st1, u2, n2, st2, n_res, lane)
+                self.produce(
+                    w1, ws1, w2, ws2, record, ring, bars, res, rbars, u1, n1, st1, u2, n2, st2, n_res, lane, stamps
+                )  # fmt: skip
             else:
                 i = self.consume(
                     1,
@@ -285,8 +308,11 @@ if HAVE_DSL:
                     Int32(0),
                     Int32(0),
                     cnt,
+                    stamps,
                     "signal",
                 )
+                if tid == 0:
+                    self.stamp(stamps, "gemm1_done")
                 self.consume(
                     2,
                     h,
@@ -312,9 +338,18 @@ if HAVE_DSL:
                     i,
                     n_res,
                     cnt,
+                    stamps,
                     "wait",
                 )
+                if tid == 0:
+                    self.stamp(stamps, "gemm2_done")
             cute.arch.griddepcontrol_launch_dependents()  # only now: every CTA of this grid is running
+
+        @cute.jit
+        def stamp(self, stamps, what: cutlass.Constexpr[str]):
+            """A traced launch's stamp `what` (TRACE_STAMPS) of this CTA; nothing otherwise."""
+            if cutlass.const_expr(self.trace):
+                cute.arch.store(stamps + TRACE_STAMPS.index(what), ptx.globaltimer())
 
         @cute.jit
         def gemm(self, stage: int):
@@ -337,15 +372,20 @@ if HAVE_DSL:
             return unit + wrap * stride, b + 1 - wrap * nb
 
         @cute.jit
-        def produce(self, w1, ws1, w2, ws2, record, ring, bars, res, rbars, u1, n1, st1, u2, n2, st2, n_res, lane):
-            """The producer warp: GEMM1's first ring stages, then every
-            resident GEMM2 stage (own region, own mbarriers), then the rest of
-            GEMM1 and the non-resident GEMM2 units through the ring."""
+        def produce(
+            self, w1, ws1, w2, ws2, record, ring, bars, res, rbars, u1, n1, st1, u2, n2, st2, n_res, lane, stamps
+        ):
+            """The producer warp: GEMM1's ring steps up to the tactic's `lead`
+            (at least the ring's first fill), then every resident GEMM2 stage
+            (own region, own mbarriers), then the rest of GEMM1 and the
+            non-resident GEMM2 units through the ring."""
             S = self.S
             p_w1, p_s1 = cute.recast_ptr(w1, dtype=Uint32), cute.recast_ptr(ws1, dtype=Uint32)
             p_w2, p_s2 = cute.recast_ptr(w2, dtype=Uint32), cute.recast_ptr(ws2, dtype=Uint32)
             steps1 = n1 * self.k1.nb
             first = cutlass.min(steps1, Int32(S))
+            if cutlass.const_expr(self.ft.lead is not None):
+                first = cutlass.max(first, steps1 - self.ft.lead)
             unit, b = u1, Int32(0)
             for i in cutlass.range(0, first, 1, unroll=1):
                 unit, b = self.ring_step(1, p_w1, p_s1, record, ring, bars, i, unit, b, st1, lane)
@@ -358,8 +398,12 @@ if HAVE_DSL:
                             p_w2, p_s2, res, rbars, r * self.k2.nb + b2, e, unit2 % self.k2.blocks, b2, lane
                         )
                     unit2 = unit2 + st2
+                if lane == 0:
+                    self.stamp(stamps, "res_issued")
             for i in cutlass.range(first, steps1, 1, unroll=1):
                 unit, b = self.ring_step(1, p_w1, p_s1, record, ring, bars, i, unit, b, st1, lane)
+            if lane == 0:
+                self.stamp(stamps, "g1_issued")
             b = Int32(0)
             for i in cutlass.range(steps1, steps1 + (n2 - n_res) * self.k2.nb, 1, unroll=1):
                 unit2, b = self.ring_step(2, p_w2, p_s2, record, ring, bars, i, unit2, b, st2, lane)
@@ -405,6 +449,7 @@ if HAVE_DSL:
             i,
             n_res,
             cnt,
+            stamps,
             role: cutlass.Constexpr[str],
         ):
             """The consumer warps over `count` units of GEMM`stage` from `unit`
@@ -429,6 +474,8 @@ if HAVE_DSL:
                             while ready < self.k1.blocks:
                                 ready = cute.arch.load(cnt + tile, Int32, sem="relaxed", scope="gpu")
                             cute.arch.fence_acq_rel_gpu()
+                            if n == 0:
+                                self.stamp(stamps, "h_ready")
                         cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                     self.gemm(stage).stage_acts(
                         sB32, sXs, p_a, p_as, record, slots_at, top_k, unit, tid, 0, coherent=(role == "wait")
@@ -444,6 +491,11 @@ if HAVE_DSL:
                         else:  # resident: loaded at the start, never refilled in this launch
                             q = n * NB + b
                             cute.arch.mbarrier_wait(rbars + q, 0)
+                            if tid == 0:
+                                if q == 0:
+                                    self.stamp(stamps, "res_first")
+                                if q == n_res * NB - 1:
+                                    self.stamp(stamps, "res_last")
                             self.gemm(stage).stage_words_to_registers(
                                 res + q * self.gemm(stage).stage_words, st_w, st_s, pair, t16, wk, lane
                             )
@@ -477,16 +529,17 @@ _KERNEL = "the fused layer kernel"
 
 
 @functools.lru_cache(maxsize=None)
-def compile_fused(shape: GemmShape, ft: FusedTactic, wide_scales: bool = False):
+def compile_fused(shape: GemmShape, ft: FusedTactic, wide_scales: bool = False, trace: bool = False):
     """Compile the fused layer (`FusedLayerKernel`) for one shape class and
     fused tactic (cached per process; cross-compiles without a GPU when
     CUTE_DSL_ARCH=sm_90a is set). Returns (kernel, compiled): `kernel.grid(
     ctas, num_sms)` sizes the launch; `compiled(w1, ws1, w2, ws2, x, x_s,
-    record, clamp, h, h_s, out, cnt, ctas, grid, stream)` takes cute global
-    pointers (`fused_layer` takes torch tensors). Raises ValueError when the
+    record, clamp, h, h_s, out, cnt, trace, ctas, grid, stream)` takes cute
+    global pointers (`fused_layer` takes torch tensors); `trace` compiles
+    the stamps of `TRACE_STAMPS` in. Raises ValueError when the
     tactic cannot run the shape, RuntimeError without the DSL."""
     require_dsl(_KERNEL)
-    kernel = FusedLayerKernel(ft, shape, wide_scales)
+    kernel = FusedLayerKernel(ft, shape, wide_scales, trace)
 
     def fake(dtype, align):
         return gmem_ptr(dtype, 1 << 20, align)
@@ -494,7 +547,7 @@ def compile_fused(shape: GemmShape, ft: FusedTactic, wide_scales: bool = False):
     compiled = cute.compile(
         kernel, fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16),
         fake(Uint8, 4), fake(Int32, 16), fake(Float32, 4), fake(Uint8, 16), fake(Uint8, 4), fake(BFloat16, 16),
-        fake(Int32, 16), Int32(1), Int32(1), _cuda.CUstream(0),
+        fake(Int32, 16), fake(Int64, 8), Int32(1), Int32(1), _cuda.CUstream(0),
     )  # fmt: skip
     return kernel, compiled
 
@@ -520,6 +573,7 @@ def fused_layer(
     *,
     tactic: FusedTactic,
     workspace: torch.Tensor,
+    trace: torch.Tensor | None = None,
     stream=None,
 ) -> None:
     """GEMM1 and GEMM2 in one launch (`FusedLayerKernel`): the outputs of
@@ -531,7 +585,9 @@ def fused_layer(
     h_q_out, h_scale_out, out: as `gemm1` / `gemm2`; workspace: zeroed uint8
     / int32 of >= `fused_workspace_bytes(ctas)` bytes (`alloc_workspace`),
     allocated once (the launch leaves its counters at zero; launches sharing
-    it run one after the other). Raises TypeError / ValueError naming the
+    it run one after the other); trace: None, or an int64 tensor of
+    [SMs of the device, len(TRACE_STAMPS)] that a traced build of the kernel
+    fills with each CTA's %globaltimer stamps (row = CTA). Raises TypeError / ValueError naming the
     argument, RuntimeError without nvidia-cutlass-dsl."""
     device = _check_common(kw, record, ctas)
     if not isinstance(tactic, FusedTactic):
@@ -562,8 +618,12 @@ def fused_layer(
     require_dsl(_KERNEL)
     if ctas == 0:
         return
-    kernel, compiled = compile_fused(shape, tactic, kw.scale_variant(True))
+    kernel, compiled = compile_fused(shape, tactic, kw.scale_variant(True), trace is not None)
     sms = _num_sms(device.index if device.index is not None else 0)
+    grid = kernel.grid(ctas, sms)
+    if trace is not None:
+        check_tensor("trace", trace, (torch.int64,), (sms, len(TRACE_STAMPS)), device, align=8)
+        trace.fill_(-1)  # rows of CTAs beyond the grid, and stamps a CTA has none of, stay -1
     compiled(
         gmem_ptr(Uint8, kw.w13, 16),
         gmem_ptr(Uint8, kw.w13_scale, 16),
@@ -577,7 +637,8 @@ def fused_layer(
         gmem_ptr(Uint8, h_scale_out, 4),
         gmem_ptr(BFloat16, out, 16),
         gmem_ptr(Int32, workspace, 16),
+        gmem_ptr(Int64, trace if trace is not None else workspace, 8),
         Int32(ctas),
-        Int32(kernel.grid(ctas, sms)),
+        Int32(grid),
         cu_stream(stream, device),
     )

@@ -4,7 +4,7 @@ the DSL is present."""
 
 from __future__ import annotations
 
-from cutlass import Float32, Int32, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -97,6 +97,18 @@ def sync_threads_or(flag, *, loc=None, ip=None):
             asm_dialect=llvm.AsmDialect.AD_ATT,
         )
     )
+
+
+@dsl_user_op
+def globaltimer(*, loc=None, ip=None) -> Int64:
+    """The SM's %globaltimer (ns, one clock for the whole GPU): the fused
+    layer's trace stamps (`fused.py`, trace=True)."""
+    return Int64(
+        llvm.inline_asm(
+            T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True, is_align_stack=False,
+            asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )  # fmt: skip
 
 
 @dsl_user_op

@@ -8,7 +8,7 @@ import torch
 from kernel_checks import compile_reports, sass_count
 
 from moebench.formats import dequantize_mxfp8, generate_activations, generate_expert_weights, quantize_mxfp8
-from moebench.kernels.fused import MAX_RESIDENT, FusedTactic, fused_smem_bytes, fused_workspace_bytes
+from moebench.kernels.fused import MAX_LEAD, MAX_RESIDENT, FusedTactic, fused_smem_bytes, fused_workspace_bytes
 from moebench.kernels.limits import SMEM_PER_CTA
 from moebench.kernels.tactic import GemmTactic
 from moebench.models import get_preset
@@ -46,6 +46,10 @@ def test_fused_tactic_rules_and_name():
             FusedTactic(G1, G1, r)
     with pytest.raises(TypeError, match="gemm2 must be a GemmTactic"):
         FusedTactic(G1, "r16_m8_k2_u3_c1_b4_f8")
+    assert FusedTactic(G1, G2[("dsv41-flash", 4)], 2, 0).name == ft.name + "_ld0"
+    for ld in (-1, MAX_LEAD + 1, True, 2.0):
+        with pytest.raises(ValueError, match="lead must be None or an int"):
+            FusedTactic(G1, G1, 2, ld)
     assert fused_workspace_bytes(0) == 16 and fused_workspace_bytes(6) == 48
     with pytest.raises(ValueError, match="ctas"):
         fused_workspace_bytes(-1)
@@ -84,9 +88,9 @@ from moebench.kernels.tactic import GemmShape, GemmTactic
 from moebench.models import get_preset
 
 def compile_spec(spec):
-    preset, tp, f1, f2, resident = spec
+    preset, tp, f1, f2, resident, lead, trace = spec
     shape = GemmShape.of(get_preset(preset).shard(tp))
-    compile_fused(shape, FusedTactic(GemmTactic(**f1), GemmTactic(**f2), resident), False)
+    compile_fused(shape, FusedTactic(GemmTactic(**f1), GemmTactic(**f2), resident, lead), False, trace)
     return {}
 """
 
@@ -97,8 +101,10 @@ def _fields(t: GemmTactic) -> dict:
 
 @pytest.mark.compile
 def test_fused_layer_compiles_for_sm90a_without_spills():
-    specs = [(p, tp, _fields(G1), _fields(g2), r) for (p, tp), g2 in G2.items() for r in (2,)]
-    specs.append(("dsv41-flash", 4, _fields(G1), _fields(G2[("dsv41-flash", 4)]), 0))  # all of GEMM2 on the ring
+    specs = [(p, tp, _fields(G1), _fields(g2), 2, None, False) for (p, tp), g2 in G2.items()]
+    tp4 = ("dsv41-flash", 4, _fields(G1), _fields(G2[("dsv41-flash", 4)]))
+    specs.append((*tp4, 0, None, False))  # all of GEMM2 on the ring
+    specs.append((*tp4, 2, 0, True))  # resident loads after GEMM1's last issue, traced
     reports = compile_reports(_COMPILE_SPEC, specs)
     assert len(reports) == len(specs)
     for rep in reports:
@@ -112,6 +118,8 @@ def test_fused_layer_compiles_for_sm90a_without_spills():
         assert sass_count(rep, r"REDG\.E\.ADD\.S32\.STRONG\.GPU") == 1, rep["spec"]
         assert sass_count(rep, r"LDG\.E\.128\.STRONG\.GPU") > 0, rep["spec"]
         assert sass_count(rep, r"ATOMG\.E\.INC\.STRONG\.GPU") == 1, rep["spec"]
+        traced = rep["spec"][-1]
+        assert (sass_count(rep, r"SR_GLOBALTIMER") > 0) == traced, rep["spec"]  # stamps only in a traced build
 
 
 # ---------------------------------------------------------------------- GPU
