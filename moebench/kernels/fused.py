@@ -135,7 +135,9 @@ def default_fused_tactic(shape, ctas: int, num_sms: int = 132) -> FusedTactic | 
     """The built-in fused tactic for `ctas` token tiles (the most a row count
     can need) on `num_sms` SMs, or None when no candidate runs the shape: the
     first valid GEMM1 / GEMM2 of `_FUSED_GEMM1` / `_FUSED_GEMM2`, with as many
-    resident GEMM2 units as the busiest CTA takes at `ctas` tiles, or as fit."""
+    resident GEMM2 units as the busiest CTA takes at `ctas` tiles, or as fit,
+    loaded after GEMM1's last issue (lead 0: the fastest order in the
+    2026-12-01 trace, perf-notes v24b; loading them early only delayed GEMM1)."""
     s = GemmShape.of(shape)
     if not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1:
         raise ValueError(f"ctas must be a positive int, got {ctas!r}")
@@ -147,7 +149,7 @@ def default_fused_tactic(shape, ctas: int, num_sms: int = 132) -> FusedTactic | 
     units2 = ctas * (s.hidden // g2.item_rows)
     grid = max(1, min(max(units1, units2), num_sms))
     for resident in range(min(-(-units2 // grid), MAX_RESIDENT), -1, -1):
-        ft = FusedTactic(g1, g2, resident)
+        ft = FusedTactic(g1, g2, resident, lead=0)
         if ft.why_invalid(s) is None:
             return ft
     return None

@@ -59,7 +59,8 @@ def test_default_fused_tactic_for_every_preset_tp_and_row_count():
     """A built-in fused tactic runs every preset x TP 1/2/4/8 at every row
     count; its resident units are what the busiest CTA takes at that many
     tiles where they fit (dsv41-flash TP4 rows 1: 240 GEMM2 units of 128 rows
-    on 132 CTAs, 2 each), else as many as fit (TP1: none, v13's order)."""
+    on 132 CTAs, 2 each), else as many as fit (TP1: none, v13's order), loaded
+    after GEMM1's last issue (lead 0)."""
     from moebench.kernels.fused import default_fused_tactic
     from moebench.models import PRESETS
 
@@ -73,10 +74,11 @@ def test_default_fused_tactic_for_every_preset_tp_and_row_count():
                 units2 = ctas * (shape.hidden // ft.gemm2.item_rows)
                 units1 = ctas * (2 * shape.intermediate // ft.gemm1.item_rows)
                 busiest = -(-units2 // min(max(units1, units2), 132))
+                assert ft.lead == 0, (preset, tp, rows)
                 more = FusedTactic(ft.gemm1, ft.gemm2, ft.resident + 1)
                 assert ft.resident == busiest or (ft.resident < busiest and more.why_invalid(shape)), (preset, tp)
     tp4 = get_preset("dsv41-flash").shard(4)
-    assert default_fused_tactic(tp4, 6).name == "r16_m4_k4_u4_c1_b4_f8+r16_m8_k2_u3_c1_b4_f8_res2"
+    assert default_fused_tactic(tp4, 6).name == "r16_m4_k4_u4_c1_b4_f8+r16_m8_k2_u3_c1_b4_f8_res2_ld0"
     assert default_fused_tactic(get_preset("dsv41-flash").shard(1), 6).resident == 0
     with pytest.raises(ValueError, match="ctas"):
         default_fused_tactic(tp4, 0)
@@ -181,7 +183,7 @@ def _same(a, b, used, what):
 def test_fused_layer_equals_the_pair_bit_for_bit_and_the_oracle(preset, tp):
     """Every routing shape (one expert: 6 tiles; rows 8: several units per
     CTA, GEMM2 units beyond the resident ones on the ring), resident 0 / 1 /
-    2, poisoned outputs: H, its scales and the rows equal gemm1 + gemm2 with
+    2 loaded early and 2 after GEMM1's last issue (lead 0), poisoned outputs: H, its scales and the rows equal gemm1 + gemm2 with
     the same tactics bit for bit, the rows meet the fp64 oracle, the
     counters are zero after each launch and a second launch on the same
     workspace gives the same bits."""
@@ -199,9 +201,9 @@ def test_fused_layer_equals_the_pair_bit_for_bit_and_the_oracle(preset, tp):
         oracle = reference_gemm2(dequantize_mxfp8(ref_q, ref_s, torch.float64), weights, route)
         used = TILE * route.tiles_used
         ws = alloc_workspace(fused_workspace_bytes(route.ctas), "cuda")
-        for resident in (0, 1, 2):
-            ft = FusedTactic(G1, t2, resident)
-            what = f"{preset} TP{tp} {label} resident {resident}"
+        for resident, lead in ((0, None), (1, None), (2, None), (2, 0)):
+            ft = FusedTactic(G1, t2, resident, lead)
+            what = f"{preset} TP{tp} {label} resident {resident} lead {lead}"
             for launch in range(2):
                 got = _fused(kw, x_q, x_s, route, ft, ws)
                 torch.cuda.synchronize()
