@@ -805,31 +805,36 @@ def test_routed_expert_gemm_front_equals_route():
 
     shape = get_preset("dsv41-flash", experts=64).shard(4)
     w = generate_expert_weights(shape, seed=11, device="cuda")
-    gemm = RoutedExpertGemm(w, shape.top_k)
-    with pytest.raises(RuntimeError, match="set_front"):
-        gemm.front(torch.zeros(1, shape.hidden, dtype=torch.bfloat16, device="cuda"), None)
-    with pytest.raises(ValueError, match="experts"):
-        gemm.set_front(FrontConfig(torch.zeros(32, device="cuda")))
-    config = FrontConfig(_bias(64, "cuda"), scale=shape.routed_scaling_factor)
-    gemm.set_front(config)
-    gen = torch.Generator().manual_seed(2)
-    router = RouterConfig(64, shape.top_k, config.scale, config.bias)
-    for rows in (1, 3, 6, 8):
-        x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
-        logits = _logits("wide", rows, 64, gen).cuda()
-        via_front = gemm.front(x, logits[:, :].t().contiguous().t())  # a non-contiguous view is copied
-        tw, ids = route(logits, router)
-        via_route = gemm.route(x, ids, tw)
-        assert gemm.tactics[1, rows].act_bf16 and via_front.x_deq is not None  # the default binding is a16
-        for name in ("x_quant", "x_scale", "x_deq", "topk_ids", "permuted", "record"):
-            a, b = getattr(via_front, name), getattr(via_route, name)
-            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
-        assert torch.equal(via_front.topk_weights.view(torch.int32), via_route.topk_weights.view(torch.int32))
-        assert via_front.ctas == via_route.ctas
-        a, b = gemm.gemms(via_front), gemm.gemms(via_route)
-        idx = b.expanded_idx_to_permuted_idx.flatten()
-        idx = idx[idx >= 0].long()  # rows of unused tiles are never written (contract)
-        assert torch.equal(a.gemm2_permuted[idx], b.gemm2_permuted[idx])
+    # the default binding (the tables' family: FP8 for this shape, no x_deq) and the BF16 family (a16: x_deq)
+    for fp8 in (None, False):
+        gemm = RoutedExpertGemm(w, shape.top_k, fp8=fp8)
+        with pytest.raises(RuntimeError, match="set_front"):
+            gemm.front(torch.zeros(1, shape.hidden, dtype=torch.bfloat16, device="cuda"), None)
+        with pytest.raises(ValueError, match="experts"):
+            gemm.set_front(FrontConfig(torch.zeros(32, device="cuda")))
+        config = FrontConfig(_bias(64, "cuda"), scale=shape.routed_scaling_factor)
+        gemm.set_front(config)
+        gen = torch.Generator().manual_seed(2)
+        router = RouterConfig(64, shape.top_k, config.scale, config.bias)
+        for rows in (1, 3, 6, 8):
+            x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
+            logits = _logits("wide", rows, 64, gen).cuda()
+            via_front = gemm.front(x, logits[:, :].t().contiguous().t())  # a non-contiguous view is copied
+            tw, ids = route(logits, router)
+            via_route = gemm.route(x, ids, tw)
+            a16 = gemm.tactics[1, rows].act_bf16
+            assert a16 == (fp8 is False), (fp8, rows)
+            assert (via_front.x_deq is not None) == a16 and (via_route.x_deq is not None) == a16, (fp8, rows)
+            names = ("x_quant", "x_scale", "topk_ids", "permuted", "record") + (("x_deq",) if a16 else ())
+            for name in names:
+                a, b = getattr(via_front, name), getattr(via_route, name)
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (fp8, rows, name)
+            assert torch.equal(via_front.topk_weights.view(torch.int32), via_route.topk_weights.view(torch.int32))
+            assert via_front.ctas == via_route.ctas
+            a, b = gemm.gemms(via_front), gemm.gemms(via_route)
+            idx = b.expanded_idx_to_permuted_idx.flatten()
+            idx = idx[idx >= 0].long()  # rows of unused tiles are never written (contract)
+            assert torch.equal(a.gemm2_permuted[idx], b.gemm2_permuted[idx]), (fp8, rows)
 
 
 @pytest.mark.gpu
