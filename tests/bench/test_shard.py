@@ -125,3 +125,34 @@ def test_gpu_two_gpu_sweep_equals_the_union_of_two_one_gpu_sweeps(tmp_path):
     assert errs == pytest.approx(union.sort_values(key)["max_rel_err"].to_numpy(), rel=1e-3, abs=1e-6)
     assert set(sharded["gpu_index"]) == {0, 1} and manifest["sharded"]
     assert len({w["gpu_uuid"] for w in manifest["workers"]}) == 2  # two boards, not one twice
+
+
+@pytest.mark.gpu
+def test_gpu_devices_all_equals_a_one_process_sweep(tmp_path):
+    """`--devices all` (the workers started by torch's elastic launch, one per
+    GPU, even where there is one) against the same sweep in this process: the
+    same cases, statuses, shapes, touched experts, bytes and oracle errors,
+    every row stamped with its worker's GPU."""
+    import torch
+    from typer.testing import CliRunner
+
+    from moebench.cli import app
+
+    runner = CliRunner()
+    common = ["--preset", "dsv4-flash", "--tp", "4", "--rows", "1,6", "--scenario", "correlated", "--backends",
+              "moebench,torch-bf16", "--layers", "2", "--replays", "10", "--warmup", "2"]  # fmt: skip
+    launched = runner.invoke(app, ["sweep", *common, "--devices", "all", "--out", str(tmp_path / "a")])
+    assert launched.exit_code == 0, launched.output
+    alone = runner.invoke(app, ["sweep", *common, "--device", "cuda:0", "--out", str(tmp_path / "b")])
+    assert alone.exit_code == 0, alone.output
+    (a, manifest), (b, _) = (read_run(next((tmp_path / d).iterdir())) for d in ("a", "b"))
+    key = ["preset", "tp", "rows", "scenario", "backend", "tactic"]
+    facts = [*key, "status", "hidden", "intermediate", "experts", "top_k", "unique_experts", "bytes", "layers"]
+    pd.testing.assert_frame_equal(
+        a[facts].sort_values(key).reset_index(drop=True), b[facts].sort_values(key).reset_index(drop=True),
+        check_dtype=False,
+    )  # fmt: skip
+    assert (a["status"] == "ok").all() and len(a) == 4
+    errs = a.sort_values(key)["max_rel_err"].to_numpy()
+    assert errs == pytest.approx(b.sort_values(key)["max_rel_err"].to_numpy(), rel=1e-3, abs=1e-6)
+    assert set(a["gpu_index"]) == set(range(torch.cuda.device_count())) and manifest["sharded"]
