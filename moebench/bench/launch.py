@@ -428,6 +428,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _fields(cls) -> set[str]:
+    """The field names of the dataclass `cls`."""
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(cls)}
+
+
 def launch_local(job: Job, nproc: int, *, timeout_s: float | None = None,
                  progress: Callable[[int, int], None] | None = None, total: int = 0):  # fmt: skip
     """Run `job` in `nproc` ranks on this host, started by torch.distributed's
@@ -446,10 +453,12 @@ def launch_local(job: Job, nproc: int, *, timeout_s: float | None = None,
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=PG_TIMEOUT_S))  # fmt: skip
     scratch = tempfile.mkdtemp(prefix="moebench-launch-")
+    # torch < 2.13 has no shutdown_timeout (the device's 2.11 refused it): there its own grace applies
+    grace = {"shutdown_timeout": SHUTDOWN_GRACE_S} if "shutdown_timeout" in _fields(LaunchConfig) else {}
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"moebench-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=0, monitor_interval=0.2,
-        start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=scratch), shutdown_timeout=SHUTDOWN_GRACE_S,
+        start_method="spawn", logs_specs=DefaultLogsSpecs(log_dir=scratch), **grace,
     )  # fmt: skip
     failures: dict[int, str] = {}
     state = {"stopped": None}
