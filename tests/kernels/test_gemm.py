@@ -1342,3 +1342,26 @@ def test_cluster_k_graph_replay_follows_new_inputs():
         used = TILE * new_route.tiles_used
         assert torch.equal(h_q[:used], want_h[0][:used]) and torch.equal(h_s[:used], want_h[1][:used]), seed
         assert torch.equal(out[:used], want_out[:used]), f"replay {seed}"
+
+
+@pytest.mark.compile
+def test_shipped_table_tactics_compile_for_sm90a_without_spills():
+    """Every distinct (stage, tactic) the shipped tuning tables name (both
+    families, every rows entry) compiles without spills, with the
+    instructions of its family, for the first shape class (by file name)
+    whose table names it: 55 kernels, not the 166 of every shape class, to
+    keep CI's time (a tactic's registers depend on its own parameters, the
+    shape only sets loop counts and strides)."""
+    from moebench.kernels.table import PACKAGE_TABLES, read_table
+
+    by_shape = {GemmShape.of(get_preset(p).shard(tp)): (p, tp) for p, tp in ALL_SHAPES}
+    specs = {}
+    for path in sorted(PACKAGE_TABLES.glob("*.json")):
+        table = read_table(path)
+        p, tp = by_shape[table.shape.gemm_shape]  # every shipped table is a preset's rank shape
+        for fp8 in (False, True):
+            for (stage, _rows), entry in sorted(table.entries_of(fp8).items()):
+                specs.setdefault((stage, entry.tactic), (p, tp, stage, False, None, _fields(entry.tactic)))
+    assert len(specs) >= 20
+    for rep in _checked_reports(list(specs.values())):
+        assert rep["ldg_ef128"] > 0 or rep["ublkcp"] > 0 or rep["qgmma"] > 0, rep["spec"]
