@@ -143,10 +143,11 @@ def _routings(rows_list=(1, 2, 8), top_k=6):
     return out
 
 
-def _layer(preset, tp, seed):
+def _layer(preset, tp, seed, experts=EXPERTS, top_k=None):
     from moebench.kernels.layout import to_kernel_layout
 
-    shape = get_preset(preset, experts=EXPERTS).shard(tp)
+    over = {} if top_k is None else {"top_k": top_k}
+    shape = get_preset(preset, experts=experts, **over).shard(tp)
     weights = generate_expert_weights(shape, seed=seed, device="cuda")
     return shape, weights, to_kernel_layout(weights, operand="e4m3")
 
@@ -352,3 +353,32 @@ def test_default_fused_layer_every_preset_tp_and_row_count(preset, tp):
         for a, b, name in zip(got, want, ("H", "H scales", "rows")):
             _same(a, b, used, f"{preset} TP{tp} {label} {ft.name}: {name} differ from the pair's")
         assert not torch.any(ws.view(torch.int32)), f"{preset} TP{tp} {label}: counters not back to zero"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tp", [4, 8])
+@pytest.mark.parametrize("top_k,experts", [(1, 64), (8, 64), (6, 512), (8, 256)])
+def test_default_fused_layer_other_top_k_and_expert_counts(top_k, experts, tp):
+    """top_k 1 and 8, 256 and 512 experts (issue 29's range), dsv41-flash, rows
+    1 / 4 / 8 uniform: the built-in fused tactic's H and rows equal the pair's
+    bit for bit, counters back to zero."""
+    from moebench.kernels.fused import default_fused_tactic
+    from moebench.kernels.gemm import alloc_workspace
+    from moebench.routing import scenario_topk_ids
+
+    shape, weights, kw = _layer("dsv41-flash", tp, seed=top_k + experts, experts=experts, top_k=top_k)
+    for rows in (1, 4, 8):
+        ids = scenario_topk_ids("uniform", rows, top_k, experts, seed=rows + 30)
+        route = build_route_record(ids.cuda(), experts)
+        ft = default_fused_tactic(kw, max_ctas(rows, top_k, experts))
+        assert ft is not None, (top_k, experts, tp, rows)
+        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 4, device="cuda"))
+        want = _pair(kw, x_q, x_s, route, ft.gemm1, ft.gemm2)
+        ws = alloc_workspace(fused_workspace_bytes(route.ctas), "cuda")
+        got = _fused(kw, x_q, x_s, route, ft, ws)
+        torch.cuda.synchronize()
+        used = TILE * route.tiles_used
+        what = f"top_k {top_k} E {experts} TP{tp} rows {rows} {ft.name}"
+        for a, b, name in zip(got, want, ("H", "H scales", "rows")):
+            _same(a, b, used, f"{what}: {name} differ from the pair's")
+        assert not torch.any(ws.view(torch.int32)), f"{what}: counters not back to zero"
