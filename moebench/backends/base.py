@@ -92,6 +92,26 @@ class Backend(abc.ABC):
         """Tactic names `prepare` accepts for `shape`; "default" is always one."""
         return (DEFAULT_TACTIC,)
 
+    #: Parametrized tactics `prepare` also accepts, as "NAME=VALUE" forms (e.g.
+    #: "tables=DIR"); `tactic_form_error` checks the value.
+    tactic_forms: tuple[str, ...] = ()
+
+    def tactic_form_error(self, tactic: str) -> str | None:
+        """Why `tactic`, of one of `tactic_forms` (its "NAME=" prefix), cannot
+        be run, or None when it can. Only called for such tactics."""
+        return None
+
+    def tactic_form(self, tactic: str) -> str | None:
+        """The entry of `tactic_forms` whose "NAME=" prefix `tactic` has, or None."""
+        return next((f for f in self.tactic_forms if tactic.startswith(f.split("=", 1)[0] + "=")), None)
+
+    def accepts_tactic(self, shape: RankShape, tactic: str) -> bool:
+        """Whether `prepare` takes `tactic` for `shape`: one of
+        `valid_tactics(shape)` or a well-formed tactic of `tactic_forms`."""
+        if tactic in self.valid_tactics(shape):
+            return True
+        return self.tactic_form(tactic) is not None and self.tactic_form_error(tactic) is None
+
     def default_alias(self, shape: RankShape) -> str | None:
         """The other offered tactic that "default" runs for `shape` (the same
         computation under its own name), or None when "default" is not one of
@@ -166,10 +186,15 @@ class Backend(abc.ABC):
         return None
 
     def check_tactic(self, shape: RankShape, tactic: str) -> None:
-        """Raise ValueError unless `tactic` is one of `valid_tactics(shape)`."""
-        valid = self.valid_tactics(shape)
-        if tactic not in valid:
-            raise ValueError(f"tactic {tactic!r} is not valid for backend {self.name!r}; expected one of {valid}")
+        """Raise ValueError unless `accepts_tactic(shape, tactic)`."""
+        if not self.accepts_tactic(shape, tactic):
+            if self.tactic_form(tactic) is not None:
+                raise ValueError(f"tactic {tactic!r} of backend {self.name!r}: {self.tactic_form_error(tactic)}")
+            forms = "".join(f" or {f!r}" for f in self.tactic_forms)
+            raise ValueError(
+                f"tactic {tactic!r} is not valid for backend {self.name!r}; expected one of"
+                f" {self.valid_tactics(shape)}{forms}"
+            )
 
 
 def sm90_reason(device: torch.device | str) -> str | None:

@@ -27,6 +27,12 @@ GEMM tactics come from):
   fits; `sweep --tactics fp8,fused` compares it with the pair. Its stage
   columns are the route and the finalize (the fused launch has no GEMM1 or
   GEMM2 alone: routed_us holds route + the fused launch).
+- "tables=DIR" = "default" with the tuning tables of the directory DIR
+  alone (not $MOEBENCH_TUNING_DIR, not the package's: the family and every
+  tactic from DIR's table, built-ins where it has no entry), skipped where
+  DIR has no table for the device and shape; `sweep --tactics
+  tuned,tables=old-tables` times a re-tuned table beside the one it
+  replaces, side by side in one run.
 The `kernel_tactics` column (sweep and step) names the family that ran and
 how it was chosen, then each GEMM's tactic and its source.
 """
@@ -74,29 +80,46 @@ class MoebenchBackend(Backend):
     BF16 = "bf16"
     FUSED = "fused"
 
+    TABLES = "tables="
+    tactic_forms = ("tables=DIR",)
+
     def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
         return (DEFAULT_TACTIC, self.BUILTIN, self.TUNED, self.FP8, self.BF16, self.FUSED)
 
+    def tactic_form_error(self, tactic: str) -> str | None:
+        """ "tables=DIR": DIR must be a directory holding tuning tables (*.json)."""
+        from pathlib import Path
+
+        folder = tactic[len(self.TABLES) :]
+        if not folder:
+            return "needs a directory after 'tables=' (tuning tables, as `moebench tune --out DIR` writes)"
+        if not Path(folder).is_dir():
+            return f"{folder} is not a directory (expected one of tuning tables, as `moebench tune --out DIR` writes)"
+        if not any(Path(folder).glob("*.json")):
+            return f"{folder} holds no tuning table (*.json; `moebench tune --out {folder}` writes them)"
+        return None
+
     def tactic_unavailable_reason(self, shape: RankShape, tactic: str, device: torch.device | str) -> str | None:
-        """For "tuned": why no tuning table covers `device` and `shape`
-        (naming the file and where it was looked for); for "fp8" / "bf16":
+        """For "tuned" ("tables=DIR"): why no tuning table (in DIR) covers
+        `device` and `shape` (naming the file and where it was looked for); for "fp8" / "bf16":
         why that family's built-in tactics do not fit the shape (a row count
         without a table entry could not run); else None."""
         if tactic in (self.FP8, self.BF16, self.FUSED):
             from moebench.kernels.family import builtin_refusal
 
             return builtin_refusal(shape, shape.top_k, tactic != self.BF16)
-        if tactic != self.TUNED:
+        tables = self._tables_of(tactic)
+        if tactic != self.TUNED and tables is None:
             return None
         from moebench.kernels.table import ShapeClass, default_search_dirs, find_table, table_file_name
 
         dev = torch.device(device)
         name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
         sclass = ShapeClass.of(shape)
-        table, _, problems = find_table(name, sclass)
+        table, _, problems = find_table(name, sclass, search=tables)
         if table is not None:
             return None
-        where = ", ".join(str(d) for d in default_search_dirs())
+        where = ", ".join(str(d) for d in (tables or default_search_dirs()))
         why = f"; {problems[0]}" if problems else ""
         return f"no tuning table {table_file_name(sclass, name)} in {where}{why} (run `moebench tune`)"
 
@@ -131,8 +154,16 @@ class MoebenchBackend(Backend):
         compile_finalize_kernel(False)  # compile now, not inside a graph capture
         if tactic in (self.FP8, self.BF16, self.FUSED):  # tactics=None: the family's table entries, else built-ins
             return RoutedExpertGemm(weights, shape.top_k, None, fp8=tactic != self.BF16, fused=tactic == self.FUSED)
+        if (tables := self._tables_of(tactic)) is not None:  # the family and tactics of DIR's tables alone
+            return RoutedExpertGemm(weights, shape.top_k, None, tables=tables)
         # fp8=None: the family the tables choose ({}: the built-in rule and tactics, tables ignored)
         return RoutedExpertGemm(weights, shape.top_k, {} if tactic == self.BUILTIN else None)
+
+    def _tables_of(self, tactic: str) -> list | None:
+        """[DIR] for a "tables=DIR" tactic, else None."""
+        from pathlib import Path
+
+        return [Path(tactic[len(self.TABLES) :])] if tactic.startswith(self.TABLES) else None
 
     def kernel_tactics(self, prepared, rows: int) -> str:
         """'<family> family (<how chosen>); gemm1 <tactic> (<source>); gemm2

@@ -137,9 +137,17 @@ def check_tactic_names(config: SweepConfig, names, backends: dict[str, Backend],
             tactics += [t for t in backends[name].valid_tactics(shape) if t not in tactics]
         offered[name] = tactics
     known = {t for ts in offered.values() for t in ts} | {ALL_TACTICS}
-    unknown = [t for t in config.tactics if t not in known]
+    unknown = []
+    for t in config.tactics:
+        formed = [backends[n] for n in names if t not in known and backends[n].tactic_form(t) is not None]
+        if formed and all(b.tactic_form_error(t) for b in formed):  # a parametrized tactic whose value is wrong
+            raise ValueError(f"tactics (--tactics): {t!r}: {formed[0].tactic_form_error(t)}")
+        if t not in known and not formed:
+            unknown.append(t)
     if unknown:
-        per_backend = "; ".join(f"{name}: {', '.join(ts)}" for name, ts in offered.items())
+        per_backend = "; ".join(
+            f"{name}: {', '.join(ts + list(backends[name].tactic_forms))}" for name, ts in offered.items()
+        )
         hints = []
         for t in unknown:  # a tactic of a backend that is not selected: say which one
             owners = [n for n in backend_names() if n not in names and _offers(n, t, shapes)]
@@ -240,8 +248,8 @@ def skip_reason(
     reason = reasons.get(name)
     if reason is not None:
         return reason
-    valid = backends[name].valid_tactics(shape)
-    if tactic not in valid:
+    if not backends[name].accepts_tactic(shape, tactic):
+        valid = backends[name].valid_tactics(shape)
         return f"tactic {tactic!r} not offered for this shape (valid: {', '.join(valid)})"
     try:
         return backends[name].tactic_unavailable_reason(shape, tactic, device)

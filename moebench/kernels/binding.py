@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -162,6 +163,10 @@ class RoutedExpertGemm:
     fused tactic fits (`fused_tactics[rows]`; None: the pair), with the
     layer's own zeroed counters (`fused_workspace`); needs the FP8 family
     (ValueError otherwise). `gemm1` / `gemm2` stay the pair.
+    tables (default None): the directories whose tuning tables choose the
+    family and the tactics, in order, instead of $MOEBENCH_TUNING_DIR and the
+    package's (`[dir]`: that directory's tables alone; the sweep's
+    `--tactics tables=DIR`).
     """
 
     def __init__(
@@ -173,8 +178,11 @@ class RoutedExpertGemm:
         act_bf16: bool = True,
         fp8: bool | None = None,
         fused: bool = False,
+        tables: list | None = None,
     ) -> None:
         check_weights(weights, top_k)
+        if tables is not None and (not isinstance(tables, list) or not all(isinstance(d, (str, Path)) for d in tables)):
+            raise TypeError(f"tables must be None or a list of directories (str or Path), got {tables!r}")
         if not isinstance(act_bf16, bool):
             raise TypeError(f"act_bf16 must be a bool, got {type(act_bf16).__name__}")
         if not isinstance(fused, bool):
@@ -183,7 +191,7 @@ class RoutedExpertGemm:
         sms = props.multi_processor_count
         # the family first: it decides the weight layout (tactics and fp8 are checked there)
         self.family_choice: FamilyChoice = resolve_family(fp8, tactics, props.name, GemmShape.of(weights),
-                                                          top_k=top_k, num_sms=sms)  # fmt: skip
+                                                          top_k=top_k, num_sms=sms, search=tables)  # fmt: skip
         fp8 = self.family_choice.fp8
         if fused and not fp8:
             raise ValueError(
@@ -198,7 +206,7 @@ class RoutedExpertGemm:
         shape = GemmShape.of(self.kw)
         # One tactic per (stage, rows). No `tactics`: the entry of the first
         # tuning table of this device and shape class that holds it
-        # ($MOEBENCH_TUNING_DIR, then the package's), else the built-in
+        # (`tables`, else $MOEBENCH_TUNING_DIR, then the package's), else the built-in
         # default (load_tactic warns and falls back, never raises for a
         # table). With `tactics`: the caller's per stage, else the built-in
         # default for the token tiles that row count allows for.
@@ -216,6 +224,7 @@ class RoutedExpertGemm:
                         num_sms=sms,
                         wide_scales=scale_flag,
                         fp8=fp8,
+                        search=tables,
                     )
                 elif tactics.get(stage) is not None:
                     tactic, source = tactics[stage], "explicit"

@@ -28,6 +28,33 @@ def test_tactic_names_and_the_error_for_others():
             backend.check_tactic(SHAPE, bad)
 
 
+def test_tables_dir_tactic_checks_its_directory(tmp_path):
+    """ "tables=DIR": accepted where DIR holds tuning tables, refused with what
+    is wrong otherwise (naming the directory); skipped, naming DIR, where
+    none of its tables is for this device and shape."""
+    import shutil
+
+    from moebench.kernels.table import PACKAGE_TABLES
+
+    backend = MoebenchBackend()
+    assert backend.tactic_forms == ("tables=DIR",)
+    empty, tables = tmp_path / "empty", tmp_path / "tables"
+    empty.mkdir()
+    tables.mkdir()
+    shutil.copy(next(PACKAGE_TABLES.glob("*I=576*")), tables)  # dsv41-flash TP4's
+    backend.check_tactic(SHAPE, f"tables={tables}")
+    assert backend.accepts_tactic(SHAPE, f"tables={tables}")
+    for bad, why in ((f"tables={tmp_path / 'none'}", "is not a directory"), (f"tables={empty}", "holds no tuning"),
+                     ("tables=", "needs a directory")):  # fmt: skip
+        assert not backend.accepts_tactic(SHAPE, bad)
+        with pytest.raises(ValueError, match=f"tactic '{bad}' of backend 'moebench': .*{why}"):
+            backend.check_tactic(SHAPE, bad)
+    with pytest.raises(ValueError, match=r"expected one of .*'fused'\) or 'tables=DIR'"):
+        backend.check_tactic(SHAPE, "table")
+    why = backend.tactic_unavailable_reason(SHAPE, f"tables={tables}", "cpu")  # no table for a "cpu" device
+    assert why is not None and str(tables) in why and "device_name=cpu" in why
+
+
 def test_family_tactics_are_skipped_where_their_built_ins_do_not_fit():
     backend = MoebenchBackend()
     for name in ("default", "builtin", "fp8", "bf16", "fused"):
@@ -68,6 +95,14 @@ def test_prepare_binds_each_tactic_name_to_its_family(recorded, tactic, want):
     weights = generate_expert_weights(shape, seed=1)
     assert MoebenchBackend().prepare(weights, shape, tactic) == "layer"
     assert recorded == [(shape.top_k, *want)]
+
+
+def test_prepare_binds_tables_dir_to_that_directory_alone(recorded, tmp_path):
+    shape = get_preset("dsv41-flash", hidden=256, intermediate=512, experts=32).shard(2)
+    weights = generate_expert_weights(shape, seed=1)
+    (tmp_path / "t.json").write_text("{}")
+    assert MoebenchBackend().prepare(weights, shape, f"tables={tmp_path}") == "layer"
+    assert recorded == [(shape.top_k, None, {"tables": [tmp_path]})]
 
 
 def test_prepare_rejects_an_unknown_tactic_before_binding(recorded):
@@ -127,3 +162,28 @@ def test_gpu_sweep_runs_each_family_by_name_and_says_which_ran():
         assert r["kernel_tactics"].startswith(want[r["tactic"]] + "; gemm1 "), r
         assert r["kernel_tactics"].count("_f8") == (2 if want[r["tactic"]].startswith("fp8") else 0), r
         assert r["max_rel_err"] <= 1e-2, r
+
+
+@pytest.mark.gpu
+def test_gpu_tables_dir_runs_that_directorys_entries(tmp_path):
+    """A copy of the shipped dsv41-flash TP4 table whose FP8 GEMM1 rows-1
+    entry names another valid tactic: "tables=DIR" runs that tactic (source:
+    DIR's file), "tuned" the shipped one."""
+    import json
+
+    from moebench.kernels.table import PACKAGE_TABLES
+
+    src = next(PACKAGE_TABLES.glob("*I=576*"))
+    data = json.loads(src.read_text())
+    entry = data["fp8"]["gemm1"]["1"]
+    other = GemmTactic(16, 4, 4, 4, 1, stages=5, fp8=True)
+    assert other.name != entry["tactic"]["name"] and other.valid_for(SHAPE, 1) is None
+    entry["tactic"] = {"name": other.name, **other.to_fields()}
+    (tmp_path / src.name).write_text(json.dumps(data))
+    weights = generate_expert_weights(SHAPE, seed=3, device="cuda")
+    backend = MoebenchBackend()
+    mine = backend.prepare(weights, SHAPE, f"tables={tmp_path}")
+    shipped = backend.prepare(weights, SHAPE, "tuned")
+    assert mine.tactics[1, 1] == other and str(tmp_path) in mine.tactic_sources[1, 1]
+    assert shipped.tactics[1, 1].name == json.loads(src.read_text())["fp8"]["gemm1"]["1"]["tactic"]["name"]
+    assert "table" in backend.kernel_tactics(mine, 1) and other.name in backend.kernel_tactics(mine, 1)

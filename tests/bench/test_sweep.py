@@ -125,6 +125,29 @@ def test_a_tactic_no_selected_backend_offers_fails_up_front_naming_the_valid_one
     assert measured == []  # nothing measured before the check
 
 
+def test_a_tables_dir_tactic_is_checked_up_front_and_skipped_without_its_table(tmp_path):
+    """`--tactics tables=DIR` with moebench: a missing or empty DIR fails
+    before anything is measured, naming --tactics and what is wrong; a DIR
+    without a table for this device (the CPU) skips the case naming DIR; a
+    backend without the form (torch-bf16 alone) does not know the name."""
+    from moebench.bench import sweep as sw
+
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    (tables / "E=1.json").write_text("{}")
+    base = {**TINY, "rows": (1,)}
+    for bad, why in ((tmp_path / "none", "is not a directory"), (tmp_path, "holds no tuning table")):
+        cfg = SweepConfig(backends=("moebench",), tactics=(f"tables={bad}",), **base)
+        with pytest.raises(ValueError, match=f"--tactics.*{why}"):
+            sw.validate_sweep(cfg)
+    cfg = SweepConfig(backends=("moebench",), tactics=(f"tables={tables}",), **base)
+    df = run_sweep(cfg).frame
+    assert list(df["tactic"]) == [f"tables={tables}"] and (df["status"] == "skipped").all()
+    cfg = SweepConfig(backends=("torch-bf16",), tactics=(f"tables={tables}",), **base)
+    with pytest.raises(ValueError, match="not offered by the selected backends"):
+        sw.validate_sweep(cfg)
+
+
 def test_moebench_backend_offers_default_builtin_and_tuned(monkeypatch, tmp_path):
     """ "tuned" is skipped with the reason while no table covers the device
     and shape class; a table in $MOEBENCH_TUNING_DIR makes it available."""
