@@ -39,8 +39,9 @@ TacticsOpt = Annotated[
             " tactics else built-in; builtin = what runs without any table; tuned = default, skipped without a table;"
             " fp8 / bf16 = that kernel family (FP8: wgmma, BF16: mma.sync), skipped where it cannot run;"
             " fused = fp8 with GEMM1 and GEMM2 in one launch where its built-in fused tactic fits;"
-            " tables=DIR = default with the tuning tables of DIR alone, e.g. 'tuned,tables=old' to time a"
-            " re-tuned table beside the one it replaces; torch-bf16: grouped, gather)."
+            " tables=DIR = default with the tuning tables of the directory DIR alone (relative to the current"
+            " directory, no commas), e.g. 'tables=new,tables=old' to time a re-tuned table beside the one it"
+            " replaces; torch-bf16: grouped, gather)."
         )
     ),
 ]

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 
 import torch
 
@@ -40,7 +41,10 @@ G1_VARIANTS = (GemmTactic(16, 4, 4, 8, 1, stages=3, fp8=True),)
 
 
 def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v]
+    try:
+        return [int(v) for v in text.split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def stamps_summary(trace: torch.Tensor) -> dict:
@@ -117,13 +121,24 @@ def run_case(preset: str, tp: int, rows_list: list[int], leads: list[int]) -> li
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="dsv41-flash")
-    ap.add_argument("--tp", type=_ints, default=[4, 8])
-    ap.add_argument("--rows", type=_ints, default=[1, 2, 8])
-    ap.add_argument("--leads", type=_ints, default=[0, 8])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    ap.add_argument("--preset", default="dsv41-flash", help="a preset of `moebench presets` (default: dsv41-flash)")
+    ap.add_argument("--tp", type=_ints, default=[4, 8], help="TP degrees of 1, 2, 4, 8, comma-separated (4,8)")
+    ap.add_argument("--rows", type=_ints, default=[1, 2, 8], help="token rows of 1-8, comma-separated (1,2,8)")
+    ap.add_argument("--leads", type=_ints, default=[0, 8], help="`lead` variants to time, >= 0 (0,8)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here (must not exist)")
     args = ap.parse_args()
+    from moebench.models import PRESETS
+
+    if args.preset not in PRESETS:
+        ap.error(f"--preset must be one of {', '.join(sorted(PRESETS))}, got {args.preset!r}")
+    for name, values, ok in (("--tp", args.tp, {1, 2, 4, 8}), ("--rows", args.rows, set(range(1, 9)))):
+        if not values or not set(values) <= ok:
+            ap.error(f"{name} must be a comma-separated list of {sorted(ok)}, got {values}")
+    if any(v < 0 for v in args.leads):
+        ap.error(f"--leads must be >= 0, got {args.leads}")
+    if args.out and os.path.exists(args.out):
+        ap.error(f"--out {args.out} exists: give a new file (nothing is overwritten)")
     if not torch.cuda.is_available():
         raise SystemExit("fused_trace.py needs a CUDA GPU")
     results = [row for tp in args.tp for row in run_case(args.preset, tp, args.rows, args.leads)]

@@ -164,7 +164,7 @@ def _offers(name: str, tactic: str, shapes) -> bool:
     `tactic` for any of `shapes`; False if it does not load."""
     with contextlib.suppress(Exception):
         backend = load_backend(name)
-        return any(tactic in backend.valid_tactics(shape) for shape in shapes)
+        return backend.tactic_form(tactic) is not None or any(tactic in backend.valid_tactics(s) for s in shapes)
     return False
 
 
@@ -248,9 +248,14 @@ def skip_reason(
     reason = reasons.get(name)
     if reason is not None:
         return reason
-    if not backends[name].accepts_tactic(shape, tactic):
-        valid = backends[name].valid_tactics(shape)
-        return f"tactic {tactic!r} not offered for this shape (valid: {', '.join(valid)})"
+    backend = backends[name]
+    if not backend.accepts_tactic(shape, tactic):
+        valid = ", ".join(backend.valid_tactics(shape) + backend.tactic_forms)
+        if backend.tactic_form(tactic) is not None:  # checked up front; the directory changed since
+            return f"tactic {tactic!r}: {backend.tactic_form_error(tactic)}"
+        if any(f.split("=", 1)[0] + "=" in tactic for b in backends.values() for f in b.tactic_forms):
+            return f"tactic {tactic!r} is not one of {name}'s (valid: {valid})"
+        return f"tactic {tactic!r} not offered for this shape (valid: {valid})"
     try:
         return backends[name].tactic_unavailable_reason(shape, tactic, device)
     except Exception as error:  # noqa: BLE001

@@ -37,6 +37,7 @@ methods), so H and the output rows equal `gemm1` then `gemm2` bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -618,14 +619,17 @@ def fused_layer(
             f" bytes on {device} (alloc_workspace(fused_workspace_bytes({ctas})))"
         )
     require_dsl(_KERNEL)
+    sms = _num_sms(device.index if device.index is not None else 0)
+    if trace is not None:
+        check_tensor("trace", trace, (torch.int64,), (sms, len(TRACE_STAMPS)), device, align=8)
+        if stream is not None and not isinstance(stream, torch.cuda.Stream):
+            raise TypeError(f"with trace, stream must be None or a torch.cuda.Stream, got {type(stream).__name__}")
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            trace.fill_(-1)  # on the launch's stream: rows of CTAs beyond the grid, and stamps a CTA has none of
     if ctas == 0:
         return
     kernel, compiled = compile_fused(shape, tactic, kw.scale_variant(True), trace is not None)
-    sms = _num_sms(device.index if device.index is not None else 0)
     grid = kernel.grid(ctas, sms)
-    if trace is not None:
-        check_tensor("trace", trace, (torch.int64,), (sms, len(TRACE_STAMPS)), device, align=8)
-        trace.fill_(-1)  # rows of CTAs beyond the grid, and stamps a CTA has none of, stay -1
     compiled(
         gmem_ptr(Uint8, kw.w13, 16),
         gmem_ptr(Uint8, kw.w13_scale, 16),

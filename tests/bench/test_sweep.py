@@ -144,8 +144,11 @@ def test_a_tables_dir_tactic_is_checked_up_front_and_skipped_without_its_table(t
     df = run_sweep(cfg).frame
     assert list(df["tactic"]) == [f"tables={tables}"] and (df["status"] == "skipped").all()
     cfg = SweepConfig(backends=("torch-bf16",), tactics=(f"tables={tables}",), **base)
-    with pytest.raises(ValueError, match="not offered by the selected backends"):
+    with pytest.raises(ValueError, match="not offered by the selected backends.*is a tactic of moebench"):
         sw.validate_sweep(cfg)
+    cfg = SweepConfig(backends=("torch-bf16", "moebench"), tactics=(f"tables={tables}",), **base)
+    df = run_sweep(cfg).frame.set_index("backend")
+    assert df.loc["torch-bf16", "error"].startswith(f"tactic 'tables={tables}' is not one of torch-bf16's (valid:")
 
 
 def test_moebench_backend_offers_default_builtin_and_tuned(monkeypatch, tmp_path):

@@ -294,6 +294,56 @@ def test_fused_layer_rejects_bad_arguments():
         fused_layer(kw, *args, tactic=FusedTactic(G1, G2[("dsv41-flash", 4)], 3), workspace=ws)
     with pytest.raises(ValueError, match="out"):
         fused_layer(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, out[:, :64], tactic=ft, workspace=ws)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    with pytest.raises(ValueError, match="trace must have shape"):
+        fused_layer(kw, *args, tactic=ft, workspace=ws, trace=torch.empty(8, 8, dtype=torch.int64, device="cuda"))
+    with pytest.raises(TypeError, match="trace must be torch.int64"):
+        fused_layer(kw, *args, tactic=ft, workspace=ws, trace=torch.empty(sms, 8, device="cuda"))
+    import cuda.bindings.driver as cu
+
+    trace = torch.empty(sms, 8, dtype=torch.int64, device="cuda")
+    with pytest.raises(TypeError, match="with trace, stream must be None or a torch.cuda.Stream"):
+        fused_layer(kw, *args, tactic=ft, workspace=ws, trace=trace, stream=cu.CUstream(0))
+
+
+@pytest.mark.gpu
+def test_traced_fused_layer_stamps_its_ctas_and_changes_nothing():
+    """A traced launch on a side stream: the same H and rows as the pair, every
+    CTA of the grid stamped start <= gemm1_done <= gemm2_done, the rows of
+    the SMs beyond the grid -1; with no tile (ctas 0) the trace is all -1."""
+    from moebench.kernels.fused import TRACE_STAMPS, fused_layer
+    from moebench.kernels.gemm import alloc_workspace
+
+    shape, weights, kw = _layer("dsv41-flash", 8, seed=21)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6]], dtype=torch.int32).cuda()
+    route = build_route_record(ids, EXPERTS)
+    x_q, x_s = quantize_mxfp8(generate_activations(1, shape.hidden, seed=3, device="cuda"))
+    ft = FusedTactic(G1, G2[("dsv41-flash", 8)], 1, 0)
+    want = _pair(kw, x_q, x_s, route, ft.gemm1, ft.gemm2)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    trace = torch.zeros(sms, len(TRACE_STAMPS), dtype=torch.int64, device="cuda")
+    ws = alloc_workspace(fused_workspace_bytes(route.ctas), "cuda")
+    n = TILE * route.ctas
+    got = (torch.full((n, kw.intermediate), 0xFF, dtype=torch.uint8, device="cuda"),
+           torch.full((n, kw.intermediate // 32), 0xFE, dtype=torch.uint8, device="cuda"),
+           torch.full((n, kw.hidden), float("nan"), dtype=torch.bfloat16, device="cuda"))  # fmt: skip
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    fused_layer(kw, x_q, x_s, route.record, route.ctas, *got, tactic=ft, workspace=ws, trace=trace, stream=side)
+    torch.cuda.synchronize()
+    used = TILE * route.tiles_used
+    for a, b, name in zip(got, want, ("H", "H scales", "rows")):
+        _same(a, b, used, f"traced launch: {name} differ from the pair's")
+    t = trace.cpu()
+    ran = t[:, 0] >= 0
+    grid = int(ran.sum())
+    assert 0 < grid <= sms and bool(ran[:grid].all()) and bool((t[grid:] == -1).all())
+    col = {name: t[:grid, k] for k, name in enumerate(TRACE_STAMPS)}
+    assert bool((col["start"] <= col["gemm1_done"]).all()) and bool((col["gemm1_done"] <= col["gemm2_done"]).all())
+    trace.zero_()
+    fused_layer(kw, x_q, x_s, route.record, 0, *(g[:0] for g in got), tactic=ft, workspace=ws, trace=trace)
+    torch.cuda.synchronize()
+    assert bool((trace == -1).all())
 
 
 @pytest.mark.gpu
