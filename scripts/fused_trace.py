@@ -8,13 +8,14 @@ expert count), a rotation of 16 layer calls with different experts (seeds
 (`RoutedExpertGemm`, the tables' tactics) and for each fused variant: the
 built-in tactic, its resident loads issued `lead` GEMM1 steps before
 GEMM1's last issue (--leads), resident 0 (all of GEMM2 on the ring) and
-GEMM1 with the pair's rows 1-2 unroll and stages (G1_VARIANTS).
+GEMM1 with the pair's rows 1-2 unroll and stages (G1_VARIANTS), and the
+GEMM1 / GEMM2 tactics named by --g1 / --g2 in place of the built-in's.
 Then one traced launch of each variant (call 0 of the rotation) prints the
 stamps over the CTAs (min / median / max µs after the first CTA's start)
 and the CTA that finished last.
 
     source .bundles/unpack.sh && PYTHONPATH=$PWD python3 scripts/fused_trace.py \
-        --preset dsv41-flash --tp 4,8 --rows 1,2,8 [--leads 0,8] [--out F.json]
+        --preset dsv41-flash --tp 4,8 --rows 1,2,8 [--leads 0,8] [--g1 NAMES] [--g2 NAMES] [--out F.json]
 """
 
 from __future__ import annotations
@@ -47,6 +48,13 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _tactics(text: str) -> list[GemmTactic]:
+    try:
+        return [GemmTactic.from_name(v) for v in text.split(",") if v]
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(f"expected comma-separated GEMM tactic names: {error}") from None
+
+
 def stamps_summary(trace: torch.Tensor) -> dict:
     """Per stamp: (min, median, max) µs after the earliest start over the CTAs
     that have it, and the stamps of the CTA whose GEMM2 ended last."""
@@ -64,7 +72,7 @@ def stamps_summary(trace: torch.Tensor) -> dict:
     return out
 
 
-def run_case(preset: str, tp: int, rows_list: list[int], leads: list[int]) -> list[dict]:
+def run_case(preset: str, tp: int, rows_list: list[int], leads: list[int], g1s=(), g2s=()) -> list[dict]:
     shape = get_preset(preset).shard(tp)
     experts, top_k = shape.config.experts, shape.config.top_k
     weights = generate_expert_weights(shape, seed=0, device="cuda")
@@ -85,10 +93,18 @@ def run_case(preset: str, tp: int, rows_list: list[int], leads: list[int]) -> li
                 variants[v.name] = v
             v = dataclasses.replace(ft, resident=0)
             variants[v.name] = v
-            for g1 in G1_VARIANTS:  # the pair's rows 1-2 GEMM1 (unroll 8, 3 stages) inside the fused launch
+            for g1 in (*G1_VARIANTS, *g1s):  # G1_VARIANTS: the pair's rows 1-2 GEMM1 (unroll 8, 3 stages)
                 v = dataclasses.replace(ft, gemm1=g1)
                 if v.why_invalid(shape) is None:
                     variants[v.name] = v
+                else:
+                    print(f"# {v.name}: {v.why_invalid(shape)}", flush=True)
+            for g2 in g2s:
+                v = dataclasses.replace(ft, gemm2=g2)
+                if v.why_invalid(shape) is None:
+                    variants[v.name] = v
+                else:
+                    print(f"# {v.name}: {v.why_invalid(shape)}", flush=True)
         n = TILE * ctas
         h_q = torch.empty(n, layer.kw.intermediate, dtype=torch.uint8, device="cuda")
         h_s = torch.empty(n, layer.kw.intermediate // 32, dtype=torch.uint8, device="cuda")
@@ -126,6 +142,8 @@ def main() -> None:
     ap.add_argument("--tp", type=_ints, default=[4, 8], help="TP degrees of 1, 2, 4, 8, comma-separated (4,8)")
     ap.add_argument("--rows", type=_ints, default=[1, 2, 8], help="token rows of 1-8, comma-separated (1,2,8)")
     ap.add_argument("--leads", type=_ints, default=[0, 8], help="`lead` variants to time, >= 0 (0,8)")
+    ap.add_argument("--g1", type=_tactics, default=[], help="more GEMM1 tactics (names, e.g. r16_m4_k4_u8_c1_b3_f8)")
+    ap.add_argument("--g2", type=_tactics, default=[], help="more GEMM2 tactics (names, e.g. r16_m16_k1_u2_c1_b4_f8)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here (must not exist)")
     args = ap.parse_args()
     from moebench.models import PRESETS
@@ -141,7 +159,7 @@ def main() -> None:
         ap.error(f"--out {args.out} exists: give a new file (nothing is overwritten)")
     if not torch.cuda.is_available():
         raise SystemExit("fused_trace.py needs a CUDA GPU")
-    results = [row for tp in args.tp for row in run_case(args.preset, tp, args.rows, args.leads)]
+    results = [row for tp in args.tp for row in run_case(args.preset, tp, args.rows, args.leads, args.g1, args.g2)]
     if args.out:
         with open(args.out, "x") as f:
             json.dump(results, f, indent=1)
