@@ -91,11 +91,14 @@ class FusedTactic:
         for name in ("gemm1", "gemm2"):
             if not isinstance(getattr(self, name), GemmTactic):
                 raise TypeError(f"{name} must be a GemmTactic, got {type(getattr(self, name)).__name__}")
-        r = self.resident
-        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r <= MAX_RESIDENT:
+        r, ld = self.resident, self.lead
+        if not isinstance(r, int) or isinstance(r, bool):
+            raise TypeError(f"resident must be an int in [0, {MAX_RESIDENT}], got {type(r).__name__} {r!r}")
+        if not 0 <= r <= MAX_RESIDENT:
             raise ValueError(f"resident must be an int in [0, {MAX_RESIDENT}], got {r!r}")
-        ld = self.lead
-        if ld is not None and (not isinstance(ld, int) or isinstance(ld, bool) or not 0 <= ld <= MAX_LEAD):
+        if ld is not None and (not isinstance(ld, int) or isinstance(ld, bool)):
+            raise TypeError(f"lead must be None or an int in [0, {MAX_LEAD}], got {type(ld).__name__} {ld!r}")
+        if ld is not None and not 0 <= ld <= MAX_LEAD:
             raise ValueError(f"lead must be None or an int in [0, {MAX_LEAD}], got {ld!r}")
 
     @property

@@ -206,12 +206,14 @@ def _cell(value, digits: int) -> str:
         if value != 0 and (abs(value) < 10**-digits or abs(value) >= 1e7):
             return f"{value:.3g}"
         return f"{value:.{digits}f}"
-    return str(value).replace("|", "\\|").replace("\n", " ")
+    text = str(value).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")  # text, not HTML
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def markdown_table(frame: pd.DataFrame, digits: int = 2) -> str:
     """GitHub markdown table of `frame` (floats with `digits` decimals,
-    missing values empty, '|' escaped)."""
+    missing values empty, '|' escaped, '&', '<' and '>' as entities so a
+    name such as a tactic's directory shows as written)."""
     header = "| " + " | ".join(str(c) for c in frame.columns) + " |"
     rule = "|" + "|".join("---" for _ in frame.columns) + "|"
     lines = [header, rule]

@@ -41,14 +41,20 @@ def test_fused_tactic_rules_and_name():
     for why, t in bad.items():
         shape = get_preset("dsv41-flash").shard(8 if why == "divide" else 4)
         assert why in t.why_invalid(shape), (why, t.why_invalid(shape))
-    for r in (-1, MAX_RESIDENT + 1, True, 1.0):
+    for r in (-1, MAX_RESIDENT + 1):
         with pytest.raises(ValueError, match="resident"):
+            FusedTactic(G1, G1, r)
+    for r in (True, 1.0):
+        with pytest.raises(TypeError, match="resident must be an int"):
             FusedTactic(G1, G1, r)
     with pytest.raises(TypeError, match="gemm2 must be a GemmTactic"):
         FusedTactic(G1, "r16_m8_k2_u3_c1_b4_f8")
     assert FusedTactic(G1, G2[("dsv41-flash", 4)], 2, 0).name == ft.name + "_ld0"
-    for ld in (-1, MAX_LEAD + 1, True, 2.0):
+    for ld in (-1, MAX_LEAD + 1):
         with pytest.raises(ValueError, match="lead must be None or an int"):
+            FusedTactic(G1, G1, 2, ld)
+    for ld in (True, 2.0, "3"):
+        with pytest.raises(TypeError, match="lead must be None or an int"):
             FusedTactic(G1, G1, 2, ld)
     assert fused_workspace_bytes(0) == 16 and fused_workspace_bytes(6) == 48
     with pytest.raises(ValueError, match="ctas"):

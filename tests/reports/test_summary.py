@@ -36,6 +36,8 @@ def test_markdown():
     assert "rel. error 0.5 \\| bad" in text
     table = markdown_table(pd.DataFrame({"a": [1.0, float("nan")], "b": ["x", "y"]}))
     assert table.splitlines() == ["| a | b |", "|---|---|", "| 1.00 | x |", "|  | y |"]
+    odd = markdown_table(pd.DataFrame({"tactic": ["tables=<b>&x|y"]}))
+    assert odd.splitlines()[2] == "| tables=&lt;b&gt;&amp;x\\|y |"
 
 
 def test_summary_shows_the_routed_path_and_stages_only_where_a_row_has_them():
