@@ -9,37 +9,31 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
+def _asm(result, text: str, constraints: str, args, *, side_effects: bool = False, loc=None, ip=None):
+    """One inline-PTX instruction group with an LLVM `result` type (T.i32(),
+    T.f32(), T.i64()); `args` are DSL numerics. The raw value: callers wrap it."""
+    return llvm.inline_asm(
+        result,
+        [a.ir_value(loc=loc, ip=ip) for a in args],
+        text,
+        constraints,
+        has_side_effects=side_effects,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
 def asm_u32(text: str, constraints: str, *args, loc=None, ip=None) -> Uint32:
     """One pure (side-effect free) inline-PTX instruction group -> Uint32.
     `args` are DSL numerics of the types the constraints name (wrap them,
     e.g. Uint32(a), at the call site)."""
-    return Uint32(
-        llvm.inline_asm(
-            T.i32(),
-            [a.ir_value(loc=loc, ip=ip) for a in args],
-            text,
-            constraints,
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return Uint32(_asm(T.i32(), text, constraints, args, loc=loc, ip=ip))
 
 
 def asm_f32(text: str, constraints: str, *args, loc=None, ip=None) -> Float32:
     """As `asm_u32`, for an instruction group whose result is an fp32
     register ("=f"); `args` wrapped as Float32 for "f" operands."""
-    return Float32(
-        llvm.inline_asm(
-            T.f32(),
-            [a.ir_value(loc=loc, ip=ip) for a in args],
-            text,
-            constraints,
-            has_side_effects=False,
-            is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )
+    return Float32(_asm(T.f32(), text, constraints, args, loc=loc, ip=ip))
 
 
 @dsl_user_op
@@ -103,12 +97,7 @@ def sync_threads_or(flag, *, loc=None, ip=None):
 def globaltimer(*, loc=None, ip=None) -> Int64:
     """The SM's %globaltimer (ns, one clock for the whole GPU): the fused
     layer's trace stamps (`fused.py`, trace=True)."""
-    return Int64(
-        llvm.inline_asm(
-            T.i64(), [], "mov.u64 $0, %globaltimer;", "=l", has_side_effects=True, is_align_stack=False,
-            asm_dialect=llvm.AsmDialect.AD_ATT,
-        )
-    )  # fmt: skip
+    return Int64(_asm(T.i64(), "mov.u64 $0, %globaltimer;", "=l", (), side_effects=True, loc=loc, ip=ip))
 
 
 @dsl_user_op
