@@ -253,7 +253,7 @@ def skip_reason(
         valid = ", ".join(backend.valid_tactics(shape) + backend.tactic_forms)
         if backend.tactic_form(tactic) is not None:  # checked up front; the directory changed since
             return f"tactic {tactic!r}: {backend.tactic_form_error(tactic)}"
-        if any(f.split("=", 1)[0] + "=" in tactic for b in backends.values() for f in b.tactic_forms):
+        if any(b.tactic_form(tactic) is not None for b in backends.values()):  # another backend's form
             return f"tactic {tactic!r} is not one of {name}'s (valid: {valid})"
         return f"tactic {tactic!r} not offered for this shape (valid: {valid})"
     try:
