@@ -95,34 +95,44 @@ def test_pieces_of_a_shard_are_its_weight_groups_in_order():
     assert [p[0].tp for p in pieces] == [1, 2] and [c for p in pieces for c in p] == cases
 
 
+#: The reduced sweep both GPU tests run (a grid option added per test).
+_GPU_SWEEP = ["--preset", "dsv4-flash", "--rows", "1,6", "--scenario", "correlated", "--backends",
+              "moebench,torch-bf16", "--layers", "2", "--replays", "10", "--warmup", "2"]  # fmt: skip
+
+
+def _sweep(tmp_path, name: str, *args: str) -> None:
+    """`moebench sweep` of `_GPU_SWEEP` and `args` stored under tmp_path/name (exit 0 asserted)."""
+    from typer.testing import CliRunner
+
+    from moebench.cli import app
+
+    result = CliRunner().invoke(app, ["sweep", *_GPU_SWEEP, *args, "--out", str(tmp_path / name)])
+    assert result.exit_code == 0, result.output
+
+
+def _assert_same_cases(a: pd.DataFrame, b: pd.DataFrame) -> None:
+    """The same cases, statuses, shapes, touched experts, bytes and layers, and
+    oracle errors within 1e-3, whatever the row order."""
+    key = ["preset", "tp", "rows", "scenario", "backend", "tactic"]
+    facts = [*key, "status", "hidden", "intermediate", "experts", "top_k", "unique_experts", "bytes", "layers"]
+    a, b = a.sort_values(key).reset_index(drop=True), b.sort_values(key).reset_index(drop=True)
+    pd.testing.assert_frame_equal(a[facts], b[facts], check_dtype=False)
+    assert a["max_rel_err"].to_numpy() == pytest.approx(b["max_rel_err"].to_numpy(), rel=1e-3, abs=1e-6)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(__import__("torch").cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_gpu_two_gpu_sweep_equals_the_union_of_two_one_gpu_sweeps(tmp_path):
     """The same grid as one sweep over GPUs 0 and 1 and as two one-GPU sweeps
     (TP4 cases, then TP8 cases): the same cases, statuses, shapes, touched
     experts, bytes and oracle errors."""
-    from typer.testing import CliRunner
-
-    from moebench.cli import app
-
-    runner = CliRunner()
-    common = ["--preset", "dsv4-flash", "--rows", "1,6", "--scenario", "correlated", "--backends",
-              "moebench,torch-bf16", "--layers", "2", "--replays", "10", "--warmup", "2"]  # fmt: skip
-    both = runner.invoke(app, ["sweep", *common, "--tp", "4,8", "--devices", "0,1", "--out", str(tmp_path / "a")])
-    assert both.exit_code == 0, both.output
-    one = runner.invoke(app, ["sweep", *common, "--tp", "4", "--device", "cuda:0", "--out", str(tmp_path / "b")])
-    two = runner.invoke(app, ["sweep", *common, "--tp", "8", "--device", "cuda:0", "--out", str(tmp_path / "c")])
-    assert one.exit_code == 0 and two.exit_code == 0, one.output + two.output
+    _sweep(tmp_path, "a", "--tp", "4,8", "--devices", "0,1")
+    _sweep(tmp_path, "b", "--tp", "4", "--device", "cuda:0")
+    _sweep(tmp_path, "c", "--tp", "8", "--device", "cuda:0")
     sharded, manifest = read_run(next((tmp_path / "a").iterdir()))
     union = pd.concat([read_run(next((tmp_path / d).iterdir()))[0] for d in ("b", "c")], ignore_index=True)
-    key = ["preset", "tp", "rows", "scenario", "backend", "tactic"]
-    facts = [*key, "status", "hidden", "intermediate", "experts", "top_k", "unique_experts", "bytes", "layers"]
-    a = sharded[facts].sort_values(key).reset_index(drop=True)
-    b = union[facts].sort_values(key).reset_index(drop=True)
-    pd.testing.assert_frame_equal(a, b, check_dtype=False)
+    _assert_same_cases(sharded, union)
     assert (sharded["status"] == "ok").all()
-    errs = sharded.sort_values(key)["max_rel_err"].to_numpy()
-    assert errs == pytest.approx(union.sort_values(key)["max_rel_err"].to_numpy(), rel=1e-3, abs=1e-6)
     assert set(sharded["gpu_index"]) == {0, 1} and manifest["sharded"]
     assert len({w["gpu_uuid"] for w in manifest["workers"]}) == 2  # two boards, not one twice
 
@@ -134,25 +144,10 @@ def test_gpu_devices_all_equals_a_one_process_sweep(tmp_path):
     same cases, statuses, shapes, touched experts, bytes and oracle errors,
     every row stamped with its worker's GPU."""
     import torch
-    from typer.testing import CliRunner
 
-    from moebench.cli import app
-
-    runner = CliRunner()
-    common = ["--preset", "dsv4-flash", "--tp", "4", "--rows", "1,6", "--scenario", "correlated", "--backends",
-              "moebench,torch-bf16", "--layers", "2", "--replays", "10", "--warmup", "2"]  # fmt: skip
-    launched = runner.invoke(app, ["sweep", *common, "--devices", "all", "--out", str(tmp_path / "a")])
-    assert launched.exit_code == 0, launched.output
-    alone = runner.invoke(app, ["sweep", *common, "--device", "cuda:0", "--out", str(tmp_path / "b")])
-    assert alone.exit_code == 0, alone.output
+    _sweep(tmp_path, "a", "--tp", "4", "--devices", "all")
+    _sweep(tmp_path, "b", "--tp", "4", "--device", "cuda:0")
     (a, manifest), (b, _) = (read_run(next((tmp_path / d).iterdir())) for d in ("a", "b"))
-    key = ["preset", "tp", "rows", "scenario", "backend", "tactic"]
-    facts = [*key, "status", "hidden", "intermediate", "experts", "top_k", "unique_experts", "bytes", "layers"]
-    pd.testing.assert_frame_equal(
-        a[facts].sort_values(key).reset_index(drop=True), b[facts].sort_values(key).reset_index(drop=True),
-        check_dtype=False,
-    )  # fmt: skip
+    _assert_same_cases(a, b)
     assert (a["status"] == "ok").all() and len(a) == 4
-    errs = a.sort_values(key)["max_rel_err"].to_numpy()
-    assert errs == pytest.approx(b.sort_values(key)["max_rel_err"].to_numpy(), rel=1e-3, abs=1e-6)
     assert set(a["gpu_index"]) == set(range(torch.cuda.device_count())) and manifest["sharded"]
