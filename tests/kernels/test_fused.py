@@ -380,6 +380,28 @@ def test_binding_with_fused_runs_the_fused_layer_and_meets_the_oracle(preset, tp
         RoutedExpertGemm(weights, 6, None, fp8=False, fused=True)
 
 
+def _default_fused_equals_the_pair(kw, hidden, ids, experts, top_k, x_seed, what):
+    """The built-in fused tactic at `ids`' rows, poisoned outputs: H, its scales
+    and the rows equal gemm1 + gemm2 of the same two tactics bit for bit, the
+    counters back to zero."""
+    from moebench.kernels.fused import default_fused_tactic
+    from moebench.kernels.gemm import alloc_workspace
+
+    rows = ids.shape[0]
+    route = build_route_record(ids.cuda(), experts)
+    ft = default_fused_tactic(kw, max_ctas(rows, top_k, experts))
+    assert ft is not None, what
+    x_q, x_s = quantize_mxfp8(generate_activations(rows, hidden, seed=x_seed, device="cuda"))
+    want = _pair(kw, x_q, x_s, route, ft.gemm1, ft.gemm2)
+    ws = alloc_workspace(fused_workspace_bytes(route.ctas), "cuda")
+    got = _fused(kw, x_q, x_s, route, ft, ws)
+    torch.cuda.synchronize()
+    used = TILE * route.tiles_used
+    for a, b, name in zip(got, want, ("H", "H scales", "rows")):
+        _same(a, b, used, f"{what} {ft.name}: {name} differ from the pair's")
+    assert not torch.any(ws.view(torch.int32)), f"{what}: counters not back to zero"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset", ["dsv41-flash", "dsv4-flash", "dsv4-pro"])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
@@ -388,27 +410,13 @@ def test_default_fused_layer_every_preset_tp_and_row_count(preset, tp):
     (uniform routing; rows 8 also with every slot on one expert and with
     non-local ids), poisoned outputs: H and the rows equal gemm1 + gemm2 of
     the same two tactics bit for bit, counters back to zero."""
-    from moebench.kernels.fused import default_fused_tactic
-    from moebench.kernels.gemm import alloc_workspace
     from moebench.routing import scenario_topk_ids
 
     shape, weights, kw = _layer(preset, tp, seed=tp + 13)
     cases = [(f"uniform-r{r}", scenario_topk_ids("uniform", r, 6, EXPERTS, seed=r)) for r in range(1, 9)]
     cases += [c for c in _routings(rows_list=()) if c[0] in ("one-expert", "nonlocal")]
     for label, ids in cases:
-        rows = ids.shape[0]
-        route = build_route_record(ids.cuda(), EXPERTS)
-        ft = default_fused_tactic(kw, max_ctas(rows, 6, EXPERTS))
-        assert ft is not None, (preset, tp, rows)
-        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 2, device="cuda"))
-        want = _pair(kw, x_q, x_s, route, ft.gemm1, ft.gemm2)
-        ws = alloc_workspace(fused_workspace_bytes(route.ctas), "cuda")
-        got = _fused(kw, x_q, x_s, route, ft, ws)
-        torch.cuda.synchronize()
-        used = TILE * route.tiles_used
-        for a, b, name in zip(got, want, ("H", "H scales", "rows")):
-            _same(a, b, used, f"{preset} TP{tp} {label} {ft.name}: {name} differ from the pair's")
-        assert not torch.any(ws.view(torch.int32)), f"{preset} TP{tp} {label}: counters not back to zero"
+        _default_fused_equals_the_pair(kw, shape.hidden, ids, EXPERTS, 6, ids.shape[0] + 2, f"{preset} TP{tp} {label}")
 
 
 @pytest.mark.gpu
@@ -418,23 +426,10 @@ def test_default_fused_layer_other_top_k_and_expert_counts(top_k, experts, tp):
     """top_k 1 and 8, 256 and 512 experts (issue 29's range), dsv41-flash, rows
     1 / 4 / 8 uniform: the built-in fused tactic's H and rows equal the pair's
     bit for bit, counters back to zero."""
-    from moebench.kernels.fused import default_fused_tactic
-    from moebench.kernels.gemm import alloc_workspace
     from moebench.routing import scenario_topk_ids
 
     shape, weights, kw = _layer("dsv41-flash", tp, seed=top_k + experts, experts=experts, top_k=top_k)
     for rows in (1, 4, 8):
         ids = scenario_topk_ids("uniform", rows, top_k, experts, seed=rows + 30)
-        route = build_route_record(ids.cuda(), experts)
-        ft = default_fused_tactic(kw, max_ctas(rows, top_k, experts))
-        assert ft is not None, (top_k, experts, tp, rows)
-        x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=rows + 4, device="cuda"))
-        want = _pair(kw, x_q, x_s, route, ft.gemm1, ft.gemm2)
-        ws = alloc_workspace(fused_workspace_bytes(route.ctas), "cuda")
-        got = _fused(kw, x_q, x_s, route, ft, ws)
-        torch.cuda.synchronize()
-        used = TILE * route.tiles_used
-        what = f"top_k {top_k} E {experts} TP{tp} rows {rows} {ft.name}"
-        for a, b, name in zip(got, want, ("H", "H scales", "rows")):
-            _same(a, b, used, f"{what}: {name} differ from the pair's")
-        assert not torch.any(ws.view(torch.int32)), f"{what}: counters not back to zero"
+        what = f"top_k {top_k} E {experts} TP{tp} rows {rows}"
+        _default_fused_equals_the_pair(kw, shape.hidden, ids, experts, top_k, rows + 4, what)
