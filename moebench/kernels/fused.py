@@ -5,14 +5,16 @@ The pair (`gemm.py`) streams GEMM2's weights only once GEMM1's CTAs have
 left the SMs or, with PDL, under GEMM1's tail; v13 fused the two into one
 launch but put GEMM2's weights behind GEMM1's in one ring, so they still
 arrived when GEMM1 ended. Here each CTA (one per SM) holds a *resident*
-region for its first `resident` GEMM2 units: the producer warp fills the
-ring with GEMM1's first stages, then issues every resident GEMM2 stage at
-once (each on its own mbarrier, never recycled within a launch), then
-streams the rest of GEMM1 and, through the same ring, any GEMM2 units
-beyond the resident ones. So at rows 1-2, where a CTA's whole GEMM2 share
-fits (dsv41-flash TP4 rows 1: 71 KB), HBM carries GEMM2's bytes while the
-consumers are still busy with GEMM1, and after H only GEMM2's multiplies
-remain.
+region for its first `resident` GEMM2 units: the producer warp streams
+GEMM1 through the ring and, when the tactic's `lead` GEMM1 steps are left
+to issue (at least after the ring's first fill), issues every resident
+GEMM2 stage at once (each on its own mbarrier, never recycled within a
+launch), then any GEMM2 units beyond the resident ones through the same
+ring. Measured (perf-notes session 21): GEMM2 after H is bound by its
+multiplies, not its bytes, so the resident loads remove nothing from the
+critical path, and issued early they take GEMM1's bandwidth; the built-in
+tactic issues them after GEMM1's last (lead 0), and the launch is slower
+than the pair at every point measured.
 
 Dependencies are counters in global memory, never a grid barrier (v13's
 scheme): a GEMM1 unit's H stores, a CTA barrier, one thread's gpu fence
