@@ -396,7 +396,11 @@ def tune(
     top_k: TopKOpt = None,
     tp: str = typer.Option("4", help="Tensor-parallel degrees: one table per rank shape."),
     rows: str = typer.Option("1-8", help="Token rows to tune (1..8)."),
-    stages: str = typer.Option("1,2", help="GEMM stages to tune (1, 2)."),
+    stages: str = typer.Option(
+        None,
+        help="What to tune: GEMM stages 1, 2 and, with --fp8, 'fused' (the pair against the fused layer per rows,"
+        " the table's fp8.fused). Default: 1,2 (with --fp8: 1,2,fused).",
+    ),
     space: SpaceOpt = "quick",
     scenario: str = typer.Option("correlated", help="Routing scenario of the timed cases."),
     repeats: int = typer.Option(3, help="Extra timings of each finalist."),

@@ -62,8 +62,10 @@ def print_tuned(config, outcome, saved) -> None:
     for table in rich_tables.picks_tables(outcome, f"{config.preset} {config.family}"):
         wide_console(150).print(table)
     for s in saved:
+        fused = sum(e.tactic.fused is not None for e in s.table.fused_entries.values())
+        layer = f", fp8.fused: {fused} of {len(s.table.fused_entries)} rows fused" if s.table.fused_entries else ""
         console.print(f"wrote [bold]{s.path}[/bold] ({len(s.table.entries)} BF16 + {len(s.table.fp8_entries)} FP8"
-                      " entries)")  # fmt: skip
+                      f" entries{layer})")  # fmt: skip
 
 
 def print_tune_run(run, target: Path) -> None:

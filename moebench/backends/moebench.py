@@ -9,13 +9,15 @@ GEMM tactics come from):
 - "default" = what the runtime runs: per layer (shape class) the faster
   family by the tuning tables' µs of this device (`kernels.family`), its
   table entries else its built-in tactics; with no table the FP8 family
-  where its built-in tactics fit the shape, else BF16;
+  where its built-in tactics fit the shape, else BF16; the FP8 family runs
+  the fused layer at the row counts where the tables' "fp8.fused" entries
+  choose it, else the pair;
 - "builtin" = what runs with no tuning table at all: the family of that
   rule with its built-in tactics, tables ignored;
 - "tuned" = "default", skipped (with the reason) when no usable table covers
   this device and shape class, so `sweep --tactics tuned,builtin` measures
   what tuning buys and never times the defaults twice under two names;
-- "fp8" = the FP8 family (e4m3 weights for wgmma, MXFP8 x / H as they are:
+- "fp8" = the FP8 family's pair (e4m3 weights for wgmma, MXFP8 x / H as they are:
   the table's fp8 part, else the built-in fp8 tactics), skipped with the
   reason where no fp8 tactic fits the shape;
 - "bf16" = the BF16 family (weights decoded to BF16 for mma.sync: the
@@ -153,6 +155,7 @@ class MoebenchBackend(Backend):
         check_weights(weights, shape)
         compile_finalize_kernel(False)  # compile now, not inside a graph capture
         if tactic in (self.FP8, self.BF16, self.FUSED):  # tactics=None: the family's table entries, else built-ins
+            # "fp8" / "bf16": the pair (what the tables' fp8.fused entries choose is "default"'s)
             return RoutedExpertGemm(weights, shape.top_k, None, fp8=tactic != self.BF16, fused=tactic == self.FUSED)
         if (tables := self._tables_of(tactic)) is not None:  # the family and tactics of DIR's tables alone
             return RoutedExpertGemm(weights, shape.top_k, None, tables=tables)
@@ -177,7 +180,8 @@ class MoebenchBackend(Backend):
         parts = [f"{family} family" + (f" ({choice.source})" if choice is not None else "")]
         fused = getattr(prepared, "fused_tactics", {}).get(rows)
         if fused is not None:
-            return "; ".join([*parts, f"fused {fused.name} (built-in)"])
+            source = prepared.fused_sources[rows]
+            return "; ".join([*parts, f"fused {fused.name} ({'table' if source.startswith('table') else source})"])
         for stage in (1, 2):
             source = prepared.tactic_sources[stage, rows]
             parts.append(

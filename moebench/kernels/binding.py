@@ -36,7 +36,7 @@ from moebench.kernels import gemm as _gemm
 from moebench.kernels import route as _route
 from moebench.kernels.family import FamilyChoice, resolve_family
 from moebench.kernels.layout import KernelWeights, to_kernel_layout
-from moebench.kernels.table import ShapeClass, load_tactic
+from moebench.kernels.table import ShapeClass, load_layer_choice, load_tactic
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
 from moebench.moe_output import UnfinalizedMoEOutput
 from moebench.record import MAX_EXPERTS, MAX_ROWS, MAX_TOP_K, TILE, cta_words, max_ctas, route_words
@@ -158,11 +158,15 @@ class RoutedExpertGemm:
     stage); a non-bool, non-None fp8 is a TypeError. `fp8` (bool) /
     `family` ("fp8" / "bf16") say which family the layer runs,
     `family_choice` (a `FamilyChoice`) how it was chosen and why.
-    fused (default False): `gemms` runs GEMM1 and GEMM2 as one launch (the
-    fused layer, `kernels.fused`, v24) at every row count where the built-in
-    fused tactic fits (`fused_tactics[rows]`; None: the pair), with the
-    layer's own zeroed counters (`fused_workspace`); needs the FP8 family
-    (ValueError otherwise). `gemm1` / `gemm2` stay the pair.
+    fused: whether `gemms` runs GEMM1 and GEMM2 as one launch (the fused
+    layer, `kernels.fused`) instead of the pair, per row count
+    (`fused_tactics[rows]`, a FusedTactic or None for the pair;
+    `fused_sources[rows]` says why), with the layer's own zeroed counters
+    (`fused_workspace`). None (the default): as the tuning tables'
+    "fp8.fused" entries say (`load_layer_choice`; the pair where none does,
+    with explicit `tactics`, and in the BF16 family); True: the built-in
+    fused tactic at every row count where it fits (needs the FP8 family,
+    ValueError otherwise); False: the pair. `gemm1` / `gemm2` stay the pair.
     tables (default None): the directories whose tuning tables choose the
     family and the tactics, in order, instead of $MOEBENCH_TUNING_DIR and the
     package's (`[dir]`: that directory's tables alone; the sweep's
@@ -177,7 +181,7 @@ class RoutedExpertGemm:
         workspace: torch.Tensor | None = None,
         act_bf16: bool = True,
         fp8: bool | None = None,
-        fused: bool = False,
+        fused: bool | None = None,
         tables: list | None = None,
     ) -> None:
         check_weights(weights, top_k)
@@ -185,8 +189,8 @@ class RoutedExpertGemm:
             raise TypeError(f"tables must be None or a list of directories (str or Path), got {tables!r}")
         if not isinstance(act_bf16, bool):
             raise TypeError(f"act_bf16 must be a bool, got {type(act_bf16).__name__}")
-        if not isinstance(fused, bool):
-            raise TypeError(f"fused must be a bool, got {type(fused).__name__}")
+        if fused is not None and not isinstance(fused, bool):
+            raise TypeError(f"fused must be None or a bool, got {type(fused).__name__}")
         props = torch.cuda.get_device_properties(weights.w13.device)
         sms = props.multi_processor_count
         # the family first: it decides the weight layout (tactics and fp8 are checked there)
@@ -300,12 +304,23 @@ class RoutedExpertGemm:
             _route.compile_route_kernel(quantize=True, deq=True)
         if any(t.spec for (stage, _), t in self.tactics.items() if stage == 1):
             _route.compile_route_kernel(quantize=True, release_after_wait=True)  # `route` before a spec GEMM1
-        # the fused layer: one built-in fused tactic per row count where one fits, its counters
+        # the fused layer: per row count a fused tactic (the table's, or the built-in one) or None (the pair)
         self.fused_tactics: dict[int, _fused.FusedTactic | None] = {}
+        self.fused_sources: dict[int, str] = {}
         self.fused_workspace: torch.Tensor | None = None
-        if fused:
-            for rows in range(1, MAX_ROWS + 1):
-                self.fused_tactics[rows] = _fused.default_fused_tactic(shape, max_ctas(rows, top_k, self.experts), sms)
+        for rows in range(1, MAX_ROWS + 1):
+            ft, source = None, "the pair"
+            if fused:
+                ft = _fused.default_fused_tactic(shape, max_ctas(rows, top_k, self.experts), sms)
+                source = "built-in" if ft is not None else "the pair: no built-in fused tactic fits"
+            elif fused is None and fp8 and tactics is None:
+                choice, source = load_layer_choice(props.name, ShapeClass.of(shape, top_k), rows, search=tables)
+                ft = choice.fused
+                reason = ft.why_invalid(shape) if ft is not None else None
+                if reason:
+                    ft, source = None, f"the pair: {choice.name} ({source}) cannot run: {reason}"
+            self.fused_tactics[rows], self.fused_sources[rows] = ft, source
+        if any(t is not None for t in self.fused_tactics.values()):
             most = max(max_ctas(r, top_k, self.experts) for r in range(1, MAX_ROWS + 1))
             self.fused_workspace = _gemm.alloc_workspace(_fused.fused_workspace_bytes(most), self.kw.device)
             for ft in set(t for t in self.fused_tactics.values() if t is not None):

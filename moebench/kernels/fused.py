@@ -41,15 +41,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from moebench.kernels.gemm import _check_common, _num_sms, check_gemm1_io
 from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
 from moebench.kernels.layout import KernelWeights
-from moebench.kernels.limits import SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED_PER_CTA
-from moebench.kernels.tactic import GemmShape, GemmTactic, bulk_stage_bytes, partial_smem_bytes
+from moebench.kernels.limits import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
+from moebench.kernels.fused_tactic import (  # noqa: F401 - the tactic's names, also for fused's callers
+    MAX_LEAD,
+    MAX_RESIDENT,
+    FusedTactic,
+    LayerChoice,
+    default_fused_tactic,
+    fused_candidates,
+    fused_smem_bytes,
+)
+from moebench.kernels.tactic import GemmShape
 from moebench.record import TILE
 
 if HAVE_DSL:
@@ -62,117 +70,11 @@ if HAVE_DSL:
     from moebench.kernels import fp4, ptx
     from moebench.kernels.gemm import StreamingGemmKernel
 
-#: Most GEMM2 units a CTA may hold resident (compile-time size of the region).
-MAX_RESIDENT = 16
-#: Most GEMM1 ring steps a `lead` may name.
-MAX_LEAD = 1 << 12
 #: int64 stamps per CTA of a traced launch (`fused_layer(..., trace=)`), %globaltimer ns:
 #: start (after the dependency wait), GEMM1 consumed, first H ready, first resident stage in
 #: shared memory (as the consumer sees it, so >= H ready), last resident stage in, GEMM2
 #: done, the producer's last GEMM1 issue, its last resident issue; -1 where a CTA had none.
 TRACE_STAMPS = ("start", "gemm1_done", "h_ready", "res_first", "res_last", "gemm2_done", "g1_issued", "res_issued")
-
-
-@dataclass(frozen=True)
-class FusedTactic:
-    """The fused layer's parameters: GEMM1's and GEMM2's tactics (fp8 on the
-    bulk ring, one CTA per SM, the same number of warps, PDL; the ring has
-    gemm1.stages stages), `resident`, the GEMM2 units per CTA whose
-    weights are loaded into their own shared memory (0: all of GEMM2
-    streams through the ring after GEMM1, v13's order), and `lead`, when the
-    producer issues those loads: with `lead` of the CTA's GEMM1 ring steps
-    still to issue (0: after GEMM1's last; None: right after the ring's
-    first fill, v24's order)."""
-
-    gemm1: GemmTactic
-    gemm2: GemmTactic
-    resident: int = 2
-    lead: int | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("gemm1", "gemm2"):
-            if not isinstance(getattr(self, name), GemmTactic):
-                raise TypeError(f"{name} must be a GemmTactic, got {type(getattr(self, name)).__name__}")
-        r, ld = self.resident, self.lead
-        if not isinstance(r, int) or isinstance(r, bool):
-            raise TypeError(f"resident must be an int in [0, {MAX_RESIDENT}], got {type(r).__name__} {r!r}")
-        if not 0 <= r <= MAX_RESIDENT:
-            raise ValueError(f"resident must be an int in [0, {MAX_RESIDENT}], got {r!r}")
-        if ld is not None and (not isinstance(ld, int) or isinstance(ld, bool)):
-            raise TypeError(f"lead must be None or an int in [0, {MAX_LEAD}], got {type(ld).__name__} {ld!r}")
-        if ld is not None and not 0 <= ld <= MAX_LEAD:
-            raise ValueError(f"lead must be None or an int in [0, {MAX_LEAD}], got {ld!r}")
-
-    @property
-    def name(self) -> str:
-        lead = "" if self.lead is None else f"_ld{self.lead}"
-        return f"{self.gemm1.name}+{self.gemm2.name}_res{self.resident}{lead}"
-
-    def why_invalid(self, shape) -> str | None:
-        """None if this fused tactic can run `shape`, else the reason."""
-        s = GemmShape.of(shape)
-        for stage, t in ((1, self.gemm1), (2, self.gemm2)):
-            if not (t.fp8 and t.bulk and t.pdl and t.persistent):
-                return f"GEMM{stage} tactic {t.name} must be fp8 on the bulk ring, persistent, with PDL"
-            if t.ctas_per_sm != 1 or t.split_k != 1 or t.cluster_k != 1 or t.spec:
-                return (
-                    f"GEMM{stage} tactic {t.name} must run one CTA per SM without split_k, cluster_k or spec"
-                    " (the fused grid is one CTA per SM)"
-                )
-            reason = t.valid_for(s, stage)
-            if reason:
-                return f"GEMM{stage} tactic {t.name}: {reason}"
-        if self.gemm1.warps != self.gemm2.warps:
-            return f"the tactics' warps differ ({self.gemm1.warps} and {self.gemm2.warps}): one CTA runs both"
-        need = fused_smem_bytes(self, s)
-        if need > SMEM_PER_CTA:
-            return f"needs {need} bytes of shared memory per CTA, more than {SMEM_PER_CTA}"
-        return None
-
-
-#: The built-in fused tactics' candidates, 16 warps each (one CTA per SM): GEMM1 64-row items of
-#: four warpgroups splitting K (unroll 4, then 2 where K's chunks ask for it); GEMM2 128-row items
-#: (K split in two) else 256-row items, unroll 4 down to 1 (the first whose steps divide I / 32).
-_FUSED_GEMM1 = tuple(GemmTactic(16, 4, 4, u, 1, stages=4, fp8=True) for u in (4, 2, 1))
-_FUSED_GEMM2 = tuple(GemmTactic(16, m, 16 // m, u, 1, stages=4, fp8=True) for m in (8, 16) for u in (4, 3, 2, 1))
-
-
-def default_fused_tactic(shape, ctas: int, num_sms: int = 132) -> FusedTactic | None:
-    """The built-in fused tactic for `ctas` token tiles (the most a row count
-    can need) on `num_sms` SMs, or None when no candidate runs the shape: the
-    first valid GEMM1 / GEMM2 of `_FUSED_GEMM1` / `_FUSED_GEMM2`, with as many
-    resident GEMM2 units as the busiest CTA takes at `ctas` tiles, or as fit,
-    loaded after GEMM1's last issue (lead 0: the fastest order in the
-    2026-12-01 trace, perf-notes v24b; loading them early only delayed GEMM1)."""
-    s = GemmShape.of(shape)
-    if not isinstance(ctas, int) or isinstance(ctas, bool) or ctas < 1:
-        raise ValueError(f"ctas must be a positive int, got {ctas!r}")
-    g1 = next((t for t in _FUSED_GEMM1 if t.valid_for(s, 1) is None), None)
-    g2 = next((t for t in _FUSED_GEMM2 if t.valid_for(s, 2) is None), None)
-    if g1 is None or g2 is None:
-        return None
-    units1 = ctas * (2 * s.intermediate // g1.item_rows)
-    units2 = ctas * (s.hidden // g2.item_rows)
-    grid = max(1, min(max(units1, units2), num_sms))
-    for resident in range(min(-(-units2 // grid), MAX_RESIDENT), -1, -1):
-        ft = FusedTactic(g1, g2, resident, lead=0)
-        if ft.why_invalid(s) is None:
-            return ft
-    return None
-
-
-def fused_smem_bytes(ft: FusedTactic, shape) -> int:
-    """Shared memory of one fused CTA: partials (the larger of the two
-    tactics', the same warps), the ring (the larger stage of the two), both
-    B operands and activation scales, the resident region and the mbarriers."""
-    s = GemmShape.of(shape)
-    t1, t2 = ft.gemm1, ft.gemm2
-    nb2 = -(-(s.intermediate // 32) // (t2.warps_k * t2.unroll))  # GEMM2's stages per item
-    partials = max(partial_smem_bytes(t1), partial_smem_bytes(t2))
-    ring = t1.stages * (max(bulk_stage_bytes(t1), bulk_stage_bytes(t2)) + 16)
-    acts = 8 * s.hidden + 8 * (s.hidden // 32) * 4 + 8 * s.intermediate + 8 * (s.intermediate // 32) * 4 + 512
-    resident = ft.resident * nb2 * (bulk_stage_bytes(t2) + 8)  # none allocated when resident is 0
-    return partials + ring + acts + resident + 1024  # + alignment slack of the allocations
 
 
 if HAVE_DSL:

@@ -9,19 +9,28 @@ One JSON file per (device, shape class), named like vLLM's tuned MoE configs:
 file holds, per stage ("gemm1", "gemm2") and rows ("1".."8"), the winning
 tactic, its measured µs (median, p10, p90), the runner-up and the margin,
 and the provenance of the measurement (device, driver, versions, commit,
-date). Schema (SCHEMA = 2; schema 1 is schema 2 without the "fp8" part):
+date). Schema (SCHEMA = 3; schema 2 is schema 3 without "fp8.fused", schema 1
+schema 2 without the "fp8" part):
 
-    {"kind": "moebench-tuning-table", "schema": 2, "moebench_version": "0.1.0",
+    {"kind": "moebench-tuning-table", "schema": 3, "moebench_version": "0.1.0",
      "tactics_version": 1,
      "shape": {"experts": 384, "hidden": 5120, "intermediate": 576, "top_k": 6, "dtype": "mxfp4"},
      "device": {"name": "NVIDIA H200", "family": "NVIDIA_H200", "sm_count": 132, "capability": "9.0"},
      "gemm1": {"1": ENTRY, ...}, "gemm2": {"1": ENTRY, ...},
-     "fp8": {"gemm1": {"1": ENTRY, ...}, "gemm2": {"1": ENTRY, ...}}}
+     "fp8": {"gemm1": {"1": ENTRY, ...}, "gemm2": {"1": ENTRY, ...}, "fused": {"1": LAYER_ENTRY, ...}}}
     ENTRY = {"tactic": TACTIC, "median_us": 11.3, "p10_us": 11.1, "p90_us": 11.6,
              "runner_up": TACTIC | null, "runner_up_us": 11.9 | null, "margin_pct": 5.3 | null,
              "separated": true, "candidates": 77, "rejected": 2, "provenance": {...}}
     TACTIC = {"name": "r64_m1_k8_u4_c1", "tile_rows": 64, "warps_m": 1, "warps_k": 8,
               "unroll": 4, "ctas_per_sm": 1, "persistent": true, "pdl": true}
+    LAYER_ENTRY = ENTRY with "tactic" / "runner_up" a CHOICE: {"name": "pair"} or
+              {"name": ..., "gemm1": TACTIC, "gemm2": TACTIC, "resident": 2, "lead": 0}
+
+"fp8.fused" says per rows whether the FP8 family runs its two GEMMs as the
+pair or as the fused layer (`kernels.fused`, a `LayerChoice`): `moebench
+tune --fp8` times route + pair against route + each fused candidate side by
+side and keeps the pair unless a fused tactic is faster beyond the noise.
+A row count no table holds runs the pair (`load_layer_choice`).
 
 Two kernel families, one layout of the weights each (a layer runs one):
 "gemm1" / "gemm2" hold the BF16 family's tactics (no `_f8`; `_a16` or the
@@ -65,19 +74,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moebench import __version__
+from moebench.kernels.fused_tactic import LayerChoice
 from moebench.kernels.tactic import TACTICS_VERSION, GemmShape, GemmTactic, default_tactic
 from moebench.record import MAX_ROWS, MAX_TOP_K, max_ctas
 
 logger = logging.getLogger("moebench.tuning")
 
 KIND = "moebench-tuning-table"
-SCHEMA = 2
+SCHEMA = 3
 #: The first schema with the "fp8" part (a table without FP8 entries is written as schema 1).
 FP8_SCHEMA = 2
+#: The first schema with "fp8.fused" (a table without it is written as schema 2 or 1).
+FUSED_SCHEMA = 3
 DTYPE = "mxfp4"
 ENV_DIR = "MOEBENCH_TUNING_DIR"
 PACKAGE_TABLES = Path(__file__).resolve().parent / "tables"
 STAGES = {1: "gemm1", 2: "gemm2"}
+#: The "stage" of the fp8 part's per-rows choice between the pair and the fused layer.
+LAYER = 3
+FUSED_KEY = "fused"
+#: How logs and tables name each stage a tune times.
+STAGE_LABELS = {1: "GEMM1", 2: "GEMM2", LAYER: "pair or fused"}
 #: The key of the FP8 family's entries in a table file.
 FP8_KEY = "fp8"
 #: Tokens of a device name that name a board, memory size or slice, not the chip.
@@ -172,6 +189,14 @@ def _tactic(data, where: str) -> GemmTactic:
         raise TableError(f"{where}: {error}") from error
 
 
+def _choice(data, where: str) -> LayerChoice:
+    """`LayerChoice.from_fields(data)`; raises TableError naming `where`."""
+    try:
+        return LayerChoice.from_fields(data)
+    except (TypeError, ValueError) as error:
+        raise TableError(f"{where}: {error}") from error
+
+
 def _finite(where: str, name: str, value, *, positive: bool = True, optional: bool = False) -> float | None:
     if value is None and optional:
         return None
@@ -186,7 +211,8 @@ def _finite(where: str, name: str, value, *, positive: bool = True, optional: bo
 class TableEntry:
     """The tactic chosen for one (stage, rows), and why.
 
-    median_us / p10_us / p90_us: the winner's time (µs, one GEMM launch);
+    tactic: a GemmTactic (the "gemm1" / "gemm2" maps) or a LayerChoice (the
+    "fp8.fused" map; runner_up then too); median_us / p10_us / p90_us: the winner's time (µs, one GEMM launch);
     runner_up: the second-fastest correct tactic (None when it was the only
     one), runner_up_us its median, margin_pct = 100 * (runner_up_us /
     median_us - 1); separated: whether the two were told apart beyond the
@@ -195,11 +221,11 @@ class TableEntry:
     device, driver, versions, commit, date of the measurement.
     """
 
-    tactic: GemmTactic
+    tactic: GemmTactic | LayerChoice
     median_us: float
     p10_us: float
     p90_us: float
-    runner_up: GemmTactic | None = None
+    runner_up: GemmTactic | LayerChoice | None = None
     runner_up_us: float | None = None
     margin_pct: float | None = None
     separated: bool = False
@@ -209,14 +235,15 @@ class TableEntry:
 
     def __post_init__(self) -> None:
         where = "TableEntry"
-        if not isinstance(self.tactic, GemmTactic):
-            raise TypeError(f"tactic must be a GemmTactic, got {type(self.tactic).__name__}")
+        if not isinstance(self.tactic, (GemmTactic, LayerChoice)):
+            raise TypeError(f"tactic must be a GemmTactic or a LayerChoice, got {type(self.tactic).__name__}")
         for name in ("median_us", "p10_us", "p90_us"):
             _finite(where, name, getattr(self, name))
         if not self.p10_us <= self.median_us <= self.p90_us:
             raise ValueError(f"need p10_us <= median_us <= p90_us, got {self.p10_us}, {self.median_us}, {self.p90_us}")
-        if self.runner_up is not None and not isinstance(self.runner_up, GemmTactic):
-            raise TypeError(f"runner_up must be a GemmTactic or None, got {type(self.runner_up).__name__}")
+        if self.runner_up is not None and type(self.runner_up) is not type(self.tactic):
+            raise TypeError(f"runner_up must be a {type(self.tactic).__name__} (as the tactic) or None,"
+                            f" got {type(self.runner_up).__name__}")  # fmt: skip
         if (self.runner_up is None) != (self.runner_up_us is None):
             raise ValueError("runner_up and runner_up_us go together")
         _finite(where, "runner_up_us", self.runner_up_us, optional=True)
@@ -240,7 +267,10 @@ class TableEntry:
         }  # fmt: skip
 
     @classmethod
-    def from_dict(cls, data, where: str) -> TableEntry:
+    def from_dict(cls, data, where: str, parse=_tactic) -> TableEntry:
+        """The entry `to_dict` wrote; `parse(fields, where)` reads its tactic
+        and runner-up (`_tactic`, or `_choice` for "fp8.fused"). Raises
+        TableError naming `where`."""
         if not isinstance(data, dict):
             raise TableError(f"{where}: an entry must be an object, got {type(data).__name__}")
         for key in ("tactic", "median_us", "p10_us", "p90_us"):
@@ -249,11 +279,11 @@ class TableEntry:
         runner = data.get("runner_up")
         try:
             return cls(
-                tactic=_tactic(data["tactic"], f"{where}.tactic"),
+                tactic=parse(data["tactic"], f"{where}.tactic"),
                 median_us=_finite(where, "median_us", data["median_us"]),
                 p10_us=_finite(where, "p10_us", data["p10_us"]),
                 p90_us=_finite(where, "p90_us", data["p90_us"]),
-                runner_up=None if runner is None else _tactic(runner, f"{where}.runner_up"),
+                runner_up=None if runner is None else parse(runner, f"{where}.runner_up"),
                 runner_up_us=_finite(where, "runner_up_us", data.get("runner_up_us"), optional=True),
                 margin_pct=_finite(where, "margin_pct", data.get("margin_pct"), positive=False, optional=True),
                 separated=data.get("separated", False),
@@ -274,8 +304,10 @@ class TuningTable:
     device: {"name": raw device name, "sm_count": int, "capability": "9.0"}
     (the device family is derived); entries: {(stage, rows): TableEntry} of
     the BF16 kernel family (tactics without `_f8`); fp8_entries: the same for
-    the FP8 family (`_f8` tactics only; the file's "fp8" part). schema: the
-    schema the table was read as (`written_schema` is what `to_dict` writes).
+    the FP8 family (`_f8` tactics only; the file's "fp8" part);
+    fused_entries: {rows: TableEntry of a LayerChoice}, the FP8 family's pair
+    or fused layer per row count ("fp8.fused"). schema: the schema the table
+    was read as (`written_schema` is what `to_dict` writes).
     """
 
     shape: ShapeClass
@@ -285,6 +317,7 @@ class TuningTable:
     tactics_version: int = TACTICS_VERSION
     schema: int = SCHEMA
     fp8_entries: dict[tuple[int, int], TableEntry] = field(default_factory=dict)
+    fused_entries: dict[int, TableEntry] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, ShapeClass):
@@ -304,6 +337,8 @@ class TuningTable:
                 if not isinstance(entry, TableEntry):
                     raise TypeError(f"{name}[{key}] must be a TableEntry, got {type(entry).__name__}")
                 where = entry_path(key[0], key[1], fp8)
+                if not isinstance(entry.tactic, GemmTactic):
+                    raise TypeError(f"{where}: the tactic must be a GemmTactic, got {type(entry.tactic).__name__}")
                 for what, t in (("tactic", entry.tactic), ("runner_up", entry.runner_up)):
                     if t is not None and t.fp8 != fp8:
                         family = (
@@ -316,6 +351,17 @@ class TuningTable:
                 reason = entry.tactic.valid_for(self.shape.gemm_shape, key[0])
                 if reason:
                     raise ValueError(f"{where}: {entry.tactic.name} cannot run GEMM{key[0]}: {reason}")
+        if not isinstance(self.fused_entries, dict):
+            raise TypeError(f"fused_entries must be a dict, got {type(self.fused_entries).__name__}")
+        for rows, entry in self.fused_entries.items():
+            if not (isinstance(rows, int) and not isinstance(rows, bool) and 1 <= rows <= MAX_ROWS):
+                raise ValueError(f"fused_entries keys must be rows 1..{MAX_ROWS}, got {rows!r}")
+            if not isinstance(entry, TableEntry) or not isinstance(entry.tactic, LayerChoice):
+                raise TypeError(f"fused_entries[{rows}] must be a TableEntry of a LayerChoice, got {entry!r:.80}")
+            for what, choice in (("tactic", entry.tactic), ("runner_up", entry.runner_up)):
+                reason = choice.fused.why_invalid(self.shape.gemm_shape) if choice and choice.fused else None
+                if reason:
+                    raise ValueError(f"{entry_path(LAYER, rows, True)}.{what}: {choice.name} cannot run: {reason}")
 
     @property
     def family(self) -> str:
@@ -330,14 +376,18 @@ class TuningTable:
         return self.fp8_entries if fp8 else self.entries
 
     def entry(self, stage: int, rows: int, fp8: bool = False) -> TableEntry | None:
-        """The entry of GEMM`stage` at `rows` of the FP8 (`fp8`) or BF16 family, or None."""
+        """The entry of GEMM`stage` at `rows` of the FP8 (`fp8`) or BF16 family,
+        or (stage LAYER, fp8) the FP8 family's pair-or-fused choice; else None."""
+        if stage == LAYER:
+            return self.fused_entries.get(rows) if fp8 else None
         return self.entries_of(fp8).get((stage, rows))
 
     @property
     def written_schema(self) -> int:
-        """The schema `to_dict` writes: FP8_SCHEMA with FP8 entries, else 1
-        (readable by a moebench from before the "fp8" part)."""
-        return FP8_SCHEMA if self.fp8_entries else 1
+        """The schema `to_dict` writes: FUSED_SCHEMA with "fp8.fused" entries,
+        else FP8_SCHEMA with FP8 entries, else 1 (each readable by a moebench
+        from before the part it lacks)."""
+        return FUSED_SCHEMA if self.fused_entries else FP8_SCHEMA if self.fp8_entries else 1
 
     def merged_over(self, older: TuningTable) -> TuningTable:
         """This table with `older`'s entries for the (family, stage, rows) it
@@ -350,8 +400,9 @@ class TuningTable:
             raise TableConflict(f"cannot merge tables of {older.device.get('name')} and {self.device.get('name')}")
         entries = {**older.entries, **self.entries}
         fp8_entries = {**older.fp8_entries, **self.fp8_entries}
+        fused_entries = {**older.fused_entries, **self.fused_entries}
         return TuningTable(self.shape, dict(self.device), entries, self.moebench_version,
-                           self.tactics_version, self.schema, fp8_entries)  # fmt: skip
+                           self.tactics_version, self.schema, fp8_entries, fused_entries)  # fmt: skip
 
     def to_dict(self) -> dict:
         out = {
@@ -363,8 +414,10 @@ class TuningTable:
             "device": {**self.device, "family": self.family},
         }  # fmt: skip
         out.update(_stage_maps(self.entries))
-        if self.fp8_entries:
+        if self.fp8_entries or self.fused_entries:
             out[FP8_KEY] = _stage_maps(self.fp8_entries)
+        if self.fused_entries:
+            out[FP8_KEY][FUSED_KEY] = {str(r): self.fused_entries[r].to_dict() for r in sorted(self.fused_entries)}
         return out
 
     @classmethod
@@ -399,21 +452,27 @@ class TuningTable:
         if fp8_part is not None and schema < FP8_SCHEMA:
             raise TableError(f"{where}: schema {schema} has no {FP8_KEY!r} part (it came with schema {FP8_SCHEMA})")
         if fp8_part is not None and not isinstance(fp8_part, dict):
-            raise TableError(f"{where}: {FP8_KEY} must be an object with 'gemm1' / 'gemm2' maps,"
+            raise TableError(f"{where}: {FP8_KEY} must be an object with 'gemm1' / 'gemm2' / 'fused' maps,"
                              f" got {type(fp8_part).__name__}")  # fmt: skip
-        unknown = sorted(set(fp8_part or {}) - set(STAGES.values()))
+        unknown = sorted(set(fp8_part or {}) - {*STAGES.values(), FUSED_KEY})
         if unknown:
-            raise TableError(f"{where}: {FP8_KEY} holds {unknown}; expected only 'gemm1' / 'gemm2'")
+            raise TableError(f"{where}: {FP8_KEY} holds {unknown}; expected only 'gemm1' / 'gemm2' / 'fused'")
         fp8_entries = _parse_stage_maps(fp8_part or {}, where, f"{FP8_KEY}.")
+        fused_part = (fp8_part or {}).get(FUSED_KEY)
+        if fused_part is not None and schema < FUSED_SCHEMA:
+            raise TableError(
+                f"{where}: schema {schema} has no {FP8_KEY}.{FUSED_KEY} (it came with schema {FUSED_SCHEMA})"
+            )
+        fused_entries = _parse_rows_map(fused_part or {}, where, f"{FP8_KEY}.{FUSED_KEY}", _choice)
         try:
-            return cls(shape, device, entries, version, tv, schema, fp8_entries)
+            return cls(shape, device, entries, version, tv, schema, fp8_entries, fused_entries)
         except (TypeError, ValueError) as error:
             raise TableError(f"{where}: {error}") from error
 
 
 def entry_path(stage: int, rows: int, fp8: bool = False) -> str:
-    """Where an entry lives in a table file: 'gemm1[6]' or 'fp8.gemm1[6]'."""
-    return f"{FP8_KEY + '.' if fp8 else ''}{STAGES[stage]}[{rows}]"
+    """Where an entry lives in a table file: 'gemm1[6]', 'fp8.gemm1[6]' or (stage LAYER) 'fp8.fused[6]'."""
+    return f"{FP8_KEY + '.' if fp8 else ''}{FUSED_KEY if stage == LAYER else STAGES[stage]}[{rows}]"
 
 
 def _stage_maps(entries: dict[tuple[int, int], TableEntry]) -> dict:
@@ -430,14 +489,22 @@ def _parse_stage_maps(data: dict, where: str, prefix: str) -> dict[tuple[int, in
     (`prefix`: "" or "fp8.", for the messages); raises TableError."""
     entries: dict[tuple[int, int], TableEntry] = {}
     for stage, key in STAGES.items():
-        block = data.get(key, {})
-        if not isinstance(block, dict):
-            raise TableError(f"{where}: {prefix}{key} must be an object keyed by rows")
-        for rows_text, entry in block.items():
-            if not (isinstance(rows_text, str) and rows_text.isdigit() and 1 <= int(rows_text) <= MAX_ROWS):
-                raise TableError(f"{where}: {prefix}{key} has rows {rows_text!r} outside 1..{MAX_ROWS}")
-            entries[stage, int(rows_text)] = TableEntry.from_dict(entry, f"{where}: {prefix}{key}[{rows_text}]")
+        for rows, entry in _parse_rows_map(data.get(key, {}), where, f"{prefix}{key}", _tactic).items():
+            entries[stage, rows] = entry
     return entries
+
+
+def _parse_rows_map(block, where: str, path: str, parse) -> dict[int, TableEntry]:
+    """{rows: entry} of one map keyed by rows ("1".."8") at `path` in the
+    file `where`, each tactic read by `parse`; raises TableError."""
+    if not isinstance(block, dict):
+        raise TableError(f"{where}: {path} must be an object keyed by rows")
+    out: dict[int, TableEntry] = {}
+    for rows_text, entry in block.items():
+        if not (isinstance(rows_text, str) and rows_text.isdigit() and 1 <= int(rows_text) <= MAX_ROWS):
+            raise TableError(f"{where}: {path} has rows {rows_text!r} outside 1..{MAX_ROWS}")
+        out[int(rows_text)] = TableEntry.from_dict(entry, f"{where}: {path}[{rows_text}]", parse)
+    return out
 
 
 def version_tuple(text: str) -> tuple[int, ...]:
@@ -576,10 +643,10 @@ def _tables_phrase(paths: list[Path], singular: str, plural: str) -> str:
 
 def _check_lookup(rows, stage, fp8) -> None:
     """The arguments of one entry lookup (ValueError / TypeError naming them)."""
-    if stage not in STAGES:
-        raise ValueError(f"stage must be 1 or 2, got {stage!r}")
     if not isinstance(fp8, bool):
         raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
+    if stage not in STAGES and not (stage == LAYER and fp8):
+        raise ValueError(f"stage must be 1 or 2 (or LAYER = {LAYER} with fp8), got {stage!r}")
     if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in [1, {MAX_ROWS}], got {rows!r}")
 
@@ -689,3 +756,20 @@ def load_tactic(
     ctas = max_ctas(rows, s.top_k, s.experts)
     tactic = default_tactic(s.gemm_shape, stage, ctas, num_sms, wide_scales, fp8=fp8)
     return tactic, f"default ({family}{STAGES[stage]} rows={rows}, {ctas} token tiles)"
+
+
+def load_layer_choice(
+    device_name: str, shape, rows: int, *, top_k: int | None = None, search: list | None = None
+) -> tuple[LayerChoice, str]:
+    """(choice, source): whether the FP8 family runs its two GEMMs at `rows`
+    as the pair or as the fused layer, from the "fp8.fused" entry of the
+    first usable table along `search` (default: default_search_dirs()) that
+    holds it; the pair when none does (no warning: the pair is the default,
+    and a table tuned before the fused layer existed has no such entry).
+    source: 'table <path> fp8.fused[rows]' or 'default (the pair)'. Raises
+    ValueError / TypeError only for bad arguments."""
+    hit = lookup_entry(device_name, shape, rows, LAYER, top_k=top_k, search=search, fp8=True)
+    if hit is None:
+        return LayerChoice(None), "default (the pair)"
+    entry, path = hit
+    return entry.tactic, f"table {path} {entry_path(LAYER, rows, True)}"

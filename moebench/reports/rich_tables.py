@@ -12,6 +12,8 @@ import math
 from rich.markup import escape
 from rich.table import Table
 
+from moebench.kernels.table import STAGE_LABELS
+
 
 def escape_markup(text) -> str:
     """`text` with rich markup escaped (error messages quote [shapes])."""
@@ -206,7 +208,9 @@ def picks_tables(outcome, label: str = "") -> list[Table]:
     prefix = f"{label} " if label else ""
     tables = []
     for (tp, stage), result in outcome.results.items():
-        table = Table(title=f"{prefix}TP{tp} GEMM{stage} ({outcome.layers.get((tp, stage), '?')} weight sets)")
+        table = Table(
+            title=f"{prefix}TP{tp} {STAGE_LABELS[stage]} ({outcome.layers.get((tp, stage), '?')} weight sets)"
+        )
         for head in ("rows", "tactic", "µs", "p10-p90", "default µs", "runner-up", "margin", "separated", "rejected",
                      "note"):  # fmt: skip
             table.add_column(head)

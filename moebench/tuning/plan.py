@@ -27,6 +27,28 @@ class TunePlan:
         return [TuneConfig(preset=name, tp=(t,), **self.settings) for name in self.presets for t in self.tps]
 
 
+def parse_stages(text: str | None, fp8: bool) -> tuple[int, ...]:
+    """--stages: comma-separated 1, 2 and 'fused' (kernels.table.LAYER, --fp8
+    only); None: 1,2 (with fp8: 1,2,fused). Raises ValueError naming --stages."""
+    from moebench.kernels.table import FUSED_KEY, LAYER
+
+    if text is None:
+        return (1, 2, LAYER) if fp8 else (1, 2)
+    tokens = [t.strip() for t in str(text).split(",")]
+    if FUSED_KEY not in tokens:
+        try:
+            return tuple(parse_int_list(text, "--stages", 1, 2))
+        except ValueError as error:
+            raise ValueError(f"{error}; or 'fused' with --fp8") from None
+    if not fp8:
+        raise ValueError("--stages: 'fused' (the pair against the fused layer) needs --fp8: the fused layer is the"
+                         " FP8 family's")  # fmt: skip
+    if tokens.count(FUSED_KEY) > 1:
+        raise ValueError(f"--stages: 'fused' given twice in {text!r}")
+    rest = ",".join(t for t in tokens if t != FUSED_KEY)
+    return (*(parse_int_list(rest, "--stages", 1, 2) if rest else ()), LAYER)
+
+
 def tune_plan(*, preset, hidden, intermediate, experts, top_k, tp, rows, stages, space, scenario, repeats, top,
               replays, warmup, layers, warm_l2, act_bf16, fp8, distinct_layers, seed, budget, jobs, summary,
               device) -> TunePlan:  # fmt: skip
@@ -52,7 +74,7 @@ def tune_plan(*, preset, hidden, intermediate, experts, top_k, tp, rows, stages,
     SweepConfig(presets=names, hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k,
                 tp=tps, seed=seed, layers=layers, reduced=False)  # fmt: skip
     row_list = parse_int_list(rows, "--rows", 1, MAX_ROWS)
-    stage_list = parse_int_list(stages, "--stages", 1, 2)
+    stage_list = parse_stages(stages, fp8)
     for name, v, lo in (
         ("--repeats", repeats, 1),
         ("--top", top, 2),

@@ -53,7 +53,7 @@ from moebench import __version__
 from moebench.backends.moebench import INPUTS_READY  # the route launch the sweep times
 from moebench.bench import check_layers, check_seed
 from moebench.env import environment, resolve_device
-from moebench.kernels.table import ShapeClass, TuningTable
+from moebench.kernels.table import LAYER, STAGE_LABELS, ShapeClass, TuningTable
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
 from moebench.models import RankShape, get_preset
 from moebench.record import MAX_ROWS, TILE, max_ctas
@@ -97,7 +97,11 @@ class TuneConfig:
     an FP8-family RoutedExpertGemm runs; act_bf16 is then ignored): the
     candidates come from an `Fp8Space` (the default space becomes
     DEFAULT_FP8_SPACE; another space must be an Fp8Space, and an Fp8Space
-    needs fp8) and the entries go to the table's "fp8" part."""
+    needs fp8) and the entries go to the table's "fp8" part.
+    stages: GEMM stages 1 / 2 and (fp8 only) LAYER, the pair against the
+    fused layer per rows (`layer_runner.LayerRunner`, the table's
+    "fp8.fused"), in that order whatever the order given; None (the
+    default): (1, 2, LAYER) with fp8, else (1, 2)."""
 
     preset: str = "dsv41-flash"
     hidden: int | None = None
@@ -106,7 +110,7 @@ class TuneConfig:
     top_k: int | None = None
     tp: tuple[int, ...] = (4,)
     rows: tuple[int, ...] = tuple(range(1, MAX_ROWS + 1))
-    stages: tuple[int, ...] = (1, 2)
+    stages: tuple[int, ...] | None = None
     scenario: str = "correlated"
     seed: int = 0
     space: TacticSpace = DEFAULT_SPACE
@@ -127,6 +131,17 @@ class TuneConfig:
         for name in ("act_bf16", "fp8", "warm_l2", "copy_layers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}")
+        if self.stages is None:
+            object.__setattr__(self, "stages", (1, 2, LAYER) if self.fp8 else (1, 2))
+        stages = self.stages
+        if not isinstance(stages, tuple) or not stages or len(set(stages)) != len(stages) or any(
+            isinstance(st, bool) or st not in (1, 2, LAYER) for st in stages
+        ):  # fmt: skip
+            raise ValueError(f"stages must be distinct stages of 1, 2, {LAYER} (the layer choice), got {stages!r}")
+        if LAYER in stages and not self.fp8:
+            raise ValueError(f"stages: {LAYER} (the pair against the fused layer) needs fp8: the fused layer is"
+                             " the FP8 family's")  # fmt: skip
+        object.__setattr__(self, "stages", tuple(sorted(stages)))
         if self.fp8 and self.space is DEFAULT_SPACE:
             object.__setattr__(self, "space", DEFAULT_FP8_SPACE)
         if self.fp8 != isinstance(self.space, Fp8Space):
@@ -297,15 +312,21 @@ class GemmStageRunner:
             self._sync()
             judge = h_fp8_mismatch if tactic.fp8 else h_mismatch
             return judge(case["h_q"][:used], case["h_s"][:used], case["ref_q"][:used], case["ref_s"][:used])
-        from moebench.reference import ORACLE_TOLERANCE, relative_error
-
         case["out"].fill_(float("nan"))
         self._launch(self.kws[0], case, tactic)
         self._sync()
-        out = case["out"][:used]
+        return self.rows_mismatch(case)
+
+    def rows_mismatch(self, case: dict) -> str | None:
+        """None when the rows `case["out"]` holds (poisoned with NaN before the
+        launch) match the oracle: the used tiles written, within
+        ORACLE_TOLERANCE relative Frobenius error, padding rows zero."""
+        from moebench.reference import ORACLE_TOLERANCE, relative_error
+
+        out = case["out"][: case["used"]]
         if torch.isnan(out).any():
             return "rows of used tiles not written (NaN)"
-        err = relative_error(out.double(), case["oracle"][:used])
+        err = relative_error(out.double(), case["oracle"][: case["used"]])
         if not err <= ORACLE_TOLERANCE:
             return f"relative error {err:.3g} exceeds {ORACLE_TOLERANCE:g}"
         valid = case["route"].tile_valid_rows.tolist()
@@ -491,7 +512,7 @@ def tuning_specs(config: TuneConfig, num_sms: int, wide_scales: bool = False) ->
     out, seen = [], set()
     for shape in config.shapes():
         g = GemmShape.of(shape)
-        for stage in config.stages:
+        for stage in (st for st in config.stages if st != LAYER):  # the fused layer compiles in-process
             for rows in config.rows:
                 ctas = max_ctas(rows, shape.top_k, shape.experts)
                 ts = valid_tactics(g, stage, ctas, num_sms=num_sms, space=config.space, wide_scales=wide_scales)
@@ -529,12 +550,15 @@ def run_tune(
         weight_sets = None
         for stage in config.stages:
             if stop():
-                outcome.stopped.append(f"{config.preset} TP{shape.tp} GEMM{stage} rows {list(config.rows)}")
+                outcome.stopped.append(f"{config.preset} TP{shape.tp} {STAGE_LABELS[stage]} rows {list(config.rows)}")
                 continue
             start = time.perf_counter()
-            say(f"{shape.describe()} {config.family} GEMM{stage}: preparing weights")
-            # GEMM2's candidates run beside the GEMM1 tactic just tuned for their rows
+            say(f"{shape.describe()} {config.family} {STAGE_LABELS[stage]}: preparing weights")
+            # GEMM2's candidates run beside the GEMM1 tactic just tuned for their rows; the layer
+            # choice's pair is both GEMMs' tactics tuned now (else the runtime's)
             partners = {r: e.tactic for (st, r), e in entries.items() if st == 1} if stage == 2 else None
+            if stage == LAYER:
+                partners = {key: e.tactic for key, e in entries.items()}
             runner = _stage_runner(config, shape, stage, dev, weight_sets, partners)
             weight_sets = runner.weight_sets
             if probe is not None:
@@ -548,7 +572,7 @@ def run_tune(
             }}  # fmt: skip
 
             def step(rows: int, name: str, status: str, _stage=stage) -> None:
-                say(f"{shape.describe()} GEMM{_stage} rows={rows}: {name} {status}")
+                say(f"{shape.describe()} {STAGE_LABELS[_stage]} rows={rows}: {name} {status}")
 
             result = tune(
                 shape, list(config.rows), lambda _s, rows, r=runner: r.valid_tactics(rows),
@@ -556,7 +580,7 @@ def run_tune(
                 prefer=runner.default, provenance=prov, progress=step, should_stop=stop,
             )  # fmt: skip
             if result.stopped:
-                outcome.stopped.append(f"{config.preset} TP{shape.tp} GEMM{stage} rows {result.stopped}")
+                outcome.stopped.append(f"{config.preset} TP{shape.tp} {STAGE_LABELS[stage]} rows {result.stopped}")
             outcome.results[shape.tp, stage] = result
             outcome.layers[shape.tp, stage] = runner.layers
             outcome.seconds[shape.tp, stage] = time.perf_counter() - start
@@ -576,19 +600,27 @@ def run_tune(
             torch.cuda.empty_cache()
         d = base
         device = {"name": d["device"], "sm_count": d["sm_count"], "capability": d["capability"]}
-        table = (TuningTable(sclass, device, fp8_entries=entries) if config.fp8
-                 else TuningTable(sclass, device, entries))  # fmt: skip
+        fused = {rows: e for (st, rows), e in entries.items() if st == LAYER}
+        gemms = {key: e for key, e in entries.items() if key[0] != LAYER}
+        table = (TuningTable(sclass, device, fp8_entries=gemms, fused_entries=fused) if config.fp8
+                 else TuningTable(sclass, device, gemms))  # fmt: skip
         outcome.tables.append(table)
     return outcome
 
 
 def _stage_runner(config: TuneConfig, shape, stage: int, dev, weight_sets, partners) -> GemmStageRunner:
     """The GemmStageRunner of GEMM`stage` of `shape` with `config`'s timing
-    settings, on the run's shared weight sets, beside `partners`."""
-    return GemmStageRunner(shape, stage, dev, scenario=config.scenario, seed=config.seed, layers=config.layers,
-                           warm_l2=config.warm_l2, warmup=config.warmup, replays=config.replays,
-                           space=config.space, weight_sets=weight_sets, copy_layers=config.copy_layers,
-                           act_bf16=config.act_bf16, fp8=config.fp8, partners=partners)  # fmt: skip
+    settings, on the run's shared weight sets, beside `partners`; for stage
+    LAYER the LayerRunner, `partners` the {(stage, rows): tactic} tuned now."""
+    common = dict(scenario=config.scenario, seed=config.seed, layers=config.layers, warm_l2=config.warm_l2,
+                  warmup=config.warmup, replays=config.replays, space=config.space, weight_sets=weight_sets,
+                  copy_layers=config.copy_layers)  # fmt: skip
+    if stage == LAYER:
+        from moebench.tuning.layer_runner import LayerRunner
+
+        return LayerRunner(shape, dev, tuned=partners, **common)
+    return GemmStageRunner(shape, stage, dev, act_bf16=config.act_bf16, fp8=config.fp8, partners=partners,
+                           **common)  # fmt: skip
 
 
 def _revisit_gemm1(config, shape, dev, weight_sets, first, entries, base, say, stop) -> TuneResult | None:

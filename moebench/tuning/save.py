@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from moebench.kernels.table import TableError, TuningTable, read_table
+from moebench.kernels.table import STAGE_LABELS, TableError, TuningTable, read_table
 from moebench.tuning.table import write_table
 
 
@@ -35,7 +35,7 @@ def untuned_rows(outcome, label: str = "") -> list[str]:
     """'<label> TP<tp> GEMM<stage> rows=<rows>' of each row count of a
     TuneOutcome for which no tactic was correct."""
     prefix = f"{label} " if label else ""
-    return [f"{prefix}TP{tp} GEMM{stage} rows={rows}" for (tp, stage), result in outcome.results.items()
+    return [f"{prefix}TP{tp} {STAGE_LABELS[stage]} rows={rows}" for (tp, stage), result in outcome.results.items()
             for rows, res in result.results.items() if res.entry is None]  # fmt: skip
 
 
@@ -215,8 +215,9 @@ def tune_and_save(plan, target: str | Path, *, force: bool = False, summary: str
 
     def finished(config, outcome, saved, table_problems) -> None:
         for (t, stage), secs in outcome.seconds.items():
-            say(f"{config.preset} TP{t} {config.family} GEMM{stage}: {len(outcome.results[t, stage].entries)} rows tuned"
-                f" in {secs:.1f} s ({outcome.layers[t, stage]} weight sets)")  # fmt: skip
+            tuned = len(outcome.results[t, stage].entries)
+            say(f"{config.preset} TP{t} {config.family} {STAGE_LABELS[stage]}: {tuned} rows tuned in {secs:.1f} s"
+                f" ({outcome.layers[t, stage]} weight sets)")  # fmt: skip
         written.extend(s.key() for s in saved)
         if on_saved is not None:
             on_saved(config, outcome, saved)

@@ -16,7 +16,8 @@ import tempfile
 from pathlib import Path
 
 from moebench.kernels.table import (
-    TableConflict, TableError, TuningTable, entry_path, load_tactic, read_table, stale_reason, version_tuple,
+    LAYER, TableConflict, TableError, TuningTable, entry_path, load_layer_choice, load_tactic, read_table,
+    stale_reason, version_tuple,
 )  # fmt: skip
 
 
@@ -83,6 +84,9 @@ def _conflict(target: Path, new: TuningTable) -> str | None:
         if old.entries_of(fp8) and not new.entries_of(fp8):
             return (f"it holds {len(old.entries_of(fp8))} {family}-family entries this table lacks (writing would"
                     " drop them; merge with merged_over first, as `moebench tune` does)")  # fmt: skip
+    if old.fused_entries and not new.fused_entries:
+        return (f"it holds {len(old.fused_entries)} fp8.fused entries this table lacks (writing would drop them;"
+                " merge with merged_over first, as `moebench tune` does)")  # fmt: skip
     return None
 
 
@@ -117,7 +121,7 @@ def verify_tables(directory: str | Path) -> list[str]:
         if stale:
             problems.append(f"{path}: stale: {stale}")
             continue
-        if not table.entries and not table.fp8_entries:
+        if not table.entries and not table.fp8_entries and not table.fused_entries:
             problems.append(f"{path}: holds no entries")
         for fp8 in (False, True):
             for (stage, rows), entry in sorted(table.entries_of(fp8).items()):
@@ -126,4 +130,9 @@ def verify_tables(directory: str | Path) -> list[str]:
                 if tactic != entry.tactic or not source.startswith(f"table {path}"):
                     problems.append(f"{path}: the runtime does not take {entry_path(stage, rows, fp8)} from it"
                                     f" ({source})")  # fmt: skip
+        for rows, entry in sorted(table.fused_entries.items()):
+            choice, source = load_layer_choice(table.device["name"], table.shape, rows, search=[directory])
+            if choice != entry.tactic or not source.startswith(f"table {path}"):
+                problems.append(f"{path}: the runtime does not take {entry_path(LAYER, rows, True)} from it"
+                                f" ({source})")  # fmt: skip
     return problems

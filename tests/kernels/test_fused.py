@@ -130,6 +130,26 @@ def test_fused_layer_compiles_for_sm90a_without_spills():
         assert (sass_count(rep, r"SR_GLOBALTIMER") > 0) == traced, rep["spec"]  # stamps only in a traced build
 
 
+@pytest.mark.compile
+def test_the_fused_candidates_tune_times_compile_without_spills():
+    """Every fused candidate `moebench tune --fp8` offers for dsv41-flash at
+    TP 4 and 8 (rows 1-8; `fused_candidates`) compiles for sm_90a without
+    spills: a candidate that cannot build would only show on the GPU."""
+    from moebench.kernels.fused import fused_candidates
+
+    specs = []
+    for tp in (4, 8):
+        shape = get_preset("dsv41-flash").shard(tp)
+        for rows in range(1, 9):
+            for ft in fused_candidates(shape, max_ctas(rows, 6, shape.experts)):
+                spec = ("dsv41-flash", tp, _fields(ft.gemm1), _fields(ft.gemm2), ft.resident, ft.lead, False)
+                if spec not in specs:
+                    specs.append(spec)
+    assert len(specs) >= 8
+    for rep in compile_reports(_COMPILE_SPEC, specs):
+        assert rep["regs"] and all(n == 0 for n in rep["spills"]), f"{rep['spec']}: spills {rep['spills']}"
+
+
 # ---------------------------------------------------------------------- GPU
 EXPERTS = 64
 
@@ -379,6 +399,42 @@ def test_binding_with_fused_runs_the_fused_layer_and_meets_the_oracle(preset, tp
         assert why is None, f"{preset} TP{tp} rows {rows}: {why}"
     with pytest.raises(ValueError, match="fused=True needs the FP8 family"):
         RoutedExpertGemm(weights, 6, None, fp8=False, fused=True)
+
+
+@pytest.mark.gpu
+def test_binding_runs_the_fused_layer_where_the_tables_choose_it(tmp_path):
+    """fused=None (the default): per rows, what the tables' fp8.fused entries
+    say: the fused layer at rows 1 (source: the table), the pair at rows 2
+    (the entry says pair) and 3-8 (no entry); both meet the oracle. fused=False
+    and explicit tactics ignore the entries."""
+    from moebench.kernels.binding import RoutedExpertGemm
+    from moebench.kernels.finalize import finalize
+    from moebench.kernels.fused import LayerChoice, default_fused_tactic
+    from moebench.kernels.table import ShapeClass, TableEntry, TuningTable
+    from moebench.reference import ORACLE_TOLERANCE, oracle_gate, reference_moe
+    from moebench.routing import scenario_topk_ids
+    from moebench.tuning.table import write_table
+
+    shape = get_preset("dsv41-flash", experts=EXPERTS).shard(8)
+    weights = generate_expert_weights(shape, seed=5, device="cuda")
+    ft = default_fused_tactic(shape, max_ctas(1, 6, EXPERTS))
+    props = torch.cuda.get_device_properties(0)
+    device = {"name": props.name, "sm_count": props.multi_processor_count, "capability": "9.0"}
+    choices = {1: TableEntry(LayerChoice(ft), 10.0, 9.0, 11.0), 2: TableEntry(LayerChoice(None), 10.0, 9.0, 11.0)}
+    path = write_table(TuningTable(ShapeClass.of(shape), device, fused_entries=choices), tmp_path)
+    layer = RoutedExpertGemm(weights, 6, None, fp8=True, tables=[tmp_path])
+    assert layer.fused_tactics[1] == ft and layer.fused_sources[1] == f"table {path} fp8.fused[1]"
+    assert all(layer.fused_tactics[r] is None for r in range(2, 9)) and layer.fused_workspace is not None
+    for rows in (1, 2):
+        ids = scenario_topk_ids("correlated", rows, 6, EXPERTS, seed=rows).cuda()
+        w = torch.rand(rows, 6, device="cuda", dtype=torch.float32)
+        x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
+        got = finalize(layer.gemms(layer.route(x, ids, w)))
+        want = reference_moe(x, ids, w, weights, activation="mxfp8").output
+        err, row_err, why = oracle_gate(got.double(), want, ORACLE_TOLERANCE)
+        assert why is None, f"rows {rows}: {why}"
+    assert RoutedExpertGemm(weights, 6, None, fp8=True, fused=False, tables=[tmp_path]).fused_tactics[1] is None
+    assert RoutedExpertGemm(weights, 6, {}, fp8=True, tables=[tmp_path]).fused_tactics[1] is None
 
 
 def _default_fused_equals_the_pair(kw, hidden, ids, experts, top_k, x_seed, what):

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from moebench.models import get_preset
+from moebench.env import device_info
+from moebench.kernels.fused_tactic import FusedTactic, fused_candidates
+from moebench.kernels.tactic import GemmShape
+from moebench.record import max_ctas
 from moebench.kernels.gemm import act_to_bf16
+from moebench.kernels.table import LAYER
 from moebench.tuning.runner import TuneConfig, h_mismatch, require_tuning_device
 
 
@@ -67,6 +72,7 @@ def test_runner_checks_times_and_tunes_a_small_shape(act_bf16, fp8):
     outcome = run_tune(cfg)
     (table,) = outcome.tables
     assert set(table.entries_of(fp8)) == {(1, 1), (1, 6), (2, 1), (2, 6)} and not table.entries_of(not fp8)
+    assert set(table.fused_entries) == ({1, 6} if fp8 else set())  # --fp8 also times the pair against fused
     e = table.entry(2, 6, fp8)
     assert e.tactic.fp8 == fp8
     assert e.provenance["device"] == torch.cuda.get_device_name(0) and e.provenance["timing"]["layers"] == 2
@@ -98,12 +104,15 @@ def test_run_tune_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
     assert table.shape.intermediate == 128 and table.file_name.startswith("E=8,H=256,I=128,top_k=6,")
 
 
-def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
-    """Stand-in GEMMs copying the oracle's output (wrong for `wrong` tactics)
-    and a CPU 'tuning device': the runner's plumbing without a GPU. Returns
-    (routes, misuse): each stand-in route launch's (ids shape, whether the
-    ids are readable early: release_after_wait or inputs_ready), and the
-    GEMM1 tactics given topk_ids without spec or spec without them."""
+def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4, wrong_fused=lambda ft: False,
+                      fused_calls=None):  # fmt: skip
+    """Stand-in GEMMs and fused layer copying the oracle's output (wrong for
+    `wrong` tactics / `wrong_fused` fused tactics; each fused launch's
+    tactic appended to `fused_calls`) and a CPU 'tuning device': the
+    runner's plumbing without a GPU. Returns (routes, misuse): each stand-in
+    route launch's (ids shape, whether the ids are readable early:
+    release_after_wait or inputs_ready), and the GEMM1 tactics given
+    topk_ids without spec or spec without them."""
     import types
 
     from moebench.tuning import runner as rn
@@ -130,6 +139,16 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
         if wrong(tactic):
             out[: case["used"]] *= 1.5
 
+    def fused_layer(kw, x_q, x_s, record, ctas, h_q, h_s, out, *, tactic, workspace, trace=None, stream=None):
+        if fused_calls is not None:
+            fused_calls.append(tactic)
+        case = case_of(record)
+        h_q.copy_(case["ref_q"])
+        h_s.copy_(case["ref_s"])
+        out.copy_(case["oracle"].to(out.dtype))
+        if wrong_fused(tactic):
+            out[: case["used"]] *= 1.5
+
     original = rn.GemmStageRunner._case
 
     def tracking_case(self, rows):
@@ -146,8 +165,14 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4):
         # whether a spec GEMM1 may read the ids before its wait: either promise gives it
         routes.append((tuple(ids.shape), release_after_wait or inputs_ready))
 
+    def alloc_workspace(nbytes, device):
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+
     monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.gemm",
-                        types.SimpleNamespace(gemm1=gemm1, gemm2=gemm2, act_to_bf16=act_to_bf16))  # fmt: skip
+                        types.SimpleNamespace(gemm1=gemm1, gemm2=gemm2, act_to_bf16=act_to_bf16,
+                                              alloc_workspace=alloc_workspace))  # fmt: skip
+    monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.fused",
+                        types.SimpleNamespace(fused_layer=fused_layer, fused_workspace_bytes=lambda ctas: 64 * ctas))  # fmt: skip
     monkeypatch.setitem(__import__("sys").modules, "moebench.kernels.route",
                         types.SimpleNamespace(launch_route_quantize=launch_route_quantize))  # fmt: skip
     monkeypatch.setattr(rn.GemmStageRunner, "_case", tracking_case)
@@ -367,7 +392,9 @@ def test_run_tune_fp8_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
     from moebench.tuning import runner as rn
     from moebench.tuning.space import Fp8Space
 
-    routes, misuse = _stand_in_kernels(monkeypatch, wrong=lambda t: t.unroll == 2)
+    fused_calls = []
+    routes, misuse = _stand_in_kernels(monkeypatch, wrong=lambda t: t.unroll == 2,
+                                       wrong_fused=lambda ft: ft.resident == 0, fused_calls=fused_calls)  # fmt: skip
     seen, timed = [], []
     original = rn.GemmStageRunner._launch
     original_time = rn.GemmStageRunner.time
@@ -396,7 +423,19 @@ def test_run_tune_fp8_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
         res = outcome.results[4, stage].results[rows]
         assert all(name.endswith("_f8") for name in res.rejected)
     assert any(outcome.results[4, s].results[r].rejected for s in (1, 2) for r in (1, 6))
-    assert outcome.tables[0].to_dict()["schema"] == 2
+    # the last stage: the pair (the GEMM tactics just tuned) against each fused candidate, per rows
+    assert cfg.stages == (1, 2, LAYER) and set(table.fused_entries) == {1, 6}
+    assert outcome.tables[0].to_dict()["schema"] == 3
+    for rows, e in table.fused_entries.items():
+        res = outcome.results[4, LAYER].results[rows]
+        cands = {m.tactic.name for m in res.first_pass} | set(res.rejected)
+        sms = device_info(torch.device("cpu")).sm_count
+        shape = cfg.shapes()[0]
+        fused = fused_candidates(GemmShape.of(shape), max_ctas(rows, shape.top_k, shape.experts), sms)
+        assert len(fused) >= 3 and cands == {"pair"} | {ft.name for ft in fused}  # the pair and every fused one
+        assert set(res.rejected) == {n for n in cands if "_res0" in n}  # the wrong fused output is never picked
+        assert "_res0" not in e.tactic.name and e.provenance["timing"]["fp8"] is True
+    assert fused_calls and all(isinstance(ft, FusedTactic) for ft in fused_calls)
     # GEMM1's candidates include spec twins, launched with the ids and behind a route kernel that
     # releases after its wait; GEMM2's were all timed beside the GEMM1 the table holds for their rows
     assert any(t.spec for st, _, t, _, _ in timed if st == 1) and not misuse
@@ -430,7 +469,8 @@ def test_tune_fp8_command_keeps_the_bf16_entries(monkeypatch, tmp_path):
                                       "--summary", str(summary)])  # fmt: skip
     assert second.exit_code == 0, second.output
     text = " ".join(second.output.split())
-    assert "(4 BF16 + 4 FP8 entries)" in text and "FP8 GEMM1" in text, second.output
+    assert "(4 BF16 + 4 FP8 entries, fp8.fused: " in text and "FP8 GEMM1" in text, second.output
+    assert "FP8 pair or fused" in text, second.output  # --fp8 also times the pair against the fused layer
     (path,) = (tmp_path / "tables").iterdir()
     table = read_table(path)
     assert len(table.entries) == 4 and len(table.fp8_entries) == 4

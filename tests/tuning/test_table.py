@@ -7,9 +7,10 @@ import os
 import pytest
 
 from moebench.kernels import table as tb
+from moebench.kernels.fused_tactic import FusedTactic, LayerChoice, default_fused_tactic
 from moebench.kernels.table import (
-    ShapeClass, TableConflict, TableEntry, TableError, TuningTable, load_tactic, normalize_device_name,
-    read_table, table_file_name,
+    ShapeClass, TableConflict, TableEntry, TableError, TuningTable, load_layer_choice, load_tactic,
+    normalize_device_name, read_table, table_file_name,
 )  # fmt: skip
 from moebench.kernels.tactic import GemmTactic, default_fp8_tactic, default_tactic
 from moebench.models import get_preset
@@ -496,3 +497,90 @@ def test_an_entry_no_table_holds_gets_the_default_with_one_warning_naming_the_ta
         f"tuning tables {first / NAME}, {second / NAME} hold no FP8-family entries; using the built-in fp8"
         " default tactics (run `moebench tune --fp8` on this GPU)",
     ]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- the FP8 family's pair-or-fused part
+
+FT = default_fused_tactic(SHAPE.gemm_shape, max_ctas(1, 6, 384))  # the built-in fused tactic at rows 1
+
+
+def layer_entry(fused=True, us=12.0):
+    """An fp8.fused entry: the fused layer won (runner-up the pair), or the pair did."""
+    win, other = (LayerChoice(FT), LayerChoice(None)) if fused else (LayerChoice(None), LayerChoice(FT))
+    return TableEntry(win, us, us * 0.98, us * 1.03, runner_up=other, runner_up_us=us * 1.1, margin_pct=10.0,
+                      separated=True, candidates=5, rejected=0, provenance=PROV)  # fmt: skip
+
+
+def test_fused_choices_round_trip_as_schema_3(tmp_path):
+    t = make_fp8_table(fused_entries={1: layer_entry(True), 2: layer_entry(False)})
+    path = write_table(t, tmp_path)
+    data = json.loads(path.read_text())
+    assert data["schema"] == tb.FUSED_SCHEMA == tb.SCHEMA == 3 and set(data["fp8"]) == {"gemm1", "gemm2", "fused"}
+    assert data["fp8"]["fused"]["1"]["tactic"]["name"] == FT.name and data["fp8"]["fused"]["1"]["tactic"]["resident"]
+    assert data["fp8"]["fused"]["2"]["tactic"] == {"name": "pair"}
+    back = read_table(path)
+    assert back.fused_entries == t.fused_entries and back.fp8_entries == t.fp8_entries
+    assert back.entry(tb.LAYER, 1, fp8=True).tactic.fused == FT and back.entry(tb.LAYER, 1) is None
+    assert verify_tables(tmp_path) == []
+    # the runtime's lookup: the table's choice per rows, the pair where it has none
+    assert load_layer_choice("NVIDIA H200", SHAPE, 1, search=[tmp_path]) == (
+        LayerChoice(FT), f"table {path} fp8.fused[1]")  # fmt: skip
+    assert load_layer_choice("NVIDIA H200", SHAPE, 2, search=[tmp_path])[0] == LayerChoice(None)
+    assert load_layer_choice("NVIDIA H200", SHAPE, 3, search=[tmp_path]) == (LayerChoice(None), "default (the pair)")
+    assert load_layer_choice("NVIDIA H200", SHAPE, 1, search=[tmp_path / "none"])[0] == LayerChoice(None)
+    # a table without the part stays schema 2 (what a moebench from before it reads), and refuses it
+    data["schema"] = 2
+    path.write_text(json.dumps(data))
+    with pytest.raises(TableError, match=r"schema 2 has no fp8.fused"):
+        read_table(path)
+    assert json.loads(write_table(make_fp8_table(), tmp_path / "b").read_text())["schema"] == 2
+
+
+@pytest.mark.parametrize(
+    "damage, match",
+    [(lambda d: d.update(tactic={"name": "pair", "resident": 1}), "holds only its name"),
+     (lambda d: d["tactic"].update(name="other"), "does not match its fields"),
+     (lambda d: d["tactic"].update(resident=-1), "resident must be"),
+     (lambda d: d["tactic"].pop("gemm2"), "lacks"),
+     (lambda d: d["tactic"]["gemm1"].update(unroll=3), "name"),
+     (lambda d: d.update(tactic=[1]), "must be an object")],
+)  # fmt: skip
+def test_a_bad_fused_entry_is_refused_naming_it(tmp_path, damage, match):
+    path = write_table(make_fp8_table(fused_entries={1: layer_entry(True)}), tmp_path)
+    data = json.loads(path.read_text())
+    damage(data["fp8"]["fused"]["1"])
+    path.write_text(json.dumps(data))
+    with pytest.raises(TableError, match=rf"{NAME}: fp8.fused\[1\].*{match}"):
+        read_table(path)
+
+
+def test_fused_entries_are_validated_against_the_shape():
+    bad = FusedTactic(FT.gemm1, FT.gemm2, 16, 0)  # 16 resident units do not fit in shared memory
+    e = TableEntry(LayerChoice(bad), 10.0, 9.0, 11.0)
+    with pytest.raises(ValueError, match=r"fp8.fused\[1\].tactic.*cannot run.*shared memory"):
+        make_fp8_table(fused_entries={1: e})
+    with pytest.raises(TypeError, match="a TableEntry of a LayerChoice"):
+        make_fp8_table(fused_entries={1: fp8_entry()})
+    with pytest.raises(ValueError, match="rows 1..8"):
+        make_fp8_table(fused_entries={9: layer_entry()})
+    with pytest.raises(TypeError, match="must be a GemmTactic"):
+        make_fp8_table(rows=()).__class__(SHAPE, {"name": "NVIDIA H200"}, {(1, 1): layer_entry()})
+    with pytest.raises(TypeError, match="runner_up must be a LayerChoice"):
+        TableEntry(LayerChoice(None), 10.0, 9.0, 11.0, runner_up=F1, runner_up_us=12.0)
+
+
+def test_merge_and_write_keep_the_fused_choices(tmp_path):
+    write_table(make_fp8_table(fused_entries={1: layer_entry(True), 8: layer_entry(False)}), tmp_path)
+    with pytest.raises(TableConflict, match=r"2 fp8.fused entries this table lacks.*--force"):
+        write_table(make_fp8_table(), tmp_path)
+    retuned = make_fp8_table(fused_entries={1: layer_entry(False)}).merged_over(read_table(tmp_path / NAME))
+    assert retuned.fused_entries == {1: layer_entry(False), 8: layer_entry(False)}
+    write_table(retuned, tmp_path)
+    assert read_table(tmp_path / NAME).fused_entries == retuned.fused_entries
+
+
+def test_the_layer_lookup_checks_its_arguments():
+    with pytest.raises(ValueError, match="LAYER"):
+        tb.lookup_entry("NVIDIA H200", SHAPE, 1, tb.LAYER, fp8=False)
+    with pytest.raises(ValueError, match="rows"):
+        load_layer_choice("NVIDIA H200", SHAPE, 9)

@@ -45,3 +45,33 @@ def test_a_device_index_is_refused_under_torchrun(monkeypatch):
     assert tune_plan(**_options(device="cuda")).settings["device"] == "cuda"
     with pytest.raises(ValueError, match="--device: under torchrun each rank tunes on its LOCAL_RANK's GPU"):
         tune_plan(**_options(device="cuda:1"))
+
+
+def test_stages_take_fused_with_fp8_and_default_to_it():
+    from moebench.kernels.table import LAYER
+
+    def stages(**kw):
+        return tune_plan(**_options(**kw)).configs()[0].stages
+
+    assert stages(stages=None) == (1, 2) and stages(stages=None, fp8=True) == (1, 2, LAYER)
+    assert stages(stages="fused", fp8=True) == (LAYER,) and stages(stages="fused,2", fp8=True) == (2, LAYER)
+    assert stages(stages="1,2", fp8=True) == (1, 2)  # the pair's tactics alone, no layer choice
+    for kw, message in (({"stages": "fused"}, "'fused' .* needs --fp8"),
+                        ({"stages": "fused,fused", "fp8": True}, "'fused' given twice"),
+                        ({"stages": "3", "fp8": True}, r"--stages: \[3\] outside \[1, 2\]; or 'fused' with --fp8"),
+                        ({"stages": "1,fast", "fp8": True}, "--stages: cannot parse")):  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            tune_plan(**_options(**kw))
+
+
+def test_tune_config_checks_its_stages():
+    from moebench.kernels.table import LAYER
+    from moebench.tuning.runner import TuneConfig
+
+    assert TuneConfig(stages=(2, 1)).stages == (1, 2) and TuneConfig().stages == (1, 2)
+    assert TuneConfig(fp8=True).stages == (1, 2, LAYER) and TuneConfig(fp8=True, stages=(LAYER,)).stages == (LAYER,)
+    for bad in ((), (1, 1), (0,), (True,), [1, 2], (4,)):
+        with pytest.raises(ValueError, match="stages must be distinct stages"):
+            TuneConfig(stages=bad)
+    with pytest.raises(ValueError, match="needs fp8"):
+        TuneConfig(stages=(1, LAYER))
