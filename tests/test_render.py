@@ -40,10 +40,18 @@ def test_a_page_left_as_it_was_and_a_page_without_plots(printed, tmp_path):
 
 def test_tune_lines_and_tables(printed, tmp_path, monkeypatch):
     monkeypatch.setattr(render.rich_tables, "picks_tables", lambda outcome, label: [f"picks of {label}"])
-    table = SimpleNamespace(entries={1: 0, 2: 0}, fp8_entries={})
-    render.print_tuned(SimpleNamespace(preset="dsv4-pro", family="FP8"), None, [SimpleNamespace(path=Path("t.json"),
-                                                                                                table=table)])  # fmt: skip
+    from moebench.kernels.fused_tactic import LayerChoice, default_fused_tactic
+    from moebench.models import get_preset
+
+    fused = SimpleNamespace(tactic=LayerChoice(default_fused_tactic(get_preset("dsv4-pro").shard(4), 6)))
+    table = SimpleNamespace(entries={1: 0, 2: 0}, fp8_entries={}, fused_entries={})
+    layer = SimpleNamespace(
+        entries={}, fp8_entries={1: 0}, fused_entries={1: fused, 2: SimpleNamespace(tactic=LayerChoice())}
+    )
+    render.print_tuned(SimpleNamespace(preset="dsv4-pro", family="FP8"), None,
+                       [SimpleNamespace(path=Path("t.json"), table=table), SimpleNamespace(path=Path("u.json"), table=layer)])  # fmt: skip
     render.print_tune_run(SimpleNamespace(records=[], families=[], summary_files=(Path("g.md"), Path("g.json")),
                                           seconds=12.34), tmp_path)  # fmt: skip
     assert printed().splitlines() == ["picks of dsv4-pro FP8", "wrote t.json (2 BF16 + 0 FP8 entries)",
+                                      "wrote u.json (0 BF16 + 1 FP8 entries, fp8.fused: 1 of 2 rows fused)",
                                       "wrote g.md and g.json", "[  12.3 s] done in 12 s"]  # fmt: skip
