@@ -371,6 +371,11 @@ class TuningTable:
     def file_name(self) -> str:
         return table_file_name(self.shape, self.device["name"])
 
+    @property
+    def has_entries(self) -> bool:
+        """Whether the table holds any entry: BF16, FP8 or fp8.fused."""
+        return bool(self.entries or self.fp8_entries or self.fused_entries)
+
     def entries_of(self, fp8: bool) -> dict[tuple[int, int], TableEntry]:
         """The entries of one kernel family: `fp8_entries` or `entries`."""
         return self.fp8_entries if fp8 else self.entries

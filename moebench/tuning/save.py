@@ -60,7 +60,7 @@ def write_tables(tables, target: str | Path, force: bool = False) -> tuple[list[
     target = Path(target)
     saved, problems = [], []
     for t in tables:
-        if not t.entries and not t.fp8_entries:
+        if not t.has_entries:
             continue
         path = target / t.file_name
         try:

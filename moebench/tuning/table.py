@@ -121,7 +121,7 @@ def verify_tables(directory: str | Path) -> list[str]:
         if stale:
             problems.append(f"{path}: stale: {stale}")
             continue
-        if not table.entries and not table.fp8_entries and not table.fused_entries:
+        if not table.has_entries:
             problems.append(f"{path}: holds no entries")
         for fp8 in (False, True):
             for (stage, rows), entry in sorted(table.entries_of(fp8).items()):

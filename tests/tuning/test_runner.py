@@ -490,7 +490,19 @@ def test_tune_fp8_command_keeps_the_bf16_entries(monkeypatch, tmp_path):
     assert f"| {label} | 4 | {runs.times[3].bf16_us:.1f} | {runs.times[3].fp8_us:.1f} |" in md
     again = CliRunner().invoke(app, ["tune", *small, "--rows", "1", "--space", "ship", "--out", out])
     assert again.exit_code == 0, again.output  # re-tuning BF16 rows keeps the FP8 part
-    assert len(read_table(path).fp8_entries) == 4
+    assert len(read_table(path).fp8_entries) == 4 and set(read_table(path).fused_entries) == {1, 4}
+    # the pair-or-fused choice alone (its entries are the whole table): written, the rest kept
+    fused_only = tmp_path / "fused-only"
+    alone = CliRunner().invoke(app, ["tune", "--fp8", *small, "--stages", "fused", "--rows", "4", "--out",
+                                     str(fused_only)])  # fmt: skip
+    assert alone.exit_code == 0, alone.output
+    assert "(0 BF16 + 0 FP8 entries, fp8.fused: " in " ".join(alone.output.split()), alone.output
+    t = read_table(fused_only / path.name)
+    assert set(t.fused_entries) == {4} and not t.fp8_entries and not t.entries
+    merged = CliRunner().invoke(app, ["tune", "--fp8", *small, "--stages", "fused", "--rows", "1", "--out", out])
+    assert merged.exit_code == 0, merged.output
+    back = read_table(path)
+    assert set(back.fused_entries) == {1, 4} and len(back.fp8_entries) == 4 and len(back.entries) == 4
 
 
 def test_run_tune_revisits_gemm1_beside_the_tuned_gemm2(monkeypatch):
