@@ -8,7 +8,8 @@
 #   MOEBENCH_COMMIT=<sha> BUDGET=400 scripts/tune_all.sh
 #   MOEBENCH_COMMIT=<sha> BUDGET=400 FP8=1 scripts/tune_all.sh   # the FP8 family
 #
-# FP8=1 tunes the FP8 (wgmma) family instead (`moebench tune --fp8`): its
+# FP8=1 tunes the FP8 (wgmma) family instead (`moebench tune --fp8`, with its
+# pair-or-fused step: --stages 1,2,fused): its
 # entries are merged into the same tables' "fp8" part, the BF16 entries stay
 # (and a BF16 run keeps the FP8 part); the log / gains files get an -fp8 suffix.
 #
@@ -76,8 +77,10 @@ if [ "${PREFLIGHT:-1}" = 1 ] && [ "$jobs" != 0 ]; then
   fi
 fi
 
+stages=1,2
+[ "$fp8" = 1 ] && stages=1,2,fused  # the FP8 family also decides pair or fused per rows against the pair it tuned
 cmd=(python3 -m moebench tune --preset "${PRESETS:-all}" --tp "${TPS:-1,2,4,8}" --rows "${ROWS:-1-8}"
-     --stages 1,2 --space "${SPACE:-ship}" --replays "${REPLAYS:-50}" --warmup 3 --repeats 3 --top 3
+     --stages "$stages" --space "${SPACE:-ship}" --replays "${REPLAYS:-50}" --warmup 3 --repeats 3 --top 3
      --budget "${BUDGET:-400}" --out "$tables" --summary "$summary")
 [ -n "$jobs" ] && cmd+=(--jobs "$jobs")
 [ "$fp8" = 1 ] && cmd+=(--fp8)

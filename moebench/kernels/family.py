@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from moebench.kernels.table import ShapeClass, _log_once, lookup_entry
+from moebench.kernels.table import ShapeClass, _log_once, lookup_entry, lookup_layer_entry
 from moebench.kernels.tactic import GemmTactic, default_fp8_tactic, default_tactic
 from moebench.record import MAX_ROWS, max_ctas
 
@@ -106,7 +106,13 @@ def rows_text(rows) -> str:
 
 def _family_us(device_name: str, shape: ShapeClass, rows: int, fp8: bool, search) -> float | None:
     """The lower median µs of the family's GEMM1 / GEMM2 entries at `rows`
-    that the runtime takes, or None when the tables hold neither."""
+    that the runtime takes, or None when the tables hold neither; for FP8,
+    where the runtime's fp8.fused entry names a fused tactic, that entry's
+    µs (the fused layer's, route included, as the GEMM entries' are)."""
+    if fp8:
+        hit = lookup_layer_entry(device_name, shape, rows, search=search)
+        if hit is not None and hit[0] is not None and hit[0].tactic.fused is not None:
+            return hit[0].median_us
     times = [
         hit[0].median_us
         for stage in (1, 2)

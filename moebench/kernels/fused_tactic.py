@@ -65,16 +65,19 @@ class FusedTactic:
     @classmethod
     def from_fields(cls, data) -> FusedTactic:
         """The FusedTactic `to_fields` wrote. Raises TypeError for a non-dict,
-        ValueError for a missing field, an invalid tactic or a "name" that does
-        not match the fields."""
+        ValueError for a missing or unknown field, an invalid tactic or a
+        "name" that does not match the fields."""
         if not isinstance(data, dict):
             raise TypeError(f"a fused tactic must be an object, got {type(data).__name__}")
-        missing = [f for f in ("gemm1", "gemm2", "resident") if f not in data]
+        missing = [f for f in ("gemm1", "gemm2", "resident", "lead") if f not in data]
         if missing:
             raise ValueError(f"fused tactic lacks {missing}")
+        unknown = sorted(set(data) - {"name", "gemm1", "gemm2", "resident", "lead"})
+        if unknown:
+            raise ValueError(f"fused tactic holds unknown fields {unknown}")
         try:
             ft = cls(GemmTactic.from_fields(data["gemm1"]), GemmTactic.from_fields(data["gemm2"]),
-                     data["resident"], data.get("lead"))  # fmt: skip
+                     data["resident"], data["lead"])  # fmt: skip
         except (TypeError, ValueError) as error:
             raise ValueError(f"invalid fused tactic: {error}") from error
         if "name" in data and data["name"] != ft.name:

@@ -30,7 +30,12 @@ schema 2 without the "fp8" part):
 pair or as the fused layer (`kernels.fused`, a `LayerChoice`): `moebench
 tune --fp8` times route + pair against route + each fused candidate side by
 side and keeps the pair unless a fused tactic is faster beyond the noise.
-A row count no table holds runs the pair (`load_layer_choice`).
+The choice at a row count is read from the table that serves the FP8
+family there (the first holding any FP8 entry at those rows: its
+fp8.fused entry, else the pair; `load_layer_choice`), and a re-tune of the
+pair that does not decide again drops the older choice (`merged_over`), so
+a choice is never applied to a pair it was not timed against. A row count
+no table decides runs the pair.
 
 Two kernel families, one layout of the weights each (a layer runs one):
 "gemm1" / "gemm2" hold the BF16 family's tactics (no `_f8`; `_a16` or the
@@ -39,9 +44,11 @@ MXFP8 operand), the optional "fp8" object the FP8 family's (`_f8` only,
 family a layer runs by default is chosen from both families' µs
 (`kernels.family`: the faster per rows, one family per layer). Each
 family is tuned and merged on its own: re-tuning one keeps the other's
-entries. A table written with FP8 entries says schema 2, one without says
-schema 1 (older moebench versions still read it); an older moebench refuses
-to replace a schema-2 file (it would drop the "fp8" part) unless forced.
+entries. A table written with fp8.fused entries says schema 3, else one
+with FP8 entries schema 2, else schema 1 (so an older moebench reads what
+it can); an older moebench refuses to replace a file of a newer schema (it
+would drop the part it does not know) unless forced, and refuses to read a
+schema newer than its own.
 
 Device names are normalized to a family ("NVIDIA H200 NVL", "NVIDIA H200"
 and "NVIDIA H100 80GB HBM3 MIG 1g.10gb" -> NVIDIA_H200 / NVIDIA_H100): a
@@ -397,7 +404,9 @@ class TuningTable:
     def merged_over(self, older: TuningTable) -> TuningTable:
         """This table with `older`'s entries for the (family, stage, rows) it
         lacks (a re-tune of some rows, or of the other kernel family, keeps
-        the others). Raises TableConflict when `older` is of another shape
+        the others); `older`'s fp8.fused choice at a row count whose FP8
+        GEMM entries this table holds is dropped unless this table decides
+        it too (it was decided against the pair being replaced). Raises TableConflict when `older` is of another shape
         class or device."""
         if older.shape != self.shape:
             raise TableConflict(f"cannot merge tables of {older.shape.describe()} and {self.shape.describe()}")
@@ -405,7 +414,11 @@ class TuningTable:
             raise TableConflict(f"cannot merge tables of {older.device.get('name')} and {self.device.get('name')}")
         entries = {**older.entries, **self.entries}
         fp8_entries = {**older.fp8_entries, **self.fp8_entries}
-        fused_entries = {**older.fused_entries, **self.fused_entries}
+        # an older pair-or-fused choice was decided against the older pair: a row count whose FP8
+        # GEMMs this table re-tunes without deciding again falls back to the pair
+        retuned = {rows for _, rows in self.fp8_entries}
+        kept = {rows: e for rows, e in older.fused_entries.items() if rows not in retuned}
+        fused_entries = {**kept, **self.fused_entries}
         return TuningTable(self.shape, dict(self.device), entries, self.moebench_version,
                            self.tactics_version, self.schema, fp8_entries, fused_entries)  # fmt: skip
 
@@ -499,6 +512,9 @@ def _parse_stage_maps(data: dict, where: str, prefix: str) -> dict[tuple[int, in
     return entries
 
 
+_ROWS_KEYS = {str(r): r for r in range(1, MAX_ROWS + 1)}
+
+
 def _parse_rows_map(block, where: str, path: str, parse) -> dict[int, TableEntry]:
     """{rows: entry} of one map keyed by rows ("1".."8") at `path` in the
     file `where`, each tactic read by `parse`; raises TableError."""
@@ -506,9 +522,9 @@ def _parse_rows_map(block, where: str, path: str, parse) -> dict[int, TableEntry
         raise TableError(f"{where}: {path} must be an object keyed by rows")
     out: dict[int, TableEntry] = {}
     for rows_text, entry in block.items():
-        if not (isinstance(rows_text, str) and rows_text.isdigit() and 1 <= int(rows_text) <= MAX_ROWS):
-            raise TableError(f"{where}: {path} has rows {rows_text!r} outside 1..{MAX_ROWS}")
-        out[int(rows_text)] = TableEntry.from_dict(entry, f"{where}: {path}[{rows_text}]", parse)
+        if rows_text not in _ROWS_KEYS:  # exactly "1".."8": no "01", no other digits
+            raise TableError(f"{where}: {path} has rows {rows_text!r}; expected one of '1'..'{MAX_ROWS}'")
+        out[_ROWS_KEYS[rows_text]] = TableEntry.from_dict(entry, f"{where}: {path}[{rows_text}]", parse)
     return out
 
 
@@ -648,10 +664,10 @@ def _tables_phrase(paths: list[Path], singular: str, plural: str) -> str:
 
 def _check_lookup(rows, stage, fp8) -> None:
     """The arguments of one entry lookup (ValueError / TypeError naming them)."""
+    if stage not in STAGES:
+        raise ValueError(f"stage must be 1 or 2, got {stage!r} (the pair-or-fused choice: load_layer_choice)")
     if not isinstance(fp8, bool):
         raise TypeError(f"fp8 must be a bool, got {type(fp8).__name__}")
-    if stage not in STAGES and not (stage == LAYER and fp8):
-        raise ValueError(f"stage must be 1 or 2 (or LAYER = {LAYER} with fp8), got {stage!r}")
     if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= MAX_ROWS:
         raise ValueError(f"rows must be an int in [1, {MAX_ROWS}], got {rows!r}")
 
@@ -763,18 +779,49 @@ def load_tactic(
     return tactic, f"default ({family}{STAGES[stage]} rows={rows}, {ctas} token tiles)"
 
 
+def lookup_layer_entry(
+    device_name: str, shape, rows: int, *, top_k: int | None = None, search: list | None = None
+) -> tuple[TableEntry | None, Path] | None:
+    """(the fp8.fused entry or None, its file) of the table that serves the
+    FP8 family at `rows`: the first usable table along `search` (default:
+    default_search_dirs()) holding any FP8 entry at `rows` (GEMM1, GEMM2 or
+    fp8.fused), so a pair-or-fused choice is never taken from a table behind
+    one that re-tuned the pair without deciding again; None when no table
+    holds one. A corrupt or stale table met on the way warns once. Raises
+    ValueError / TypeError only for bad arguments."""
+    if not isinstance(rows, int) or isinstance(rows, bool) or not 1 <= rows <= MAX_ROWS:
+        raise ValueError(f"rows must be an int in [1, {MAX_ROWS}], got {rows!r}")
+    name = table_file_name(ShapeClass.of(shape, top_k), device_name)
+    found, problems = None, []
+    try:
+        for path, hit in _walk(name, search):
+            if isinstance(hit, str):
+                problems.append(hit)
+            elif rows in hit.fused_entries or hit.entry(1, rows, True) or hit.entry(2, rows, True):
+                found = hit.fused_entries.get(rows), path
+                break
+    except Exception as error:  # noqa: BLE001 - a table must never break the runtime
+        problems.append(f"tuning table lookup for {name} failed: {type(error).__name__}: {error}")
+    for line in problems:
+        _log_once(logging.WARNING, line + "; falling back")
+    return found
+
+
 def load_layer_choice(
     device_name: str, shape, rows: int, *, top_k: int | None = None, search: list | None = None
 ) -> tuple[LayerChoice, str]:
     """(choice, source): whether the FP8 family runs its two GEMMs at `rows`
-    as the pair or as the fused layer, from the "fp8.fused" entry of the
-    first usable table along `search` (default: default_search_dirs()) that
-    holds it; the pair when none does (no warning: the pair is the default,
+    as the pair or as the fused layer: the "fp8.fused" entry of the table
+    `lookup_layer_entry` finds; the pair when that table has none, or no
+    table holds FP8 entries at `rows` (no warning: the pair is the default,
     and a table tuned before the fused layer existed has no such entry).
-    source: 'table <path> fp8.fused[rows]' or 'default (the pair)'. Raises
-    ValueError / TypeError only for bad arguments."""
-    hit = lookup_entry(device_name, shape, rows, LAYER, top_k=top_k, search=search, fp8=True)
+    source: 'table <path> fp8.fused[rows]', 'the pair (table <path> has no
+    fp8.fused[rows])' or 'default (the pair)'. Raises ValueError /
+    TypeError only for bad arguments."""
+    hit = lookup_layer_entry(device_name, shape, rows, top_k=top_k, search=search)
     if hit is None:
         return LayerChoice(None), "default (the pair)"
     entry, path = hit
+    if entry is None:
+        return LayerChoice(None), f"the pair (table {path} has no {entry_path(LAYER, rows, True)})"
     return entry.tactic, f"table {path} {entry_path(LAYER, rows, True)}"

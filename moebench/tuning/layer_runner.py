@@ -28,11 +28,12 @@ class LayerRunner(GemmStageRunner):
     """The pair or the fused layer at one shape (module docstring). `tuned`:
     {(stage, rows): fp8 GemmTactic} picked by this tuning run; the pair's
     tactic of a (stage, rows) it lacks is the one the runtime takes
-    (`load_tactic`: the tuning tables, else the built-in fp8 default). The
-    other arguments as GemmStageRunner's (the FP8 family's weights)."""
+    (`load_tactic` along `search`, default the runtime's: the tuning
+    tables, else the built-in fp8 default). The other arguments as
+    GemmStageRunner's (the FP8 family's weights)."""
 
     def __init__(self, shape, device: torch.device, *, tuned: dict[tuple[int, int], GemmTactic] | None = None,
-                 **kwargs) -> None:  # fmt: skip
+                 search=None, **kwargs) -> None:  # fmt: skip
         from moebench.env import device_info
         from moebench.kernels.fused import fused_workspace_bytes
         from moebench.kernels.gemm import alloc_workspace
@@ -42,6 +43,7 @@ class LayerRunner(GemmStageRunner):
             if not (isinstance(t, GemmTactic) and t.fp8):
                 raise TypeError(f"tuned[{key}] must be an fp8 GemmTactic, got {t!r}")
         self.tuned = dict(tuned or {})
+        self.search = None if search is None else list(search)
         self.device_name = device_info(device).name
         most = max(max_ctas(r, shape.top_k, shape.experts) for r in range(1, MAX_ROWS + 1))
         self.workspace = alloc_workspace(fused_workspace_bytes(most), device)
@@ -63,7 +65,7 @@ class LayerRunner(GemmStageRunner):
             if (stage, rows) in self.tuned:
                 return self.tuned[stage, rows]
             return load_tactic(self.device_name, ShapeClass.of(self.shape), rows, stage, num_sms=self.num_sms,
-                               wide_scales=self.wide, fp8=True)[0]  # fmt: skip
+                               wide_scales=self.wide, fp8=True, search=self.search)[0]  # fmt: skip
 
         return one(1), one(2)
 

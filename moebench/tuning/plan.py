@@ -5,7 +5,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from moebench.bench.plan import check_geometry, parse_int_list, parse_names
@@ -20,6 +20,15 @@ class TunePlan:
     tps: tuple[int, ...]
     settings: dict
 
+    def writing_to(self, target) -> TunePlan:
+        """This plan with its tables written into the directory `target`: the
+        pair-or-fused step takes the pair's tactics it does not tune from
+        `target` first, then the runtime's search path (TuneConfig.pair_tables)."""
+        from moebench.kernels.table import default_search_dirs
+
+        dirs = ((str(target),) if Path(target).is_dir() else ()) + tuple(str(d) for d in default_search_dirs())
+        return replace(self, settings={**self.settings, "pair_tables": dirs})
+
     def configs(self) -> list:
         """One tuning_runner.TuneConfig per (preset, TP degree), in that order."""
         from moebench.tuning.runner import TuneConfig
@@ -29,24 +38,26 @@ class TunePlan:
 
 def parse_stages(text: str | None, fp8: bool) -> tuple[int, ...]:
     """--stages: comma-separated 1, 2 and 'fused' (kernels.table.LAYER, --fp8
-    only); None: 1,2 (with fp8: 1,2,fused). Raises ValueError naming --stages."""
+    only), each at most once; None: 1,2 (with fp8: 1,2,fused). Raises
+    ValueError naming --stages."""
     from moebench.kernels.table import FUSED_KEY, LAYER
 
     if text is None:
         return (1, 2, LAYER) if fp8 else (1, 2)
+    want = "expected 1, 2 and, with --fp8, 'fused', comma-separated, each once (e.g. '1,2,fused')"
     tokens = [t.strip() for t in str(text).split(",")]
-    if FUSED_KEY not in tokens:
-        try:
-            return tuple(parse_int_list(text, "--stages", 1, 2))
-        except ValueError as error:
-            raise ValueError(f"{error}; or 'fused' with --fp8") from None
-    if not fp8:
+    out: list[int] = []
+    for token in tokens:
+        stage = {"1": 1, "2": 2, FUSED_KEY: LAYER}.get(token)
+        if stage is None:
+            raise ValueError(f"--stages: cannot parse {token!r} in {text!r}; {want}")
+        if stage in out:
+            raise ValueError(f"--stages: {token!r} given twice in {text!r}; {want}")
+        out.append(stage)
+    if LAYER in out and not fp8:
         raise ValueError("--stages: 'fused' (the pair against the fused layer) needs --fp8: the fused layer is the"
                          " FP8 family's")  # fmt: skip
-    if tokens.count(FUSED_KEY) > 1:
-        raise ValueError(f"--stages: 'fused' given twice in {text!r}")
-    rest = ",".join(t for t in tokens if t != FUSED_KEY)
-    return (*(parse_int_list(rest, "--stages", 1, 2) if rest else ()), LAYER)
+    return tuple(sorted(out))
 
 
 def tune_plan(*, preset, hidden, intermediate, experts, top_k, tp, rows, stages, space, scenario, repeats, top,

@@ -101,7 +101,11 @@ class TuneConfig:
     stages: GEMM stages 1 / 2 and (fp8 only) LAYER, the pair against the
     fused layer per rows (`layer_runner.LayerRunner`, the table's
     "fp8.fused"), in that order whatever the order given; None (the
-    default): (1, 2, LAYER) with fp8, else (1, 2)."""
+    default): (1, 2, LAYER) with fp8, else (1, 2).
+    pair_tables: where LAYER takes the pair's tactics at rows this run did
+    not tune them (directories, in order; None: the runtime's search path;
+    `tune_and_save` puts the output directory first, so the choice is made
+    against the pair the written table will sit in front of)."""
 
     preset: str = "dsv41-flash"
     hidden: int | None = None
@@ -124,6 +128,7 @@ class TuneConfig:
     copy_layers: bool = True
     act_bf16: bool = True
     fp8: bool = False
+    pair_tables: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         check_seed(self.seed)
@@ -618,7 +623,7 @@ def _stage_runner(config: TuneConfig, shape, stage: int, dev, weight_sets, partn
     if stage == LAYER:
         from moebench.tuning.layer_runner import LayerRunner
 
-        return LayerRunner(shape, dev, tuned=partners, **common)
+        return LayerRunner(shape, dev, tuned=partners, search=config.pair_tables, **common)
     return GemmStageRunner(shape, stage, dev, act_bf16=config.act_bf16, fp8=config.fp8, partners=partners,
                            **common)  # fmt: skip
 

@@ -207,6 +207,7 @@ def tune_and_save(plan, target: str | Path, *, force: bool = False, summary: str
     from moebench.tuning.precompile import default_jobs
 
     target = Path(target)
+    plan = plan.writing_to(target)  # the pair-or-fused step decides against the pair the tables will hold
     clock = runner.Budget(budget)
     say = (lambda text: progress(clock.elapsed(), text)) if progress is not None else (lambda text: None)
     log = lambda text: say(text) if is_log_line(text) else None  # noqa: E731

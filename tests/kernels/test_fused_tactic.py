@@ -59,7 +59,7 @@ def test_fused_fields_errors_name_what_is_wrong():
         FusedTactic.from_fields({**good, "lead": -1})
     with pytest.raises(ValueError, match="invalid fused tactic"):
         FusedTactic.from_fields({**good, "gemm2": {"tile_rows": 16}})
-    assert FusedTactic.from_fields({k: v for k, v in good.items() if k not in ("name", "lead")}).lead is None
+    assert FusedTactic.from_fields({k: v for k, v in good.items() if k != "name"}) == ft
 
 
 def test_layer_choice_names_the_pair_or_the_fused_tactic():
@@ -70,3 +70,11 @@ def test_layer_choice_names_the_pair_or_the_fused_tactic():
         LayerChoice.from_fields({"name": "pair", "resident": 0})
     with pytest.raises(TypeError, match="fused must be a FusedTactic or None"):
         LayerChoice(ft.gemm1)
+
+
+def test_fused_fields_are_exactly_what_to_fields_writes():
+    good = default_fused_tactic(get_preset("dsv41-flash").shard(4), 6).to_fields()
+    with pytest.raises(ValueError, match=r"unknown fields \['extra'\]"):
+        FusedTactic.from_fields({**good, "extra": 1})
+    with pytest.raises(ValueError, match=r"lacks \['lead'\]"):  # None (early loads) and 0 differ: never guessed
+        FusedTactic.from_fields({k: v for k, v in good.items() if k != "lead"})

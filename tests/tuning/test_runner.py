@@ -546,3 +546,33 @@ def test_run_tune_revisits_gemm1_beside_the_tuned_gemm2(monkeypatch):
     records = rn.gains([(cfg, outcome)], rows=(1, 6))
     assert all(rec["revisit"]["changed"] and rec["both"]["tuned_us"] == 7.0 for rec in records)
     assert all(rec["both"]["default_us"] == 10.0 for rec in records)
+
+
+def test_the_layer_step_times_the_pair_the_tables_will_hold(monkeypatch, tmp_path):
+    """LayerRunner's pair: this run's picks, else the tactics the runtime
+    takes along its search path (`TuneConfig.pair_tables`; tune_and_save puts
+    the output directory first)."""
+    from moebench.kernels.table import ShapeClass, TableEntry, TuningTable
+    from moebench.kernels.tactic import default_fp8_tactic, default_tactic
+    from moebench.tuning import runner as rn
+    from moebench.tuning.space import Fp8Space
+    from moebench.tuning.table import write_table
+
+    _stand_in_kernels(monkeypatch, wrong=lambda t: False)
+    dev = torch.device("cpu")
+    cfg = TuneConfig(preset="dsv41-flash", hidden=512, intermediate=1024, experts=8, tp=(4,), fp8=True, layers=1,
+                     pair_tables=(str(tmp_path),))  # fmt: skip
+    shape = cfg.shapes()[0]
+    g, sms = GemmShape.of(shape), device_info(dev).sm_count
+    ctas = max_ctas(1, shape.top_k, shape.experts)
+    builtin = tuple(default_fp8_tactic(g, st, ctas, sms) for st in (1, 2))
+    alt = tuple(next(t for t in Fp8Space(6).tactics_for(g, st, sms) if t != builtin[st - 1] and t.valid_for(g, st)
+                     is None) for st in (1, 2))  # fmt: skip
+    entries = {(st, 1): TableEntry(alt[st - 1], 5.0, 4.0, 6.0) for st in (1, 2)}
+    write_table(TuningTable(ShapeClass.of(shape), {"name": device_info(dev).name, "sm_count": sms},
+                            fp8_entries=entries), tmp_path)  # fmt: skip
+    run = rn._stage_runner(cfg, shape, LAYER, dev, None, {})
+    assert run.search == [str(tmp_path)] and run.pair(1) == alt  # the table's pair
+    assert run.pair(2) == tuple(default_tactic(g, st, max_ctas(2, 6, 8), sms, run.wide, fp8=True) for st in (1, 2))
+    tuned = rn._stage_runner(cfg, shape, LAYER, dev, run.weight_sets, {(1, 1): builtin[0]})
+    assert tuned.pair(1) == (builtin[0], alt[1])  # this run's pick first

@@ -139,8 +139,15 @@ def test_tune_and_save_saves_each_config_as_it_is_tuned_then_sums_up(tmp_path, m
     summed = []
     monkeypatch.setattr(runner, "gains", lambda done, rows: summed.append((done, rows)) or [])
     monkeypatch.setattr(family, "default_families", lambda written, target: summed.append((written, target)) or [])
+    written_to = []
+
+    def plan(chosen):  # a stand-in TunePlan: its configs, and the directory tune_and_save writes into
+        return SimpleNamespace(
+            configs=lambda: chosen, writing_to=lambda target: written_to.append(target) or plan(chosen)
+        )
+
     run = tune_and_save(
-        SimpleNamespace(configs=lambda: configs),
+        plan(configs),
         tmp_path / "t",
         summary=tmp_path / "g.md",
         budget=60.0,
@@ -161,9 +168,9 @@ def test_tune_and_save_saves_each_config_as_it_is_tuned_then_sums_up(tmp_path, m
     assert run.summary_files == (tmp_path / "g.md", tmp_path / "g.json") and (tmp_path / "g.json").is_file()
     assert run.problems == ["no correct tactic for dsv4-pro BF16 TP4 GEMM1 rows=8",
                             "the --budget of 60 s left out: GEMM2 of dsv4-pro TP4"]  # fmt: skip
-    assert run.seconds >= 0
+    assert run.seconds >= 0 and written_to == [tmp_path / "t"]
     (tmp_path / "g").mkdir()
-    run = tune_and_save(SimpleNamespace(configs=lambda: configs[:1]), tmp_path / "t", force=True, summary=tmp_path / "g",
+    run = tune_and_save(plan(configs[:1]), tmp_path / "t", force=True, summary=tmp_path / "g",
                         budget=60.0, jobs=0)  # fmt: skip
     assert run.summary_files is None and run.problems[0].startswith(f"cannot write {tmp_path / 'g'}")
 

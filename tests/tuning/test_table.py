@@ -530,8 +530,12 @@ def test_fused_choices_round_trip_as_schema_3(tmp_path):
     assert load_layer_choice("NVIDIA H200", SHAPE, 1, search=[tmp_path]) == (
         LayerChoice(FT), f"table {path} fp8.fused[1]")  # fmt: skip
     assert load_layer_choice("NVIDIA H200", SHAPE, 2, search=[tmp_path])[0] == LayerChoice(None)
-    assert load_layer_choice("NVIDIA H200", SHAPE, 3, search=[tmp_path]) == (LayerChoice(None), "default (the pair)")
-    assert load_layer_choice("NVIDIA H200", SHAPE, 1, search=[tmp_path / "none"])[0] == LayerChoice(None)
+    assert load_layer_choice("NVIDIA H200", SHAPE, 3, search=[tmp_path]) == (
+        LayerChoice(None), f"the pair (table {path} has no fp8.fused[3])")  # fmt: skip
+    assert load_layer_choice("NVIDIA H200", SHAPE, 1, search=[tmp_path / "b"]) == (
+        LayerChoice(None),
+        "default (the pair)",
+    )
     # a table without the part stays schema 2 (what a moebench from before it reads), and refuses it
     data["schema"] = 2
     path.write_text(json.dumps(data))
@@ -577,14 +581,65 @@ def test_merge_and_write_keep_the_fused_choices(tmp_path):
     write_table(make_fp8_table(fused_entries={1: layer_entry(True), 8: layer_entry(False)}), tmp_path)
     with pytest.raises(TableConflict, match=r"2 fp8.fused entries this table lacks.*--force"):
         write_table(make_fp8_table(), tmp_path)
-    retuned = make_fp8_table(fused_entries={1: layer_entry(False)}).merged_over(read_table(tmp_path / NAME))
+    retuned = make_fp8_table(rows=(1,), fused_entries={1: layer_entry(False)}).merged_over(read_table(tmp_path / NAME))
     assert retuned.fused_entries == {1: layer_entry(False), 8: layer_entry(False)}
     write_table(retuned, tmp_path)
     assert read_table(tmp_path / NAME).fused_entries == retuned.fused_entries
 
 
 def test_the_layer_lookup_checks_its_arguments():
-    with pytest.raises(ValueError, match="LAYER"):
-        tb.lookup_entry("NVIDIA H200", SHAPE, 1, tb.LAYER, fp8=False)
+    with pytest.raises(ValueError, match="stage must be 1 or 2"):
+        tb.lookup_entry("NVIDIA H200", SHAPE, 1, tb.LAYER, fp8=True)
     with pytest.raises(ValueError, match="rows"):
         load_layer_choice("NVIDIA H200", SHAPE, 9)
+
+
+def test_a_repaired_pair_drops_the_older_fused_choice_unless_it_decides_again():
+    older = make_fp8_table(
+        rows=(1, 2), fused_entries={1: layer_entry(True), 2: layer_entry(True), 5: layer_entry(True)}
+    )
+    pair_only = make_fp8_table(rows=(1,))  # re-tunes the pair at rows 1, no fused step
+    assert set(pair_only.merged_over(older).fused_entries) == {2, 5}
+    decided = make_fp8_table(rows=(1,), fused_entries={1: layer_entry(False)})
+    assert decided.merged_over(older).fused_entries[1] == layer_entry(False)
+    bf16 = make_table(rows=(1, 2))  # the other family's re-tune keeps every FP8 choice
+    assert set(bf16.merged_over(older).fused_entries) == {1, 2, 5}
+
+
+def test_the_fused_choice_comes_from_the_table_that_serves_the_fp8_pair(tmp_path, monkeypatch, caplog):
+    shipped, override = tmp_path / "shipped", tmp_path / "override"
+    write_table(make_fp8_table(fused_entries={1: layer_entry(True), 2: layer_entry(True)}), shipped)
+    write_table(make_fp8_table(rows=(1,)), override)  # re-tuned pair at rows 1, decided nothing
+    search = [override, shipped]
+    choice, source = load_layer_choice("NVIDIA H200", SHAPE, 1, search=search)
+    assert choice == LayerChoice(None) and source == f"the pair (table {override / NAME} has no fp8.fused[1])"
+    assert load_layer_choice("NVIDIA H200", SHAPE, 2, search=search)[0] == LayerChoice(FT)  # override lacks rows 2
+    write_table(make_table(rows=(1,)), tmp_path / "bf16")  # a BF16-only table does not serve the FP8 family
+    assert load_layer_choice("NVIDIA H200", SHAPE, 1, search=[tmp_path / "bf16", shipped])[0] == LayerChoice(FT)
+    with pytest.raises(ValueError, match=r"stage must be 1 or 2.*load_layer_choice"):
+        load_tactic("NVIDIA H200", SHAPE, 1, tb.LAYER, fp8=True, search=[shipped])
+
+
+def test_the_fp8_familys_time_is_the_fused_layers_where_the_table_runs_it(tmp_path):
+    from moebench.kernels.family import rows_times
+
+    t = make_fp8_table(fused_entries={1: layer_entry(True, us=5.0), 2: layer_entry(False, us=5.0)})
+    write_table(t, tmp_path)
+    times = {r.rows: r.fp8_us for r in rows_times("NVIDIA H200", SHAPE, search=[tmp_path])}
+    assert times[1] == 5.0  # the fused layer runs at rows 1: its time
+    assert times[2] == min(t.fp8_entries[1, 2].median_us, t.fp8_entries[2, 2].median_us)  # the pair runs
+
+
+@pytest.mark.parametrize("key", ["01", "\u00b2", " 1", "1.0"])
+@pytest.mark.parametrize("part", ["fp8.fused", "gemm1", "fp8.gemm2"])
+def test_rows_keys_are_exactly_1_to_8(tmp_path, key, part):
+    path = write_table(make_fp8_table(bf16_rows=(1,), fused_entries={1: layer_entry(True)}), tmp_path)
+    data = json.loads(path.read_text())
+    block = data
+    for k in part.split("."):
+        block = block[k]
+    block[key] = block["1"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(TableError, match=rf"{NAME}: {part} has rows {key!r}; expected one of"):
+        read_table(path)
+    assert verify_tables(tmp_path) and load_layer_choice("NVIDIA H200", SHAPE, 1, search=[tmp_path])[0] == LayerChoice()

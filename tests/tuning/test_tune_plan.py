@@ -58,8 +58,10 @@ def test_stages_take_fused_with_fp8_and_default_to_it():
     assert stages(stages="1,2", fp8=True) == (1, 2)  # the pair's tactics alone, no layer choice
     for kw, message in (({"stages": "fused"}, "'fused' .* needs --fp8"),
                         ({"stages": "fused,fused", "fp8": True}, "'fused' given twice"),
-                        ({"stages": "3", "fp8": True}, r"--stages: \[3\] outside \[1, 2\]; or 'fused' with --fp8"),
-                        ({"stages": "1,fast", "fp8": True}, "--stages: cannot parse")):  # fmt: skip
+                        ({"stages": "3", "fp8": True}, r"--stages: cannot parse '3' in '3'; expected 1, 2 and, with --fp8"),
+                        ({"stages": "1,fast", "fp8": True}, "--stages: cannot parse 'fast'"),
+                        ({"stages": "fused,", "fp8": True}, "--stages: cannot parse ''"),
+                        ({"stages": "1,1"}, "'1' given twice")):  # fmt: skip
         with pytest.raises(ValueError, match=message):
             tune_plan(**_options(**kw))
 
@@ -75,3 +77,13 @@ def test_tune_config_checks_its_stages():
             TuneConfig(stages=bad)
     with pytest.raises(ValueError, match="needs fp8"):
         TuneConfig(stages=(1, LAYER))
+
+
+def test_a_plan_writing_to_a_directory_takes_the_pair_from_it_first(tmp_path):
+    from moebench.kernels.table import default_search_dirs
+
+    plan = tune_plan(**_options(fp8=True))
+    assert plan.configs()[0].pair_tables is None  # the runtime's search path
+    rest = tuple(str(d) for d in default_search_dirs())
+    assert plan.writing_to(tmp_path).configs()[0].pair_tables == (str(tmp_path), *rest)
+    assert plan.writing_to(tmp_path / "new").configs()[0].pair_tables == rest  # nothing there yet
