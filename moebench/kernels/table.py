@@ -388,10 +388,8 @@ class TuningTable:
         return self.fp8_entries if fp8 else self.entries
 
     def entry(self, stage: int, rows: int, fp8: bool = False) -> TableEntry | None:
-        """The entry of GEMM`stage` at `rows` of the FP8 (`fp8`) or BF16 family,
-        or (stage LAYER, fp8) the FP8 family's pair-or-fused choice; else None."""
-        if stage == LAYER:
-            return self.fused_entries.get(rows) if fp8 else None
+        """The entry of GEMM`stage` at `rows` of the FP8 (`fp8`) or BF16 family, or None
+        (the pair-or-fused choice at `rows`: `fused_entries.get(rows)`)."""
         return self.entries_of(fp8).get((stage, rows))
 
     @property

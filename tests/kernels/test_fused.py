@@ -373,6 +373,23 @@ def test_traced_fused_layer_stamps_its_ctas_and_changes_nothing():
     assert bool((trace == -1).all())
 
 
+def _layer_meets_the_oracle(layer, weights, hidden, rows, what):
+    """route -> gemms -> finalize of a RoutedExpertGemm at `rows` (correlated
+    routing, top-6, fresh inputs seeded by rows) within the oracle tolerance,
+    per row too."""
+    from moebench.kernels.finalize import finalize
+    from moebench.reference import ORACLE_TOLERANCE, oracle_gate, reference_moe
+    from moebench.routing import scenario_topk_ids
+
+    ids = scenario_topk_ids("correlated", rows, 6, EXPERTS, seed=rows).cuda()
+    w = torch.rand(rows, 6, device="cuda", dtype=torch.float32)
+    x = generate_activations(rows, hidden, seed=rows, device="cuda")
+    got = finalize(layer.gemms(layer.route(x, ids, w)))
+    want = reference_moe(x, ids, w, weights, activation="mxfp8").output
+    err, row_err, why = oracle_gate(got.double(), want, ORACLE_TOLERANCE)
+    assert why is None, f"{what} rows {rows}: {why}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("preset,tp", [("dsv41-flash", 4), ("dsv41-flash", 8)])
 def test_binding_with_fused_runs_the_fused_layer_and_meets_the_oracle(preset, tp):
@@ -381,22 +398,13 @@ def test_binding_with_fused_runs_the_fused_layer_and_meets_the_oracle(preset, tp
     within the oracle tolerance, per row too; fused=True on the BF16 family
     is refused."""
     from moebench.kernels.binding import RoutedExpertGemm
-    from moebench.kernels.finalize import finalize
-    from moebench.reference import ORACLE_TOLERANCE, oracle_gate, reference_moe
-    from moebench.routing import scenario_topk_ids
 
     shape = get_preset(preset, experts=EXPERTS).shard(tp)
     weights = generate_expert_weights(shape, seed=7, device="cuda")
     layer = RoutedExpertGemm(weights, 6, None, fp8=True, fused=True)
     assert all(layer.fused_tactics[r] is not None for r in range(1, 9))
     for rows in (1, 2, 5, 8):
-        ids = scenario_topk_ids("correlated", rows, 6, EXPERTS, seed=rows).cuda()
-        w = torch.rand(rows, 6, device="cuda", dtype=torch.float32)
-        x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
-        got = finalize(layer.gemms(layer.route(x, ids, w)))
-        want = reference_moe(x, ids, w, weights, activation="mxfp8").output
-        err, row_err, why = oracle_gate(got.double(), want, ORACLE_TOLERANCE)
-        assert why is None, f"{preset} TP{tp} rows {rows}: {why}"
+        _layer_meets_the_oracle(layer, weights, shape.hidden, rows, f"{preset} TP{tp}")
     with pytest.raises(ValueError, match="fused=True needs the FP8 family"):
         RoutedExpertGemm(weights, 6, None, fp8=False, fused=True)
 
@@ -408,11 +416,8 @@ def test_binding_runs_the_fused_layer_where_the_tables_choose_it(tmp_path):
     (the entry says pair) and 3-8 (no entry); both meet the oracle. fused=False
     and explicit tactics ignore the entries."""
     from moebench.kernels.binding import RoutedExpertGemm
-    from moebench.kernels.finalize import finalize
     from moebench.kernels.fused import LayerChoice, default_fused_tactic
     from moebench.kernels.table import ShapeClass, TableEntry, TuningTable
-    from moebench.reference import ORACLE_TOLERANCE, oracle_gate, reference_moe
-    from moebench.routing import scenario_topk_ids
     from moebench.tuning.table import write_table
 
     shape = get_preset("dsv41-flash", experts=EXPERTS).shard(8)
@@ -426,13 +431,7 @@ def test_binding_runs_the_fused_layer_where_the_tables_choose_it(tmp_path):
     assert layer.fused_tactics[1] == ft and layer.fused_sources[1] == f"table {path} fp8.fused[1]"
     assert all(layer.fused_tactics[r] is None for r in range(2, 9)) and layer.fused_workspace is not None
     for rows in (1, 2):
-        ids = scenario_topk_ids("correlated", rows, 6, EXPERTS, seed=rows).cuda()
-        w = torch.rand(rows, 6, device="cuda", dtype=torch.float32)
-        x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
-        got = finalize(layer.gemms(layer.route(x, ids, w)))
-        want = reference_moe(x, ids, w, weights, activation="mxfp8").output
-        err, row_err, why = oracle_gate(got.double(), want, ORACLE_TOLERANCE)
-        assert why is None, f"rows {rows}: {why}"
+        _layer_meets_the_oracle(layer, weights, shape.hidden, rows, "tables")
     assert RoutedExpertGemm(weights, 6, None, fp8=True, fused=False, tables=[tmp_path]).fused_tactics[1] is None
     assert RoutedExpertGemm(weights, 6, {}, fp8=True, tables=[tmp_path]).fused_tactics[1] is None
 
