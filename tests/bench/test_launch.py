@@ -14,9 +14,10 @@ from typer.testing import CliRunner
 from moebench.bench import launch, run
 from moebench.bench.cases import SweepConfig, expand_cases
 from moebench.bench.interrupt import INTERRUPTED
-from moebench.bench.merge import Job, RankReport, merge_step, merge_sweep
+from moebench.bench.merge import RankReport
 from moebench.bench.pipeline import case_row
 from moebench.bench.shard import plan_shards
+from moebench.bench.sweep_ranks import merge_sweep, sweep_job
 from moebench.cli import app
 from moebench.reports.store import read_run
 
@@ -52,7 +53,7 @@ def _job(**over):
     kw = dict(presets=("dsv4-flash",), tp=(1, 2), rows=(1, 2), scenarios=("uniform",), backends=("a", "b"),
               device="cpu", reduced=False)  # fmt: skip
     kw.update(over)
-    return Job("sweep", SweepConfig(**kw))
+    return sweep_job(SweepConfig(**kw))
 
 
 def _delivered(job, world, rank, **end):
@@ -95,7 +96,7 @@ def test_a_rank_that_did_not_deliver_leaves_its_cases_failed_or_skipped(end, fai
 def test_a_step_rank0_that_died_leaves_every_tactic_of_all_failed():
     """Rank 0 delivered its 'gather' rows and died before the 'all' ones:
     a failed row for each tactic 'all' stands for (never the name 'all')."""
-    from moebench.bench.decode_step import step_cases, step_config
+    from moebench.bench.decode_step import merge_step, step_cases, step_config, step_job
 
     cfg = step_config(presets=("dsv4-flash",), hidden=256, intermediate=256, experts=32, top_k=4, tp=2, ranks=2,
                       rows=(1, 4), backends=("torch-bf16",), tactics=("gather", "all"), device="cpu")  # fmt: skip
@@ -103,7 +104,7 @@ def test_a_step_rank0_that_died_leaves_every_tactic_of_all_failed():
     mine = [case_row("step", c, {"rank": 0}, status="ok", median_us=1.0) for c in cases if c.tactic == "gather"]
     reports = [RankReport(0, {"host": "h"}, [{"rows": mine, "info": {}}], {"status": "error", "error": "boom"}),
                RankReport(1, {"host": "h"}, [], {"status": "done"})]  # fmt: skip
-    res = merge_step(Job("step", cfg), reports)
+    res = merge_step(step_job(cfg), reports)
     got = sorted(zip(res.frame["rows"], res.frame["tactic"], res.frame["status"]))
     assert got == sorted((c.rows, c.tactic, "ok" if c.tactic == "gather" else "failed") for c in cases)
     assert "all" not in set(res.frame["tactic"]) and len({c.tactic for c in cases}) > 1
