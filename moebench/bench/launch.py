@@ -30,8 +30,9 @@ a heartbeat, and at the end its status (`end/<rank>`: done, interrupted,
 or the error). The store lives in the merging process (rank 0 or the
 launcher), so a rank that dies loses only what it had not put there.
 
-The job's merge (pure functions of what the ranks put) gives one run; a case a rank did not deliver is stored failed with the reason (the
-rank died: its exit code or signal, or a heartbeat older than
+The job's merge (pure functions of what the ranks put) gives one run; a
+case a rank did not deliver is stored failed with the reason (the rank
+died: its exit code or signal, or a heartbeat older than
 `dead_after_s()`), or skipped (INTERRUPTED) when the rank stopped on an
 interrupt. Ctrl-C / SIGTERM reach every rank (from the terminal or from
 torchrun's agent), which keeps what it measured.
