@@ -5,8 +5,8 @@ did not deliver (`undelivered`), the manifest's `workers`. Pure functions
 of the reports; `launch.py` runs the ranks and collects the reports.
 
 A job carries its own rank program and merge: `sweep_ranks.sweep_job`,
-`decode_step.run_step`'s step job, `tuning.share.tune_job`. The launcher
-names none of them, so nothing below the tuner imports it.
+`decode_step.step_job`, `tuning.share.tune_job`. The launcher names
+none of them: the bench never imports the tuner, which sits above it.
 """
 
 from __future__ import annotations

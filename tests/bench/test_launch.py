@@ -4,6 +4,7 @@ elastic launch with stand-in GPUs (MOEBENCH_FAKE_GPU: the ranks run on the
 CPU) and stand-in piece runners. torchrun itself: test_torchrun.py."""
 
 import os
+import pickle
 import signal
 import time
 
@@ -14,10 +15,10 @@ from typer.testing import CliRunner
 from moebench.bench import launch, run
 from moebench.bench.cases import SweepConfig, expand_cases
 from moebench.bench.interrupt import INTERRUPTED
-from moebench.bench.merge import RankReport
+from moebench.bench.merge import Job, RankReport
 from moebench.bench.pipeline import case_row
 from moebench.bench.shard import plan_shards
-from moebench.bench.sweep_ranks import merge_sweep, sweep_job
+from moebench.bench.sweep_ranks import merge_sweep, sweep_job, sweep_share
 from moebench.cli import app
 from moebench.reports.store import read_run
 
@@ -62,6 +63,25 @@ def _delivered(job, world, rank, **end):
     rows = fake_runner([c for c in cases if c.backend != "die"], "cpu").to_dict("records")
     return RankReport(rank, {"host": "h0", "gpu_index": rank, "gpu_serial": f"s{rank}"}, [{"rows": rows, "info": {}}],
                       end or {"status": "done"})  # fmt: skip
+
+
+def test_a_job_carries_its_rank_program_and_merge_and_travels_pickled():
+    """The launcher runs what the job carries; a launched job reaches its
+    ranks pickled, so both are module-level functions."""
+    from moebench.bench.decode_step import merge_step, step_config, step_job, step_rank
+
+    job = _job()
+    assert (job.kind, job.run, job.merge, job.collective) == ("sweep", sweep_share, merge_sweep, False)
+    step = step_job(step_config(tp=2, ranks=2, device="cpu"))
+    assert (step.run, step.merge, step.collective) == (step_rank, merge_step, True)
+    for launched in (job, step):
+        assert pickle.loads(pickle.dumps(launched)) == launched
+    with pytest.raises(TypeError, match="run must be callable"):
+        Job("sweep", job.config, "sweep_share", merge_sweep)
+    with pytest.raises(TypeError, match="merge must be callable"):
+        Job("sweep", job.config, sweep_share, None)
+    with pytest.raises(ValueError, match="kind must be a non-empty str"):
+        Job("", job.config, sweep_share, merge_sweep)
 
 
 def test_merge_of_two_ranks_holds_every_case_once_in_order_with_where_it_ran():
