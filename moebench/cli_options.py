@@ -151,7 +151,8 @@ ReportOutOpt = Annotated[
     typer.Option(
         parser=parse_path,
         help="Where summary.md (and report.html + plots) go (default: beside the run,"
-        " in RUN_DIR's sibling <run>-report/, so a committed run directory stays as committed).",
+        " in RUN_DIR's sibling <run>-report/, so a committed run directory stays as committed); never a run"
+        " directory or a folder inside one, RUN_DIR's included.",
     ),
 ]
 ReportForceOpt = Annotated[

@@ -460,13 +460,13 @@ def test_report_run_that_is_a_file_or_out_that_is_a_file(tmp_path):
 def test_report_out_that_is_or_is_inside_a_run_directory_is_refused(tmp_path):
     """--out naming another stored run (the baseline, a folder inside a run,
     a link to one) would mix report files into that run: exit 2 naming
-    --out, and the runs are left as they are. --out RUN_DIR itself is where
-    the report goes without --out."""
+    --out, and the runs are left as they are. --out RUN_DIR itself, or a
+    folder inside it, is refused too: a report never writes into its run."""
     base = _stored_run(tmp_path / "runs", "base", {1: 20.0})
     cur = _stored_run(tmp_path / "runs", "cur", {1: 20.1})
     (tmp_path / "link").symlink_to(base)
     before = {run: sorted(p.name for p in run.rglob("*")) for run in (base, cur)}
-    for out in (base, base / "report", cur / "a" / "b", tmp_path / "runs" / "x" / ".." / base.name,
+    for out in (base, base / "report", tmp_path / "runs" / "x" / ".." / base.name,
                 tmp_path / "link" / "r"):  # fmt: skip
         result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--out", str(out)])
         assert result.exit_code == 2, (out, result.output)
@@ -475,12 +475,14 @@ def test_report_out_that_is_or_is_inside_a_run_directory_is_refused(tmp_path):
     assert {run: sorted(p.name for p in run.rglob("*")) for run in (base, cur)} == before
     result = runner.invoke(app, ["report", str(cur), "--out", str(base)])
     assert result.exit_code == 2 and "without --out the report goes beside RUN_DIR" in result.output.replace("\n", " ")
-    same = runner.invoke(app, ["report", str(cur), "--out", str(cur)])
-    assert same.exit_code == 0 and (cur / "report.html").exists(), same.output  # RUN_DIR itself, on purpose
+    for out in (cur, cur / "a" / "b"):  # RUN_DIR itself or a folder in it: the help says "never into the run"
+        same = runner.invoke(app, ["report", str(cur), "--out", str(out)])
+        assert same.exit_code == 2 and "--out" in same.output and "never writes into the run" in same.output
     with pytest.MonkeyPatch.context() as mp:  # the same, spelled from inside it (Path(".").parent is ".")
         mp.chdir(cur)
-        here = runner.invoke(app, ["report", str(cur), "--out", ".", "--force"])
-    assert here.exit_code == 0, here.output
+        here = runner.invoke(app, ["report", str(cur), "--out", "."])
+    assert here.exit_code == 2 and "RUN_DIR itself" in here.output, here.output
+    assert {run: sorted(p.name for p in run.rglob("*")) for run in (base, cur)} == before
     ok = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--out", str(tmp_path / "runs" / "r")])
     assert ok.exit_code == 0, ok.output  # beside the runs is fine
 
