@@ -1138,3 +1138,46 @@ def test_tactics_help_names_every_tactic_of_ours():
         for tactic in tactics:
             assert re.search(rf"\b{tactic} (/ \w+ )?=", text), (command, tactic)
             assert f"`{tactic}`" in docs, tactic
+
+
+def test_an_interrupted_report_says_so_in_one_line_and_the_rerun_is_not_refused(tmp_path, monkeypatch):
+    """An interrupted `report` exited 130 without a word and left a partial <run>-report/ that the rerun
+    refused without --force: one line says it, the directory is as it was, and the rerun writes the report."""
+    from moebench.reports import report
+
+    run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
+    beside = run.with_name(run.name + "-report")
+    with monkeypatch.context() as mp:
+        mp.setattr(report, "write_report_html", lambda plan, into=None: (_ for _ in ()).throw(KeyboardInterrupt))
+        result = runner.invoke(app, ["report", str(run)])
+    assert result.exit_code == 130, result.output
+    said = [line for line in result.output.splitlines() if "interrupted" in line]
+    assert said == [f"error: interrupted (SIGINT): no report written; {beside} is as it was"], result.output
+    assert not beside.exists() and "Traceback" not in result.output
+    again = runner.invoke(app, ["report", str(run)])
+    assert again.exit_code == 0 and (beside / "summary.md").is_file(), again.output
+
+
+def test_an_interrupted_check_or_other_command_says_so_in_one_line(monkeypatch):
+    """`check` (and every command without words of its own for it) stopped by Ctrl-C exited 130 silently."""
+    from moebench.bench import selfcheck
+    from moebench.reports import rich_tables
+
+    monkeypatch.setattr(selfcheck, "run_checks", lambda dev: (_ for _ in ()).throw(KeyboardInterrupt))
+    result = runner.invoke(app, ["check", "--device", "cpu"])
+    assert result.exit_code == 130 and result.output.strip().splitlines() == [
+        "error: interrupted (Ctrl-C) before every item was checked; nothing was judged"
+    ], result.output
+    monkeypatch.setattr(rich_tables, "presets_tables", lambda: (_ for _ in ()).throw(KeyboardInterrupt))
+    result = runner.invoke(app, ["presets"])
+    assert result.exit_code == 130, result.output
+    assert result.output.strip() == "error: interrupted (Ctrl-C) before the command finished"
+
+
+def test_check_names_no_option_it_does_not_have():
+    """`check` said "--experts: ..." though it has no --experts option: it names the commands that do."""
+    result = runner.invoke(app, ["check", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "--experts" not in runner.invoke(app, ["check", "--help"]).output
+    line = next(line for line in result.output.splitlines() if "--experts" in line)
+    assert not line.startswith("--experts") and "sweep, step and tune" in line, line
