@@ -61,7 +61,8 @@ LabelOpt = Annotated[
     str,
     typer.Option(
         help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
-        " letters, digits, '.', '_', '-', starting with a letter or digit)."
+        " letters, digits, '.', '_', '-', starting with a letter or digit). Under the checkout's reports/runs/,"
+        " git ignores a run of the default label; label a run you mean to commit."
     ),
 ]
 RunsOutOpt = Annotated[Path, typer.Option(parser=parse_path, help="Root directory of stored runs.")]
