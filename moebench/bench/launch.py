@@ -54,6 +54,7 @@ from datetime import timedelta
 
 import pandas as pd
 
+from moebench.bench import interrupt
 from moebench.bench.interrupt import INTERRUPTED, sigterm_as_interrupt
 from moebench.bench.merge import FAKE_GPU_ENV, Job, RankReport, merge, sweep_cases  # noqa: F401 - Job: the launch's
 
@@ -273,6 +274,7 @@ def rank_main(job: Job):
     end: dict = {"status": "done"}
     with sigterm_as_interrupt() as seen:
         try:
+            interrupt.take_held_interrupts()  # a Ctrl-C held since this rank started (launch_local) lands here
             if job.kind == "sweep":
                 stopped = _sweep_share(job, rank, world, str(device), box)
             elif job.kind == "tune":
@@ -483,7 +485,8 @@ def launch_local(job: Job, nproc: int, *, timeout_s: float | None = None,
     interrupted, got = False, None
     handlers = _handlers()  # the launcher installs its own for the ranks' lifetime: ours come back after
     try:
-        elastic_launch(config, rank_main)(job)
+        with interrupt.interrupts_held_for_children():  # a Ctrl-C while the ranks import waits for rank_main
+            elastic_launch(config, rank_main)(job)
     except ChildFailedError as error:
         for rank, failure in error.failures.items():
             failures[rank] = _exit_words(failure)
