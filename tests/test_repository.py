@@ -1,6 +1,7 @@
 """The checkout itself: what git ignores (a user's own runs, not the
 committed measurements) and documents that stay inside the repository."""
 
+import re
 import subprocess
 from pathlib import Path
 
@@ -38,3 +39,35 @@ def test_a_default_sweep_or_step_leaves_nothing_untracked_and_committed_runs_sta
     assert tracked == [], f"tracked files the .gitignore would hide if added again: {tracked}"
     committed = {Path(p).parts[2] for p in _git("ls-files", "reports/runs").stdout.split() if len(Path(p).parts) > 3}
     assert committed and not [run for run in committed if _ignored(f"reports/runs/{run}/results.parquet")]
+
+
+def _docs() -> list[Path]:
+    """The tracked documents (README.md, docs/*.md ...), not the logs and run summaries under reports/."""
+    names = _git("ls-files", "*.md").stdout.split()
+    return [ROOT / n for n in names if not n.startswith("reports/")] + [ROOT / "docs" / "design.md"]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_no_document_points_outside_the_repository():
+    """The README sent readers to "the workplace's DESIGN.md beside the repository (../shared/, not part of a
+    clone)": a clone holds its own design (docs/design.md), and every document's links resolve inside it,
+    anchors included."""
+    outside = re.compile(r"\.\./shared|shared/device|shared/seeds|/work/|DESIGN\.md|the workplace's DESIGN")
+    assert (ROOT / "docs" / "design.md").is_file()
+    for doc in _docs():
+        text = doc.read_text(encoding="utf-8")
+        said = [m.group(0) for m in outside.finditer(text)]
+        assert not said, f"{doc.relative_to(ROOT)} points outside the repository: {said}"
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", link):  # https:, mailto:
+                continue
+            target, _, anchor = link.partition("#")
+            path = (doc.parent / target).resolve() if target else doc
+            assert path.is_relative_to(ROOT.resolve()) and path.exists(), f"{doc.relative_to(ROOT)}: {link}"
+            if anchor and path.suffix == ".md":
+                heads = re.findall(r"^#+\s+(.*)$", path.read_text(encoding="utf-8"), re.M)
+                assert anchor in {_slug(h) for h in heads}, f"{doc.relative_to(ROOT)}: {link}"

@@ -25,7 +25,7 @@ import pandas as pd
 
 RESULTS = "results.parquet"
 MANIFEST = "manifest.json"
-#: Columns every stored run has (DESIGN.md "Store").
+#: Columns every stored run has (docs/design.md "Store").
 REQUIRED_COLUMNS = (
     "preset", "hidden", "intermediate", "experts", "top_k", "tp", "rows", "scenario", "backend",
     "tactic", "status", "error", "median_us", "p10_us", "p90_us", "unique_experts", "bytes", "gbps",
