@@ -58,7 +58,7 @@ from moebench.bench import interrupt
 from moebench.bench.interrupt import INTERRUPTED, sigterm_as_interrupt
 from moebench.bench.merge import FAKE_GPU_ENV, Job, RankReport, merge, sweep_cases  # noqa: F401 - Job: the launch's
 
-#: Environment of every rank: NVLink multicast off (DESIGN.md, device notes).
+#: Environment of every rank: NVLink multicast off (docs/design.md, "Multi-GPU runs").
 MULTICAST_OFF = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
