@@ -74,6 +74,32 @@ def test_python_dash_m_entry_point_exists():
     assert (Path(__file__).resolve().parents[1] / "moebench" / "__main__.py").is_file()
 
 
+def test_a_ctrl_c_while_the_command_starts_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """Ctrl-C in the seconds `moebench` spends importing torch printed a traceback from inside the import:
+    the command's entry point (`moebench` and `python -m moebench` alike) says it in one line, exit 130."""
+    import sys
+    import tomllib
+
+    from moebench import __main__ as entry
+
+    root = Path(__file__).resolve().parents[1]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    assert scripts["moebench"] == "moebench.__main__:main"
+
+    class Interrupted:  # an import finder that is interrupted where the CLI's imports would be
+        def find_spec(self, name, path=None, target=None):
+            if name == "moebench.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "moebench.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    with pytest.raises(SystemExit) as stop:
+        entry.main()
+    assert stop.value.code == 130
+    assert capsys.readouterr().err == "error: interrupted (Ctrl-C) while moebench was starting\n"
+
+
 def test_check_passes_on_cpu():
     result = runner.invoke(app, ["check", "--device", "cpu"])
     assert result.exit_code == 0, result.output
