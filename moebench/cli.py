@@ -307,10 +307,13 @@ def check(
         dev = resolve_device(device)
     except ValueError as error:
         raise _fail(option_message(error)) from None
-    with console.status("checking ..."):
-        results = run_checks(dev)
+    try:
+        with console.status("checking ..."):
+            results = run_checks(dev)
+    except KeyboardInterrupt:
+        raise _fail("interrupted (Ctrl-C) before every item was checked; nothing was judged", 130) from None
     console.print(rich_tables.check_table(dev, results, skipped_backends(dev)))
-    console.print(f"--experts: {KERNEL_EXPERTS_NOTE}", soft_wrap=True)
+    console.print(f"routed experts E (the --experts of sweep, step and tune): {KERNEL_EXPERTS_NOTE}", soft_wrap=True)
     failed = [r.name for r in results if not r.ok]
     if failed:
         raise _fail(f"{len(failed)} check(s) failed: {', '.join(failed)}", 1)
@@ -352,11 +355,21 @@ def report(
         if plan.comparison is not None:
             render.print_comparison(plan.comparison)
 
+    signals: list[int] = []
     try:
-        render.print_report_files(write_report(plan, html=html, force=force, before_writing=print_tables))
+        with sigterm_as_interrupt() as signals:
+            files = write_report(plan, html=html, force=force, before_writing=print_tables)
     except ReportNotWritten as error:
         render.print_report_files(error.done)
         raise _fail(str(error), error.code) from None
+    except KeyboardInterrupt as error:  # write_report removed what it had staged: a rerun is not refused
+        number = signals[-1] if signals else signal.SIGINT
+        done = getattr(error, "done", None)
+        said = (f": no report written; {plan.out} is as it was" if done is None or done.target is None else
+                f" while its files were moved into {plan.out}, which may hold part of it (--force writes it"
+                " again)")  # fmt: skip
+        raise _fail(f"interrupted ({signal.Signals(number).name}){said}", 128 + number) from None
+    render.print_report_files(files)
     stop = None if plan.comparison is None else judge_comparison(plan.comparison, plan.threshold, gated=plan.gated)
     if stop is not None:
         raise _fail(*stop)

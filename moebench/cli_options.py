@@ -61,7 +61,8 @@ LabelOpt = Annotated[
     str,
     typer.Option(
         help="Run label: the run goes to OUT/<UTC date>-<label> (1-100 ASCII"
-        " letters, digits, '.', '_', '-', starting with a letter or digit)."
+        " letters, digits, '.', '_', '-', starting with a letter or digit). Under the checkout's reports/runs/,"
+        " git ignores a run of the default label; label a run you mean to commit."
     ),
 ]
 RunsOutOpt = Annotated[Path, typer.Option(parser=parse_path, help="Root directory of stored runs.")]
@@ -151,7 +152,8 @@ ReportOutOpt = Annotated[
     typer.Option(
         parser=parse_path,
         help="Where summary.md (and report.html + plots) go (default: beside the run,"
-        " in RUN_DIR's sibling <run>-report/, so a committed run directory stays as committed).",
+        " in RUN_DIR's sibling <run>-report/, so a committed run directory stays as committed); never a run"
+        " directory or a folder inside one, RUN_DIR's included.",
     ),
 ]
 ReportForceOpt = Annotated[

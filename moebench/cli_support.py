@@ -8,6 +8,7 @@ path parser of path options, the version and a terminal that cannot print
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import sys
 from pathlib import Path
@@ -39,11 +40,23 @@ class Command(typer.core.TyperCommand):
         return flags_as_flags(super().get_params(ctx))
 
 
+#: The exit code of a command stopped by Ctrl-C (128 + SIGINT), as a shell reports it.
+INTERRUPTED_EXIT = 130
+
+
 class Group(typer.core.TyperGroup):
-    """The app's group, its help showing plain flags as flags (flags_as_flags)."""
+    """The app's group, its help showing plain flags as flags (flags_as_flags);
+    a command stopped by Ctrl-C that does not say so itself says it in one
+    line and exits 130 (typer alone exits 130 without a word)."""
 
     def get_params(self, ctx):
         return flags_as_flags(super().get_params(ctx))
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise fail("interrupted (Ctrl-C) before the command finished", INTERRUPTED_EXIT) from None
 
 
 class ReaderSafeConsole(Console):
@@ -64,11 +77,20 @@ console = ReaderSafeConsole(highlight=False)
 err_console = ReaderSafeConsole(stderr=True, highlight=False)
 
 
-def wide_console(width: int) -> Console:
-    """A console for a wide table: at least `width` columns when stdout is not
+def natural_width(renderable) -> int:
+    """The columns `renderable` (a rich Table) takes when nothing limits it."""
+    return Console(file=io.StringIO(), width=10_000).measure(renderable).maximum
+
+
+def wide_console(width: int, *tables) -> Console:
+    """A console for wide tables: at least `width` columns when stdout is not
     a terminal (logs, CI keep every column on one line), the terminal's own
-    width when it is one (COLUMNS is honored; rich folds what does not fit)."""
-    return ReaderSafeConsole(highlight=False, width=console.width if console.is_terminal else max(console.width, width))
+    width when it is one (COLUMNS is honored), and never narrower than any of
+    `tables` needs: rich would otherwise crop the cells of a table wider than
+    the console (a 120-column terminal showed 9046.3 µs as "904"); a terminal
+    narrower than the table wraps its lines instead, and no digit is lost."""
+    base = console.width if console.is_terminal else max(console.width, width)
+    return ReaderSafeConsole(highlight=False, width=max([base, *(natural_width(t) for t in tables)]))
 
 
 def fail(message: str, code: int = USAGE_ERROR) -> typer.Exit:

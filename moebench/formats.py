@@ -6,7 +6,7 @@ s = 255 is NaN. MXFP4 elements are e2m1 nibbles (two per byte, even element in
 the low nibble); MXFP8 elements are e4m3 (float8_e4m3fn) bytes.
 
 Quantization uses the round-up scale rule of FlashInfer's / TensorRT-LLM's mxfp8
-quantize (not OCP's floor rule), exactly as DESIGN.md defines it:
+quantize (not OCP's floor rule), exactly as docs/design.md defines it:
     amax = max |x| over the block (fp32);  s = amax / qmax (fp32, RN)
     code = biased_exponent(s) + (mantissa(s) != 0), clamped to [0, 254]
     elem = round_to_nearest_even(x * 2^(127 - code)) saturated at +-qmax

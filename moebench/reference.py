@@ -4,7 +4,7 @@ route -> GEMM1 (x . w13^T, SwiGLU with clamp, H quantized MXFP8 per 32 along I)
 -> GEMM2 (H . w2^T, unweighted rows) -> UnfinalizedMoEOutput -> finalize.
 
 Products of exactly-dequantized operands, accumulation in `dtype` (fp64 for the
-gate of every benchmark case). One oracle per activation format (DESIGN.md,
+gate of every benchmark case). One oracle per activation format (docs/design.md,
 "Numerics"): "mxfp8" (MXFP8 x and H: our kernels), "bf16" (BF16 x, H not
 quantized: torch-bf16, FlashInfer W4A16), "fp8_token" (per-token e4m3 x and H:
 the W4A8 paths).

@@ -24,7 +24,8 @@ def print_comparison(comp) -> None:
         console.print(f"[yellow]mismatch: {m}[/yellow]", soft_wrap=True)
     for n in comp.notes:
         console.print(f"[dim]note: {n}[/dim]", soft_wrap=True)
-    wide_console(150).print(rich_tables.comparison_table(comp))
+    table = rich_tables.comparison_table(comp)
+    wide_console(150, table).print(table)
     console.print("verdicts: " + (", ".join(f"{n} {v}" for v, n in comp.counts.items()) or "none"))
     within = within_threshold_note(comp)
     if within and not comp.errors:
@@ -60,7 +61,7 @@ def print_tuned(config, outcome, saved) -> None:
     """One tuned config (tuning.save.tune_and_save's on_saved): each table's
     picks, then each table written and what it holds."""
     for table in rich_tables.picks_tables(outcome, f"{config.preset} {config.family}"):
-        wide_console(150).print(table)
+        wide_console(150, table).print(table)
     for s in saved:
         fused = sum(e.tactic.fused is not None for e in s.table.fused_entries.values())
         layer = f", fp8.fused: {fused} of {len(s.table.fused_entries)} rows fused" if s.table.fused_entries else ""
@@ -76,10 +77,10 @@ def print_tune_run(run, target: Path) -> None:
     if getattr(run, "rank", 0) > 0:
         console.print(f"rank {run.rank} of {run.world}: tuned its share; rank 0 writes the tables")
         return
-    if run.records:
-        wide_console(150).print(rich_tables.gains_table(run.records))
-    if run.families:
-        wide_console(150).print(rich_tables.families_table(run.families, target))
+    for table in ([rich_tables.gains_table(run.records)] if run.records else []) + (
+        [rich_tables.families_table(run.families, target)] if run.families else []
+    ):
+        wide_console(150, table).print(table)
     if run.summary_files is not None:
         md, js = run.summary_files
         console.print(f"wrote [bold]{md}[/bold] and [bold]{js}[/bold]")
@@ -94,10 +95,17 @@ def print_summary(table_df) -> None:
     table_df = table_df[table_df["status"] != "skipped"]
     if len(table_df):
         table, note = rich_tables.summary_table(table_df)
-        out = wide_console(150)  # wide enough for the table even when stdout is not a terminal (logs, CI)
+        out = wide_console(150, table)  # wide enough for the table even when stdout is not a terminal (logs, CI)
         out.print(table)
         if note:
             out.print(note)
+    print_skipped(skipped)
+
+
+def print_skipped(skipped) -> None:
+    """The skipped rows of a summary or step table (a frame with backend,
+    note and status columns), one line per backend and reason, not a row
+    per case each repeating the reason."""
     for (backend, reason), group in skipped.groupby(["backend", "note"], sort=False, dropna=False):
         n = len(group)
         console.print(f"[yellow]skipped[/yellow] {escape_markup(backend)} ({n} case{'s' if n != 1 else ''}):"
@@ -110,8 +118,8 @@ STEP_TABLE_WIDTH = 160
 def print_tables(tables, width: int = STEP_TABLE_WIDTH) -> None:
     """Print rich_tables' (table, lines below) pairs, wide enough that no
     number is cut when stdout is not a terminal (a terminal folds at its width)."""
-    out = wide_console(width)
     for table, lines in tables:
+        out = wide_console(width, table)  # as wide as the table: no cell cut
         out.print(table)
         for line in lines:
             out.print(line, soft_wrap=True)
@@ -125,10 +133,14 @@ def print_step(frame, ranks=None, table=None) -> None:
 
     table = step_summary_table(frame) if table is None else table
     table = table.drop(columns=["p10_us", "p90_us"])  # in summary.md / report.html
+    skipped = table[table["status"] == "skipped"]  # said once per backend and reason below, not a row per case
+    table = table[table["status"] != "skipped"].reset_index(drop=True)
     title = "decode step (µs; the step excludes the gate)"
     if ranks is not None and len(ranks) and ranks["rank"].nunique() > 1:
         title = "decode step (µs, rank 0's timings: every rank below; the step excludes the gate)"
-    print_tables(rich_tables.split_tables(table, title))
+    if len(table):
+        print_tables(rich_tables.split_tables(table, title))
+    print_skipped(skipped)
     if ranks is not None and len(ranks):
         print_tables(
             rich_tables.split_tables(rank_table(ranks), "per rank (µs)", constant_keys=("preset", "scenario", "tactic"))

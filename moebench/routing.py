@@ -1,6 +1,6 @@
 """DeepSeek-V4 router reference (`sqrtsoftplus`) and seeded routing scenarios.
 
-Router (DESIGN.md "Routing"): scores = sqrt(softplus(logits)) in fp32 with
+Router (docs/design.md "Routing"): scores = sqrt(softplus(logits)) in fp32 with
 softplus(x) = max(x, 0) + log1p(exp(-|x|)); experts chosen by top_k of
 scores + bias (bias_vl for image rows, whose input id lies in
 [image_sentinel_lo, image_sentinel_lo + 5)); ties go to the lower expert id;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Split .bundles/cutedsl.tar.xz (../shared/device/make-bundle.sh, ~54 MiB) in two, so that each
+# Split .bundles/cutedsl.tar.xz (the workplace's make-bundle.sh, ~54 MiB) in two, so that each
 # part rides a device call beside the working tree (~10 MiB) under the 64 MiB a call carries:
 #   .bundles/cutedsl-a.tar.xz   site/nvidia_cutlass_dsl/dsl_packages   ~48 MiB
 #   .bundles/cutedsl-b.tar.xz   the rest (cu13 libraries, nvtx, metadata)   ~15 MiB

@@ -50,7 +50,7 @@ log=${log:-tune-all$sfx.log}
 summary=${out:+$out/tune-gains$sfx.md}
 summary=${summary:-tune-gains$sfx.md}
 
-# The H200 host has no registry: our packages come as bundles (../shared/device/README.md).
+# The H200 host has no registry: our packages come as bundles (docs/gpu-host.md).
 if ! python3 -c 'import cutlass' 2>/dev/null && [ -f .bundles/unpack.sh ]; then
   # shellcheck disable=SC1091
   source .bundles/unpack.sh

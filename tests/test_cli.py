@@ -74,6 +74,32 @@ def test_python_dash_m_entry_point_exists():
     assert (Path(__file__).resolve().parents[1] / "moebench" / "__main__.py").is_file()
 
 
+def test_a_ctrl_c_while_the_command_starts_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """Ctrl-C in the seconds `moebench` spends importing torch printed a traceback from inside the import:
+    the command's entry point (`moebench` and `python -m moebench` alike) says it in one line, exit 130."""
+    import sys
+    import tomllib
+
+    from moebench import __main__ as entry
+
+    root = Path(__file__).resolve().parents[1]
+    scripts = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]["scripts"]
+    assert scripts["moebench"] == "moebench.__main__:main"
+
+    class Interrupted:  # an import finder that is interrupted where the CLI's imports would be
+        def find_spec(self, name, path=None, target=None):
+            if name == "moebench.cli":
+                raise KeyboardInterrupt
+            return None
+
+    monkeypatch.delitem(sys.modules, "moebench.cli")
+    monkeypatch.setattr(sys, "meta_path", [Interrupted(), *sys.meta_path])
+    with pytest.raises(SystemExit) as stop:
+        entry.main()
+    assert stop.value.code == 130
+    assert capsys.readouterr().err == "error: interrupted (Ctrl-C) while moebench was starting\n"
+
+
 def test_check_passes_on_cpu():
     result = runner.invoke(app, ["check", "--device", "cpu"])
     assert result.exit_code == 0, result.output
@@ -460,13 +486,13 @@ def test_report_run_that_is_a_file_or_out_that_is_a_file(tmp_path):
 def test_report_out_that_is_or_is_inside_a_run_directory_is_refused(tmp_path):
     """--out naming another stored run (the baseline, a folder inside a run,
     a link to one) would mix report files into that run: exit 2 naming
-    --out, and the runs are left as they are. --out RUN_DIR itself is where
-    the report goes without --out."""
+    --out, and the runs are left as they are. --out RUN_DIR itself, or a
+    folder inside it, is refused too: a report never writes into its run."""
     base = _stored_run(tmp_path / "runs", "base", {1: 20.0})
     cur = _stored_run(tmp_path / "runs", "cur", {1: 20.1})
     (tmp_path / "link").symlink_to(base)
     before = {run: sorted(p.name for p in run.rglob("*")) for run in (base, cur)}
-    for out in (base, base / "report", cur / "a" / "b", tmp_path / "runs" / "x" / ".." / base.name,
+    for out in (base, base / "report", tmp_path / "runs" / "x" / ".." / base.name,
                 tmp_path / "link" / "r"):  # fmt: skip
         result = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--out", str(out)])
         assert result.exit_code == 2, (out, result.output)
@@ -475,12 +501,14 @@ def test_report_out_that_is_or_is_inside_a_run_directory_is_refused(tmp_path):
     assert {run: sorted(p.name for p in run.rglob("*")) for run in (base, cur)} == before
     result = runner.invoke(app, ["report", str(cur), "--out", str(base)])
     assert result.exit_code == 2 and "without --out the report goes beside RUN_DIR" in result.output.replace("\n", " ")
-    same = runner.invoke(app, ["report", str(cur), "--out", str(cur)])
-    assert same.exit_code == 0 and (cur / "report.html").exists(), same.output  # RUN_DIR itself, on purpose
+    for out in (cur, cur / "a" / "b"):  # RUN_DIR itself or a folder in it: the help says "never into the run"
+        same = runner.invoke(app, ["report", str(cur), "--out", str(out)])
+        assert same.exit_code == 2 and "--out" in same.output and "never writes into the run" in same.output
     with pytest.MonkeyPatch.context() as mp:  # the same, spelled from inside it (Path(".").parent is ".")
         mp.chdir(cur)
-        here = runner.invoke(app, ["report", str(cur), "--out", ".", "--force"])
-    assert here.exit_code == 0, here.output
+        here = runner.invoke(app, ["report", str(cur), "--out", "."])
+    assert here.exit_code == 2 and "RUN_DIR itself" in here.output, here.output
+    assert {run: sorted(p.name for p in run.rglob("*")) for run in (base, cur)} == before
     ok = runner.invoke(app, ["report", str(cur), "--baseline", str(base), "--out", str(tmp_path / "runs" / "r")])
     assert ok.exit_code == 0, ok.output  # beside the runs is fine
 
@@ -1136,3 +1164,46 @@ def test_tactics_help_names_every_tactic_of_ours():
         for tactic in tactics:
             assert re.search(rf"\b{tactic} (/ \w+ )?=", text), (command, tactic)
             assert f"`{tactic}`" in docs, tactic
+
+
+def test_an_interrupted_report_says_so_in_one_line_and_the_rerun_is_not_refused(tmp_path, monkeypatch):
+    """An interrupted `report` exited 130 without a word and left a partial <run>-report/ that the rerun
+    refused without --force: one line says it, the directory is as it was, and the rerun writes the report."""
+    from moebench.reports import report
+
+    run = _stored_run(tmp_path / "runs", "x", {1: 20.0})
+    beside = run.with_name(run.name + "-report")
+    with monkeypatch.context() as mp:
+        mp.setattr(report, "write_report_html", lambda plan, into=None: (_ for _ in ()).throw(KeyboardInterrupt))
+        result = runner.invoke(app, ["report", str(run)])
+    assert result.exit_code == 130, result.output
+    said = [line for line in result.output.splitlines() if "interrupted" in line]
+    assert said == [f"error: interrupted (SIGINT): no report written; {beside} is as it was"], result.output
+    assert not beside.exists() and "Traceback" not in result.output
+    again = runner.invoke(app, ["report", str(run)])
+    assert again.exit_code == 0 and (beside / "summary.md").is_file(), again.output
+
+
+def test_an_interrupted_check_or_other_command_says_so_in_one_line(monkeypatch):
+    """`check` (and every command without words of its own for it) stopped by Ctrl-C exited 130 silently."""
+    from moebench.bench import selfcheck
+    from moebench.reports import rich_tables
+
+    monkeypatch.setattr(selfcheck, "run_checks", lambda dev: (_ for _ in ()).throw(KeyboardInterrupt))
+    result = runner.invoke(app, ["check", "--device", "cpu"])
+    assert result.exit_code == 130 and result.output.strip().splitlines() == [
+        "error: interrupted (Ctrl-C) before every item was checked; nothing was judged"
+    ], result.output
+    monkeypatch.setattr(rich_tables, "presets_tables", lambda: (_ for _ in ()).throw(KeyboardInterrupt))
+    result = runner.invoke(app, ["presets"])
+    assert result.exit_code == 130, result.output
+    assert result.output.strip() == "error: interrupted (Ctrl-C) before the command finished"
+
+
+def test_check_names_no_option_it_does_not_have():
+    """`check` said "--experts: ..." though it has no --experts option: it names the commands that do."""
+    result = runner.invoke(app, ["check", "--device", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert "--experts" not in runner.invoke(app, ["check", "--help"]).output
+    line = next(line for line in result.output.splitlines() if "--experts" in line)
+    assert not line.startswith("--experts") and "sweep, step and tune" in line, line

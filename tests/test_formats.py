@@ -1,7 +1,7 @@
 """MXFP4 / MXFP8 / E8M0 codecs and canonical expert weights (moebench.formats).
 
 The expected bits come from a slow scalar implementation written here from
-DESIGN.md's text with exact rational arithmetic (fractions.Fraction), not from
+docs/design.md's text with exact rational arithmetic (fractions.Fraction), not from
 the module's helpers.
 """
 
@@ -78,7 +78,7 @@ def to_f32(v: float) -> float:
 
 
 def e8m0_code(amax: float, qmax: int) -> int:
-    """DESIGN.md: s = amax/qmax (fp32, RN); code = biased exponent of s, +1 if
+    """docs/design.md: s = amax/qmax (fp32, RN); code = biased exponent of s, +1 if
     its mantissa is non-zero, clamped to [0, 254]; amax 0 -> 0; non-finite -> 255."""
     if not math.isfinite(amax):
         return 255

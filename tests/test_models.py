@@ -6,7 +6,7 @@ import pytest
 
 from moebench.models import PRESETS, MoEConfig, RankShape, get_preset
 
-# DESIGN.md "Geometry", transcribed: H, I, E, top_k, shared, routed_scaling_factor, swiglu_limit.
+# docs/design.md "Geometry", transcribed: H, I, E, top_k, shared, routed_scaling_factor, swiglu_limit.
 DESIGN_TABLE = {
     "dsv41-flash": (5120, 2304, 384, 6, 1, 1.5, 10.0),
     "dsv4-flash": (4096, 2048, 256, 6, 1, 1.5, 10.0),

@@ -1,5 +1,5 @@
 """The route record and permute map (moebench.record), checked against
-DESIGN.md "The routed-expert path" property by property and against an
+docs/design.md "The routed-expert path" property by property and against an
 expected record built here independently."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_max_ctas_bad_input():
 
 
 def expected_record(ids: list[list[int]], top_k: int, experts: int) -> tuple[list[int], list[list[int]], int]:
-    """The record and permute map, built from DESIGN.md's text."""
+    """The record and permute map, built from docs/design.md's text."""
     rows = len(ids)
     slots = rows * top_k
     f = min(experts, slots)

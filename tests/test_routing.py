@@ -17,7 +17,7 @@ NAN = math.nan
 
 
 def softplus_sqrt_f64(x: float) -> float:
-    """sqrt(softplus(x)) in fp64 from the formula in DESIGN.md."""
+    """sqrt(softplus(x)) in fp64 from the formula in docs/design.md."""
     if math.isnan(x):
         return NAN
     if x == INF:
@@ -59,7 +59,7 @@ def test_sqrtsoftplus_extremes():
 
 def naive_route(logits, experts, top_k, scale=1.0, bias=None, bias_vl=None, lo=0, input_ids=None,
                 hash_table=None):  # fmt: skip
-    """Row-by-row router from DESIGN.md "Routing" and the module's non-finite rules."""
+    """Row-by-row router from docs/design.md "Routing" and the module's non-finite rules."""
     scores = sqrtsoftplus(logits).tolist()  # fp32 scores (checked above)
     ids_out, w_out = [], []
     for r, row in enumerate(scores):

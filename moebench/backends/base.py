@@ -30,7 +30,7 @@ from moebench.models import RankShape
 DEFAULT_TACTIC = "default"
 #: Relative Frobenius error vs its oracle a backend's finalized output may
 #: have, per oracle family (docs/baselines.md "Tolerances"): 1e-2 for the
-#: MXFP8 and BF16 oracles (DESIGN.md, Numerics); 3e-2 for the per-token FP8
+#: MXFP8 and BF16 oracles (docs/design.md, Numerics); 3e-2 for the per-token FP8
 #: oracle, argued there before any measurement: below the ~4 % that BF16
 #: (unquantized) activations show against it, so the gate still separates
 #: "quantizes like the oracle" from "does not". Measured on the H200 for

@@ -4,7 +4,7 @@ backend): "humming-w4a16" and "humming-w4a8".
 humming is a GEMM library (kernels compiled at run time with NVRTC and cached
 under $HUMMING_CACHE_DIR); the MoE around it is the caller's. Per layer call
 this backend runs vLLM's HummingIndexedExperts sequence (as
-/work/shared/baselines/humming_probe.py measured it on the H200):
+a probe of its own measured it on the H200):
 
   routing alignment (sorted_ids, expert_ids,  -> vLLM's own moe_align_block_size op (vllm_align,
     num_tokens_padded per block_m)               the vllm-moe bundle); without it our one-kernel

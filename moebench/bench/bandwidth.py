@@ -1,7 +1,7 @@
 """Bandwidth references a run is measured against (GB/s = 1e9 bytes/s).
 
 - `copy_bandwidth_gbps`: a large device-to-device copy, bytes read + written,
-  median over repeats: the device's practical peak (DESIGN.md "Measuring").
+  median over repeats: the device's practical peak (docs/design.md "Measuring").
 - `size_matched_ceiling_gbps`: a plain Triton read-streaming kernel
   (evict-first loads, grid 4 x SMs, per-program sums into a tiny output)
   reading exactly `nbytes` in one launch under a CUDA graph, cold in L2: what

@@ -18,7 +18,7 @@ SWEEP_STAGES = ("route", "align", "quantize", "gemm1", "activation", "gemm2", "r
 #: Every stage a decode step's kind has (kernel_<stage>_us of a step).
 STEP_STAGES = ("front", "router", "shared", "route", "gemm1", "gemm2", "finalize", "experts", "shared_add")
 
-#: (name, kind) of a sweep row, in order: DESIGN.md "Store" plus timing and provenance
+#: (name, kind) of a sweep row, in order: docs/design.md "Store" plus timing and provenance
 #: extras, then where the case ran (the launcher's host, rank, GPU index and serial).
 _CASE = (
     ("preset", "key"), ("hidden", "key"), ("intermediate", "key"), ("padded_intermediate", "key"),

@@ -54,10 +54,11 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
+from moebench.bench import interrupt
 from moebench.bench.interrupt import INTERRUPTED, sigterm_as_interrupt
 from moebench.bench.merge import FAKE_GPU_ENV, Job, RankReport
 
-#: Environment of every rank: NVLink multicast off (DESIGN.md, device notes).
+#: Environment of every rank: NVLink multicast off (docs/design.md, "Multi-GPU runs").
 MULTICAST_OFF = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -274,6 +275,7 @@ def rank_main(job: Job):
     end: dict = {"status": "done"}
     with sigterm_as_interrupt() as seen:
         try:
+            interrupt.take_held_interrupts()  # a Ctrl-C held since this rank started (launch_local) lands here
             if job.run(job, rank, world, device, box):
                 end = {"status": "interrupted"}
         except KeyboardInterrupt:
@@ -422,7 +424,8 @@ def launch_local(job: Job, nproc: int, *, timeout_s: float | None = None,
     interrupted, got = False, None
     handlers = _handlers()  # the launcher installs its own for the ranks' lifetime: ours come back after
     try:
-        elastic_launch(config, rank_main)(job)
+        with interrupt.interrupts_held_for_children():  # a Ctrl-C while the ranks import waits for rank_main
+            elastic_launch(config, rank_main)(job)
     except ChildFailedError as error:
         for rank, failure in error.failures.items():
             failures[rank] = _exit_words(failure)

@@ -44,7 +44,7 @@ class DeferralConfig(Protocol):
 
 @runtime_checkable
 class Router(Protocol):
-    """The runner's `router` (DeepSeek-V4 `sqrtsoftplus` top-k, DESIGN.md "Routing").
+    """The runner's `router` (DeepSeek-V4 `sqrtsoftplus` top-k, docs/design.md "Routing").
 
     e_score_correction_bias: fp32 [E] or None, the selection bias of text rows.
     bias_vl: fp32 [E] or None, the selection bias of image rows.

@@ -1,6 +1,6 @@
 """The finalize kernel: GEMM2's unweighted rows -> the layer's routed output.
 
-One launch computes, for tokens 1..8 and top_k 1..8 (DESIGN.md, "The
+One launch computes, for tokens 1..8 and top_k 1..8 (docs/design.md, "The
 routed-expert path", Finalize; `moebench.moe_output.finalize` is the torch
 form of the same contract):
 

@@ -2,7 +2,7 @@
 
 One launch quantizes x bf16 [rows, H] (1 <= rows <= 8, H % 128 == 0) into
 x_q uint8 [rows, H] (e4m3 bytes) and x_scale uint8 [rows, H/32] (E8M0 codes),
-bit-exact with `moebench.formats.quantize_mxfp8` (DESIGN.md, "Formats"):
+bit-exact with `moebench.formats.quantize_mxfp8` (docs/design.md, "Formats"):
 
     amax = max |x| over a 32-element block (exact: a bf16 value)
     s    = amax / 448                      fp32, IEEE round-to-nearest (div.rn.f32)

@@ -2,7 +2,7 @@
 
 Computes, for one row of fp32 router logits [E] (E a multiple of 32, at most
 512), the same top_k (1..8) expert ids and fp32 weights as
-`moebench.routing.route` with renormalization (DESIGN.md, "Routing"), bit for
+`moebench.routing.route` with renormalization (docs/design.md, "Routing"), bit for
 bit. The fused front (`front.py`) calls, per row, `row_scores` with a whole
 CTA, then `row_rounds` and `row_weights` with its warp 0.
 

@@ -75,6 +75,18 @@ def _title(key: tuple) -> str:
     return " ".join(f"{k}={v}" for k, v in zip(GROUP_KEYS, key))
 
 
+def _rows_axis(ax, rows) -> None:
+    """Label the x axis as token rows: whole-number ticks only (rows 1..8,
+    never 1.2, 1.4 ...), and one row count drawn in the middle of a span of
+    three rows, so that its point or bar (0.8 rows wide) does not fill the
+    whole panel."""
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("token rows")
+    values = sorted({int(r) for r in rows})
+    if len(values) == 1:
+        ax.set_xlim(values[0] - 1.5, values[0] + 1.5)
+
+
 def _save(fig: Figure, path: Path) -> Path:
     fig.savefig(path, dpi=100)
     return path
@@ -98,7 +110,7 @@ def plot_latency(df: pd.DataFrame, copy_bw_gbps: float | None, path: Path) -> Pa
             ax.plot(floor.index, floor.values / (copy_bw_gbps * 1e9) * 1e6, "k--", linewidth=1,
                     label="floor (bytes / copy bw)")  # fmt: skip
         ax.set_title(_title(key), fontsize=9)
-        ax.set_xlabel("token rows")
+        _rows_axis(ax, sub["rows"])
         ax.set_ylabel("µs per layer call")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
@@ -157,9 +169,8 @@ def plot_tp_latency(sub: pd.DataFrame, tp: int, note: str | None, path: Path) ->
         ax.yaxis.set_major_formatter(plain)
         ax.yaxis.set_minor_formatter(plain)
         ax.tick_params(axis="y", which="minor", labelsize=7)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rows are whole
         ax.set_title(f"{preset} TP{tp}, {scenario}" + (f"\n{note}" if note else ""), fontsize=9)
-        ax.set_xlabel("token rows")
+        _rows_axis(ax, part["rows"])
         ax.set_ylabel("µs per layer call (log)")
         ax.grid(True, which="both", linewidth=0.3)
         ax.legend(fontsize=7)
@@ -181,7 +192,7 @@ def plot_bandwidth(df: pd.DataFrame, copy_bw_gbps: float | None, path: Path) -> 
                 ax.plot(ceil.index, 100.0 * ceil.values / copy_bw_gbps, "k:", linewidth=1,
                         label="size-matched ceiling")  # fmt: skip
         ax.set_title(_title(key), fontsize=9)
-        ax.set_xlabel("token rows")
+        _rows_axis(ax, sub["rows"])
         ax.set_ylabel("% of copy bandwidth")
         ax.set_ylim(bottom=0)
         ax.legend(fontsize=7)
@@ -216,7 +227,7 @@ def plot_speedup(df: pd.DataFrame, path: Path) -> Path | None:
             ax.plot(s["rows"], s["speedup"], marker="o", label=_series_label(backend, tactic))
         ax.axhline(1.0, color="k", linestyle="--", linewidth=1)
         ax.set_title(_title(key), fontsize=9)
-        ax.set_xlabel("token rows")
+        _rows_axis(ax, sub["rows"])
         ax.set_ylabel("speedup vs FlashInfer (x)")
         ax.legend(fontsize=7)
     return _save(fig, path)
@@ -266,7 +277,7 @@ def plot_kernels(df: pd.DataFrame, path: Path) -> Path | None:
                 label="routed path",
             )
         ax.set_title(_title(key[:-1]) + f" {key[-1]}", fontsize=9)
-        ax.set_xlabel("token rows")
+        _rows_axis(ax, sub["rows"])
         ax.set_ylabel("µs")
         ax.legend(fontsize=7)
     return _save(fig, path)

@@ -129,14 +129,19 @@ def default_report_dir(run_dir: Path) -> Path:
 def check_out_dir(out: Path, run_dir: Path, option: str = "--out") -> None:
     """Raise ValueError naming `option` (--out, or the default directory)
     unless `out` is a directory or can be made one, outside every stored run
-    directory (the baseline's, a folder inside a run: the report files would
-    be mixed into another run's files) except RUN_DIR itself, which --out may
-    name on purpose. Creates nothing: `report` creates the directory once
-    every check passed."""
+    directory: RUN_DIR itself or a folder inside it (a report never writes
+    into the run it reports), the baseline's or any other run's (the report
+    files would be mixed into that run's files). Creates nothing: `report`
+    creates the directory once every check passed."""
     from moebench.reports.store import MANIFEST, RESULTS, enclosing_run
 
     run, itself = run_at(out)
-    if run is not None and not (itself and run == enclosing_run(run_dir)):
+    if run is not None:
+        if run == enclosing_run(run_dir):
+            where = "RUN_DIR itself" if itself else f"inside RUN_DIR ({run})"
+            raise ValueError(f"{option}: {out} is {where}; a report never writes into the run it reports; give a"
+                             f" directory outside it (without --out the report goes beside RUN_DIR, in"
+                             f" <run>{REPORT_DIR_SUFFIX})")  # fmt: skip
         where = "a stored run directory" if itself else f"inside a stored run directory, {run}"
         raise ValueError(f"{option}: {out} is {where} (it holds {RESULTS} and {MANIFEST}); give a directory"
                          f" outside any run for the report files (without --out the report goes beside RUN_DIR,"

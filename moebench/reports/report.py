@@ -8,6 +8,10 @@ when the files cannot be written; prints nothing.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -102,10 +106,10 @@ def report_markdown(plan: ReportPlan) -> str:
     return text
 
 
-def write_report_html(plan: ReportPlan) -> list[Path]:
-    """Write report.html and its plots into summary.md's directory, with the
-    step, per-rank and kernel-tactics tables that apply; returns the paths
-    written, report.html first. Raises OSError."""
+def write_report_html(plan: ReportPlan, into: Path | None = None) -> list[Path]:
+    """Write report.html and its plots into `into` (default: summary.md's
+    directory), with the step, per-rank and kernel-tactics tables that
+    apply; returns the paths written, report.html first. Raises OSError."""
     from moebench.reports.html import write_html_report
     from moebench.reports.summary import KERNEL_TACTICS_TITLE, kernel_tactics_table, rank_table
 
@@ -117,8 +121,9 @@ def write_report_html(plan: ReportPlan) -> list[Path]:
     kt = kernel_tactics_table(plan.df)
     if len(kt):
         tables[KERNEL_TACTICS_TITLE] = kt
-    return write_html_report(plan.df, plan.manifest, plan.target.parent, comparison=plan.comparison,
-                             title=f"moebench run {plan.run_dir.name}", tables=tables)  # fmt: skip
+    return write_html_report(plan.df, plan.manifest, plan.target.parent if into is None else into,
+                             comparison=plan.comparison, title=f"moebench run {plan.run_dir.name}",
+                             tables=tables)  # fmt: skip
 
 
 @dataclass
@@ -146,41 +151,94 @@ class ReportNotWritten(Exception):
         self.code, self.done = code, done
 
 
+class ReportInterrupted(KeyboardInterrupt):
+    """write_report stopped by Ctrl-C (or SIGTERM taken as one): the files
+    that had landed in the report's directory before it (`done`, a
+    ReportFiles; none unless the interrupt came while they were moved)."""
+
+    def __init__(self, done: ReportFiles) -> None:
+        super().__init__()
+        self.done = done
+
+
+#: The prefix of the folder, inside the report's directory, that a report is written into before its files
+#: are moved into place (removed at the end, also after a failure or an interrupt).
+STAGING_PREFIX = ".moebench-report-"
+
+
 def write_report(plan: ReportPlan, *, html: bool = True, force: bool = False,
                  before_writing: Callable[[], None] | None = None) -> ReportFiles:  # fmt: skip
     """Write the planned report: make its directory, replace the links among
     the files it replaces (--force; never the files they point to), call
     `before_writing()` (every check passed, no file written yet), then write
-    summary.md, report.html and its plots when `html`, remove what an earlier
-    report wrote there and this one does not (`force`), and record the files
-    written (outdir.REPORT_RECORD). Raises ReportNotWritten."""
+    summary.md, report.html and its plots when `html` and the record of the
+    files (outdir.REPORT_RECORD) into a staging folder inside it, move them
+    into place (summary.md first) and remove what an earlier report wrote
+    there and this one does not (`force`). An interrupt (KeyboardInterrupt)
+    or failure before the move leaves the directory as it was: the staging
+    folder is removed, and so are the directories this call created, so
+    that a rerun is not refused for a partial report. Raises
+    ReportNotWritten, or ReportInterrupted on a KeyboardInterrupt."""
     done = ReportFiles()
     out, target = plan.out, plan.target
+    created = [d for d in (out, *out.parents) if not d.exists() and not d.is_symlink()]
     try:  # a report that cannot be written is not a verdict: before any output
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise ReportNotWritten(f"{plan.where}: cannot create {out}: {error.strerror or error}", 2, done) from None
-    earlier = outdir.report_record(target.parent)  # the files an earlier report wrote there (read before this one)
-    for path in plan.taken:
+    stage = None
+    try:
+        earlier = outdir.report_record(out)  # the files an earlier report wrote there (read before this one)
+        _unlink_links(plan.taken, done)
+        if before_writing is not None:
+            before_writing()
+        stale = out / "report.html"
+        if not html and not force and stale.exists():
+            done.stale_html = "an earlier report's" if "report.html" in earlier else "not this report's"
+        stage = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out))
+        _write_staged(plan, stage, html, done)
+        if force:
+            done.removed = outdir.remove_stale_report_files(out, [target, *done.html], earlier)
+    except OSError as error:  # exit 1, as docs/ci.md says: not a usage error
+        _remove_staging(stage, created if done.target is None else [])
+        raise ReportNotWritten(f"cannot write the report under {out}: {error}", 1, done) from None
+    except KeyboardInterrupt:  # Ctrl-C / SIGTERM: nothing half-written stays behind
+        _remove_staging(stage, created if done.target is None else [])
+        raise ReportInterrupted(done) from None
+    _remove_staging(stage, [])
+    return done
+
+
+def _unlink_links(taken: list[Path], done: ReportFiles) -> None:
+    """Unlink the links among the files a --force report replaces (never the files they point to)."""
+    for path in taken:
         try:
             if path.is_symlink():
                 path.unlink()
         except OSError as error:
             raise ReportNotWritten(f"cannot replace the link {path}: {error}", 1, done) from None
-    if before_writing is not None:
-        before_writing()
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(report_markdown(plan), encoding="utf-8")
-        done.target = target
-        stale = target.parent / "report.html"
-        if not html and not force and stale.exists():
-            done.stale_html = "an earlier report's" if "report.html" in earlier else "not this report's"
-        if html:
-            done.html = write_report_html(plan)
-        if force:
-            done.removed = outdir.remove_stale_report_files(target.parent, [target, *done.html], earlier)
-        outdir.write_report_record(target.parent, [target, *done.html])
-    except OSError as error:  # exit 1, as docs/ci.md says: not a usage error
-        raise ReportNotWritten(f"cannot write the report under {target.parent}: {error}", 1, done) from None
-    return done
+
+
+def _write_staged(plan: ReportPlan, stage: Path, html: bool, done: ReportFiles) -> None:
+    """Write the report's files into `stage`, then move them into plan.out
+    (summary.md first, the record last), filling in `done` as each lands.
+    Raises OSError."""
+    (stage / plan.target.name).write_text(report_markdown(plan), encoding="utf-8")
+    pages = write_report_html(plan, stage) if html else []
+    outdir.write_report_record(stage, [plan.target, *pages])
+    os.replace(stage / plan.target.name, plan.target)
+    done.target = plan.target
+    for page in pages:
+        os.replace(page, plan.out / page.name)
+        done.html.append(plan.out / page.name)
+    os.replace(stage / outdir.REPORT_RECORD, plan.out / outdir.REPORT_RECORD)
+
+
+def _remove_staging(stage: Path | None, created: list[Path]) -> None:
+    """Remove the staging folder, then the directories in `created` (deepest
+    first) where they are empty. Never raises."""
+    if stage is not None:
+        shutil.rmtree(stage, ignore_errors=True)
+    for directory in created:
+        with contextlib.suppress(OSError):
+            directory.rmdir()

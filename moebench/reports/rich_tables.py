@@ -96,7 +96,7 @@ STEP_HEADS = {"preset": "preset", "tp": "tp", "ranks": "ranks", "rows": "rows", 
 
 
 #: Text columns of the step tables that, holding one message for every row, are said once below the table.
-SAID_ONCE = {"shared_path": "shared expert"}
+SAID_ONCE = {"shared_path": "shared expert", "note": "note"}
 
 
 def frame_table(frame, title: str | None,

@@ -27,7 +27,7 @@ from moebench.reports.mismatch import run_mismatches
 
 RESULTS = "results.parquet"
 MANIFEST = "manifest.json"
-#: Columns every stored run has (DESIGN.md "Store").
+#: Columns every stored run has (docs/design.md "Store").
 REQUIRED_COLUMNS = (
     "preset", "hidden", "intermediate", "experts", "top_k", "tp", "rows", "scenario", "backend",
     "tactic", "status", "error", "median_us", "p10_us", "p90_us", "unique_experts", "bytes", "gbps",

@@ -1,7 +1,7 @@
 """FlashInfer baselines: availability without the package / a GPU (CPU), and
 numerics vs the matching fp64 oracle on the H200 (`gpu`).
 
-W4A16 (oracle "bf16"): relative Frobenius error <= 1e-2 (DESIGN.md).
+W4A16 (oracle "bf16"): relative Frobenius error <= 1e-2 (docs/design.md).
 W4A8 / humming mode (oracle "fp8_token"): <= 3e-2. The oracle quantizes x and
 H per token to e4m3 exactly as the kernel should, so a faithful kernel differs
 from it only by (a) e4m3 roundings that land on the other side of a rounding

@@ -1,7 +1,7 @@
 """The kernels' floor holds: nothing in moebench/kernels/ imports a layer
 above it (tuning, backends, bench, integration, reports, cli, ...).
 
-What the kernels may import, from the data flow (DESIGN.md, "The routed-expert
+What the kernels may import, from the data flow (docs/design.md, "The routed-expert
 path"): themselves; the package root (`__version__`); and the core the layer
 call is built from: `models` (shapes, MX block), `formats` (the canonical
 MXFP4 / MXFP8 weights the kernels lay out), `routing` (the router constants

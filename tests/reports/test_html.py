@@ -118,3 +118,38 @@ def test_one_comparison_plot_per_tp_of_the_main_scenario(tmp_path):
     assert "layer boundary: layer" in text
     assert is_report_file("latency_tp16.png") and not is_report_file("latency_tp0.png")
     assert not is_report_file("latency_tpx.png")
+
+
+def _figures(monkeypatch, df, tmp_path):
+    """{file name: the matplotlib Figure} of every plot write_html_report draws of `df`."""
+    from moebench.reports import html
+
+    drawn = {}
+
+    def keep(fig, path):
+        drawn[path.name] = fig
+        return path
+
+    monkeypatch.setattr(html, "_save", keep)
+    write_html_report(df, MANIFEST, tmp_path)
+    return drawn
+
+
+def test_plots_tick_whole_rows_and_give_one_row_a_sane_width(tmp_path, monkeypatch):
+    """The row axes ticked 1.2, 1.4 ... and a one-row panel drew its bar across the whole axis: every rows
+    axis ticks whole numbers only, and one row count sits in a span of three rows."""
+    for rows in ((1, 2), (4,)):
+        df = frame()
+        df = df[df["rows"].isin(rows)]
+        drawn = _figures(monkeypatch, df, tmp_path)
+        assert {"latency_tp4.png", "latency.png", "bandwidth.png", "speedup.png", "kernels.png"} <= set(drawn)
+        for name, fig in drawn.items():
+            for ax in fig.axes:
+                fig.canvas.draw()
+                lo, hi = ax.get_xlim()
+                ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+                assert ticks and all(float(t).is_integer() for t in ticks), (name, rows, ticks)
+                if len(rows) == 1:
+                    assert hi - lo >= 3.0 and lo < rows[0] < hi, (name, lo, hi)
+                    for bar in ax.patches:  # the kernels' stacked bars
+                        assert bar.get_width() / (hi - lo) <= 0.3, (name, bar.get_width(), hi - lo)

@@ -49,13 +49,15 @@ def test_default_report_dir_is_the_runs_sibling(tmp_path, monkeypatch):
 
 def test_check_out_dir_refuses_other_runs_files_and_non_directories(tmp_path):
     run, other = _fake_run(tmp_path / "run"), _fake_run(tmp_path / "other")
-    outdir.check_out_dir(run, run)  # RUN_DIR itself, named on purpose
+    for inside, said in ((run, "RUN_DIR itself"), (run / "sub" / "dir", "inside RUN_DIR")):  # never into the run
+        with pytest.raises(ValueError, match=rf"^--out: .* is {said}.*never writes into the run it reports"):
+            outdir.check_out_dir(inside, run)
     outdir.check_out_dir(tmp_path / "new" / "dir", run)
     assert not (tmp_path / "new").exists()  # creates nothing
     with pytest.raises(ValueError, match=r"^--out: .* is a stored run directory \(it holds results.parquet"):
         outdir.check_out_dir(other, run)
     with pytest.raises(ValueError, match=r"^the default: .* is inside a stored run directory"):
-        outdir.check_out_dir(run / "inner", run, "the default")
+        outdir.check_out_dir(other / "inner", run, "the default")
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="exists and is not a directory"):
         outdir.check_out_dir(tmp_path / "f", run)

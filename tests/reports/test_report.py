@@ -109,3 +109,30 @@ def test_write_report_failures_carry_their_exit_code_and_what_was_written(tmp_pa
         write_report(plan_report(run, out=out, force=True), force=True, before_writing=lambda: called.append(1))
     assert error.value.code == 1 and error.value.done.target == out / "summary.md" and called == [1]
     assert (out / "summary.md").is_file()
+
+
+def test_an_interrupted_report_leaves_nothing_half_written(tmp_path, monkeypatch):
+    """Ctrl-C while the plots were drawn left a partial <run>-report/ that the rerun refused without --force:
+    the files are staged and moved into place at the end, so an interrupt leaves the directory as it was (a
+    default directory it made is removed again; an earlier report's files stay untouched) and a rerun works."""
+    from moebench.reports import report
+
+    run = _run(tmp_path / "runs", "cur", {1: 20.0, 6: 40.0})
+
+    def stopped(plan, into=None):
+        (into / "report.html").write_text("half", encoding="utf-8")
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as mp:
+        mp.setattr(report, "write_report_html", stopped)
+        plan = plan_report(run)
+        with pytest.raises(report.ReportInterrupted) as error:
+            write_report(plan)
+    assert error.value.done.target is None and not plan.out.exists()
+    assert write_report(plan_report(run)).target == plan.target  # the rerun is not refused
+    earlier = {p.name: p.read_bytes() for p in plan.out.iterdir()}
+    with monkeypatch.context() as mp:
+        mp.setattr(report, "write_report_html", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            write_report(plan_report(run, force=True), force=True)
+    assert {p.name: p.read_bytes() for p in plan.out.iterdir()} == earlier  # no staging folder left either

@@ -1,0 +1,73 @@
+"""The checkout itself: what git ignores (a user's own runs, not the
+committed measurements) and documents that stay inside the repository."""
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as error:
+        pytest.skip(f"git cannot run here: {error}")
+    if done.returncode == 128:  # not a checkout (an unpacked sdist)
+        pytest.skip(done.stderr.strip())
+    return done
+
+
+def _ignored(path: str) -> bool:
+    return _git("check-ignore", "-q", "--no-index", path).returncode == 0
+
+
+def test_a_default_sweep_or_step_leaves_nothing_untracked_and_committed_runs_stay_trackable():
+    """`moebench sweep` from the checkout stored reports/runs/<date>-sweep/, an untracked directory in the
+    repository: runs of the default labels (and their -2, -3 ... siblings) and a default tune's tables are
+    ignored, while a labelled run, every committed run and every tracked file stay visible to git."""
+    for path in ("reports/runs/2026-12-06-sweep/results.parquet", "reports/runs/2026-12-06-sweep-2/manifest.json",
+                 "reports/runs/2026-12-06-step/results.parquet", "reports/runs/2026-12-06-step-11/ranks.parquet",
+                 "reports/runs/2026-12-06-sweep-report/summary.md", "tuning-tables/E=8.json"):  # fmt: skip
+        assert _ignored(path), path
+    for path in ("reports/runs/2026-12-06-h200-sweep/results.parquet", "reports/runs/2026-12-06-step-tp2/x.json",
+                 "reports/runs/2026-12-06-sweeps/results.parquet"):  # fmt: skip
+        assert not _ignored(path), path
+    tracked = _git("ls-files", "-ci", "--exclude-standard").stdout.split()
+    assert tracked == [], f"tracked files the .gitignore would hide if added again: {tracked}"
+    committed = {Path(p).parts[2] for p in _git("ls-files", "reports/runs").stdout.split() if len(Path(p).parts) > 3}
+    assert committed and not [run for run in committed if _ignored(f"reports/runs/{run}/results.parquet")]
+
+
+def _docs() -> list[Path]:
+    """The tracked documents (README.md, docs/*.md ...), not the logs and run summaries under reports/."""
+    names = _git("ls-files", "*.md").stdout.split()
+    return [ROOT / n for n in names if not n.startswith("reports/")] + [ROOT / "docs" / "design.md"]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a markdown heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_no_document_points_outside_the_repository():
+    """The README sent readers to "the workplace's DESIGN.md beside the repository (../shared/, not part of a
+    clone)": a clone holds its own design (docs/design.md), and every document's links resolve inside it,
+    anchors included."""
+    outside = re.compile(r"\.\./shared|shared/device|shared/seeds|/work/|DESIGN\.md|the workplace's DESIGN")
+    assert (ROOT / "docs" / "design.md").is_file()
+    for doc in _docs():
+        text = doc.read_text(encoding="utf-8")
+        said = [m.group(0) for m in outside.finditer(text)]
+        assert not said, f"{doc.relative_to(ROOT)} points outside the repository: {said}"
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", link):  # https:, mailto:
+                continue
+            target, _, anchor = link.partition("#")
+            path = (doc.parent / target).resolve() if target else doc
+            assert path.is_relative_to(ROOT.resolve()) and path.exists(), f"{doc.relative_to(ROOT)}: {link}"
+            if anchor and path.suffix == ".md":
+                heads = re.findall(r"^#+\s+(.*)$", path.read_text(encoding="utf-8"), re.M)
+                assert anchor in {_slug(h) for h in heads}, f"{doc.relative_to(ROOT)}: {link}"
