@@ -66,7 +66,7 @@ from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, r
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.limits import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from moebench.kernels.tactic import (
-    SPEC_WORDS, GemmShape, GemmTactic, cluster_landing_bytes, default_tactic, partial_smem_bytes, workspace_parts,
+    SPEC_WORDS, GemmShape, GemmTactic, cluster_landing_bytes, default_tactic, smem_bytes, workspace_parts,
 )  # fmt: skip
 from moebench.record import TILE, route_words
 
@@ -188,15 +188,13 @@ if HAVE_DSL:
             self.w_expert = npairs * self.nch * 128  # u32 words of one expert's weights
             self.s_expert = npairs * self.nch * 8  # u32 words of its scales
             # shared memory: fp32 partials [tm*128][warps][2 parities] (+ the bulk ring); the rest stays L1
-            self.smem_bytes = partial_smem_bytes(t)
+            self.smem_bytes = smem_bytes(t, s, self.stage)  # the one formula (tactic.smem_parts)
             self.bulk = t.bulk
             self.a16 = t.act_bf16
             self.fp8 = t.fp8
             self.aw = 4 if self.a16 else 2  # activation words per lane and chunk
-            if self.fp8:
-                # the unit's 8 activation rows (e4m3, wgmma K-major "interleave" layout: 16-byte
-                # units q = 8 * (k slot // 16) + n at byte 16 q) and their fp32 scales [chunk][token]
-                self.smem_bytes += 8 * self.k + 128 + 8 * self.nch * 4 + 16
+            # fp8: the unit's 8 activation rows (e4m3, wgmma K-major "interleave" layout: 16-byte
+            # units q = 8 * (k slot // 16) + n at byte 16 q) and their fp32 scales [chunk][token]
             self.block_threads = self.threads
             if self.bulk:
                 self.ks = self.u * self.wk  # K chunks per bulk stage
@@ -205,10 +203,7 @@ if HAVE_DSL:
                 self.np = self.rm // 32  # 32-row pairs per item
                 self.sw_words = self.np * self.ks * 128  # weight words of one stage
                 self.stage_words = self.sw_words + self.np * self.ks * 8  # + scale words
-                self.smem_bytes += t.stages * (4 * self.stage_words + 16) + (4 * SPEC_WORDS if t.spec else 0)
                 self.block_threads = self.threads + 32  # + the producer warp
-                if self.cl > 1:  # rank 0's landing zone for the other ranks' sums + 4 mbarriers
-                    self.smem_bytes += cluster_landing_bytes(t) + 32
             per_sm = (self.smem_bytes + SMEM_RESERVED_PER_CTA) * t.ctas_per_sm
             self.smem_carveout = min(100, -(-100 * per_sm // SMEM_PER_SM))
 
