@@ -216,3 +216,71 @@ def test_bind_refuses_weights_not_of_the_plan(cpu_layer):
                                       launcher=Recorder())  # fmt: skip
     with pytest.raises(TypeError, match="plan must be a LayerPlan"):
         binding.RoutedExpertGemm.bind(kw, "plan", launcher=Recorder())
+
+
+# ----------------------------------------------------------------------------- the tuner times what runs
+
+
+def _launches(layers, x, ids, tw, recorder, writes=True):
+    """The launches of one timed call of `layers` (the tuner's `timed_layers`) on `recorder`."""
+    from moebench.tuning.runner import timed_layers
+
+    marks = [lambda: recorder.launched.append(("x write",))] * len(layers) if writes else None
+    timed_layers(layers, x, ids, tw, marks)()
+    return recorder.launched
+
+
+def test_the_tuned_sequence_is_the_one_the_runtime_launches(cpu_layer, tmp_path):
+    """Per candidate, the tuner binds the plan with the candidate substituted
+    (`candidate_plan` + `bind_layers`) and times `timed_layers`: per rotated
+    layer an x write, then the binding's own forward. Recorded on CPU, that
+    is launch for launch what the runtime's binding launches once a table
+    holds the tuned pair (plan_layer from that table, bound, forward after
+    the layer's x write), and differs where the candidate differs."""
+    from moebench.backends.moebench import INPUTS_READY
+    from moebench.kernels.fused_tactic import fused_candidates
+    from moebench.kernels.table import LAYER
+    from moebench.tuning.runner import bind_layers, candidate_plan, copy_kernel_weights
+    from moebench.tuning.space import DEFAULT_FP8_SPACE, valid_tactics
+    from moebench.tuning.table import write_table
+
+    sclass, rank, w, kw = cpu_layer
+    kws = [kw, copy_kernel_weights(kw)]  # two rotated weight sets
+    base = cpu_plan(cpu_layer)
+    rows = 4
+    x, ids, tw = layer_inputs(rank, rows)
+    space = valid_tactics(sclass.gemm_shape, 1, base.ctas(rows), space=DEFAULT_FP8_SPACE)
+    cand = next(t for t in space if t != base.tactic(1, rows) and not t.spec)
+    partner = base.tactic(2, rows)
+    rec = Recorder()
+    tuned = _launches(bind_layers(kws, candidate_plan(base, 1, rows, cand, partner), w, rec), x, ids, tw, rec)
+    assert [e[0] for e in tuned] == ["x write", "route", "gemm1", "gemm2"] * 2
+    assert tuned[2] == ("gemm1", cand.name, kws[0].w13.data_ptr()) and tuned[6][2] == kws[1].w13.data_ptr()
+    # the runtime: a table holding the tuned pair at these rows, the plan made from it, bound per layer
+    table = tb.TuningTable(sclass, {"name": DEVICE, "sm_count": 132},
+                           fp8_entries={(1, rows): tb.TableEntry(cand, 10.0, 9.0, 11.0),
+                                        (2, rows): tb.TableEntry(partner, 10.0, 9.0, 11.0)})  # fmt: skip
+    write_table(table, tmp_path)
+    tb.reset_log_once()
+    family = resolve_family(None, None, DEVICE, sclass, search=[tmp_path])
+    runtime_plan = plan_layer(sclass, family, device_name=DEVICE, num_sms=132, wide_scales=kw.scale_variant(True),
+                              tables=[tmp_path])  # fmt: skip
+    assert runtime_plan.tactic(1, rows) == cand and runtime_plan.tactic_sources[1, rows].startswith("table ")
+    run = Recorder()
+    for k in kws:
+        run.launched.append(("x write",))
+        binding.RoutedExpertGemm.bind(k, runtime_plan, source=w, launcher=run).forward(
+            x, ids, tw, inputs_ready=INPUTS_READY
+        )
+    assert run.launched == tuned
+    # a GEMM2 candidate beside the GEMM1 just tuned, and the layer step's fused candidate: each what runs
+    g2 = next(t for t in valid_tactics(sclass.gemm_shape, 2, base.ctas(rows), space=DEFAULT_FP8_SPACE)
+              if t != partner)  # fmt: skip
+    rec = Recorder()
+    got = _launches(bind_layers(kws, candidate_plan(base, 2, rows, g2, cand), w, rec), x, ids, tw, rec)
+    assert got[2][1] == cand.name and got[3][1] == g2.name
+    ft = fused_candidates(sclass.gemm_shape, base.ctas(rows), 132)[0]
+    rec = Recorder()
+    got = _launches(bind_layers(kws, candidate_plan(base, LAYER, rows, LayerChoice(ft)), w, rec), x, ids, tw, rec)
+    assert [e[:2] for e in got] == [("x write",), ("route", False), ("fused", ft.name)] * 2
+    tb.reset_log_once()
