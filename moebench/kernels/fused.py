@@ -151,8 +151,8 @@ if HAVE_DSL:
             return smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)
 
         @cute.kernel
-        def kernel(self, a: FusedArgs):
-            w1, ws1, w2, ws2, x, x_s, record, clamp, h, h_s, out, cnt, trace, ctas = a
+        def kernel(self, kargs: FusedArgs):
+            w1, ws1, w2, ws2, x, x_s, record, clamp, h, h_s, out, cnt, trace, ctas = kargs
             S, R = self.S, self.R
             NR = R * self.k2.nb  # resident stages
             tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]

@@ -693,13 +693,13 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ kernel
         @cute.kernel
-        def kernel(self, a: GemmArgs):
+        def kernel(self, kargs: GemmArgs):
             if cutlass.const_expr(self.bulk):
-                self.bulk_body(a.w, a.ws, a.act, a.act_s, a.record, a.clamp, a.out, a.out_s, a.out_deq, a.ids, a.meta,
-                               a.ctas)  # fmt: skip
+                self.bulk_body(kargs.w, kargs.ws, kargs.act, kargs.act_s, kargs.record, kargs.clamp, kargs.out,
+                               kargs.out_s, kargs.out_deq, kargs.ids, kargs.meta, kargs.ctas)  # fmt: skip
             else:
-                self.register_body(a.w, a.ws, a.act, a.act_s, a.record, a.clamp, a.out, a.out_s, a.out_deq, a.cnt,
-                                   a.part, a.ctas)  # fmt: skip
+                self.register_body(kargs.w, kargs.ws, kargs.act, kargs.act_s, kargs.record, kargs.clamp, kargs.out,
+                                   kargs.out_s, kargs.out_deq, kargs.cnt, kargs.part, kargs.ctas)  # fmt: skip
 
         @cute.jit
         def register_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas):
