@@ -32,6 +32,10 @@ from moebench.models import MAX_EXPERTS, MAX_TOP_K
 TILE = 8
 #: Most token rows the low-batch path takes.
 MAX_ROWS = 8
+#: The row counts a run measures or tunes unless told otherwise: every one the kernels serve.
+ALL_ROWS = tuple(range(1, MAX_ROWS + 1))
+#: The row counts of a reduced (CPU smoke) run unless told otherwise.
+REDUCED_ROWS = (1, 4, 8)
 HEADER_WORDS = 4
 
 

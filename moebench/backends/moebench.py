@@ -195,8 +195,7 @@ class MoebenchBackend(Backend):
         from moebench.kernels.finalize import finalize
 
         check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.kw.device)
-        routed = prepared.gemms(prepared.route(x, topk_ids, topk_weights, inputs_ready=INPUTS_READY))
-        return finalize(routed)
+        return finalize(prepared.forward(x, topk_ids, topk_weights, inputs_ready=INPUTS_READY))
 
     def stage_calls(self, prepared, x, topk_ids, topk_weights):
         """route (MXFP8 x + route record, one launch), gemm1, gemm2,
@@ -225,4 +224,4 @@ class MoebenchBackend(Backend):
     def routed_call(self, prepared, x, topk_ids, topk_weights):
         """route -> GEMM1 -> GEMM2 (the unfinalized output), as `forward` launches them."""
         check_forward_inputs(x, topk_ids, topk_weights, prepared.hidden, prepared.kw.device)
-        return lambda: prepared.gemms(prepared.route(x, topk_ids, topk_weights, inputs_ready=INPUTS_READY))
+        return lambda: prepared.forward(x, topk_ids, topk_weights, inputs_ready=INPUTS_READY)

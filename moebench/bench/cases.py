@@ -20,7 +20,7 @@ import torch
 
 from moebench.bench import check_layers, check_seed
 from moebench.models import PRESETS, MoEConfig, RankShape, get_preset
-from moebench.record import MAX_ROWS
+from moebench.record import ALL_ROWS, MAX_ROWS
 from moebench.routing import SCENARIOS
 from moebench.traffic import touched_bytes
 
@@ -103,7 +103,7 @@ class SweepConfig:
     experts: int | None = None
     top_k: int | None = None
     tp: tuple[int, ...] = (1,)
-    rows: tuple[int, ...] = tuple(range(1, MAX_ROWS + 1))
+    rows: tuple[int, ...] = ALL_ROWS
     scenarios: tuple[str, ...] = ("correlated",)
     backends: tuple[str, ...] | None = None
     tactics: tuple[str, ...] = ("default",)

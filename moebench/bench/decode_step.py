@@ -94,7 +94,7 @@ from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_g
 from moebench.bench.cases import CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes
 from moebench.bench.columns import KERNEL_COLUMNS, STEP_COLUMNS, STEP_STAGES, typed
 from moebench.bench.pipeline import (
-    RunResult, case_row, check_tactic_names, error_text, expand_all_tactics, is_peer, jsonable,
+    RunResult, case_row, check_tactics_once, error_text, expand_all_tactics, is_peer, jsonable,
     load_backends, pair_label, reduced_of, release, select_backends, skip_reason, unrun_rows, validate,
 )  # fmt: skip
 from moebench.bench.interrupt import sigterm_as_interrupt
@@ -281,7 +281,7 @@ def run_rank(
     dev = resolve_device(device if device is not None else config.device)
     reduced, names = _selection(config, dev)
     backends, reasons = load_backends(names, dev)
-    check_tactic_names(config, names, backends, reduced=reduced)  # before anything is measured
+    check_tactics_once(config, names, backends, reduced=reduced)  # before anything is measured
     env = environment(dev)
     copy_bytes, copy_repeats = ((1 << 30), 20) if dev.type == "cuda" else ((64 << 20), 5)
     copy_bw = copy_bandwidth_gbps(dev, copy_bytes, copy_repeats)

@@ -159,6 +159,28 @@ def check_tactic_names(config: SweepConfig, names, backends: dict[str, Backend],
         )
 
 
+#: (config, backend names, reduced) whose tactic names `check_tactics_once` has checked in this process.
+_CHECKED: set = set()
+
+
+def check_tactics_once(config: SweepConfig, names, backends: dict[str, Backend], *, reduced: bool) -> None:
+    """`check_tactic_names` at the first edge a run's tactic strings meet
+    (`plan.sweep_plan` / `validate`, or `run_sweep` / the step when called
+    directly), and not again for the same config and backends in this
+    process: the strings are validated once, then trusted (each case still
+    asks its backend whether the tactic runs its shape: `skip_reason`).
+    Raises ValueError as `check_tactic_names`."""
+    key = (config, tuple(names), reduced)
+    try:
+        if key in _CHECKED:
+            return
+    except TypeError:  # an unhashable config (a test's stand-in): check every time
+        key = None
+    check_tactic_names(config, names, backends, reduced=reduced)
+    if key is not None and all(name in backends for name in names):  # a backend that did not load: check again
+        _CHECKED.add(key)
+
+
 def _offers(name: str, tactic: str, shapes) -> bool:
     """Whether backend `name` (loaded without an availability check) offers
     `tactic` for any of `shapes`; False if it does not load."""
@@ -176,7 +198,7 @@ def validate(config: SweepConfig, device: torch.device, gpu_default: tuple[str, 
 
     reduced = reduced_of(config, device)
     names = select_backends(config, device, gpu_default)
-    check_tactic_names(config, names, load_backends(names)[0], reduced=reduced)
+    check_tactics_once(config, names, load_backends(names)[0], reduced=reduced)
     if "replay" in config.scenarios:
         for preset in config.presets:
             for tp in config.tp:

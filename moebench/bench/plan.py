@@ -169,6 +169,14 @@ def cpu_runnable(names) -> list[str]:
     return out
 
 
+def default_rows(reduced: bool) -> str:
+    """--rows when not given: every row count (`record.ALL_ROWS`), or the
+    reduced run's few (`record.REDUCED_ROWS`), as the option would spell them."""
+    from moebench.record import ALL_ROWS, REDUCED_ROWS
+
+    return ",".join(str(r) for r in (REDUCED_ROWS if reduced else ALL_ROWS))
+
+
 @dataclass(frozen=True)
 class SweepPlan:
     """What `sweep` runs: its config; the note of a CPU run (else None); the
@@ -217,7 +225,7 @@ def sweep_plan(*, preset, hidden, intermediate, experts, top_k, rows, tp, backen
         raise ValueError("--worker-timeout: needs --devices and a positive number of seconds")
     reduced = dev.type == "cpu" and gpus is None
     # A CPU run is a smoke run of the reference: a smaller default grid.
-    rows = ("1,4,8" if reduced else "1-8") if rows is None else rows
+    rows = default_rows(reduced) if rows is None else rows
     tp = ("1,8" if reduced else "1,2,4,8") if tp is None else tp
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out: {out} exists and is not a directory")
@@ -306,7 +314,7 @@ def step_plan(*, preset, hidden, intermediate, experts, top_k, tp, one_rank, row
     if timeout is not None and not timeout > 0:
         raise ValueError(f"--timeout must be a positive number of seconds, got {timeout}")
     reduced = dev.type == "cpu"
-    rows = ("1,4,8" if reduced else "1-8") if rows is None else rows
+    rows = default_rows(reduced) if rows is None else rows
     backend_list = None
     if backends == "all":
         backend_list = backend_names()

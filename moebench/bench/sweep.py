@@ -82,7 +82,7 @@ from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_g
 from moebench.bench.cases import CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes
 from moebench.bench.columns import COLUMNS, SWEEP_STAGES, typed  # noqa: F401 - COLUMNS: the sweep's, re-exported
 from moebench.bench.pipeline import (
-    RunResult, case_row, check_tactic_names, error_text, expand_all_tactics, is_peer, jsonable, load_backends,
+    RunResult, case_row, check_tactics_once, error_text, expand_all_tactics, is_peer, jsonable, load_backends,
     reduced_of, release, select_backends, skip_reason, unrun_rows, validate,
 )  # fmt: skip
 from moebench.bench.launch import placement
@@ -189,7 +189,7 @@ def run_sweep(config: SweepConfig, progress: ProgressFn | None = None) -> SweepR
     reduced = reduced_of(config, dev)
     names = select_backends(config, dev)
     backends, reasons = load_backends(names, dev)
-    check_tactic_names(config, names, backends, reduced=reduced)
+    check_tactics_once(config, names, backends, reduced=reduced)
 
     env = environment(dev)
     dinfo = env["device"]

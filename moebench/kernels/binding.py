@@ -36,14 +36,15 @@ from moebench.kernels import gemm as _gemm
 from moebench.kernels import route as _route
 from moebench.kernels.family import FamilyChoice, resolve_family
 from moebench.kernels.layout import KernelWeights, to_kernel_layout
-from moebench.kernels.table import ShapeClass, load_layer_choice, load_tactic
-from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic, workspace_bytes_for
+from moebench.kernels.layer_plan import LayerPlan, plan_layer
+from moebench.kernels.table import ShapeClass
+from moebench.kernels.tactic import GemmShape, GemmTactic, workspace_bytes_for
 from moebench.moe_output import UnfinalizedMoEOutput
 from moebench.record import MAX_EXPERTS, MAX_ROWS, MAX_TOP_K, TILE, cta_words, max_ctas, route_words
 
 __all__ = [
-    "FrontConfig", "Routing", "RoutedExpertGemm", "build_routed_expert_gemms", "check_weights",
-    "cta_words", "max_ctas", "route_words",
+    "KERNELS", "FrontConfig", "KernelLauncher", "LayerPlan", "Routing", "RoutedExpertGemm",
+    "build_routed_expert_gemms", "check_weights", "cta_words", "max_ctas", "route_words",
 ]  # fmt: skip
 
 FrontConfig = _front.FrontConfig
@@ -63,7 +64,8 @@ class Routing:
     launch as x_quant when the GEMM1 tactic of this row count reads it) or None;
     early_ids: the launch that made the record released its dependents only
     after its own griddepcontrol.wait (`route` for a `spec` GEMM1 tactic), so
-    GEMM1 may read topk_ids before its wait.
+    GEMM1 may read topk_ids before its wait; rows: token rows (1-8), what
+    picks the tactics of every launch after the route.
     """
 
     x_quant: torch.Tensor
@@ -75,6 +77,13 @@ class Routing:
     ctas: int
     x_deq: torch.Tensor | None = None
     early_ids: bool = False
+    rows: int = 0
+
+    def __post_init__(self) -> None:
+        # the row count, said once where the Routing is made (route / front pass it; a Routing
+        # made elsewhere takes its ids' rows); GEMM1, GEMM2 and the fused launch read this
+        if not self.rows and isinstance(self.topk_ids, torch.Tensor):
+            self.rows = self.topk_ids.shape[0]
 
 
 def check_weights(weights: ExpertWeights, top_k: int) -> None:
@@ -119,6 +128,96 @@ def _check_topk_tensors(topk_ids, topk_weights, device: torch.device) -> None:
 def _check_routing(routing) -> None:
     if not isinstance(routing, Routing):
         raise TypeError(f"routing must be a Routing (from route or front), got {type(routing).__name__}")
+
+
+class KernelLauncher:
+    """What a binding compiles and launches its kernels with: the CuTe DSL
+    kernels (`KERNELS`). Each method calls the kernel module's function of the
+    same role at call time; a test subclasses it to record the launch
+    sequence without a GPU (`tests/kernels/test_layer_plan.py`)."""
+
+    def compile_route(self, **flags):
+        return _route.compile_route_kernel(**flags)
+
+    def compile_front(self, experts: int, top_k: int, image: bool, deq: bool = False):
+        return _front.compile_front_kernel(experts, top_k, image, deq=deq)
+
+    def compile_gemm(self, shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: bool):
+        return _gemm.compile_gemm(shape, tactic, stage, wide_scales)
+
+    def compile_fused(self, shape: GemmShape, tactic, wide_scales: bool):
+        return _fused.compile_fused(shape, tactic, wide_scales)
+
+    def route(self, *args, **kwargs) -> None:
+        _route.launch_route_quantize(*args, **kwargs)
+
+    def front(self, *args, **kwargs) -> None:
+        _front.launch_front(*args, **kwargs)
+
+    def gemm1(self, *args, **kwargs) -> None:
+        _gemm.gemm1(*args, **kwargs)
+
+    def gemm2(self, *args, **kwargs) -> None:
+        _gemm.gemm2(*args, **kwargs)
+
+    def fused(self, *args, **kwargs) -> None:
+        _fused.fused_layer(*args, **kwargs)
+
+    def act_to_bf16(self, q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return _gemm.act_to_bf16(q, scale, out=out)
+
+
+#: The CuTe DSL kernels: what every binding launches unless told otherwise.
+KERNELS = KernelLauncher()
+
+
+def _split_k_workspace(plan: LayerPlan, kw: KernelWeights, workspace: torch.Tensor | None) -> torch.Tensor | None:
+    """The split-K workspace of `plan` on `kw`: None when no tactic splits
+    K, else the caller's `workspace` (checked: ValueError / TypeError) or a
+    new zeroed one, sized for every row count and both GEMMs."""
+    need = workspace_bytes_for(plan.shape.gemm_shape,
+                               ((stage, t, plan.ctas(rows)) for (stage, rows), t in plan.tactics.items()))  # fmt: skip
+    if not need:
+        return None
+    if workspace is None:
+        return _gemm.alloc_workspace(need, kw.device)
+    if not isinstance(workspace, torch.Tensor):
+        raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
+    have = workspace.numel() * workspace.element_size()
+    if (
+        workspace.dim() != 1
+        or workspace.dtype not in (torch.uint8, torch.int32)
+        or workspace.device != kw.device
+        or have < need
+        or have % 16
+        or not workspace.is_contiguous()
+        or workspace.data_ptr() % 16
+    ):
+        raise ValueError(
+            f"workspace must be a contiguous, 16-byte aligned 1-D uint8/int32 tensor of"
+            f" >= {need} bytes (a multiple of 16) on {kw.device}, zeroed once"
+            f" (gemm.alloc_workspace), got {tuple(workspace.shape)} {workspace.dtype}"
+            f" on {workspace.device}"
+        )
+    return workspace
+
+
+def _compile(plan: LayerPlan, kw: KernelWeights, launcher: KernelLauncher) -> None:
+    """Compile every kernel `plan` may launch on `kw` (cached per process)."""
+    tactics = plan.tactics
+    gemm1s = [t for (stage, _), t in tactics.items() if stage == 1]
+    launcher.compile_route(quantize=True)
+    if any(t.act_bf16 for t in gemm1s):
+        launcher.compile_route(quantize=True, deq=True)
+    if any(t.spec for t in gemm1s):
+        launcher.compile_route(quantize=True, release_after_wait=True)  # `route` before a spec GEMM1
+    shape, wide = plan.shape.gemm_shape, kw.scale_variant(plan.fp8)
+    for ft in dict.fromkeys(t for t in plan.fused_tactics.values() if t is not None):
+        launcher.compile_fused(shape, ft, wide)
+    for (stage, _), tactic in tactics.items():
+        launcher.compile_gemm(shape, tactic, stage, wide)
+        if tactic.spec:  # the front's routing runs its plain twin (`gemm1`: the ids come with the record)
+            launcher.compile_gemm(shape, replace(tactic, spec=False), stage, wide)
 
 
 class RoutedExpertGemm:
@@ -171,6 +270,13 @@ class RoutedExpertGemm:
     family and the tactics, in order, instead of $MOEBENCH_TUNING_DIR and the
     package's (`[dir]`: that directory's tables alone; the sweep's
     `--tactics tables=DIR`).
+    All of that is decided by `kernels.layer_plan.plan_layer`: the layer's
+    `plan` (a LayerPlan: family, tactics and fused choice, each with its
+    source); `tactics`, `tactic_sources`, `fused_tactics`, `fused_sources`
+    and `family_choice` are the plan's. `plan=` binds a plan made elsewhere
+    (the other choice arguments are then ignored); `bind` binds one on
+    weights already in the kernel layout. The binding allocates and
+    compiles what the plan names, nothing else.
     """
 
     def __init__(  # noqa: C901 - owned by layer-plan, removed when it lands
@@ -183,6 +289,8 @@ class RoutedExpertGemm:
         fp8: bool | None = None,
         fused: bool | None = None,
         tables: list | None = None,
+        *,
+        plan: LayerPlan | None = None,
     ) -> None:
         check_weights(weights, top_k)
         if tables is not None and (not isinstance(tables, list) or not all(isinstance(d, (str, Path)) for d in tables)):
@@ -192,143 +300,103 @@ class RoutedExpertGemm:
         if fused is not None and not isinstance(fused, bool):
             raise TypeError(f"fused must be None or a bool, got {type(fused).__name__}")
         props = torch.cuda.get_device_properties(weights.w13.device)
-        sms = props.multi_processor_count
-        # the family first: it decides the weight layout (tactics and fp8 are checked there)
-        self.family_choice: FamilyChoice = resolve_family(fp8, tactics, props.name, GemmShape.of(weights),
-                                                          top_k=top_k, num_sms=sms, search=tables)  # fmt: skip
-        fp8 = self.family_choice.fp8
-        if fused and not fp8:
-            raise ValueError(
-                f"fused=True needs the FP8 family; this layer runs {self.family_choice.family}"
-                f" ({self.family_choice.source}): pass fp8=True"
-            )
-        self.source = weights
-        self.top_k = top_k
-        self.fp8 = fp8
-        self.kw: KernelWeights = to_kernel_layout(weights, "e4m3" if fp8 else "bf16")
-        scale_flag = self.kw.scale_variant(fp8)
-        shape = GemmShape.of(self.kw)
-        # One tactic per (stage, rows). No `tactics`: the entry of the first
-        # tuning table of this device and shape class that holds it
-        # (`tables`, else $MOEBENCH_TUNING_DIR, then the package's), else the built-in
-        # default (load_tactic warns and falls back, never raises for a
-        # table). With `tactics`: the caller's per stage, else the built-in
-        # default for the token tiles that row count allows for.
-        self.tactics: dict[tuple[int, int], GemmTactic] = {}
-        self.tactic_sources: dict[tuple[int, int], str] = {}
-        for rows in range(1, MAX_ROWS + 1):
-            ctas = max_ctas(rows, top_k, self.experts)
-            for stage in (1, 2):
-                if tactics is None:
-                    tactic, source = load_tactic(
-                        props.name,
-                        ShapeClass.of(shape, top_k),
-                        rows,
-                        stage,
-                        num_sms=sms,
-                        wide_scales=scale_flag,
-                        fp8=fp8,
-                        search=tables,
-                    )
-                elif tactics.get(stage) is not None:
-                    tactic, source = tactics[stage], "explicit"
-                else:
-                    tactic = default_tactic(shape, stage, ctas, sms, scale_flag, fp8=fp8)
-                    source = "default"
-                if source != "explicit" and tactic.fp8 != fp8:
-                    # never from a valid table (each family's part holds its own tactics): this family's default
-                    family = "fp8" if fp8 else "BF16"
-                    why = f"; the table's {tactic.name} is not" if source.startswith("table") else ""
-                    tactic = default_tactic(shape, stage, ctas, sms, scale_flag, fp8=fp8)
-                    source = f"default ({family}{why})"
-                if not fp8 and source != "explicit" and tactic.act_bf16 != act_bf16:
-                    # the operand the layer runs: a table tuned with the other one gives its twin
-                    twin = replace(tactic, act_bf16=act_bf16)
-                    if not twin.valid_for(shape, stage):
-                        tactic = twin
-                reason = tactic.valid_for(shape, stage)
-                if reason:
-                    raise ValueError(f"tactics[{stage}] ({tactic.name}) cannot run GEMM{stage}: {reason}")
-                self.tactics[stage, rows] = tactic
-                self.tactic_sources[stage, rows] = source
-        need = workspace_bytes_for(
-            shape, ((stage, t, max_ctas(rows, top_k, self.experts)) for (stage, rows), t in self.tactics.items())
-        )
-        self.workspace: torch.Tensor | None = None
-        if need:
-            if workspace is None:
-                self.workspace = _gemm.alloc_workspace(need, self.kw.device)
-            else:
-                if not isinstance(workspace, torch.Tensor):
-                    raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
-                have = workspace.numel() * workspace.element_size()
-                if (
-                    workspace.dim() != 1
-                    or workspace.dtype not in (torch.uint8, torch.int32)
-                    or workspace.device != self.kw.device
-                    or have < need
-                    or have % 16
-                    or not workspace.is_contiguous()
-                    or workspace.data_ptr() % 16
-                ):
-                    raise ValueError(
-                        f"workspace must be a contiguous, 16-byte aligned 1-D uint8/int32 tensor of"
-                        f" >= {need} bytes (a multiple of 16) on {self.kw.device}, zeroed once"
-                        f" (gemm.alloc_workspace), got {tuple(workspace.shape)} {workspace.dtype}"
-                        f" on {workspace.device}"
-                    )
-                self.workspace = workspace
-        # BF16 activation operands (act_bf16 tactics), allocated once for the most rows / tiles:
-        # x_deq [8, H] when a GEMM1 tactic reads x as BF16; h_deq [8*ctas(8), I] when a GEMM1
-        # tactic writes it or a GEMM2 tactic reads it.
+        sclass = ShapeClass.of(weights, top_k)
+        if plan is None:
+            # the family first: it decides the weight layout (tactics and fp8 are checked there)
+            family = resolve_family(fp8, tactics, props.name, sclass, num_sms=props.multi_processor_count,
+                                    search=tables)  # fmt: skip
+            if fused and not family.fp8:
+                raise ValueError(f"fused=True needs the FP8 family; this layer runs {family.family}"
+                                 f" ({family.source}): pass fp8=True")  # fmt: skip
+        elif not isinstance(plan, LayerPlan) or plan.shape != sclass:
+            raise ValueError(f"plan must be a LayerPlan of {sclass.describe()}, got {plan!r:.120}")
+        else:
+            family = plan.family
+        kw = to_kernel_layout(weights, "e4m3" if family.fp8 else "bf16")
+        if plan is None:
+            plan = plan_layer(sclass, family, device_name=props.name, num_sms=props.multi_processor_count,
+                              wide_scales=kw.scale_variant(family.fp8), tactics=tactics, act_bf16=act_bf16,
+                              fused=fused, tables=tables)  # fmt: skip
+        self._bind(kw, plan, weights, workspace, KERNELS)
+
+    @classmethod
+    def bind(
+        cls,
+        kw: KernelWeights,
+        plan: LayerPlan,
+        *,
+        source: ExpertWeights | None = None,
+        workspace: torch.Tensor | None = None,
+        launcher: KernelLauncher | None = None,
+    ) -> RoutedExpertGemm:
+        """A layer bound to weights already in the kernel layout of `plan`'s
+        family (`to_kernel_layout`; e.g. the tuner's rotated copies): it
+        allocates and compiles what `plan` names, nothing else. `source`: the
+        canonical weights (`accepts(x, weights)` compares them; default none);
+        `launcher`: what compiles and launches the kernels (default the CuTe
+        DSL kernels; a test passes a recording one). Raises ValueError when
+        `kw` is not of the plan's shape, layout or scale flag."""
+        if not isinstance(plan, LayerPlan):
+            raise TypeError(f"plan must be a LayerPlan, got {type(plan).__name__}")
+        if not isinstance(kw, KernelWeights):
+            raise TypeError(f"kw must be a KernelWeights, got {type(kw).__name__}")
+        operand = "e4m3" if plan.fp8 else "bf16"
+        if GemmShape.of(kw) != plan.shape.gemm_shape or kw.operand != operand:
+            raise ValueError(f"kw ({GemmShape.of(kw)}, {kw.operand}) is not laid out for the plan's"
+                             f" {plan.shape.describe()}, {operand} operand")  # fmt: skip
+        self = object.__new__(cls)
+        self._bind(kw, plan, source, workspace, launcher or KERNELS)
+        return self
+
+    def _bind(self, kw: KernelWeights, plan: LayerPlan, source, workspace, launcher: KernelLauncher) -> None:
+        """Hold `plan` on `kw`: the workspaces and buffers it needs, its kernels compiled."""
+        if kw.scale_variant(plan.fp8) != plan.wide_scales:
+            raise ValueError(f"plan was made for wide_scales={plan.wide_scales}; these weights have"
+                             f" {kw.scale_variant(plan.fp8)}: make the plan from them")  # fmt: skip
+        self.source, self.kw, self.plan, self.launcher = source, kw, plan, launcher
+        self.top_k = plan.shape.top_k
+        # the plan's facts, read on every call: plain dicts made once
+        self.tactics, self.tactic_sources = plan.tactics, plan.tactic_sources
+        self.fused_tactics, self.fused_sources = plan.fused_tactics, plan.fused_sources
+        self.workspace = _split_k_workspace(plan, kw, workspace)
+        self._alloc_bf16_operands()
+        self.front_config: FrontConfig | None = None
+        self.fused_workspace: torch.Tensor | None = None
+        if any(t is not None for t in self.fused_tactics.values()):
+            most = max(plan.ctas(r) for r in range(1, MAX_ROWS + 1))
+            self.fused_workspace = _gemm.alloc_workspace(_fused.fused_workspace_bytes(most), kw.device)
+        _compile(plan, kw, launcher)  # now, not inside a CUDA-graph capture
+
+    def _alloc_bf16_operands(self) -> None:
+        """The BF16 activation operands of act_bf16 tactics, allocated once for
+        the most rows / tiles: x_deq [8, H] when a GEMM1 tactic reads x as BF16;
+        h_deq [8*ctas(8), I] when a GEMM1 tactic writes it or a GEMM2 tactic
+        reads it, with the H bytes an a16 GEMM1 writes beside it (`_h_out`)."""
         a16 = {stage for (stage, _), t in self.tactics.items() if t.act_bf16}
+        device, inter = self.kw.device, self.kw.intermediate
         self.x_deq: torch.Tensor | None = None
         self.h_deq: torch.Tensor | None = None
         self._h_deq_of: int | None = None  # data_ptr of the h_q whose BF16 value h_deq holds
-        if 1 in a16:
-            self.x_deq = torch.empty(MAX_ROWS, self.hidden, dtype=torch.bfloat16, device=self.kw.device)
         self._h_out: tuple[torch.Tensor, torch.Tensor] | None = None
+        if 1 in a16:
+            self.x_deq = torch.empty(MAX_ROWS, self.hidden, dtype=torch.bfloat16, device=device)
         if a16:
-            n = TILE * max(max_ctas(r, top_k, self.experts) for r in range(1, MAX_ROWS + 1))
-            self.h_deq = torch.empty(n, self.kw.intermediate, dtype=torch.bfloat16, device=self.kw.device)
+            n = TILE * max(self.plan.ctas(r) for r in range(1, MAX_ROWS + 1))
+            self.h_deq = torch.empty(n, inter, dtype=torch.bfloat16, device=device)
             # an a16 GEMM1 writes H into these (views of them are returned), so the H that GEMM2
             # is given is always the one h_deq holds, however GEMM2 is called (e.g. timed alone)
-            self._h_out = (
-                torch.empty(n, self.kw.intermediate, dtype=torch.uint8, device=self.kw.device),
-                torch.empty(n, self.kw.intermediate // 32, dtype=torch.uint8, device=self.kw.device),
-            )
-        self.front_config: FrontConfig | None = None
-        # Compile now, not inside a CUDA-graph capture.
-        _route.compile_route_kernel(quantize=True)
-        if 1 in a16:
-            _route.compile_route_kernel(quantize=True, deq=True)
-        if any(t.spec for (stage, _), t in self.tactics.items() if stage == 1):
-            _route.compile_route_kernel(quantize=True, release_after_wait=True)  # `route` before a spec GEMM1
-        # the fused layer: per row count a fused tactic (the table's, or the built-in one) or None (the pair)
-        self.fused_tactics: dict[int, _fused.FusedTactic | None] = {}
-        self.fused_sources: dict[int, str] = {}
-        self.fused_workspace: torch.Tensor | None = None
-        for rows in range(1, MAX_ROWS + 1):
-            ft, source = None, "the pair"
-            if fused:
-                ft = _fused.default_fused_tactic(shape, max_ctas(rows, top_k, self.experts), sms)
-                source = "built-in" if ft is not None else "the pair: no built-in fused tactic fits"
-            elif fused is None and fp8 and tactics is None:
-                choice, source = load_layer_choice(props.name, ShapeClass.of(shape, top_k), rows, search=tables)
-                ft = choice.fused
-                reason = ft.why_invalid(shape) if ft is not None else None
-                if reason:
-                    ft, source = None, f"the pair: {choice.name} ({source}) cannot run: {reason}"
-            self.fused_tactics[rows], self.fused_sources[rows] = ft, source
-        if any(t is not None for t in self.fused_tactics.values()):
-            most = max(max_ctas(r, top_k, self.experts) for r in range(1, MAX_ROWS + 1))
-            self.fused_workspace = _gemm.alloc_workspace(_fused.fused_workspace_bytes(most), self.kw.device)
-            for ft in set(t for t in self.fused_tactics.values() if t is not None):
-                _fused.compile_fused(shape, ft, scale_flag)
-        for (stage, _), tactic in self.tactics.items():
-            _gemm.compile_gemm(shape, tactic, stage, scale_flag)
-            if tactic.spec:  # the front's routing runs its plain twin (`gemm1`: the ids come with the record)
-                _gemm.compile_gemm(shape, replace(tactic, spec=False), stage, scale_flag)
+            self._h_out = (torch.empty(n, inter, dtype=torch.uint8, device=device),
+                           torch.empty(n, inter // 32, dtype=torch.uint8, device=device))  # fmt: skip
+
+    @property
+    def family_choice(self) -> FamilyChoice:
+        """How the layer's family was chosen, and why (the plan's)."""
+        return self.plan.family
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the layer runs the FP8 family."""
+        return self.plan.fp8
 
     @property
     def family(self) -> str:
@@ -405,7 +473,7 @@ class RoutedExpertGemm:
         record = torch.empty(route_words(ctas), dtype=torch.int32, device=device)
         permuted = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
         spec = self.tactics[1, rows].spec  # GEMM1 reads the ids before its wait: release after ours
-        _route.launch_route_quantize(
+        self.launcher.route(
             x,
             x_quant,
             x_scale,
@@ -417,7 +485,7 @@ class RoutedExpertGemm:
             release_after_wait=spec,
             inputs_ready=inputs_ready,
         )
-        return Routing(x_quant, x_scale, ids, topk_weights, permuted, record, ctas, x_deq, early_ids=spec)
+        return Routing(x_quant, x_scale, ids, topk_weights, permuted, record, ctas, x_deq, early_ids=spec, rows=rows)
 
     def _x_deq_for(self, rows: int, device: torch.device) -> torch.Tensor | None:
         """A fresh bf16 [rows, H] for the producer to write x_deq into when the
@@ -438,9 +506,9 @@ class RoutedExpertGemm:
             raise ValueError(f"config: the bias has {config.experts} experts, the weights {self.experts}")
         if config.bias.device != self.kw.device:
             raise ValueError(f"config: the bias is on {config.bias.device}, the weights on {self.kw.device}")
-        _front.compile_front_kernel(self.experts, self.top_k, config.image)
+        self.launcher.compile_front(self.experts, self.top_k, config.image)
         if any(t.act_bf16 for (stage, _), t in self.tactics.items() if stage == 1):
-            _front.compile_front_kernel(self.experts, self.top_k, config.image, deq=True)
+            self.launcher.compile_front(self.experts, self.top_k, config.image, deq=True)
         self.front_config = config
 
     def front(self, x: torch.Tensor, router_logits: torch.Tensor, input_ids: torch.Tensor | None = None) -> Routing:
@@ -477,7 +545,7 @@ class RoutedExpertGemm:
         record = torch.empty(route_words(ctas), dtype=torch.int32, device=device)
         permuted = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
         x_deq = self._x_deq_for(rows, device)
-        _front.launch_front(
+        self.launcher.front(
             x,
             router_logits,
             config,
@@ -491,7 +559,7 @@ class RoutedExpertGemm:
             permuted,
             x_deq_out=x_deq,
         )
-        return Routing(x_quant, x_scale, topk_ids, topk_weights, permuted, record, ctas, x_deq)
+        return Routing(x_quant, x_scale, topk_ids, topk_weights, permuted, record, ctas, x_deq, rows=rows)
 
     def gemm1(self, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch GEMM1; returns H (uint8 e4m3 [8*ctas, I]) and its E8M0
@@ -501,23 +569,23 @@ class RoutedExpertGemm:
         TypeError for a non-Routing."""
         _check_routing(routing)
         device = routing.x_quant.device
-        rows = TILE * routing.ctas
-        tactic = self.tactics[1, routing.x_quant.shape[0]]
+        slots = TILE * routing.ctas  # H rows: 8 per token tile, by permuted row
+        tactic = self.tactics[1, routing.rows]
         if tactic.spec and not routing.early_ids:  # e.g. the front's routing: its ids come with its record
             tactic = replace(tactic, spec=False)
         if tactic.act_bf16:
-            h_q, h_scale = self._h_out[0][:rows], self._h_out[1][:rows]
+            h_q, h_scale = self._h_out[0][:slots], self._h_out[1][:slots]
         else:
-            h_q = torch.empty(rows, self.kw.intermediate, dtype=torch.uint8, device=device)
-            h_scale = torch.empty(rows, self.kw.intermediate // 32, dtype=torch.uint8, device=device)
+            h_q = torch.empty(slots, self.kw.intermediate, dtype=torch.uint8, device=device)
+            h_scale = torch.empty(slots, self.kw.intermediate // 32, dtype=torch.uint8, device=device)
         x_deq = h_deq = None
         if tactic.act_bf16:
             x_deq = routing.x_deq
             if x_deq is None:
                 # a Routing made elsewhere: dequantize here (a few torch launches, the same bits)
-                x_deq = _gemm.act_to_bf16(routing.x_quant, routing.x_scale, out=self.x_deq[: routing.x_quant.shape[0]])
-            h_deq = self.h_deq[:rows]
-        _gemm.gemm1(self.kw, routing.x_quant, routing.x_scale, routing.record, routing.ctas,
+                x_deq = self.launcher.act_to_bf16(routing.x_quant, routing.x_scale, self.x_deq[: routing.rows])
+            h_deq = self.h_deq[:slots]
+        self.launcher.gemm1(self.kw, routing.x_quant, routing.x_scale, routing.record, routing.ctas,
                     h_q, h_scale, tactic=tactic, workspace=self.workspace, x_deq=x_deq,
                     h_deq_out=h_deq, topk_ids=routing.topk_ids if tactic.spec else None)  # fmt: skip
         self._h_deq_of = h_q.data_ptr() if tactic.act_bf16 else None
@@ -546,14 +614,14 @@ class RoutedExpertGemm:
                     f" output), got {t.dtype} {tuple(t.shape)} on {t.device}"
                 )
         out = torch.empty(TILE * routing.ctas, self.hidden, dtype=torch.bfloat16, device=h_q.device)
-        tactic = self.tactics[2, routing.x_quant.shape[0]]
+        tactic = self.tactics[2, routing.rows]
         h_deq = None
         if tactic.act_bf16:
             h_deq = self.h_deq[: TILE * routing.ctas]
             if self._h_deq_of != h_q.data_ptr():
                 # GEMM1 ran without act_bf16 (or h_q came from elsewhere): dequantize H here
-                _gemm.act_to_bf16(h_q, h_scale, out=h_deq)
-        _gemm.gemm2(
+                self.launcher.act_to_bf16(h_q, h_scale, h_deq)
+        self.launcher.gemm2(
             self.kw,
             h_q,
             h_scale,
@@ -570,14 +638,14 @@ class RoutedExpertGemm:
         """GEMM1 then GEMM2, right after the kernel that built `routing`: one
         fused launch where the layer has a fused tactic for these rows, else the pair."""
         _check_routing(routing)
-        ft = self.fused_tactics.get(routing.x_quant.shape[0])
+        ft = self.fused_tactics.get(routing.rows)
         if ft is None:
             return self.gemm2(routing, *self.gemm1(routing))
         n, device = TILE * routing.ctas, routing.x_quant.device
         h_q = torch.empty(n, self.kw.intermediate, dtype=torch.uint8, device=device)
         h_scale = torch.empty(n, self.kw.intermediate // 32, dtype=torch.uint8, device=device)
         out = torch.empty(n, self.hidden, dtype=torch.bfloat16, device=device)
-        _fused.fused_layer(
+        self.launcher.fused(
             self.kw,
             routing.x_quant,
             routing.x_scale,
@@ -590,6 +658,16 @@ class RoutedExpertGemm:
             workspace=self.fused_workspace,
         )
         return UnfinalizedMoEOutput(out, routing.topk_weights, routing.permuted)
+
+    def forward(
+        self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *, inputs_ready: bool = False
+    ) -> UnfinalizedMoEOutput:
+        """The layer's routed experts: `route` then `gemms` (the pair or the
+        fused launch the plan names at x's rows). What the backend's forward
+        runs before its finalize and what `moebench tune` times per
+        candidate, so the tuned launch sequence is the runtime's. Arguments
+        and errors as `route`."""
+        return self.gemms(self.route(x, topk_ids, topk_weights, inputs_ready=inputs_ready))
 
 
 def build_routed_expert_gemms(

@@ -83,11 +83,12 @@ from __future__ import annotations
 
 import functools
 import numbers
+from typing import NamedTuple
 
 import torch
 
 from moebench.kernels.host import (
-    HAVE_DSL, check_bool, check_tensor, check_threads, cu_stream, gmem_ptr, require_dsl,
+    HAVE_DSL, check_bool, check_tensor, check_threads, cu_stream, kernel_args, require_dsl,
 )  # fmt: skip
 from moebench.moe_output import DEFAULT_EPS, UnfinalizedMoEOutput, check_eps, check_norm_pair
 
@@ -191,6 +192,36 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         """fp32 bits of bf16 element i (0: low half, 1: high half) of a bf16x2 word."""
         return word << Uint32(16) if i % 2 == 0 else word & Uint32(0xFFFF0000)
 
+    class FinalizeArgs(NamedTuple):
+        """FinalizeKernel's run-time arguments, one struct (`host.kernel_args`
+        builds it from `FINALIZE_ARG_SPECS`): see FinalizeKernel's docstring."""
+
+        rows: cute.Pointer
+        weights: cute.Pointer
+        permuted: cute.Pointer
+        shared: cute.Pointer
+        out: cute.Pointer
+        top_k: Int32
+        hidden: Int32
+        permuted_rows: Int32
+        scale: Float32
+        residual: cute.Pointer
+        residual_out: cute.Pointer
+        norm_weight: cute.Pointer
+        eps: Float32
+
+    #: {FinalizeArgs field: spec} in field order: a pointer's (element type, alignment), a scalar's type.
+    FINALIZE_ARG_SPECS = {
+        "rows": (BFloat16, 16), "weights": (Float32, 4), "permuted": (Int32, 4), "shared": (BFloat16, 16),
+        "out": (BFloat16, 16), "top_k": Int32, "hidden": Int32, "permuted_rows": Int32, "scale": Float32,
+        "residual": (BFloat16, 16), "residual_out": (BFloat16, 16), "norm_weight": (BFloat16, 16), "eps": Float32,
+    }  # fmt: skip
+
+    def stand_in_args() -> FinalizeArgs:
+        """The FinalizeArgs the kernel is compiled with (any 16-byte aligned addresses)."""
+        values = dict(top_k=1, hidden=H_MULTIPLE, permuted_rows=1, scale=1.0, eps=1e-6)
+        return kernel_args(FinalizeArgs, FINALIZE_ARG_SPECS, {**dict.fromkeys(FINALIZE_ARG_SPECS, 16), **values})
+
     class FinalizeKernel:
         """Top-k weighted sum (+ shared add) of GEMM2's rows, one thread per
         8 bf16 of one token's output (CuTe DSL, sm_90a); with `norm`, also
@@ -221,47 +252,16 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             self.norm = norm
 
         @cute.jit
-        def __call__(
-            self,
-            rows: cute.Pointer,
-            weights: cute.Pointer,
-            permuted: cute.Pointer,
-            shared: cute.Pointer,
-            out: cute.Pointer,
-            tokens: Int32,
-            top_k: Int32,
-            hidden: Int32,
-            permuted_rows: Int32,
-            scale: Float32,
-            residual: cute.Pointer,
-            residual_out: cute.Pointer,
-            norm_weight: cute.Pointer,
-            eps: Float32,
-            stream: _cuda.CUstream,
-        ):
+        def __call__(self, args: FinalizeArgs, tokens: Int32, stream: _cuda.CUstream):
             """Launch (ceil(hidden/8 / threads), tokens) CTAs of `threads`
             threads on `stream`; with `norm`, (1, tokens) CTAs."""
-            chunks = hidden // _CHUNK
+            chunks = args.hidden // _CHUNK
             ctas = (chunks + (self.threads - 1)) // self.threads
             if cutlass.const_expr(self.norm):
                 ctas = 1  # one CTA per token row (the host checks chunks <= threads)
             # min_blocks_per_mp=1 (.minnctapersm 1): without it ptxas schedules for
             # occupancy and sinks the row loads between the adds (serial L2 trips)
-            self.kernel(
-                rows,
-                weights,
-                permuted,
-                shared,
-                out,
-                top_k,
-                hidden,
-                permuted_rows,
-                scale,
-                residual,
-                residual_out,
-                norm_weight,
-                eps,
-            ).launch(
+            self.kernel(args).launch(
                 grid=[ctas, tokens, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl, min_blocks_per_mp=1
             )
 
@@ -306,22 +306,9 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             return acc
 
         @cute.kernel
-        def kernel(
-            self,
-            rows: cute.Pointer,
-            weights: cute.Pointer,
-            permuted: cute.Pointer,
-            shared: cute.Pointer,
-            out: cute.Pointer,
-            top_k: Int32,
-            hidden: Int32,
-            permuted_rows: Int32,
-            scale: Float32,
-            residual: cute.Pointer,
-            residual_out: cute.Pointer,
-            norm_weight: cute.Pointer,
-            eps: Float32,
-        ):
+        def kernel(self, kargs: FinalizeArgs):
+            rows, weights, permuted, shared, out, top_k, hidden, permuted_rows, scale = kargs[:9]
+            residual, residual_out, norm_weight, eps = kargs[9:]
             tid = cute.arch.thread_idx()[0]
             cx, t, _ = cute.arch.block_idx()
             c = cx * self.threads + tid  # this thread's 8-element chunk
@@ -472,15 +459,14 @@ def compile_finalize_kernel(has_shared: bool, pdl: bool = True, threads: int = D
     setting, CTA size and norm variant (cached; see FinalizeKernel).
 
     Without a GPU set CUTE_DSL_ARCH=sm_90a to cross-compile for the H200.
-    Returns the compiled function, called as
-    `f(rows_ptr, weights_ptr, permuted_ptr, shared_ptr, out_ptr, tokens,
-    top_k, hidden, permuted_rows, scale, residual_ptr, residual_out_ptr,
-    norm_weight_ptr, eps, stream)` with global pointers (bf16 / fp32 /
-    int32 / bf16 / bf16, then bf16 x 3; cutlass.cute.runtime.make_ptr;
+    Returns the compiled function, called as `f(args, tokens, stream)`
+    with the launch's `FinalizeArgs` (`host.kernel_args` from
+    `FINALIZE_ARG_SPECS`: rows, weights, permuted, shared, out, top_k,
+    hidden, permuted_rows, scale, residual, residual_out, norm_weight, eps;
     every bf16 pointer 16-byte aligned; shared is not read without
-    `has_shared`, the last three not without `norm`), Int32 counts, Float32
-    scale and eps and a cuda.bindings CUstream; `launch_finalize` does this
-    for torch tensors. With `norm`, hidden must be <= 8 * threads (not
+    `has_shared`, the three norm pointers not without `norm`), Int32 tokens
+    and a cuda.bindings CUstream; `launch_finalize` does this for torch
+    tensors. With `norm`, hidden must be <= 8 * threads (not
     checked on the device). Raises RuntimeError without nvidia-cutlass-dsl,
     TypeError for a non-bool `has_shared`, `pdl` or `norm`, ValueError for a
     bad `threads`."""
@@ -495,28 +481,8 @@ def compile_finalize_kernel(has_shared: bool, pdl: bool = True, threads: int = D
 def _compile(has_shared: bool, pdl: bool, threads: int, norm: bool):
     require_dsl(_KERNEL)
 
-    def fake(dtype, align=16):
-        return gmem_ptr(dtype, 16, align)
-
     kernel = FinalizeKernel(has_shared=has_shared, pdl=pdl, threads=threads, norm=norm)
-    return cute.compile(
-        kernel,
-        fake(BFloat16),
-        fake(Float32, 4),
-        fake(Int32, 4),
-        fake(BFloat16),
-        fake(BFloat16),
-        Int32(1),
-        Int32(1),
-        Int32(H_MULTIPLE),
-        Int32(1),
-        Float32(1.0),
-        fake(BFloat16),
-        fake(BFloat16),
-        fake(BFloat16),
-        Float32(1e-6),
-        _cuda.CUstream(0),
-    )
+    return cute.compile(kernel, stand_in_args(), Int32(1), _cuda.CUstream(0))
 
 
 def norm_threads(hidden: int) -> int:
@@ -684,28 +650,13 @@ def launch_finalize(
     require_dsl(_KERNEL)
     compiled = compile_finalize_kernel(shared is not None, pdl, threads, norm=norm)
     if norm:
-        res_ptr = gmem_ptr(BFloat16, residual, 16)
-        res_out_ptr = gmem_ptr(BFloat16, residual if residual_out is None else residual_out, 16)
-        nw_ptr = gmem_ptr(BFloat16, norm_weight, 16)
+        norm_args = dict(residual=residual, residual_out=residual if residual_out is None else residual_out,
+                         norm_weight=norm_weight)  # fmt: skip
     else:  # never read: any valid pointer
-        res_ptr = res_out_ptr = nw_ptr = gmem_ptr(BFloat16, out, 16)
-    compiled(
-        gmem_ptr(BFloat16, rows, 16),
-        gmem_ptr(Float32, weights, 4),
-        gmem_ptr(Int32, permuted, 4),
-        gmem_ptr(BFloat16, shared if shared is not None else out, 16),
-        gmem_ptr(BFloat16, out, 16),
-        Int32(tokens),
-        Int32(top_k),
-        Int32(h),
-        Int32(n_rows),
-        Float32(scale),
-        res_ptr,
-        res_out_ptr,
-        nw_ptr,
-        Float32(eps),
-        cu_stream(stream, device),
-    )
+        norm_args = dict.fromkeys(("residual", "residual_out", "norm_weight"), out)
+    sources = dict(rows=rows, weights=weights, permuted=permuted, shared=shared if shared is not None else out,
+                   out=out, top_k=top_k, hidden=h, permuted_rows=n_rows, scale=scale, eps=eps, **norm_args)  # fmt: skip
+    compiled(kernel_args(FinalizeArgs, FINALIZE_ARG_SPECS, sources), Int32(tokens), cu_stream(stream, device))
 
 
 def finalize(

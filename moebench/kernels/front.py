@@ -46,11 +46,12 @@ their loads first and the wait hides their latency).
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 from dataclasses import dataclass
 
 import torch
 
-from moebench.kernels.host import HAVE_DSL, check_bool, check_tensor, cu_stream, gmem_ptr, require_dsl
+from moebench.kernels.host import HAVE_DSL, check_bool, check_tensor, cu_stream, kernel_args, require_dsl
 from moebench.kernels.topk import WARP, topk_reason
 from moebench.models import MX_BLOCK
 from moebench.record import MAX_ROWS, RouteRecord, max_ctas, route_words
@@ -180,6 +181,41 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     from moebench.kernels.ptx import mbarrier_try_wait_cluster, st_async_cluster
     from moebench.kernels.topk import row_rounds, row_scores, row_weights
 
+    class FrontArgs(NamedTuple):
+        """FrontKernel's run-time arguments, one struct (`host.kernel_args`
+        builds it from `FRONT_ARG_SPECS`): see FrontKernel's docstring."""
+
+        logits: cute.Pointer
+        bias: cute.Pointer
+        bias_vl: cute.Pointer
+        input_ids: cute.Pointer
+        ids64: Int32
+        sentinel_lo: Int32
+        scale: Float32
+        x: cute.Pointer
+        topk_ids: cute.Pointer
+        topk_weights: cute.Pointer
+        x_q: cute.Pointer
+        x_scale: cute.Pointer
+        x_deq: cute.Pointer
+        permuted: cute.Pointer
+        record: cute.Pointer
+        rows: Int32
+        blocks: Int32
+
+    #: {FrontArgs field: spec} in field order: a pointer's (element type, alignment), a scalar's type.
+    FRONT_ARG_SPECS = {
+        "logits": (Float32, 16), "bias": (Float32, 16), "bias_vl": (Float32, 16), "input_ids": (Int32, 4),
+        "ids64": Int32, "sentinel_lo": Int32, "scale": Float32, "x": (BFloat16, 16), "topk_ids": (Int32, 16),
+        "topk_weights": (Float32, 16), "x_q": (Uint8, 16), "x_scale": (Uint8, 16), "x_deq": (BFloat16, 16),
+        "permuted": (Int32, 16), "record": (Int32, 16), "rows": Int32, "blocks": Int32,
+    }  # fmt: skip
+
+    def stand_in_args() -> FrontArgs:
+        """The FrontArgs the kernel is compiled with (any 16-byte aligned addresses)."""
+        values = dict(ids64=0, sentinel_lo=0, scale=1.0, rows=1, blocks=H_MULTIPLE // MX_BLOCK)
+        return kernel_args(FrontArgs, FRONT_ARG_SPECS, {**dict.fromkeys(FRONT_ARG_SPECS, 16), **values})
+
     class FrontKernel:
         """The fused front (CuTe DSL, sm_90a): top-k, MXFP8 x and route
         record in one launch of 8 + ceil(rows*H/32 / 256) CTAs of 256 threads
@@ -212,48 +248,10 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             return (False, reason) if reason else (True, "")
 
         @cute.jit
-        def __call__(
-            self,
-            logits: cute.Pointer,
-            bias: cute.Pointer,
-            bias_vl: cute.Pointer,
-            input_ids: cute.Pointer,
-            ids64: Int32,
-            sentinel_lo: Int32,
-            scale: Float32,
-            x: cute.Pointer,
-            topk_ids: cute.Pointer,
-            topk_weights: cute.Pointer,
-            x_q: cute.Pointer,
-            x_scale: cute.Pointer,
-            x_deq: cute.Pointer,
-            permuted: cute.Pointer,
-            record: cute.Pointer,
-            rows: Int32,
-            blocks: Int32,
-            stream: _cuda.CUstream,
-        ):
+        def __call__(self, args: FrontArgs, stream: _cuda.CUstream):
             """Launch 8 + ceil(blocks / 256) CTAs of 256 threads (whole 8-CTA clusters) on `stream`."""
-            ctas = (CLUSTER + (blocks + (THREADS - 1)) // THREADS + (CLUSTER - 1)) // CLUSTER * CLUSTER
-            self.kernel(
-                logits,
-                bias,
-                bias_vl,
-                input_ids,
-                ids64,
-                sentinel_lo,
-                scale,
-                x,
-                topk_ids,
-                topk_weights,
-                x_q,
-                x_scale,
-                x_deq,
-                permuted,
-                record,
-                rows,
-                blocks,
-            ).launch(
+            ctas = (CLUSTER + (args.blocks + (THREADS - 1)) // THREADS + (CLUSTER - 1)) // CLUSTER * CLUSTER
+            self.kernel(args).launch(
                 grid=[ctas, 1, 1],
                 block=[THREADS, 1, 1],
                 cluster=[CLUSTER, 1, 1],
@@ -265,26 +263,9 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             )
 
         @cute.kernel
-        def kernel(
-            self,
-            logits: cute.Pointer,
-            bias: cute.Pointer,
-            bias_vl: cute.Pointer,
-            input_ids: cute.Pointer,
-            ids64: Int32,
-            sentinel_lo: Int32,
-            scale: Float32,
-            x: cute.Pointer,
-            topk_ids: cute.Pointer,
-            topk_weights: cute.Pointer,
-            x_q: cute.Pointer,
-            x_scale: cute.Pointer,
-            x_deq: cute.Pointer,
-            permuted: cute.Pointer,
-            record: cute.Pointer,
-            rows: Int32,
-            blocks: Int32,
-        ):
+        def kernel(self, kargs: FrontArgs):
+            logits, bias, bias_vl, input_ids, ids64, sentinel_lo, scale, x, topk_ids = kargs[:9]
+            topk_weights, x_q, x_scale, x_deq, permuted, record, rows, blocks = kargs[9:]
             tid = cute.arch.thread_idx()[0]
             cta = cute.arch.block_idx()[0]
             smem = cutlass.memory.SmemAllocator()
@@ -403,16 +384,14 @@ def compile_front_kernel(experts: int, top_k: int, image: bool = False, pdl: boo
     pdl, deq) (cached; see FrontKernel).
 
     Without a GPU set CUTE_DSL_ARCH=sm_90a to cross-compile for the H200.
-    Returns the compiled function, called as
-    `f(logits, bias, bias_vl, input_ids, ids64, sentinel_lo, scale, x,
-    topk_ids, topk_weights, x_q, x_scale, x_deq, permuted, record, rows, blocks,
-    stream)` with 16-byte aligned global pointers (fp32 logits / bias /
-    bias_vl, int32 input ids (4-byte aligned), bf16 x, int32 topk_ids, fp32
-    topk_weights, uint8 x_q / x_scale, bf16 x_deq (written only with
-    `deq`), int32 permuted / record;
-    cutlass.cute.runtime.make_ptr), Int32 ids64 / sentinel_lo / rows /
-    blocks (= rows*H/32), Float32 scale and a cuda.bindings CUstream;
-    `launch_front` does this for torch tensors. Raises RuntimeError without
+    Returns the compiled function, called as `f(args, stream)` with the
+    launch's `FrontArgs` (`host.kernel_args` from `FRONT_ARG_SPECS`: 16-byte
+    aligned global pointers (fp32 logits / bias / bias_vl, int32 input ids
+    (4-byte aligned), bf16 x, int32 topk_ids, fp32 topk_weights, uint8 x_q /
+    x_scale, bf16 x_deq (written only with `deq`), int32 permuted /
+    record), Int32 ids64 / sentinel_lo / rows / blocks (= rows*H/32),
+    Float32 scale) and a cuda.bindings CUstream; `launch_front` does this
+    for torch tensors. Raises RuntimeError without
     nvidia-cutlass-dsl, TypeError for a non-bool `image` / `pdl`, ValueError
     for an experts / top_k the kernel cannot take (`topk.topk_reason`)."""
     _check_static(experts, top_k, image, pdl, deq)  # before the cache (1 == True would hit it)
@@ -423,16 +402,7 @@ def compile_front_kernel(experts: int, top_k: int, image: bool = False, pdl: boo
 def _compile(experts: int, top_k: int, image: bool, pdl: bool, deq: bool = False):
     require_dsl(_KERNEL)
 
-    def fake(dtype, align=16):
-        return gmem_ptr(dtype, 16, align)
-
-    return cute.compile(
-        FrontKernel(experts, top_k, image, pdl, deq),
-        fake(Float32), fake(Float32), fake(Float32), fake(Int32, 4), Int32(0), Int32(0), Float32(1.0),
-        fake(BFloat16), fake(Int32), fake(Float32), fake(Uint8), fake(Uint8), fake(BFloat16), fake(Int32),
-        fake(Int32),
-        Int32(1), Int32(H_MULTIPLE // MX_BLOCK), _cuda.CUstream(0),
-    )  # fmt: skip
+    return cute.compile(FrontKernel(experts, top_k, image, pdl, deq), stand_in_args(), _cuda.CUstream(0))
 
 
 def _check_inputs(x, logits, config, top_k, input_ids) -> tuple[int, int]:
@@ -528,16 +498,13 @@ def launch_front(
     compiled = compile_front_kernel(e, top_k, config.image, pdl, deq)
     bias_vl = config.bias_vl if config.image else config.bias
     ids = input_ids if config.image else topk_ids_out
-    compiled(
-        gmem_ptr(Float32, logits, 16), gmem_ptr(Float32, config.bias, 16), gmem_ptr(Float32, bias_vl, 16),
-        gmem_ptr(Int32, ids, 4), Int32(int(ids.dtype == torch.int64)), Int32(config.image_sentinel_lo),
-        Float32(config.scale_f32), gmem_ptr(BFloat16, x, 16), gmem_ptr(Int32, topk_ids_out, 16),
-        gmem_ptr(Float32, topk_weights_out, 16), gmem_ptr(Uint8, x_q_out, 16),
-        gmem_ptr(Uint8, x_scale_out, 16), gmem_ptr(BFloat16, x_deq_out if deq else x, 16),
-        gmem_ptr(Int32, permuted_out, 16),
-        gmem_ptr(Int32, record_out, 16), Int32(rows), Int32(rows * hidden // MX_BLOCK),
-        cu_stream(stream, device),
+    sources = dict(
+        logits=logits, bias=config.bias, bias_vl=bias_vl, input_ids=ids, ids64=int(ids.dtype == torch.int64),
+        sentinel_lo=config.image_sentinel_lo, scale=config.scale_f32, x=x, topk_ids=topk_ids_out,
+        topk_weights=topk_weights_out, x_q=x_q_out, x_scale=x_scale_out, x_deq=x_deq_out if deq else x,
+        permuted=permuted_out, record=record_out, rows=rows, blocks=rows * hidden // MX_BLOCK,
     )  # fmt: skip
+    compiled(kernel_args(FrontArgs, FRONT_ARG_SPECS, sources), cu_stream(stream, device))
 
 
 @dataclass(frozen=True)

@@ -41,11 +41,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 
 from moebench.kernels.gemm import _check_common, _num_sms, check_gemm1_io
-from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
+from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, kernel_args, require_dsl
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.limits import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from moebench.kernels.fused_tactic import (  # noqa: F401 - the tactic's names, also for fused's callers
@@ -79,6 +80,35 @@ TRACE_STAMPS = ("start", "gemm1_done", "h_ready", "res_first", "res_last", "gemm
 
 if HAVE_DSL:
 
+    class FusedArgs(NamedTuple):
+        """FusedLayerKernel's run-time arguments, one struct (`host.kernel_args`
+        builds it from `FUSED_ARG_SPECS`; each pointer's element type and alignment are
+        `FUSED_ARG_SPECS`'): w13 / w2 and their scales, x and its scales, the
+        route record, the clamp, H and its scales, the output rows, the
+        counters, the trace stamps and the token tiles the record allows for."""
+
+        w1: cute.Pointer
+        ws1: cute.Pointer
+        w2: cute.Pointer
+        ws2: cute.Pointer
+        x: cute.Pointer
+        x_s: cute.Pointer
+        record: cute.Pointer
+        clamp: cute.Pointer
+        h: cute.Pointer
+        h_s: cute.Pointer
+        out: cute.Pointer
+        cnt: cute.Pointer
+        trace: cute.Pointer
+        ctas: Int32
+
+    #: {FusedArgs field: spec} in field order (`host.kernel_args`): a pointer's (element type, alignment).
+    FUSED_ARG_SPECS = {
+        "w1": (Uint8, 16), "ws1": (Uint8, 16), "w2": (Uint8, 16), "ws2": (Uint8, 16), "x": (Uint8, 16),
+        "x_s": (Uint8, 4), "record": (Int32, 16), "clamp": (Float32, 4), "h": (Uint8, 16), "h_s": (Uint8, 4),
+        "out": (BFloat16, 16), "cnt": (Int32, 16), "trace": (Int64, 8), "ctas": Int32,
+    }  # fmt: skip
+
     class FusedLayerKernel:
         """One persistent launch of GEMM1 then GEMM2 (module docstring)."""
 
@@ -103,26 +133,8 @@ if HAVE_DSL:
             return max(1, min(ctas * max(self.k1.blocks, self.k2.blocks), num_sms))
 
         @cute.jit
-        def __call__(
-            self,
-            w1: cute.Pointer,
-            ws1: cute.Pointer,
-            w2: cute.Pointer,
-            ws2: cute.Pointer,
-            x: cute.Pointer,
-            x_s: cute.Pointer,
-            record: cute.Pointer,
-            clamp: cute.Pointer,
-            h: cute.Pointer,
-            h_s: cute.Pointer,
-            out: cute.Pointer,
-            cnt: cute.Pointer,
-            trace: cute.Pointer,
-            ctas: Int32,
-            grid: Int32,
-            stream: _cuda.CUstream,
-        ):
-            self.kernel(w1, ws1, w2, ws2, x, x_s, record, clamp, h, h_s, out, cnt, trace, ctas).launch(
+        def __call__(self, args: FusedArgs, grid: Int32, stream: _cuda.CUstream):
+            self.kernel(args).launch(
                 grid=[grid, 1, 1],
                 block=[self.threads + 32, 1, 1],
                 stream=stream,
@@ -139,23 +151,8 @@ if HAVE_DSL:
             return smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)
 
         @cute.kernel
-        def kernel(
-            self,
-            w1: cute.Pointer,
-            ws1: cute.Pointer,
-            w2: cute.Pointer,
-            ws2: cute.Pointer,
-            x: cute.Pointer,
-            x_s: cute.Pointer,
-            record: cute.Pointer,
-            clamp: cute.Pointer,
-            h: cute.Pointer,
-            h_s: cute.Pointer,
-            out: cute.Pointer,
-            cnt: cute.Pointer,
-            trace: cute.Pointer,
-            ctas: Int32,
-        ):
+        def kernel(self, kargs: FusedArgs):
+            w1, ws1, w2, ws2, x, x_s, record, clamp, h, h_s, out, cnt, trace, ctas = kargs
             S, R = self.S, self.R
             NR = R * self.k2.nb  # resident stages
             tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
@@ -443,22 +440,16 @@ def compile_fused(shape: GemmShape, ft: FusedTactic, wide_scales: bool = False, 
     """Compile the fused layer (`FusedLayerKernel`) for one shape class and
     fused tactic (cached per process; cross-compiles without a GPU when
     CUTE_DSL_ARCH=sm_90a is set). Returns (kernel, compiled): `kernel.grid(
-    ctas, num_sms)` sizes the launch; `compiled(w1, ws1, w2, ws2, x, x_s,
-    record, clamp, h, h_s, out, cnt, trace, ctas, grid, stream)` takes cute
-    global pointers (`fused_layer` takes torch tensors); `trace` compiles
+    ctas, num_sms)` sizes the launch; `compiled(args, grid, stream)` takes
+    the launch's `FusedArgs` (`host.kernel_args`; `fused_layer` takes torch
+    tensors); `trace` compiles
     the stamps of `TRACE_STAMPS` in. Raises ValueError when the
     tactic cannot run the shape, RuntimeError without the DSL."""
     require_dsl(_KERNEL)
     kernel = FusedLayerKernel(ft, shape, wide_scales, trace)
 
-    def fake(dtype, align):
-        return gmem_ptr(dtype, 1 << 20, align)
-
-    compiled = cute.compile(
-        kernel, fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16),
-        fake(Uint8, 4), fake(Int32, 16), fake(Float32, 4), fake(Uint8, 16), fake(Uint8, 4), fake(BFloat16, 16),
-        fake(Int32, 16), fake(Int64, 8), Int32(1), Int32(1), _cuda.CUstream(0),
-    )  # fmt: skip
+    fake = kernel_args(FusedArgs, FUSED_ARG_SPECS, {**dict.fromkeys(FUSED_ARG_SPECS, 1 << 20), "ctas": 1})
+    compiled = cute.compile(kernel, fake, Int32(1), _cuda.CUstream(0))
     return kernel, compiled
 
 
@@ -537,21 +528,8 @@ def fused_layer(
         return
     kernel, compiled = compile_fused(shape, tactic, kw.scale_variant(True), trace is not None)
     grid = kernel.grid(ctas, sms)
-    compiled(
-        gmem_ptr(Uint8, kw.w13, 16),
-        gmem_ptr(Uint8, kw.w13_scale, 16),
-        gmem_ptr(Uint8, kw.w2, 16),
-        gmem_ptr(Uint8, kw.w2_scale, 16),
-        gmem_ptr(Uint8, x_q, 16),
-        gmem_ptr(Uint8, x_scale, 4),
-        gmem_ptr(Int32, record, 16),
-        gmem_ptr(Float32, kw.clamp, 4),
-        gmem_ptr(Uint8, h_q_out, 16),
-        gmem_ptr(Uint8, h_scale_out, 4),
-        gmem_ptr(BFloat16, out, 16),
-        gmem_ptr(Int32, workspace, 16),
-        gmem_ptr(Int64, trace if trace is not None else workspace, 8),
-        Int32(ctas),
-        Int32(grid),
-        cu_stream(stream, device),
-    )
+    sources = dict(w1=kw.w13, ws1=kw.w13_scale, w2=kw.w2, ws2=kw.w2_scale, x=x_q, x_s=x_scale, record=record,
+                   clamp=kw.clamp, h=h_q_out, h_s=h_scale_out, out=out, cnt=workspace,
+                   trace=trace if trace is not None else workspace)  # fmt: skip
+    args = kernel_args(FusedArgs, FUSED_ARG_SPECS, {**sources, "ctas": ctas})
+    compiled(args, Int32(grid), cu_stream(stream, device))

@@ -59,14 +59,15 @@ take a stream and do no host sync or allocation: CUDA-graph capturable.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 
-from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, gmem_ptr, require_dsl
+from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, kernel_args, require_dsl
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.limits import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from moebench.kernels.tactic import (
-    SPEC_WORDS, GemmShape, GemmTactic, cluster_landing_bytes, default_tactic, partial_smem_bytes, workspace_parts,
+    SPEC_WORDS, GemmShape, GemmTactic, cluster_landing_bytes, default_tactic, smem_bytes, workspace_parts,
 )  # fmt: skip
 from moebench.record import TILE, route_words
 
@@ -139,6 +140,47 @@ if HAVE_DSL:
             a.fill(0.0)
         return tiled_mma, rA, tCrA, acc, tmp
 
+    class GemmArgs(NamedTuple):
+        """StreamingGemmKernel's run-time arguments, one struct (`gemm_args`
+        builds it; the element type and alignment of each pointer are
+        `gemm_arg_specs`'): the weights and their scales, the activation
+        operand (e4m3 bytes, or BF16 with act_bf16) and its scales, the route
+        record, the SwiGLU clamp, the outputs (GEMM1: H, its scales and its
+        BF16 copy; GEMM2: the rows, placeholders), the split-K counters and
+        partials, a `spec` tactic's top-k ids and rows << 8 | top_k (meta),
+        and the token tiles the record allows for."""
+
+        w: cute.Pointer
+        ws: cute.Pointer
+        act: cute.Pointer
+        act_s: cute.Pointer
+        record: cute.Pointer
+        clamp: cute.Pointer
+        out: cute.Pointer
+        out_s: cute.Pointer
+        out_deq: cute.Pointer
+        cnt: cute.Pointer
+        part: cute.Pointer
+        ids: cute.Pointer
+        meta: Int32
+        ctas: Int32
+
+    def gemm_arg_specs(stage: int) -> dict:
+        """{GemmArgs field: spec} in field order (`host.kernel_args`): a
+        pointer's (element type, assumed alignment), a scalar's type; the
+        compile-time stand-ins and every launch take them from here."""
+        return {
+            "w": (Uint8, 16), "ws": (Uint8, 16), "act": (Uint8, 16), "act_s": (Uint8, 4),
+            "record": (Int32, 16), "clamp": (Float32, 4), "out": (Uint8 if stage == 1 else BFloat16, 16),
+            "out_s": (Uint8, 4), "out_deq": (BFloat16, 16), "cnt": (Int32, 16), "part": (Float32, 16),
+            "ids": (Int32, 4), "meta": Int32, "ctas": Int32,
+        }  # fmt: skip
+
+    def gemm_args(stage: int, sources: dict) -> GemmArgs:
+        """The GemmArgs of one launch (or compile) of GEMM`stage` from
+        `sources` ({field: tensor, address or number})."""
+        return kernel_args(GemmArgs, gemm_arg_specs(stage), sources)
+
     class StreamingGemmKernel:
         """The weight-streaming core with the GEMM1 (`stage=1`) or GEMM2
         (`stage=2`) epilogue for one shape class.
@@ -188,15 +230,13 @@ if HAVE_DSL:
             self.w_expert = npairs * self.nch * 128  # u32 words of one expert's weights
             self.s_expert = npairs * self.nch * 8  # u32 words of its scales
             # shared memory: fp32 partials [tm*128][warps][2 parities] (+ the bulk ring); the rest stays L1
-            self.smem_bytes = partial_smem_bytes(t)
+            self.smem_bytes = smem_bytes(t, s, self.stage)  # the one formula (tactic.smem_parts)
             self.bulk = t.bulk
             self.a16 = t.act_bf16
             self.fp8 = t.fp8
             self.aw = 4 if self.a16 else 2  # activation words per lane and chunk
-            if self.fp8:
-                # the unit's 8 activation rows (e4m3, wgmma K-major "interleave" layout: 16-byte
-                # units q = 8 * (k slot // 16) + n at byte 16 q) and their fp32 scales [chunk][token]
-                self.smem_bytes += 8 * self.k + 128 + 8 * self.nch * 4 + 16
+            # fp8: the unit's 8 activation rows (e4m3, wgmma K-major "interleave" layout: 16-byte
+            # units q = 8 * (k slot // 16) + n at byte 16 q) and their fp32 scales [chunk][token]
             self.block_threads = self.threads
             if self.bulk:
                 self.ks = self.u * self.wk  # K chunks per bulk stage
@@ -205,10 +245,7 @@ if HAVE_DSL:
                 self.np = self.rm // 32  # 32-row pairs per item
                 self.sw_words = self.np * self.ks * 128  # weight words of one stage
                 self.stage_words = self.sw_words + self.np * self.ks * 8  # + scale words
-                self.smem_bytes += t.stages * (4 * self.stage_words + 16) + (4 * SPEC_WORDS if t.spec else 0)
                 self.block_threads = self.threads + 32  # + the producer warp
-                if self.cl > 1:  # rank 0's landing zone for the other ranks' sums + 4 mbarriers
-                    self.smem_bytes += cluster_landing_bytes(t) + 32
             per_sm = (self.smem_bytes + SMEM_RESERVED_PER_CTA) * t.ctas_per_sm
             self.smem_carveout = min(100, -(-100 * per_sm // SMEM_PER_SM))
 
@@ -247,7 +284,10 @@ if HAVE_DSL:
             grid: Int32,
             stream: _cuda.CUstream,
         ):
-            self.kernel(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ids, meta, ctas).launch(
+            # flat here, not one GemmArgs: DSL 4.8.1's export_to_c (tuning.precompile) takes no
+            # NamedTuple argument; callers pass `*gemm_args(...)`, the kernel takes the struct
+            args = GemmArgs(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ids, meta, ctas)
+            self.kernel(args).launch(
                 grid=[grid, 1, 1],
                 block=[self.block_threads, 1, 1],
                 stream=stream,
@@ -653,27 +693,13 @@ if HAVE_DSL:
 
         # ------------------------------------------------------------------ kernel
         @cute.kernel
-        def kernel(
-            self,
-            w: cute.Pointer,
-            ws: cute.Pointer,
-            act: cute.Pointer,
-            act_s: cute.Pointer,
-            record: cute.Pointer,
-            clamp: cute.Pointer,
-            out: cute.Pointer,
-            out_s: cute.Pointer,
-            out_deq: cute.Pointer,
-            cnt: cute.Pointer,
-            part: cute.Pointer,
-            ids: cute.Pointer,
-            meta: Int32,
-            ctas: Int32,
-        ):
+        def kernel(self, kargs: GemmArgs):
             if cutlass.const_expr(self.bulk):
-                self.bulk_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, ids, meta, ctas)
+                self.bulk_body(kargs.w, kargs.ws, kargs.act, kargs.act_s, kargs.record, kargs.clamp, kargs.out,
+                               kargs.out_s, kargs.out_deq, kargs.ids, kargs.meta, kargs.ctas)  # fmt: skip
             else:
-                self.register_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas)
+                self.register_body(kargs.w, kargs.ws, kargs.act, kargs.act_s, kargs.record, kargs.clamp, kargs.out,
+                                   kargs.out_s, kargs.out_deq, kargs.cnt, kargs.part, kargs.ctas)  # fmt: skip
 
         @cute.jit
         def register_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas):  # noqa: C901 - owned by consumer, removed when it lands
@@ -1305,10 +1331,10 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
 
     Works without a GPU when CUTE_DSL_ARCH=sm_90a is set (cross-compile).
     Returns (kernel, compiled): `kernel.grid(ctas, num_sms)` sizes the
-    launch; `compiled(w, ws, act, act_s, record, clamp, out, out_s, out_deq,
-    cnt, part, ids, meta, ctas, grid, stream)` (ids / meta: the top-k ids and
-    rows << 8 | top_k of a `spec` tactic, else ignored; out_deq: GEMM1's BF16 H with
-    tactic.act_bf16, else ignored; act: BF16 [rows, K] with act_bf16) takes cute global pointers (make_ptr; cnt /
+    launch; `compiled(*args, grid, stream)` takes the launch's `GemmArgs`
+    flat (`gemm_args`: ids / meta: the top-k ids and rows << 8 | top_k of a
+    `spec` tactic, else ignored; out_deq: GEMM1's BF16 H with
+    tactic.act_bf16, else ignored; act: BF16 [rows, K] with act_bf16; cnt /
     part: the split-K counters and partials, see `workspace_parts`), Int32
     and a CUstream (use `gemm1` / `gemm2` for torch tensors). Raises ValueError
     when the tactic cannot run the shape, RuntimeError without the DSL. A
@@ -1322,15 +1348,8 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
         if compiled is not None:
             return kernel, compiled
 
-    def fake(dtype, align):
-        return gmem_ptr(dtype, 1 << 20, align)
-
-    out_dtype = Uint8 if stage == 1 else BFloat16
-    compiled = cute.compile(
-        kernel, fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 16), fake(Uint8, 4),
-        fake(Int32, 16), fake(Float32, 4), fake(out_dtype, 16), fake(Uint8, 4), fake(BFloat16, 16),
-        fake(Int32, 16), fake(Float32, 16), fake(Int32, 4), Int32(0), Int32(1), Int32(1), _cuda.CUstream(0),
-    )  # fmt: skip
+    fake = gemm_args(stage, {**dict.fromkeys(gemm_arg_specs(stage), 1 << 20), "meta": 0, "ctas": 1})  # stand-ins
+    compiled = cute.compile(kernel, *fake, Int32(1), _cuda.CUstream(0))
     return kernel, compiled
 
 
@@ -1361,13 +1380,14 @@ def alloc_workspace(nbytes: int, device) -> torch.Tensor:
     return torch.zeros(max(16, -(-nbytes // 16) * 16), dtype=torch.uint8, device=device)
 
 
-def _split_k_ptrs(workspace, shape: GemmShape, tactic: GemmTactic, stage: int, ctas: int, device, record):
-    """(counters, partials) pointers of the split-K workspace for this
-    launch (workspace_parts: counters at the front, partials at the back), or
-    placeholders (never read) when the tactic does not split K."""
+def _split_k_sources(workspace, shape: GemmShape, tactic: GemmTactic, stage: int, ctas: int, device, record):
+    """{"cnt": ..., "part": ...}: the addresses of the split-K workspace's
+    counters and partials for this launch (workspace_parts: counters at the
+    front, partials at the back), or placeholders (never read) when the
+    tactic does not split K."""
     if tactic.split_k == 1:
         # the kernel ignores them; any 16-byte aligned device pointer will do
-        return gmem_ptr(Int32, record, 16), gmem_ptr(Float32, record, 16)
+        return {"cnt": record, "part": record}
     if workspace is None:
         raise ValueError(
             f"workspace is required: tactic {tactic.name} splits K {tactic.split_k} ways; allocate one"
@@ -1391,7 +1411,7 @@ def _split_k_ptrs(workspace, shape: GemmShape, tactic: GemmTactic, stage: int, c
             f" (workspace_bytes for {tactic.name}, GEMM{stage}, ctas {ctas}), got {nbytes}"
         )
     base = workspace.data_ptr()
-    return gmem_ptr(Int32, base, 16), gmem_ptr(Float32, base + nbytes - partials, 16)
+    return {"cnt": base, "part": base + nbytes - partials}
 
 
 def _resolve(kw: KernelWeights, stage: int, tactic, ctas: int, device) -> tuple[GemmTactic, int]:
@@ -1440,7 +1460,7 @@ def _launch(
     stage: int,
     tactic: GemmTactic,
     sms: int,
-    args,
+    sources: dict,
     ctas: int,
     device,
     stream,
@@ -1448,17 +1468,20 @@ def _launch(
     workspace,
     topk_ids=None,
 ) -> None:
+    """Launch GEMM`stage` with the tensors of `sources` (GemmArgs' fields
+    up to out_deq), the split-K workspace and the spec ids filled in."""
     shape = GemmShape.of(kw)
-    split = _split_k_ptrs(workspace, shape, tactic, stage, ctas, device, record)
+    split = _split_k_sources(workspace, shape, tactic, stage, ctas, device, record)
     if ctas == 0:
         return
     kernel, compiled = compile_gemm(shape, tactic, stage, kw.scale_variant(tactic.fp8))
     grid = kernel.grid(ctas, sms)
     if topk_ids is None:  # the kernel never reads them
-        ids, meta = gmem_ptr(Int32, record, 4), 0
+        ids, meta = record, 0
     else:
-        ids, meta = gmem_ptr(Int32, topk_ids, 4), topk_ids.shape[0] << 8 | topk_ids.shape[1]
-    compiled(*args, *split, ids, Int32(meta), Int32(ctas), Int32(grid), cu_stream(stream, device))
+        ids, meta = topk_ids, topk_ids.shape[0] << 8 | topk_ids.shape[1]
+    args = gemm_args(stage, {**sources, **split, "ids": ids, "meta": meta, "ctas": ctas})
+    compiled(*args, Int32(grid), cu_stream(stream, device))
 
 
 def act_to_bf16(q: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -1590,18 +1613,10 @@ def gemm1(
             raise ValueError(f"topk_ids must be int32 [{rows}, top_k <= 8], got {getattr(topk_ids, 'shape', topk_ids)}")
         check_tensor("topk_ids", topk_ids, (torch.int32,), (rows, topk_ids.shape[1]), device, align=4)
     require_dsl(_KERNEL)
-    args = (
-        gmem_ptr(Uint8, kw.w13, 16),
-        gmem_ptr(Uint8, kw.w13_scale, 16),
-        gmem_ptr(Uint8, x_q if x_deq is None else x_deq, 16),
-        gmem_ptr(Uint8, x_scale, 4),
-        gmem_ptr(Int32, record, 16),
-        gmem_ptr(Float32, kw.clamp, 4),
-        gmem_ptr(Uint8, h_q_out, 16),
-        gmem_ptr(Uint8, h_scale_out, 4),
-        gmem_ptr(BFloat16, h_q_out if h_deq_out is None else h_deq_out, 16),
-    )  # placeholder: never written
-    _launch(kw, 1, tactic, sms, args, ctas, device, stream, record, workspace, topk_ids)
+    sources = dict(w=kw.w13, ws=kw.w13_scale, act=x_q if x_deq is None else x_deq, act_s=x_scale, record=record,
+                   clamp=kw.clamp, out=h_q_out, out_s=h_scale_out,
+                   out_deq=h_q_out if h_deq_out is None else h_deq_out)  # (a placeholder, never written)  # fmt: skip
+    _launch(kw, 1, tactic, sms, sources, ctas, device, stream, record, workspace, topk_ids)
 
 
 def gemm2(
@@ -1638,8 +1653,6 @@ def gemm2(
     tactic, sms = _resolve(kw, 2, tactic, ctas, device)
     h_deq = _bf16_act("h_deq", h_deq, tactic, (TILE * ctas, i), device, "reads H as BF16")
     require_dsl(_KERNEL)
-    args = (gmem_ptr(Uint8, kw.w2, 16), gmem_ptr(Uint8, kw.w2_scale, 16), gmem_ptr(Uint8, h_q if h_deq is None
-            else h_deq, 16), gmem_ptr(Uint8, h_scale, 4), gmem_ptr(Int32, record, 16),
-            gmem_ptr(Float32, kw.clamp, 4), gmem_ptr(BFloat16, out, 16), gmem_ptr(Uint8, h_scale, 4),
-            gmem_ptr(BFloat16, out, 16))  # fmt: skip
-    _launch(kw, 2, tactic, sms, args, ctas, device, stream, record, workspace)
+    sources = dict(w=kw.w2, ws=kw.w2_scale, act=h_q if h_deq is None else h_deq, act_s=h_scale, record=record,
+                   clamp=kw.clamp, out=out, out_s=h_scale, out_deq=out)  # (out_s / out_deq: placeholders)  # fmt: skip
+    _launch(kw, 2, tactic, sms, sources, ctas, device, stream, record, workspace)

@@ -87,3 +87,19 @@ def gmem_ptr(dtype, t, align: int):
 
     addr = t if isinstance(t, int) else t.data_ptr()
     return make_ptr(dtype, addr, _cute.AddressSpace.gmem, assumed_align=align)
+
+
+def kernel_args(struct, specs: dict, sources: dict):
+    """One kernel's run-time arguments as its struct: `struct` (a
+    NamedTuple class, the kernel's argument list written once) built from
+    `sources` ({field: value}): a pointer field, whose spec in `specs` is
+    (element type, assumed alignment), from a tensor or an address
+    (`gmem_ptr`); a scalar field, whose spec is its DSL type (Int32,
+    Float32), from a number. Raises ValueError unless `specs` names the
+    struct's fields in order, KeyError for a field `sources` lacks."""
+    if tuple(specs) != struct._fields:
+        raise ValueError(f"specs name {tuple(specs)}, {struct.__name__} has {struct._fields}")
+    return struct(
+        *(gmem_ptr(spec[0], sources[name], spec[1]) if isinstance(spec, tuple) else spec(sources[name])
+          for name, spec in specs.items())
+    )  # fmt: skip

@@ -319,17 +319,8 @@ class GemmTactic:
                     f" ({self.cluster_k * self.warps_k * self.unroll}) to divide the {nch} K chunks"
                     " (equal slices of whole ring steps)"
                 )
-        need = partial_smem_bytes(self)
-        what = ["the fp32 partial sums"]
-        if self.fp8:
-            need += 8 * k + 128 + 32 * nch + 16
-            what.append("the fp8 activation tile")
-        if self.bulk:
-            need += self.stages * (bulk_stage_bytes(self) + 16) + (4 * SPEC_WORDS if self.spec else 0)
-            what.append(f"{self.stages} bulk stages")
-        if self.cluster_k > 1:
-            need += cluster_landing_bytes(self) + 32
-            what.append("the cluster's landing zone")
+        parts = smem_parts(self, s, stage)
+        need, what = sum(parts.values()), list(parts)
         limit = min(SMEM_PER_CTA, SMEM_PER_SM // self.ctas_per_sm - SMEM_RESERVED_PER_CTA)
         if need > limit:
             ctas = f"{self.ctas_per_sm} CTA{'s' if self.ctas_per_sm > 1 else ''} per SM"
@@ -360,6 +351,33 @@ if sorted(f for f, _, _ in NAME_PARTS) != sorted(_DEFAULTS) or not set(TABLE_REQ
 _NAME = re.compile("^" + "".join(
     f"{token}(\\d+)" if always else f"({token})?" if isinstance(_DEFAULTS[f], bool) else f"(?:{token}(\\d+))?"
     for f, token, always in NAME_PARTS) + "$")  # fmt: skip
+
+
+def smem_parts(tactic: GemmTactic, shape, stage: int) -> dict[str, int]:
+    """Shared memory of one CTA of GEMM`stage` of `shape` with `tactic`, part
+    by part ({what: bytes}, in allocation order): the fp32 partial sums; with
+    fp8 the unit's 8 e4m3 activation rows (K bytes each, + 128 alignment),
+    their fp32 scales [chunk][token] and an mbarrier; with the bulk ring its
+    stages (each + its mbarriers) and a `spec` producer's prediction; with a
+    cluster rank 0's landing zone and its mbarriers. The one formula: the
+    kernel allocates by it (`gemm.StreamingGemmKernel`) and `valid_for`
+    checks it against the limits."""
+    _check_stage(stage)
+    k = GemmShape.of(shape).hidden if stage == 1 else GemmShape.of(shape).intermediate
+    parts = {"the fp32 partial sums": partial_smem_bytes(tactic)}
+    if tactic.fp8:
+        parts["the fp8 activation tile"] = 8 * k + 128 + 8 * (k // 32) * 4 + 16
+    if tactic.bulk:
+        spec = 4 * SPEC_WORDS if tactic.spec else 0
+        parts[f"{tactic.stages} bulk stages"] = tactic.stages * (bulk_stage_bytes(tactic) + 16) + spec
+    if tactic.cluster_k > 1:
+        parts["the cluster's landing zone"] = cluster_landing_bytes(tactic) + 32
+    return parts
+
+
+def smem_bytes(tactic: GemmTactic, shape, stage: int) -> int:
+    """Shared memory of one CTA of GEMM`stage` (`smem_parts`, summed)."""
+    return sum(smem_parts(tactic, shape, stage).values())
 
 
 def partial_smem_bytes(tactic: GemmTactic) -> int:

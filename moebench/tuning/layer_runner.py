@@ -7,10 +7,10 @@ candidates are `LayerChoice`s, the pair first (the tuner's `prefer`: it
 stays unless a fused tactic is faster beyond the noise), then
 `fused_candidates`. `check` runs one on the oracle's inputs (H judged as
 GEMM1's fp8 check, the rows as GEMM2's against the oracle); `time` is the
-routed path as `GemmStageRunner.time` times it (a CUDA graph of, per
-rotated weight set, the route kernel, then the pair or the fused launch),
-so the pair and every fused candidate are timed side by side on the same
-rotation. The winners are a table's "fp8.fused" entries
+layer as `GemmStageRunner.time` times it (the plan with the pair or the
+fused launch at those rows, bound on every rotated weight set and called
+at the layer boundary), so the pair and every fused candidate are timed
+side by side on the same rotation, through the runtime's launches. The winners are a table's "fp8.fused" entries
 (`kernels.table.LAYER`).
 """
 
@@ -19,9 +19,11 @@ from __future__ import annotations
 import torch
 
 from moebench.kernels.fused_tactic import LayerChoice, fused_candidates
+from moebench.kernels.layer_plan import LayerPlan
+from moebench.kernels.table import LAYER
 from moebench.kernels.tactic import GemmTactic
 from moebench.record import MAX_ROWS, max_ctas
-from moebench.tuning.runner import GemmStageRunner, h_fp8_mismatch
+from moebench.tuning.runner import GemmStageRunner, candidate_plan, h_fp8_mismatch
 
 
 class LayerRunner(GemmStageRunner):
@@ -101,26 +103,14 @@ class LayerRunner(GemmStageRunner):
         bad = h_fp8_mismatch(case["h_q"][:used], case["h_s"][:used], case["ref_q"][:used], case["ref_s"][:used])
         return f"H: {bad}" if bad else self.rows_mismatch(case)
 
-    def time(self, choice: LayerChoice, rows: int):
-        """Timing (µs per routed-expert path) of `choice` at `rows`: per
-        rotated weight set the route kernel (released after its wait before
-        a `spec` GEMM1), then the pair or the fused launch."""
-        from moebench.backends.moebench import INPUTS_READY
-        from moebench.bench.timing import time_graph
-        from moebench.kernels.route import launch_route_quantize
-
-        case = self._case(rows)
-        spec = choice.fused is None and self.pair(rows)[0].spec
-        ids, record, x_q, x_s = case["ids"], case["t_record"], case["t_x_q"], case["t_x_s"]
-
-        def launch_all() -> None:
-            for kw in self.kws:
-                launch_route_quantize(case["x"], x_q, x_s, ids, record, case["permuted"], self.shape.experts,
-                                      release_after_wait=spec, inputs_ready=INPUTS_READY)  # fmt: skip
-                self._layer(kw, case, choice, x_q, x_s, record)
-
-        return time_graph(launch_all, warmup=self.warmup, replays=self.replays, calls_per_replay=len(self.kws),
-                          use_graph=True, device=self.device)  # fmt: skip
+    def plan(self, choice: LayerChoice, rows: int) -> LayerPlan:
+        """The layer plan `time` binds for `choice` at `rows`: the pair's
+        tactics (`pair`) at `rows`, run as the pair or as `choice`'s fused
+        launch (`GemmStageRunner.time` times it: the runtime's launches, at
+        the layer boundary, on every rotated weight set)."""
+        t1, t2 = self.pair(rows)
+        pair = self.base_plan.with_tactic(1, rows, t1, "pair").with_tactic(2, rows, t2, "pair")
+        return candidate_plan(pair, LAYER, rows, choice)
 
 
 __all__ = ["LayerRunner"]

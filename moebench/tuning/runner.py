@@ -2,17 +2,22 @@
 
 `GemmStageRunner` is the runner of FlashInfer's autotuner pattern for one
 (shape, stage): `valid_tactics(rows)` and, for one tactic, `check(tactic,
-rows)` (its output against the fp64 oracle) and `time(tactic, rows)` (the
-routed-expert path as the binding launches it: the route kernel (record +
-MXFP8 x), GEMM1, GEMM2, under a CUDA graph, cycling through enough distinct
-weight sets that the working set is >= 4 x L2: what the sweep's `routed_us`
-measures, so table times are routed-path times). The other stage runs its
+rows)` (its output against the fp64 oracle) and `time(tactic, rows)`: the
+layer the runtime would run with that tactic (the runner's `LayerPlan` with
+the candidate substituted, `candidate_plan`), bound on every rotated weight
+set (`RoutedExpertGemm.bind`) and called through the binding's own
+`forward` (route kernel with the MXFP8 x and record, GEMM1, GEMM2) at the
+layer boundary, as the sweep times a layer call (`timed_layers`: each
+layer's x write before its call, the writes' time taken off), under a CUDA
+graph, cycling through enough distinct weight sets that the working set is
+>= 4 x L2: what the sweep's `routed_us` measures, so table times are
+routed-path times and the tuned launch sequence is the one that runs
+(tests/kernels/test_layer_plan.py records both). The other stage runs its
 partner tactic: GEMM1's candidates run beside GEMM2's default; GEMM2's beside
 the GEMM1 tactic just tuned for the same rows (`partners`), so a table's pair
 is timed together when one run tunes both stages (a run of GEMM2 alone times
-it beside GEMM1's default). The timed path has its own copies of the record
-and the MXFP8 x, which the route kernel rewrites; `check` reads the torch
-builder's. `run_tune` tunes GEMM1 then GEMM2 for each TP degree, then
+it beside GEMM1's default). `check` launches the stage alone on the torch
+builder's record and the oracle's inputs. `run_tune` tunes GEMM1 then GEMM2 for each TP degree, then
 re-times GEMM1's finalists beside the tuned GEMM2 (`_revisit_gemm1`: one more
 round of the stage-by-stage search), and returns one `TuningTable` per shape
 class.
@@ -53,10 +58,11 @@ from moebench import __version__
 from moebench.backends.moebench import INPUTS_READY  # the route launch the sweep times
 from moebench.bench import check_layers, check_seed
 from moebench.env import environment, resolve_device
+from moebench.kernels.layer_plan import LayerPlan
 from moebench.kernels.table import LAYER, STAGE_LABELS, ShapeClass, TuningTable
 from moebench.kernels.tactic import GemmShape, GemmTactic, default_tactic
 from moebench.models import RankShape, get_preset
-from moebench.record import MAX_ROWS, TILE, max_ctas
+from moebench.record import ALL_ROWS, MAX_ROWS, TILE, max_ctas
 from moebench.tuning.space import DEFAULT_FP8_SPACE, DEFAULT_SPACE, Fp8Space, NeighbourSpace, TacticSpace, valid_tactics
 from moebench.tuning.tuner import TuneResult, tune
 
@@ -113,7 +119,7 @@ class TuneConfig:
     experts: int | None = None
     top_k: int | None = None
     tp: tuple[int, ...] = (4,)
-    rows: tuple[int, ...] = tuple(range(1, MAX_ROWS + 1))
+    rows: tuple[int, ...] = ALL_ROWS
     stages: tuple[int, ...] | None = None
     scenario: str = "correlated"
     seed: int = 0
@@ -224,6 +230,21 @@ class GemmStageRunner:
         self.seed = seed
         self.partners = dict(partners or {})  # rows -> the other stage's tactic (else its default)
         self._inputs: dict[int, dict] = {}
+        self.base_plan = self._base_plan(info.name)
+
+    def _base_plan(self, device_name: str) -> LayerPlan:
+        """The layer `time` substitutes candidates into: this family, every
+        (stage, rows) at its built-in default as run (`default`), the pair."""
+        from moebench.kernels.family import FamilyChoice
+        from moebench.kernels.layer_plan import plan_layer
+
+        family = FamilyChoice(self.fp8, "asked", f"moebench tune{' --fp8' if self.fp8 else ''}")
+        plan = plan_layer(ShapeClass.of(self.shape), family, device_name=device_name, num_sms=self.num_sms,
+                          wide_scales=self.wide, tactics={}, act_bf16=self.act_bf16, fused=False)  # fmt: skip
+        for rows in ALL_ROWS:
+            for stage in (1, 2):
+                plan = plan.with_tactic(stage, rows, self.builtin(rows, stage), "default (tune)")
+        return plan
 
     def valid_tactics(self, rows: int) -> tuple[GemmTactic, ...]:
         """The space's tactics for this stage at `rows` (the default first),
@@ -237,10 +258,13 @@ class GemmStageRunner:
     def default(self, rows: int, stage: int | None = None) -> GemmTactic:
         """GEMM`stage`'s (default: this runner's) built-in default at `rows`, as
         run: its `_a16` twin with the BF16 operand."""
+        return self.builtin(rows, self.stage if stage is None else stage)
+
+    def builtin(self, rows: int, stage: int) -> GemmTactic:
+        """GEMM`stage`'s built-in default at `rows`, as run (`default`)."""
         ctas = max_ctas(rows, self.shape.top_k, self.shape.experts)
-        st = self.stage if stage is None else stage
         return operand_twins(
-            [default_tactic(self.gshape, st, ctas, self.num_sms, self.wide, fp8=self.fp8)], self.act_bf16
+            [default_tactic(self.gshape, stage, ctas, self.num_sms, self.wide, fp8=self.fp8)], self.act_bf16
         )[0]
 
     def _case(self, rows: int) -> dict:
@@ -261,17 +285,16 @@ class GemmStageRunner:
                 "used": TILE * route.tiles_used, "x": x.contiguous(),
                 "ids": self.ids[rows].to(dev, torch.int32).contiguous(),
                 "permuted": torch.empty(rows, s.top_k, dtype=torch.int32, device=dev)}  # fmt: skip
-        # the timed path's own record and MXFP8 x (the route kernel rewrites them each replay)
-        case.update(t_record=route.record.clone(), t_x_q=case["x_q"].clone(), t_x_s=case["x_s"].clone())
+        # the timed layers' routing weights (carried to the output, never read by the GEMMs)
+        case["topk_w"] = torch.full((rows, s.top_k), 1.0 / s.top_k, dtype=torch.float32, device=dev)
         n = TILE * route.ctas
         if self.act_bf16:  # the BF16 operands the binding feeds a16 tactics (gemm.act_to_bf16: the kernels' bits)
             from moebench.kernels.gemm import act_to_bf16
 
             case["x_deq"] = act_to_bf16(case["x_q"], case["x_s"])
-            case["t_x_deq"] = case["x_deq"].clone()
             case["ref_deq"] = act_to_bf16(case["ref_q"], case["ref_s"])
             case["h_deq"] = torch.zeros(n, s.intermediate, dtype=torch.bfloat16, device=dev)
-        # both stages' buffers: `time` runs the routed path (route, GEMM1, GEMM2)
+        # the checks' buffers (`time` runs the bound layers, which allocate their own)
         case["h_q"] = torch.zeros(n, s.intermediate, dtype=torch.uint8, device=dev)
         case["h_s"] = torch.zeros(n, s.intermediate // 32, dtype=torch.uint8, device=dev)
         case["out"] = torch.empty(n, s.hidden, dtype=torch.bfloat16, device=dev)
@@ -343,66 +366,87 @@ class GemmStageRunner:
     def partner(self, rows: int) -> GemmTactic:
         """The other stage's tactic in `time` at `rows`: `partners[rows]`, else
         that stage's default (`default`)."""
-        return self.partners[rows] if rows in self.partners else self.default(rows, 3 - self.stage)
+        return self.partners[rows] if rows in self.partners else self.builtin(rows, 3 - self.stage)
+
+    def plan(self, tactic: GemmTactic, rows: int) -> LayerPlan:
+        """The layer plan `time` binds for `tactic` at `rows`: the runner's
+        base plan (`base_plan`) with this stage at `rows` running `tactic`
+        and the other stage its `partner(rows)`."""
+        other = self.partner(rows)
+        return candidate_plan(self.base_plan, self.stage, rows, tactic, other)
 
     def time(self, tactic: GemmTactic, rows: int):
-        """Timing (µs per routed-expert path) of `tactic` at `rows` in its
-        context: a CUDA graph that runs, per rotated weight set, the route
-        kernel (record + MXFP8 x; released after its wait for a `spec`
-        GEMM1), GEMM1 and GEMM2 as the binding does, this stage with `tactic`
-        and the other with `partner(rows)`. The path, not the kernel alone,
-        because programmatic dependent launch overlaps each kernel's start
-        with the previous one's tail and a tactic changes that overlap
+        """Timing (µs per routed-expert layer call) of `tactic` at `rows`: the
+        layer the runtime would run with that tactic (`plan`: the other
+        stage at its partner), bound on every rotated weight set
+        (`RoutedExpertGemm.bind`) and called as the sweep times a layer at
+        the layer boundary (`time_plan`): per rotated layer the write of x,
+        then the binding's own `forward` (route, GEMM1, GEMM2); the writes'
+        time taken off. The path, not the kernel alone, because
+        programmatic dependent launch overlaps each kernel's start with the
+        previous one's tail and a tactic changes that overlap
         (docs/perf-notes.md v4: a bulk-ring GEMM2 is slower alone but faster
         after GEMM1; session 11: a 2-CTA/SM GEMM1 is 2.8 µs slower behind
         the route kernel than alone, and `spec` only helps behind it).
         Candidates of one stage share the rest, so their differences are the
         tactic's own."""
-        from moebench.bench.timing import time_graph
-        from moebench.kernels.gemm import gemm1, gemm2
-        from moebench.kernels.route import launch_route_quantize
+        return self.time_plan(self.plan(tactic, rows), rows)
+
+    def time_plan(self, plan: LayerPlan, rows: int):
+        """`plan` bound on every rotated weight set, timed at the layer
+        boundary at `rows` (`time`)."""
+        from moebench.bench.timing import less, time_graph
 
         case = self._case(rows)
-        route = case["route"]
-        ctas = route.ctas
-        other = self.partner(rows)
-        t1, t2 = (tactic, other) if self.stage == 1 else (other, tactic)
-        if t2.act_bf16 and not t1.act_bf16:
-            raise ValueError(f"an a16 GEMM2 ({t2.name}) needs an a16 GEMM1 to write its BF16 H, got {t1.name}")
-        a1 = dict(x_deq=case["t_x_deq"], h_deq_out=case["h_deq"]) if t1.act_bf16 else {}
-        a2 = dict(h_deq=case["h_deq"]) if t2.act_bf16 else {}
-        ids, record, x_q, x_s = case["ids"], case["t_record"], case["t_x_q"], case["t_x_s"]
+        counts = dict(warmup=self.warmup, replays=self.replays, calls_per_replay=self.layers, use_graph=True,
+                      device=self.device)  # fmt: skip
+        if "writes" not in case:
+            from moebench.bench.sweep import layer_writes
 
-        def launch_all() -> None:
-            for kw in self.kws:
-                launch_route_quantize(
-                    case["x"],
-                    x_q,
-                    x_s,
-                    ids,
-                    record,
-                    case["permuted"],
-                    self.shape.experts,
-                    x_deq_out=case["t_x_deq"] if t1.act_bf16 else None,
-                    release_after_wait=t1.spec,
-                    inputs_ready=INPUTS_READY,
-                )
-                gemm1(
-                    kw,
-                    x_q,
-                    x_s,
-                    record,
-                    ctas,
-                    case["h_q"],
-                    case["h_s"],
-                    tactic=t1,
-                    topk_ids=ids if t1.spec else None,
-                    **a1,
-                )
-                gemm2(kw, case["h_q"], case["h_s"], record, ctas, case["out"], tactic=t2, **a2)
+            case["writes"] = layer_writes(case["x"], self.layers)
+        writes = case["writes"]
+        layers = bind_layers(self.kws, plan, self.weights0)
+        run = timed_layers(layers, case["x"], case["ids"], case["topk_w"], writes)
+        timing = time_graph(run, **counts)
+        # the x writes alone (the sweep's x_write_us), timed right after: their median comes off
+        return less(timing, time_graph(lambda: [w() for w in writes], **counts))
 
-        return time_graph(launch_all, warmup=self.warmup, replays=self.replays, calls_per_replay=len(self.kws),
-                          use_graph=True, device=self.device)  # fmt: skip
+
+def candidate_plan(base: LayerPlan, stage: int, rows: int, tactic, partner: GemmTactic | None = None) -> LayerPlan:
+    """`base` with one tuning candidate substituted at `rows`: a GemmTactic
+    at GEMM`stage` (1 or 2), the other stage running `partner` (None: as in
+    `base`), the pair; or (stage LAYER) a LayerChoice, the pair or a fused
+    tactic. Raises ValueError where the result cannot run."""
+    if stage == LAYER:
+        return base.with_fused(rows, tactic.fused, "candidate")
+    plan = base.with_tactic(stage, rows, tactic, "candidate")
+    return plan if partner is None else plan.with_tactic(3 - stage, rows, partner, "partner")
+
+
+def bind_layers(kws, plan: LayerPlan, source=None, launcher=None) -> list:
+    """One `RoutedExpertGemm` of `plan` per rotated kernel-layout weight set
+    in `kws` (each its own workspaces, as layers at runtime)."""
+    from moebench.kernels.binding import RoutedExpertGemm
+
+    return [RoutedExpertGemm.bind(kw, plan, source=source, launcher=launcher) for kw in kws]
+
+
+def timed_layers(layers: list, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                 writes: list | None) -> Callable[[], None]:  # fmt: skip
+    """What `moebench tune` times for one candidate, as the sweep times a
+    layer call at the layer boundary (`bench.sweep`'s `_time_routed`): for
+    each bound layer, the write of x (`writes[i]`; None: back to back) then
+    the layer's `forward` (route, then the pair or the fused launch), with
+    the route launch the backend's (`INPUTS_READY`). The very calls the
+    runtime makes: the tuned sequence is the one that runs."""
+
+    def run() -> None:
+        for i, layer in enumerate(layers):
+            if writes:
+                writes[i]()
+            layer.forward(x, topk_ids, topk_weights, inputs_ready=INPUTS_READY)
+
+    return run
 
 
 def operand_twins(tactics, act_bf16: bool) -> tuple[GemmTactic, ...]:

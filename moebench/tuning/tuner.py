@@ -167,66 +167,21 @@ def tune(  # noqa: C901 - owned by layer-plan, removed when it lands
             result.stopped = rows_list[index:]
             break
         preferred = prefer(rows) if callable(prefer) else prefer
-        cands = list(candidates(shape, rows) if callable(candidates) else candidates)
-        if not cands:
-            raise ValueError(f"no candidate tactics for rows={rows}")
-        names = [_name(t) for t in cands]
-        if len(set(names)) != len(names):
-            raise ValueError(f"candidates for rows={rows} have duplicates")
+        cands = _candidates(candidates, shape, rows)
         rejected: dict[str, str] = {}
-        first: list[Measurement] = []
-        for tactic in cands:
-            name = _name(tactic)
-            try:
-                error = check_fn(tactic, rows)
-            except Exception as exc:  # noqa: BLE001 - a failing tactic is rejected, not fatal
-                error = f"check raised {_error_text(exc)}"
-            if error:
-                rejected[name] = f"incorrect: {error}"
-                say(rows, name, "rejected")
-                continue
-            try:
-                first.append(_timing(time_fn(tactic, rows), tactic))
-            except Exception as exc:  # noqa: BLE001
-                rejected[name] = f"timing failed: {_error_text(exc)}"
-                say(rows, name, "failed")
-                continue
-            say(rows, name, "timed")
-        first.sort(key=lambda m: m.median_us)
+        first = _first_pass(cands, rows, time_fn, check_fn, rejected, say)
         if not first:
             result.results[rows] = RowsResult(rows, None, (), (), rejected, "no correct tactic")
             continue
-
         finalists = first[:top]
         if preferred is not None and all(m.tactic != preferred for m in finalists):
             finalists += [m for m in first if m.tactic == preferred]
-        runs: dict[str, list[Measurement]] = {_name(m.tactic): [m] for m in finalists}
-        for _ in range(repeats):
-            for m in finalists:
-                name = _name(m.tactic)
-                if name in rejected:
-                    continue
-                try:
-                    runs[name].append(_timing(time_fn(m.tactic, rows), m.tactic))
-                except Exception as exc:  # noqa: BLE001 - flaky on re-time: out
-                    rejected[name] = f"re-timing failed: {_error_text(exc)}"
-                    say(rows, name, "failed")
-            say(rows, "finalists", "re-timed")
-        pooled = sorted((_pool(m.tactic, runs[_name(m.tactic)]) for m in finalists
-                         if _name(m.tactic) not in rejected), key=lambda m: m.median_us)  # fmt: skip
+        pooled = _retime(finalists, rows, repeats, time_fn, rejected, say)
         if not pooled:
             result.results[rows] = RowsResult(rows, None, tuple(first), (), rejected, "every finalist failed")
             continue
-
-        winner, note = pooled[0], ""
+        winner, note = _pick(pooled, preferred)
         baseline = next((m for m in pooled if preferred is not None and m.tactic == preferred), None)
-        if preferred is not None and preferred != winner.tactic:
-            for m in pooled[1:]:
-                if m.tactic == preferred and m.p10_us <= winner.p90_us:
-                    note = (f"kept {_name(preferred)}: within noise of {_name(winner.tactic)}"
-                            f" ({m.median_us:.2f} vs {winner.median_us:.2f} µs)")  # fmt: skip
-                    winner = m
-                    break
         others = [m for m in pooled if m is not winner]
         runner = others[0] if others else None
         entry = TableEntry(
@@ -239,3 +194,72 @@ def tune(  # noqa: C901 - owned by layer-plan, removed when it lands
         )  # fmt: skip
         result.results[rows] = RowsResult(rows, entry, tuple(first), tuple(pooled), rejected, note, baseline)
     return result
+
+
+def _candidates(candidates, shape, rows: int) -> list:
+    """The candidates at `rows` (a sequence, or `candidates(shape, rows)`):
+    ValueError when there are none or some repeat."""
+    cands = list(candidates(shape, rows) if callable(candidates) else candidates)
+    if not cands:
+        raise ValueError(f"no candidate tactics for rows={rows}")
+    names = [_name(t) for t in cands]
+    if len(set(names)) != len(names):
+        raise ValueError(f"candidates for rows={rows} have duplicates")
+    return cands
+
+
+def _first_pass(cands, rows: int, time_fn, check_fn, rejected: dict, say) -> list[Measurement]:
+    """Steps 1-2: each candidate checked, the correct ones timed once; the
+    wrong or failing ones go to `rejected` with the reason. Fastest first."""
+    first: list[Measurement] = []
+    for tactic in cands:
+        name = _name(tactic)
+        try:
+            error = check_fn(tactic, rows)
+        except Exception as exc:  # noqa: BLE001 - a failing tactic is rejected, not fatal
+            error = f"check raised {_error_text(exc)}"
+        if error:
+            rejected[name] = f"incorrect: {error}"
+            say(rows, name, "rejected")
+            continue
+        try:
+            first.append(_timing(time_fn(tactic, rows), tactic))
+        except Exception as exc:  # noqa: BLE001
+            rejected[name] = f"timing failed: {_error_text(exc)}"
+            say(rows, name, "failed")
+            continue
+        say(rows, name, "timed")
+    return sorted(first, key=lambda m: m.median_us)
+
+
+def _retime(finalists: list[Measurement], rows: int, repeats: int, time_fn, rejected: dict, say) -> list[Measurement]:
+    """Step 3: the finalists re-timed `repeats` times, interleaved; each
+    pooled over its timings (a re-timing that fails rejects it). Fastest first."""
+    runs: dict[str, list[Measurement]] = {_name(m.tactic): [m] for m in finalists}
+    for _ in range(repeats):
+        for m in finalists:
+            name = _name(m.tactic)
+            if name in rejected:
+                continue
+            try:
+                runs[name].append(_timing(time_fn(m.tactic, rows), m.tactic))
+            except Exception as exc:  # noqa: BLE001 - flaky on re-time: out
+                rejected[name] = f"re-timing failed: {_error_text(exc)}"
+                say(rows, name, "failed")
+        say(rows, "finalists", "re-timed")
+    return sorted((_pool(m.tactic, runs[_name(m.tactic)]) for m in finalists
+                   if _name(m.tactic) not in rejected), key=lambda m: m.median_us)  # fmt: skip
+
+
+def _pick(pooled: list[Measurement], preferred) -> tuple[Measurement, str]:
+    """Step 4: (the winner, why it is not the fastest or ''): the fastest,
+    or the preferred tactic when it is within noise of it."""
+    winner = pooled[0]
+    if preferred is None or preferred == winner.tactic:
+        return winner, ""
+    for m in pooled[1:]:
+        if m.tactic == preferred and m.p10_us <= winner.p90_us:
+            note = (f"kept {_name(preferred)}: within noise of {_name(winner.tactic)}"
+                    f" ({m.median_us:.2f} vs {winner.median_us:.2f} µs)")  # fmt: skip
+            return m, note
+    return winner, ""

@@ -498,3 +498,48 @@ def test_spec_tactics_compile_their_route_kernel_and_plain_twin_when_bound():
     hits = _g.compile_gemm.cache_info().hits
     _g.compile_gemm(GemmShape.of(bound.kw), dataclasses.replace(t, spec=False), 1, bound.kw.scale_variant(True))
     assert _g.compile_gemm.cache_info().hits == hits + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_binding_built_from_a_plan_runs_it_and_matches_the_oracle(bound, fp8):
+    """RoutedExpertGemm(plan=) and RoutedExpertGemm.bind(kw, plan) bind the
+    plan as given (the tactics the tuner substitutes included: another
+    valid tactic at one (stage, rows)), and forward (route + the GEMMs)
+    matches the oracle; outputs poisoned first."""
+    from moebench.kernels.layer_plan import plan_layer
+    from moebench.kernels.layout import to_kernel_layout
+    from moebench.kernels.table import ShapeClass
+    from moebench.tuning.space import DEFAULT_FP8_SPACE, DEFAULT_SPACE, valid_tactics
+
+    shape, w, made = bound
+    made = made if not fp8 else binding.RoutedExpertGemm(w, shape.top_k, fp8=True)
+    plan = made.plan
+    again = binding.RoutedExpertGemm(w, shape.top_k, plan=plan)
+    assert again.plan is plan and again.tactics == made.tactics and again.tactic_sources == made.tactic_sources
+    sclass = ShapeClass.of(shape)
+    assert plan_layer(sclass, plan.family, device_name=torch.cuda.get_device_name(0),
+                      num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+                      wide_scales=plan.wide_scales, act_bf16=True) == plan  # fmt: skip
+    rows = 6
+    space = DEFAULT_FP8_SPACE if fp8 else DEFAULT_SPACE
+    other = next(t for t in valid_tactics(sclass.gemm_shape, 1, plan.ctas(rows), space=space)
+                 if t != plan.tactic(1, rows) and not t.spec)  # fmt: skip
+    if not fp8:
+        other = dataclasses.replace(other, act_bf16=True)
+    swapped = plan.with_tactic(1, rows, other)
+    kw = to_kernel_layout(w, "e4m3" if fp8 else "bf16")
+    layer = binding.RoutedExpertGemm.bind(kw, swapped, source=w)
+    assert layer.tactics[1, rows] == other and layer.accepts(torch.zeros(rows, shape.hidden, dtype=torch.bfloat16,
+                                                                        device="cuda"), w)  # fmt: skip
+    ids = scenario_topk_ids("correlated", rows, shape.top_k, shape.experts, seed=4).cuda()
+    tw = scenario_weights(rows, shape.top_k, seed=4).cuda()
+    x = generate_activations(rows, shape.hidden, seed=4, device="cuda")
+    ref = reference_moe(x, ids, tw, w, activation="mxfp8")
+    poison = torch.full((8 * plan.ctas(rows), shape.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    del poison  # freed poisoned: the next output of its size takes this block
+    for gemm in (again, layer, layer):
+        out = gemm.forward(x, ids, tw)
+        assert relative_error(finalize(out), ref.output) <= ORACLE_TOLERANCE
+        out.gemm2_permuted.fill_(float("nan"))  # poisoned and freed again: the next call must write its own
+        del out

@@ -40,31 +40,14 @@ NAN_BITS = 0x7FC1  # bf16 NaN, the poison of rows nobody may read and of `out`
 
 def _compile(has_shared: bool, pdl: bool = True, threads: int = 64, norm: bool = False) -> tuple[list[str], str]:
     import cuda.bindings.driver as cuda
-    import cutlass.cute as cute
-    from cutlass import BFloat16, Float32, Int32
-    from cutlass.cute.runtime import make_ptr
+    from cutlass import Int32
 
-    from moebench.kernels.finalize import FinalizeKernel
-
-    def fake(dtype, align=16):
-        return make_ptr(dtype, 16, cute.AddressSpace.gmem, assumed_align=align)
+    from moebench.kernels.finalize import FinalizeKernel, stand_in_args
 
     sass, ptx = compile_sm90a(
         FinalizeKernel(has_shared=has_shared, pdl=pdl, threads=threads, norm=norm),
-        fake(BFloat16),
-        fake(Float32, 4),
-        fake(Int32, 4),
-        fake(BFloat16),
-        fake(BFloat16),
+        stand_in_args(),
         Int32(1),
-        Int32(1),
-        Int32(128),
-        Int32(1),
-        Float32(1.0),
-        fake(BFloat16),
-        fake(BFloat16),
-        fake(BFloat16),
-        Float32(1e-6),
         cuda.CUstream(0),
         ptx=True,
     )

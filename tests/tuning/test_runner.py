@@ -115,12 +115,13 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4, wron
     topk_ids without spec or spec without them."""
     import types
 
+    from moebench.kernels import binding  # imported before the stand-in modules: it keeps the real ones
     from moebench.tuning import runner as rn
 
     live, misuse = [], []
 
-    def case_of(record):  # the checks read the torch builder's record, the timed path its own copy
-        return next(c for c in live if any(record is r for r in (c["route"].record, c["t_record"])))
+    def case_of(record):  # the checks read the torch builder's record
+        return next(c for c in live if record is c["route"].record)
 
     def gemm1(kw, x_q, x_s, record, ctas, h_q, h_s, *, tactic, x_deq=None, h_deq_out=None, topk_ids=None):
         if (topk_ids is not None) != tactic.spec:
@@ -177,6 +178,26 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4, wron
                         types.SimpleNamespace(launch_route_quantize=launch_route_quantize))  # fmt: skip
     monkeypatch.setattr(rn.GemmStageRunner, "_case", tracking_case)
     monkeypatch.setattr(rn, "require_tuning_device", lambda device=None: torch.device("cpu"))
+    # the timed layers (RoutedExpertGemm.bind + forward) launch through the binding's launcher
+    launcher = binding.KERNELS
+
+    def timed_route(x, x_q, x_s, ids, record, permuted, experts, *, release_after_wait=False, inputs_ready=False,
+                    **kwargs):  # fmt: skip
+        routes.append((tuple(ids.shape), release_after_wait or inputs_ready))
+
+    def timed_gemm1(*args, tactic, topk_ids=None, **kwargs):
+        if (topk_ids is not None) != tactic.spec:
+            misuse.append(tactic.name)
+
+    def timed_fused(*args, tactic, **kwargs):
+        if fused_calls is not None:
+            fused_calls.append(tactic)
+
+    for name, fn in (("route", timed_route), ("gemm1", timed_gemm1), ("gemm2", lambda *a, **k: None),
+                     ("fused", timed_fused), ("act_to_bf16", lambda q, scale, out: out),
+                     ("compile_route", lambda **k: None), ("compile_gemm", lambda *a: None),
+                     ("compile_fused", lambda *a: None)):  # fmt: skip
+        monkeypatch.setattr(launcher, name, fn, raising=False)
     return routes, misuse
 
 
@@ -400,7 +421,8 @@ def test_run_tune_fp8_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
     original_time = rn.GemmStageRunner.time
 
     def time(self, tactic, rows):
-        timed.append((self.stage, rows, tactic, self.partner(rows), dict(self.partners)))
+        if type(self) is rn.GemmStageRunner:  # (the layer step's LayerRunner times through it too)
+            timed.append((self.stage, rows, tactic, self.partner(rows), dict(self.partners)))
         return original_time(self, tactic, rows)
 
     monkeypatch.setattr(rn.GemmStageRunner, "time", time)
