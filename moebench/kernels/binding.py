@@ -279,7 +279,7 @@ class RoutedExpertGemm:
     compiles what the plan names, nothing else.
     """
 
-    def __init__(  # noqa: C901 - owned by layer-plan, removed when it lands
+    def __init__(
         self,
         weights: ExpertWeights,
         top_k: int,

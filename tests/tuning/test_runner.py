@@ -178,8 +178,14 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4, wron
                         types.SimpleNamespace(launch_route_quantize=launch_route_quantize))  # fmt: skip
     monkeypatch.setattr(rn.GemmStageRunner, "_case", tracking_case)
     monkeypatch.setattr(rn, "require_tuning_device", lambda device=None: torch.device("cpu"))
-    # the timed layers (RoutedExpertGemm.bind + forward) launch through the binding's launcher
-    launcher = binding.KERNELS
+    _stand_in_launcher(monkeypatch, binding.KERNELS, routes, misuse, fused_calls)
+    return routes, misuse
+
+
+def _stand_in_launcher(monkeypatch, launcher, routes, misuse, fused_calls):
+    """The timed layers (RoutedExpertGemm.bind + forward) launch through the
+    binding's launcher: record the route launches, the spec misuse and the
+    fused tactics, launch nothing."""
 
     def timed_route(x, x_q, x_s, ids, record, permuted, experts, *, release_after_wait=False, inputs_ready=False,
                     **kwargs):  # fmt: skip
@@ -198,7 +204,6 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4, wron
                      ("compile_route", lambda **k: None), ("compile_gemm", lambda *a: None),
                      ("compile_fused", lambda *a: None)):  # fmt: skip
         monkeypatch.setattr(launcher, name, fn, raising=False)
-    return routes, misuse
 
 
 SMALL = ["--hidden", "256", "--intermediate", "512", "--experts", "8", "--tp", "4", "--rows", "1,4",
