@@ -23,7 +23,7 @@ from moebench.kernels.layer_plan import LayerPlan
 from moebench.kernels.table import LAYER
 from moebench.kernels.tactic import GemmTactic
 from moebench.record import MAX_ROWS, max_ctas
-from moebench.tuning.runner import GemmStageRunner, candidate_plan, h_fp8_mismatch
+from moebench.tuning.stage_runner import GemmStageRunner, candidate_plan, h_fp8_mismatch
 
 
 class LayerRunner(GemmStageRunner):

@@ -539,6 +539,7 @@ def test_run_tune_revisits_gemm1_beside_the_tuned_gemm2(monkeypatch):
     together, and the gains say GEMM1 changed in the revisit."""
     from types import SimpleNamespace
 
+    from moebench.kernels.tactic import default_tactic
     from moebench.record import max_ctas
     from moebench.tuning import runner as rn
 
@@ -552,7 +553,7 @@ def test_run_tune_revisits_gemm1_beside_the_tuned_gemm2(monkeypatch):
 
     def time(self, tactic, rows):
         ctas = max_ctas(rows, self.shape.top_k, self.shape.experts)
-        d1[rows], d2[rows] = (rn.default_tactic(self.gshape, st, ctas, self.num_sms, self.wide) for st in (1, 2))
+        d1[rows], d2[rows] = (default_tactic(self.gshape, st, ctas, self.num_sms, self.wide) for st in (1, 2))
         t1, t2 = (tactic, self.partner(rows)) if self.stage == 1 else (self.partner(rows), tactic)
         us = {(True, True): 10.0, (False, True): 9.0, (True, False): 7.0, (False, False): 8.0}[
             t1 == d1[rows], t2 == d2[rows]
