@@ -38,11 +38,16 @@ tuning_buckets=(rows,))`; the pair is recorded in `prepared.tactics[(rows, top_k
 captured graphs replay the tuned kernels.
 
 Nothing here imports flashinfer at module import: `unavailable_reason` says
-why the backend cannot run (no CUDA, not sm_90, package or module missing).
+why the backend cannot run (no CUDA, not sm_90, package or module missing,
+or the module failing to load: `module_load_error`, with the error).
+The shared bundle (docs/baselines.md, "FlashInfer from the shared bundle")
+holds both modes; run it with FLASHINFER_DISABLE_JIT=1 and never with
+LD_BIND_NOW (the reduced module relies on lazy binding).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import os
@@ -97,6 +102,24 @@ def module_kind() -> str | None:
     if "fp4only" in name:
         return "fp4"
     return "full"
+
+
+@functools.cache
+def module_load_error() -> str | None:
+    """Why FlashInfer's SM90 fused-MoE module does not load (the library
+    named, the error's type and first line), or None once it has loaded
+    (once per process: FlashInfer caches the module). Loading is what a
+    missing symbol, a wrong CUDA runtime or a JIT attempt under
+    FLASHINFER_DISABLE_JIT=1 fails at, so the sweep's skip reason shows it
+    instead of every case failing with it."""
+    try:
+        from flashinfer.fused_moe.core import get_cutlass_fused_moe_module
+
+        get_cutlass_fused_moe_module("90")
+    except Exception as error:  # noqa: BLE001 - any load failure is a reason
+        first = (str(error).splitlines() or [""])[0][:300]
+        return f"loading FlashInfer's fused_moe_90 module ({module_kind() or 'JIT'}) failed: {type(error).__name__}: {first}"
+    return None
 
 
 #: Elements (weights x K) per chunk of the humming preprocessing: its torch code
@@ -165,9 +188,11 @@ class _FlashInferBackend(Backend):
                 "FlashInfer's SM90 fused-MoE module (fused_moe_90) is not built: install the bundle "
                 f"(scripts/build_flashinfer_bundle.sh) or set {ALLOW_JIT_ENV}=1 to JIT-build it (~1 h)"
             )
+        if kind in ("w4a16", "fp4") and os.environ.get("LD_BIND_NOW"):
+            return "LD_BIND_NOW is set: the reduced fused_moe_90 module needs lazy binding (unset it)"
         if self.humming and kind == "w4a16":
             return "the installed fused_moe_90 module is the reduced W4A16-only build (no humming kernels)"
-        return None
+        return module_load_error()
 
     def prepared_bytes(self, shape: RankShape) -> int:
         return shape.experts * shape.expert_bytes() * shape.padded_intermediate // shape.intermediate
