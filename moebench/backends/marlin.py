@@ -292,8 +292,8 @@ class MarlinW4A16Backend(Backend):
         def reduce():
             if p.ep:
                 moe.moe_sum(buf["cache3"].view(rows, top_k, k), buf["fused"], ids, expert_map)
-            else:
-                moe.moe_sum(buf["cache3"].view(rows, top_k, k), buf["fused"])
+            else:  # vLLM's ops.moe_sum(input, output): the op's two optional arguments as None
+                moe.moe_sum(buf["cache3"].view(rows, top_k, k), buf["fused"], None, None)
 
         def finalize():
             buf["out"].copy_(buf["fused"])
