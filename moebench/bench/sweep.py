@@ -25,9 +25,13 @@ each case:
    kernel (`layer_writes`: x rewritten from that layer's own source buffer,
    no programmatic dependent launch) writes the x the call reads, as the kernel
    before the MoE does in a decode step, so nothing of call i+1 starts
-   before its input exists. The writes are timed alone (the same writes,
-   rotation and counts, no MoE: `x_write_us`) and their median subtracted:
-   per call = (T(writes + calls) - T(writes)) / layers (`timing.less`).
+   before its input exists. The writes are timed alone once per (rows,
+   group) and timing method, at the group's layer count (the same writes,
+   no MoE: `x_write_us`, one value for every backend), in WRITE_BATCHES
+   batches with the replays doubled until the batches' medians agree
+   within WRITE_SPREAD_US (the manifest's groups[].x_writes), and that
+   median subtracted from every case of the rows:
+   per call = T(writes + calls) / layers - x_write_us (`timing.less_us`).
    `SweepConfig.back_to_back` (`--back-to-back`) times the calls back to
    back instead (call i+1 may start under call i): the `boundary` column and
    the manifest say which. After the timing, the timed graph itself (the
@@ -86,7 +90,7 @@ from moebench.bench.pipeline import (
     reduced_of, release, select_backends, skip_reason, unrun_rows, validate,
 )  # fmt: skip
 from moebench.bench.launch import placement
-from moebench.bench.timing import Timing, less, time_graph
+from moebench.bench.timing import Steady, less_us, time_graph, time_steady
 from moebench.env import environment, resolve_device
 from moebench.formats import generate_activations, generate_expert_weights
 from moebench.models import MX_BLOCK, RankShape
@@ -105,8 +109,9 @@ LAYER_BOUNDARY, BACK_TO_BACK = "layer", "back-to-back"
 #: What each boundary means (the manifest's "boundary_timing").
 BOUNDARY_TIMING = {
     LAYER_BOUNDARY: "a plain kernel (x from the layer's own source buffer, no PDL) writes each call's x just"
-    " before it; the writes alone (x_write_us: same writes, rotation and counts, no MoE) are"
-    " subtracted: per call = (T(writes + calls) - T(writes)) / layers, medians",
+    " before it; the writes alone (x_write_us: the same writes, no MoE, measured once per rows and group"
+    " until their batches agree within 0.05 us, groups[].x_writes) are subtracted from every backend:"
+    " per call = T(writes + calls) / layers - x_write_us, medians",
     BACK_TO_BACK: "layer calls back to back on static inputs (--back-to-back): call i+1 may start under call i;"
     " per call = T(calls) / layers",
 }
@@ -291,6 +296,32 @@ def layer_writes(x: torch.Tensor, layers: int) -> list[Callable[[], object]]:
     return [lambda s=s: torch.mul(s, 1, out=x) for s in sources]
 
 
+#: The x writes are timed until their batches' medians agree within this (µs per call).
+WRITE_SPREAD_US = 0.05
+#: ... in this many batches, the replays doubled up to this cap.
+WRITE_BATCHES, WRITE_MAX_REPLAYS = 5, 6400
+
+
+def measure_writes(config, x: torch.Tensor, layers: int, graph: bool, dev) -> Steady:
+    """The x writes of `layers` layer calls (`layer_writes`, no MoE) timed
+    alone, once per (rows, group): on CUDA graphs in WRITE_BATCHES batches,
+    the replays doubled until the batch medians agree within
+    WRITE_SPREAD_US; elsewhere (eager) one timing with the case counts."""
+    writes = layer_writes(x, layers)
+    counts = timing_counts(config, layers, graph, dev)
+    if graph and dev.type == "cuda":
+        return time_steady(lambda: [w() for w in writes], spread_us=WRITE_SPREAD_US, batches=WRITE_BATCHES,
+                           max_replays=max(WRITE_MAX_REPLAYS, counts["replays"]), **counts)  # fmt: skip
+    timing = time_graph(lambda: [w() for w in writes], **counts)
+    return Steady(timing, timing.p90_us - timing.p10_us, counts["replays"], 1, False)
+
+
+def steady_record(steady: Steady) -> dict:
+    """What the manifest keeps of a write measurement."""
+    return {"us": steady.timing.median_us, "spread_us": steady.spread_us, "replays": steady.replays,
+            "batches": steady.batches, "steady": steady.steady, "method": steady.timing.method}  # fmt: skip
+
+
 def timing_counts_used(config, methods: list[str]) -> dict[str, dict[str, int]]:
     """{method: {"warmup": n, "replays": n}}: the counts the rows timed with
     each of `methods` really ran (config.warmup / config.replays for CUDA
@@ -461,6 +492,17 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
         )
     # per (rows, scenario): {(oracle family, layer): fp64 output}
     oracles: dict[tuple[int, str], dict[tuple[str, int], torch.Tensor]] = {key: {} for key in routings}
+    # the x writes, measured once per (rows, timing method) at the group's layer count
+    written: dict[tuple[int, bool], Steady] = {}
+    info["x_writes"] = {}
+
+    def write_us(rows: int, graph: bool) -> float:
+        if (rows, graph) not in written:
+            x = generate_activations(rows, shape.hidden, config.seed, dev)
+            written[rows, graph] = steady = measure_writes(config, x, layers, graph, dev)
+            info["x_writes"][f"{rows}{'' if graph else ' eager'}"] = steady_record(steady)
+        return written[rows, graph].timing.median_us
+
     for case in group:  # the skipped pairs first: they hold no memory
         key = (case.backend, case.tactic)
         if key in skip:
@@ -487,7 +529,7 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
                 put(case, case_row("sweep", case, base, status="failed", error=failed, **common))
                 continue
             row = _run_case(config, case, backend, prepared, weights[:n_layers], x, ids, topk_w,
-                            oracles[(case.rows, case.scenario)], dev)  # fmt: skip
+                            oracles[(case.rows, case.scenario)], dev, write_us)  # fmt: skip
             nbytes = common["bytes"]
             if row.get("median_us") is not None:
                 gbps = nbytes / (row["median_us"] * 1e-6) / 1e9
@@ -551,10 +593,11 @@ def _gate(row: dict, backend, out, oracle, what: str) -> None:
         raise _OffOracle(f"{what}{why} vs the {backend.oracle} oracle")
 
 
-def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles, dev) -> dict:
+def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles, dev, write_us) -> dict:
     """Gate then time one case (module docstring, steps 2-4); returns the
     case's own columns. `weights`: the canonical weight set of each layer of
-    `prepared` (the oracles of layer 0 and of the last layer)."""
+    `prepared` (the oracles of layer 0 and of the last layer); write_us(rows,
+    graph): the x writes' µs per call, measured once per group."""
     row: dict = {"oracle": backend.oracle}
     last = len(prepared) - 1
     graph = config.use_graph and backend.capturable
@@ -568,7 +611,7 @@ def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles,
                       "CUDA-graph replay (the eager call passed): ")  # fmt: skip
             counts = timing_counts(config, len(prepared), graph, dev)
             writes = None if config.back_to_back else layer_writes(x, len(prepared))
-            written = time_graph(lambda: [w() for w in writes], **counts) if writes else None
+            written = write_us(case.rows, graph and dev.type == "cuda") if writes else None
             outputs: list = [None]
 
             def call_all_layers() -> None:
@@ -589,7 +632,7 @@ def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles,
                   f"the timed {'graph' if timing.method == 'cuda-graph' else 'calls'}, layer {last + 1} of"
                   f" {last + 1} (its own weights; layer 1 passed): ")  # fmt: skip
             if written is not None:
-                timing = less(timing, written)
+                timing = less_us(timing, written)
     except _OffOracle as error:
         row.update(status="failed", error=str(error))
         return row
@@ -602,7 +645,7 @@ def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles,
         return row
     row.update(
         status="ok", median_us=timing.median_us, p10_us=timing.p10_us, p90_us=timing.p90_us,
-        timing_method=timing.method, x_write_us=written.median_us if written is not None else None,
+        timing_method=timing.method, x_write_us=written,
     )  # fmt: skip
     notes = []
     parts = (("per-stage timing", _time_stages), ("routed-path timing", _time_routed)) if config.split else ()
@@ -628,10 +671,10 @@ def timing_counts(config, calls: int, graph: bool, dev) -> dict:
     )
 
 
-def _time_at_boundary(calls: list[Callable[[], object]], writes, written: Timing | None, counts: dict) -> float:
+def _time_at_boundary(calls: list[Callable[[], object]], writes, written: float | None, counts: dict) -> float:
     """Median µs per call of `calls` (one per layer) timed as the case was:
-    each after its layer's write, the writes' median subtracted (`writes`
-    and their timing `written`), or back to back (`writes` None)."""
+    each after its layer's write, the writes' µs per call subtracted (`writes`
+    and `written`), or back to back (`writes` None)."""
     if writes is None:
         return time_graph(lambda: [call() for call in calls], **counts).median_us
 
@@ -640,7 +683,7 @@ def _time_at_boundary(calls: list[Callable[[], object]], writes, written: Timing
             write()
             call()
 
-    return less(time_graph(run, **counts), written).median_us
+    return less_us(time_graph(run, **counts), written).median_us
 
 
 def _time_stages(config, backend, prepared, x, ids, topk_w, graph: bool, dev, writes=None, written=None) -> dict:

@@ -536,10 +536,11 @@ class SlowBackend(TorchBF16Backend):
 
     def forward(self, prepared, x, topk_ids, topk_weights):
         type(self).events.append("f")
-        if not hasattr(prepared, "cached"):
-            prepared.cached = super().forward(prepared, x, topk_ids, topk_weights)
+        cached = prepared.__dict__.setdefault("cached", {})
+        if x.shape[0] not in cached:
+            cached[x.shape[0]] = super().forward(prepared, x, topk_ids, topk_weights)
         time.sleep(2e-3)
-        return prepared.cached.clone()
+        return cached[x.shape[0]].clone()
 
 
 def _slow_writes(monkeypatch, events):
@@ -595,6 +596,41 @@ def test_layer_calls_are_timed_at_a_layer_boundary_with_the_writes_subtracted(mo
     assert b2b.manifest["boundary"] == "back-to-back" and b2b.manifest["config"]["back_to_back"] is True
     assert math.isnan(other["x_write_us"]) and "w" not in b2b_events
     assert 2000 <= other["median_us"] < 2800, other["median_us"]
+
+
+class SlowBackend2(SlowBackend):
+    name = "test-slow-2"
+
+
+def test_the_writes_are_measured_once_per_rows_for_every_backend(monkeypatch):
+    """Two backends at rows 2 and 3: the writes are timed alone once per rows
+    (not per case), every case of a rows subtracts that one value, and the
+    manifest keeps each measurement (value, spread, replays)."""
+    from moebench.bench import sweep
+
+    measured = []
+    real = sweep.measure_writes
+    monkeypatch.setattr(
+        sweep, "measure_writes", lambda config, x, *a: measured.append(x.shape[0]) or real(config, x, *a)
+    )
+    register_backend("test-slow", SlowBackend)
+    register_backend("test-slow-2", SlowBackend2)
+    try:
+        cfg = SweepConfig(backends=("test-slow", "test-slow-2"), layers=2, split=False,
+                          **{**TINY, "rows": (2, 3), "replays": 4, "warmup": 1})  # fmt: skip
+        result = run_sweep(cfg)
+    finally:
+        unregister_backend("test-slow")
+        unregister_backend("test-slow-2")
+    frame = result.frame
+    assert (frame["status"] == "ok").all(), frame["error"].tolist()
+    assert sorted(measured) == [2, 3]
+    writes = result.manifest["groups"][0]["x_writes"]
+    assert set(writes) == {"2 eager", "3 eager"}  # the CPU times eagerly
+    for rows in (2, 3):
+        mine = frame[frame["rows"] == rows]
+        assert mine["x_write_us"].nunique() == 1 and mine["x_write_us"].iloc[0] == writes[f"{rows} eager"]["us"]
+        assert {"spread_us", "replays", "batches", "steady", "method"} <= set(writes[f"{rows} eager"])
 
 
 class StaleLayerBackend(TorchBF16Backend):
