@@ -19,7 +19,13 @@ each case:
    the whole output's relative error within the backend's tolerance and
    every row's within twice that (NaN/Inf never pass); a case off its oracle
    is failed and not timed; on CUDA, when it is to be timed as a graph, the
-   output of one graph replay (poisoned first) is gated the same way;
+   output of one graph replay (poisoned first) is gated the same way; then
+   every other layer of the rotation but the last once, eagerly, against
+   its own weight set's oracle (the last is gated from the timed graph,
+   step 3). Every gated output's error against the BF16-activation fp64
+   oracle is kept too (`err_bf16`, the worst; the same oracle for every
+   backend, so the column reads across them, where `max_rel_err` is each
+   backend against its own family's);
 3. is timed as one closure calling forward for every layer in turn on static
    input buffers, at a layer boundary by default: before each call a plain
    kernel (`layer_writes`: x rewritten from that layer's own source buffer,
@@ -94,7 +100,7 @@ from moebench.bench.timing import Steady, less_us, time_graph, time_steady
 from moebench.env import environment, resolve_device
 from moebench.formats import generate_activations, generate_expert_weights
 from moebench.models import MX_BLOCK, RankShape
-from moebench.reference import ORACLE_TOLERANCE, ROW_TOLERANCE_FACTOR, oracle_gate, reference_moe
+from moebench.reference import ORACLE_TOLERANCE, ROW_TOLERANCE_FACTOR, oracle_gate, reference_moe, relative_error
 from moebench.routing import scenario_topk_ids, scenario_weights
 from moebench.traffic import unique_experts
 
@@ -569,26 +575,41 @@ class _OffOracle(Exception):
     """A gated output is off its oracle (the case fails with this message)."""
 
 
-def _oracle(oracles: dict, backend, layer: int, weights, x, ids, topk_w) -> torch.Tensor:
-    """The fp64 oracle output of `layer`'s weight set in `backend`'s family (cached per case inputs)."""
-    key = (backend.oracle, layer)
+#: The oracle every backend's `err_bf16` is measured against: BF16 activations (x and H
+#: unquantized), fp64 math (reference.reference_moe), so the column reads across backends.
+BF16_ORACLE = "bf16"
+
+
+def _oracle(oracles: dict, family: str, layer: int, weights, x, ids, topk_w) -> torch.Tensor:
+    """The fp64 oracle output of `layer`'s weight set in `family` (cached per case inputs)."""
+    key = (family, layer)
     if key not in oracles:
-        oracles[key] = reference_moe(x, ids, topk_w, weights[layer], activation=backend.oracle,
+        oracles[key] = reference_moe(x, ids, topk_w, weights[layer], activation=family,
                                      dtype=torch.float64).output  # fmt: skip
     return oracles[key]
 
 
-def _gate(row: dict, backend, out, oracle, what: str) -> None:
-    """Gate `out` against `oracle` (`reference.oracle_gate` at the backend's
-    tolerance), keeping the worst errors in `row`; raises _OffOracle naming
-    `what` was checked when it fails."""
+def _worst(row: dict, col: str, value: float) -> None:
+    """row[col] = the larger of its value and `value` (NaN wins)."""
+    old = row.get(col)
+    row[col] = value if old is None or not value <= old else old
+
+
+def _gate(row: dict, backend, out, oracles: dict, layer: int, inputs: tuple, what: str) -> None:
+    """Gate `out` (layer `layer`'s output) against its fp64 oracle in the
+    backend's family (`reference.oracle_gate` at the backend's tolerance),
+    keeping the worst errors in `row`, and its error against the BF16 oracle
+    in `err_bf16`; raises _OffOracle naming `what` was checked when it
+    fails. inputs: (weights, x, ids, topk_w) of the case."""
+    oracle = _oracle(oracles, backend.oracle, layer, *inputs)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(oracle.shape):
         raise ValueError(f"forward returned {getattr(out, 'shape', type(out).__name__)}, expected"
                          f" {tuple(oracle.shape)}")  # fmt: skip
     err, row_err, why = oracle_gate(out, oracle, backend.tolerance)
-    for col, value in (("max_rel_err", err), ("max_row_rel_err", row_err)):
-        old = row.get(col)
-        row[col] = value if old is None or not value <= old else old  # NaN wins
+    _worst(row, "max_rel_err", err)
+    _worst(row, "max_row_rel_err", row_err)
+    _worst(row, "err_bf16", err if backend.oracle == BF16_ORACLE else
+           relative_error(out, _oracle(oracles, BF16_ORACLE, layer, *inputs)))  # fmt: skip
     if why is not None:
         raise _OffOracle(f"{what}{why} vs the {backend.oracle} oracle")
 
@@ -603,12 +624,15 @@ def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles,
     graph = config.use_graph and backend.capturable
     try:
         row["kernel_tactics"] = backend.kernel_tactics(prepared[0], case.rows)
+        inputs = (weights, x, ids, topk_w)
         with _nvtx_range(case.label()):
-            oracle0 = _oracle(oracles, backend, 0, weights, x, ids, topk_w)
-            _gate(row, backend, backend.forward(prepared[0], x, ids, topk_w), oracle0, "")
+            _gate(row, backend, backend.forward(prepared[0], x, ids, topk_w), oracles, 0, inputs, "")
             if graph and dev.type == "cuda":  # what is timed is a replay: gate one first (poisoned)
-                _gate(row, backend, _graph_output(backend, prepared[0], x, ids, topk_w), oracle0,
+                _gate(row, backend, _graph_output(backend, prepared[0], x, ids, topk_w), oracles, 0, inputs,
                       "CUDA-graph replay (the eager call passed): ")  # fmt: skip
+            for layer in range(1, last):  # every layer of the rotation gated once (the last: the timed graph)
+                _gate(row, backend, backend.forward(prepared[layer], x, ids, topk_w), oracles, layer, inputs,
+                      f"layer {layer + 1} of {last + 1} (its own weights, eager; layer 1 passed): ")  # fmt: skip
             counts = timing_counts(config, len(prepared), graph, dev)
             writes = None if config.back_to_back else layer_writes(x, len(prepared))
             written = write_us(case.rows, graph and dev.type == "cuda") if writes else None
@@ -628,7 +652,7 @@ def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles,
                 return outputs[0].clone() if isinstance(outputs[0], torch.Tensor) else outputs[0]
 
             timing = time_graph(call_all_layers, **counts, check=timed_output)
-            _gate(row, backend, timing.checked, _oracle(oracles, backend, last, weights, x, ids, topk_w),
+            _gate(row, backend, timing.checked, oracles, last, inputs,
                   f"the timed {'graph' if timing.method == 'cuda-graph' else 'calls'}, layer {last + 1} of"
                   f" {last + 1} (its own weights; layer 1 passed): ")  # fmt: skip
             if written is not None:

@@ -670,6 +670,49 @@ def test_the_timed_calls_last_layer_is_gated_against_its_own_oracle():
     assert stale["max_rel_err"] > 0.1
 
 
+class MiddleLayerBackend(TorchBF16Backend):
+    """Wrong for the second of three layers only (it computes that layer with
+    the first layer's weights): right at layer 0 and at the timed last layer."""
+
+    name = "test-middle-layer"
+
+    def prepare(self, weights, shape, tactic="default"):
+        prepared = super().prepare(weights, shape, tactic)
+        self.layers = [*getattr(self, "layers", []), prepared]
+        return prepared
+
+    def forward(self, prepared, x, topk_ids, topk_weights):
+        wrong = len(self.layers) > 1 and prepared is self.layers[1]
+        return super().forward(self.layers[0] if wrong else prepared, x, topk_ids, topk_weights)
+
+
+def test_every_layer_of_the_rotation_is_gated():
+    """Layers between the first and the timed last are gated once each
+    (eagerly, against their own weight set's oracle): a backend wrong only
+    at layer 2 of 3 fails, naming it."""
+    register_backend("test-middle-layer", MiddleLayerBackend)
+    try:
+        cfg = SweepConfig(backends=("test-middle-layer",), layers=3, split=False, **{**TINY, "rows": (3,)})
+        row = run_sweep(cfg).frame.to_dict("records")[0]
+    finally:
+        unregister_backend("test-middle-layer")
+    assert row["status"] == "failed" and "layer 2 of 3" in row["error"], row["error"]
+    assert row["max_rel_err"] > 0.1
+
+
+def test_err_bf16_is_every_backends_error_against_the_bf16_oracle():
+    """err_bf16 beside max_rel_err: the same number for a backend whose own
+    oracle is BF16's (torch-bf16), another for one held to the MXFP8 oracle
+    (reference): its MXFP8 x and H put it percent-level off BF16."""
+    cfg = SweepConfig(backends=("torch-bf16", "reference"), layers=2, split=False, **{**TINY, "rows": (3,)})
+    by = {r["backend"]: r for r in run_sweep(cfg).frame.to_dict("records")}
+    torch_bf16, reference = by["torch-bf16"], by["reference"]
+    assert torch_bf16["status"] == "ok" and reference["status"] == "ok", (torch_bf16["error"], reference["error"])
+    assert torch_bf16["oracle"] == "bf16" and torch_bf16["err_bf16"] == torch_bf16["max_rel_err"]
+    assert reference["oracle"] == "mxfp8" and reference["max_rel_err"] < 1e-2
+    assert 3 * reference["max_rel_err"] < reference["err_bf16"] < 0.1, (reference["max_rel_err"], reference["err_bf16"])
+
+
 class BadReadBackend(TorchBF16Backend):
     name = "test-bad-read"
 
