@@ -48,6 +48,7 @@ LD_BIND_NOW (the reduced module relies on lazy binding).
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import inspect
 import os
@@ -57,14 +58,8 @@ from typing import ClassVar
 
 import torch
 
-from moebench.backends.base import (
-    DEFAULT_TACTIC,
-    Backend,
-    check_forward_inputs,
-    check_weights,
-    require_runnable,
-    sm90_reason,
-)
+from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs
+from moebench.backends.peer import first_line, package_reason, prepare_prologue
 from moebench.backends.layouts import swap_halves
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
@@ -117,8 +112,10 @@ def module_load_error() -> str | None:
 
         get_cutlass_fused_moe_module("90")
     except Exception as error:  # noqa: BLE001 - any load failure is a reason
-        first = (str(error).splitlines() or [""])[0][:300]
-        return f"loading FlashInfer's fused_moe_90 module ({module_kind() or 'JIT'}) failed: {type(error).__name__}: {first}"
+        return (
+            f"loading FlashInfer's fused_moe_90 module ({module_kind() or 'JIT'}) failed: {type(error).__name__}:"
+            f" {first_line(error)}"
+        )
     return None
 
 
@@ -169,16 +166,15 @@ class _FlashInferBackend(Backend):
 
     # -- availability ---------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device | str) -> str | None:
-        reason = sm90_reason(device)
+        reason = package_reason(
+            device, "flashinfer", imports=lambda: importlib.import_module("flashinfer.fused_moe"),
+            missing="package flashinfer-python is not installed (see docs/baselines.md: .bundles/flashinfer.tar.xz)",
+        )  # fmt: skip
         if reason:
             return reason
-        if importlib.util.find_spec("flashinfer") is None:
-            return "package flashinfer-python is not installed (see docs/baselines.md: .bundles/flashinfer.tar.xz)"
-        try:
-            import flashinfer
-            from flashinfer.fused_moe import cutlass_fused_moe
-        except Exception as error:  # noqa: BLE001 - any import failure is a reason
-            return f"importing flashinfer failed: {type(error).__name__}: {error}"
+        import flashinfer
+        from flashinfer.fused_moe import cutlass_fused_moe
+
         version = getattr(flashinfer, "__version__", "?")
         if self.humming and "use_wfp4afp8_humming" not in inspect.signature(cutlass_fused_moe).parameters:
             return f"flashinfer {version} has no humming (W4A8) mode on SM90"
@@ -212,10 +208,7 @@ class _FlashInferBackend(Backend):
         """FlashInfer-layout weights of `shape` on the weights' (CUDA) device.
         Raises ValueError for a bad tactic/shape or a non-CUDA device,
         RuntimeError when the backend is unavailable there."""
-        self.check_tactic(shape, tactic)
-        check_weights(weights, shape)
-        dev = weights.w13.device
-        require_runnable(self, dev)
+        dev = prepare_prologue(self, weights, shape, tactic)
         from flashinfer.fused_moe import (
             cutlass_fused_moe_workspace_size,
             interleave_moe_scales_for_sm90_mixed_gemm,

@@ -52,7 +52,7 @@ Nothing here imports humming at module import.
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -61,16 +61,8 @@ from typing import ClassVar
 import torch
 
 from moebench.backends import vllm_align, vllm_ops, vllm_triton
-from moebench.backends.base import (
-    DEFAULT_TACTIC,
-    EP_TACTIC,
-    Backend,
-    check_forward_inputs,
-    check_weights,
-    one_clamp,
-    require_runnable,
-    sm90_reason,
-)
+from moebench.backends.base import DEFAULT_TACTIC, EP_TACTIC, Backend, check_forward_inputs, one_clamp
+from moebench.backends.peer import package_reason, prepare_prologue
 from moebench.backends.layouts import to_humming_logical
 from moebench.traffic import mxfp4_bytes, touched_bytes
 from moebench.formats import ExpertWeights
@@ -355,17 +347,13 @@ class _HummingBackend(Backend):
         self.last_tactic: str | None = None
 
     def unavailable_reason(self, device: torch.device | str) -> str | None:
-        reason = sm90_reason(device)
+        reason = package_reason(
+            device, "humming", imports=lambda: (_import_humming(), importlib.import_module("humming.layer")),
+            missing="package humming-kernels is not installed (see docs/baselines.md: .bundles/humming.tar.xz)",
+        )  # fmt: skip
         if reason:
             return reason
-        if importlib.util.find_spec("humming") is None:
-            return "package humming-kernels is not installed (see docs/baselines.md: .bundles/humming.tar.xz)"
-        try:
-            humming = _import_humming()
-            from humming.layer import HummingMethod  # noqa: F401
-        except Exception as error:  # noqa: BLE001
-            return f"importing humming failed: {type(error).__name__}: {error}"
-        version = getattr(humming, "__version__", "?")
+        version = getattr(_import_humming(), "__version__", "?")
         if not str(version).startswith("0.1."):
             return f"humming {version} is untested here (written for {HUMMING_VERSION})"
         return None
@@ -390,11 +378,8 @@ class _HummingBackend(Backend):
         """humming layer of `shape` on the weights' (CUDA) device. Raises
         ValueError for a bad tactic/shape or per-expert clamps that differ,
         RuntimeError when unavailable there."""
-        self.check_tactic(shape, tactic)
-        check_weights(weights, shape)
-        dev = weights.w13.device
-        require_runnable(self, dev)
-        limit = one_clamp(weights, "humming's SwiGLU limit is one compile-time constant")
+        dev = prepare_prologue(self, weights, shape, tactic)
+        limit = one_clamp(weights, "vLLM's SwiGLU limit is one float of the quant config")
         _import_humming()
         from humming.config import GemmType
         from humming.layer import HummingMethod

@@ -58,16 +58,8 @@ from dataclasses import dataclass, field
 import torch
 
 from moebench.backends import vllm_ops
-from moebench.backends.base import (
-    DEFAULT_TACTIC,
-    EP_TACTIC,
-    Backend,
-    check_forward_inputs,
-    check_weights,
-    one_clamp,
-    require_runnable,
-    sm90_reason,
-)
+from moebench.backends.base import DEFAULT_TACTIC, EP_TACTIC, Backend, check_forward_inputs, one_clamp, sm90_reason
+from moebench.backends.peer import prepare_prologue, vllm_reason
 from moebench.backends.marlin_layout import (
     FLOAT4_E2M1F_ID, MarlinWeights, check_marlin_shape, marlin_expert_bytes, prepare_marlin,
 )  # fmt: skip
@@ -164,14 +156,7 @@ class MarlinW4A16Backend(Backend):
         self.last_tactic: str | None = None
 
     def unavailable_reason(self, device: torch.device | str) -> str | None:
-        reason = sm90_reason(device)
-        if reason:
-            return reason
-        for which in ("moe", "c"):
-            why = vllm_ops.reason(which)
-            if why is not None:
-                return why
-        return None
+        return sm90_reason(device) or vllm_reason("moe", "c")
 
     def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
         """The default (vLLM's TP path) and "ep" (its expert-map path)."""
@@ -191,13 +176,11 @@ class MarlinW4A16Backend(Backend):
         padding rules reject, per-expert clamps that differ or too many
         experts; RuntimeError when the backend cannot run there."""
         self.check_tactic(shape, tactic)
-        check_weights(weights, shape)
         check_marlin_shape(shape.hidden, shape.padded_intermediate)
         if shape.experts + 1 > MAX_EXPERTS:
             raise ValueError(f"at most {MAX_EXPERTS - 1} experts (vLLM's align op), got {shape.experts}")
+        dev = prepare_prologue(self, weights, shape, tactic)
         limit = one_clamp(weights, "vLLM's Marlin path takes one SwiGLU limit per layer")
-        dev = weights.w13.device
-        require_runnable(self, dev)
         ops_c, ops_moe = vllm_ops.load("c"), vllm_ops.load("moe")
         no_perm = torch.empty(0, dtype=torch.int32, device=dev)
 

@@ -57,23 +57,15 @@ Nothing here imports triton or triton_kernels at module import.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from moebench.backends import vllm_ops
-from moebench.backends.base import (
-    DEFAULT_TACTIC,
-    EP_TACTIC,
-    Backend,
-    check_forward_inputs,
-    check_weights,
-    one_clamp,
-    require_runnable,
-    sm90_reason,
-)
+from moebench.backends.base import DEFAULT_TACTIC, EP_TACTIC, Backend, check_forward_inputs, one_clamp
+from moebench.backends.peer import package_reason, prepare_prologue, vllm_reason
 from moebench.formats import MX_BLOCK, ExpertWeights
 from moebench.models import RankShape
 from moebench.traffic import touched_bytes
@@ -231,28 +223,22 @@ class TritonMxfp4Backend(Backend):
         return (DEFAULT_TACTIC, EP_TACTIC)
 
     def unavailable_reason(self, device: torch.device | str) -> str | None:
-        reason = sm90_reason(device)
+        reason = package_reason(device, "triton", missing="package triton is not installed") or package_reason(
+            device, "triton_kernels", imports=lambda: [importlib.import_module(f"triton_kernels.{m}")
+                                                       for m in ("matmul_ogs", "routing", "tensor")],
+            missing="package triton_kernels (vLLM's vendored copy) is not importable: unpack the vllm-moe bundle"
+                    " (scripts/build_vllm_bundle.sh moe) onto PYTHONPATH",
+        )  # fmt: skip
         if reason:
             return reason
-        if importlib.util.find_spec("triton") is None:
-            return "package triton is not installed"
-        if importlib.util.find_spec("triton_kernels") is None:
-            return ("package triton_kernels (vLLM's vendored copy) is not importable: unpack the vllm-moe bundle"
-                    " (scripts/build_vllm_bundle.sh moe) onto PYTHONPATH")  # fmt: skip
-        try:
-            import triton_kernels.matmul_ogs  # noqa: F401
-            import triton_kernels.routing as routing
-            import triton_kernels.tensor as tensor
-        except Exception as error:  # noqa: BLE001 - any import failure is a reason
-            return f"importing triton_kernels failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        import triton_kernels.routing as routing
+        import triton_kernels.tensor as tensor
+
         if not hasattr(routing, "routing_from_bitmatrix") or hasattr(tensor, "SparseMatrix"):
             where = getattr(routing, "__file__", "?")
             return (f"triton_kernels at {where} is not the v3.5.1 API vLLM {vllm_ops.VLLM_VERSION} vendors"
                     " (routing_from_bitmatrix, no SparseMatrix)")  # fmt: skip
-        why = vllm_ops.reason("c")
-        if why is not None:
-            return f"vLLM's silu_and_mul_with_clamp is unavailable: {why}"
-        return None
+        return vllm_reason("c", what="vLLM's silu_and_mul_with_clamp")
 
     def prepared_bytes(self, shape: RankShape) -> int:
         return shape.experts * expert_bytes(shape)
@@ -266,10 +252,7 @@ class TritonMxfp4Backend(Backend):
         """Swizzled weights of `shape` on the weights' (CUDA) device. Raises
         ValueError for a bad tactic/shape or per-expert clamps that differ,
         RuntimeError when unavailable there."""
-        self.check_tactic(shape, tactic)
-        check_weights(weights, shape)
-        dev = weights.w13.device
-        require_runnable(self, dev)
+        dev = prepare_prologue(self, weights, shape, tactic)
         limit = one_clamp(weights, "vLLM's SwiGLU limit is one float of the quant config")
         import triton_kernels.matmul_ogs_details.opt_flags as opt_flags
         from triton_kernels.matmul_ogs import FlexCtx, PrecisionConfig

@@ -446,7 +446,8 @@ def test_a_module_that_fails_to_load_is_a_reason_naming_it(monkeypatch):
     _fake_flashinfer(monkeypatch, [])
     monkeypatch.setitem(sys.modules, "flashinfer.fused_moe.core", core)
     monkeypatch.setattr(fi_backend, "module_kind", lambda: "fp4")
-    monkeypatch.setattr(fi_backend, "sm90_reason", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
     fi_backend.module_load_error.cache_clear()
     try:
