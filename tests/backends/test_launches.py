@@ -9,8 +9,11 @@ launches); the recorded list must be the table's, in order. The "ep" tactic
 routing (make_routing_data's ten launches) runs only on a GPU: on the CPU it
 is one recorded call.
 
-GPU (`gpu`): the CUDA kernels one forward launches, counted by torch's
-profiler after a warm-up, equal each table's length (the names printed).
+GPU (`gpu`): the CUDA kernels (memsets and copies included) one forward
+launches, counted by torch's profiler after a warm-up, equal each table's
+length (the names printed), at 16 experts: vLLM's align op launches one
+kernel up to 64 experts and two above (its own choice, the same op in vLLM),
+so the tables count it as one launch.
 """
 
 import sys
@@ -259,6 +262,10 @@ def test_gpu_kernel_count_is_the_tables(name, table):
 
     backend = load_backend(name)
     reason = backend.unavailable_reason("cuda")
+    if reason is None and name.startswith("humming"):  # the table's align is vLLM's op, not our fallbacks
+        from moebench.backends import vllm_ops
+
+        reason = vllm_ops.reason("moe")
     if reason is not None:
         pytest.skip(reason)
     shape, w = tiny_weights("dsv41-flash", 4)
