@@ -353,7 +353,7 @@ def test_stage_calls_rerun_the_forward(prepared_cache):
     want = backend.forward(prepared, x, ids, wts).clone()
     deterministic = torch.equal(backend.forward(prepared, x, ids, wts), want)
     stages = backend.stage_calls(prepared, x, ids, wts)
-    assert [name for name, _ in stages] == ["align", "gemm1", "activation", "gemm2", "reduce"]
+    assert [name for name, _ in stages] == ["align", "gemm1", "activation", "gemm2", "reduce", "finalize"]
     _poison(prepared)
     for _, call in stages:
         call()
