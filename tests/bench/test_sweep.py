@@ -779,6 +779,9 @@ def test_gpu_boundary_back_to_back_and_the_timed_graphs_check():
         assert (df["boundary"] == boundary).all() and (df["timing_method"] == "cuda-graph").all()
         assert (df["max_row_rel_err"] <= 2e-2).all()
     assert (at_layer["x_write_us"] > 0).all() and b2b["x_write_us"].isna().all()
+    # one write measurement per rows for every backend; every backend's error against BF16's oracle
+    assert (at_layer.groupby("rows")["x_write_us"].nunique() == 1).all(), at_layer[["rows", "x_write_us"]]
+    assert (at_layer["err_bf16"] > 0).all() and (at_layer["err_bf16"] < 0.1).all()
     ours = at_layer[at_layer["backend"] == "moebench"]
     assert (ours["kernel_route_us"] > 0).all() and (ours["routed_us"] > 0).all()
     row = stale.to_dict("records")[0]
