@@ -4,6 +4,10 @@
 #
 #   scripts/build_flashinfer_bundle.sh [env|build|pack|all]     (default: all)
 #
+# A prebuilt bundle of this layout (HEADERS=0, both MXFP4 modes) is in the
+# workplace's ../shared/flashinfer/: copy it to .bundles/flashinfer.tar.xz
+# instead of building (docs/baselines.md, "FlashInfer from the shared bundle").
+#
 # Run from the project root. Steps:
 #   env    venv (system torch) with flashinfer-python + apache-tvm-ffi, and the
 #          CUDA headers a minimal nvcc install lacks (cublasLt.h, curand_kernel.h,

@@ -11,7 +11,9 @@ Contract of `forward` (what makes it timeable):
   be captured in a CUDA graph; buffers may be cached inside the prepared
   object per row count;
 - inputs: x bf16 [rows, H], topk_ids int32 [rows, top_k] (ids outside [0, E)
-  are non-local and contribute nothing), topk_weights fp32 [rows, top_k]
+  are non-local and contribute nothing; a peer's default tactic is vLLM's TP
+  path, which takes every id as local: such ids need its EP_TACTIC),
+  topk_weights fp32 [rows, top_k]
   (routed scale already folded in), all on the prepared weights' device;
 - output: bf16 [rows, H].
 """
@@ -28,6 +30,11 @@ from moebench.formats import ExpertWeights
 from moebench.models import RankShape
 
 DEFAULT_TACTIC = "default"
+#: A peer's tactic for vLLM's expert-parallel path (an `expert_map`, ids of other
+#: ranks' experts in the routing), never its default: the default is vLLM's TP
+#: path, which reads every id as local and runs no remap (docs/baselines.md,
+#: "Launch for launch").
+EP_TACTIC = "ep"
 #: Relative Frobenius error vs its oracle a backend's finalized output may
 #: have, per oracle family (docs/baselines.md "Tolerances"): 1e-2 for the
 #: MXFP8 and BF16 oracles (docs/design.md, Numerics); 3e-2 for the per-token FP8

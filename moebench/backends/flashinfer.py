@@ -38,11 +38,17 @@ tuning_buckets=(rows,))`; the pair is recorded in `prepared.tactics[(rows, top_k
 captured graphs replay the tuned kernels.
 
 Nothing here imports flashinfer at module import: `unavailable_reason` says
-why the backend cannot run (no CUDA, not sm_90, package or module missing).
+why the backend cannot run (no CUDA, not sm_90, package or module missing,
+or the module failing to load: `module_load_error`, with the error).
+The shared bundle (docs/baselines.md, "FlashInfer from the shared bundle")
+holds both modes; run it with FLASHINFER_DISABLE_JIT=1 and never with
+LD_BIND_NOW (the reduced module relies on lazy binding).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.util
 import inspect
 import os
@@ -52,14 +58,8 @@ from typing import ClassVar
 
 import torch
 
-from moebench.backends.base import (
-    DEFAULT_TACTIC,
-    Backend,
-    check_forward_inputs,
-    check_weights,
-    require_runnable,
-    sm90_reason,
-)
+from moebench.backends.base import DEFAULT_TACTIC, Backend, check_forward_inputs
+from moebench.backends.peer import first_line, package_reason, prepare_prologue
 from moebench.backends.layouts import swap_halves
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
@@ -97,6 +97,26 @@ def module_kind() -> str | None:
     if "fp4only" in name:
         return "fp4"
     return "full"
+
+
+@functools.cache
+def module_load_error() -> str | None:
+    """Why FlashInfer's SM90 fused-MoE module does not load (the library
+    named, the error's type and first line), or None once it has loaded
+    (once per process: FlashInfer caches the module). Loading is what a
+    missing symbol, a wrong CUDA runtime or a JIT attempt under
+    FLASHINFER_DISABLE_JIT=1 fails at, so the sweep's skip reason shows it
+    instead of every case failing with it."""
+    try:
+        from flashinfer.fused_moe.core import get_cutlass_fused_moe_module
+
+        get_cutlass_fused_moe_module("90")
+    except Exception as error:  # noqa: BLE001 - any load failure is a reason
+        return (
+            f"loading FlashInfer's fused_moe_90 module ({module_kind() or 'JIT'}) failed: {type(error).__name__}:"
+            f" {first_line(error)}"
+        )
+    return None
 
 
 #: Elements (weights x K) per chunk of the humming preprocessing: its torch code
@@ -146,16 +166,15 @@ class _FlashInferBackend(Backend):
 
     # -- availability ---------------------------------------------------------------------
     def unavailable_reason(self, device: torch.device | str) -> str | None:
-        reason = sm90_reason(device)
+        reason = package_reason(
+            device, "flashinfer", imports=lambda: importlib.import_module("flashinfer.fused_moe"),
+            missing="package flashinfer-python is not installed (see docs/baselines.md: .bundles/flashinfer.tar.xz)",
+        )  # fmt: skip
         if reason:
             return reason
-        if importlib.util.find_spec("flashinfer") is None:
-            return "package flashinfer-python is not installed (see docs/baselines.md: .bundles/flashinfer.tar.xz)"
-        try:
-            import flashinfer
-            from flashinfer.fused_moe import cutlass_fused_moe
-        except Exception as error:  # noqa: BLE001 - any import failure is a reason
-            return f"importing flashinfer failed: {type(error).__name__}: {error}"
+        import flashinfer
+        from flashinfer.fused_moe import cutlass_fused_moe
+
         version = getattr(flashinfer, "__version__", "?")
         if self.humming and "use_wfp4afp8_humming" not in inspect.signature(cutlass_fused_moe).parameters:
             return f"flashinfer {version} has no humming (W4A8) mode on SM90"
@@ -165,9 +184,11 @@ class _FlashInferBackend(Backend):
                 "FlashInfer's SM90 fused-MoE module (fused_moe_90) is not built: install the bundle "
                 f"(scripts/build_flashinfer_bundle.sh) or set {ALLOW_JIT_ENV}=1 to JIT-build it (~1 h)"
             )
+        if kind in ("w4a16", "fp4") and os.environ.get("LD_BIND_NOW"):
+            return "LD_BIND_NOW is set: the reduced fused_moe_90 module needs lazy binding (unset it)"
         if self.humming and kind == "w4a16":
             return "the installed fused_moe_90 module is the reduced W4A16-only build (no humming kernels)"
-        return None
+        return module_load_error()
 
     def prepared_bytes(self, shape: RankShape) -> int:
         return shape.experts * shape.expert_bytes() * shape.padded_intermediate // shape.intermediate
@@ -187,10 +208,7 @@ class _FlashInferBackend(Backend):
         """FlashInfer-layout weights of `shape` on the weights' (CUDA) device.
         Raises ValueError for a bad tactic/shape or a non-CUDA device,
         RuntimeError when the backend is unavailable there."""
-        self.check_tactic(shape, tactic)
-        check_weights(weights, shape)
-        dev = weights.w13.device
-        require_runnable(self, dev)
+        dev = prepare_prologue(self, weights, shape, tactic)
         from flashinfer.fused_moe import (
             cutlass_fused_moe_workspace_size,
             interleave_moe_scales_for_sm90_mixed_gemm,

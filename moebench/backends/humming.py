@@ -3,18 +3,26 @@ backend): "humming-w4a16" and "humming-w4a8".
 
 humming is a GEMM library (kernels compiled at run time with NVRTC and cached
 under $HUMMING_CACHE_DIR); the MoE around it is the caller's. Per layer call
-this backend runs vLLM's HummingIndexedExperts sequence (as
-a probe of its own measured it on the H200):
+this backend runs vLLM's HummingIndexedExperts sequence on its TP path,
+launch for launch (`LAUNCHES`; docs/baselines.md has the table with vLLM's
+file:line):
 
-  routing alignment (sorted_ids, expert_ids,  -> vLLM's own moe_align_block_size op (vllm_align,
-    num_tokens_padded per block_m)               the vllm-moe bundle); without it our one-kernel
-                                                 Triton aligner, without Triton ~15 torch ops
-  [w4a8] may_quant_input(x)                   -> humming kernel: per-token e4m3 x
-  forward_layer(w13, top_k)                   -> humming indexed MoE GEMM1 [M*k, 2I]
-  may_process_input(binary_split SwiGLU)      -> humming kernel: silu(min(g,L))*clamp(u,-L,L)
-                                                 (+ per-token e4m3 H for w4a8)
-  forward_layer(w2, top_k=1)                  -> humming indexed MoE GEMM2 [M*k, H]
-  torch.bmm(top-k weights, rows)              -> finalize (vLLM's top-k weighted sum)
+  align       vLLM's own moe_align_block_size op (vllm_align, the vllm-moe
+              bundle) at w13's block_m, once: both GEMMs read it, as in vLLM;
+              without the op our one-kernel Triton aligner, without Triton
+              ~15 torch ops (`last_tactic` says which ran)
+  quantize    [w4a8] may_quant_input(x): humming kernel, per-token e4m3 x
+  gemm1       forward_layer(w13, top_k): humming indexed MoE GEMM1 [M*k, 2I]
+  activation  swiglu_limit (vllm_triton: vLLM's torch.compile'd
+              `_swiglu_limit_torch`, one kernel) silu(min(g,L))*clamp(u,-L,L)
+              [w4a8] then may_quant_input(H): humming kernel, per-token e4m3 H
+              (vLLM runs the two apart)
+  gemm2       forward_layer(w2, top_k=1) on the same align [M*k, H]
+  reduce      moe_fused_mul_sum (vllm_triton): the fp32 top-k weights times the
+              rows, summed in fp32
+  finalize    output.copy_(fused_out): the modular kernel's finalize
+              (TopKWeightAndReduceNoOP) copies the experts' output into the
+              layer's output tensor
 
 prepare: the logical (unpadded) [gate; up] checkpoint tensors
 (layouts.to_humming_logical) go through humming's own schema conversion and
@@ -23,16 +31,20 @@ configs are humming's heuristics (`get_default_tuning_configs`, indexed GEMM),
 no autotuning: the config chosen for a row count is recorded in
 `backend.last_tactic` ("w13=<mma> <block>,w2=...,align=vllm|triton|torch"),
 and `stage_calls` splits a call into align, [quantize (w4a8)], gemm1,
-activation, gemm2 and reduce.
+activation, gemm2, reduce and finalize.
 
-Oracle: "bf16" for w4a16, "fp8_token" for w4a8. The SwiGLU limit is a
-compile-time constant of humming's activation expression: prepare requires one
-clamp value for all experts (true for every preset).
+Oracle: "bf16" for w4a16, "fp8_token" for w4a8. The SwiGLU limit is one
+float per layer in vLLM (`gemm1_clamp_limit`): prepare requires one clamp
+value for all experts (true for every preset).
 
 The alignment is sync-free (top-k ids stay on the device; fixed-size buffers
 per row count), so forward is graph-capturable once every kernel has been
-compiled: call forward once per row count outside capture first. Ids outside
-[0, E) (non-local) are routed to expert 0 with weight 0.
+compiled: call forward once per row count outside capture first. Every id
+must be local on the TP path. Tactic "ep" (`base.EP_TACTIC`, never the
+default) admits ids outside [0, E) (other ranks' experts): five elementwise
+launches ahead of the align route them to expert 0 with weight 0 (our
+stand-in for vLLM's expert-map path, which passes the map to the align and
+the mul-sum instead).
 
 Nothing here imports humming at module import.
 """
@@ -40,7 +52,7 @@ Nothing here imports humming at module import.
 from __future__ import annotations
 
 import functools
-import importlib.util
+import importlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -48,16 +60,9 @@ from typing import ClassVar
 
 import torch
 
-from moebench.backends import vllm_align, vllm_ops
-from moebench.backends.base import (
-    DEFAULT_TACTIC,
-    Backend,
-    check_forward_inputs,
-    check_weights,
-    one_clamp,
-    require_runnable,
-    sm90_reason,
-)
+from moebench.backends import vllm_align, vllm_ops, vllm_triton
+from moebench.backends.base import DEFAULT_TACTIC, EP_TACTIC, Backend, check_forward_inputs, one_clamp
+from moebench.backends.peer import package_reason, prepare_prologue
 from moebench.backends.layouts import to_humming_logical
 from moebench.traffic import mxfp4_bytes, touched_bytes
 from moebench.formats import ExpertWeights
@@ -73,11 +78,31 @@ COMPUTE_CONFIG = json.dumps({"use_batch_invariant": False, "use_f16_accum": Fals
 INPUT_SCHEMAS = {"w4a16": {}, "w4a8": {"a_dtype": "float8e4m3"}}
 
 
-def swiglu_expression(limit: float) -> str:
-    """humming activation_impl (CUDA C, a = gate, b = up) of DeepSeek-V4's SwiGLU:
-    silu(min(a, L)) * clamp(b, -L, L)."""
-    lim = f"{float(limit)!r}f"
-    return f"fminf(a, {lim}) / (1.0f + expf(-fminf(a, {lim}))) * fminf(fmaxf(b, -{lim}), {lim})"
+#: One layer call's launches on vLLM's TP path, per mode: (stage, launch, where vLLM 0.26.0
+#: runs it, in vllm/model_executor/layers/fused_moe/); the names are what
+#: tests/backends/test_launches.py records. W4A16's may_quant_input launches nothing.
+_H = "experts/fused_humming_moe.py"
+LAUNCHES = {
+    "w4a16": (
+        ("align", "moe_align_block_size", f"{_H}:546 -> moe_align_block_size.py:90"),
+        ("gemm1", "humming.forward_layer (w13)", f"{_H}:621"),
+        ("activation", "swiglu_limit", f"{_H}:630 -> {_H}:506 -> utils.py:572 (torch.compile'd)"),
+        ("gemm2", "humming.forward_layer (w2)", f"{_H}:643"),
+        ("reduce", "moe_fused_mul_sum", f"{_H}:652 -> moe_fused_mul_sum.py:185"),
+        ("finalize", "aten.copy_ (output)", "modular_kernel.py:1338 -> no_dp_ep.py:91 -> topk_weight_and_reduce.py:76"),
+    ),
+}
+LAUNCHES["w4a8"] = (
+    LAUNCHES["w4a16"][0],
+    ("quantize", "humming.may_quant_input (x)", f"{_H}:614"),
+    LAUNCHES["w4a16"][1],
+    LAUNCHES["w4a16"][2],
+    ("activation", "humming.may_quant_input (H)", f"{_H}:636"),
+    *LAUNCHES["w4a16"][3:],
+)
+#: The "ep" tactic adds, ahead of the align: ids -> local mask (ge, lt, and), expert, weight.
+EP_REMAP = tuple(("align", f"aten.{op} (remap)", "- (our stand-in for the expert map)")
+                 for op in ("ge", "lt", "bitwise_and", "where", "where"))  # fmt: skip
 
 
 def _default_cache_dir() -> str:
@@ -287,13 +312,14 @@ class HummingPrepared:
 
     layer: torch.nn.Module
     tuning: dict  # sub -> (configs list, json string)
-    activation: str
+    limit: float  # the SwiGLU clamp L
     hidden: int
     intermediate: int
     experts: int
     top_k: int
     mode: str
     buffers: dict = field(default_factory=dict)  # rows -> dict of tensors
+    ep: bool = False  # tactic "ep": non-local ids remapped (module docstring)
 
     @property
     def device(self) -> torch.device:
@@ -321,20 +347,20 @@ class _HummingBackend(Backend):
         self.last_tactic: str | None = None
 
     def unavailable_reason(self, device: torch.device | str) -> str | None:
-        reason = sm90_reason(device)
+        reason = package_reason(
+            device, "humming", imports=lambda: (_import_humming(), importlib.import_module("humming.layer")),
+            missing="package humming-kernels is not installed (see docs/baselines.md: .bundles/humming.tar.xz)",
+        )  # fmt: skip
         if reason:
             return reason
-        if importlib.util.find_spec("humming") is None:
-            return "package humming-kernels is not installed (see docs/baselines.md: .bundles/humming.tar.xz)"
-        try:
-            humming = _import_humming()
-            from humming.layer import HummingMethod  # noqa: F401
-        except Exception as error:  # noqa: BLE001
-            return f"importing humming failed: {type(error).__name__}: {error}"
-        version = getattr(humming, "__version__", "?")
+        version = getattr(_import_humming(), "__version__", "?")
         if not str(version).startswith("0.1."):
             return f"humming {version} is untested here (written for {HUMMING_VERSION})"
         return None
+
+    def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
+        """The default (vLLM's TP path) and "ep" (non-local ids admitted)."""
+        return (DEFAULT_TACTIC, EP_TACTIC)
 
     def read_bytes(self, shape: RankShape, topk_ids: torch.Tensor) -> int:
         """The touched experts in humming's padded layout (`humming_expert_bytes`)
@@ -352,11 +378,8 @@ class _HummingBackend(Backend):
         """humming layer of `shape` on the weights' (CUDA) device. Raises
         ValueError for a bad tactic/shape or per-expert clamps that differ,
         RuntimeError when unavailable there."""
-        self.check_tactic(shape, tactic)
-        check_weights(weights, shape)
-        dev = weights.w13.device
-        require_runnable(self, dev)
-        limit = one_clamp(weights, "humming's SwiGLU limit is one compile-time constant")
+        dev = prepare_prologue(self, weights, shape, tactic)
+        limit = one_clamp(weights, "vLLM's SwiGLU limit is one float of the quant config")
         _import_humming()
         from humming.config import GemmType
         from humming.layer import HummingMethod
@@ -392,8 +415,8 @@ class _HummingBackend(Backend):
             kept = [list(c) for c in full if c[0] < max_m]
             tuning[sub] = (kept, json.dumps(kept))
         return HummingPrepared(
-            layer=layer, tuning=tuning, activation=swiglu_expression(limit), hidden=h,
-            intermediate=i, experts=e, top_k=shape.top_k, mode=self.mode,
+            layer=layer, tuning=tuning, limit=limit, hidden=h, intermediate=i, experts=e,
+            top_k=shape.top_k, mode=self.mode, ep=tactic == EP_TACTIC,
         )  # fmt: skip
 
     def _buffers(self, p: HummingPrepared, rows: int, top_k: int) -> dict:
@@ -403,9 +426,11 @@ class _HummingBackend(Backend):
             m = rows * top_k
             buf = p.buffers[key] = dict(
                 gu=torch.empty(m, 2 * p.intermediate, dtype=torch.bfloat16, device=p.device),
+                act=torch.empty(m, p.intermediate, dtype=torch.bfloat16, device=p.device),
                 down=torch.empty(m, p.hidden, dtype=torch.bfloat16, device=p.device),
+                fused=torch.empty(rows, p.hidden, dtype=torch.bfloat16, device=p.device),
                 out=torch.empty(rows, p.hidden, dtype=torch.bfloat16, device=p.device),
-                block=(p.block_m("w13", m), p.block_m("w2", m)),
+                block=p.block_m("w13", m),  # vLLM aligns once, at w13's block_m, for both GEMMs
             )
         return buf
 
@@ -424,72 +449,67 @@ class _HummingBackend(Backend):
             raise ValueError(f"rows must be in 1..{MAX_ROWS} and top_k <= {p.top_k}, got {tuple(topk_ids.shape)}")
         m = rows * top_k
         buf = self._buffers(p, rows, top_k)
-        bm13, bm2 = buf["block"]
+        block = buf["block"]
         align, how = _aligner(p.device)
-        self.last_tactic = f"w13={p.config_name('w13', m)},w2={p.config_name('w2', m)},align={how}"
+        path = ",path=ep (remap)" if p.ep else ""
+        self.last_tactic = f"w13={p.config_name('w13', m)},w2={p.config_name('w2', m)},align={how}{path}"
         layer, tc = p.layer, p.tuning
 
         def align_stage(st):
+            if not p.ep:  # vLLM's TP path: the ids and weights as they come
+                return dict(weights=topk_weights, align=align(topk_ids, p.experts, block))
             local = (topk_ids >= 0) & (topk_ids < p.experts)
             expert = torch.where(local, topk_ids, 0)
-            align13 = align(expert, p.experts, bm13)
-            align2 = align13 if bm2 == bm13 else align(expert, p.experts, bm2)
-            return dict(weights=torch.where(local, topk_weights, 0.0), align13=align13, align2=align2)
+            return dict(weights=torch.where(local, topk_weights, 0.0), align=align(expert, p.experts, block))
 
         def quantize(st):
             a, a_scale = HummingMethod.may_quant_input(layer, x, sublayer_name="w13")
             return dict(a=a, a_scale=a_scale)
 
-        def gemm1(st):
-            a13 = st["align13"]
+        def gemm(sub, a, scale, out, top, al):
             HummingMethod.forward_layer(
-                layer, st["a"], outputs=buf["gu"], input_scale=st["a_scale"], top_k=top_k, valid_shape_m=m,
-                compute_config=COMPUTE_CONFIG, tuning_config=tc["w13"][1], sublayer_name="w13",
-                sorted_ids=a13[0], expert_ids=a13[1], num_tokens_padded=a13[2],
+                layer, a, outputs=out, input_scale=scale, top_k=top, valid_shape_m=m,
+                compute_config=COMPUTE_CONFIG, tuning_config=tc[sub][1], sublayer_name=sub,
+                sorted_ids=al[0], expert_ids=al[1], num_tokens_padded=al[2],
             )  # fmt: skip
+
+        def gemm1(st):
+            gemm("w13", st["a"], st["a_scale"], buf["gu"], top_k, st["align"])
             return {}
 
         def activation(st):
-            h, group_scale, token_scale = HummingMethod.may_process_input(
-                layer, buf["gu"], activation_type="binary_split", activation_impl=p.activation, sublayer_name="w2"
-            )
-            return dict(h=h, h_scale=group_scale if group_scale is not None else token_scale)
+            vllm_triton.swiglu_limit(buf["act"], buf["gu"], p.limit)
+            h, h_scale = HummingMethod.may_quant_input(layer, buf["act"], sublayer_name="w2")
+            return dict(h=h, h_scale=h_scale)
 
         def gemm2(st):
-            a2 = st["align2"]
-            HummingMethod.forward_layer(
-                layer, st["h"], outputs=buf["down"], input_scale=st["h_scale"], top_k=1, valid_shape_m=m,
-                compute_config=COMPUTE_CONFIG, tuning_config=tc["w2"][1], sublayer_name="w2",
-                sorted_ids=a2[0], expert_ids=a2[1], num_tokens_padded=a2[2],
-            )  # fmt: skip
+            gemm("w2", st["h"], st["h_scale"], buf["down"], 1, st["align"])
             return {}
 
         def reduce(st):
-            torch.bmm(
-                st["weights"].to(torch.bfloat16).view(rows, 1, top_k),
-                buf["down"].view(rows, top_k, p.hidden),
-                out=buf["out"].view(rows, 1, p.hidden),
-            )
+            vllm_triton.moe_fused_mul_sum(buf["down"].view(rows, top_k, p.hidden), st["weights"], buf["fused"])
+            return {}
+
+        def finalize(st):
+            buf["out"].copy_(buf["fused"])
             return {}
 
         # W4A16's may_quant_input hands x back untouched (no kernel): not a stage of its own ("")
         return [("align", align_stage), ("quantize" if self.mode == "w4a8" else "", quantize), ("gemm1", gemm1),
-                ("activation", activation), ("gemm2", gemm2), ("reduce", reduce)]  # fmt: skip
+                ("activation", activation), ("gemm2", gemm2), ("reduce", reduce), ("finalize", finalize)]  # fmt: skip
 
     def forward(self, prepared, x, topk_ids, topk_weights):
         """bf16 [rows, H] (a buffer owned by `prepared`, reused by the next call
-        with the same row count): the routing alignment (vLLM's op where its
-        library loads, `last_tactic` says which), [w4a8: per-token quantize of
-        x], GEMM1, activation, GEMM2, top-k weighted sum. Raises ValueError for
-        rows > 8."""
+        with the same row count): the stages of the module docstring. Raises
+        ValueError for rows > 8."""
         state: dict = {}
         for _, fn in self._stages(prepared, x, topk_ids, topk_weights):
             state.update(fn(state))
         return prepared.buffers[tuple(topk_ids.shape)]["out"]
 
     def stage_calls(self, prepared, x, topk_ids, topk_weights):
-        """align, [quantize (w4a8)], gemm1, activation, gemm2, reduce: one eager
-        run, then each call re-runs its stage on that run's outputs."""
+        """align, [quantize (w4a8)], gemm1, activation, gemm2, reduce, finalize:
+        one eager run, then each call re-runs its stage on that run's outputs."""
         stages = self._stages(prepared, x, topk_ids, topk_weights)
         state: dict = {}
         for _, fn in stages:

@@ -11,17 +11,21 @@ the canonical Ip (vLLM pads it to 128 for Marlin, H to 256); a workspace of
 4 x SM-count int32 (`marlin_make_workspace_new(device, 4)`).
 
 forward (per layer call; buffers per row count live in the prepared object,
-no host sync, graph-capturable):
+no host sync, graph-capturable), launch for launch as vLLM 0.26.0 runs
+`MarlinExperts` on its TP path (`LAUNCHES`; docs/baselines.md has the table):
 
-  align       ids -> "global" ids (non-local -> E), then moe_align_block_size
-              (block_m: vLLM's choice for M rows, `block_size_m`), expert_map
+  align       moe_align_block_size(ids, E, block_m) (block_m: vLLM's choice for
+              M rows, `block_size_m`), no expert map
   gemm1       workspace zeroed (vLLM allocates it with torch.zeros per call),
               moe_wna16_marlin_gemm(x, w13): top_k, mul_topk_weights=False
   activation  silu_and_mul_with_clamp(limit, alpha=1, beta=0):
               silu(min(gate, L)) * clamp(up, -L, L), gate = first half
   gemm2       moe_wna16_marlin_gemm(H, w2): top_k=1, mul_topk_weights=True
               (the router weights are applied here, per row)
-  reduce      moe_sum(rows [M, top_k, H], out, topk_ids, expert_map)
+  reduce      moe_sum(rows [M, top_k, H], fused_out)
+  finalize    output.copy_(fused_out): the modular kernel's finalize
+              (TopKWeightAndReduceNoOP copies the experts' output, a workspace
+              view, into the layer's output tensor)
 
 Both GEMMs: b_type float4_e2m1f with float8_e8m0fnu scales, is_k_full=True,
 use_atomic_add=False, use_fp32_reduce=True, is_zp_float=False,
@@ -29,18 +33,18 @@ thread_k = thread_n = blocks_per_sm = -1 (Marlin picks), no bias / zeros /
 act-order, the output written into vLLM's intermediate caches (GEMM2's
 output aliases GEMM1's, as `_resize_cache` makes them).
 
-Non-local ids (outside [0, E)): vLLM's kernels assume every id is valid and
-express an expert of another rank as a valid *global* id that `expert_map`
-maps to -1 (what its DeepEP prepare does with DeepEP's -1 ids). This backend
-does the same: E + 1 global experts, expert E standing for every remote one
-(ids are clamped to [-1, E], then taken mod E + 1: two small elementwise
-launches in "align"), expert_map = [0 .. E-1, -1]; the align kernel skips
-such slots, the GEMMs never touch their rows, and moe_sum leaves them out.
-vLLM's TP deployment (every expert local) passes no expert_map: there the
-align and moe_sum are the same kernels without the map lookup and the two
-remap launches do not exist. (vLLM's EP path runs a Triton activation that
-skips remote rows; this backend runs vLLM's TP activation op on all rows:
-the remote rows' values are never read.)
+Every id must be local (in [0, E)) on the TP path, as in vLLM's TP
+deployment. Tactic "ep" (`base.EP_TACTIC`, never the default) is vLLM's
+expert-map path instead: vLLM's kernels express an expert of another rank as
+a valid *global* id that `expert_map` maps to -1 (what its DeepEP prepare does
+with DeepEP's -1 ids); here E + 1 global experts, expert E standing for every
+remote one (ids clamped to [-1, E], then taken mod E + 1: two small
+elementwise launches ahead of the align, our stand-in for a dispatcher's
+global ids), expert_map = [0 .. E-1, -1] passed to the align and moe_sum:
+the align skips such slots, the GEMMs never touch their rows, and moe_sum
+leaves them out. (vLLM's EP path runs a Triton activation that skips remote
+rows; this backend runs vLLM's TP activation op on all rows: the remote rows'
+values are never read.)
 
 Oracle "bf16" (x stays BF16 in the GEMMs; H is BF16). The SwiGLU limit is one
 float per layer in vLLM (`gemm1_clamp_limit`): prepare requires one clamp
@@ -54,15 +58,8 @@ from dataclasses import dataclass, field
 import torch
 
 from moebench.backends import vllm_ops
-from moebench.backends.base import (
-    DEFAULT_TACTIC,
-    Backend,
-    check_forward_inputs,
-    check_weights,
-    one_clamp,
-    require_runnable,
-    sm90_reason,
-)
+from moebench.backends.base import DEFAULT_TACTIC, EP_TACTIC, Backend, check_forward_inputs, one_clamp, sm90_reason
+from moebench.backends.peer import prepare_prologue, vllm_reason
 from moebench.backends.marlin_layout import (
     FLOAT4_E2M1F_ID, MarlinWeights, check_marlin_shape, marlin_expert_bytes, prepare_marlin,
 )  # fmt: skip
@@ -71,6 +68,23 @@ from moebench.formats import ExpertWeights
 from moebench.models import RankShape
 from moebench.traffic import touched_bytes
 
+#: One layer call's launches on vLLM's TP path: (stage, launch, where vLLM 0.26.0 runs it);
+#: the launch names are what tests/backends/test_launches.py records.
+LAUNCHES = (
+    ("align", "moe_align_block_size", "experts/marlin_moe.py:331 -> moe_align_block_size.py:90"),
+    ("gemm1", "aten.zero_ (workspace)", "experts/marlin_moe.py:102 -> quantization/utils/marlin_utils.py:405"),
+    ("gemm1", "moe_wna16_marlin_gemm", "experts/marlin_moe.py:135"),
+    ("activation", "silu_and_mul_with_clamp", "experts/marlin_moe.py:165 -> activation.py:123"),
+    ("gemm2", "moe_wna16_marlin_gemm", "experts/marlin_moe.py:191"),
+    ("reduce", "moe_sum", "experts/marlin_moe.py:390 -> experts/marlin_moe.py:947"),
+    ("finalize", "aten.copy_ (output)", "modular_kernel.py:1338 -> no_dp_ep.py:91 -> topk_weight_and_reduce.py:76"),
+)
+#: The "ep" tactic's launches: two remap launches ahead, the expert map passed to the align and moe_sum.
+LAUNCHES_EP = (
+    ("align", "aten.clamp (global ids)", "- (our stand-in for a dispatcher's global ids)"),
+    ("align", "aten.remainder_ (global ids)", "- (our stand-in for a dispatcher's global ids)"),
+    *LAUNCHES,
+)
 #: fused_marlin_moe's block_m candidates, in the order it tries them.
 BLOCK_SIZES = (8, 16, 32, 48, 64)
 #: marlin_make_workspace_new(device, max_blocks_per_sm=4): SM count x 4 int32 locks.
@@ -119,6 +133,7 @@ class MarlinPrepared:
     ops_moe: object = None  # torch.ops._moe_C (vllm_ops.load("moe"))
     ops_c: object = None  # torch.ops._C (vllm_ops.load("c"))
     buffers: dict = field(default_factory=dict)
+    ep: bool = False  # tactic "ep": vLLM's expert-map path (module docstring)
 
     @property
     def device(self) -> torch.device:
@@ -126,7 +141,8 @@ class MarlinPrepared:
 
     @property
     def global_experts(self) -> int:
-        return self.experts + 1
+        """The align's expert count: E on the TP path, E + 1 with the "ep" tactic."""
+        return self.experts + 1 if self.ep else self.experts
 
 
 class MarlinW4A16Backend(Backend):
@@ -140,14 +156,11 @@ class MarlinW4A16Backend(Backend):
         self.last_tactic: str | None = None
 
     def unavailable_reason(self, device: torch.device | str) -> str | None:
-        reason = sm90_reason(device)
-        if reason:
-            return reason
-        for which in ("moe", "c"):
-            why = vllm_ops.reason(which)
-            if why is not None:
-                return why
-        return None
+        return sm90_reason(device) or vllm_reason("moe", "c")
+
+    def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
+        """The default (vLLM's TP path) and "ep" (its expert-map path)."""
+        return (DEFAULT_TACTIC, EP_TACTIC)
 
     def read_bytes(self, shape: RankShape, topk_ids: torch.Tensor) -> int:
         """Marlin's reads of one call: the padded-intermediate weights and
@@ -163,13 +176,11 @@ class MarlinW4A16Backend(Backend):
         padding rules reject, per-expert clamps that differ or too many
         experts; RuntimeError when the backend cannot run there."""
         self.check_tactic(shape, tactic)
-        check_weights(weights, shape)
         check_marlin_shape(shape.hidden, shape.padded_intermediate)
         if shape.experts + 1 > MAX_EXPERTS:
             raise ValueError(f"at most {MAX_EXPERTS - 1} experts (vLLM's align op), got {shape.experts}")
+        dev = prepare_prologue(self, weights, shape, tactic)
         limit = one_clamp(weights, "vLLM's Marlin path takes one SwiGLU limit per layer")
-        dev = weights.w13.device
-        require_runnable(self, dev)
         ops_c, ops_moe = vllm_ops.load("c"), vllm_ops.load("moe")
         no_perm = torch.empty(0, dtype=torch.int32, device=dev)
 
@@ -186,7 +197,7 @@ class MarlinW4A16Backend(Backend):
             padded_intermediate=shape.padded_intermediate, experts=e, top_k=shape.top_k,
             clamp_limit=limit, workspace=torch.zeros(sms * WORKSPACE_BLOCKS_PER_SM, dtype=torch.int32,
                                                                 device=dev),
-            expert_map=expert_map, ops_moe=ops_moe, ops_c=ops_c,
+            expert_map=expert_map, ops_moe=ops_moe, ops_c=ops_c, ep=tactic == EP_TACTIC,
         )  # fmt: skip
 
     # --- per call ---------------------------------------------------------------------------
@@ -205,6 +216,7 @@ class MarlinW4A16Backend(Backend):
                 cache1=_flat_view(cache13, m, 2 * n),
                 cache3=_flat_view(cache13, m, k),
                 cache2=torch.empty(m, n, dtype=torch.bfloat16, device=p.device),
+                fused=torch.empty(rows, k, dtype=torch.bfloat16, device=p.device),
                 out=torch.empty(rows, k, dtype=torch.bfloat16, device=p.device),
             )
         return buf
@@ -230,11 +242,15 @@ class MarlinW4A16Backend(Backend):
         m, n, k = rows * top_k, p.padded_intermediate, p.hidden
         self.last_tactic = self.kernel_tactics(p, rows, top_k)
 
+        expert_map = p.expert_map if p.ep else None
+        ids = ids if p.ep else topk_ids  # the TP path reads the ids as they come
+
         def align():
-            torch.clamp(topk_ids, -1, p.experts, out=ids)
-            ids.remainder_(p.global_experts)
+            if p.ep:  # global ids: every non-local id -> expert E, which the map sends to -1
+                torch.clamp(topk_ids, -1, p.experts, out=ids)
+                ids.remainder_(p.global_experts)
             moe.moe_align_block_size(
-                ids, p.global_experts, block, al.sorted_ids, al.expert_ids, al.num_tokens_post_pad, p.expert_map
+                ids, p.global_experts, block, al.sorted_ids, al.expert_ids, al.num_tokens_post_pad, expert_map
             )
 
         def gemm(a, out, b, scales, top, mul, size_m, size_n, size_k):
@@ -257,9 +273,16 @@ class MarlinW4A16Backend(Backend):
             gemm(buf["cache2"], buf["cache3"], w.w2, w.w2_scale, 1, True, m, k, n)
 
         def reduce():
-            moe.moe_sum(buf["cache3"].view(rows, top_k, k), buf["out"], ids, p.expert_map)
+            if p.ep:
+                moe.moe_sum(buf["cache3"].view(rows, top_k, k), buf["fused"], ids, expert_map)
+            else:  # vLLM's ops.moe_sum(input, output): the op's two optional arguments as None
+                moe.moe_sum(buf["cache3"].view(rows, top_k, k), buf["fused"], None, None)
 
-        return [("align", align), ("gemm1", gemm1), ("activation", activation), ("gemm2", gemm2), ("reduce", reduce)]
+        def finalize():
+            buf["out"].copy_(buf["fused"])
+
+        return [("align", align), ("gemm1", gemm1), ("activation", activation), ("gemm2", gemm2),
+                ("reduce", reduce), ("finalize", finalize)]  # fmt: skip
 
     def forward(self, prepared, x, topk_ids, topk_weights):
         """bf16 [rows, H] (a buffer owned by `prepared`, overwritten by the next
@@ -270,7 +293,7 @@ class MarlinW4A16Backend(Backend):
         return prepared.buffers[(rows, top_k)]["out"]
 
     def stage_calls(self, prepared, x, topk_ids, topk_weights):
-        """align, gemm1, activation, gemm2, reduce: run once eagerly, then each
+        """align, gemm1, activation, gemm2, reduce, finalize: run once eagerly, then each
         callable re-runs its stage on the buffers the eager run filled."""
         self._check(prepared, x, topk_ids, topk_weights)
         stages = self._stages(prepared, x, topk_ids, topk_weights)
@@ -283,4 +306,5 @@ class MarlinW4A16Backend(Backend):
         config (-1: its heuristic), the reduction flags, the aligner."""
         top_k = prepared.top_k if top_k is None else top_k
         block = block_size_m(rows, top_k, prepared.experts, prepared.global_experts)
-        return f"block_m={block},thread_k/n=auto,blocks_per_sm=auto,fp32_reduce=1,atomic_add=0,align=vllm+expert_map"
+        path = "ep (expert_map)" if prepared.ep else "tp"
+        return f"block_m={block},thread_k/n=auto,blocks_per_sm=auto,fp32_reduce=1,atomic_add=0,path={path}"

@@ -83,15 +83,25 @@ class MoebenchBackend(Backend):
     FUSED = "fused"
 
     TABLES = "tables="
-    tactic_forms = ("tables=DIR",)
+    #: "nopdl=TACTIC": TACTIC with the route (the layer's first launch) launched without
+    #: programmatic dependent launch, as the peers' first kernels are (`sweep --tactics
+    #: default,nopdl=default` is the A/B of issue 37's fair timing).
+    NOPDL = "nopdl="
+    tactic_forms = ("tables=DIR", "nopdl=TACTIC")
 
     def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
         return (DEFAULT_TACTIC, self.BUILTIN, self.TUNED, self.FP8, self.BF16, self.FUSED)
 
     def tactic_form_error(self, tactic: str) -> str | None:
-        """ "tables=DIR": DIR must be a directory holding tuning tables (*.json)."""
+        """ "tables=DIR": DIR must be a directory holding tuning tables (*.json);
+        "nopdl=TACTIC": TACTIC one this backend takes (not itself nopdl=)."""
         from pathlib import Path
 
+        if tactic.startswith(self.NOPDL):
+            inner = tactic[len(self.NOPDL) :]
+            if inner.startswith(self.NOPDL) or not (inner in self.valid_tactics(None) or self.tactic_form(inner)):
+                return f"needs one of this backend's tactics after 'nopdl=' (e.g. nopdl=default), got {inner!r}"
+            return self.tactic_form_error(inner) if self.tactic_form(inner) else None
         folder = tactic[len(self.TABLES) :]
         if not folder:
             return "needs a directory after 'tables=' (tuning tables, as `moebench tune --out DIR` writes)"
@@ -105,7 +115,9 @@ class MoebenchBackend(Backend):
         """For "tuned" ("tables=DIR"): why no tuning table (in DIR) covers
         `device` and `shape` (naming the file and where it was looked for); for "fp8" / "bf16":
         why that family's built-in tactics do not fit the shape (a row count
-        without a table entry could not run); else None."""
+        without a table entry could not run); "nopdl=TACTIC": TACTIC's; else None."""
+        if tactic.startswith(self.NOPDL):
+            return self.tactic_unavailable_reason(shape, tactic[len(self.NOPDL) :], device)
         if tactic in (self.FP8, self.BF16, self.FUSED):
             from moebench.kernels.family import builtin_refusal
 
@@ -152,6 +164,10 @@ class MoebenchBackend(Backend):
         from moebench.kernels.finalize import compile_finalize_kernel
 
         self.check_tactic(shape, tactic)
+        if tactic.startswith(self.NOPDL):
+            gemm = self.prepare(weights, shape, tactic[len(self.NOPDL) :])
+            gemm.route_launch_pdl = False  # read by RoutedExpertGemm.route
+            return gemm
         check_weights(weights, shape)
         compile_finalize_kernel(False)  # compile now, not inside a graph capture
         if tactic in (self.FP8, self.BF16, self.FUSED):  # tactics=None: the family's table entries, else built-ins
@@ -178,6 +194,8 @@ class MoebenchBackend(Backend):
         family = "fp8" if prepared.tactics[1, rows].fp8 else "bf16"
         choice = getattr(prepared, "family_choice", None)
         parts = [f"{family} family" + (f" ({choice.source})" if choice is not None else "")]
+        if not getattr(prepared, "route_launch_pdl", True):
+            parts.append("route launched without PDL")
         fused = getattr(prepared, "fused_tactics", {}).get(rows)
         if fused is not None:
             source = prepared.fused_sources[rows]

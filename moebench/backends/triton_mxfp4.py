@@ -23,19 +23,24 @@ TRITON_UNFUSED branch + `_swizzle_mxfp4` on sm_90):
   per GEMM. The SwiGLU limit is one float of the quant config: prepare
   requires one clamp value for all experts (true for every preset).
 
-forward, per layer call (`UnfusedOAITritonExperts.apply`):
-  route      ids outside [0, E) -> -1 (the expert-map remap vLLM runs under EP:
-             one kernel), make_routing_data (ids int16, weights bf16, bitmatrix,
-             histogram, token sort: 10 small launches, no host sync)
+forward, per layer call (`UnfusedOAITritonExperts.apply` on vLLM's TP path,
+launch for launch: `LAUNCHES`, docs/baselines.md has the table):
+  route      make_routing_data (ids int16, weights bf16, bitmatrix zeroed and
+             packed, invalid weights set to -1, histogram memset and sum, the
+             token sort's memset and compute: 10 small launches, no host sync)
   gemm1      matmul_ogs(x, w13, gather_indx)      -> [M*k, 2I'] expert-sorted
   activation rows back to slot order (index), silu_and_mul_with_clamp(L, 1, 0),
              rows to expert order again (index)   -> [M*k, I']
   gemm2      matmul_ogs(h, w2, scatter_indx, gammas = bf16 top-k weights,
              n_expts_act = 1: no fused top-k sum) -> [M*k, H] slot order, weighted
-  reduce     masked top-k sum (skips -1 slots)    -> [M, H] bf16
+  reduce     masked top-k sum (skips -1 slots)    -> [M, H] bf16 (fused_out)
+  finalize   output.copy_(fused_out): the modular kernel's finalize
+             (TopKWeightAndReduceNoOP)
 gemm1's output and gemm2's share one workspace (vLLM's workspace2), as in vLLM.
-Non-local ids contribute nothing: their slots are never sorted in, never
-written, and skipped by the reduction.
+Every id must be local on the TP path. Tactic "ep" (`base.EP_TACTIC`, never
+the default) is vLLM's expert-map path: one launch ahead of the route maps
+ids outside [0, E) to -1 (`remap_topk_to_local`); such slots are never sorted
+in, never written, and skipped by the reduction.
 
 One difference from vLLM, kept visible: for SILU with a clamp limit vLLM's
 `UnfusedOAITritonExperts.activation` calls `swiglu_limit_func` without
@@ -52,27 +57,45 @@ Nothing here imports triton or triton_kernels at module import.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 
 from moebench.backends import vllm_ops
-from moebench.backends.base import (
-    DEFAULT_TACTIC,
-    Backend,
-    check_forward_inputs,
-    check_weights,
-    one_clamp,
-    require_runnable,
-    sm90_reason,
-)
+from moebench.backends.base import DEFAULT_TACTIC, EP_TACTIC, Backend, check_forward_inputs, one_clamp
+from moebench.backends.peer import package_reason, prepare_prologue, vllm_reason
 from moebench.formats import MX_BLOCK, ExpertWeights
 from moebench.models import RankShape
 from moebench.traffic import touched_bytes
 
 MAX_ROWS = 8
+#: One layer call's launches on vLLM's TP path: (stage, launch, where vLLM 0.26.0 runs it, in
+#: vllm/model_executor/layers/fused_moe/, "tk/" = vllm/third_party/triton_kernels/); the
+#: names are what tests/backends/test_launches.py records (make_routing_data counted inside).
+_T = "experts/gpt_oss_triton_kernels_moe.py"
+LAUNCHES = (
+    ("route", "aten._to_copy (ids int16)", f"{_T}:1179 -> {_T}:748"),
+    ("route", "aten._to_copy (weights bf16)", f"{_T}:749"),
+    ("route", "aten.zeros (bitmatrix)", f"{_T}:757"),
+    ("route", "pack_bitmatrix", f"{_T}:762"),
+    ("route", "aten.eq (invalid ids)", f"{_T}:788"),
+    ("route", "aten.where (invalid weights)", f"{_T}:788"),
+    ("route", "_sum_bitmatrix_memset", f"{_T}:793 -> tk/routing.py:280 -> {_T}:454 -> tk/tensor.py:186"),
+    ("route", "_sum_bitmatrix_rows", "tk/tensor.py:189"),
+    ("route", "_combined_routing_memset", f"{_T}:454 (sort_tokens)"),
+    ("route", "_combined_routing_compute", f"{_T}:454 (sort_tokens)"),
+    ("gemm1", "matmul_ogs (w13)", f"{_T}:1214"),
+    ("activation", "aten.index (to slot order)", f"{_T}:1230"),
+    ("activation", "silu_and_mul_with_clamp", f"{_T}:1256 (see the note on the activation)"),
+    ("activation", "aten.index (to expert order)", f"{_T}:1268"),
+    ("gemm2", "matmul_ogs (w2)", f"{_T}:1267"),
+    ("reduce", "masked_moe_sum", f"{_T}:1298"),
+    ("finalize", "aten.copy_ (output)", "modular_kernel.py:1338 -> no_dp_ep.py:91 -> topk_weight_and_reduce.py:76"),
+)
+#: The "ep" tactic's launches: vLLM's remap ahead of the route.
+LAUNCHES_EP = (("route", "remap_topk_to_local", f"{_T}:1173 -> {_T}:892"), *LAUNCHES)
 #: vLLM's intermediate alignment for the Triton MXFP4 backends on CUDA.
 INTERMEDIATE_ALIGN = 64
 #: Scale groups along K padded to this multiple (vLLM's Hopper fix, "#47303").
@@ -185,6 +208,7 @@ class TritonMxfp4Prepared:
     top_k: int
     device: torch.device
     buffers: dict = field(default_factory=dict)
+    ep: bool = False  # tactic "ep": vLLM's expert-map path (module docstring)
 
 
 class TritonMxfp4Backend(Backend):
@@ -194,29 +218,27 @@ class TritonMxfp4Backend(Backend):
     oracle = "bf16"
     capturable: ClassVar[bool] = True
 
+    def valid_tactics(self, shape: RankShape) -> tuple[str, ...]:
+        """The default (vLLM's TP path) and "ep" (its expert-map path)."""
+        return (DEFAULT_TACTIC, EP_TACTIC)
+
     def unavailable_reason(self, device: torch.device | str) -> str | None:
-        reason = sm90_reason(device)
+        reason = package_reason(device, "triton", missing="package triton is not installed") or package_reason(
+            device, "triton_kernels", imports=lambda: [importlib.import_module(f"triton_kernels.{m}")
+                                                       for m in ("matmul_ogs", "routing", "tensor")],
+            missing="package triton_kernels (vLLM's vendored copy) is not importable: unpack the vllm-moe bundle"
+                    " (scripts/build_vllm_bundle.sh moe) onto PYTHONPATH",
+        )  # fmt: skip
         if reason:
             return reason
-        if importlib.util.find_spec("triton") is None:
-            return "package triton is not installed"
-        if importlib.util.find_spec("triton_kernels") is None:
-            return ("package triton_kernels (vLLM's vendored copy) is not importable: unpack the vllm-moe bundle"
-                    " (scripts/build_vllm_bundle.sh moe) onto PYTHONPATH")  # fmt: skip
-        try:
-            import triton_kernels.matmul_ogs  # noqa: F401
-            import triton_kernels.routing as routing
-            import triton_kernels.tensor as tensor
-        except Exception as error:  # noqa: BLE001 - any import failure is a reason
-            return f"importing triton_kernels failed: {type(error).__name__}: {str(error).splitlines()[0][:300]}"
+        import triton_kernels.routing as routing
+        import triton_kernels.tensor as tensor
+
         if not hasattr(routing, "routing_from_bitmatrix") or hasattr(tensor, "SparseMatrix"):
             where = getattr(routing, "__file__", "?")
             return (f"triton_kernels at {where} is not the v3.5.1 API vLLM {vllm_ops.VLLM_VERSION} vendors"
                     " (routing_from_bitmatrix, no SparseMatrix)")  # fmt: skip
-        why = vllm_ops.reason("c")
-        if why is not None:
-            return f"vLLM's silu_and_mul_with_clamp is unavailable: {why}"
-        return None
+        return vllm_reason("c", what="vLLM's silu_and_mul_with_clamp")
 
     def prepared_bytes(self, shape: RankShape) -> int:
         return shape.experts * expert_bytes(shape)
@@ -230,10 +252,7 @@ class TritonMxfp4Backend(Backend):
         """Swizzled weights of `shape` on the weights' (CUDA) device. Raises
         ValueError for a bad tactic/shape or per-expert clamps that differ,
         RuntimeError when unavailable there."""
-        self.check_tactic(shape, tactic)
-        check_weights(weights, shape)
-        dev = weights.w13.device
-        require_runnable(self, dev)
+        dev = prepare_prologue(self, weights, shape, tactic)
         limit = one_clamp(weights, "vLLM's SwiGLU limit is one float of the quant config")
         import triton_kernels.matmul_ogs_details.opt_flags as opt_flags
         from triton_kernels.matmul_ogs import FlexCtx, PrecisionConfig
@@ -250,7 +269,7 @@ class TritonMxfp4Backend(Backend):
             w13_precision=PrecisionConfig(weight_scale=w13_scale, flex_ctx=FlexCtx(rhs_data=InFlexData())),
             w2_precision=PrecisionConfig(weight_scale=w2_scale, flex_ctx=FlexCtx(rhs_data=InFlexData())),
             limit=limit, hidden=shape.hidden, intermediate=padded_intermediate(shape.intermediate),
-            experts=shape.experts, top_k=shape.top_k, device=dev,
+            experts=shape.experts, top_k=shape.top_k, device=dev, ep=tactic == EP_TACTIC,
         )  # fmt: skip
 
     # --- per call ------------------------------------------------------------------------------
@@ -282,6 +301,7 @@ class TritonMxfp4Backend(Backend):
                 gemm1_out=ws2[: m * n].view(1, m, n),
                 gemm2_out=ws2[: m * p.hidden].view(1, m, p.hidden),
                 act_out=torch.empty(m, p.intermediate, dtype=torch.bfloat16, device=p.device),
+                fused=torch.empty(rows, p.hidden, dtype=torch.bfloat16, device=p.device),
                 out=torch.empty(rows, p.hidden, dtype=torch.bfloat16, device=p.device),
             )
         return buf
@@ -289,7 +309,7 @@ class TritonMxfp4Backend(Backend):
     def _route(self, p: TritonMxfp4Prepared, topk_ids: torch.Tensor, topk_weights: torch.Tensor):
         from moebench.backends import triton_mxfp4_glue as glue
 
-        ids = glue.local_ids(topk_ids, p.experts)
+        ids = glue.local_ids(topk_ids, p.experts) if p.ep else topk_ids  # the TP path: ids as they come
         routing, gather, scatter = glue.make_routing_data(ids, topk_weights, p.experts)
         return ids, routing, gather, scatter
 
@@ -317,7 +337,11 @@ class TritonMxfp4Backend(Backend):
     def _reduce(p, buf, ids, rows, top_k):
         from moebench.backends import triton_mxfp4_glue as glue
 
-        return glue.masked_topk_sum(buf["gemm2_out"].view(rows, top_k, p.hidden), ids, buf["out"])
+        return glue.masked_topk_sum(buf["gemm2_out"].view(rows, top_k, p.hidden), ids, buf["fused"])
+
+    @staticmethod
+    def _finalize(buf):
+        return buf["out"].copy_(buf["fused"])
 
     def forward(self, prepared, x, topk_ids, topk_weights):
         """bf16 [rows, H] (a buffer owned by `prepared`, reused by the next call
@@ -329,11 +353,12 @@ class TritonMxfp4Backend(Backend):
         h = self._activation(p, buf, gather)
         routing.n_expts_act = 1  # vLLM: GEMM2 without matmul_ogs' fused top-k sum
         self._gemm2(p, buf, h, routing, scatter)
-        return self._reduce(p, buf, ids, rows, top_k)
+        self._reduce(p, buf, ids, rows, top_k)
+        return self._finalize(buf)
 
     def stage_calls(self, prepared, x, topk_ids, topk_weights):
         """route, gemm1, activation (index, silu_and_mul_with_clamp, index),
-        gemm2, reduce; each bound to an eager run of the stages before it."""
+        gemm2, reduce, finalize; each bound to an eager run of the stages before it."""
         import dataclasses
 
         rows, top_k = self._check(prepared, x, topk_ids, topk_weights)
@@ -343,15 +368,21 @@ class TritonMxfp4Backend(Backend):
         self._gemm1(p, buf, x, routing, gather)
         h = self._activation(p, buf, gather)
         self._gemm2(p, buf, h, routing2, scatter)
+        self._reduce(p, buf, ids, rows, top_k)
         return [
             ("route", lambda: self._route(p, topk_ids, topk_weights)),
             ("gemm1", lambda: self._gemm1(p, buf, x, routing, gather)),
             ("activation", lambda: self._activation(p, buf, gather)),
             ("gemm2", lambda: self._gemm2(p, buf, h, routing2, scatter)),
             ("reduce", lambda: self._reduce(p, buf, ids, rows, top_k)),
+            ("finalize", lambda: self._finalize(buf)),
         ]
 
     def kernel_tactics(self, prepared, rows: int) -> str:
         """The path in words; matmul_ogs picks its tiles itself (opt_flags
         heuristics, split_k pinned to 1 as vLLM pins it)."""
-        return f"unfused matmul_ogs (triton_kernels of vLLM {vllm_ops.VLLM_VERSION}), split_k=1, Hopper MX layouts"
+        path = "ep (remap)" if prepared.ep else "tp"
+        return (
+            f"unfused matmul_ogs (triton_kernels of vLLM {vllm_ops.VLLM_VERSION}), split_k=1, Hopper MX layouts,"
+            f" path={path}"
+        )

@@ -99,9 +99,9 @@ from moebench.bench.pipeline import (
 )  # fmt: skip
 from moebench.bench.interrupt import sigterm_as_interrupt
 from moebench.bench.launch import placement, visible_gpu_count
+from moebench.bench.budget import LayerBudget
 from moebench.bench.sweep import (
-    LAYER_SEED_STRIDE, canonical_bytes, forced_layers_error, layer_count, timing_counts, timing_counts_used,
-    timing_methods,
+    LAYER_SEED_STRIDE, canonical_bytes, timing_counts, timing_counts_used, timing_methods,
 )  # fmt: skip
 from moebench.bench.timing import Timing, time_graph
 from moebench.env import environment, resolve_device
@@ -342,14 +342,8 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, re
         free, _ = torch.cuda.mem_get_info(dev)
         transient = canonical_bytes(cfg.shard(1)) * (2 if sliced else 0)  # the full layer being sliced (+ rank 0's)
         budget = max(per_layer, int(free * config.memory_fraction) - transient)
-    forced = config.warm_l2 or config.layers is not None
-    if config.warm_l2:
-        layers, capped = 1, False
-    elif config.layers is not None:
-        layers, capped = config.layers, False
-    else:
-        layers, capped = layer_count(min_touched, env["device"]["l2_bytes"], per_layer, budget)
-    layers = _min_over_ranks(layers, world)  # every rank must run the same collectives
+    plan = LayerBudget.plan(config, min_touched, env["device"]["l2_bytes"], per_layer, budget)
+    layers, capped = _min_over_ranks(plan.layers, world), plan.capped  # every rank runs the same collectives
     info = {"preset": cfg.name, "tp": tp, "layers": layers, "layers_capped": capped, "min_touched_bytes": min_touched,
             "layers_per_backend": {}}  # fmt: skip
 
@@ -357,11 +351,7 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, re
         """The rotation a (backend, tactic) pair gets: all generated layers,
         fewer when its prepared copies do not fit beside them (e.g.
         torch-bf16's 4x bytes); one pair's copies are held at a time."""
-        extra = backends[name].prepared_bytes(shape)
-        n = layers
-        if budget is not None and extra > 0 and not forced:
-            n = max(1, min(layers, (budget - layers * per_layer) // extra))
-        return _min_over_ranks(n, world)
+        return _min_over_ranks(plan.for_pair(backends[name].prepared_bytes(shape), layers), world)
 
     def all_cases(status: str, error: str, pair: tuple[str, str]) -> None:
         for r, s in cases:
@@ -374,7 +364,7 @@ def _run_preset(config, cfg, rank, world, dev, env, copy_bw, pairs, backends, re
     skip = _first_reasons({(n, t): skip_reason(backends, reasons, n, t, shape, dev) for n, t in pairs}, world)
 
     weights, oracle_weights = [], None
-    error = forced_layers_error(layers, per_layer, budget, config.memory_fraction)
+    error = plan.forced_error(config.memory_fraction, layers)
     try:
         for layer in range(layers if error is None else 0):
             seed = config.seed + LAYER_SEED_STRIDE * layer

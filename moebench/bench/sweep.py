@@ -19,15 +19,25 @@ each case:
    the whole output's relative error within the backend's tolerance and
    every row's within twice that (NaN/Inf never pass); a case off its oracle
    is failed and not timed; on CUDA, when it is to be timed as a graph, the
-   output of one graph replay (poisoned first) is gated the same way;
+   output of one graph replay (poisoned first) is gated the same way; then
+   every other layer of the rotation but the last once, eagerly, against
+   its own weight set's oracle (the last is gated from the timed graph,
+   step 3). Every gated output's error against the BF16-activation fp64
+   oracle is kept too (`err_bf16`, the worst; the same oracle for every
+   backend, so the column reads across them, where `max_rel_err` is each
+   backend against its own family's);
 3. is timed as one closure calling forward for every layer in turn on static
    input buffers, at a layer boundary by default: before each call a plain
    kernel (`layer_writes`: x rewritten from that layer's own source buffer,
    no programmatic dependent launch) writes the x the call reads, as the kernel
    before the MoE does in a decode step, so nothing of call i+1 starts
-   before its input exists. The writes are timed alone (the same writes,
-   rotation and counts, no MoE: `x_write_us`) and their median subtracted:
-   per call = (T(writes + calls) - T(writes)) / layers (`timing.less`).
+   before its input exists. The writes are timed alone once per (rows,
+   group) and timing method, at the group's layer count (the same writes,
+   no MoE: `x_write_us`, one value for every backend), in WRITE_BATCHES
+   batches with the replays doubled until the batches' medians agree
+   within WRITE_SPREAD_US (the manifest's groups[].x_writes), and that
+   median subtracted from every case of the rows:
+   per call = T(writes + calls) / layers - x_write_us (`timing.less_us`).
    `SweepConfig.back_to_back` (`--back-to-back`) times the calls back to
    back instead (call i+1 may start under call i): the `boundary` column and
    the manifest say which. After the timing, the timed graph itself (the
@@ -67,9 +77,8 @@ harness; the harness itself (timing.py, bandwidth.py) knows only callables.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 import pandas as pd
@@ -77,8 +86,9 @@ import torch
 
 from moebench.backends.base import Backend
 from moebench.backends.registry import backend_names
-from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP, L2_MULTIPLE, MAX_LAYERS
+from moebench.bench import EAGER_REPLAYS_CAP, EAGER_WARMUP_CAP
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps, triton_available
+from moebench.bench.budget import LayerBudget, forced_layers_error, layer_count  # noqa: F401 - re-exported
 from moebench.bench.cases import CPU_BACKENDS, Case, SweepConfig, expand_cases, rotation_bytes, unique_bytes
 from moebench.bench.columns import COLUMNS, SWEEP_STAGES, typed  # noqa: F401 - COLUMNS: the sweep's, re-exported
 from moebench.bench.pipeline import (
@@ -86,11 +96,11 @@ from moebench.bench.pipeline import (
     reduced_of, release, select_backends, skip_reason, unrun_rows, validate,
 )  # fmt: skip
 from moebench.bench.launch import placement
-from moebench.bench.timing import Timing, less, time_graph
+from moebench.bench.timing import Steady, less_us, time_graph, time_steady
 from moebench.env import environment, resolve_device
 from moebench.formats import generate_activations, generate_expert_weights
 from moebench.models import MX_BLOCK, RankShape
-from moebench.reference import ORACLE_TOLERANCE, ROW_TOLERANCE_FACTOR, oracle_gate, reference_moe
+from moebench.reference import ORACLE_TOLERANCE, ROW_TOLERANCE_FACTOR, oracle_gate, reference_moe, relative_error
 from moebench.routing import scenario_topk_ids, scenario_weights
 from moebench.traffic import unique_experts
 
@@ -105,8 +115,9 @@ LAYER_BOUNDARY, BACK_TO_BACK = "layer", "back-to-back"
 #: What each boundary means (the manifest's "boundary_timing").
 BOUNDARY_TIMING = {
     LAYER_BOUNDARY: "a plain kernel (x from the layer's own source buffer, no PDL) writes each call's x just"
-    " before it; the writes alone (x_write_us: same writes, rotation and counts, no MoE) are"
-    " subtracted: per call = (T(writes + calls) - T(writes)) / layers, medians",
+    " before it; the writes alone (x_write_us: the same writes, no MoE, measured once per rows and group"
+    " until their batches agree within 0.05 us, groups[].x_writes) are subtracted from every backend:"
+    " per call = T(writes + calls) / layers - x_write_us, medians",
     BACK_TO_BACK: "layer calls back to back on static inputs (--back-to-back): call i+1 may start under call i;"
     " per call = T(calls) / layers",
 }
@@ -132,34 +143,6 @@ def default_backends(device: torch.device | str) -> tuple[str, ...]:
     if torch.device(device).type == "cpu":
         return CPU_BACKENDS
     return tuple(n for n in backend_names() if n != "reference")
-
-
-def layer_count(
-    min_touched_bytes: int, l2_bytes: int | None, per_layer_bytes: int, budget_bytes: int | None
-) -> tuple[int, bool]:
-    """(layers, capped): max(1, ceil(4 * L2 / min_touched_bytes)) weight sets,
-    at most MAX_LAYERS and what `budget_bytes` holds at `per_layer_bytes` each
-    (never below 1). Without a known L2 (CPU) one layer. `capped` when the
-    budget or MAX_LAYERS cut it (tiny shapes cannot reach 4x L2 sensibly)."""
-    if min_touched_bytes <= 0 or per_layer_bytes <= 0:
-        raise ValueError("min_touched_bytes and per_layer_bytes must be positive")
-    want = 1 if not l2_bytes else max(1, math.ceil(L2_MULTIPLE * l2_bytes / min_touched_bytes))
-    fit = MAX_LAYERS if budget_bytes is None else max(1, min(MAX_LAYERS, budget_bytes // per_layer_bytes))
-    return min(want, fit), fit < want
-
-
-def forced_layers_error(
-    layers: int, per_layer_bytes: int, budget_bytes: int | None, memory_fraction: float
-) -> str | None:
-    """Why `layers` weight sets of `per_layer_bytes` each do not fit
-    `budget_bytes` (None: no budget, the CPU), naming --layers, or None. Only
-    a forced --layers can exceed it: `layer_count` caps its own count."""
-    if budget_bytes is None or layers * per_layer_bytes <= budget_bytes:
-        return None
-    return (
-        f"layers (--layers) {layers} need {layers * per_layer_bytes / 1e9:.1f} GB of weights, more than the"
-        f" {budget_bytes / 1e9:.1f} GB budget (memory_fraction {memory_fraction} of the free device memory)"
-    )
 
 
 @contextlib.contextmanager
@@ -291,6 +274,32 @@ def layer_writes(x: torch.Tensor, layers: int) -> list[Callable[[], object]]:
     return [lambda s=s: torch.mul(s, 1, out=x) for s in sources]
 
 
+#: The x writes are timed until their batches' medians agree within this (µs per call).
+WRITE_SPREAD_US = 0.05
+#: ... in this many batches, the replays doubled up to this cap.
+WRITE_BATCHES, WRITE_MAX_REPLAYS = 5, 6400
+
+
+def measure_writes(config, x: torch.Tensor, layers: int, graph: bool, dev) -> Steady:
+    """The x writes of `layers` layer calls (`layer_writes`, no MoE) timed
+    alone, once per (rows, group): on CUDA graphs in WRITE_BATCHES batches,
+    the replays doubled until the batch medians agree within
+    WRITE_SPREAD_US; elsewhere (eager) one timing with the case counts."""
+    writes = layer_writes(x, layers)
+    counts = timing_counts(config, layers, graph, dev)
+    if graph and dev.type == "cuda":
+        return time_steady(lambda: [w() for w in writes], spread_us=WRITE_SPREAD_US, batches=WRITE_BATCHES,
+                           max_replays=max(WRITE_MAX_REPLAYS, counts["replays"]), **counts)  # fmt: skip
+    timing = time_graph(lambda: [w() for w in writes], **counts)
+    return Steady(timing, timing.p90_us - timing.p10_us, counts["replays"], 1, False)
+
+
+def steady_record(steady: Steady) -> dict:
+    """What the manifest keeps of a write measurement."""
+    return {"us": steady.timing.median_us, "spread_us": steady.spread_us, "replays": steady.replays,
+            "batches": steady.batches, "steady": steady.steady, "method": steady.timing.method}  # fmt: skip
+
+
 def timing_counts_used(config, methods: list[str]) -> dict[str, dict[str, int]]:
     """{method: {"warmup": n, "replays": n}}: the counts the rows timed with
     each of `methods` really ran (config.warmup / config.replays for CUDA
@@ -317,16 +326,6 @@ def timing_methods(frame: pd.DataFrame) -> list[str]:
     return sorted({str(m) for m in frame["timing_method"].dropna() if str(m)})
 
 
-FLOAT_COLUMNS = (
-    "median_us", "p10_us", "p90_us", "gbps", "pct_copy_bw", "ceiling_gbps", "pct_size_ceiling", "read_gbps",
-    "max_rel_err", "max_row_rel_err", "x_write_us", "l2_multiple", "routed_us", "routed_pct_copy_bw",
-    *(f"kernel_{stage}_us" for stage in SWEEP_STAGES),
-)  # fmt: skip
-STRING_COLUMNS = ("error", "oracle", "timing_method", "boundary", "commit", "device", "kernel_tactics")
-INT_COLUMNS = ("unique_experts", "bytes", "read_bytes", "layers", "sm_count")
-BOOL_COLUMNS = ("peer",)
-
-
 def read_bytes_of(
     backend: Backend | None, shape: RankShape, topk_ids: torch.Tensor, fallback: int
 ) -> tuple[int, str | None]:
@@ -346,160 +345,196 @@ def read_bytes_of(
     return value, None
 
 
-def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, base, emit) -> dict:  # noqa: C901 - owned by comparison, removed when it lands
-    """Measure one (preset, tp) group; returns what the manifest records of it."""
-    # Routing first (CPU, cheap); the rotation is sized by the shape's fewest touched bytes.
-    routings = {}
-    for case in group:
-        key = (case.rows, case.scenario)
-        if key not in routings:
-            ids = scenario_topk_ids(case.scenario, case.rows, shape.top_k, shape.experts, config.seed, config.trace)
-            routings[key] = ids
-    min_touched = rotation_bytes(shape, routings.values())
+@dataclass(frozen=True)
+class _Group:
+    """What every case of one (preset, tp) group shares: the run's config,
+    the rank shape, the device (and its L2), the loaded backends, the run's
+    common columns and copy bandwidth, and `emit` (the run's row sink)."""
 
-    def put(case: Case, row: dict) -> None:
-        """emit(case, row) with the row's read_bytes / read_gbps (`read_bytes_of`)."""
-        if row.get("bytes") is not None and row.get("read_bytes") is None:
-            row["read_bytes"], note = read_bytes_of(backends.get(case.backend), shape,
-                                                    routings[(case.rows, case.scenario)], row["bytes"])  # fmt: skip
-            if note and row.get("status") == "ok":
-                row["error"] = "; ".join(t for t in (row.get("error"), note) if t)
-        if row.get("median_us") is not None and row.get("read_bytes"):
-            row["read_gbps"] = row["read_bytes"] / (row["median_us"] * 1e-6) / 1e9
-        emit(case, row)
+    config: SweepConfig
+    shape: RankShape
+    dev: torch.device
+    l2_bytes: int | None
+    backends: dict
+    base: dict
+    copy_bw: float | None
+    emit: Callable[[Case, dict], None]
 
-    # Which (backend, tactic) pairs run here, and why the others do not.
-    skip: dict[tuple[str, str], str] = {}
-    for case in group:
-        key = (case.backend, case.tactic)
-        if key in skip:
+
+@dataclass(frozen=True)
+class CaseInputs:
+    """The device inputs of one (rows, scenario) and the columns they fix."""
+
+    ids: torch.Tensor
+    topk_w: torch.Tensor
+    x: torch.Tensor
+    common: dict  # unique_experts, bytes, ceiling_gbps
+
+
+def group_routings(config, shape: RankShape, group: list[Case]) -> dict[tuple[int, str], torch.Tensor]:
+    """(rows, scenario) -> the CPU top-k ids of every case of the group, drawn once."""
+    keys = dict.fromkeys((c.rows, c.scenario) for c in group)
+    return {(r, s): scenario_topk_ids(s, r, shape.top_k, shape.experts, config.seed, config.trace) for r, s in keys}
+
+
+def pair_skips(group: list[Case], backends, reasons, shape: RankShape, dev) -> dict[tuple[str, str], str]:
+    """(backend, tactic) -> why that pair cannot run here (`skip_reason`), for the pairs that cannot."""
+    pairs = dict.fromkeys((c.backend, c.tactic) for c in group)
+    found = {pair: skip_reason(backends, reasons, *pair, shape, dev) for pair in pairs}
+    return {pair: reason for pair, reason in found.items() if reason is not None}
+
+
+def memory_budget(config, dev) -> int | None:
+    """The bytes a group may hold: memory_fraction of the free device memory (None on the CPU)."""
+    if dev.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(dev)
+    return int(free * config.memory_fraction)
+
+
+def with_read_bytes(row: dict, backend, shape: RankShape, ids: torch.Tensor) -> dict:
+    """`row` with read_bytes (`read_bytes_of`; a problem noted on an ok row) and read_gbps."""
+    if row.get("bytes") is not None and row.get("read_bytes") is None:
+        row["read_bytes"], note = read_bytes_of(backend, shape, ids, row["bytes"])
+        if note and row.get("status") == "ok":
+            row["error"] = "; ".join(t for t in (row.get("error"), note) if t)
+    if row.get("median_us") is not None and row.get("read_bytes"):
+        row["read_gbps"] = row["read_bytes"] / (row["median_us"] * 1e-6) / 1e9
+    return row
+
+
+def with_bandwidth(row: dict, common: dict, copy_bw: float | None) -> dict:
+    """`row` with gbps, pct_copy_bw, pct_size_ceiling and routed_pct_copy_bw over the case's logical bytes."""
+    nbytes = common["bytes"]
+    if row.get("median_us") is not None:
+        gbps = nbytes / (row["median_us"] * 1e-6) / 1e9
+        row["gbps"] = gbps
+        row["pct_copy_bw"] = 100.0 * gbps / copy_bw if copy_bw else None
+        ceiling = common["ceiling_gbps"]
+        row["pct_size_ceiling"] = 100.0 * gbps / ceiling if ceiling else None
+    if row.get("routed_us") and copy_bw:
+        row["routed_pct_copy_bw"] = 100.0 * nbytes / (row["routed_us"] * 1e-6) / 1e9 / copy_bw
+    return row
+
+
+def _put(g: _Group, routings: dict, case: Case, **values) -> None:
+    """Emit `case`'s row with `values` and its read bytes."""
+    row = case_row("sweep", case, g.base, **values)
+    g.emit(case, with_read_bytes(row, g.backends.get(case.backend), g.shape, routings[(case.rows, case.scenario)]))
+
+
+def case_inputs(g: _Group, routings: dict) -> dict[tuple[int, str], CaseInputs]:
+    """(rows, scenario) -> the case's device inputs, drawn once per group, and
+    the columns they fix (the size-matched ceiling where it can be measured)."""
+    inputs = {}
+    for (rows, scenario), ids_cpu in routings.items():
+        nbytes = unique_bytes(g.shape, ids_cpu)
+        ceiling = None
+        if g.dev.type == "cuda":
+            with contextlib.suppress(Exception):  # the ceiling is optional
+                ceiling = size_matched_ceiling_gbps(nbytes, g.dev)
+        inputs[(rows, scenario)] = CaseInputs(
+            ids_cpu.to(g.dev),
+            scenario_weights(rows, g.shape.top_k, g.config.seed, scale=g.shape.routed_scaling_factor).to(g.dev),
+            generate_activations(rows, g.shape.hidden, g.config.seed, g.dev),
+            {"unique_experts": unique_experts(ids_cpu, g.shape.experts), "bytes": nbytes, "ceiling_gbps": ceiling},
+        )
+    return inputs
+
+
+def generate_weights(g: _Group, layers: int) -> list:
+    """The group's `layers` canonical weight sets (seeded per layer). Raises what generation raises."""
+    return [generate_expert_weights(g.shape, g.config.seed + LAYER_SEED_STRIDE * i, g.dev) for i in range(layers)]
+
+
+class WriteTimes:
+    """The x writes' µs per call, measured once per (rows, timing method) of a
+    group at its layer count (`measure_writes`), recorded in `record`
+    (the manifest's groups[].x_writes)."""
+
+    def __init__(self, g: _Group, layers: int, record: dict) -> None:
+        self.g, self.layers, self.record, self.done = g, layers, record, {}
+
+    def __call__(self, rows: int, graph: bool) -> float:
+        if (rows, graph) not in self.done:
+            x = generate_activations(rows, self.g.shape.hidden, self.g.config.seed, self.g.dev)
+            self.done[rows, graph] = steady = measure_writes(self.g.config, x, self.layers, graph, self.g.dev)
+            self.record[f"{rows}{'' if graph else ' eager'}"] = steady_record(steady)
+        return self.done[rows, graph].timing.median_us
+
+
+def _run_pair(g: _Group, pair, cases, weights, n_layers, inputs, oracles, writes, routings) -> None:
+    """Prepare (backend, tactic) `pair` once per weight set of its rotation,
+    run its `cases`, emit their rows; the prepared copies are freed after."""
+    name, tactic = pair
+    backend = g.backends[name]
+    try:
+        prepared, failed = [backend.prepare(w, g.shape, tactic) for w in weights[:n_layers]], None
+    except Exception as error:  # noqa: BLE001 - the pair's cases fail, the sweep goes on
+        prepared, failed = [], f"prepare failed: {error_text(error)}"
+        release(g.dev)
+    for case in cases:
+        inp = inputs[(case.rows, case.scenario)]
+        l2_part = n_layers * (inp.common["bytes"] - 4 * case.rows * g.shape.hidden) / g.l2_bytes if g.l2_bytes else None
+        common = {**inp.common, "layers": n_layers, "l2_multiple": l2_part}
+        if failed is not None:
+            _put(g, routings, case, status="failed", error=failed, **common)
             continue
-        reason = skip_reason(backends, reasons, case.backend, case.tactic, shape, dev)
-        if reason is not None:
-            skip[key] = reason
-    active = list(dict.fromkeys((c.backend, c.tactic) for c in group if (c.backend, c.tactic) not in skip))
+        row = _run_case(g.config, case, backend, prepared, weights[:n_layers], inp.x, inp.ids, inp.topk_w,
+                        oracles[(case.rows, case.scenario)], g.dev, writes)  # fmt: skip
+        _put(g, routings, case, **common, **with_bandwidth(row, inp.common, g.copy_bw))
+    del prepared
+    release(g.dev)
+
+
+def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, base, emit) -> dict:
+    """Measure one (preset, tp) group; returns what the manifest records of it.
+    Routing first (CPU, cheap); the rotation is sized by the shape's fewest
+    touched bytes (`LayerBudget`). The canonical weight sets are held for the
+    whole group; each (backend, tactic) pair's prepared copies only while its
+    cases run (one pair at a time, as in the step), so a pair's rotation does
+    not depend on which other backends share the sweep."""
+    g = _Group(config, shape, dev, dinfo["l2_bytes"], backends, base, copy_bw, emit)
+    routings = group_routings(config, shape, group)
+    min_touched = rotation_bytes(shape, routings.values())
+    skip = pair_skips(group, backends, reasons, shape, dev)
+    active = [pair for pair in dict.fromkeys((c.backend, c.tactic) for c in group) if pair not in skip]
     if not active:  # nothing runs here: no weights to generate
         for case in group:
             ids = routings[(case.rows, case.scenario)]
-            put(
-                case,
-                case_row(
-                    "sweep",
-                    case,
-                    base,
-                    status="skipped",
-                    error=skip[(case.backend, case.tactic)],
-                    unique_experts=unique_experts(ids, shape.experts),
-                    bytes=unique_bytes(shape, ids),
-                ),
-            )
+            _put(g, routings, case, status="skipped", error=skip[(case.backend, case.tactic)],
+                 unique_experts=unique_experts(ids, shape.experts), bytes=unique_bytes(shape, ids))  # fmt: skip
         return {"layers": 0, "layers_capped": False, "min_touched_bytes": min_touched}
-
-    # The canonical weight sets are held for the whole group; each (backend,
-    # tactic) pair's prepared copies only while its cases run (one pair at a
-    # time, as in the step), so a pair's rotation does not depend on which
-    # other backends share the sweep.
-    per_layer = canonical_bytes(shape)
-    budget = None
-    if dev.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(dev)
-        budget = int(free * config.memory_fraction)
-    forced = config.warm_l2 or config.layers is not None
-    if config.warm_l2:
-        layers, capped = 1, False
-    elif config.layers is not None:
-        layers, capped = config.layers, False
-    else:
-        layers, capped = layer_count(min_touched, dinfo["l2_bytes"], per_layer, budget)
-    info = {"layers": layers, "layers_capped": capped, "min_touched_bytes": min_touched, "layers_per_backend": {}}
-
-    def fail_group(message: str) -> dict:
-        """Every case of the group failed with `message` (skipped ones keep their reason)."""
-        for case in group:
-            key = (case.backend, case.tactic)
-            status, text = ("skipped", skip[key]) if key in skip else ("failed", message)
-            put(case, case_row("sweep", case, base, status=status, error=text, layers=layers))
-        return {**info, "error": message}
-
-    too_many = forced_layers_error(layers, per_layer, budget, config.memory_fraction)
-    if too_many is not None:
-        return fail_group(too_many)
-
-    def pair_layers(name: str) -> int:
-        """The weight sets a pair walks: all generated, fewer where its
-        prepared copies do not fit the budget beside them (a forced count
-        is kept: a copy that does not fit fails its prepare)."""
-        extra = backends[name].prepared_bytes(shape)
-        if budget is None or extra <= 0 or forced:
-            return layers
-        return max(1, min(layers, (budget - layers * per_layer) // extra))
-
+    budget = LayerBudget.plan(config, min_touched, g.l2_bytes, canonical_bytes(shape), memory_budget(config, dev))
+    layers = budget.layers
+    info = {"layers": layers, "layers_capped": budget.capped, "min_touched_bytes": min_touched,
+            "layers_per_backend": {}, "x_writes": {}}  # fmt: skip
+    error = budget.forced_error(config.memory_fraction)
     weights = []
-    try:
-        for layer in range(layers):
-            weights.append(generate_expert_weights(shape, config.seed + LAYER_SEED_STRIDE * layer, dev))
-    except Exception as error:  # noqa: BLE001 - e.g. out of memory: the whole group fails
-        weights.clear()
-        release(dev)
-        return fail_group(f"weight generation failed ({layers} layers): {error_text(error)}")
-
-    l2 = dinfo["l2_bytes"]
-    inputs: dict[tuple[int, str], tuple] = {}  # (rows, scenario) -> device inputs and the case's common columns
-    for (rows, scenario), ids_cpu in routings.items():
-        nbytes = unique_bytes(shape, ids_cpu)
-        ceiling = None
-        if dev.type == "cuda":
-            try:
-                ceiling = size_matched_ceiling_gbps(nbytes, dev)
-            except Exception:  # noqa: BLE001 - the ceiling is optional
-                ceiling = None
-        inputs[(rows, scenario)] = (
-            ids_cpu.to(dev),
-            scenario_weights(rows, shape.top_k, config.seed, scale=shape.routed_scaling_factor).to(dev),
-            generate_activations(rows, shape.hidden, config.seed, dev),
-            {"unique_experts": unique_experts(ids_cpu, shape.experts), "bytes": nbytes, "ceiling_gbps": ceiling},
-        )
-    # per (rows, scenario): {(oracle family, layer): fp64 output}
-    oracles: dict[tuple[int, str], dict[tuple[str, int], torch.Tensor]] = {key: {} for key in routings}
-    for case in group:  # the skipped pairs first: they hold no memory
-        key = (case.backend, case.tactic)
-        if key in skip:
-            put(case, case_row("sweep", case, base, status="skipped", error=skip[key], layers=layers,
-                           **inputs[(case.rows, case.scenario)][3]))  # fmt: skip
-    for key in active:
-        name, tactic = key
-        backend = backends[name]
-        n_layers = pair_layers(name)
-        info["layers_per_backend"][f"{name}:{tactic}"] = n_layers
-        mine = [c for c in group if (c.backend, c.tactic) == key]
-        prepared, failed = [], None
+    if error is None:
         try:
-            prepared = [backend.prepare(w, shape, tactic) for w in weights[:n_layers]]
-        except Exception as error:  # noqa: BLE001
-            failed = f"prepare failed: {error_text(error)}"
-            prepared = []
+            weights = generate_weights(g, layers)
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory: the whole group fails
+            weights.clear()
             release(dev)
-        for case in mine:
-            ids, topk_w, x, common = inputs[(case.rows, case.scenario)]
-            common = {**common, "layers": n_layers,
-                      "l2_multiple": (n_layers * (common["bytes"] - 4 * case.rows * shape.hidden) / l2) if l2 else None}  # fmt: skip
-            if failed is not None:
-                put(case, case_row("sweep", case, base, status="failed", error=failed, **common))
-                continue
-            row = _run_case(config, case, backend, prepared, weights[:n_layers], x, ids, topk_w,
-                            oracles[(case.rows, case.scenario)], dev)  # fmt: skip
-            nbytes = common["bytes"]
-            if row.get("median_us") is not None:
-                gbps = nbytes / (row["median_us"] * 1e-6) / 1e9
-                row["gbps"] = gbps
-                row["pct_copy_bw"] = 100.0 * gbps / copy_bw if copy_bw else None
-                ceiling = common["ceiling_gbps"]
-                row["pct_size_ceiling"] = 100.0 * gbps / ceiling if ceiling else None
-            if row.get("routed_us") and copy_bw:
-                row["routed_pct_copy_bw"] = 100.0 * nbytes / (row["routed_us"] * 1e-6) / 1e9 / copy_bw
-            put(case, case_row("sweep", case, base, **common, **row))
-        del prepared
-        release(dev)
+            error = f"weight generation failed ({layers} layers): {error_text(e)}"
+    if error is not None:  # every case failed with it (skipped ones keep their reason)
+        for case in group:
+            reason = skip.get((case.backend, case.tactic))
+            _put(g, routings, case, status="skipped" if reason else "failed", error=reason or error, layers=layers)
+        return {**info, "error": error}
+    inputs = case_inputs(g, routings)
+    for case in group:  # the skipped pairs first: they hold no memory
+        if (case.backend, case.tactic) in skip:
+            _put(g, routings, case, status="skipped", error=skip[(case.backend, case.tactic)], layers=layers,
+                 **inputs[(case.rows, case.scenario)].common)  # fmt: skip
+    oracles: dict = {key: {} for key in routings}  # per (rows, scenario): {(oracle family, layer): fp64 output}
+    writes = WriteTimes(g, layers, info["x_writes"])
+    for pair in active:
+        n_layers = budget.for_pair(backends[pair[0]].prepared_bytes(shape))
+        info["layers_per_backend"][f"{pair[0]}:{pair[1]}"] = n_layers
+        _run_pair(g, pair, [c for c in group if (c.backend, c.tactic) == pair], weights, n_layers, inputs, oracles,
+                  writes, routings)  # fmt: skip
     del weights, inputs, oracles
     return info
 
@@ -527,48 +562,67 @@ class _OffOracle(Exception):
     """A gated output is off its oracle (the case fails with this message)."""
 
 
-def _oracle(oracles: dict, backend, layer: int, weights, x, ids, topk_w) -> torch.Tensor:
-    """The fp64 oracle output of `layer`'s weight set in `backend`'s family (cached per case inputs)."""
-    key = (backend.oracle, layer)
+#: The oracle every backend's `err_bf16` is measured against: BF16 activations (x and H
+#: unquantized), fp64 math (reference.reference_moe), so the column reads across backends.
+BF16_ORACLE = "bf16"
+
+
+def _oracle(oracles: dict, family: str, layer: int, weights, x, ids, topk_w) -> torch.Tensor:
+    """The fp64 oracle output of `layer`'s weight set in `family` (cached per case inputs)."""
+    key = (family, layer)
     if key not in oracles:
-        oracles[key] = reference_moe(x, ids, topk_w, weights[layer], activation=backend.oracle,
+        oracles[key] = reference_moe(x, ids, topk_w, weights[layer], activation=family,
                                      dtype=torch.float64).output  # fmt: skip
     return oracles[key]
 
 
-def _gate(row: dict, backend, out, oracle, what: str) -> None:
-    """Gate `out` against `oracle` (`reference.oracle_gate` at the backend's
-    tolerance), keeping the worst errors in `row`; raises _OffOracle naming
-    `what` was checked when it fails."""
+def _worst(row: dict, col: str, value: float) -> None:
+    """row[col] = the larger of its value and `value` (NaN wins)."""
+    old = row.get(col)
+    row[col] = value if old is None or not value <= old else old
+
+
+def _gate(row: dict, backend, out, oracles: dict, layer: int, inputs: tuple, what: str) -> None:
+    """Gate `out` (layer `layer`'s output) against its fp64 oracle in the
+    backend's family (`reference.oracle_gate` at the backend's tolerance),
+    keeping the worst errors in `row`, and its error against the BF16 oracle
+    in `err_bf16`; raises _OffOracle naming `what` was checked when it
+    fails. inputs: (weights, x, ids, topk_w) of the case."""
+    oracle = _oracle(oracles, backend.oracle, layer, *inputs)
     if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(oracle.shape):
         raise ValueError(f"forward returned {getattr(out, 'shape', type(out).__name__)}, expected"
                          f" {tuple(oracle.shape)}")  # fmt: skip
     err, row_err, why = oracle_gate(out, oracle, backend.tolerance)
-    for col, value in (("max_rel_err", err), ("max_row_rel_err", row_err)):
-        old = row.get(col)
-        row[col] = value if old is None or not value <= old else old  # NaN wins
+    _worst(row, "max_rel_err", err)
+    _worst(row, "max_row_rel_err", row_err)
+    _worst(row, "err_bf16", err if backend.oracle == BF16_ORACLE else
+           relative_error(out, _oracle(oracles, BF16_ORACLE, layer, *inputs)))  # fmt: skip
     if why is not None:
         raise _OffOracle(f"{what}{why} vs the {backend.oracle} oracle")
 
 
-def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles, dev) -> dict:
+def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles, dev, write_us) -> dict:
     """Gate then time one case (module docstring, steps 2-4); returns the
     case's own columns. `weights`: the canonical weight set of each layer of
-    `prepared` (the oracles of layer 0 and of the last layer)."""
+    `prepared` (the oracles of layer 0 and of the last layer); write_us(rows,
+    graph): the x writes' µs per call, measured once per group."""
     row: dict = {"oracle": backend.oracle}
     last = len(prepared) - 1
     graph = config.use_graph and backend.capturable
     try:
         row["kernel_tactics"] = backend.kernel_tactics(prepared[0], case.rows)
+        inputs = (weights, x, ids, topk_w)
         with _nvtx_range(case.label()):
-            oracle0 = _oracle(oracles, backend, 0, weights, x, ids, topk_w)
-            _gate(row, backend, backend.forward(prepared[0], x, ids, topk_w), oracle0, "")
+            _gate(row, backend, backend.forward(prepared[0], x, ids, topk_w), oracles, 0, inputs, "")
             if graph and dev.type == "cuda":  # what is timed is a replay: gate one first (poisoned)
-                _gate(row, backend, _graph_output(backend, prepared[0], x, ids, topk_w), oracle0,
+                _gate(row, backend, _graph_output(backend, prepared[0], x, ids, topk_w), oracles, 0, inputs,
                       "CUDA-graph replay (the eager call passed): ")  # fmt: skip
+            for layer in range(1, last):  # every layer of the rotation gated once (the last: the timed graph)
+                _gate(row, backend, backend.forward(prepared[layer], x, ids, topk_w), oracles, layer, inputs,
+                      f"layer {layer + 1} of {last + 1} (its own weights, eager; layer 1 passed): ")  # fmt: skip
             counts = timing_counts(config, len(prepared), graph, dev)
             writes = None if config.back_to_back else layer_writes(x, len(prepared))
-            written = time_graph(lambda: [w() for w in writes], **counts) if writes else None
+            written = write_us(case.rows, graph and dev.type == "cuda") if writes else None
             outputs: list = [None]
 
             def call_all_layers() -> None:
@@ -585,11 +639,11 @@ def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles,
                 return outputs[0].clone() if isinstance(outputs[0], torch.Tensor) else outputs[0]
 
             timing = time_graph(call_all_layers, **counts, check=timed_output)
-            _gate(row, backend, timing.checked, _oracle(oracles, backend, last, weights, x, ids, topk_w),
+            _gate(row, backend, timing.checked, oracles, last, inputs,
                   f"the timed {'graph' if timing.method == 'cuda-graph' else 'calls'}, layer {last + 1} of"
                   f" {last + 1} (its own weights; layer 1 passed): ")  # fmt: skip
             if written is not None:
-                timing = less(timing, written)
+                timing = less_us(timing, written)
     except _OffOracle as error:
         row.update(status="failed", error=str(error))
         return row
@@ -602,7 +656,7 @@ def _run_case(config, case, backend, prepared, weights, x, ids, topk_w, oracles,
         return row
     row.update(
         status="ok", median_us=timing.median_us, p10_us=timing.p10_us, p90_us=timing.p90_us,
-        timing_method=timing.method, x_write_us=written.median_us if written is not None else None,
+        timing_method=timing.method, x_write_us=written,
     )  # fmt: skip
     notes = []
     parts = (("per-stage timing", _time_stages), ("routed-path timing", _time_routed)) if config.split else ()
@@ -628,10 +682,10 @@ def timing_counts(config, calls: int, graph: bool, dev) -> dict:
     )
 
 
-def _time_at_boundary(calls: list[Callable[[], object]], writes, written: Timing | None, counts: dict) -> float:
+def _time_at_boundary(calls: list[Callable[[], object]], writes, written: float | None, counts: dict) -> float:
     """Median µs per call of `calls` (one per layer) timed as the case was:
-    each after its layer's write, the writes' median subtracted (`writes`
-    and their timing `written`), or back to back (`writes` None)."""
+    each after its layer's write, the writes' µs per call subtracted (`writes`
+    and `written`), or back to back (`writes` None)."""
     if writes is None:
         return time_graph(lambda: [call() for call in calls], **counts).median_us
 
@@ -640,7 +694,7 @@ def _time_at_boundary(calls: list[Callable[[], object]], writes, written: Timing
             write()
             call()
 
-    return less(time_graph(run, **counts), written).median_us
+    return less_us(time_graph(run, **counts), written).median_us
 
 
 def _time_stages(config, backend, prepared, x, ids, topk_w, graph: bool, dev, writes=None, written=None) -> dict:

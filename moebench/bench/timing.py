@@ -86,6 +86,58 @@ def less(total: Timing, part: Timing) -> Timing:
     return replace(net, checked=total.checked)
 
 
+def less_us(total: Timing, part_us: float) -> Timing:
+    """`total` with `part_us` (µs per call, e.g. a part measured once for
+    many totals) taken off every sample; keeps total's method, calls per
+    replay and `checked`. Raises ValueError unless the result's median is
+    positive (nothing was measured)."""
+    if not isinstance(total, Timing):
+        raise TypeError("total must be a Timing")
+    net = Timing.from_samples([s - part_us for s in total.samples_us], total.method, total.calls_per_replay)
+    if not net.median_us > 0:
+        raise ValueError(
+            f"the whole ({total.median_us:.3g} µs per call) is not above its part timed alone"
+            f" ({part_us:.3g} µs): nothing left to measure"
+        )
+    return replace(net, checked=total.checked)
+
+
+@dataclass(frozen=True)
+class Steady:
+    """A timing repeated in `batches` batches of `replays` replays until the
+    batches' medians agree within `spread_us` (max - min), or `replays`
+    reached its cap (`steady` False): `timing` pools every sample of the
+    last round."""
+
+    timing: Timing
+    spread_us: float
+    replays: int
+    batches: int
+    steady: bool
+
+
+def time_steady(
+    fn: Callable[[], object], *, spread_us: float = 0.05, batches: int = 5, max_replays: int = 6400, **counts
+) -> Steady:
+    """`time_graph(fn, **counts)` in `batches` batches, doubling the replays
+    (from counts["replays"], at most `max_replays`) until the batch medians
+    are within `spread_us` of each other. Raises ValueError for a
+    non-positive spread or fewer than 2 batches."""
+    if not spread_us > 0:
+        raise ValueError(f"spread_us must be positive, got {spread_us!r}")
+    _check_count("batches", batches, 2)
+    replays = counts.pop("replays", 100)
+    while True:
+        runs = [time_graph(fn, replays=replays, **counts) for _ in range(batches)]
+        medians = [t.median_us for t in runs]
+        spread = max(medians) - min(medians)
+        if spread < spread_us or replays >= max_replays:
+            samples = [v for t in runs for v in t.samples_us]
+            pooled = Timing.from_samples(samples, runs[0].method, runs[0].calls_per_replay)
+            return Steady(pooled, spread, replays, batches, spread < spread_us)
+        replays = min(2 * replays, max_replays)
+
+
 def _check_count(name: str, value: int, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")

@@ -473,6 +473,7 @@ class RoutedExpertGemm:
         record = torch.empty(route_words(ctas), dtype=torch.int32, device=device)
         permuted = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
         spec = self.tactics[1, rows].spec  # GEMM1 reads the ids before its wait: release after ours
+        launch_pdl = getattr(self, "route_launch_pdl", True)  # False: the route as a plain first launch
         self.launcher.route(
             x,
             x_quant,
@@ -484,6 +485,7 @@ class RoutedExpertGemm:
             x_deq_out=x_deq,
             release_after_wait=spec,
             inputs_ready=inputs_ready,
+            launch_pdl=launch_pdl,
         )
         return Routing(x_quant, x_scale, ids, topk_weights, permuted, record, ctas, x_deq, early_ids=spec, rows=rows)
 

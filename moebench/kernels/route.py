@@ -95,7 +95,8 @@ def _check_keys_per_step(keys_per_step) -> None:
         raise ValueError(f"keys_per_step must be one of {KEYS_PER_STEP}, got {keys_per_step!r}")
 
 
-def _check_static(pdl, keys_per_step, quantize, deq, release_after_wait=False, inputs_ready=False) -> None:
+def _check_static(pdl, keys_per_step, quantize, deq, release_after_wait=False, inputs_ready=False,
+                  launch_pdl=True) -> None:  # fmt: skip
     """The route kernel's compile-time switches (RouteKernel and
     compile_route_kernel): TypeError for a non-bool flag, ValueError for a
     keys_per_step not in KEYS_PER_STEP or deq without quantize."""
@@ -105,6 +106,7 @@ def _check_static(pdl, keys_per_step, quantize, deq, release_after_wait=False, i
         ("deq", deq),
         ("release_after_wait", release_after_wait),
         ("inputs_ready", inputs_ready),
+        ("launch_pdl", launch_pdl),
     ):
         check_bool(name, flag)
     _check_keys_per_step(keys_per_step)
@@ -380,7 +382,11 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         x_deq (bf16) pointers with blocks = rows*H/32 (read only with
         `quantize`). `inputs_ready` (with pdl): read and quantize before
         griddepcontrol.wait, release the dependents on entry (module
-        docstring).
+        docstring). `launch_pdl` False (with pdl): the launch itself drops the
+        programmatic attribute, so the kernel starts only once the kernel
+        before it has completed, as a plain launch does; its body is pdl's
+        (griddepcontrol.wait is then a no-op, the dependents still launch
+        early): the route timed the way a peer's first kernel is.
         """
 
         def __init__(
@@ -392,8 +398,10 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             deq: bool = False,
             release_after_wait: bool = False,
             inputs_ready: bool = False,
+            launch_pdl: bool = True,
         ):
-            _check_static(pdl, keys_per_step, quantize, deq, release_after_wait, inputs_ready)
+            _check_static(pdl, keys_per_step, quantize, deq, release_after_wait, inputs_ready, launch_pdl)
+            self.launch_pdl = launch_pdl
             self.release_after_wait = release_after_wait
             self.inputs_ready = inputs_ready
             self.quantize = quantize
@@ -447,7 +455,7 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             if cutlass.const_expr(self.quantize):
                 ctas = 1 + (blocks + (self.threads - 1)) // self.threads
             self.kernel(ids, record, permuted, rows, top_k, experts, x, x_q, x_scale, x_deq, blocks).launch(
-                grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl
+                grid=[ctas, 1, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=self.pdl and self.launch_pdl
             )
 
         @cute.kernel
@@ -531,9 +539,11 @@ def compile_route_kernel(
     deq: bool = False,
     release_after_wait: bool = False,
     inputs_ready: bool = False,
+    launch_pdl: bool = True,
 ):
     """Compile the route kernel once per process and (pdl, keys_per_step,
-    quantize, deq) (cached; see RouteKernel).
+    quantize, deq, release_after_wait, inputs_ready, launch_pdl) (cached;
+    see RouteKernel).
 
     Without a GPU set CUTE_DSL_ARCH=sm_90a to cross-compile for the H200.
     Returns the compiled function, called as
@@ -547,8 +557,8 @@ def compile_route_kernel(
     tensors. Raises RuntimeError without nvidia-cutlass-dsl, TypeError for a
     non-bool pdl / quantize / deq, ValueError for a `keys_per_step` not in
     KEYS_PER_STEP or deq without quantize."""
-    _check_static(pdl, keys_per_step, quantize, deq, release_after_wait, inputs_ready)  # before the cache
-    return _compile(pdl, keys_per_step, quantize, deq, release_after_wait, inputs_ready)
+    _check_static(pdl, keys_per_step, quantize, deq, release_after_wait, inputs_ready, launch_pdl)  # before the cache
+    return _compile(pdl, keys_per_step, quantize, deq, release_after_wait, inputs_ready, launch_pdl)
 
 
 @functools.lru_cache(maxsize=None)
@@ -559,6 +569,7 @@ def _compile(
     deq: bool,
     release_after_wait: bool = False,
     inputs_ready: bool = False,
+    launch_pdl: bool = True,
 ):
     require_dsl(_KERNEL)
 
@@ -566,7 +577,8 @@ def _compile(
         return gmem_ptr(dtype, 16, align)
 
     return cute.compile(RouteKernel(pdl=pdl, keys_per_step=keys_per_step, quantize=quantize, deq=deq,
-                                    release_after_wait=release_after_wait, inputs_ready=inputs_ready),
+                                    release_after_wait=release_after_wait, inputs_ready=inputs_ready,
+                                    launch_pdl=launch_pdl),
                         fake(), fake(), fake(), Int32(1), Int32(1), Int32(1),
                         fake(BFloat16, 16), fake(Uint8, 16), fake(Uint8, 16), fake(BFloat16, 16), Int32(4),
                         _cuda.CUstream(0))  # fmt: skip
@@ -685,6 +697,7 @@ def launch_route_quantize(
     x_deq_out: torch.Tensor | None = None,
     release_after_wait: bool = False,
     inputs_ready: bool = False,
+    launch_pdl: bool = True,
 ) -> None:
     """One launch for the route binding: the route record and permute map
     of `topk_ids` (as `launch_route`) and the MXFP8 quantization of `x` (as
@@ -710,6 +723,9 @@ def launch_route_quantize(
       may read topk_ids at any time (a `spec` GEMM1; release_after_wait is
       then not needed). A broken promise gives stale results, so it is off
       by default.
+    launch_pdl: False launches it without the programmatic attribute (a
+      plain launch; RouteKernel), for timing the route as the peers' first
+      kernels are timed.
 
     Raises TypeError for a wrong type or dtype, ValueError for a wrong shape,
     range, layout, alignment or device (each naming the argument),
@@ -728,13 +744,14 @@ def launch_route_quantize(
     check_bool("pdl", pdl)
     check_bool("release_after_wait", release_after_wait)
     check_bool("inputs_ready", inputs_ready)
+    check_bool("launch_pdl", launch_pdl)
     if device.type != "cuda":
         raise ValueError(f"x, topk_ids and the outputs must be CUDA tensors, got {device}")
     require_dsl(_KERNEL)
     deq = x_deq_out is not None
     release = release_after_wait and not inputs_ready  # inputs_ready releases on entry (one compiled kernel)
     _run(
-        compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq, release, inputs_ready),
+        compile_route_kernel(pdl, DEFAULT_KEYS_PER_STEP, True, deq, release, inputs_ready, launch_pdl),
         topk_ids,
         record_out,
         permuted_out,

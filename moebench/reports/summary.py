@@ -12,6 +12,8 @@ import math
 import pandas as pd
 
 CASE_KEYS = ("preset", "tp", "rows", "scenario")
+#: Relative errors, printed in scientific notation: against each backend's own oracle, against BF16's.
+ERROR_COLUMNS = ("max_rel_err", "err_bf16")
 BASELINE = "torch-bf16"
 SUMMARY_COLUMNS = (
     "preset", "tp", "rows", "scenario", "unique_experts", "backend", "tactic", "status",
@@ -66,7 +68,8 @@ ROUTED_COLUMNS = ("routed_us", "routed_pct_copy_bw")
 
 def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per (case, backend, tactic), sorted by case then median µs:
-    SUMMARY_COLUMNS, with routed_us / routed_pct_copy_bw and the
+    SUMMARY_COLUMNS (err_bf16 after max_rel_err where some row has it),
+    with routed_us / routed_pct_copy_bw and the
     kernel_<stage>_us columns inserted before vs_torch_bf16 where some row
     has them (runs stored before them, or without a split backend, lack them),
     and read_gbps (over the bytes the backend really reads) after gbps.
@@ -87,6 +90,8 @@ def summary_table(df: pd.DataFrame) -> pd.DataFrame:
     columns[at:at] = [c for c in ROUTED_COLUMNS if _has_values(df, c)] + kernel_columns(df)
     if _has_values(df, "read_gbps"):  # what the backend really reads (runs stored before it lack it)
         columns.insert(columns.index("gbps") + 1, "read_gbps")
+    if _has_values(df, "err_bf16"):  # every backend vs the BF16 oracle (runs stored before it lack it)
+        columns.insert(columns.index("max_rel_err") + 1, "err_bf16")
     return out[columns].reset_index(drop=True)
 
 
@@ -218,7 +223,7 @@ def markdown_table(frame: pd.DataFrame, digits: int = 2) -> str:
     rule = "|" + "|".join("---" for _ in frame.columns) + "|"
     lines = [header, rule]
     for row in frame.itertuples(index=False):
-        cells = (_error_cell(v) if c == "max_rel_err" else _cell(v, digits) for c, v in zip(frame.columns, row))
+        cells = (_error_cell(v) if c in ERROR_COLUMNS else _cell(v, digits) for c, v in zip(frame.columns, row))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -37,6 +37,7 @@ from moebench.models import get_preset
 from moebench.reference import reference_moe, relative_error
 
 TOLERANCE = {"bf16": 1e-2, "fp8_token": 3e-2}
+MODES = [fi_backend.FlashInferW4A16Backend, fi_backend.FlashInferW4A8Backend]
 
 
 # --- CPU -------------------------------------------------------------------------------------
@@ -55,7 +56,7 @@ def test_import_never_needs_flashinfer():
     assert done.stdout.splitlines()[0] == "bf16 fp8_token"
 
 
-@pytest.mark.parametrize("cls", [fi_backend.FlashInferW4A16Backend, fi_backend.FlashInferW4A8Backend])
+@pytest.mark.parametrize("cls", MODES)
 def test_unavailable_without_gpu_or_package(cls, monkeypatch):
     backend = cls()
     reason = backend.unavailable_reason("cpu")
@@ -96,9 +97,10 @@ def test_scale_fold_matches_flashinfer_when_installed():
 
 # --- GPU -------------------------------------------------------------------------------------
 
-#: every preset at TP 1 and 4; MOEBENCH_BASELINE_CASES="dsv41-flash:4,dsv4-pro:1" narrows it
-#: (each case costs tuning / NVRTC compiles on the device).
-CASES = baseline_cases((1, 4))
+#: every preset at TP 1, 4 and 8; MOEBENCH_BASELINE_CASES="dsv41-flash:4,dsv4-pro:1" narrows it
+#: (each case costs FlashInfer's autotuning of 8 row counts on the device).
+CASES = baseline_cases((1, 4, 8))
+ROWS = tuple(range(1, 9))
 
 
 def _backend(cls):
@@ -120,6 +122,63 @@ def _prepared(cache, cls, preset, tp):
     return cache[key]
 
 
+def _environment() -> str:
+    """What the smoke test prints first: the package, the module in the AOT slot, the env."""
+    import os
+
+    try:
+        import flashinfer
+
+        version = getattr(flashinfer, "__version__", "?")
+    except Exception as error:  # noqa: BLE001 - printed, not raised
+        version = f"import failed: {type(error).__name__}: {error}"
+    return (
+        f"flashinfer {version}; module {fi_backend.module_kind()} in {fi_backend._aot_module_dir()};"
+        f" FLASHINFER_DISABLE_JIT={os.environ.get('FLASHINFER_DISABLE_JIT')!r}"
+        f" LD_BIND_NOW={os.environ.get('LD_BIND_NOW')!r}; torch {torch.__version__} CUDA {torch.version.cuda}"
+    )
+
+
+def _smoke_one(cls) -> str | None:
+    """One small prepare + forward of `cls` (dsv41-flash TP8 at 16 experts,
+    rows 2) against its oracle; prints each step and returns what failed
+    (with the traceback's last lines), or None."""
+    import traceback
+
+    backend = cls()
+    reason = backend.unavailable_reason("cuda")
+    print(f"{backend.name}: unavailable_reason = {reason!r}")
+    if reason is not None:
+        return f"{backend.name} unavailable: {reason}"
+    try:
+        shape, w = tiny_weights("dsv41-flash", 8)
+        prepared = backend.prepare(w, shape)
+        print(f"{backend.name}: prepared {shape.describe()}")
+        x = generate_activations(2, shape.hidden, seed=2, device="cuda")
+        ids, wts = hot_tiny_routing(2, shape.top_k, shape.routed_scaling_factor, seed=2)
+        out = backend.forward(prepared, x, ids, wts).clone()
+        torch.cuda.synchronize()
+        err = relative_error(out, reference_moe(x, ids, wts, w, activation=backend.oracle).output)
+        print(f"{backend.name}: rows 2 rel err {err:.3e} vs the {backend.oracle} oracle ({backend.last_tactic})")
+        if not err <= TOLERANCE[backend.oracle]:
+            return f"{backend.name}: rel err {err:.3e} > {TOLERANCE[backend.oracle]}"
+    except Exception as error:  # noqa: BLE001 - the smoke test reports every mode
+        text = "".join(traceback.format_exception(error)[-6:])
+        print(f"{backend.name} FAILED:\n{text}")
+        return f"{backend.name}: {type(error).__name__}: {error}"
+    return None
+
+
+@pytest.mark.gpu
+def test_smoke_both_modes_load_and_run():
+    """The first call with a new bundle: the environment, each mode's
+    availability, one small forward against its oracle; every mode is tried
+    and every failure printed before the test fails (run with -s)."""
+    print(_environment())
+    failures = [f for f in (_smoke_one(cls) for cls in MODES) if f]
+    assert not failures, "; ".join(failures)
+
+
 @pytest.mark.gpu
 def test_weight_interleave_matches_flashinfer_kernel():
     _backend(fi_backend.FlashInferW4A16Backend)
@@ -131,30 +190,47 @@ def test_weight_interleave_matches_flashinfer_kernel():
         assert torch.equal(ilw(w, "fp4_fp8"), L.interleave_fp4_fp8_weights(w))
 
 
+def _graph_equals_eager(backend, prepared, x, ids, wts) -> None:
+    """A CUDA graph of forward (rows already tuned) replays the eager result
+    into its output, poisoned with NaN first."""
+    eager = backend.forward(prepared, x, ids, wts).clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = backend.forward(prepared, x, ids, wts)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager), f"{backend.name}: the graph replay differs from the eager call"
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cls", [fi_backend.FlashInferW4A16Backend, fi_backend.FlashInferW4A8Backend])
+@pytest.mark.parametrize("cls", MODES)
 @pytest.mark.parametrize("preset,tp", CASES)
 def test_matches_oracle(prepared_cache, cls, preset, tp):
+    """Rows 1-8 against the oracle (every row's error printed before any
+    assertion), the tiny-scale expert alone, and a CUDA graph at rows 8."""
     backend, shape, w, prepared = _prepared(prepared_cache, cls, preset, tp)
     tol = TOLERANCE[backend.oracle]
-    for rows in (1, 4, 8):
+    errors, inputs = {}, {}
+    for rows in ROWS:
         x = generate_activations(rows, shape.hidden, seed=rows, device="cuda")
         ids, wts = hot_tiny_routing(rows, shape.top_k, shape.routed_scaling_factor, seed=rows)
         out = backend.forward(prepared, x, ids, wts).clone()
         ref = reference_moe(x, ids, wts, w, activation=backend.oracle).output
-        err = relative_error(out, ref)
-        print(f"{backend.name} {shape.describe()} rows={rows}: rel err {err:.3e} ({backend.last_tactic})")
-        assert err <= tol, f"{backend.name} {shape.describe()} rows={rows}: rel err {err:.3e} > {tol}"
+        errors[rows] = relative_error(out, ref)
+        inputs[rows] = (x, ids, wts)
+        print(f"{backend.name} {shape.describe()} rows={rows}: rel err {errors[rows]:.3e} ({backend.last_tactic})")
         assert (rows, shape.top_k) in prepared.tactics and backend.last_tactic.startswith("g1=")
-        if rows != 4:
-            continue
-        # the tiny-scale expert alone (relative error is scale-free), once per case
-        err = tiny_expert_alone_error(backend, prepared, shape, w, x, TINY)
-        assert err <= tol, f"{backend.name} {shape.describe()} rows={rows} tiny expert: rel err {err:.3e}"
+    bad = {rows: f"{err:.3e}" for rows, err in errors.items() if not err <= tol}
+    assert not bad, f"{backend.name} {shape.describe()}: rel err above {tol} at rows {bad}"
+    # the tiny-scale expert alone (relative error is scale-free), once per case
+    err = tiny_expert_alone_error(backend, prepared, shape, w, inputs[4][0], TINY)
+    assert err <= tol, f"{backend.name} {shape.describe()} rows=4 tiny expert: rel err {err:.3e}"
+    _graph_equals_eager(backend, prepared, *inputs[8])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cls", [fi_backend.FlashInferW4A16Backend, fi_backend.FlashInferW4A8Backend])
+@pytest.mark.parametrize("cls", MODES)
 def test_non_local_ids_contribute_nothing(prepared_cache, cls):
     backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
     x = generate_activations(4, shape.hidden, seed=3, device="cuda")
@@ -169,7 +245,7 @@ def test_non_local_ids_contribute_nothing(prepared_cache, cls):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cls", [fi_backend.FlashInferW4A16Backend, fi_backend.FlashInferW4A8Backend])
+@pytest.mark.parametrize("cls", MODES)
 def test_unfinalized_output_finalizes_to_the_oracle(prepared_cache, cls):
     """forward_unfinalized (one route per row, route_major_moe_output) finalized
     by moe_output.finalize meets the oracle like forward; non-local ids give zero rows."""
@@ -190,19 +266,13 @@ def test_unfinalized_output_finalizes_to_the_oracle(prepared_cache, cls):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cls", [fi_backend.FlashInferW4A16Backend, fi_backend.FlashInferW4A8Backend])
-def test_graph_capture_replays_the_eager_result(prepared_cache, cls):
+@pytest.mark.parametrize("cls", MODES)
+def test_graph_capture_of_a_fresh_row_count(prepared_cache, cls):
+    """forward at a row count not yet tuned (rows 6) tunes it eagerly, then a graph replays it."""
     backend, shape, w, prepared = _prepared(prepared_cache, cls, "dsv41-flash", 4)
     x = generate_activations(6, shape.hidden, seed=5, device="cuda")
     ids, wts = hot_tiny_routing(6, shape.top_k, 1.5, seed=5)
-    eager = backend.forward(prepared, x, ids, wts).clone()  # tunes rows=6 outside capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(prepared, x, ids, wts)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager)
+    _graph_equals_eager(backend, prepared, x, ids, wts)
 
 
 # --- CPU: the adapter's wiring against a fake flashinfer (real signatures, torch math) ------
@@ -359,3 +429,34 @@ def test_forward_refuses_an_output_that_is_not_the_buffer(monkeypatch):
     backend, prepared, x, ids, wts, _ = _fake_setup(monkeypatch, returns=lambda o: [o.clone()])
     with pytest.raises(ValueError, match="does not alias finalized_output"):
         backend.forward(prepared, x, ids, wts)
+
+
+def test_a_module_that_fails_to_load_is_a_reason_naming_it(monkeypatch):
+    """module_load_error: FlashInfer's module loader raising (a missing
+    symbol, say) becomes the backend's unavailable reason, library and error named."""
+    import types
+
+    core = types.ModuleType("flashinfer.fused_moe.core")
+
+    def get_cutlass_fused_moe_module(backend="100", use_fast_build=False):
+        assert backend == "90"
+        raise OSError("fused_moe_90.so: undefined symbol: _ZN7tkernel\nmore lines")
+
+    core.get_cutlass_fused_moe_module = get_cutlass_fused_moe_module
+    _fake_flashinfer(monkeypatch, [])
+    monkeypatch.setitem(sys.modules, "flashinfer.fused_moe.core", core)
+    monkeypatch.setattr(fi_backend, "module_kind", lambda: "fp4")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    fi_backend.module_load_error.cache_clear()
+    try:
+        reason = fi_backend.FlashInferW4A16Backend().unavailable_reason("cuda:0")
+        assert reason == (
+            "loading FlashInfer's fused_moe_90 module (fp4) failed: OSError: fused_moe_90.so: undefined symbol:"
+            " _ZN7tkernel"
+        )
+        monkeypatch.setenv("LD_BIND_NOW", "1")
+        assert "LD_BIND_NOW" in fi_backend.FlashInferW4A8Backend().unavailable_reason("cuda:0")
+    finally:
+        fi_backend.module_load_error.cache_clear()

@@ -79,7 +79,7 @@ def test_unavailable_reasons(monkeypatch):
 def test_tactics():
     backend = mb.MarlinW4A16Backend()
     shape = get_preset("dsv41-flash").shard(4)
-    assert backend.valid_tactics(shape) == ("default",)
+    assert backend.valid_tactics(shape) == ("default", "ep")  # vLLM's TP path, its expert-map path
     with pytest.raises(ValueError, match="tactic 'fast' is not valid for backend 'marlin-w4a16'"):
         backend.prepare(
             generate_expert_weights(get_preset("dsv4-flash", experts=8, hidden=256, intermediate=128).shard(1)),
@@ -179,8 +179,10 @@ def test_forward_checks_inputs_by_name():
 def test_kernel_tactics_names_block_and_flags():
     p = _fake_prepared()
     text = mb.MarlinW4A16Backend().kernel_tactics(p, 8)
-    assert text.startswith("block_m=8,") and "fp32_reduce=1" in text and "align=vllm" in text
+    assert text.startswith("block_m=8,") and "fp32_reduce=1" in text and text.endswith("path=tp")
     assert mb.MarlinW4A16Backend().kernel_tactics(p, 8, top_k=6) == text
+    p.ep = True
+    assert mb.MarlinW4A16Backend().kernel_tactics(p, 8).endswith("path=ep (expert_map)")
 
 
 def test_flat_view_is_vllms_resize_cache():
@@ -203,21 +205,21 @@ def _backend():
     return backend
 
 
-def _prepared(cache, preset, tp, experts=EXPERTS):
-    key = (preset, tp, experts)
+def _prepared(cache, preset, tp, experts=EXPERTS, tactic="default"):
+    key = (preset, tp, experts, tactic)
     if key not in cache:
         cache.clear()
         torch.cuda.empty_cache()
         backend = _backend()
         shape, w = tiny_weights(preset, tp, experts)
-        cache[key] = (backend, shape, w, backend.prepare(w, shape))
+        cache[key] = (backend, shape, w, backend.prepare(w, shape, tactic))
     return cache[key]
 
 
 def _poison(prepared):
     """NaN into every per-call buffer (outputs and intermediate caches), -7 into the align buffers."""
     for buf in prepared.buffers.values():
-        for name in ("cache1", "cache2", "cache3", "out"):
+        for name in ("cache1", "cache2", "cache3", "fused", "out"):
             buf[name].fill_(float("nan"))
         for t in buf["align"].as_tuple():
             t.fill_(-7)
@@ -292,7 +294,8 @@ def test_one_expert_in_every_row(prepared_cache):
 
 @pytest.mark.gpu
 def test_non_local_ids_contribute_nothing(prepared_cache):
-    backend, shape, w, prepared = _prepared(prepared_cache, "dsv41-flash", 4)
+    """Tactic "ep" (vLLM's expert-map path): ids of other ranks' experts add nothing."""
+    backend, shape, w, prepared = _prepared(prepared_cache, "dsv41-flash", 4, tactic="ep")
     x = generate_activations(5, shape.hidden, seed=3, device="cuda")
     ids, wts = hot_tiny_routing(5, shape.top_k, 1.5, seed=3)
     masked = ids.clone()
@@ -350,7 +353,7 @@ def test_stage_calls_rerun_the_forward(prepared_cache):
     want = backend.forward(prepared, x, ids, wts).clone()
     deterministic = torch.equal(backend.forward(prepared, x, ids, wts), want)
     stages = backend.stage_calls(prepared, x, ids, wts)
-    assert [name for name, _ in stages] == ["align", "gemm1", "activation", "gemm2", "reduce"]
+    assert [name for name, _ in stages] == ["align", "gemm1", "activation", "gemm2", "reduce", "finalize"]
     _poison(prepared)
     for _, call in stages:
         call()

@@ -37,7 +37,7 @@ def test_tables_dir_tactic_checks_its_directory(tmp_path):
     from moebench.kernels.table import PACKAGE_TABLES
 
     backend = MoebenchBackend()
-    assert backend.tactic_forms == ("tables=DIR",)
+    assert backend.tactic_forms == ("tables=DIR", "nopdl=TACTIC")
     empty, tables = tmp_path / "empty", tmp_path / "tables"
     empty.mkdir()
     tables.mkdir()
@@ -63,6 +63,37 @@ def test_family_tactics_are_skipped_where_their_built_ins_do_not_fit():
         why = backend.tactic_unavailable_reason(WIDE, name, "cpu")
         assert why is not None and "no fp8 GEMM1 tactic" in why and "shared memory" in why
     assert backend.tactic_unavailable_reason(WIDE, "bf16", "cpu") is None
+
+
+def test_nopdl_form_wraps_one_of_the_backends_tactics(tmp_path):
+    """ "nopdl=TACTIC": TACTIC with the route launched without PDL; TACTIC must
+    be one this backend takes (a tables=DIR too), never another nopdl=; its
+    skip reason is TACTIC's."""
+    backend = MoebenchBackend()
+    (tmp_path / "t.json").write_text("{}")
+    for good in ("nopdl=default", "nopdl=fp8", "nopdl=fused", f"nopdl=tables={tmp_path}"):
+        backend.check_tactic(SHAPE, good)
+    for bad, why in (("nopdl=", "needs one of this backend's tactics"), ("nopdl=nopdl=default", "needs one"),
+                     ("nopdl=BF16", "got 'BF16'"), (f"nopdl=tables={tmp_path / 'no'}", "is not a directory")):  # fmt: skip
+        assert not backend.accepts_tactic(SHAPE, bad)
+        with pytest.raises(ValueError, match=f"tactic '{bad}' of backend 'moebench': .*{why}"):
+            backend.check_tactic(SHAPE, bad)
+    assert backend.tactic_unavailable_reason(WIDE, "nopdl=fp8", "cpu") == backend.tactic_unavailable_reason(
+        WIDE, "fp8", "cpu"
+    )
+
+
+def test_prepare_nopdl_binds_the_inner_tactic_without_route_pdl(monkeypatch):
+    pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+    from moebench.kernels import binding, finalize
+
+    calls = []
+    monkeypatch.setattr(binding, "RoutedExpertGemm",
+                        lambda weights, top_k, tactics=None, **kw: calls.append(kw) or SimpleNamespace())  # fmt: skip
+    monkeypatch.setattr(finalize, "compile_finalize_kernel", lambda *a: None)
+    shape = get_preset("dsv41-flash", hidden=256, intermediate=512, experts=32).shard(2)
+    layer = MoebenchBackend().prepare(generate_expert_weights(shape, seed=1), shape, "nopdl=bf16")
+    assert calls == [{"fp8": False, "fused": False}] and layer.route_launch_pdl is False
 
 
 @pytest.fixture
@@ -187,3 +218,36 @@ def test_gpu_tables_dir_runs_that_directorys_entries(tmp_path):
     assert mine.tactics[1, 1] == other and str(tmp_path) in mine.tactic_sources[1, 1]
     assert shipped.tactics[1, 1].name == json.loads(src.read_text())["fp8"]["gemm1"]["1"]["tactic"]["name"]
     assert "table" in backend.kernel_tactics(mine, 1) and other.name in backend.kernel_tactics(mine, 1)
+
+
+def test_route_launch_pdl_is_a_checked_static_switch():
+    from moebench.kernels.route import _check_static
+
+    _check_static(True, 16, True, False, launch_pdl=False)
+    with pytest.raises(TypeError, match="launch_pdl"):
+        _check_static(True, 16, True, False, launch_pdl="no")
+
+
+@pytest.mark.gpu
+def test_gpu_nopdl_route_gives_the_same_bits():
+    """nopdl=default launches the route without the programmatic attribute:
+    the same output bits as default, and kernel_tactics says so."""
+    from moebench.formats import generate_activations
+    from moebench.routing import scenario_topk_ids, scenario_weights
+
+    backend = MoebenchBackend()
+    if backend.unavailable_reason("cuda") is not None:
+        pytest.skip(backend.unavailable_reason("cuda"))
+    shape = get_preset("dsv41-flash").shard(8)
+    weights = generate_expert_weights(shape, seed=3, device="cuda")
+    outs = {}
+    for tactic in ("default", "nopdl=default"):
+        layer = backend.prepare(weights, shape, tactic)
+        for rows in (1, 4):
+            x = generate_activations(rows, shape.hidden, 3, "cuda")
+            ids = scenario_topk_ids("correlated", rows, shape.top_k, shape.experts, 3).cuda()
+            w = scenario_weights(rows, shape.top_k, 3, scale=shape.routed_scaling_factor).cuda()
+            outs[tactic, rows] = backend.forward(layer, x, ids, w).clone()
+        assert ("route launched without PDL" in backend.kernel_tactics(layer, 4)) == (tactic != "default")
+    for rows in (1, 4):
+        assert torch.equal(outs["default", rows], outs["nopdl=default", rows])

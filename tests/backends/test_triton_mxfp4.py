@@ -131,7 +131,7 @@ def _shape(preset="dsv41-flash", tp=8, **kw):
 
 def test_tactics():
     backend, shape = tm.TritonMxfp4Backend(), _shape()
-    assert backend.valid_tactics(shape) == ("default",)
+    assert backend.valid_tactics(shape) == ("default", "ep")  # vLLM's TP path, its expert-map path
     with pytest.raises(ValueError, match="tactic 'fast'"):
         backend.prepare(generate_expert_weights(_shape(experts=8, hidden=256)), _shape(experts=8, hidden=256), "fast")
 
@@ -451,8 +451,8 @@ def test_forward_rejects_foreign_prepared_and_bad_rows():
 CASES = baseline_cases((1, 4, 8))
 
 
-def _prepared(cache, preset, tp):
-    key = (preset, tp)
+def _prepared(cache, preset, tp, tactic="default"):
+    key = (preset, tp, tactic)
     if key not in cache:
         cache.clear()
         torch.cuda.empty_cache()
@@ -461,7 +461,7 @@ def _prepared(cache, preset, tp):
         if reason is not None:
             pytest.skip(reason)
         shape, w = tiny_weights(preset, tp)
-        cache[key] = (backend, shape, w, backend.prepare(w, shape))
+        cache[key] = (backend, shape, w, backend.prepare(w, shape, tactic))
     return cache[key]
 
 
@@ -509,7 +509,8 @@ def test_tiny_scale_expert_alone(prepared_cache, preset, tp):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tp", [4, 8])
 def test_non_local_ids_contribute_nothing(prepared_cache, tp):
-    backend, shape, w, prepared = _prepared(prepared_cache, "dsv41-flash", tp)
+    """Tactic "ep" (vLLM's expert-map path): ids of other ranks' experts add nothing."""
+    backend, shape, w, prepared = _prepared(prepared_cache, "dsv41-flash", tp, tactic="ep")
     x = generate_activations(5, shape.hidden, seed=3, device="cuda")
     ids, wts = hot_tiny_routing(5, shape.top_k, 1.5, seed=3)
     masked = ids.clone()
@@ -558,14 +559,14 @@ def test_stage_calls_compose_to_forward(prepared_cache):
     ids, wts = hot_tiny_routing(3, shape.top_k, 1.5, seed=8)
     want = backend.forward(prepared, x, ids, wts).clone()
     stages = backend.stage_calls(prepared, x, ids, wts)
-    assert [name for name, _ in stages] == ["route", "gemm1", "activation", "gemm2", "reduce"]
+    assert [name for name, _ in stages] == ["route", "gemm1", "activation", "gemm2", "reduce", "finalize"]
     from moebench.bench.sweep import SWEEP_STAGES
 
     assert all(name in SWEEP_STAGES for name, _ in stages)
     _poison(prepared, 3, shape.top_k)
-    stages[-1][1]()  # reduce reads gemm2's rows, which the poison just wiped
+    stages[-1][1]()  # finalize copies the reduce's output, which the poison just wiped
     assert torch.isnan(prepared.buffers[(3, shape.top_k)]["out"]).any()
-    stages = backend.stage_calls(prepared, x, ids, wts)  # eager run of route..gemm2 again
+    stages = backend.stage_calls(prepared, x, ids, wts)  # eager run of route..reduce again
     assert torch.equal(stages[-1][1](), want)
     for _name, call in stages:
         call()  # warm

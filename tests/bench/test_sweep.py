@@ -536,10 +536,11 @@ class SlowBackend(TorchBF16Backend):
 
     def forward(self, prepared, x, topk_ids, topk_weights):
         type(self).events.append("f")
-        if not hasattr(prepared, "cached"):
-            prepared.cached = super().forward(prepared, x, topk_ids, topk_weights)
+        cached = prepared.__dict__.setdefault("cached", {})
+        if x.shape[0] not in cached:
+            cached[x.shape[0]] = super().forward(prepared, x, topk_ids, topk_weights)
         time.sleep(2e-3)
-        return prepared.cached.clone()
+        return cached[x.shape[0]].clone()
 
 
 def _slow_writes(monkeypatch, events):
@@ -597,6 +598,41 @@ def test_layer_calls_are_timed_at_a_layer_boundary_with_the_writes_subtracted(mo
     assert 2000 <= other["median_us"] < 2800, other["median_us"]
 
 
+class SlowBackend2(SlowBackend):
+    name = "test-slow-2"
+
+
+def test_the_writes_are_measured_once_per_rows_for_every_backend(monkeypatch):
+    """Two backends at rows 2 and 3: the writes are timed alone once per rows
+    (not per case), every case of a rows subtracts that one value, and the
+    manifest keeps each measurement (value, spread, replays)."""
+    from moebench.bench import sweep
+
+    measured = []
+    real = sweep.measure_writes
+    monkeypatch.setattr(
+        sweep, "measure_writes", lambda config, x, *a: measured.append(x.shape[0]) or real(config, x, *a)
+    )
+    register_backend("test-slow", SlowBackend)
+    register_backend("test-slow-2", SlowBackend2)
+    try:
+        cfg = SweepConfig(backends=("test-slow", "test-slow-2"), layers=2, split=False,
+                          **{**TINY, "rows": (2, 3), "replays": 4, "warmup": 1})  # fmt: skip
+        result = run_sweep(cfg)
+    finally:
+        unregister_backend("test-slow")
+        unregister_backend("test-slow-2")
+    frame = result.frame
+    assert (frame["status"] == "ok").all(), frame["error"].tolist()
+    assert sorted(measured) == [2, 3]
+    writes = result.manifest["groups"][0]["x_writes"]
+    assert set(writes) == {"2 eager", "3 eager"}  # the CPU times eagerly
+    for rows in (2, 3):
+        mine = frame[frame["rows"] == rows]
+        assert mine["x_write_us"].nunique() == 1 and mine["x_write_us"].iloc[0] == writes[f"{rows} eager"]["us"]
+        assert {"spread_us", "replays", "batches", "steady", "method"} <= set(writes[f"{rows} eager"])
+
+
 class StaleLayerBackend(TorchBF16Backend):
     """Computes every layer call with the first prepared layer's weights:
     right at the gate (layer 0), wrong for every later layer."""
@@ -632,6 +668,49 @@ def test_the_timed_calls_last_layer_is_gated_against_its_own_oracle():
     assert stale["status"] == "failed" and math.isnan(stale["median_us"])
     assert "the timed calls, layer 2 of 2" in stale["error"] and "bf16 oracle" in stale["error"], stale["error"]
     assert stale["max_rel_err"] > 0.1
+
+
+class MiddleLayerBackend(TorchBF16Backend):
+    """Wrong for the second of three layers only (it computes that layer with
+    the first layer's weights): right at layer 0 and at the timed last layer."""
+
+    name = "test-middle-layer"
+
+    def prepare(self, weights, shape, tactic="default"):
+        prepared = super().prepare(weights, shape, tactic)
+        self.layers = [*getattr(self, "layers", []), prepared]
+        return prepared
+
+    def forward(self, prepared, x, topk_ids, topk_weights):
+        wrong = len(self.layers) > 1 and prepared is self.layers[1]
+        return super().forward(self.layers[0] if wrong else prepared, x, topk_ids, topk_weights)
+
+
+def test_every_layer_of_the_rotation_is_gated():
+    """Layers between the first and the timed last are gated once each
+    (eagerly, against their own weight set's oracle): a backend wrong only
+    at layer 2 of 3 fails, naming it."""
+    register_backend("test-middle-layer", MiddleLayerBackend)
+    try:
+        cfg = SweepConfig(backends=("test-middle-layer",), layers=3, split=False, **{**TINY, "rows": (3,)})
+        row = run_sweep(cfg).frame.to_dict("records")[0]
+    finally:
+        unregister_backend("test-middle-layer")
+    assert row["status"] == "failed" and "layer 2 of 3" in row["error"], row["error"]
+    assert row["max_rel_err"] > 0.1
+
+
+def test_err_bf16_is_every_backends_error_against_the_bf16_oracle():
+    """err_bf16 beside max_rel_err: the same number for a backend whose own
+    oracle is BF16's (torch-bf16), another for one held to the MXFP8 oracle
+    (reference): its MXFP8 x and H put it percent-level off BF16."""
+    cfg = SweepConfig(backends=("torch-bf16", "reference"), layers=2, split=False, **{**TINY, "rows": (3,)})
+    by = {r["backend"]: r for r in run_sweep(cfg).frame.to_dict("records")}
+    torch_bf16, reference = by["torch-bf16"], by["reference"]
+    assert torch_bf16["status"] == "ok" and reference["status"] == "ok", (torch_bf16["error"], reference["error"])
+    assert torch_bf16["oracle"] == "bf16" and torch_bf16["err_bf16"] == torch_bf16["max_rel_err"]
+    assert reference["oracle"] == "mxfp8" and reference["max_rel_err"] < 1e-2
+    assert 3 * reference["max_rel_err"] < reference["err_bf16"] < 0.1, (reference["max_rel_err"], reference["err_bf16"])
 
 
 class BadReadBackend(TorchBF16Backend):
@@ -700,6 +779,9 @@ def test_gpu_boundary_back_to_back_and_the_timed_graphs_check():
         assert (df["boundary"] == boundary).all() and (df["timing_method"] == "cuda-graph").all()
         assert (df["max_row_rel_err"] <= 2e-2).all()
     assert (at_layer["x_write_us"] > 0).all() and b2b["x_write_us"].isna().all()
+    # one write measurement per rows for every backend; every backend's error against BF16's oracle
+    assert (at_layer.groupby("rows")["x_write_us"].nunique() == 1).all(), at_layer[["rows", "x_write_us"]]
+    assert (at_layer["err_bf16"] > 0).all() and (at_layer["err_bf16"] < 0.1).all()
     ours = at_layer[at_layer["backend"] == "moebench"]
     assert (ours["kernel_route_us"] > 0).all() and (ours["routed_us"] > 0).all()
     row = stale.to_dict("records")[0]

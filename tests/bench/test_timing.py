@@ -55,6 +55,41 @@ def test_timing_rejects_unknown_method_and_empty_samples():
         Timing.from_samples([], "cpu-wallclock")
 
 
+def test_less_us_subtracts_one_value_from_every_sample():
+    from moebench.bench.timing import less_us
+
+    total = Timing.from_samples([10.0, 11.0, 12.0], "cuda-graph", 4)
+    net = less_us(total, 2.5)
+    assert net.samples_us == (7.5, 8.5, 9.5) and net.calls_per_replay == 4 and net.method == "cuda-graph"
+    with pytest.raises(ValueError, match="not above its part"):
+        less_us(total, 11.0)
+
+
+def test_time_steady_doubles_the_replays_until_the_batches_agree(monkeypatch):
+    """Batches whose medians spread 0.3 µs, then (twice the replays) 0.02 µs:
+    steady at the second round, every sample of it pooled; a cap ends it unsteady."""
+    from moebench.bench import timing
+
+    rounds = {100: [5.0, 5.3, 5.1], 200: [5.10, 5.12, 5.11], 400: [9.0, 5.0, 7.0]}
+    asked = []
+
+    def fake(fn, *, replays, **kw):
+        asked.append(replays)
+        median = rounds[replays][sum(1 for r in asked if r == replays) - 1]
+        return Timing.from_samples([median] * 3, "cuda-graph", kw["calls_per_replay"])
+
+    monkeypatch.setattr(timing, "time_graph", fake)
+    got = timing.time_steady(lambda: None, spread_us=0.05, batches=3, replays=100, calls_per_replay=4)
+    assert asked == [100] * 3 + [200] * 3 and got.steady and got.replays == 200 and got.batches == 3
+    assert got.spread_us == pytest.approx(0.02) and got.timing.median_us == pytest.approx(5.11)
+    assert len(got.timing.samples_us) == 9 and got.timing.calls_per_replay == 4
+    asked.clear()
+    capped = timing.time_steady(lambda: None, batches=3, replays=400, max_replays=400, calls_per_replay=4)
+    assert not capped.steady and capped.spread_us == pytest.approx(4.0) and asked == [400] * 3
+    with pytest.raises(ValueError, match="batches"):
+        timing.time_steady(lambda: None, batches=1)
+
+
 @pytest.mark.gpu
 def test_cuda_graph_timing_of_a_kernel():
     import torch
