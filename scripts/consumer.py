@@ -12,11 +12,12 @@ stage, two modes of the same kernel (`compile_gemm(..., resident=)`):
 * compute only (`resident=True`): each CTA's producer loads its first
   `stages` ring steps once and the consumers run every step of every unit on
   them: the whole consumer (words from shared memory, decode, MMA, scaling,
-  epilogue) with no weight bytes from HBM. Timed at two record sizes (--tiles:
+  epilogue) with no weight bytes from HBM. Timed at several record sizes (--tiles:
   token tiles of one row each, one expert per tile), rate = the busiest SM's
-  extra bytes / the extra time (the slope: launch, ramp and tail cancel).
+  extra bytes / the extra time (the least-squares slope: launch, ramp and
+  tail cancel).
   This is the tactic's ceiling.
-* streamed (the real ring): (a) the same two record sizes, the same slope
+* streamed (the real ring): (a) the same record sizes, the same slope
   (every SM streams at once: bounded by the HBM share too); (b) the real
   decode case: correlated routing at --rows, weights rotated over enough
   random weight sets to keep L2 cold, rate = the busiest SM's bytes / the
@@ -46,6 +47,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 H200_SHARE_GBPS = 32.0
 L2_BYTES = 60e6
 TOP_K = 6
+#: Launches per timed call of the record-size points (per-call µs = graph time / CALLS).
+CALLS = 10
 
 
 def _names(text: str) -> list[str]:
@@ -159,19 +162,29 @@ def _kw_for(kw, tactic):
 def measure_slope(shape, kw, stage, tactic, cases, sms, resident, replays) -> dict:
     """Two record sizes, one kernel: (busiest SM bytes, µs) each and the slope."""
     pts = []
+    kw = _kw_for(kw, tactic)
     for tiles, case in cases:
         nbytes, grid = busiest_sm_bytes(shape, stage, tactic, tiles, sms)
-        us = _time(lambda case=case: case.launch(_kw_for(kw, tactic), stage, tactic, resident), 10, replays)
+        us = _time(lambda case=case: [case.launch(kw, stage, tactic, resident) for _ in range(CALLS)], CALLS, replays)
         pts.append((tiles, nbytes, grid, us))
-    (_, b0, _, u0), (_, b1, _, u1) = pts[0], pts[-1]
-    slope = (b1 - b0) / ((u1 - u0) * 1e-6) / 1e9 if u1 > u0 and b1 > b0 else float("nan")
-    return dict(points=[dict(tiles=t, sm_bytes=b, grid=g, us=u) for t, b, g, u in pts], gbps_per_sm=slope)
+    return dict(points=[dict(tiles=t, sm_bytes=b, grid=g, us=u) for t, b, g, u in pts], gbps_per_sm=slope_gbps(pts))
+
+
+def slope_gbps(pts) -> float:
+    """Least-squares slope of busiest-SM bytes over µs (GB/s); NaN unless the bytes grow."""
+    xs, ys = [p[3] for p in pts], [p[1] for p in pts]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx <= 0 or ys[-1] <= ys[0]:
+        return float("nan")
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx * 1e6 / 1e9
 
 
 def measure_real(shape, sets, stage, tactic, case, sms, replays) -> dict:
     """Correlated routing at one row count, cold weights: busiest SM's bytes / µs per call."""
     nbytes, grid = busiest_sm_bytes(shape, stage, tactic, case.route.tiles_used, sms)
-    us = _time(lambda: [case.launch(_kw_for(kw, tactic), stage, tactic, False) for kw in sets], len(sets), replays)
+    kws = [_kw_for(kw, tactic) for kw in sets]
+    us = _time(lambda: [case.launch(kw, stage, tactic, False) for kw in kws], len(kws), replays)
     return dict(tiles=case.route.tiles_used, sm_bytes=nbytes, grid=grid, us=us, gbps_per_sm=nbytes / (us * 1e-6) / 1e9)
 
 
@@ -249,9 +262,9 @@ def main() -> None:
     ap.add_argument("--gemm2", default=None, type=_names, help="GEMM2 tactics (bulk ring) instead of the defaults")
     ap.add_argument(
         "--tiles",
-        default="32,64",
+        default="16,32,48,64",
         type=_int_list(range(8, 65, 8), "--tiles"),
-        help="two or more record sizes in token tiles (multiples of 8, up to 64) for the slopes (default 32,64)",
+        help="two or more record sizes in token tiles (multiples of 8, up to 64) for the slopes (default 16,32,48,64)",
     )
     ap.add_argument("--rows", default="1,8", type=_int_list(range(1, 9), "--rows"), help="real cases (default 1,8)")
     ap.add_argument("--replays", default=20, type=int, help="graph replays per timing (default 20)")
