@@ -16,7 +16,9 @@ stage, two modes of the same kernel (`compile_gemm(..., resident=)`):
   token tiles of one row each, one expert per tile), rate = the busiest SM's
   extra bytes / the extra time (the least-squares slope: launch, ramp and
   tail cancel).
-  This is the tactic's ceiling.
+  This is the tactic's ceiling. fp8 tactics also run the two halves of
+  the consumer alone (`resident="mma"`: only the wgmmas; `"math"`: only
+  the decode and the per-block scaling), which says which half bounds it.
 * streamed (the real ring): (a) the same record sizes, the same slope
   (every SM streams at once: bounded by the HBM share too); (b) the real
   decode case: correlated routing at --rows, weights rotated over enough
@@ -189,6 +191,7 @@ def measure_real(shape, sets, stage, tactic, case, sms, replays) -> dict:
 
 
 def run(args) -> list[dict]:
+    from moebench.kernels.gemm import RESIDENT_PROBES
     from moebench.models import get_preset
     from moebench.routing import scenario_topk_ids
     from time_gemms import copy_bandwidth, random_kernel_weights
@@ -229,6 +232,8 @@ def run(args) -> list[dict]:
                         continue
                     rec = dict(preset=args.preset, tp=tp, family=family, stage=stage, tactic=t.name)
                     rec["compute"] = measure_slope(shape, sets[0], stage, t, big, sms, True, args.replays)
+                    for probe in RESIDENT_PROBES if t.fp8 else ():
+                        rec[f"compute_{probe}"] = measure_slope(shape, sets[0], stage, t, big, sms, probe, args.replays)
                     rec["streamed"] = measure_slope(shape, sets[0], stage, t, big, sms, False, args.replays)
                     rec["real"] = {
                         r: measure_real(shape, sets, stage, t, c, sms, args.replays) for r, c in reals.items()
@@ -239,8 +244,15 @@ def run(args) -> list[dict]:
                     )
                     pts = " / ".join(f"{p['us']:.1f}" for p in rec["compute"]["points"])
                     spts = " / ".join(f"{p['us']:.1f}" for p in rec["streamed"]["points"])
+                    halves = (
+                        f" (mma only {rec['compute_mma']['gbps_per_sm']:5.1f}, decode+scale only"
+                        f" {rec['compute_math']['gbps_per_sm']:5.1f})"
+                        if t.fp8
+                        else ""
+                    )
                     print(
                         f"TP{tp} {family:4s} GEMM{stage} {t.name:28s} compute-only {rec['compute']['gbps_per_sm']:5.1f}"
+                        f"{halves}"
                         f" GB/s/SM ({pts} us)  streamed {rec['streamed']['gbps_per_sm']:5.1f} ({spts} us)"
                         f"  real {real}  | share {H200_SHARE_GBPS:.0f} (here {share:.1f})",
                         flush=True,

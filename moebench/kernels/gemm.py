@@ -153,15 +153,14 @@ if HAVE_DSL:
         tactic fits the shape.
         """
 
-        def __init__(
-            self, tactic: GemmTactic, shape: GemmShape, stage: int, wide_scales: bool = False, resident: bool = False
-        ):
+        def __init__(self, tactic: GemmTactic, shape: GemmShape, stage: int, wide_scales: bool = False, resident=False):
             reason = tactic.valid_for(shape, stage)
             if reason:
                 raise ValueError(f"tactic {tactic.name} cannot run GEMM{stage} of {shape}: {reason}")
             _check_resident(resident, tactic)
             self.tactic, self.shape, self.stage, self.wide = tactic, shape, stage, bool(wide_scales)
-            self.resident = resident
+            self.resident = bool(resident)
+            self.probe = resident if isinstance(resident, str) else ""  # "mma" / "math": half a consumer
             self._setup_attributes()
 
         @staticmethod
@@ -392,9 +391,9 @@ if HAVE_DSL:
         @cute.jit
         def decode_chunk(self, rA, st_w, j: cutlass.Constexpr[int]):
             """fp8 tactics: chunk j's weight words of a register stage decoded to
-            e4m3 into its tm A fragments rA[tm * j + tt]."""
+            e4m3 into its tm A fragments rA[tm * j + tt] (not in the "mma" probe)."""
             tm = self.tm
-            for tt in cutlass.range_constexpr(tm):
+            for tt in cutlass.range_constexpr(tm if self.probe != "mma" else 0):
                 r0, r1 = fp4.decode_e2m1_word_e4m3(st_w[j * 2 * tm + 2 * tt])
                 r2, r3 = fp4.decode_e2m1_word_e4m3(st_w[j * 2 * tm + 2 * tt + 1])
                 ra = rA[tm * j + tt]
@@ -407,10 +406,12 @@ if HAVE_DSL:
         def retire_chunk(self, acc, tmp, sXs, sv, j: cutlass.Constexpr[int], ch, c):
             """fp8 tactics: acc += the finished results tmp[tm * j + tt] of
             global K chunk `ch` x weight scale (word sv: rows g / g+8) x
-            activation scale (tokens 2c / 2c+1, fp32 from shared memory)."""
-            tm = self.tm
-            xs0 = sXs[ch * 8 + 2 * c]
-            xs1 = sXs[ch * 8 + 2 * c + 1]
+            activation scale (tokens 2c / 2c+1, fp32 from shared memory); not
+            in the "mma" probe."""
+            tm = self.tm if self.probe != "mma" else 0
+            if cutlass.const_expr(tm > 0):
+                xs0 = sXs[ch * 8 + 2 * c]
+                xs1 = sXs[ch * 8 + 2 * c + 1]
             for tt in cutlass.range_constexpr(tm):
                 wg = fp4.weight_scale_f32(sv, 2 * tt, self.wide)
                 w8 = fp4.weight_scale_f32(sv, 2 * tt + 1, self.wide)
@@ -429,6 +430,34 @@ if HAVE_DSL:
                     a[3] = (t[3] * w8) * xs1 + a[3]
 
         @cute.jit
+        def issue_chunk(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, ch, j: cutlass.Constexpr[int]):
+            """fp8 tactics: the wgmma(s) of chunk j (global K chunk ch + j) into
+            tmp[tm * j + tt]; in the "math" probe a register copy of its A
+            fragments instead (the decode stays live, no MMA); in the "mma"
+            probe into the accumulator acc[tt] (nothing else reads the results)."""
+            for tt in cutlass.range_constexpr(self.tm):
+                i = self.tm * j + tt
+                if cutlass.const_expr(self.probe == "math"):
+                    for x in cutlass.range_constexpr(4):
+                        tmp[i][x] = fp4.bits_f32(rA[i][x])
+                elif cutlass.const_expr(self.probe == "mma"):  # into acc: the results stay live, unscaled
+                    cute.gemm(tiled_mma, acc[tt], tCrA[i][None, None, 0], tCrB[None, None, ch + j], acc[tt])
+                else:
+                    cute.gemm(tiled_mma, tmp[i], tCrA[i][None, None, 0], tCrB[None, None, ch + j], tmp[i])
+
+        def mma_sync_op(self, op: str, n: int = 0) -> None:
+            """warpgroup fence / commit_group / wait_group(n) (trace-time
+            Python); nothing in the "math" probe, which issues no wgmma."""
+            if self.probe == "math":
+                return
+            if op == "fence":
+                warpgroup.fence()
+            elif op == "commit":
+                warpgroup.commit_group()
+            else:
+                warpgroup.wait_group(n)
+
+        @cute.jit
         def compute_wgmma(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, ch, lane):
             """fp8 tactics: the unroll chunks from `ch` (global K chunk index)
             of a register stage. Weights decoded to e4m3 into tm * unroll A
@@ -437,16 +466,13 @@ if HAVE_DSL:
             block each), one commit / wait, then acc += result x weight scale
             (row g / g+8) x activation scale (token 2c / 2c+1, fp32 from
             shared memory)."""
-            tm = self.tm  # m-tiles per warp: 2 (tile_rows 32) or 1 (16)
             for j in cutlass.range_constexpr(self.u):
                 self.decode_chunk(rA, st_w, j)
-            warpgroup.fence()
+            self.mma_sync_op("fence")
             for j in cutlass.range_constexpr(self.u):
-                for tt in cutlass.range_constexpr(tm):
-                    i = tm * j + tt
-                    cute.gemm(tiled_mma, tmp[i], tCrA[i][None, None, 0], tCrB[None, None, ch + j], tmp[i])
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+                self.issue_chunk(tiled_mma, acc, tmp, rA, tCrA, tCrB, ch, j)
+            self.mma_sync_op("commit")
+            self.mma_sync_op("wait", 0)
             for j in cutlass.range_constexpr(self.u):
                 self.retire_chunk(acc, tmp, sXs, st_s[j], j, ch + j, lane % 4)
 
@@ -459,20 +485,18 @@ if HAVE_DSL:
             accumulator while the wgmmas behind it run; the last D after
             wait_group 0. Same operations in the same order per accumulator
             as compute_wgmma: the same bits."""
-            D, U, tm = self.tactic.mma_depth, self.u, self.tm
+            D, U = self.tactic.mma_depth, self.u
             c = lane % 4
             for j in cutlass.range_constexpr(U):
                 self.decode_chunk(rA, st_w, j)
-            warpgroup.fence()
+            self.mma_sync_op("fence")
             for j in cutlass.range_constexpr(U):
-                for tt in cutlass.range_constexpr(tm):
-                    i = tm * j + tt
-                    cute.gemm(tiled_mma, tmp[i], tCrA[i][None, None, 0], tCrB[None, None, ch + j], tmp[i])
-                warpgroup.commit_group()
+                self.issue_chunk(tiled_mma, acc, tmp, rA, tCrA, tCrB, ch, j)
+                self.mma_sync_op("commit")
                 if cutlass.const_expr(j >= D):
-                    warpgroup.wait_group(D)
+                    self.mma_sync_op("wait", D)
                     self.retire_chunk(acc, tmp, sXs, st_s[j - D], j - D, ch + (j - D), c)
-            warpgroup.wait_group(0)
+            self.mma_sync_op("wait", 0)
             for q in cutlass.range_constexpr(U - D, U):
                 self.retire_chunk(acc, tmp, sXs, st_s[q], q, ch + q, c)
 
@@ -1200,6 +1224,9 @@ if HAVE_DSL:
             wm, wk = warp % self.wm, warp // self.wm
             words = (ctas + 3) // 4 * 4
             tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(tm * U, tm)
+            if self.probe == "mma":  # no decode: the A fragments hold zeros throughout
+                for r in rA:
+                    r.fill(0)
             tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
             return (wk, 4 + words, 4 + 2 * words, cute.recast_ptr(act, dtype=Uint32),
                     cute.recast_ptr(act_s, dtype=Uint8), cute.recast_ptr(sB.iterator, dtype=Uint32), tiled_mma,
@@ -1349,20 +1376,27 @@ def get_compiled_provider():
     return _provider
 
 
+#: compile_gemm's `resident` probes of an fp8 consumer: only its wgmmas, or only its decode and scaling.
+RESIDENT_PROBES = ("mma", "math")
+
+
 def _check_resident(resident, tactic: GemmTactic) -> None:
     """`resident` (compile_gemm's compute-only measurement mode) must be a
-    bool, and True only for a tactic on the bulk ring."""
-    if not isinstance(resident, bool):
-        raise TypeError(f"resident must be a bool, got {type(resident).__name__}")
-    if resident and not tactic.bulk:
+    bool or one of RESIDENT_PROBES; anything but False needs a tactic on the
+    bulk ring, a probe an fp8 one."""
+    if not isinstance(resident, (bool, str)) or (isinstance(resident, str) and resident not in RESIDENT_PROBES):
+        raise TypeError(f"resident must be a bool or one of {RESIDENT_PROBES}, got {resident!r}")
+    if resident is not False and not tactic.bulk:
         raise ValueError(
             f"resident (compute only: the ring's stages loaded once) needs a tactic on the bulk ring (stages >= 2),"
             f" got {tactic.name}"
         )
+    if isinstance(resident, str) and not tactic.fp8:
+        raise ValueError(f"resident probe {resident!r} splits the fp8 (wgmma) consumer; {tactic.name} is not fp8")
 
 
 @functools.lru_cache(maxsize=None)
-def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: bool = False, resident: bool = False):
+def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: bool = False, resident=False):
     """Compile GEMM`stage` for one shape class and tactic (cached per process).
     `wide_scales`: the weights' compile-time scale variant
     (`KernelWeights.scale_variant(tactic.fp8)`: codes > 128 for BF16 tactics,
@@ -1385,7 +1419,11 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
     loads each CTA's first `stages` ring steps once and the consumers run
     every step on those stages (never released, never refilled), so the
     consumer's whole arithmetic runs with no HBM weight traffic. Its outputs
-    are meaningless (the wrong weights for every later step).
+    are meaningless (the wrong weights for every later step). resident="mma"
+    / "math" (fp8 tactics): the same with half the consumer, to say which
+    half bounds it: only the wgmmas (A fragments zero, no decode, no
+    scaling) or only the decode and scaling (a register copy of the A
+    fragments stands in for each wgmma's result).
     """
     require_dsl(_KERNEL)
     kernel = StreamingGemmKernel(tactic, shape, stage, wide_scales, resident)
@@ -1519,7 +1557,7 @@ def _launch(
     record,
     workspace,
     topk_ids=None,
-    resident: bool = False,
+    resident: bool | str = False,
 ) -> None:
     shape = GemmShape.of(kw)
     _check_resident(resident, tactic)
@@ -1616,7 +1654,7 @@ def gemm1(
     x_deq: torch.Tensor | None = None,
     h_deq_out: torch.Tensor | None = None,
     topk_ids: torch.Tensor | None = None,
-    resident: bool = False,
+    resident: bool | str = False,
 ) -> None:
     """Launch GEMM1 (x . w13^T, SwiGLU with clamp, MXFP8 H) on `stream`
     (torch's current stream when None); no host sync, no allocation.
@@ -1693,7 +1731,7 @@ def gemm2(
     stream=None,
     workspace: torch.Tensor | None = None,
     h_deq: torch.Tensor | None = None,
-    resident: bool = False,
+    resident: bool | str = False,
 ) -> None:
     """Launch GEMM2 (dequant(H) . w2^T -> BF16 rows, unweighted) on `stream`.
 

@@ -62,6 +62,12 @@ def test_resident_is_checked():
         _check_resident(True, GemmTactic(32, 4, 1, 3, 4, fp8=True))
     with pytest.raises(TypeError, match="resident must be a bool"):
         _check_resident(1, PIPED_1[0])
+    _check_resident("mma", PIPED_1[0])
+    _check_resident("math", PIPED_2[0])
+    with pytest.raises(TypeError, match="resident must be a bool or one of"):
+        _check_resident("tensor", PIPED_1[0])
+    with pytest.raises(ValueError, match="is not fp8"):
+        _check_resident("mma", GemmTactic(64, 1, 4, 4, 2, stages=4))
 
 
 _COMPILE_SPEC = """
@@ -100,16 +106,22 @@ def test_pipelined_tactics_compile_without_spills_and_keep_their_wgmmas_in_fligh
 
 @pytest.mark.compile
 def test_resident_twins_compile_for_both_families():
-    """The compute-only twin of an fp8 and a BF16 bulk tactic compiles, with
-    its bulk copies (the first stages) and no spills."""
+    """The compute-only twin of an fp8 and a BF16 bulk tactic and the two
+    fp8 probes compile, with their bulk copies (the first stages), no
+    spills, and the wgmmas exactly where the probe keeps them."""
     specs = [
         ("dsv41-flash", 4, 1, False, True, PIPED_1[0].name),
         ("dsv41-flash", 4, 2, False, True, "r64_m4_k2_u2_c2_b4"),
     ]
+    specs += [("dsv41-flash", 4, 2, False, probe, PIPED_2[1].name) for probe in ("mma", "math")]
     for rep in compile_reports(_COMPILE_SPEC, specs):
         assert rep["regs"] and all(s == 0 for s in rep["spills"]), rep["spec"]
         if rep["instr"]:
             assert sass_count(rep, r"UBLKCP") > 0, rep["spec"]
+            qgmma = sass_count(rep, r"QGMMA\.64x8x32")
+            # the "mma" probe keeps every wgmma (results live in the accumulator), "math" has none
+            fp8 = GemmTactic.from_name(rep["spec"][5]).fp8
+            assert (qgmma > 0) == (fp8 and rep["spec"][4] != "math"), f"{rep['spec']}: {qgmma} QGMMA"
 
 
 # ---------------------------------------------------------------------- GPU
@@ -222,8 +234,9 @@ def test_pipelined_pair_replays_in_a_graph_and_follows_inputs():
 
 @pytest.mark.gpu
 def test_resident_launches_finish_at_any_size():
-    """The compute-only twin terminates whether a CTA has fewer steps than
-    stages (rows 1) or many (64 tiles), for both families' bulk tactics."""
+    """The compute-only twin (and the fp8 probes) terminates whether a CTA
+    has fewer steps than stages (rows 1) or many (64 tiles), for both
+    families' bulk tactics."""
     from moebench.kernels.layout import to_kernel_layout
 
     experts = 64
@@ -242,6 +255,7 @@ def test_resident_launches_finish_at_any_size():
 
         for t1, t2 in pairs:
             kw = kws[t1.fp8]
-            gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, torch.zeros_like(h_s), tactic=t1, resident=True)
-            gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, resident=True)
-            torch.cuda.synchronize()
+            for mode in (True, "mma", "math") if t1.fp8 else (True,):
+                gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, torch.zeros_like(h_s), tactic=t1, resident=mode)
+                gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2, resident=mode)
+                torch.cuda.synchronize()
