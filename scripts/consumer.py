@@ -112,13 +112,20 @@ def unit_bytes(shape, stage: int, tactic) -> int:
     return tactic.item_rows * (k // 2 + k // 32)
 
 
-def busiest_sm_bytes(shape, stage: int, tactic, tiles: int, sms: int) -> tuple[int, int]:
-    """(bytes, grid) of the busiest SM for `tiles` token tiles: ceil(units /
-    grid) units per CTA x ceil(grid / SMs) CTAs (the grid spread evenly)."""
+def busiest_sm_bytes(shape, stage: int, tactic, tiles: int, sms: int, grid: int | None = None) -> tuple[int, int]:
+    """(bytes, grid) of the busiest SM for `tiles` token tiles: CTA b of the
+    grid takes q or q + 1 units (the first units % grid CTAs one more, both
+    unit orders), CTA b runs on SM b % SMs (the block scheduler's round
+    robin, assumed), the SM with the most units sets the time."""
     m = 2 * shape.intermediate if stage == 1 else shape.hidden
     units = tiles * (m // tactic.item_rows)
-    grid = max(1, min(units, sms * tactic.ctas_per_sm)) if tactic.persistent else units
-    return -(-units // grid) * -(-grid // sms) * unit_bytes(shape, stage, tactic), grid
+    if grid is None:
+        grid = max(1, min(units, sms * tactic.ctas_per_sm)) if tactic.persistent else units
+    q, r = divmod(units, grid)
+    per_sm = [0] * sms
+    for b in range(grid):
+        per_sm[b % sms] += q + (b < r)
+    return max(per_sm) * unit_bytes(shape, stage, tactic), grid
 
 
 class Case:
@@ -262,6 +269,35 @@ def run(args) -> list[dict]:
     return [dict(copy_gbps=bw, sms=sms, device=torch.cuda.get_device_name(), results=results)]
 
 
+def recompute(path: str) -> None:
+    """Print the compute-only / streamed slopes and real-case rates of a
+    saved run (its points' tiles, grid and µs) with `busiest_sm_bytes`."""
+    from moebench.kernels.tactic import GemmTactic
+    from moebench.models import get_preset
+
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        results, sms = data["results"], data["sms"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"--recompute {path}: not a consumer.py --out file ({error})") from None
+    print(f"{data.get('device')}: {sms} SMs, copy {data.get('copy_gbps', float('nan')):.0f} GB/s (recomputed)")
+    for rec in results:
+        shape, t, stage = get_preset(rec["preset"]).shard(rec["tp"]), GemmTactic.from_name(rec["tactic"]), rec["stage"]
+        rates = []
+        for mode in ("compute", *(f"compute_{p}" for p in ("mma", "math")), "streamed"):
+            if mode in rec:
+                pts = [
+                    (p["tiles"], busiest_sm_bytes(shape, stage, t, p["tiles"], sms, p["grid"])[0], p["grid"], p["us"])
+                    for p in rec[mode]["points"]
+                ]
+                rates.append(f"{mode} {slope_gbps(pts):5.1f}")
+        for rows, v in rec["real"].items():
+            nbytes = busiest_sm_bytes(shape, stage, t, v["tiles"], sms, v["grid"])[0]
+            rates.append(f"rows {rows}: {v['us']:6.2f} us {nbytes / (v['us'] * 1e-6) / 1e9:5.1f}")
+        print(f"TP{rec['tp']} {rec['family']:4s} GEMM{stage} {t.name:28s} " + "  ".join(rates))
+
+
 def main() -> None:
     from moebench.models import PRESETS
 
@@ -281,7 +317,16 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8", type=_int_list(range(1, 9), "--rows"), help="real cases (default 1,8)")
     ap.add_argument("--replays", default=20, type=int, help="graph replays per timing (default 20)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument(
+        "--recompute",
+        default=None,
+        metavar="JSON",
+        help="no GPU: print the rates of a saved --out file with this script's busiest-SM bytes",
+    )
     args = ap.parse_args()
+    if args.recompute:
+        recompute(args.recompute)
+        return
     if len(args.tiles) < 2 or args.tiles != sorted(set(args.tiles)):
         ap.error(f"--tiles needs two or more increasing sizes, got {args.tiles}")
     if args.replays < 3:
