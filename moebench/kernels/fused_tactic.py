@@ -90,10 +90,10 @@ class FusedTactic:
         for stage, t in ((1, self.gemm1), (2, self.gemm2)):
             if not (t.fp8 and t.bulk and t.pdl and t.persistent):
                 return f"GEMM{stage} tactic {t.name} must be fp8 on the bulk ring, persistent, with PDL"
-            if t.ctas_per_sm != 1 or t.split_k != 1 or t.cluster_k != 1 or t.spec:
+            if t.ctas_per_sm != 1 or t.split_k != 1 or t.cluster_k != 1 or t.spec or t.mma_depth:
                 return (
-                    f"GEMM{stage} tactic {t.name} must run one CTA per SM without split_k, cluster_k or spec"
-                    " (the fused grid is one CTA per SM)"
+                    f"GEMM{stage} tactic {t.name} must run one CTA per SM without split_k, cluster_k, spec or"
+                    " mma_depth (the fused grid is one CTA per SM; its consumers do not pipeline)"
                 )
             reason = t.valid_for(s, stage)
             if reason:

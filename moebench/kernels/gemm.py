@@ -189,16 +189,20 @@ if HAVE_DSL:
         (GemmShape), stage, wide_scales (BF16 tactics: two multiplies per
         weight decode, needed when a weight E8M0 code exceeds 128; fp8
         tactics: the weight scale handles codes 0 and 255,
-        `KernelWeights.scale_variant`). Host side `__call__`
+        `KernelWeights.scale_variant`), resident (a measurement, never a
+        result: `compile_gemm`). Host side `__call__`
         launches `grid` CTAs on `stream`; `can_implement` says whether the
         tactic fits the shape.
         """
 
-        def __init__(self, tactic: GemmTactic, shape: GemmShape, stage: int, wide_scales: bool = False):
+        def __init__(self, tactic: GemmTactic, shape: GemmShape, stage: int, wide_scales: bool = False, resident=False):
             reason = tactic.valid_for(shape, stage)
             if reason:
                 raise ValueError(f"tactic {tactic.name} cannot run GEMM{stage} of {shape}: {reason}")
+            _check_resident(resident, tactic)
             self.tactic, self.shape, self.stage, self.wide = tactic, shape, stage, bool(wide_scales)
+            self.resident = bool(resident)
+            self.probe = resident if isinstance(resident, str) else ""  # "mma" / "math": half a consumer
             self._setup_attributes()
 
         @staticmethod
@@ -425,6 +429,75 @@ if HAVE_DSL:
                     sXs[ch_lo * 8 + tid + q] = fp4.act_scale_f32(code)
 
         @cute.jit
+        def decode_chunk(self, rA, st_w, j: cutlass.Constexpr[int]):
+            """fp8 tactics: chunk j's weight words of a register stage decoded to
+            e4m3 into its tm A fragments rA[tm * j + tt] (not in the "mma" probe)."""
+            tm = self.tm
+            for tt in cutlass.range_constexpr(tm if self.probe != "mma" else 0):
+                r0, r1 = fp4.decode_e2m1_word_e4m3(st_w[j * 2 * tm + 2 * tt])
+                r2, r3 = fp4.decode_e2m1_word_e4m3(st_w[j * 2 * tm + 2 * tt + 1])
+                ra = rA[tm * j + tt]
+                ra[0] = r0  # row g,   k 8c .. 8c+3
+                ra[1] = r1  # row g+8, k 8c .. 8c+3
+                ra[2] = r2  # row g,   k 8c+4 .. 8c+7
+                ra[3] = r3  # row g+8, k 8c+4 .. 8c+7
+
+        @cute.jit
+        def retire_chunk(self, acc, tmp, sXs, sv, j: cutlass.Constexpr[int], ch, c):
+            """fp8 tactics: acc += the finished results tmp[tm * j + tt] of
+            global K chunk `ch` x weight scale (word sv: rows g / g+8) x
+            activation scale (tokens 2c / 2c+1, fp32 from shared memory); not
+            in the "mma" probe."""
+            tm = self.tm if self.probe != "mma" else 0
+            if cutlass.const_expr(tm > 0):
+                xs0 = sXs[ch * 8 + 2 * c]
+                xs1 = sXs[ch * 8 + 2 * c + 1]
+            for tt in cutlass.range_constexpr(tm):
+                wg = fp4.weight_scale_f32(sv, 2 * tt, self.wide)
+                w8 = fp4.weight_scale_f32(sv, 2 * tt + 1, self.wide)
+                t, a = tmp[tm * j + tt], acc[tt]
+                if cutlass.const_expr(self.wide):
+                    # special codes: the scale product first (a weight scale near 2^-127
+                    # times a small MMA sum would go subnormal and lose bits)
+                    a[0] = t[0] * (wg * xs0) + a[0]
+                    a[1] = t[1] * (wg * xs1) + a[1]
+                    a[2] = t[2] * (w8 * xs0) + a[2]
+                    a[3] = t[3] * (w8 * xs1) + a[3]
+                else:
+                    a[0] = (t[0] * wg) * xs0 + a[0]
+                    a[1] = (t[1] * wg) * xs1 + a[1]
+                    a[2] = (t[2] * w8) * xs0 + a[2]
+                    a[3] = (t[3] * w8) * xs1 + a[3]
+
+        @cute.jit
+        def issue_chunk(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, ch, j: cutlass.Constexpr[int]):
+            """fp8 tactics: the wgmma(s) of chunk j (global K chunk ch + j) into
+            tmp[tm * j + tt]; in the "math" probe a register copy of its A
+            fragments instead (the decode stays live, no MMA); in the "mma"
+            probe into the accumulator acc[tt] (nothing else reads the results)."""
+            for tt in cutlass.range_constexpr(self.tm):
+                i = self.tm * j + tt
+                if cutlass.const_expr(self.probe == "math"):
+                    for x in cutlass.range_constexpr(4):
+                        tmp[i][x] = fp4.bits_f32(rA[i][x])
+                elif cutlass.const_expr(self.probe == "mma"):  # into acc: the results stay live, unscaled
+                    cute.gemm(tiled_mma, acc[tt], tCrA[i][None, None, 0], tCrB[None, None, ch + j], acc[tt])
+                else:
+                    cute.gemm(tiled_mma, tmp[i], tCrA[i][None, None, 0], tCrB[None, None, ch + j], tmp[i])
+
+        def mma_sync_op(self, op: str, n: int = 0) -> None:
+            """warpgroup fence / commit_group / wait_group(n) (trace-time
+            Python); nothing in the "math" probe, which issues no wgmma."""
+            if self.probe == "math":
+                return
+            if op == "fence":
+                warpgroup.fence()
+            elif op == "commit":
+                warpgroup.commit_group()
+            else:
+                warpgroup.wait_group(n)
+
+        @cute.jit
         def compute_wgmma(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, ch, lane):
             """fp8 tactics: the unroll chunks from `ch` (global K chunk index)
             of a register stage. Weights decoded to e4m3 into tm * unroll A
@@ -433,44 +506,39 @@ if HAVE_DSL:
             block each), one commit / wait, then acc += result x weight scale
             (row g / g+8) x activation scale (token 2c / 2c+1, fp32 from
             shared memory)."""
-            tm = self.tm  # m-tiles per warp: 2 (tile_rows 32) or 1 (16)
             for j in cutlass.range_constexpr(self.u):
-                for tt in cutlass.range_constexpr(tm):
-                    r0, r1 = fp4.decode_e2m1_word_e4m3(st_w[j * 2 * tm + 2 * tt])
-                    r2, r3 = fp4.decode_e2m1_word_e4m3(st_w[j * 2 * tm + 2 * tt + 1])
-                    ra = rA[tm * j + tt]
-                    ra[0] = r0  # row g,   k 8c .. 8c+3
-                    ra[1] = r1  # row g+8, k 8c .. 8c+3
-                    ra[2] = r2  # row g,   k 8c+4 .. 8c+7
-                    ra[3] = r3  # row g+8, k 8c+4 .. 8c+7
-            warpgroup.fence()
+                self.decode_chunk(rA, st_w, j)
+            self.mma_sync_op("fence")
             for j in cutlass.range_constexpr(self.u):
-                for tt in cutlass.range_constexpr(tm):
-                    i = tm * j + tt
-                    cute.gemm(tiled_mma, tmp[i], tCrA[i][None, None, 0], tCrB[None, None, ch + j], tmp[i])
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
+                self.issue_chunk(tiled_mma, acc, tmp, rA, tCrA, tCrB, ch, j)
+            self.mma_sync_op("commit")
+            self.mma_sync_op("wait", 0)
+            for j in cutlass.range_constexpr(self.u):
+                self.retire_chunk(acc, tmp, sXs, st_s[j], j, ch + j, lane % 4)
+
+        @cute.jit
+        def pipelined_step(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, ch, lane):
+            """fp8 tactics with mma_depth D >= 1: `compute_wgmma` with the
+            scaling overlapped: all unroll chunks decoded, then each chunk's
+            wgmma(s) committed as its own group; once D more groups are in
+            flight (wait_group D) the oldest chunk is scaled into the
+            accumulator while the wgmmas behind it run; the last D after
+            wait_group 0. Same operations in the same order per accumulator
+            as compute_wgmma: the same bits."""
+            D, U = self.tactic.mma_depth, self.u
             c = lane % 4
-            for j in cutlass.range_constexpr(self.u):
-                xs0 = sXs[(ch + j) * 8 + 2 * c]
-                xs1 = sXs[(ch + j) * 8 + 2 * c + 1]
-                sv = st_s[j]
-                for tt in cutlass.range_constexpr(tm):
-                    wg = fp4.weight_scale_f32(sv, 2 * tt, self.wide)
-                    w8 = fp4.weight_scale_f32(sv, 2 * tt + 1, self.wide)
-                    t, a = tmp[tm * j + tt], acc[tt]
-                    if cutlass.const_expr(self.wide):
-                        # special codes: the scale product first (a weight scale near 2^-127
-                        # times a small MMA sum would go subnormal and lose bits)
-                        a[0] = t[0] * (wg * xs0) + a[0]
-                        a[1] = t[1] * (wg * xs1) + a[1]
-                        a[2] = t[2] * (w8 * xs0) + a[2]
-                        a[3] = t[3] * (w8 * xs1) + a[3]
-                    else:
-                        a[0] = (t[0] * wg) * xs0 + a[0]
-                        a[1] = (t[1] * wg) * xs1 + a[1]
-                        a[2] = (t[2] * w8) * xs0 + a[2]
-                        a[3] = (t[3] * w8) * xs1 + a[3]
+            for j in cutlass.range_constexpr(U):
+                self.decode_chunk(rA, st_w, j)
+            self.mma_sync_op("fence")
+            for j in cutlass.range_constexpr(U):
+                self.issue_chunk(tiled_mma, acc, tmp, rA, tCrA, tCrB, ch, j)
+                self.mma_sync_op("commit")
+                if cutlass.const_expr(j >= D):
+                    self.mma_sync_op("wait", D)
+                    self.retire_chunk(acc, tmp, sXs, st_s[j - D], j - D, ch + (j - D), c)
+            self.mma_sync_op("wait", 0)
+            for q in cutlass.range_constexpr(U - D, U):
+                self.retire_chunk(acc, tmp, sXs, st_s[q], q, ch + q, c)
 
         @cute.jit
         def compute(self, tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid):
@@ -702,7 +770,7 @@ if HAVE_DSL:
                                    kargs.out_s, kargs.out_deq, kargs.cnt, kargs.part, kargs.ctas)  # fmt: skip
 
         @cute.jit
-        def register_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas):  # noqa: C901 - owned by consumer, removed when it lands
+        def register_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas):
             """Register load path (tactic.stages == 0): every lane streams its own words."""
             U, NB, SK = self.u, self.nb, self.sk
             tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
@@ -817,59 +885,45 @@ if HAVE_DSL:
                         if c_b == NB - 1:  # unit done: partials to smem, one barrier, epilogue
                             self.stash_partials(sP, acc, parity, warp, lane)
                             cute.arch.sync_threads()
-                            if cutlass.const_expr(SK == 1):
-                                self.epilogue(
-                                    sP,
-                                    parity,
-                                    part,
-                                    record,
-                                    clamp,
-                                    out,
-                                    out_s,
-                                    out_deq,
-                                    c_unit,
-                                    valid_at,
-                                    warp,
-                                    lane,
-                                    tid,
-                                )
-                            else:
-                                # split-K: partial sums to the workspace, then arrive on the item's
-                                # counter; the last of its SK units reduces and runs the epilogue.
-                                # The counter wraps to 0 on the last arrival (self-cleaning).
-                                # Ordering (CUTLASS's barrier pattern): the CTA's stores, bar.sync,
-                                # thread 0's gpu-scope fence (cumulative: releases every thread's
-                                # stores) and acq_rel atomic; bar.sync; the readers use ld.relaxed.gpu
-                                # (L2, never a stale L1 line). Only warp 0 waits on the fence, the
-                                # other warps' next loads stay in flight.
-                                item = c_unit // SK
-                                self.store_partials(sP, parity, part, c_unit, tid)
-                                cute.arch.sync_threads()
-                                if tid == 0:
-                                    cute.arch.fence_acq_rel_gpu()
-                                    old = fp4.arrive_inc(cnt + item, SK - 1)
-                                    sLast[0] = Int32(old == Uint32(SK - 1))
-                                cute.arch.sync_threads()
-                                if sLast[0] != 0:  # uniform over the CTA: the last unit of the item
-                                    self.epilogue(
-                                        sP,
-                                        parity,
-                                        part,
-                                        record,
-                                        clamp,
-                                        out,
-                                        out_s,
-                                        out_deq,
-                                        item,
-                                        valid_at,
-                                        warp,
-                                        lane,
-                                        tid,
-                                    )
+                            self.finish_unit(
+                                sP, sLast, parity, part, cnt, record, clamp, out, out_s, out_deq, c_unit, valid_at,
+                                warp, lane, tid
+                            )  # fmt: skip
                         last = Int32(c_b == NB - 1)
                         parity = parity ^ last
                         c_b = c_b + 1 - last * NB
                         c_unit = c_unit + last * nblk
+
+        @cute.jit
+        def finish_unit(
+            self, sP, sLast, parity, part, cnt, record, clamp, out, out_s, out_deq, unit, valid_at, warp, lane, tid
+        ):
+            """Register load path, after a unit's partials are in sP: the
+            epilogue, or (split-K) the unit's sums to the workspace and an
+            arrival on its item's counter, the last of the item's SK units
+            reducing the partials and running the epilogue. The counter wraps
+            to 0 on the last arrival (self-cleaning). Ordering (CUTLASS's
+            barrier pattern): the CTA's stores, bar.sync, thread 0's gpu-scope
+            fence (cumulative: releases every thread's stores) and acq_rel
+            atomic; bar.sync; the readers use ld.relaxed.gpu (L2, never a stale
+            L1 line). Only warp 0 waits on the fence, the other warps' next
+            loads stay in flight."""
+            SK = self.sk
+            if cutlass.const_expr(SK == 1):
+                self.epilogue(sP, parity, part, record, clamp, out, out_s, out_deq, unit, valid_at, warp, lane, tid)
+            else:
+                item = unit // SK
+                self.store_partials(sP, parity, part, unit, tid)
+                cute.arch.sync_threads()
+                if tid == 0:
+                    cute.arch.fence_acq_rel_gpu()
+                    old = fp4.arrive_inc(cnt + item, SK - 1)
+                    sLast[0] = Int32(old == Uint32(SK - 1))
+                cute.arch.sync_threads()
+                if sLast[0] != 0:  # uniform over the CTA: the last unit of the item
+                    self.epilogue(
+                        sP, parity, part, record, clamp, out, out_s, out_deq, item, valid_at, warp, lane, tid
+                    )  # fmt: skip
 
         # ------------------------------------------------------------------ bulk-copy load path
         @cute.jit
@@ -990,6 +1044,8 @@ if HAVE_DSL:
             n_units = tiles_rec * self.blocks
             unit, count, stride = self.unit_span(n_units, bid, nblk)
             n_steps = count * NB
+            if cutlass.const_expr(self.resident):  # compute only: the first S steps, loaded once
+                n_steps = cutlass.min(n_steps, Int32(S))
             b = start % NB
             unit = unit + (start // NB) * stride
             for i in cutlass.range(start, n_steps, 1, unroll=1):
@@ -1106,6 +1162,26 @@ if HAVE_DSL:
             return first, count, stride
 
         @cute.jit
+        def ring_wait(self, bars, s, ph):
+            """A consumer warp waits until ring stage s holds its words: phase
+            ph of full[s]; in resident mode (the compute-only measurement) the
+            stage's one and only fill, whatever the step."""
+            if cutlass.const_expr(self.resident):
+                cute.arch.mbarrier_wait(bars + s, 0)
+            else:
+                cute.arch.mbarrier_wait(bars + s, ph)
+
+        @cute.jit
+        def ring_release(self, bars, S: cutlass.Constexpr[int], s, lane):
+            """A consumer warp is done with ring stage s: lane 0 arrives on
+            empty[s] (after the warp's reads); nothing in resident mode, where
+            the stage is never refilled."""
+            if cutlass.const_expr(not self.resident):
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(bars + (S + s))
+
+        @cute.jit
         def bulk_consume(
             self, act, act_s, record, clamp, out, out_s, out_deq, ctas, sP, ring, bars, tid, bid, nblk, warp, lane
         ):
@@ -1138,7 +1214,7 @@ if HAVE_DSL:
                 ch = b * KS + wk * U
                 n_valid = self.nch - ch
                 self.issue_acts(st_a, st_as, p_a, p_as, record, slots_at, top_k, unit, ch, n_valid, g, c)
-                cute.arch.mbarrier_wait(bars + s, (i // S) % 2)
+                self.ring_wait(bars, s, (i // S) % 2)
                 stage = ring + s * self.stage_words
                 for j in cutlass.range_constexpr(U):
                     if j < n_valid:
@@ -1149,9 +1225,7 @@ if HAVE_DSL:
                                 st_w[(j * self.pairs + t2) * 4 + x] = q[x]
                             st_s[j * self.pairs + t2] = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
                 self.compute(tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid)
-                cute.arch.sync_warp()
-                if lane == 0:
-                    cute.arch.mbarrier_arrive(bars + (S + s))
+                self.ring_release(bars, S, s, lane)
                 if b == NB - 1:  # item done: partials to smem, one barrier, epilogue
                     self.stash_partials(sP, acc, parity, warp, lane)
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
@@ -1176,6 +1250,9 @@ if HAVE_DSL:
             wm, wk = warp % self.wm, warp // self.wm
             words = (ctas + 3) // 4 * 4
             tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(tm * U, tm)
+            if self.probe == "mma":  # no decode: the A fragments hold zeros throughout
+                for r in rA:
+                    r.fill(0)
             tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
             return (wk, 4 + words, 4 + 2 * words, cute.recast_ptr(act, dtype=Uint32),
                     cute.recast_ptr(act_s, dtype=Uint8), cute.recast_ptr(sB.iterator, dtype=Uint32), tiled_mma,
@@ -1240,7 +1317,7 @@ if HAVE_DSL:
             b*KS + wk*unroll + j of m-tile(s) wm of the item. With a cluster
             (`bid` / `nblk`: the cluster's index and count) steps b of K slice
             `rank` only, and the sums meet on rank 0 (`cluster_epilogue`)."""
-            S, NB, KS, U = self.tactic.stages, self.nb_c, self.ks, self.u
+            S, NB, KS, U, D = self.tactic.stages, self.nb_c, self.ks, self.u, self.tactic.mma_depth
             b0 = rank * NB  # the slice's first step
             (wk, valid_at, slots_at, p_a, p_as, sB32, tiled_mma, rA, tCrA, acc, tmp, tCrB, st_w, st_s, pair,
              t16) = self.wgmma_consumer(act, act_s, sB, ctas, tid, warp)  # fmt: skip
@@ -1261,14 +1338,17 @@ if HAVE_DSL:
                     cute.arch.fence_proxy("async.shared", space="cta")  # generic -> wgmma reads
                     cute.arch.barrier(barrier_id=1, number_of_threads=self.threads)
                 for b in cutlass.range(0, NB, 1, unroll=1):
-                    cute.arch.mbarrier_wait(bars + s, ph)
+                    self.ring_wait(bars, s, ph)
                     self.stage_words_to_registers(ring + s * self.stage_words, st_w, st_s, pair, t16, wk, lane)
-                    cute.arch.sync_warp()
-                    if lane == 0:  # the words are in registers: the stage may be refilled
-                        cute.arch.mbarrier_arrive(bars + (S + s))
-                    self.compute_wgmma(
-                        tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, (b0 + b) * KS + wk * U, lane
-                    )
+                    self.ring_release(bars, S, s, lane)  # the words are in registers: the stage may be refilled
+                    if cutlass.const_expr(D > 0):
+                        self.pipelined_step(
+                            tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, (b0 + b) * KS + wk * U, lane
+                        )
+                    else:
+                        self.compute_wgmma(
+                            tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, (b0 + b) * KS + wk * U, lane
+                        )
                     wrap = Int32(s == S - 1)
                     s, ph = s + 1 - wrap * S, ph ^ wrap
                 # unit done: partials to smem, one barrier, epilogue
@@ -1322,8 +1402,27 @@ def get_compiled_provider():
     return _provider
 
 
+#: compile_gemm's `resident` probes of an fp8 consumer: only its wgmmas, or only its decode and scaling.
+RESIDENT_PROBES = ("mma", "math")
+
+
+def _check_resident(resident, tactic: GemmTactic) -> None:
+    """`resident` (compile_gemm's compute-only measurement mode) must be a
+    bool or one of RESIDENT_PROBES; anything but False needs a tactic on the
+    bulk ring, a probe an fp8 one."""
+    if not isinstance(resident, (bool, str)) or (isinstance(resident, str) and resident not in RESIDENT_PROBES):
+        raise TypeError(f"resident must be a bool or one of {RESIDENT_PROBES}, got {resident!r}")
+    if resident is not False and not tactic.bulk:
+        raise ValueError(
+            f"resident (compute only: the ring's stages loaded once) needs a tactic on the bulk ring (stages >= 2),"
+            f" got {tactic.name}"
+        )
+    if isinstance(resident, str) and not tactic.fp8:
+        raise ValueError(f"resident probe {resident!r} splits the fp8 (wgmma) consumer; {tactic.name} is not fp8")
+
+
 @functools.lru_cache(maxsize=None)
-def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: bool = False):
+def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: bool = False, resident=False):
     """Compile GEMM`stage` for one shape class and tactic (cached per process).
     `wide_scales`: the weights' compile-time scale variant
     (`KernelWeights.scale_variant(tactic.fp8)`: codes > 128 for BF16 tactics,
@@ -1340,10 +1439,21 @@ def compile_gemm(shape: GemmShape, tactic: GemmTactic, stage: int, wide_scales: 
     when the tactic cannot run the shape, RuntimeError without the DSL. A
     provider installed with `set_compiled_provider` may supply the compiled
     kernel instead (e.g. loaded from a worker process's export).
+
+    resident=True (a tactic on the bulk ring) compiles the compute-only
+    measurement of the same kernel (`scripts/consumer.py`): the producer
+    loads each CTA's first `stages` ring steps once and the consumers run
+    every step on those stages (never released, never refilled), so the
+    consumer's whole arithmetic runs with no HBM weight traffic. Its outputs
+    are meaningless (the wrong weights for every later step). resident="mma"
+    / "math" (fp8 tactics): the same with half the consumer, to say which
+    half bounds it: only the wgmmas (A fragments zero, no decode, no
+    scaling) or only the decode and scaling (a register copy of the A
+    fragments stands in for each wgmma's result).
     """
     require_dsl(_KERNEL)
-    kernel = StreamingGemmKernel(tactic, shape, stage, wide_scales)
-    if _provider is not None:
+    kernel = StreamingGemmKernel(tactic, shape, stage, wide_scales, resident)
+    if _provider is not None and not resident:
         compiled = _provider(shape, tactic, stage, wide_scales)
         if compiled is not None:
             return kernel, compiled
@@ -1467,14 +1577,16 @@ def _launch(
     record,
     workspace,
     topk_ids=None,
+    resident: bool | str = False,
 ) -> None:
     """Launch GEMM`stage` with the tensors of `sources` (GemmArgs' fields
     up to out_deq), the split-K workspace and the spec ids filled in."""
     shape = GemmShape.of(kw)
+    _check_resident(resident, tactic)
     split = _split_k_sources(workspace, shape, tactic, stage, ctas, device, record)
     if ctas == 0:
         return
-    kernel, compiled = compile_gemm(shape, tactic, stage, kw.scale_variant(tactic.fp8))
+    kernel, compiled = compile_gemm(shape, tactic, stage, kw.scale_variant(tactic.fp8), resident)
     grid = kernel.grid(ctas, sms)
     if topk_ids is None:  # the kernel never reads them
         ids, meta = record, 0
@@ -1565,6 +1677,7 @@ def gemm1(
     x_deq: torch.Tensor | None = None,
     h_deq_out: torch.Tensor | None = None,
     topk_ids: torch.Tensor | None = None,
+    resident: bool | str = False,
 ) -> None:
     """Launch GEMM1 (x . w13^T, SwiGLU with clamp, MXFP8 H) on `stream`
     (torch's current stream when None); no host sync, no allocation.
@@ -1594,6 +1707,8 @@ def gemm1(
     predicts the record from them before griddepcontrol.wait, so they must
     be complete before the kernel before GEMM1 releases its dependents: the
     route kernel with `release_after_wait`).
+    resident: the compute-only measurement (`compile_gemm`; outputs
+    meaningless), never for results.
     Raises TypeError / ValueError naming the argument; RuntimeError without
     nvidia-cutlass-dsl.
     """
@@ -1616,7 +1731,7 @@ def gemm1(
     sources = dict(w=kw.w13, ws=kw.w13_scale, act=x_q if x_deq is None else x_deq, act_s=x_scale, record=record,
                    clamp=kw.clamp, out=h_q_out, out_s=h_scale_out,
                    out_deq=h_q_out if h_deq_out is None else h_deq_out)  # (a placeholder, never written)  # fmt: skip
-    _launch(kw, 1, tactic, sms, sources, ctas, device, stream, record, workspace, topk_ids)
+    _launch(kw, 1, tactic, sms, sources, ctas, device, stream, record, workspace, topk_ids, resident)
 
 
 def gemm2(
@@ -1631,6 +1746,7 @@ def gemm2(
     stream=None,
     workspace: torch.Tensor | None = None,
     h_deq: torch.Tensor | None = None,
+    resident: bool | str = False,
 ) -> None:
     """Launch GEMM2 (dequant(H) . w2^T -> BF16 rows, unweighted) on `stream`.
 
@@ -1642,7 +1758,8 @@ def gemm2(
     griddepcontrol.wait (see the module docstring). h_deq: required exactly
     when tactic.act_bf16 (ValueError otherwise): bfloat16 [8*ctas, I], H
     dequantized (an act_bf16 GEMM1's h_deq_out, or act_to_bf16(h_q, h_scale));
-    the kernel reads it instead of h_q / h_scale (still checked).
+    the kernel reads it instead of h_q / h_scale (still checked). resident:
+    as `gemm1`.
     """
     device = _check_common(kw, record, ctas)
     h, i = kw.hidden, kw.intermediate
@@ -1655,4 +1772,4 @@ def gemm2(
     require_dsl(_KERNEL)
     sources = dict(w=kw.w2, ws=kw.w2_scale, act=h_q if h_deq is None else h_deq, act_s=h_scale, record=record,
                    clamp=kw.clamp, out=out, out_s=h_scale, out_deq=out)  # (out_s / out_deq: placeholders)  # fmt: skip
-    _launch(kw, 2, tactic, sms, sources, ctas, device, stream, record, workspace)
+    _launch(kw, 2, tactic, sms, sources, ctas, device, stream, record, workspace, resident=resident)

@@ -24,6 +24,8 @@ SPEC_WORDS = 160
 MAX_STAGES = 8
 #: Largest cluster of CTAs that split an item's K (the portable cluster size limit).
 MAX_CLUSTER_K = 8
+#: Most wgmma chunks in flight behind the one being issued (`mma_depth`).
+MAX_MMA_DEPTH = 3
 #: Version of the tactic fields' meaning (tuning tables record it): bump it
 #: when the kernel changes what a field does, so tables written before are stale.
 TACTICS_VERSION = 1
@@ -135,6 +137,16 @@ class GemmTactic:
       For launches with fewer items than SMs (rows 1-2 at TP8: 54 GEMM1
       items for 132 SMs), where one item per SM is the critical path. Name
       suffix `_cl<n>`.
+    mma_depth: fp8 tactics on the bulk ring only: the consumer's software
+      pipeline (0 = off: each ring step's wgmmas are issued together, waited
+      for with wgmma.wait_group 0, then scaled). d >= 1: chunk by chunk, the
+      warpgroup decodes chunk n and issues its wgmma(s) while the previous d
+      chunks' wgmmas are still in flight (wait_group d), and scales chunk
+      n - d into the fp32 accumulator as it retires; the pipeline runs on
+      across ring steps and drains at the end of a unit. Needs d < unroll
+      (the unroll fragment slots of a step hold the chunks in flight). Same
+      arithmetic in the same order as d = 0: the same bits. Name suffix
+      `_d<d>`.
     """
 
     tile_rows: int = 64
@@ -150,6 +162,7 @@ class GemmTactic:
     fp8: bool = False
     spec: bool = False
     cluster_k: int = 1
+    mma_depth: int = 0
 
     def __post_init__(self) -> None:
         for flag in ("persistent", "pdl", "act_bf16", "fp8", "spec"):
@@ -166,6 +179,7 @@ class GemmTactic:
         _check_int("split_k", self.split_k, 1, MAX_SPLIT_K)
         _check_int("stages", self.stages, 0, MAX_STAGES)
         _check_int("cluster_k", self.cluster_k, 1, MAX_CLUSTER_K)
+        _check_int("mma_depth", self.mma_depth, 0, MAX_MMA_DEPTH)
         if self.stages == 1:
             raise ValueError("stages must be 0 (register loads) or >= 2 (bulk-copy ring), got 1")
         if self.stages and self.split_k != 1:
@@ -178,6 +192,15 @@ class GemmTactic:
             raise ValueError(
                 f"cluster_k {self.cluster_k} needs an fp8 tactic on the bulk ring with split_k 1, got"
                 f" fp8={self.fp8}, stages={self.stages}, split_k={self.split_k}"
+            )
+        if self.mma_depth and not (self.fp8 and self.stages):
+            raise ValueError(
+                f"mma_depth {self.mma_depth} (the pipelined wgmma consumer) needs an fp8 tactic on the bulk"
+                f" ring, got fp8={self.fp8}, stages={self.stages}"
+            )
+        if self.mma_depth >= self.unroll:
+            raise ValueError(
+                f"mma_depth {self.mma_depth} must be less than unroll {self.unroll} (the fragment slots of a step)"
             )
         if self.spec and not (self.fp8 and self.stages and self.pdl):
             raise ValueError(
@@ -334,17 +357,18 @@ class GemmTactic:
 NAME_PARTS = (
     ("tile_rows", "r", True), ("warps_m", "_m", True), ("warps_k", "_k", True), ("unroll", "_u", True),
     ("ctas_per_sm", "_c", True), ("persistent", "_np", False), ("pdl", "_nopdl", False),
-    ("split_k", "_s", False), ("stages", "_b", False), ("cluster_k", "_cl", False), ("spec", "_sp", False),
+    ("split_k", "_s", False), ("stages", "_b", False), ("cluster_k", "_cl", False), ("mma_depth", "_d", False),
+    ("spec", "_sp", False),
     ("act_bf16", "_a16", False),
     ("fp8", "_f8", False),
 )  # fmt: skip
 #: What a name looks like (for messages).
 NAME_FORMAT = ("r<tile_rows>_m<warps_m>_k<warps_k>_u<unroll>_c<ctas_per_sm>[_np][_nopdl][_s<split_k>][_b<stages>]"
-               "[_cl<cluster_k>][_sp][_a16|_f8]")  # fmt: skip
+               "[_cl<cluster_k>][_d<mma_depth>][_sp][_a16|_f8]")  # fmt: skip
 #: Fields every table tactic holds (schema 1's); the later ones default when absent.
 TABLE_REQUIRED = ("tile_rows", "warps_m", "warps_k", "unroll", "ctas_per_sm", "persistent", "pdl")
 #: Fields a table holds only where they differ from the default.
-TABLE_SPARSE = ("cluster_k",)
+TABLE_SPARSE = ("cluster_k", "mma_depth")
 _DEFAULTS = {f.name: f.default for f in fields(GemmTactic)}
 if sorted(f for f, _, _ in NAME_PARTS) != sorted(_DEFAULTS) or not set(TABLE_REQUIRED) <= set(_DEFAULTS):
     raise ImportError("NAME_PARTS / TABLE_REQUIRED must name GemmTactic's fields")  # a field added without its token

@@ -274,7 +274,9 @@ class Fp8Space:
     stages before griddepcontrol.wait: measurable only behind the route
     kernel, which the tuner's routed-path timing has), after the first
     max(2, `limit` / 4) 2-CTA cluster twins (`cluster_twins`) of its tactics
-    at one CTA per SM (the defaults' first) joined it.
+    at one CTA per SM (the defaults' first) joined it. Last, each stage's
+    set gets the pipelined twin (`mma_depth` 1) of each default on the bulk
+    ring.
     """
 
     limit: int = 10
@@ -342,6 +344,9 @@ class Fp8Space:
             out += clusters
             twins = [replace(t, spec=True) for t in out if t.bulk and t.pdl and not t.spec]
             out += [t for t in twins if fp8_why_invalid(t, s, stage) is None]
+        # the pipelined consumer (mma_depth 1, perf-notes session 23) of each default on the bulk ring
+        piped = [replace(d, mma_depth=1) for d in defaults if d.bulk and d.unroll > 1]
+        out += [t for t in piped if t not in out and fp8_why_invalid(t, s, stage) is None]
         return tuple(out)
 
     @staticmethod
