@@ -681,12 +681,12 @@ def run_step(config: StepConfig, progress: ProgressFn | None = None, *, timeout_
         if info.get("interrupted"):
             manifest["interrupted"] = True
         return StepResult(frame, manifest)
-    from moebench.bench.launch import Job, launch_local
+    from moebench.bench.launch import launch_local
 
     rank_devices(config)  # more ranks than GPUs: fails here, naming both numbers
     validate_step(config)  # unknown backends or tactics fail here, not in every rank
     with sigterm_as_interrupt():  # SIGTERM as Ctrl-C: the ranks stop, what they measured is kept
-        return launch_local(Job("step", config, config.devices), config.ranks, timeout_s=timeout_s,
+        return launch_local(step_job(config), config.ranks, timeout_s=timeout_s,
                             progress=None if progress is None else lambda d, t: progress(d, t, "", ""),
                             total=len(step_cases(config)[0]))  # fmt: skip
 
@@ -721,8 +721,75 @@ def step_config(**kwargs) -> StepConfig:
     return StepConfig(**kwargs)
 
 
+# ----------------------------------------------------------------------------- the step's ranks, launched
+
+
+def step_job(config: StepConfig):
+    """The launch.Job of a TP-N step of `config`: every rank runs `step_rank`,
+    the merging process `merge_step`; the ranks run collectives together."""
+    from moebench.bench.merge import Job
+
+    return Job("step", config, step_rank, merge_step, config.devices, collective=True)
+
+
+def step_rank(job, rank: int, world: int, device: torch.device, box) -> bool:
+    """Run every case of a step as rank `rank`; rows put into the store
+    (`box`, a launch.Outbox) as each case is done. True when an interrupt
+    stopped it (one rank)."""
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        box.piece(rows, {}, replace_last=True)
+        if rank == 0:  # every rank runs every case of a step: rank 0's count is the run's
+            box.put("progress", len(rows))
+
+    got, info = run_rank(job.config, rank, world, device, emit=emit)
+    box.piece(got, info, replace_last=True)
+    rank_barrier(world, device)  # no rank leaves while another still runs a collective
+    return bool(info.get("interrupted"))
+
+
+def merge_step(job, reports, stopped: str | None = None) -> StepResult:
+    """One step run (with `ranks`) of what the ranks delivered (merge.RankReport):
+    rank 0's rows as the run's cases, every case it did not deliver stored
+    as `merge.undelivered` of the first rank that failed says; every rank's
+    rows in `ranks`."""
+    from moebench.bench.interrupt import INTERRUPTED
+    from moebench.bench.merge import host_provenance, undelivered, workers_of
+
+    config = job.config
+    latest = {r.rank: (r.pieces[-1] if r.pieces else {"rows": [], "info": {}}) for r in reports}
+    # the cases rank 0 did not deliver: failed with the first failed rank's reason, else as rank 0 says
+    failed = [r for r in reports if (r.end or {}).get("status") not in ("done", "interrupted")]
+    status, error = undelivered(failed[0] if failed else reports[0], stopped)
+    rank0 = [dict(r) for r in latest[0]["rows"]]
+    if stopped not in (None, INTERRUPTED):
+        rank0 = [dict(r, status="failed", error=error) if r.get("error") == INTERRUPTED else r for r in rank0]
+    cases, backends = step_cases(config)
+    base = {"kind": "step", "ranks": len(reports), "rank": 0, "seed": config.seed, "launch_rank": 0,
+            **{k: reports[0].hello.get(k) for k in ("host", "gpu_index", "gpu_serial")}}  # fmt: skip
+    rank0 += unrun_rows("step", cases, rank0, base, backends, error, status)
+    frame = typed(rank0, "step")
+    ranks = typed([row for r in reports for row in latest[r.rank]["rows"]], "step")
+    info = next((latest[r.rank]["info"] for r in reports if latest[r.rank]["info"].get("env")), None)
+    extra = {}
+    if info is None:
+        info = {"env": host_provenance(config), "reduced": config.reduced}
+        extra["provenance_from"] = "the launching process (no rank reported its environment)"
+    methods = timing_methods(frame)
+    manifest = step_manifest(config, info, devices=[r.hello.get("gpu_index") for r in reports],
+                             workers=workers_of(reports, stopped), timing_methods=methods,
+                             timing_counts=timing_counts_used(config, methods),
+                             rank_manifests=[{k: latest[r.rank]["info"].get(k) for k in ("copy_bw_gbps", "groups")}
+                                             for r in reports], **extra)  # fmt: skip
+    if (frame["error"] == INTERRUPTED).any():
+        manifest["interrupted"] = True
+    return RunResult(frame, manifest, ranks if len(reports) > 1 else None)
+
+
 __all__ = [
     "GPU_STEP_BACKENDS", "KERNEL_COLUMNS", "STAGE_TIMING", "STEP_COLUMNS", "STEP_STAGES", "StepConfig",
-    "StepResult", "default_step_backends", "make_step", "rank_devices", "run_rank", "run_step", "step_config",
-    "validate_step",
+    "StepResult", "default_step_backends", "make_step", "merge_step", "rank_devices", "run_rank", "run_step",
+    "step_config", "step_job", "step_rank", "validate_step",
 ]  # fmt: skip

@@ -8,18 +8,9 @@ import contextlib
 import signal
 import threading
 
-#: The note of a case a sweep or step did not reach because it was interrupted.
-INTERRUPTED = "not run: interrupted (Ctrl-C or SIGTERM) before this case"
-
-
-def interrupted_rows(frame):
-    """Boolean Series over a results frame's rows: the cases an interrupt left
-    unrun (error INTERRUPTED); all False for a frame without an error column."""
-    import pandas as pd
-
-    if "error" not in frame.columns:
-        return pd.Series(False, index=frame.index)
-    return frame["error"].astype(str) == INTERRUPTED
+# The note of a case an interrupt left unrun is a stored run's word (reports/store.py), which the
+# exit policy reads too (reports/gate.py); the bench writes it.
+from moebench.reports.store import INTERRUPTED, interrupted_rows  # noqa: F401 - re-exported for the bench
 
 
 @contextlib.contextmanager

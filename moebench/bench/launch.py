@@ -1,13 +1,15 @@
 """A sweep, a step or a tune over several processes and hosts, on PyTorch's launcher.
 
-Two ways in, one rank program (`rank_main`):
+Two ways in, one rank program (`rank_main`), which runs what the `Job`
+carries (merge.py): its rank program, then on the merging process its
+merge (`sweep_ranks.py`, `decode_step.py`, a tune's `tuning/share.py`);
+the launcher names none of them.
 
 - `torchrun --nnodes N --nproc-per-node G -m moebench sweep|step|tune ...`:
   torchrun starts every rank (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR /
   MASTER_PORT in its environment) and each runs the CLI, which calls
   `rank_main` (`run.measure`; a tune: `tuning.save.tune_and_save`); rank 0
-  hosts the results store and stores the run (a tune: writes the tables;
-  its share and gathering are `tuning/share.py`).
+  hosts the results store and stores the run (a tune: writes the tables).
 - `sweep --devices` / `step --tp N` on one host: `launch_local` starts the
   ranks through torch.distributed's elastic launch API (`LaunchConfig`,
   `elastic_launch`; c10d rendezvous on 127.0.0.1, no restarts); the
@@ -28,9 +30,9 @@ a heartbeat, and at the end its status (`end/<rank>`: done, interrupted,
 or the error). The store lives in the merging process (rank 0 or the
 launcher), so a rank that dies loses only what it had not put there.
 
-The merge (`merge.py`, pure functions of what the ranks put) gives one
-run; a case a rank did not deliver is stored failed with the reason (the
-rank died: its exit code or signal, or a heartbeat older than
+The job's merge (pure functions of what the ranks put) gives one run; a
+case a rank did not deliver is stored failed with the reason (the rank
+died: its exit code or signal, or a heartbeat older than
 `dead_after_s()`), or skipped (INTERRUPTED) when the rank stopped on an
 interrupt. Ctrl-C / SIGTERM reach every rank (from the terminal or from
 torchrun's agent), which keeps what it measured.
@@ -52,10 +54,8 @@ import uuid
 from collections.abc import Callable
 from datetime import timedelta
 
-import pandas as pd
-
 from moebench.bench.interrupt import INTERRUPTED, sigterm_as_interrupt
-from moebench.bench.merge import FAKE_GPU_ENV, Job, RankReport, merge, sweep_cases  # noqa: F401 - Job: the launch's
+from moebench.bench.merge import FAKE_GPU_ENV, Job, RankReport
 
 #: Environment of every rank: NVLink multicast off (DESIGN.md, device notes).
 MULTICAST_OFF = {
@@ -233,7 +233,8 @@ def wait_for_ranks(store, world: int, me: int, interrupted: bool = False) -> Non
 # ----------------------------------------------------------------------------- one rank
 
 
-def _signals_ignored() -> None:
+def ignore_interrupts() -> None:
+    """SIGINT and SIGTERM ignored from here on: what a stopping rank measured must land in the store."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
@@ -258,10 +259,10 @@ def rank_main(job: Job):
     device = torch.device("cuda", gpu) if on_gpu else torch.device("cpu")
     if device.type == "cpu":  # the ranks share the host's cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
-    step_nccl = job.kind == "step" and on_gpu
-    kwargs = {"device_id": device} if step_nccl else {}
-    dist.init_process_group("nccl" if step_nccl else "gloo", timeout=timedelta(seconds=PG_TIMEOUT_S), **kwargs)
-    records = dist.new_group(backend="gloo") if step_nccl else None
+    nccl = job.collective and on_gpu
+    kwargs = {"device_id": device} if nccl else {}
+    dist.init_process_group("nccl" if nccl else "gloo", timeout=timedelta(seconds=PG_TIMEOUT_S), **kwargs)
+    records = dist.new_group(backend="gloo") if nccl else None
     merge_here = RESULTS_STORE_ENV not in os.environ and rank == 0
     store, addr = _results_store(rank, records)
     box = Outbox(store, rank)
@@ -273,15 +274,7 @@ def rank_main(job: Job):
     end: dict = {"status": "done"}
     with sigterm_as_interrupt() as seen:
         try:
-            if job.kind == "sweep":
-                stopped = _sweep_share(job, rank, world, str(device), box)
-            elif job.kind == "tune":
-                from moebench.tuning.share import tune_share
-
-                stopped = tune_share(config, rank, world, device, box)
-            else:
-                stopped = _step_rank(job, rank, world, device, box)
-            if stopped:
+            if job.run(job, rank, world, device, box):
                 end = {"status": "interrupted"}
         except KeyboardInterrupt:
             end = {"status": "interrupted"}
@@ -291,21 +284,21 @@ def rank_main(job: Job):
             end = {"status": "error", "error": error_text(error)}
         if end["status"] == "interrupted":
             end["signal"] = int(seen[-1]) if seen else int(signal.SIGINT)
-            _signals_ignored()  # what was measured must land
+            ignore_interrupts()  # what was measured must land
         box.put("end", end)
         stop.set()
-        if end["status"] == "error" and job.kind == "step" and world > 1 and not merge_here:
+        if end["status"] == "error" and job.collective and world > 1 and not merge_here:
             _leave(1)  # the other ranks wait in a collective: the launcher stops them once it sees this exit
         result = None
         if merge_here:
-            _signals_ignored()
+            ignore_interrupts()
             wait_for_ranks(store, world, rank, interrupted=end["status"] != "done")
-            result = merge(job, read_reports(store, world))
+            result = job.merge(job, read_reports(store, world), None)
     if end["status"] == "interrupted" and RESULTS_STORE_ENV in os.environ:
         # launched here and stopped: what it measured is in the store, and the launcher, shutting
         # down, never reads a return value (the rank would wait for that until killed)
         _leave()
-    if step_nccl:
+    if nccl:
         # destroy_process_group, or the communicator's teardown at exit, can hang once NCCL
         # collectives were captured in CUDA graphs (pytorch#115388); what the rank measured is
         # in the store. Under torchrun a rank that does not store leaves at once; a rank of
@@ -362,60 +355,6 @@ def _results_store(rank: int, group):
     if store is None:
         store = dist.TCPStore(addr[0], addr[1], is_master=False, timeout=timedelta(seconds=PG_TIMEOUT_S))
     return store, addr
-
-
-def _sweep_share(job: Job, rank: int, world: int, device: str, box: Outbox) -> bool:
-    """Run this rank's share of a sweep, one (preset, tp) piece at a time,
-    each put into the store when done; True when an interrupt stopped it."""
-    from dataclasses import replace
-
-    from moebench.bench.interrupt import interrupted_rows
-    from moebench.bench.shard import pieces_of, plan_shards, shard_configs
-
-    share = plan_shards(sweep_cases(job), world)[rank]
-    done = 0
-    for piece in pieces_of(share):
-        if job.runner is not None:
-            frame, info = job.runner(piece, device), {}
-        else:
-            from moebench.bench.sweep import run_sweep
-
-            frames, info = [], {}
-            for cfg in shard_configs(job.config, piece):
-                result = run_sweep(replace(cfg, device=device))
-                frames.append(result.frame)
-                info = info or result.manifest
-                if result.manifest.get("interrupted"):
-                    break
-            frame = pd.concat(frames, ignore_index=True)
-        stopped = bool(interrupted_rows(frame).any())
-        if stopped:
-            _signals_ignored()
-        box.piece(frame.to_dict("records"), info)
-        done += len(piece)
-        box.put("progress", done)
-        if stopped:
-            return True
-    return False
-
-
-def _step_rank(job: Job, rank: int, world: int, device, box: Outbox) -> bool:
-    """Run every case of a step as rank `rank`; rows put into the store as
-    each case is done. True when an interrupt stopped it (one rank)."""
-    from moebench.bench.decode_step import rank_barrier, run_rank
-
-    rows: list[dict] = []
-
-    def emit(row: dict) -> None:
-        rows.append(row)
-        box.piece(rows, {}, replace_last=True)
-        if rank == 0:  # every rank runs every case of a step: rank 0's count is the run's
-            box.put("progress", len(rows))
-
-    got, info = run_rank(job.config, rank, world, device, emit=emit)
-    box.piece(got, info, replace_last=True)
-    rank_barrier(world, device)  # no rank leaves while another still runs a collective
-    return bool(info.get("interrupted"))
 
 
 # ----------------------------------------------------------------------------- one host
@@ -506,7 +445,7 @@ def launch_local(job: Job, nproc: int, *, timeout_s: float | None = None,
         shutil.rmtree(scratch, ignore_errors=True)
     if progress is not None:
         progress(_progress(store, nproc), total)
-    result = merge(job, read_reports(store, nproc, failures), INTERRUPTED if interrupted else state["stopped"])
+    result = job.merge(job, read_reports(store, nproc, failures), INTERRUPTED if interrupted else state["stopped"])
     if job.devices is not None:
         result.manifest["devices"] = list(job.devices)
     if interrupted:

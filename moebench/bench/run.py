@@ -42,20 +42,20 @@ def measure(kind: str, plan, *, out: Path, label: str, command: str, timeout_s: 
     launched run (--worker-timeout, step's --timeout). Raises ValueError
     for a bad plan, OSError when the run cannot be written;
     KeyboardInterrupt only before anything was measured."""
-    from moebench.bench.launch import Job, launch_local, rank_main, under_torchrun
+    from moebench.bench.decode_step import step_job
+    from moebench.bench.launch import launch_local, rank_main, under_torchrun
+    from moebench.bench.sweep_ranks import sweep_cases, sweep_job
     from moebench.reports.store import write_run
 
     if kind not in ("sweep", "step"):
         raise ValueError(f"kind must be 'sweep' or 'step', got {kind!r}")
     config = plan.config
     if under_torchrun():
-        result = rank_main(Job(kind, config))
+        result = rank_main(sweep_job(config) if kind == "sweep" else step_job(config))
         if result is None:
             return Stored(None, None, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
     elif kind == "sweep" and plan.gpus is not None:
-        from moebench.bench.launch import sweep_cases
-
-        job = Job("sweep", config, tuple(plan.gpus), PIECE_RUNNER)
+        job = sweep_job(config, tuple(plan.gpus), PIECE_RUNNER)
         result = launch_local(
             job,
             len(plan.gpus),

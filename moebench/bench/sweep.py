@@ -346,7 +346,7 @@ def read_bytes_of(
     return value, None
 
 
-def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, base, emit) -> dict:
+def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, base, emit) -> dict:  # noqa: C901 - owned by comparison, removed when it lands
     """Measure one (preset, tp) group; returns what the manifest records of it."""
     # Routing first (CPU, cheap); the rotation is sized by the shape's fewest touched bytes.
     routings = {}

@@ -107,11 +107,12 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Float32, Int32, Uint32
-    from cutlass._mlir import ir
-    from cutlass._mlir.dialects import llvm, vector
+    from cutlass._mlir.dialects import llvm
     from cutlass.cutlass_dsl import T, dsl_user_op
 
     from moebench.kernels.ptx import asm_u32 as _asm
+    from moebench.kernels.ptx import ld_global_u32x4 as _ld_v4
+    from moebench.kernels.ptx import st_global_u32x4 as _st_v4
 
     @dsl_user_op
     def _mul_add_rn(acc: Uint32, w: Uint32, x: Uint32, *, loc=None, ip=None) -> Uint32:
@@ -164,12 +165,6 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
         return _asm("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", Uint32(lo), Uint32(hi), loc=loc, ip=ip)
 
     @dsl_user_op
-    def _ld_v4(ptr, *, loc=None, ip=None):
-        """One 128-bit global load (LDG.E.128) -> 4 x Uint32."""
-        vec = cute.arch.load(ptr, ir.VectorType.get([4], Uint32.mlir_type), loc=loc, ip=ip)
-        return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4)]
-
-    @dsl_user_op
     def _ld_v4_if(ptr, flag: Int32, *, loc=None, ip=None):
         """One 128-bit global load (LDG.E.128) of 4 x Uint32 when `flag` != 0,
         four zeros (and no memory access) otherwise. The predicate lives inside
@@ -191,17 +186,6 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             ip=ip,
         )
         return [Uint32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-    @dsl_user_op
-    def _st_v4(ptr, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None, ip=None):
-        """One 128-bit global store (STG.E.128) of 4 x Uint32."""
-        vec = vector.from_elements(
-            ir.VectorType.get([4], Uint32.mlir_type),
-            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
-            loc=loc,
-            ip=ip,
-        )
-        cute.arch.store(ptr, vec, loc=loc, ip=ip)
 
     def _unpack(word: Uint32, i: int) -> Uint32:
         """fp32 bits of bf16 element i (0: low half, 1: high half) of a bf16x2 word."""

@@ -744,7 +744,7 @@ if HAVE_DSL:
                 self.register_body(w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas)
 
         @cute.jit
-        def register_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas):
+        def register_body(self, w, ws, act, act_s, record, clamp, out, out_s, out_deq, cnt, part, ctas):  # noqa: C901 - owned by consumer, removed when it lands
             """Register load path (tactic.stages == 0): every lane streams its own words."""
             U, NB, SK = self.u, self.nb, self.sk
             tid, bid, nblk = cute.arch.thread_idx()[0], cute.arch.block_idx()[0], cute.arch.grid_dim()[0]

@@ -1,11 +1,12 @@
-"""Device-side inline-PTX helpers shared by the CuTe DSL kernels (quantize,
-finalize, the router top-k, the shared expert). Needs nvidia-cutlass-dsl: import it only where
-the DSL is present."""
+"""Device-side inline-PTX and vector-memory helpers shared by the CuTe DSL
+kernels (quantize, finalize, the router top-k, the shared expert, the
+GEMMs). Needs nvidia-cutlass-dsl: import it only where the DSL is present."""
 
 from __future__ import annotations
 
 from cutlass import Float32, Int32, Int64, Uint32
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm, vector
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
@@ -34,6 +35,27 @@ def asm_f32(text: str, constraints: str, *args, loc=None, ip=None) -> Float32:
     """As `asm_u32`, for an instruction group whose result is an fp32
     register ("=f"); `args` wrapped as Float32 for "f" operands."""
     return Float32(_asm(T.f32(), text, constraints, args, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def ld_global_u32x4(ptr, *, loc=None, ip=None) -> list:
+    """One 128-bit global load (LDG.E.128) at the (16-byte aligned) global
+    pointer `ptr` (a cute gmem Pointer of Uint32) -> 4 x Uint32."""
+    import cutlass.cute as cute
+
+    vec = cute.arch.load(ptr, ir.VectorType.get([4], Uint32.mlir_type), loc=loc, ip=ip)
+    return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def st_global_u32x4(ptr, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None, ip=None) -> None:
+    """One 128-bit global store (STG.E.128) of four words at the (16-byte
+    aligned) global pointer `ptr` (a cute gmem Pointer of Uint32)."""
+    import cutlass.cute as cute
+
+    words = [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)]
+    vec = vector.from_elements(ir.VectorType.get([4], Uint32.mlir_type), words, loc=loc, ip=ip)
+    cute.arch.store(ptr, vec, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -62,12 +62,12 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
     import cutlass
     import cutlass.cute as cute
     from cutlass import BFloat16, Int32, Uint8, Uint32
-    from cutlass._mlir import ir
-    from cutlass._mlir.dialects import vector
     from cutlass.cutlass_dsl import dsl_user_op
 
     from moebench.kernels import fp4
     from moebench.kernels.ptx import asm_u32 as _asm
+    from moebench.kernels.ptx import ld_global_u32x4 as _ld_v4
+    from moebench.kernels.ptx import st_global_u32x4 as _st_v4
 
     @dsl_user_op
     def _max_u16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
@@ -100,23 +100,6 @@ if HAVE_DSL:  # the kernel class needs the DSL's decorators at definition time
             loc=loc,
             ip=ip,
         )
-
-    @dsl_user_op
-    def _ld_v4(ptr, *, loc=None, ip=None):
-        """One 128-bit global load (LDG.E.128) -> 4 x Uint32."""
-        vec = cute.arch.load(ptr, ir.VectorType.get([4], Uint32.mlir_type), loc=loc, ip=ip)
-        return [Uint32(vector.extract(vec, [], [i], loc=loc, ip=ip)) for i in range(4)]
-
-    @dsl_user_op
-    def _st_v4(ptr, w0: Uint32, w1: Uint32, w2: Uint32, w3: Uint32, *, loc=None, ip=None):
-        """One 128-bit global store (STG.E.128) of 4 x Uint32."""
-        vec = vector.from_elements(
-            ir.VectorType.get([4], Uint32.mlir_type),
-            [Uint32(w).ir_value(loc=loc, ip=ip) for w in (w0, w1, w2, w3)],
-            loc=loc,
-            ip=ip,
-        )
-        cute.arch.store(ptr, vec, loc=loc, ip=ip)
 
     @cute.jit
     def quantize_words(w):

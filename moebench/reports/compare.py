@@ -46,8 +46,12 @@ no case of one with a time, or a failure, in the other) or judged nothing
 pass: a gate that measured nothing, or ruled nothing out, must not say "no
 regressions". So is a comparison of CPU runs (every case timed in both runs
 timed "cpu-wallclock"): eager wall-clock times on a shared CPU, at most
-EAGER_REPLAYS_CAP replays, are too noisy to gate, and they time torch on a
-CPU, not the GPU kernels; their verdicts are shown, not judged.
+`moebench.bench.EAGER_REPLAYS_CAP` replays, are too noisy to gate, and
+they time torch on a CPU, not the GPU kernels; their verdicts are shown,
+not judged.
+
+The run-level mismatches are `mismatch.py`'s (`store.merge_runs` refuses
+runs that mismatch, too).
 """
 
 from __future__ import annotations
@@ -57,9 +61,9 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from moebench.bench import EAGER_REPLAYS_CAP
+from moebench.reports.mismatch import mismatch_kinds, run_mismatches
 from moebench.reports.store import CASE_COLUMNS
-from moebench.reports.summary import markdown_table, shared_overlap
+from moebench.reports.summary import markdown_table
 
 MATCH_KEYS = CASE_COLUMNS
 SHAPE_KEYS = ("hidden", "intermediate", "experts", "top_k")
@@ -134,9 +138,9 @@ class Comparison:
 
 #: The error of a comparison whose cases were all timed on the CPU (module docstring).
 CPU_CANNOT_GATE = (
-    "CPU timings cannot gate: the compared cases were timed by CPU wall clock (eager, at most"
-    f" {EAGER_REPLAYS_CAP} replays on a shared host; torch on a CPU, not the GPU kernels), so their"
-    " verdicts are shown, not judged; compare runs timed on a GPU (cuda-graph)"
+    "CPU timings cannot gate: the compared cases were timed by CPU wall clock (eager, few replays on a"
+    " shared host; torch on a CPU, not the GPU kernels), so their verdicts are shown, not judged; compare"
+    " runs timed on a GPU (cuda-graph)"
 )
 
 #: The note of an "unclear" case whose times cannot be compared at all.
@@ -173,82 +177,6 @@ def parse_threshold(text: str | float | int) -> float:
     if not math.isfinite(value) or math.copysign(1.0, value) < 0:  # -0 too: a sign says the user meant something else
         raise ValueError(f"threshold must be a finite percentage >= 0, got {text!r}")
     return value
-
-
-def _device(manifest: dict) -> dict:
-    dev = manifest.get("device")
-    return dev if isinstance(dev, dict) else {}
-
-
-def mismatch_kinds(mismatches: list[str]) -> str:
-    """The kinds of run-level mismatches ('device, run kind'): each line's text before its colon."""
-    return ", ".join(m.split(":")[0] for m in mismatches)
-
-
-def _kind(manifest: dict) -> str:
-    """'step' for a `moebench step` run; sweep runs may lack the key."""
-    return manifest.get("kind") or "sweep"
-
-
-def _ranks(manifest: dict) -> int:
-    """Ranks of the run (sweep runs lack the key: one)."""
-    ranks = manifest.get("ranks")
-    return ranks if ranks is not None else 1
-
-
-def _boundary(manifest: dict) -> str:
-    """How a sweep run met its layer calls ("layer" or "back-to-back"); runs
-    stored before the field timed them back to back."""
-    return manifest.get("boundary") or "back-to-back"
-
-
-def run_mismatches(current: dict, baseline: dict) -> tuple[list[str], list[str]]:
-    """(mismatches, notes) between two manifests: device name / SM count /
-    reduced CPU geometry / warm-L2 mode / run kind (sweep vs step) / rank
-    count / a sweep's layer boundary (layer vs back-to-back) / a step's
-    shared-expert stream (side or in order) are mismatches
-    (the runs measure different things); driver, CUDA, package versions and
-    the copy bandwidth (beyond 5 %) are notes."""
-    mism, notes = [], []
-    dc, db = _device(current), _device(baseline)
-    if dc.get("name") != db.get("name"):
-        mism.append(f"device: {dc.get('name')!r} vs baseline {db.get('name')!r}")
-    elif dc.get("sm_count") != db.get("sm_count"):
-        mism.append(f"device SM count: {dc.get('sm_count')} vs baseline {db.get('sm_count')}")
-    if bool(current.get("reduced")) != bool(baseline.get("reduced")):
-        mism.append(f"geometry: reduced={bool(current.get('reduced'))} vs baseline {bool(baseline.get('reduced'))}")
-    if bool(current.get("warm_l2")) != bool(baseline.get("warm_l2")):
-        mism.append(f"L2 mode: warm_l2={bool(current.get('warm_l2'))} vs baseline {bool(baseline.get('warm_l2'))}")
-    if _kind(current) != _kind(baseline):
-        mism.append(f"run kind: {_kind(current)} vs baseline {_kind(baseline)} (a sweep times one layer call,"
-                    " a step the whole decode step)")  # fmt: skip
-    if _ranks(current) != _ranks(baseline):
-        mism.append(f"ranks: {_ranks(current)} vs baseline {_ranks(baseline)}")
-    bounds = _boundary(current), _boundary(baseline)
-    if _kind(current) == _kind(baseline) == "sweep" and bounds[0] != bounds[1]:
-        mism.append(
-            f"layer boundary: {bounds[0]} vs baseline {bounds[1]} (a boundary run writes each layer call's"
-            " x before it; --back-to-back lets call i+1 start under call i)"
-        )
-    side = shared_overlap(current), shared_overlap(baseline)
-    if _kind(current) == _kind(baseline) == "step" and side[0] != side[1]:
-        where = {True: "side stream", False: "in order"}
-        mism.append(
-            f"shared expert: {where[side[0]]} vs baseline {where[side[1]]}"
-            " (moebench step --overlap-shared / --serial-shared)"
-        )
-    if dc.get("driver") != db.get("driver"):
-        notes.append(f"driver {dc.get('driver')} vs baseline {db.get('driver')}")
-    if current.get("cuda_runtime") != baseline.get("cuda_runtime"):
-        notes.append(f"CUDA runtime {current.get('cuda_runtime')} vs baseline {baseline.get('cuda_runtime')}")
-    pc, pb = current.get("packages") or {}, baseline.get("packages") or {}
-    for name in sorted(set(pc) | set(pb)):
-        if pc.get(name) != pb.get(name):
-            notes.append(f"{name} {pc.get(name)} vs baseline {pb.get(name)}")
-    bc, bb = current.get("copy_bw_gbps"), baseline.get("copy_bw_gbps")
-    if isinstance(bc, (int, float)) and isinstance(bb, (int, float)) and bb > 0 and abs(bc / bb - 1) > 0.05:
-        notes.append(f"copy bandwidth {bc:.0f} vs baseline {bb:.0f} GB/s")
-    return mism, notes
 
 
 def _num(value) -> float:
@@ -374,58 +302,12 @@ def compare_runs(
     cur_ix, base_ix = _index(current, current_label), _index(baseline, baseline_label)
     mismatches, notes = run_mismatches(current_manifest, baseline_manifest)
     runs_differ = mismatch_kinds(mismatches)
+    manifests = (current_manifest, baseline_manifest)
     rows = []
     timed_with: set[str | None] = set()  # the timing methods of the cases ok in both runs
     for key in list(cur_ix) + [k for k in base_ix if k not in cur_ix]:
-        cur, base = cur_ix.get(key), base_ix.get(key)
-        row = dict(zip(MATCH_KEYS, key))
-        row.update(ratio=math.nan, delta_pct=math.nan, noise_pct=math.nan, note="")
-        for prefix, rec in (("", cur), ("base_", base)):
-            for k in ("median_us", "p10_us", "p90_us"):
-                row[prefix + k] = _num(rec[k]) if rec is not None else math.nan
-        row["status"] = cur["status"] if cur is not None else ""
-        row["base_status"] = base["status"] if base is not None else ""
-        if cur is None:
-            row["verdict"], row["note"] = (
-                ("lost", "not in this run; ok in the baseline")
-                if base["status"] == "ok"
-                else ("missing", "only in the baseline")
-            )
-        elif base is None:
-            row["verdict"], row["note"] = ("failed", _error_text(cur)) if cur["status"] == "failed" else (
-                "new", "not in the baseline")  # fmt: skip
-        elif cur["status"] == "failed":
-            row["verdict"], row["note"] = "failed", _error_text(cur)
-        elif cur["status"] != "ok" and base["status"] == "ok":
-            why = _error_text(cur)
-            row["verdict"], row["note"] = (
-                "lost",
-                f"{cur['status']} in this run" + (f" ({why})" if why else "") + "; ok in the baseline",
-            )
-        elif cur["status"] != "ok" or base["status"] == "skipped":
-            row["verdict"] = "skipped"
-            row["note"] = _error_text(cur if cur["status"] != "ok" else base)
-        elif base["status"] != "ok":
-            row["verdict"], row["note"] = "fixed", f"failed in the baseline: {_error_text(base)}".strip()
-        else:
-            verdict, ratio, delta, noise = classify(
-                row["median_us"], row["p10_us"], row["p90_us"], row["base_median_us"], row["base_p10_us"],
-                row["base_p90_us"], threshold_pct,
-            )  # fmt: skip
-            row.update(verdict=verdict, ratio=ratio, delta_pct=delta, noise_pct=noise)
-            replays = timed_replays(cur, current_manifest), timed_replays(base, baseline_manifest)
-            if verdict == "unclear" and math.isnan(ratio):
-                row["note"] = NO_VALID_TIME
-            elif any(n is not None and n < MIN_REPLAYS for n in replays):
-                row["verdict"] = "unclear"
-                shown = ["?" if n is None else n for n in replays]
-                row["note"] = f"{FEW_REPLAYS}: replays {shown[0]} in this run, {shown[1]} in the baseline"
-            methods = timing_method(cur, current_manifest), timing_method(base, baseline_manifest)
-            timed_with.update(methods)
-            why = _case_mismatch(cur, base, methods)
-            if runs_differ or why:
-                row["verdict"] = "mismatch"
-                row["note"] = why or f"the runs differ ({runs_differ}): not compared"
+        row, methods = _case_row(key, cur_ix.get(key), base_ix.get(key), manifests, threshold_pct, runs_differ)
+        timed_with.update(methods)
         rows.append(row)
     frame = pd.DataFrame(rows, columns=list(COLUMNS))
     errors = []
@@ -434,8 +316,84 @@ def compare_runs(
                       " compare with; record the baseline again with `moebench sweep`")  # fmt: skip
     if len(current) == 0:
         errors.append(f"the run {current_label} holds no cases (an empty results.parquet): nothing was measured")
+    if not errors:
+        unjudged = _unjudged(frame, mismatches, runs_differ, (cur_ix, base_ix), timed_with, threshold_pct)
+        errors += [unjudged] if unjudged else []
+    return Comparison(frame, float(threshold_pct), mismatches, notes, current_label, baseline_label, errors)
+
+
+def _case_row(key: tuple, cur: dict | None, base: dict | None, manifests: tuple[dict, dict], threshold_pct: float,
+              runs_differ: str) -> tuple[dict, tuple]:  # fmt: skip
+    """The comparison frame's row (COLUMNS) of the case `key`, its records
+    `cur` / `base` in the two runs (None where absent), and the two rows'
+    timing methods when the case is ok in both (else ()). `manifests`:
+    (current, baseline); `runs_differ`: the run-level mismatches' kinds."""
+    row = dict(zip(MATCH_KEYS, key))
+    row.update(ratio=math.nan, delta_pct=math.nan, noise_pct=math.nan, note="")
+    for prefix, rec in (("", cur), ("base_", base)):
+        for k in ("median_us", "p10_us", "p90_us"):
+            row[prefix + k] = _num(rec[k]) if rec is not None else math.nan
+    row["status"] = cur["status"] if cur is not None else ""
+    row["base_status"] = base["status"] if base is not None else ""
+    by_status = _status_verdict(cur, base)
+    if by_status is not None:
+        row["verdict"], row["note"] = by_status
+        return row, ()
+    _judge_times(row, cur, base, manifests, threshold_pct)
+    methods = timing_method(cur, manifests[0]), timing_method(base, manifests[1])
+    why = _case_mismatch(cur, base, methods)
+    if runs_differ or why:
+        row["verdict"] = "mismatch"
+        row["note"] = why or f"the runs differ ({runs_differ}): not compared"
+    return row, methods
+
+
+def _status_verdict(cur: dict | None, base: dict | None) -> tuple[str, str] | None:
+    """(verdict, note) of a case by its statuses alone (module docstring:
+    lost, missing, new, failed, skipped, fixed); None when it is ok in both
+    runs, and its times decide."""
+    if cur is None:
+        return ("lost", "not in this run; ok in the baseline") if base["status"] == "ok" else \
+            ("missing", "only in the baseline")  # fmt: skip
+    if base is None:
+        return ("failed", _error_text(cur)) if cur["status"] == "failed" else ("new", "not in the baseline")
+    if cur["status"] == "failed":
+        return "failed", _error_text(cur)
+    if cur["status"] != "ok" and base["status"] == "ok":
+        why = _error_text(cur)
+        return "lost", f"{cur['status']} in this run" + (f" ({why})" if why else "") + "; ok in the baseline"
+    if cur["status"] != "ok" or base["status"] == "skipped":
+        return "skipped", _error_text(cur if cur["status"] != "ok" else base)
+    if base["status"] != "ok":
+        return "fixed", f"failed in the baseline: {_error_text(base)}".strip()
+    return None
+
+
+def _judge_times(row: dict, cur: dict, base: dict, manifests: tuple[dict, dict], threshold_pct: float) -> None:
+    """Fill `row`'s verdict, ratio, delta_pct, noise_pct and note from the
+    times of a case ok in both runs (`classify`); "unclear" when either run
+    timed it with fewer than MIN_REPLAYS replays."""
+    verdict, ratio, delta, noise = classify(
+        row["median_us"], row["p10_us"], row["p90_us"], row["base_median_us"], row["base_p10_us"],
+        row["base_p90_us"], threshold_pct,
+    )  # fmt: skip
+    row.update(verdict=verdict, ratio=ratio, delta_pct=delta, noise_pct=noise)
+    replays = timed_replays(cur, manifests[0]), timed_replays(base, manifests[1])
+    if verdict == "unclear" and math.isnan(ratio):
+        row["note"] = NO_VALID_TIME
+    elif any(n is not None and n < MIN_REPLAYS for n in replays):
+        row["verdict"] = "unclear"
+        shown = ["?" if n is None else n for n in replays]
+        row["note"] = f"{FEW_REPLAYS}: replays {shown[0]} in this run, {shown[1]} in the baseline"
+
+
+def _unjudged(frame: pd.DataFrame, mismatches: list[str], runs_differ: str, indices: tuple[dict, dict],
+              timed_with: set, threshold_pct: float) -> str | None:  # fmt: skip
+    """The error of a comparison of two non-empty runs that compared
+    nothing, timed only on the CPU, or judged nothing (module docstring);
+    None when it judged something. `indices`: the runs' cases by key."""
     compared = frame["verdict"][frame["verdict"].isin(COMPARED)]
-    if not errors and compared.empty:
+    if compared.empty:
         counts = frame["verdict"].value_counts().to_dict()
         if mismatches:
             why = f"the runs differ in {runs_differ} (see the mismatches)"
@@ -443,27 +401,29 @@ def compare_runs(
             why = ("every case timed in both runs differs from the baseline in what it measured; "
                    + frame.loc[frame["verdict"] == "mismatch", "note"].iloc[0])  # fmt: skip
         else:
-            why = "the runs share no case that has a time in both" + _key_hint(cur_ix, base_ix)
-        errors.append("no case could be compared with the baseline ("
-                      + ", ".join(f"{n} {v}" for v, n in counts.items()) + "): " + why)  # fmt: skip
-    elif not errors and timed_with == {"cpu-wallclock"}:
-        errors.append(CPU_CANNOT_GATE)
-    elif not errors and (compared == "unclear").all():
-        unclear_notes = frame.loc[compared.index, "note"]
-        if (unclear_notes == NO_VALID_TIME).all():
-            errors.append(f"no case could be judged: all {len(compared)} compared cases are unclear ({NO_VALID_TIME}"
-                          "), so regressions are not ruled out; check how those runs were timed")  # fmt: skip
-        else:
-            few = unclear_notes.str.startswith(FEW_REPLAYS).all()
-            if few:
-                advice = (f"time both runs with --replays {MIN_REPLAYS} or more (100 recommended; each case's note"
-                          " says which run had fewer)")  # fmt: skip
-            else:
-                advice = "re-run with more --replays on a quiet GPU"
-            why = _unclear_why(unclear_notes, threshold_pct)
-            errors.append(f"no case could be judged: all {len(compared)} compared cases are unclear ({why}), so"
-                          f" regressions are not ruled out; {advice}")  # fmt: skip
-    return Comparison(frame, float(threshold_pct), mismatches, notes, current_label, baseline_label, errors)
+            why = "the runs share no case that has a time in both" + _key_hint(*indices)
+        return ("no case could be compared with the baseline ("
+                + ", ".join(f"{n} {v}" for v, n in counts.items()) + "): " + why)  # fmt: skip
+    if timed_with == {"cpu-wallclock"}:
+        return CPU_CANNOT_GATE
+    if (compared == "unclear").all():
+        return _all_unclear(frame.loc[compared.index, "note"], threshold_pct)
+    return None
+
+
+def _all_unclear(notes: pd.Series, threshold_pct: float) -> str:
+    """The error of a comparison whose compared cases (their `notes`) are all unclear, with the advice."""
+    if (notes == NO_VALID_TIME).all():
+        return (f"no case could be judged: all {len(notes)} compared cases are unclear ({NO_VALID_TIME}), so"
+                " regressions are not ruled out; check how those runs were timed")  # fmt: skip
+    if notes.str.startswith(FEW_REPLAYS).all():
+        advice = (f"time both runs with --replays {MIN_REPLAYS} or more (100 recommended; each case's note says"
+                  " which run had fewer)")  # fmt: skip
+    else:
+        advice = "re-run with more --replays on a quiet GPU"
+    why = _unclear_why(notes, threshold_pct)
+    return (f"no case could be judged: all {len(notes)} compared cases are unclear ({why}), so regressions are"
+            f" not ruled out; {advice}")  # fmt: skip
 
 
 def _key_hint(cur_ix: dict, base_ix: dict) -> str:

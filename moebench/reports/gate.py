@@ -66,7 +66,7 @@ def interrupted_exit(frame, manifest: dict, path, signals: list[int]) -> tuple[s
     was interrupted (its manifest says so), else None. `signals`: those this
     process got (the last counts), else the one a sharded sweep's worker got
     (the manifest's interrupt_signal), else SIGINT."""
-    from moebench.bench.interrupt import interrupted_rows
+    from moebench.reports.store import interrupted_rows
 
     if not manifest.get("interrupted"):
         return None

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from moebench.reports.mismatch import run_mismatches
+
 RESULTS = "results.parquet"
 MANIFEST = "manifest.json"
 #: Columns every stored run has (DESIGN.md "Store").
@@ -31,8 +33,18 @@ REQUIRED_COLUMNS = (
     "tactic", "status", "error", "median_us", "p10_us", "p90_us", "unique_experts", "bytes", "gbps",
     "pct_copy_bw", "pct_size_ceiling", "max_rel_err", "device", "sm_count", "commit",
 )  # fmt: skip
+#: The error of a case a sweep or step did not reach because it was interrupted (stored skipped).
+INTERRUPTED = "not run: interrupted (Ctrl-C or SIGTERM) before this case"
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 _TABLE = re.compile(r"^[a-z][a-z0-9_]{0,39}$")
+
+
+def interrupted_rows(frame: pd.DataFrame) -> pd.Series:
+    """Boolean Series over a results frame's rows: the cases an interrupt left
+    unrun (error INTERRUPTED); all False for a frame without an error column."""
+    if "error" not in frame.columns:
+        return pd.Series(False, index=frame.index)
+    return frame["error"].astype(str) == INTERRUPTED
 
 
 def _json_default(value):
@@ -380,8 +392,6 @@ def merge_runs(paths) -> tuple[pd.DataFrame, dict]:
                     f"runs differ in {key!r}: {first_path} has {first.get(key)!r}, {path} has"
                     f" {manifest.get(key)!r}; merge only runs of one {key}"
                 )
-    from moebench.reports.compare import run_mismatches  # compare imports this module
-
     for path, _, manifest in parts[1:]:  # one manifest speaks for the merged run: what `report --baseline` tells apart
         mismatches, _ = run_mismatches(manifest, first)
         if mismatches:

@@ -255,10 +255,10 @@ def _tune_ranks(plan, target: Path, force: bool, budget, jobs, log, finished, pr
     outcome, its tables written, its problems) per config in the plan's
     order, and the configs not delivered added to `problems`. Returns the
     (config, outcome) of every config delivered (rank 0), else None."""
-    from moebench.bench.launch import Job, rank_main
-    from moebench.tuning.share import TuneJob
+    from moebench.bench.launch import rank_main
+    from moebench.tuning.share import tune_job
 
-    gathered = rank_main(Job("tune", TuneJob(plan, budget, jobs, log)))
+    gathered = rank_main(tune_job(plan, budget, jobs, log))
     if gathered is None:
         return None
     tables, conflicts = merge_tables([t for _, outcome in gathered.done for t in outcome.tables])

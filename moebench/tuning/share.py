@@ -1,9 +1,10 @@
 """`moebench tune` under torchrun: each rank's share of the tuning configs
 and the gathering of what the ranks tuned.
 
-The ranks run `bench.launch.rank_main` with a Job of kind "tune" whose
-config is a `TuneJob`: the results store, the heartbeats, the end words
-and rank 0's wait are the sweep's. A rank tunes its share (`share_of`:
+The ranks run `bench.launch.rank_main` with the Job `tune_job` makes:
+its config a `TuneJob`, its rank program `tune_share`, its merge
+`merge_tune`; the results store, the heartbeats, the end words and rank
+0's wait are the sweep's. A rank tunes its share (`share_of`:
 whole TuneConfigs, one per (preset, TP degree), dealt round-robin in the
 plan's priority order: no cost of a config is known before its tactics are
 counted on the GPU) on its own GPU, and puts each config's outcome into the
@@ -18,6 +19,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+
+from moebench.bench.merge import Job, RankReport, undelivered
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,12 @@ class Gathered:
     problems: list[str] = field(default_factory=list)
 
 
+def tune_job(plan, budget: float | None = None, jobs: int | None = None,
+             progress: Callable[[str], None] | None = None) -> Job:  # fmt: skip
+    """The launch Job of a tune of `plan` over ranks (TuneJob's fields)."""
+    return Job("tune", TuneJob(plan, budget, jobs, progress), tune_share, merge_tune)
+
+
 def share_of(count: int, world: int) -> list[list[int]]:
     """The config indices (0..count-1) of each of `world` ranks, round-robin."""
     if world < 1:
@@ -55,17 +64,19 @@ def share_of(count: int, world: int) -> list[list[int]]:
     return [list(range(rank, count, world)) for rank in range(world)]
 
 
-def tune_share(job: TuneJob, rank: int, world: int, device, box) -> bool:
-    """Tune rank `rank`'s share of `job` on `device` (a torch.device: its
-    GPU, whose index the configs are given; on the CPU they keep the
-    plan's), each config's outcome put into the store (`box`, a
-    launch.Outbox) when tuned. Without --jobs the rank compiles with its
-    part of the host's cores (precompile.default_jobs over LOCAL_WORLD_SIZE). False (an interrupt raises KeyboardInterrupt
-    to rank_main, which tells the store)."""
+def tune_share(job: Job, rank: int, world: int, device, box) -> bool:
+    """Tune rank `rank`'s share of `job` (its config a TuneJob) on `device`
+    (a torch.device: its GPU, whose index the configs are given; on the CPU
+    they keep the plan's), each config's outcome put into the store (`box`,
+    a launch.Outbox) when tuned. Without --jobs the rank compiles with its
+    part of the host's cores (precompile.default_jobs over
+    LOCAL_WORLD_SIZE). False (an interrupt raises KeyboardInterrupt to
+    rank_main, which tells the store)."""
     from moebench.tuning import runner
     from moebench.tuning.precompile import default_jobs
 
-    configs = job.plan.configs()
+    tune: TuneJob = job.config
+    configs = tune.plan.configs()
     mine = share_of(len(configs), world)[rank]
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))  # ranks on this host, sharing its cores
     if not mine:
@@ -80,18 +91,16 @@ def tune_share(job: TuneJob, rank: int, world: int, device, box) -> bool:
         delivered.append(i)
         box.put("progress", len(delivered))
 
-    runner.tune_many([configs[i] for i in mine], budget=runner.Budget(job.budget),
-                     jobs=default_jobs(local) if job.jobs is None else job.jobs, progress=job.progress,
+    runner.tune_many([configs[i] for i in mine], budget=runner.Budget(tune.budget),
+                     jobs=default_jobs(local) if tune.jobs is None else tune.jobs, progress=tune.progress,
                      on_outcome=deliver)  # fmt: skip
     return False
 
 
-def merge_tune(job, reports: Sequence, stopped: str | None = None) -> Gathered:
-    """Gather the ranks' outcomes (launch.RankReport pieces) of `job` (a
-    launch Job of kind "tune") in the plan's order; each config a rank did
-    not deliver named with merge._failure's reason."""
-    from moebench.bench.merge import _failure
-
+def merge_tune(job: Job, reports: Sequence[RankReport], stopped: str | None = None) -> Gathered:
+    """Gather the ranks' outcomes (RankReport pieces) of `job` (`tune_job`'s)
+    in the plan's order; each config a rank did not deliver named with
+    merge.undelivered's reason."""
     configs = job.config.plan.configs()
     shares = share_of(len(configs), len(reports))
     got: dict[int, tuple] = {}
@@ -102,7 +111,7 @@ def merge_tune(job, reports: Sequence, stopped: str | None = None) -> Gathered:
                 got[item["index"]] = (item["config"], item["outcome"])
         missing = [i for i in share if i not in got]
         if missing:
-            _, why = _failure(report, stopped)
+            _, why = undelivered(report, stopped)
             names = ", ".join(f"{configs[i].preset} TP{configs[i].tp[0]} {configs[i].family}" for i in missing)
             problems.append(f"not tuned: {names}: {why}")
     return Gathered([got[i] for i in sorted(got)], problems)

@@ -120,7 +120,7 @@ def _pool(tactic, runs: list[Measurement]) -> Measurement:
     return Measurement(tactic, med, p10, p90, len(runs))
 
 
-def tune(
+def tune(  # noqa: C901 - owned by layer-plan, removed when it lands
     shape,
     rows_list: Sequence[int],
     candidates: Sequence[GemmTactic] | Callable[[object, int], Sequence[GemmTactic]],

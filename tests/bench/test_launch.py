@@ -4,6 +4,7 @@ elastic launch with stand-in GPUs (MOEBENCH_FAKE_GPU: the ranks run on the
 CPU) and stand-in piece runners. torchrun itself: test_torchrun.py."""
 
 import os
+import pickle
 import signal
 import time
 
@@ -14,9 +15,10 @@ from typer.testing import CliRunner
 from moebench.bench import launch, run
 from moebench.bench.cases import SweepConfig, expand_cases
 from moebench.bench.interrupt import INTERRUPTED
-from moebench.bench.merge import Job, RankReport, merge_step, merge_sweep
+from moebench.bench.merge import Job, RankReport
 from moebench.bench.pipeline import case_row
 from moebench.bench.shard import plan_shards
+from moebench.bench.sweep_ranks import merge_sweep, sweep_job, sweep_share
 from moebench.cli import app
 from moebench.reports.store import read_run
 
@@ -52,7 +54,7 @@ def _job(**over):
     kw = dict(presets=("dsv4-flash",), tp=(1, 2), rows=(1, 2), scenarios=("uniform",), backends=("a", "b"),
               device="cpu", reduced=False)  # fmt: skip
     kw.update(over)
-    return Job("sweep", SweepConfig(**kw))
+    return sweep_job(SweepConfig(**kw))
 
 
 def _delivered(job, world, rank, **end):
@@ -61,6 +63,25 @@ def _delivered(job, world, rank, **end):
     rows = fake_runner([c for c in cases if c.backend != "die"], "cpu").to_dict("records")
     return RankReport(rank, {"host": "h0", "gpu_index": rank, "gpu_serial": f"s{rank}"}, [{"rows": rows, "info": {}}],
                       end or {"status": "done"})  # fmt: skip
+
+
+def test_a_job_carries_its_rank_program_and_merge_and_travels_pickled():
+    """The launcher runs what the job carries; a launched job reaches its
+    ranks pickled, so both are module-level functions."""
+    from moebench.bench.decode_step import merge_step, step_config, step_job, step_rank
+
+    job = _job()
+    assert (job.kind, job.run, job.merge, job.collective) == ("sweep", sweep_share, merge_sweep, False)
+    step = step_job(step_config(tp=2, ranks=2, device="cpu"))
+    assert (step.run, step.merge, step.collective) == (step_rank, merge_step, True)
+    for launched in (job, step):
+        assert pickle.loads(pickle.dumps(launched)) == launched
+    with pytest.raises(TypeError, match="run must be callable"):
+        Job("sweep", job.config, "sweep_share", merge_sweep)
+    with pytest.raises(TypeError, match="merge must be callable"):
+        Job("sweep", job.config, sweep_share, None)
+    with pytest.raises(ValueError, match="kind must be a non-empty str"):
+        Job("", job.config, sweep_share, merge_sweep)
 
 
 def test_merge_of_two_ranks_holds_every_case_once_in_order_with_where_it_ran():
@@ -95,7 +116,7 @@ def test_a_rank_that_did_not_deliver_leaves_its_cases_failed_or_skipped(end, fai
 def test_a_step_rank0_that_died_leaves_every_tactic_of_all_failed():
     """Rank 0 delivered its 'gather' rows and died before the 'all' ones:
     a failed row for each tactic 'all' stands for (never the name 'all')."""
-    from moebench.bench.decode_step import step_cases, step_config
+    from moebench.bench.decode_step import merge_step, step_cases, step_config, step_job
 
     cfg = step_config(presets=("dsv4-flash",), hidden=256, intermediate=256, experts=32, top_k=4, tp=2, ranks=2,
                       rows=(1, 4), backends=("torch-bf16",), tactics=("gather", "all"), device="cpu")  # fmt: skip
@@ -103,7 +124,7 @@ def test_a_step_rank0_that_died_leaves_every_tactic_of_all_failed():
     mine = [case_row("step", c, {"rank": 0}, status="ok", median_us=1.0) for c in cases if c.tactic == "gather"]
     reports = [RankReport(0, {"host": "h"}, [{"rows": mine, "info": {}}], {"status": "error", "error": "boom"}),
                RankReport(1, {"host": "h"}, [], {"status": "done"})]  # fmt: skip
-    res = merge_step(Job("step", cfg), reports)
+    res = merge_step(step_job(cfg), reports)
     got = sorted(zip(res.frame["rows"], res.frame["tactic"], res.frame["status"]))
     assert got == sorted((c.rows, c.tactic, "ok" if c.tactic == "gather" else "failed") for c in cases)
     assert "all" not in set(res.frame["tactic"]) and len({c.tactic for c in cases}) > 1

@@ -10,34 +10,19 @@ build and read) and `moe_output` (the contract their output fills). Those
 core modules import only one another. Every import is counted: module-level
 and deferred (inside functions), absolute and relative."""
 
-import ast
 from pathlib import Path
 
 import pytest
+from import_graph import PACKAGE, imports_of, modules  # tests/import_graph.py (tests/: conftest.py's folder)
 
-PACKAGE = Path(__file__).resolve().parents[2] / "moebench"
 #: The core below the kernels.
 CORE = {"moebench.models", "moebench.formats", "moebench.routing", "moebench.record", "moebench.moe_output"}
 
 
-def moebench_imports(path: Path, package: str) -> set[str]:
-    """The moebench modules `path` (a module of `package`) imports anywhere in
-    its body; `from moebench import x` counts as moebench.x unless x is a dunder."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            if module == "moebench" or (node.level and not node.module):
-                out.update(module if a.name.startswith("__") else f"{module}.{a.name}" for a in node.names)
-            else:
-                out.add(module)
-    return {m for m in out if m == "moebench" or m.startswith("moebench.")}
+def moebench_imports(path: Path) -> set[str]:
+    """The moebench modules `path` imports anywhere in its body (tests/import_graph.py, whose own test is
+    tests/test_imports.py's); the package root (`__version__`) counts as 'moebench'."""
+    return set(imports_of(path, set(modules())))
 
 
 def _above(imported: set[str], allowed) -> list[str]:
@@ -46,7 +31,7 @@ def _above(imported: set[str], allowed) -> list[str]:
 
 @pytest.mark.parametrize("path", sorted((PACKAGE / "kernels").glob("*.py")), ids=lambda p: p.name)
 def test_kernels_import_nothing_above_them(path):
-    imported = moebench_imports(path, "moebench.kernels")
+    imported = moebench_imports(path)
     above = _above(imported - {"moebench"}, {"moebench.kernels", *CORE})
     assert not above, f"moebench/kernels/{path.name} imports {above}, above the kernels' floor"
 
@@ -54,29 +39,5 @@ def test_kernels_import_nothing_above_them(path):
 @pytest.mark.parametrize("name", sorted(CORE))
 def test_the_core_below_the_kernels_imports_only_the_core(name):
     path = PACKAGE / (name.split(".")[1] + ".py")
-    above = _above(moebench_imports(path, "moebench") - {"moebench"}, CORE)
+    above = _above(moebench_imports(path) - {"moebench"}, CORE)
     assert not above, f"{name} imports {above}: it would lift the kernels' floor"
-
-
-def test_the_import_walk_sees_every_form(tmp_path):
-    """The walker itself: deferred, relative and package-root imports count."""
-    src = tmp_path / "mod.py"
-    src.write_text(
-        "import moebench.bench.sweep\nfrom moebench import __version__, tuning\n"
-        "def f():\n    from ..backends import registry\n    from .tactic import GemmTactic\n"
-        "    from . import gemm\n    import torch\n"
-    )
-    found = moebench_imports(src, "moebench.kernels")
-    assert found == {
-        "moebench.bench.sweep",
-        "moebench",
-        "moebench.tuning",
-        "moebench.backends",
-        "moebench.kernels.tactic",
-        "moebench.kernels.gemm",
-    }
-    assert _above(found - {"moebench"}, {"moebench.kernels", *CORE}) == [
-        "moebench.backends",
-        "moebench.bench.sweep",
-        "moebench.tuning",
-    ]

@@ -4,9 +4,9 @@ pure: torchrun itself is test_tune_torchrun.py."""
 import pytest
 
 from moebench.bench.interrupt import INTERRUPTED
-from moebench.bench.merge import Job, RankReport
+from moebench.bench.merge import RankReport
 from moebench.tuning.plan import TunePlan
-from moebench.tuning.share import TuneJob, merge_tune, share_of
+from moebench.tuning.share import merge_tune, share_of, tune_job, tune_share
 
 
 def test_share_of_deals_the_configs_round_robin():
@@ -24,7 +24,8 @@ def _delivered(rank, indices, configs, end="done"):
 
 def test_merge_tune_gathers_in_plan_order_and_names_what_was_not_delivered():
     plan = TunePlan(("dsv41-flash", "dsv4-pro"), (2, 4), {"layers": 2})
-    job = Job("tune", TuneJob(plan))
+    job = tune_job(plan)
+    assert (job.kind, job.run, job.merge) == ("tune", tune_share, merge_tune)  # what the launcher runs
     configs = plan.configs()  # flash TP2, flash TP4, pro TP2, pro TP4: ranks 0, 1, 2, 0
     reports = [_delivered(0, [0, 3], configs), _delivered(1, [], configs, end=None),
                _delivered(2, [2], configs, end="interrupted")]  # fmt: skip
