@@ -162,7 +162,9 @@ class GemmTactic:
       its own fresh result, and the two results are added in fp32 before the
       scaling. Both planes commit in the chunk's group, so any mma_depth
       works. The bulk ring only (the register load path's two register
-      stages leave no room for the second plane's results: ptxas spills);
+      stages leave no room for the second plane's results: ptxas spills;
+      128-row items at unroll 4 keep 16 results in flight, which ptxas
+      serializes: correct, slower);
       GEMM2 refuses it (`valid_for`: its output is not requantized), so do
       the fused tactics. Name suffix `_p<planes>`.
     """
