@@ -367,14 +367,17 @@ def test_fp8_space_holds_valid_fp8_tactics_the_default_first():
                     ctas = max_ctas(rows, shape.top_k, shape.experts)
                     ts = valid_tactics(g, stage, ctas, space=FP8_SPACES["ship"])
                     assert ts[0] == default_fp8_tactic(g, stage, ctas) and len(set(ts)) == len(ts)
-                    # GEMM1: 10 + 2 cluster twins (cluster_k 2), each with its spec twin, + 2 pipelined,
-                    # each of those with its two-plane twin where one fits
-                    assert 2 <= len(ts) <= (52 if stage == 1 else 11) and all(t.fp8 and t.split_k == 1 for t in ts)
+                    # GEMM1: 10 + 2 cluster twins (cluster_k 2), each with its spec twin, + the pipelined
+                    # twin (mma_depth 1) of each bulk default (at most 2 per stage); GEMM1: each of those
+                    # with its two-plane twin where one fits
+                    assert 2 <= len(ts) <= (56 if stage == 1 else 13) and all(t.fp8 and t.split_k == 1 for t in ts)
+                    assert stage == 1 or not any(t.cluster_k > 1 for t in ts)
                     one = [t for t in ts if t.planes == 1]
                     twins = {two_plane_twin(t, g) for t in one} - {None} if stage == 1 else set()
                     assert {t for t in ts if t.planes == 2} == twins, (preset, tp, rows)
-                    assert stage == 1 or not any(t.cluster_k > 1 for t in ts)
-                    if stage == 1:  # the spec twin of each bulk-ring tactic with PDL (before the pipelined ones)
+                    piped = [t for t in one if t.mma_depth]
+                    assert all(replace(t, mma_depth=0) in ts for t in piped) and len(piped) <= 2
+                    if stage == 1:  # the spec twin of each bulk-ring tactic with PDL
                         plain = [t for t in one if not t.spec and not t.mma_depth]
                         assert {t for t in one if t.spec} == {replace(t, spec=True) for t in plain if t.bulk and t.pdl}
                     assert all(fp8_why_invalid(t, g, stage) is None for t in ts), (preset, tp, stage)
