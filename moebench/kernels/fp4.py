@@ -292,3 +292,39 @@ def load_partial(ptr) -> Float32:
     """fp32 load of a split-K partial written by another CTA: ld.relaxed.gpu
     (coherent at GPU scope, never a stale L1 line)."""
     return cute.arch.load(ptr, Float32, sem="relaxed", scope="gpu")
+
+
+# ---------------------------------------------------------------------- two-plane GEMM1
+@cute.jit
+def byte_max_7f(a: Uint32, b: Uint32) -> Uint32:
+    """Byte-wise max of two words whose bytes are all <= 0x7F (4 integer
+    instructions): 0x80 + a_i - b_i never borrows across bytes, its top bit
+    says a_i >= b_i, and PRMT's sign-replicate selector spreads it to a byte mask."""
+    m = prmt((a | Uint32(0x80808080)) - b, 0xBA98)
+    return (a & m) | (b & ~m)
+
+
+@cute.jit
+def split_planes(words, shift: cutlass.Constexpr[int]):
+    """The 8 words (32 e4m3 bytes) of one token's 32-K block -> (hi, lo), 8
+    words each, hi + lo = words byte for byte: hi keeps the bytes whose
+    magnitude (byte & 0x7F, monotone in |value|) is >= the block's largest
+    - 8 x `shift` (|x| >= block max x 2^-shift: 8 codes per binade in the
+    normal range, where an MXFP8 block's largest element always lies), lo
+    the others, zeros elsewhere. A NaN byte (0x7F) is the largest: hi."""
+    mags = []
+    for i in cutlass.range_constexpr(8):
+        mags.append(words[i] & Uint32(0x7F7F7F7F))
+    m = mags[0]
+    for i in cutlass.range_constexpr(1, 8):
+        m = byte_max_7f(m, mags[i])
+    m = byte_max_7f(m, m >> Uint32(16))
+    m = byte_max_7f(m, m >> Uint32(8)) & Uint32(0xFF)
+    # byte >= T  <=>  byte + (128 - T) has its top bit (T = max(m - 8 shift, 0), so no carry out)
+    bias = (Uint32(128 + 8 * shift) - cutlass.max(m, Uint32(8 * shift))) * Uint32(0x01010101)
+    hi, lo = [], []
+    for i in cutlass.range_constexpr(8):
+        h = words[i] & prmt(mags[i] + bias, 0xBA98)
+        hi.append(h)
+        lo.append(words[i] ^ h)
+    return hi, lo

@@ -95,6 +95,11 @@ class FusedTactic:
                     f"GEMM{stage} tactic {t.name} must run one CTA per SM without split_k, cluster_k, spec or"
                     " mma_depth (the fused grid is one CTA per SM; its consumers do not pipeline)"
                 )
+            if t.planes != 1:
+                return (
+                    f"GEMM{stage} tactic {t.name}: the fused layer stages one activation plane (planes 2, the"
+                    " two-plane GEMM1, runs in the pair only)"
+                )
             reason = t.valid_for(s, stage)
             if reason:
                 return f"GEMM{stage} tactic {t.name}: {reason}"

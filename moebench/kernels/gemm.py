@@ -67,7 +67,8 @@ from moebench.kernels.host import HAVE_DSL, check_tensor, cu_stream, kernel_args
 from moebench.kernels.layout import KernelWeights
 from moebench.kernels.limits import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from moebench.kernels.tactic import (
-    SPEC_WORDS, GemmShape, GemmTactic, cluster_landing_bytes, default_tactic, smem_bytes, workspace_parts,
+    PLANE_SHIFT, SPEC_WORDS, GemmShape, GemmTactic, cluster_landing_bytes, default_tactic, smem_bytes,
+    workspace_parts,
 )  # fmt: skip
 from moebench.record import TILE, route_words
 
@@ -111,15 +112,16 @@ if HAVE_DSL:
             a.fill(0.0)
         return tiled_mma, rA, rB, tCrA, tCrB, acc
 
-    def wgmma_fp8_fragments(n_mma: int, m_tiles: int):
+    def wgmma_fp8_fragments(n_mma: int, m_tiles: int, planes: int = 1):
         """(tiled_mma, rA, tCrA, acc, tmp) of the fp8 tactics: wgmma
         m64n8k32 e4m3 x e4m3 (fp32) with A from registers, B (the 8 token
         rows) from shared memory. Per thread: `n_mma` A fragments (16 e4m3:
         rA[i][0..3] = row g k 4c.., row g+8, row g k 16+4c.., row g+8, for
         the warp's 16 rows of the 64: the per-warp order of mma.sync
-        m16n8k32) and as many fp32 result fragments `tmp` (one per MMA in
-        flight), and `m_tiles` accumulators `acc` (zeroed; one per 16-row
-        m-tile of the warp), each (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)."""
+        m16n8k32) and `planes` x as many fp32 result fragments `tmp` (one per
+        MMA in flight: tmp[p * n_mma + i] is fragment i's MMA on B plane p),
+        and `m_tiles` accumulators `acc` (zeroed; one per 16-row m-tile of
+        the warp), each (g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)."""
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             Float8E4M3FN,
             Float8E4M3FN,
@@ -134,7 +136,7 @@ if HAVE_DSL:
         shape_c = tiled_mma.partition_shape_C((64, 8))
         tCrA = [tiled_mma.make_fragment_A(tiled_mma.partition_shape_A((64, 32))) for _ in range(n_mma)]
         rA = [cute.recast_tensor(t, Uint32) for t in tCrA]
-        tmp = [cute.make_rmem_tensor(shape_c, Float32) for _ in range(n_mma)]
+        tmp = [cute.make_rmem_tensor(shape_c, Float32) for _ in range(planes * n_mma)]
         acc = [cute.make_rmem_tensor(shape_c, Float32) for _ in range(m_tiles)]
         for a in acc:
             a.fill(0.0)
@@ -238,9 +240,11 @@ if HAVE_DSL:
             self.bulk = t.bulk
             self.a16 = t.act_bf16
             self.fp8 = t.fp8
+            self.planes = t.planes  # B planes of the fp8 activation tile (two-plane GEMM1: 2)
             self.aw = 4 if self.a16 else 2  # activation words per lane and chunk
             # fp8: the unit's 8 activation rows (e4m3, wgmma K-major "interleave" layout: 16-byte
-            # units q = 8 * (k slot // 16) + n at byte 16 q) and their fp32 scales [chunk][token]
+            # units q = 8 * (k slot // 16) + n at byte 16 q; one tile per plane) and their fp32 scales
+            # [chunk][token]
             self.block_threads = self.threads
             if self.bulk:
                 self.ks = self.u * self.wk  # K chunks per bulk stage
@@ -392,7 +396,11 @@ if HAVE_DSL:
             fp32 2^(s-121) [chunk][token]; thread tid serves token tid % 8.
             Split-K or a cluster: only this unit's / this rank's K slice.
             `coherent`: the rows were written by other CTAs of this grid (the
-            fused layer's H): ld.relaxed.gpu, never a stale L1 line."""
+            fused layer's H): ld.relaxed.gpu, never a stale L1 line.
+            `sB32`: the B tile's address, or one per plane (a tuple): with two
+            (two-plane GEMM1) each 32-K block is split (`fp4.split_planes`)
+            into the hi plane (tile 0) and the lo plane (tile 1)."""
+            planes = tuple(sB32) if isinstance(sB32, (tuple, list)) else (sB32,)
             item, ch_lo = self.unit_item(unit, 0)
             ch_lo = ch_lo + rank * self.nch_c
             tile = item // self.blocks
@@ -415,9 +423,12 @@ if HAVE_DSL:
                     else:
                         lo = fp4.load_u32x4(src + ch * 8, "evict_last")
                         hi = fp4.load_u32x4(src + ch * 8 + 4, "evict_last")
-                    unit0 = sB32 + (16 * ch + n) * 4  # 16-byte unit q = 8 * (2 ch) + n
-                    st_shared_u32x4(unit0, lo[0], lo[2], hi[0], hi[2])
-                    st_shared_u32x4(unit0 + 32, lo[1], lo[3], hi[1], hi[3])
+                    if cutlass.const_expr(len(planes) == 2):
+                        p_hi, p_lo = fp4.split_planes([*lo, *hi], PLANE_SHIFT)  # words 0..7 of the block
+                        self.store_block(planes[0], ch, n, p_hi)
+                        self.store_block(planes[1], ch, n, p_lo)
+                    else:
+                        self.store_block(planes[0], ch, n, [*lo, *hi])
             srcs = p_as + row * self.nch + ch_lo
             for q in cutlass.range_constexpr(0, 8 * self.nch_c, self.threads):
                 if tid + q < 8 * self.nch_c:
@@ -427,6 +438,15 @@ if HAVE_DSL:
                         code = Uint32(cute.arch.load(srcs + (tid + q) // 8, Uint8))
                     code = code & Uint32(0xFF)
                     sXs[ch_lo * 8 + tid + q] = fp4.act_scale_f32(code)
+
+        @cute.jit
+        def store_block(self, sB32, ch, n, words):
+            """Token n's 32-K block `ch` (its 8 words in k order) into the B
+            tile at sB32: 16-byte unit q = 8 * (2 ch) + n holds words 0, 2, 4, 6,
+            unit q + 8 words 1, 3, 5, 7 (`stage_acts`)."""
+            unit0 = sB32 + (16 * ch + n) * 4
+            st_shared_u32x4(unit0, words[0], words[2], words[4], words[6])
+            st_shared_u32x4(unit0 + 32, words[1], words[3], words[5], words[7])
 
         @cute.jit
         def decode_chunk(self, rA, st_w, j: cutlass.Constexpr[int]):
@@ -447,8 +467,10 @@ if HAVE_DSL:
             """fp8 tactics: acc += the finished results tmp[tm * j + tt] of
             global K chunk `ch` x weight scale (word sv: rows g / g+8) x
             activation scale (tokens 2c / 2c+1, fp32 from shared memory); not
-            in the "mma" probe."""
+            in the "mma" probe. Two planes: the result is the sum of the
+            two planes' results (fp32 adds), then scaled alike."""
             tm = self.tm if self.probe != "mma" else 0
+            n_mma = self.tm * self.u  # tmp[n_mma + i]: fragment i's lo-plane result
             if cutlass.const_expr(tm > 0):
                 xs0 = sXs[ch * 8 + 2 * c]
                 xs1 = sXs[ch * 8 + 2 * c + 1]
@@ -456,6 +478,9 @@ if HAVE_DSL:
                 wg = fp4.weight_scale_f32(sv, 2 * tt, self.wide)
                 w8 = fp4.weight_scale_f32(sv, 2 * tt + 1, self.wide)
                 t, a = tmp[tm * j + tt], acc[tt]
+                if cutlass.const_expr(self.planes == 2):
+                    u = tmp[n_mma + tm * j + tt]  # the lo plane's result: hi + lo in fp32
+                    t = [t[0] + u[0], t[1] + u[1], t[2] + u[2], t[3] + u[3]]
                 if cutlass.const_expr(self.wide):
                     # special codes: the scale product first (a weight scale near 2^-127
                     # times a small MMA sum would go subnormal and lose bits)
@@ -474,16 +499,22 @@ if HAVE_DSL:
             """fp8 tactics: the wgmma(s) of chunk j (global K chunk ch + j) into
             tmp[tm * j + tt]; in the "math" probe a register copy of its A
             fragments instead (the decode stays live, no MMA); in the "mma"
-            probe into the accumulator acc[tt] (nothing else reads the results)."""
-            for tt in cutlass.range_constexpr(self.tm):
-                i = self.tm * j + tt
-                if cutlass.const_expr(self.probe == "math"):
-                    for x in cutlass.range_constexpr(4):
-                        tmp[i][x] = fp4.bits_f32(rA[i][x])
-                elif cutlass.const_expr(self.probe == "mma"):  # into acc: the results stay live, unscaled
-                    cute.gemm(tiled_mma, acc[tt], tCrA[i][None, None, 0], tCrB[None, None, ch + j], acc[tt])
-                else:
-                    cute.gemm(tiled_mma, tmp[i], tCrA[i][None, None, 0], tCrB[None, None, ch + j], tmp[i])
+            probe into the accumulator acc[tt] (nothing else reads the results).
+            `tCrB`: the B fragment, or one per plane (a tuple): plane p's
+            wgmma, sharing the A fragment, into tmp[p * tm * unroll + tm * j + tt]."""
+            planes = tuple(tCrB) if isinstance(tCrB, (tuple, list)) else (tCrB,)
+            for p in cutlass.range_constexpr(len(planes)):
+                b = planes[p]
+                for tt in cutlass.range_constexpr(self.tm):
+                    i = self.tm * j + tt
+                    r = tmp[p * self.tm * self.u + i]
+                    if cutlass.const_expr(self.probe == "math"):
+                        for x in cutlass.range_constexpr(4):
+                            r[x] = fp4.bits_f32(rA[i][x])
+                    elif cutlass.const_expr(self.probe == "mma"):  # into acc: the results stay live, unscaled
+                        cute.gemm(tiled_mma, acc[tt], tCrA[i][None, None, 0], b[None, None, ch + j], acc[tt])
+                    else:
+                        cute.gemm(tiled_mma, r, tCrA[i][None, None, 0], b[None, None, ch + j], r)
 
         def mma_sync_op(self, op: str, n: int = 0) -> None:
             """warpgroup fence / commit_group / wait_group(n) (trace-time
@@ -796,13 +827,10 @@ if HAVE_DSL:
             smem = cutlass.memory.SmemAllocator()
             sP = smem.allocate_tensor(Float32, cute.make_layout((self.tm * 128, self.nw, 2)), byte_alignment=16)
             if cutlass.const_expr(self.fp8):
-                tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(self.tm * U, self.tm)
-                atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, Float8E4M3FN)
-                layout_b = cute.tile_to_shape(atom, (8, self.k), order=(0, 1))
-                sB = smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)
-                sB32 = cute.recast_ptr(sB.iterator, dtype=Uint32)
+                tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(self.tm * U, self.tm, self.planes)
+                sB = self.alloc_b_tile(smem)
                 sXs = smem.allocate_tensor(Float32, cute.make_layout((8 * self.nch,)), byte_alignment=16)
-                tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
+                sB32, tCrB = self.b_views(tiled_mma, sB, tid)
             else:
                 tiled_mma, rA, rB, tCrA, tCrB, acc = self.mma_fragments()
                 st_a = [cute.make_rmem_tensor((self.aw * U,), Uint32) for _ in range(2)]
@@ -953,9 +981,7 @@ if HAVE_DSL:
                 scratch = smem.allocate_array(Uint32, SPEC_WORDS, byte_alignment=16)
             sB = sXs = None
             if cutlass.const_expr(self.fp8):
-                atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, Float8E4M3FN)
-                layout_b = cute.tile_to_shape(atom, (8, self.k), order=(0, 1))
-                sB = smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)
+                sB = self.alloc_b_tile(smem)
                 sXs = smem.allocate_tensor(Float32, cute.make_layout((8 * self.nch,)), byte_alignment=16)
             sL = cbars = None
             if cutlass.const_expr(self.cl > 1):
@@ -1235,6 +1261,28 @@ if HAVE_DSL:
                 wrap = Int32(b == NB)
                 b, unit = b - wrap * NB, unit + wrap * nblk
 
+        def alloc_b_tile(self, smem):
+            """fp8 tactics: the B tile of the unit's 8 activation rows in shared
+            memory (e4m3 [8, K], wgmma's K-major interleave layout), or with
+            two planes a tuple (hi, lo) of two (trace-time Python)."""
+            atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_INTER, Float8E4M3FN)
+            layout_b = cute.tile_to_shape(atom, (8, self.k), order=(0, 1))
+            tiles = tuple(
+                smem.allocate_tensor(Float8E4M3FN, layout_b.outer, byte_alignment=128, swizzle=layout_b.inner)
+                for _ in range(self.planes)
+            )
+            return tiles[0] if self.planes == 1 else tiles
+
+        def b_views(self, tiled_mma, sB, tid) -> tuple:
+            """(sB32, tCrB) of the B tile `sB` (`alloc_b_tile`): its Uint32
+            address (`stage_acts`) and this thread's wgmma B fragment
+            (`issue_chunk`); a tuple of each for a tuple of planes."""
+            if isinstance(sB, tuple):
+                views = [self.b_views(tiled_mma, b, tid) for b in sB]
+                return tuple(v[0] for v in views), tuple(v[1] for v in views)
+            tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
+            return cute.recast_ptr(sB.iterator, dtype=Uint32), tCrB
+
         def wgmma_consumer(self, act, act_s, sB, ctas: Int32, tid, warp) -> tuple:
             """The per-thread state of an fp8 consumer warp on the bulk ring
             (trace-time Python, before its loops): (wk, valid_at, slots_at,
@@ -1249,13 +1297,13 @@ if HAVE_DSL:
             U, tm = self.u, self.tm
             wm, wk = warp % self.wm, warp // self.wm
             words = (ctas + 3) // 4 * 4
-            tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(tm * U, tm)
+            tiled_mma, rA, tCrA, acc, tmp = wgmma_fp8_fragments(tm * U, tm, self.planes)
             if self.probe == "mma":  # no decode: the A fragments hold zeros throughout
                 for r in rA:
                     r.fill(0)
-            tCrB = tiled_mma.make_fragment_B(tiled_mma.get_slice(tid % 128).partition_B(sB))
+            sB32, tCrB = self.b_views(tiled_mma, sB, tid)
             return (wk, 4 + words, 4 + 2 * words, cute.recast_ptr(act, dtype=Uint32),
-                    cute.recast_ptr(act_s, dtype=Uint8), cute.recast_ptr(sB.iterator, dtype=Uint32), tiled_mma,
+                    cute.recast_ptr(act_s, dtype=Uint8), sB32, tiled_mma,
                     rA, tCrA, acc, tmp, tCrB, cute.make_rmem_tensor((4 * U,), Uint32),
                     cute.make_rmem_tensor((U,), Uint32), wm if tm == 2 else wm // 2,
                     0 if tm == 2 else wm % 2)  # fmt: skip

@@ -9,7 +9,7 @@ tactic can run a shape and why not.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from moebench.kernels.limits import SMEM_PER_CTA, SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from moebench.record import TILE
@@ -26,6 +26,11 @@ MAX_STAGES = 8
 MAX_CLUSTER_K = 8
 #: Most wgmma chunks in flight behind the one being issued (`mma_depth`).
 MAX_MMA_DEPTH = 3
+#: Binades below its 32-block's largest element down to which an activation
+#: element stays in a two-plane GEMM1's "hi" plane (`planes` 2): hi holds
+#: |x| >= block max x 2^-PLANE_SHIFT, i.e. (e4m3 byte & 0x7F) >= the
+#: block's largest such byte - 8 x PLANE_SHIFT (one binade = 8 codes).
+PLANE_SHIFT = 4
 #: Version of the tactic fields' meaning (tuning tables record it): bump it
 #: when the kernel changes what a field does, so tables written before are stale.
 TACTICS_VERSION = 1
@@ -147,6 +152,21 @@ class GemmTactic:
       (the unroll fragment slots of a step hold the chunks in flight). Same
       arithmetic in the same order as d = 0: the same bits. Name suffix
       `_d<d>`.
+    planes: fp8 GEMM1 only: 1 = one wgmma per 32-K block (the FP8 tensor
+      cores sum a block keeping ~13 bits below its largest product,
+      truncated, which moves ~0.3 % of H's bytes one e4m3 code: issue 36
+      item 4); 2 = two-plane GEMM1: each token's 32-element block of x is
+      staged twice in shared memory, a "hi" plane (elements >= 2^-4 of the
+      block's largest, `PLANE_SHIFT`) and a "lo" plane (the rest), zeros
+      elsewhere; per block two wgmmas share the A (weight) fragment, each into
+      its own fresh result, and the two results are added in fp32 before the
+      scaling. Both planes commit in the chunk's group, so any mma_depth
+      works. The bulk ring only (the register load path's two register
+      stages leave no room for the second plane's results: ptxas spills;
+      128-row items at unroll 4 keep 16 results in flight, which ptxas
+      serializes: correct, slower);
+      GEMM2 refuses it (`valid_for`: its output is not requantized), so do
+      the fused tactics. Name suffix `_p<planes>`.
     """
 
     tile_rows: int = 64
@@ -163,6 +183,7 @@ class GemmTactic:
     spec: bool = False
     cluster_k: int = 1
     mma_depth: int = 0
+    planes: int = 1
 
     def __post_init__(self) -> None:
         for flag in ("persistent", "pdl", "act_bf16", "fp8", "spec"):
@@ -180,6 +201,7 @@ class GemmTactic:
         _check_int("stages", self.stages, 0, MAX_STAGES)
         _check_int("cluster_k", self.cluster_k, 1, MAX_CLUSTER_K)
         _check_int("mma_depth", self.mma_depth, 0, MAX_MMA_DEPTH)
+        _check_int("planes", self.planes, 1, 2)
         if self.stages == 1:
             raise ValueError("stages must be 0 (register loads) or >= 2 (bulk-copy ring), got 1")
         if self.stages and self.split_k != 1:
@@ -201,6 +223,12 @@ class GemmTactic:
         if self.mma_depth >= self.unroll:
             raise ValueError(
                 f"mma_depth {self.mma_depth} must be less than unroll {self.unroll} (the fragment slots of a step)"
+            )
+        if self.planes != 1 and not (self.fp8 and self.stages):
+            raise ValueError(
+                f"planes {self.planes} (two-plane GEMM1: x split per 32-K block for the FP8 tensor cores' block"
+                f" sums) needs an fp8 tactic on the bulk ring, got fp8={self.fp8}, stages={self.stages} (the BF16"
+                " family's mma.sync sums are exact; the register load path has no registers for a second plane)"
             )
         if self.spec and not (self.fp8 and self.stages and self.pdl):
             raise ValueError(
@@ -309,6 +337,8 @@ class GemmTactic:
             return f"intermediate {s.intermediate} is not a multiple of 32"
         if self.spec and stage != 1:
             return "spec predicts GEMM1's first stages only (GEMM2 already streams before its wait)"
+        if self.planes != 1 and stage != 1:
+            return f"planes {self.planes} is GEMM1's fix only (GEMM2's output is not requantized to e4m3)"
         if stage == 1:
             if self.item_rows % 64:
                 return f"GEMM1 work items must cover whole 64-row gate/up blocks, got {self.item_rows} rows"
@@ -358,17 +388,17 @@ NAME_PARTS = (
     ("tile_rows", "r", True), ("warps_m", "_m", True), ("warps_k", "_k", True), ("unroll", "_u", True),
     ("ctas_per_sm", "_c", True), ("persistent", "_np", False), ("pdl", "_nopdl", False),
     ("split_k", "_s", False), ("stages", "_b", False), ("cluster_k", "_cl", False), ("mma_depth", "_d", False),
-    ("spec", "_sp", False),
+    ("planes", "_p", False), ("spec", "_sp", False),
     ("act_bf16", "_a16", False),
     ("fp8", "_f8", False),
 )  # fmt: skip
 #: What a name looks like (for messages).
 NAME_FORMAT = ("r<tile_rows>_m<warps_m>_k<warps_k>_u<unroll>_c<ctas_per_sm>[_np][_nopdl][_s<split_k>][_b<stages>]"
-               "[_cl<cluster_k>][_d<mma_depth>][_sp][_a16|_f8]")  # fmt: skip
+               "[_cl<cluster_k>][_d<mma_depth>][_p<planes>][_sp][_a16|_f8]")  # fmt: skip
 #: Fields every table tactic holds (schema 1's); the later ones default when absent.
 TABLE_REQUIRED = ("tile_rows", "warps_m", "warps_k", "unroll", "ctas_per_sm", "persistent", "pdl")
 #: Fields a table holds only where they differ from the default.
-TABLE_SPARSE = ("cluster_k", "mma_depth")
+TABLE_SPARSE = ("cluster_k", "mma_depth", "planes")
 _DEFAULTS = {f.name: f.default for f in fields(GemmTactic)}
 if sorted(f for f, _, _ in NAME_PARTS) != sorted(_DEFAULTS) or not set(TABLE_REQUIRED) <= set(_DEFAULTS):
     raise ImportError("NAME_PARTS / TABLE_REQUIRED must name GemmTactic's fields")  # a field added without its token
@@ -389,8 +419,9 @@ def smem_parts(tactic: GemmTactic, shape, stage: int) -> dict[str, int]:
     _check_stage(stage)
     k = GemmShape.of(shape).hidden if stage == 1 else GemmShape.of(shape).intermediate
     parts = {"the fp32 partial sums": partial_smem_bytes(tactic)}
-    if tactic.fp8:
-        parts["the fp8 activation tile"] = 8 * k + 128 + 8 * (k // 32) * 4 + 16
+    if tactic.fp8:  # one activation tile per plane (two-plane GEMM1: 2), one set of scales
+        tile = "the fp8 activation tile" + (f" ({tactic.planes} planes)" if tactic.planes > 1 else "")
+        parts[tile] = tactic.planes * (8 * k + 128) + 8 * (k // 32) * 4 + 16
     if tactic.bulk:
         spec = 4 * SPEC_WORDS if tactic.spec else 0
         parts[f"{tactic.stages} bulk stages"] = tactic.stages * (bulk_stage_bytes(tactic) + 16) + spec
@@ -426,6 +457,24 @@ def bulk_stage_bytes(tactic: GemmTactic) -> int:
         return 0
     pairs = tactic.warps_m * tactic.tile_rows // 32
     return pairs * tactic.warps_k * tactic.unroll * (512 + 32)
+
+
+def two_plane_twin(tactic: GemmTactic, shape) -> GemmTactic | None:
+    """The two-plane GEMM1 twin (`planes` 2) of `tactic` for `shape`: the
+    same tactic with planes 2, with fewer ring stages (down to 2) where the
+    second activation plane leaves no shared memory for all of them; None
+    where none runs GEMM1 of `shape` (not fp8 on the bulk ring, or it does
+    not fit at 2 stages either). A tactic with planes 2 already is its own twin."""
+    if not isinstance(tactic, GemmTactic):
+        raise TypeError(f"tactic must be a GemmTactic, got {type(tactic).__name__}")
+    s = GemmShape.of(shape)
+    if not (tactic.fp8 and tactic.bulk):
+        return None
+    for stages in range(tactic.stages, 1, -1):
+        twin = replace(tactic, planes=2, stages=stages)
+        if twin.valid_for(s, 1) is None:
+            return twin
+    return None
 
 
 def _check_stage(stage) -> None:

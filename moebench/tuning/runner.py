@@ -64,6 +64,7 @@ from moebench.record import ALL_ROWS, max_ctas
 from moebench.tuning.space import DEFAULT_FP8_SPACE, DEFAULT_SPACE, Fp8Space, TacticSpace, valid_tactics
 from moebench.tuning.stage_runner import (  # noqa: F401 - re-exported: the tune run's pieces, one import path
     FP8_H_EQUAL,
+    FP8_H_MARGIN,
     LAYER_SEED_STRIDE,
     MEMORY_FRACTION,
     GemmStageRunner,
@@ -525,6 +526,6 @@ def gains_markdown(records: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["Budget", "FP8_H_EQUAL", "GAIN_ROWS", "GemmStageRunner", "TuneConfig", "TuneOutcome", "copy_kernel_weights",
+__all__ = ["Budget", "FP8_H_EQUAL", "FP8_H_MARGIN", "GAIN_ROWS", "GemmStageRunner", "TuneConfig", "TuneOutcome", "copy_kernel_weights",
            "gains", "gains_markdown", "h_fp8_mismatch", "h_mismatch", "provenance", "require_tuning_device", "run_tune", "tune_many",
            "tuning_specs"]  # fmt: skip

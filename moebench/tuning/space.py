@@ -42,6 +42,7 @@ from moebench.kernels.limits import (
 )  # fmt: skip
 from moebench.kernels.tactic import (
     MAX_STAGES, MAX_WARPS, GemmShape, GemmTactic, default_fp8_tactic, default_tactic, partial_smem_bytes,
+    two_plane_twin,
 )  # fmt: skip
 from moebench.record import MAX_ROWS, MAX_TOP_K, max_ctas
 
@@ -276,7 +277,9 @@ class Fp8Space:
     max(2, `limit` / 4) 2-CTA cluster twins (`cluster_twins`) of its tactics
     at one CTA per SM (the defaults' first) joined it. Last, each stage's
     set gets the pipelined twin (`mma_depth` 1) of each default on the bulk
-    ring.
+    ring, and GEMM1's set the two-plane twin (`two_plane_twin`: `planes` 2,
+    fewer stages where it must) of each of its bulk tactics: the tuner's
+    check (`runner.FP8_H_MARGIN`) takes only those.
     """
 
     limit: int = 10
@@ -347,6 +350,9 @@ class Fp8Space:
         # the pipelined consumer (mma_depth 1, perf-notes session 23) of each default on the bulk ring
         piped = [replace(d, mma_depth=1) for d in defaults if d.bulk and d.unroll > 1]
         out += [t for t in piped if t not in out and fp8_why_invalid(t, s, stage) is None]
+        if stage == 1:  # the two-plane twin of each (issue 36 item 4): the one-plane GEMM1s miss FP8_H_MARGIN
+            twins = [two_plane_twin(t, s) for t in out]
+            out += [t for t in dict.fromkeys(twins) if t is not None and t not in out and not fp8_why_invalid(t, s, 1)]
         return tuple(out)
 
     @staticmethod

@@ -196,8 +196,10 @@ class GemmStageRunner:
             case["h_s"].fill_(0xFE)
             self._launch(self.kws[0], case, tactic)
             self._sync()
-            judge = h_fp8_mismatch if tactic.fp8 else h_mismatch
-            return judge(case["h_q"][:used], case["h_s"][:used], case["ref_q"][:used], case["ref_s"][:used])
+            got, want = (case["h_q"][:used], case["h_s"][:used]), (case["ref_q"][:used], case["ref_s"][:used])
+            if tactic.fp8:  # the numerics margin, not just a correct kernel: one-plane GEMM1s fail it
+                return h_fp8_mismatch(*got, *want, least=FP8_H_MARGIN)
+            return h_mismatch(*got, *want)
         case["out"].fill_(float("nan"))
         self._launch(self.kws[0], case, tactic)
         self._sync()
@@ -353,18 +355,25 @@ def h_mismatch(h_q: torch.Tensor, h_s: torch.Tensor, ref_q: torch.Tensor, ref_s:
     return None
 
 
-#: Share of H bytes an fp8 tactic must match exactly (`h_fp8_mismatch`).
+#: Share of H bytes an fp8 tactic must match exactly (`h_fp8_mismatch`): a correct kernel.
 FP8_H_EQUAL = 0.99
+#: ... and one the tuner takes (`GemmStageRunner.check`): the one-plane FP8 GEMM1 (~99.67 %
+#: on the H200) leaves no numerics margin at TP4 (issue 36 item 4); its two-plane twin
+#: (`planes` 2, CPU model ~99.99 %) keeps the design's 25 %.
+FP8_H_MARGIN = 0.999
 
 
-def h_fp8_mismatch(h_q: torch.Tensor, h_s: torch.Tensor, ref_q: torch.Tensor, ref_s: torch.Tensor) -> str | None:
+def h_fp8_mismatch(
+    h_q: torch.Tensor, h_s: torch.Tensor, ref_q: torch.Tensor, ref_s: torch.Tensor, least: float = FP8_H_EQUAL
+) -> str | None:
     """None when an fp8 tactic's GEMM1 H (uint8 e4m3 bytes [rows, I], uint8
     E8M0 scales [rows, I/32], rows of used tiles) matches the oracle's.
     Hopper's FP8 tensor cores sum a 32-K block with fewer bits than fp32
     (DeepSeek-V3 report, 3.3.2), so an element far below its block's maximum
     may land several e4m3 codes from the oracle's (the codes are dense there)
     while the value is off by a tiny fraction of the block, and a value near
-    a rounding boundary moves one code: >= FP8_H_EQUAL (99 %) of bytes equal,
+    a rounding boundary moves one code: >= `least` (FP8_H_EQUAL, 99 %; the
+    tuner asks FP8_H_MARGIN) of bytes equal,
     >= 99.9 % of scales, and the dequantized H within ORACLE_TOLERANCE
     (relative Frobenius; measured 1.2-1.9e-3 on the H200)."""
     from moebench.formats import dequantize_mxfp8
@@ -373,8 +382,8 @@ def h_fp8_mismatch(h_q: torch.Tensor, h_s: torch.Tensor, ref_q: torch.Tensor, re
     if h_q.numel() == 0:
         return None
     equal = (h_q == ref_q).double().mean().item()
-    if equal < FP8_H_EQUAL:
-        return f"only {equal:.5f} of H bytes equal the oracle's (fp8: >= {FP8_H_EQUAL})"
+    if equal < least:
+        return f"only {equal:.5f} of H bytes equal the oracle's (fp8: >= {least})"
     same_scale = (h_s == ref_s).double().mean().item()
     if same_scale < 0.999:
         return f"only {same_scale:.5f} of H scales equal the oracle's"

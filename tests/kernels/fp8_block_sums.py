@@ -63,3 +63,14 @@ def accumulate_fp32(parts: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     for blk in range(terms.shape[1]):
         acc = acc + terms[:, blk]
     return acc
+
+
+def two_planes_bytes(q: torch.Tensor, shift: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's split (`fp4.split_planes`) on e4m3 bytes (uint8 [..., K]):
+    (hi, lo) bytes, hi keeping each 32-block's bytes whose magnitude byte
+    (& 0x7F) is >= the block's largest - 8 x shift, lo the others, 0 elsewhere."""
+    blocks = q.unflatten(-1, (-1, MX_BLOCK))
+    mag = (blocks & 0x7F).to(torch.int32)
+    keep = mag >= (mag.amax(-1, keepdim=True) - 8 * shift).clamp_min(0)
+    hi = torch.where(keep, blocks, torch.zeros_like(blocks))
+    return hi.flatten(-2), torch.where(keep, torch.zeros_like(blocks), blocks).flatten(-2)

@@ -24,7 +24,9 @@ are dominated by a few elements, so a flipped large element moves a token's
 output by 1-2 %. The BF16 family (fp32-exact K sums) stays near 2.4e-3.
 The FP8 default at TP4 misses the margin at these points until GEMM1's block
 sums are made exact enough (xfail, strict: an XPASS says the fix landed and
-the mark must go).
+the mark must go). The fix: "builtin_p2" runs the built-in FP8 tactics with
+GEMM1's two-plane twin (`GemmTactic.planes` 2, `two_plane_twin`), which
+must keep the margin at TP4 and TP8 (CPU model: 0.0023 / 0.0024 at TP4 rows 8).
 """
 
 from __future__ import annotations
@@ -90,7 +92,9 @@ def point_errors(backend, prepared, shape, w, rows: int, device: str = "cuda") -
         pytest.param(4, "default", marks=_FP8_TP4),
         pytest.param(4, "builtin", marks=_FP8_TP4),
         (4, "bf16"),
+        (4, "builtin_p2"),
         (8, "default"),
+        (8, "builtin_p2"),
         (8, "bf16"),
     ],
 )
@@ -98,15 +102,20 @@ def test_the_committed_sweep_points_keep_the_margin(tp, tactic, capsys):
     pytest.importorskip("moebench.kernels.binding", reason="needs nvidia-cutlass-dsl")
     from moebench.backends.moebench import MoebenchBackend
 
+    two_plane = tactic == "builtin_p2"
+    tactic = "builtin" if two_plane else tactic
+
     backend = MoebenchBackend()
     shape = get_preset("dsv41-flash").shard(tp)
     misses, lines = [], []
     for layer in (0, SWEEP_LAYERS[tp] - 1):
         w = generate_expert_weights(shape, LAYER_SEED_STRIDE * layer, "cuda")
         prepared = backend.prepare(w, shape, tactic)
+        if two_plane:
+            with_two_plane_gemm1(prepared)
         for rows in range(1, 9):
             e = point_errors(backend, prepared, shape, w, rows)
-            label = f"TP{tp} {tactic} layer {layer + 1} rows {rows}"
+            label = f"TP{tp} {tactic}{'_p2' if two_plane else ''} layer {layer + 1} rows {rows}"
             lines.append(
                 f"{label}: whole {e['whole']:.4f} row {e['row']:.4f} | H bytes equal {e['h_equal']:.4%}"
                 f" | H alone: whole {e['h_only_whole']:.4f} row {e['h_only_row']:.4f}"
@@ -121,6 +130,20 @@ def test_the_committed_sweep_points_keep_the_margin(tp, tactic, capsys):
     with capsys.disabled():
         print("\n" + "\n".join(lines))
     assert not misses, "\n".join(misses)
+
+
+def with_two_plane_gemm1(prepared) -> None:
+    """A bound layer (`RoutedExpertGemm`) of the FP8 family runs, at every
+    row count, the two-plane twin of its GEMM1 tactic (`two_plane_twin`);
+    GEMM2 and the rest stay. Fails where a row count has none."""
+    from moebench.kernels.tactic import two_plane_twin
+
+    for (stage, rows), t in list(prepared.tactics.items()):
+        if stage == 1:
+            twin = two_plane_twin(t, prepared.kw)
+            assert twin is not None, f"rows {rows}: {t.name} has no two-plane twin"
+            prepared.tactics[stage, rows] = twin
+            prepared.tactic_sources[stage, rows] = f"two-plane twin of {t.name}"
 
 
 class _StandIn:

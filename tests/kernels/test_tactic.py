@@ -68,10 +68,10 @@ def test_name_parts_and_table_fields_follow_the_dataclass():
     assert sorted(f for f, _, _ in NAME_PARTS) == sorted(declared)
     assert list(GemmTactic().to_fields()) == ["name", *(f for f in declared if f not in TABLE_SPARSE)]
     clustered = GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, cluster_k=2)
-    assert list(clustered.to_fields()) == ["name", *(f for f in declared if f != "mma_depth")]
+    assert list(clustered.to_fields()) == ["name", *(f for f in declared if f not in ("mma_depth", "planes"))]
     assert clustered.name == "r16_m4_k4_u4_c1_b4_cl2_f8"
-    piped = GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, cluster_k=2, mma_depth=2)
-    assert list(piped.to_fields()) == ["name", *declared] and piped.name == "r16_m4_k4_u4_c1_b4_cl2_d2_f8"
+    piped = GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, cluster_k=2, mma_depth=2, planes=2)
+    assert list(piped.to_fields()) == ["name", *declared] and piped.name == "r16_m4_k4_u4_c1_b4_cl2_d2_p2_f8"
     assert GemmTactic().to_name() == "r64_m1_k8_u2_c2"
     assert GemmTactic(32, 4, 2, 4, 2, persistent=False, pdl=False, split_k=2).name == "r32_m4_k2_u4_c2_np_nopdl_s2"
     assert GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True, spec=True).name == "r16_m4_k4_u4_c1_b4_sp_f8"

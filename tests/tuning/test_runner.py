@@ -9,7 +9,7 @@ import torch
 from moebench.models import get_preset
 from moebench.env import device_info
 from moebench.kernels.fused_tactic import FusedTactic, fused_candidates
-from moebench.kernels.tactic import GemmShape
+from moebench.kernels.tactic import GemmShape, two_plane_twin
 from moebench.record import max_ctas
 from moebench.kernels.gemm import act_to_bf16
 from moebench.kernels.table import LAYER
@@ -336,7 +336,7 @@ def test_tuning_specs_compile_the_operand_the_run_times():
 
 def test_h_fp8_mismatch_allows_the_fp8_sums_but_not_real_errors():
     from moebench.formats import quantize_mxfp8
-    from moebench.tuning.runner import h_fp8_mismatch
+    from moebench.tuning.runner import FP8_H_MARGIN, h_fp8_mismatch
 
     ref_q, ref_s = quantize_mxfp8(torch.randn(32, 256, generator=torch.Generator().manual_seed(0)))
     ref_q = ref_q.view(torch.uint8)
@@ -344,6 +344,11 @@ def test_h_fp8_mismatch_allows_the_fp8_sums_but_not_real_errors():
     near = ref_q.clone()
     near[0, :40] ^= 0x01  # 40 of 8192 bytes one code off (~0.5 %): the FP8 tensor cores' sums
     assert h_fp8_mismatch(near, ref_s, ref_q, ref_s) is None
+    # ... but not the tuner's margin (the one-plane FP8 GEMM1: ~0.33 % off); 8 bytes (~0.1 %) pass it
+    assert "of H bytes equal" in h_fp8_mismatch(near, ref_s, ref_q, ref_s, least=FP8_H_MARGIN)
+    few = ref_q.clone()
+    few[0, :8] ^= 0x01
+    assert h_fp8_mismatch(few, ref_s, ref_q, ref_s, least=FP8_H_MARGIN) is None
     assert h_mismatch(near, ref_s, ref_q, ref_s) is not None  # stricter than the BF16 family's check
     many = ref_q.clone()
     many[:, :8] ^= 0x0F
@@ -389,14 +394,18 @@ def test_fp8_space_holds_valid_fp8_tactics_the_default_first():
                     ts = valid_tactics(g, stage, ctas, space=FP8_SPACES["ship"])
                     assert ts[0] == default_fp8_tactic(g, stage, ctas) and len(set(ts)) == len(ts)
                     # GEMM1: 10 + 2 cluster twins (cluster_k 2), each with its spec twin, + the pipelined
-                    # twin (mma_depth 1) of each bulk default (at most 2 per stage)
-                    assert 2 <= len(ts) <= (28 if stage == 1 else 13) and all(t.fp8 and t.split_k == 1 for t in ts)
+                    # twin (mma_depth 1) of each bulk default (at most 2 per stage); GEMM1: each of those
+                    # with its two-plane twin where one fits
+                    assert 2 <= len(ts) <= (56 if stage == 1 else 13) and all(t.fp8 and t.split_k == 1 for t in ts)
                     assert stage == 1 or not any(t.cluster_k > 1 for t in ts)
-                    piped = [t for t in ts if t.mma_depth]
+                    one = [t for t in ts if t.planes == 1]
+                    twins = {two_plane_twin(t, g) for t in one} - {None} if stage == 1 else set()
+                    assert {t for t in ts if t.planes == 2} == twins, (preset, tp, rows)
+                    piped = [t for t in one if t.mma_depth]
                     assert all(replace(t, mma_depth=0) in ts for t in piped) and len(piped) <= 2
                     if stage == 1:  # the spec twin of each bulk-ring tactic with PDL
-                        plain = [t for t in ts if not t.spec and not t.mma_depth]
-                        assert {t for t in ts if t.spec} == {replace(t, spec=True) for t in plain if t.bulk and t.pdl}
+                        plain = [t for t in one if not t.spec and not t.mma_depth]
+                        assert {t for t in one if t.spec} == {replace(t, spec=True) for t in plain if t.bulk and t.pdl}
                     assert all(fp8_why_invalid(t, g, stage) is None for t in ts), (preset, tp, stage)
                 assert set(FP8_SPACES["ship"].tactics_for(g, stage)) <= set(FP8_SPACES["full"].tactics_for(g, stage))
     g = GemmShape.of(get_preset("dsv41-flash").shard(4))
