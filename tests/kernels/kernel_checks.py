@@ -74,14 +74,17 @@ _CHILD = textwrap.dedent(
 #: Specs one worker compiles before a second worker is worth it.
 _SPECS_PER_CHILD = 3
 
-#: The compile workers of this pytest process (started on first use, one per CPU core).
+#: The compile workers of this pytest process (started on first use, one per CPU core of its share).
 _WORKERS: list = []
 
 
 def _compile_children(n_specs: int) -> int:
     """How many workers compile n_specs specs side by side: one per CPU core
-    (pytest waits idle meanwhile), at most one per _SPECS_PER_CHILD specs."""
+    (pytest waits idle meanwhile), at most one per _SPECS_PER_CHILD specs.
+    Under pytest-xdist the cores are shared among its workers (each runs
+    tests, and compile workers of its own, side by side with the others)."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores //= int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     return max(1, min(cores, n_specs // _SPECS_PER_CHILD))
 
 

@@ -30,3 +30,13 @@ def test_one_worker_for_a_few_specs_and_a_failing_spec_is_reported():
     with pytest.raises(AssertionError, match="spec 7 broke"):
         compile_reports("def compile_spec(spec):\n    assert spec != 7, 'spec 7 broke'\n    return {}", list(range(9)))
     assert [r["spec"] for r in compile_reports(_SOURCE, [1, 2])] == [1, 2]  # fresh workers after the failure
+
+
+def test_pytest_xdist_workers_share_the_cores(monkeypatch):
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER_COUNT", raising=False)
+    assert _compile_children(100) == 8
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
+    assert _compile_children(100) == 4 and _compile_children(6) == 2
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "16")
+    assert _compile_children(100) == 1

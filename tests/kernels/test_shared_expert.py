@@ -312,8 +312,9 @@ def _check_report(rep):
 
 
 @pytest.mark.compile
-def test_default_tactics_compile_for_sm90a_without_spills():
-    specs = [[h, i, stage] for _, _, h, i in SHAPES for stage in (1, 2)]
+@pytest.mark.parametrize("stage", (1, 2))  # two tests, which pytest-xdist's workers can take side by side
+def test_default_tactics_compile_for_sm90a_without_spills(stage):
+    specs = [[h, i, stage] for _, _, h, i in SHAPES]
     reports = _compile_reports(specs)
     assert len(reports) == len(specs)
     for rep in reports:
