@@ -7,8 +7,17 @@ import dataclasses
 
 import pytest
 import torch
-from kernel_checks import assert_pair_graph_replays, compile_reports, sass_count
-from test_gemm import _check_h_fp8, _check_rows, _gpu_case, _graph_case, _routings, _run_gemm1, _run_gemm2
+from kernel_checks import compile_reports, sass_count
+from test_gemm import (
+    _check_graph_replay,
+    _check_h_fp8,
+    _check_rows,
+    _gpu_case,
+    _graph_case,
+    _routings,
+    _run_gemm1,
+    _run_gemm2,
+)
 
 from moebench.formats import dequantize_mxfp8, generate_activations, quantize_mxfp8
 from moebench.kernels.tactic import MAX_MMA_DEPTH, GemmShape, GemmTactic, default_fp8_tactic
@@ -190,19 +199,11 @@ def test_pipelined_pair_replays_in_a_graph_and_follows_inputs():
     """The pipelined GEMM1 + GEMM2 (dsv41-flash TP4) in a CUDA graph: a
     replay into poisoned buffers equals the eager call, new activations
     change the rows."""
-    from moebench.kernels.gemm import gemm1, gemm2
-
-    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(6, ids_seed=3, operand="e4m3")
+    case = _graph_case(6, ids_seed=3, operand="e4m3")
+    _, kw, *_ = case
     t1, t2 = PIPED_1[1], PIPED_2[-1]
     assert t1.valid_for(kw, 1) is None and t2.valid_for(kw, 2) is None
-
-    def step():
-        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1)
-        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)
-
-    x_new = quantize_mxfp8(generate_activations(6, shape.hidden, seed=2, device="cuda"))
-    used = TILE * route.tiles_used
-    assert_pair_graph_replays(step, (x_q, x_s), x_new, h_q, h_s, out, used, follows="out")
+    _check_graph_replay(case, t1, t2, follows="out")
 
 
 @pytest.mark.gpu

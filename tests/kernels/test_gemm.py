@@ -387,24 +387,32 @@ def _graph_case(rows: int, ids_seed: int, operand: str = "bf16", weights_seed: i
     return shape, kw, route, x_q, x_s, h_q, h_s, out
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("operand", ["bf16", "e4m3", "e4m3-bulk"])
-def test_cuda_graph_replay_matches_eager_and_follows_inputs(operand):
+def _check_graph_replay(case, t1: GemmTactic | None, t2: GemmTactic | None, follows: str) -> None:
+    """GEMM1 (`t1`) + GEMM2 (`t2`; None: the defaults) on a _graph_case
+    `case` in a CUDA graph: kernel_checks.assert_pair_graph_replays, the new
+    activations drawn with seed 2 (`follows`: "out" or "h_q" must change)."""
     from moebench.kernels.gemm import gemm1, gemm2
 
-    bulk = operand.endswith("-bulk")  # the warp-specialized fp8 pair (F8_BULK_*)
-    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(6, ids_seed=2, operand=operand.removesuffix("-bulk"))
-    t1 = next((t for t in F8_BULK_1 if t.valid_for(kw, 1) is None), None) if bulk else None
-    t2 = next((t for t in F8_BULK_2 if t.valid_for(kw, 2) is None), None) if bulk else None
-    assert not bulk or (t1 and t2)
+    shape, kw, route, x_q, x_s, h_q, h_s, out = case
 
     def step():
         gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1)
         gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)
 
-    x_new = quantize_mxfp8(generate_activations(6, shape.hidden, seed=2, device="cuda"))
-    used = TILE * route.tiles_used
-    assert_pair_graph_replays(step, (x_q, x_s), x_new, h_q, h_s, out, used, follows="out")
+    x_new = quantize_mxfp8(generate_activations(x_q.shape[0], shape.hidden, seed=2, device="cuda"))
+    assert_pair_graph_replays(step, (x_q, x_s), x_new, h_q, h_s, out, TILE * route.tiles_used, follows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operand", ["bf16", "e4m3", "e4m3-bulk"])
+def test_cuda_graph_replay_matches_eager_and_follows_inputs(operand):
+    bulk = operand.endswith("-bulk")  # the warp-specialized fp8 pair (F8_BULK_*)
+    case = _graph_case(6, ids_seed=2, operand=operand.removesuffix("-bulk"))
+    _, kw, *_ = case
+    t1 = next((t for t in F8_BULK_1 if t.valid_for(kw, 1) is None), None) if bulk else None
+    t2 = next((t for t in F8_BULK_2 if t.valid_for(kw, 2) is None), None) if bulk else None
+    assert not bulk or (t1 and t2)
+    _check_graph_replay(case, t1, t2, follows="out")
 
 
 @pytest.mark.gpu

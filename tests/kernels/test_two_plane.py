@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 from fp8_block_sums import two_planes, two_planes_bytes
-from kernel_checks import assert_pair_graph_replays, compile_reports, sass_count
+from kernel_checks import compile_reports, sass_count
 
 from moebench.formats import dequantize_mxfp8, generate_activations, quantize_mxfp8
 from moebench.kernels.fused_tactic import FusedTactic
@@ -208,19 +208,11 @@ def test_two_plane_gemm1_replays_in_a_graph_and_follows_inputs():
     """The two-plane GEMM1 (pipelined) + the default GEMM2 (dsv41-flash
     TP4) in a CUDA graph: a replay into poisoned buffers equals the eager
     call, new activations change H."""
-    from test_gemm import _graph_case
+    from test_gemm import _check_graph_replay, _graph_case
 
-    from moebench.kernels.gemm import gemm1, gemm2
-
-    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(8, ids_seed=4, operand="e4m3", weights_seed=7)
+    case = _graph_case(8, ids_seed=4, operand="e4m3", weights_seed=7)
+    _, kw, route, *_ = case
     t1 = dataclasses.replace(TWO, mma_depth=1)
     t2 = default_fp8_tactic(kw, 2, route.ctas)
     assert t1.valid_for(kw, 1) is None
-
-    def step():
-        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1)
-        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)
-
-    x_new = quantize_mxfp8(generate_activations(8, shape.hidden, seed=2, device="cuda"))
-    used = TILE * route.tiles_used
-    assert_pair_graph_replays(step, (x_q, x_s), x_new, h_q, h_s, out, used, follows="h_q")
+    _check_graph_replay(case, t1, t2, follows="h_q")
