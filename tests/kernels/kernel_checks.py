@@ -1,7 +1,8 @@
 """Checks shared by the kernel tests (route, quantize, finalize): compiling a
 CuTe DSL kernel for sm_90a and reading its SASS, the spill and PDL-order
 checks on that SASS, misaligned views for host validation, poisoned guard
-buffers, and per-launch timing in a CUDA graph.
+buffers, per-launch timing in a CUDA graph, and the GEMM pair's
+graph-replay check.
 
 Imported by name (`from kernel_checks import ...`): tests/ has no
 __init__.py files, so pytest's default (prepend) import mode puts
