@@ -44,6 +44,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arg_types import int_list  # noqa: E402  (scripts/, put on sys.path above)
 
 #: The per-SM share of the H200's copy rate (4.24 TB/s / 132 SMs), GB/s.
 H200_SHARE_GBPS = 32.0
@@ -65,20 +66,6 @@ def _names(text: str) -> list[str]:
         if not GemmTactic.from_name(name).bulk:
             raise argparse.ArgumentTypeError(f"{name}: the consumer is measured on the bulk ring (stages >= 2)")
     return out
-
-
-def _int_list(allowed, what: str):
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(v) for v in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{what}: expected comma-separated integers, got {text!r}") from None
-        bad = [v for v in values if v not in allowed]
-        if bad:
-            raise argparse.ArgumentTypeError(f"{what}: {bad} not in {list(allowed)[0]}..{list(allowed)[-1]}")
-        return values
-
-    return parse
 
 
 def _families(text: str) -> list[str]:
@@ -303,18 +290,18 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="dsv41-flash", choices=sorted(PRESETS), help="model preset")
-    ap.add_argument("--tp", default="4", type=_int_list((1, 2, 4, 8), "--tp"), help="TP degrees (default 4)")
+    ap.add_argument("--tp", default="4", type=int_list((1, 2, 4, 8)), help="TP degrees (default 4)")
     ap.add_argument("--family", default="fp8,bf16", type=_families, help="fp8, bf16 or both (default)")
-    ap.add_argument("--stage", default="1,2", type=_int_list((1, 2), "--stage"), help="GEMM stages (default 1,2)")
+    ap.add_argument("--stage", default="1,2", type=int_list((1, 2)), help="GEMM stages (default 1,2)")
     ap.add_argument("--gemm1", default=None, type=_names, help="GEMM1 tactics (bulk ring) instead of the defaults")
     ap.add_argument("--gemm2", default=None, type=_names, help="GEMM2 tactics (bulk ring) instead of the defaults")
     ap.add_argument(
         "--tiles",
         default="16,32,48,64",
-        type=_int_list(range(8, 65, 8), "--tiles"),
+        type=int_list(range(8, 65, 8)),
         help="two or more record sizes in token tiles (multiples of 8, up to 64) for the slopes (default 16,32,48,64)",
     )
-    ap.add_argument("--rows", default="1,8", type=_int_list(range(1, 9), "--rows"), help="real cases (default 1,8)")
+    ap.add_argument("--rows", default="1,8", type=int_list(range(1, 9)), help="real cases (default 1,8)")
     ap.add_argument("--replays", default=20, type=int, help="graph replays per timing (default 20)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument(

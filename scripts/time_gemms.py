@@ -35,6 +35,7 @@ import math
 import time
 
 import torch
+from arg_types import int_list  # scripts/ (this script's folder, first on sys.path)
 
 from moebench.bench import L2_MULTIPLE
 from moebench.bench.timing import time_graph as bench_time_graph
@@ -261,34 +262,18 @@ def bench_shape(
     torch.cuda.empty_cache()
 
 
-def _int_list(allowed):
-    """argparse type: comma-separated ints, each in `allowed`."""
-
-    def parse(text: str) -> list[int]:
-        try:
-            values = [int(v) for v in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-        bad = [v for v in values if v not in allowed]
-        if bad:
-            raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
-        return values
-
-    return parse
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
         "--tp",
         default="4,8",
-        type=_int_list((1, 2, 4, 8)),
+        type=int_list((1, 2, 4, 8)),
         help="TP degrees of dsv41-flash, comma-separated (of 1, 2, 4, 8; default 4,8)",
     )
     ap.add_argument(
         "--rows",
         default="1,2,4,6,8",
-        type=_int_list(range(1, 9)),
+        type=int_list(range(1, 9)),
         help="token rows, comma-separated (1..8; default 1,2,4,6,8)",
     )
     ap.add_argument("--variants", action="store_true", help="also time alternative tactics (split-K included)")

@@ -62,7 +62,7 @@ import torch
 
 from moebench.backends import vllm_align, vllm_ops, vllm_triton
 from moebench.backends.base import DEFAULT_TACTIC, EP_TACTIC, Backend, check_forward_inputs, one_clamp
-from moebench.backends.peer import package_reason, prepare_prologue
+from moebench.backends.peer import FINALIZE_LAUNCH, package_reason, prepare_prologue
 from moebench.backends.layouts import to_humming_logical
 from moebench.traffic import mxfp4_bytes, touched_bytes
 from moebench.formats import ExpertWeights
@@ -89,7 +89,7 @@ LAUNCHES = {
         ("activation", "swiglu_limit", f"{_H}:630 -> {_H}:506 -> utils.py:572 (torch.compile'd)"),
         ("gemm2", "humming.forward_layer (w2)", f"{_H}:643"),
         ("reduce", "moe_fused_mul_sum", f"{_H}:652 -> moe_fused_mul_sum.py:185"),
-        ("finalize", "aten.copy_ (output)", "modular_kernel.py:1338 -> no_dp_ep.py:91 -> topk_weight_and_reduce.py:76"),
+        FINALIZE_LAUNCH,
     ),
 }
 LAUNCHES["w4a8"] = (

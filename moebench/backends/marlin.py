@@ -59,7 +59,7 @@ import torch
 
 from moebench.backends import vllm_ops
 from moebench.backends.base import DEFAULT_TACTIC, EP_TACTIC, Backend, check_forward_inputs, one_clamp, sm90_reason
-from moebench.backends.peer import prepare_prologue, vllm_reason
+from moebench.backends.peer import FINALIZE_LAUNCH, prepare_prologue, vllm_reason
 from moebench.backends.marlin_layout import (
     FLOAT4_E2M1F_ID, MarlinWeights, check_marlin_shape, marlin_expert_bytes, prepare_marlin,
 )  # fmt: skip
@@ -77,7 +77,7 @@ LAUNCHES = (
     ("activation", "silu_and_mul_with_clamp", "experts/marlin_moe.py:165 -> activation.py:123"),
     ("gemm2", "moe_wna16_marlin_gemm", "experts/marlin_moe.py:191"),
     ("reduce", "moe_sum", "experts/marlin_moe.py:390 -> experts/marlin_moe.py:947"),
-    ("finalize", "aten.copy_ (output)", "modular_kernel.py:1338 -> no_dp_ep.py:91 -> topk_weight_and_reduce.py:76"),
+    FINALIZE_LAUNCH,
 )
 #: The "ep" tactic's launches: two remap launches ahead, the expert map passed to the align and moe_sum.
 LAUNCHES_EP = (

@@ -9,6 +9,7 @@ prepare makes before it converts anything.
 - `vllm_reason`: each of vLLM's compiled libraries a backend calls loads;
 - `prepare_prologue`: the tactic offered, the weights of the shape, the
   backend runnable on the weights' device; returns that device.
+- `FINALIZE_LAUNCH`: the finalize row their LAUNCHES tables end with.
 
 What follows the prologue (a version check, a module marker, a clamp rule)
 stays in each backend.
@@ -25,6 +26,16 @@ from moebench.backends import vllm_ops
 from moebench.backends.base import Backend, check_weights, require_runnable, sm90_reason
 from moebench.formats import ExpertWeights
 from moebench.models import RankShape
+
+
+#: The last launch of a layer call on vLLM 0.26.0's TP path, the same for every modular-kernel
+#: peer (Marlin, humming, triton_kernels): finalize copies the reduced rows into the output.
+#: A row of their LAUNCHES tables: (stage, launch, where vLLM runs it, in fused_moe/).
+FINALIZE_LAUNCH = (
+    "finalize",
+    "aten.copy_ (output)",
+    "modular_kernel.py:1338 -> no_dp_ep.py:91 -> topk_weight_and_reduce.py:76",
+)
 
 
 def first_line(error: BaseException, limit: int = 300) -> str:

@@ -65,7 +65,7 @@ import torch
 
 from moebench.backends import vllm_ops
 from moebench.backends.base import DEFAULT_TACTIC, EP_TACTIC, Backend, check_forward_inputs, one_clamp
-from moebench.backends.peer import package_reason, prepare_prologue, vllm_reason
+from moebench.backends.peer import FINALIZE_LAUNCH, package_reason, prepare_prologue, vllm_reason
 from moebench.formats import MX_BLOCK, ExpertWeights
 from moebench.models import RankShape
 from moebench.traffic import touched_bytes
@@ -92,7 +92,7 @@ LAUNCHES = (
     ("activation", "aten.index (to expert order)", f"{_T}:1268"),
     ("gemm2", "matmul_ogs (w2)", f"{_T}:1267"),
     ("reduce", "masked_moe_sum", f"{_T}:1298"),
-    ("finalize", "aten.copy_ (output)", "modular_kernel.py:1338 -> no_dp_ep.py:91 -> topk_weight_and_reduce.py:76"),
+    FINALIZE_LAUNCH,
 )
 #: The "ep" tactic's launches: vLLM's remap ahead of the route.
 LAUNCHES_EP = (("route", "remap_topk_to_local", f"{_T}:1173 -> {_T}:892"), *LAUNCHES)

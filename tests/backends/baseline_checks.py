@@ -50,6 +50,19 @@ def hot_tiny_routing(rows: int, top_k: int, scale: float, seed: int, experts: in
     return torch.tensor(ids, dtype=torch.int32).cuda(), w.to(torch.float32).cuda()
 
 
+def replay_into_nan(forward) -> torch.Tensor:
+    """`forward()` (its first calls, which compile or tune, already made)
+    captured in a CUDA graph; the output tensor it returns is filled with
+    NaN, the graph replayed and waited on: that output, as the replay wrote it."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = forward()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    return out
+
+
 def tiny_expert_alone_error(backend, prepared, shape, weights, x: torch.Tensor, expert: int) -> float:
     """Relative error (scale-free) of `backend` vs its oracle when every row
     of `x` (bf16 [rows, H]) goes to `expert` alone with weight 1; prints it.

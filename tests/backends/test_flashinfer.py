@@ -26,6 +26,7 @@ from baseline_checks import (
     TINY,
     baseline_cases,
     hot_tiny_routing,
+    replay_into_nan,
     tiny_expert_alone_error,
     tiny_weights,
 )
@@ -194,12 +195,7 @@ def _graph_equals_eager(backend, prepared, x, ids, wts) -> None:
     """A CUDA graph of forward (rows already tuned) replays the eager result
     into its output, poisoned with NaN first."""
     eager = backend.forward(prepared, x, ids, wts).clone()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(prepared, x, ids, wts)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = replay_into_nan(lambda: backend.forward(prepared, x, ids, wts))
     assert torch.equal(out, eager), f"{backend.name}: the graph replay differs from the eager call"
 
 

@@ -20,6 +20,7 @@ from baseline_checks import (
     baseline_cases,
     blocks_of,
     hot_tiny_routing,
+    replay_into_nan,
     tiny_expert_alone_error,
     tiny_weights,
 )
@@ -295,12 +296,7 @@ def test_graph_capture_replays_the_eager_result(prepared_cache, cls):
     with torch.cuda.stream(side):  # first calls compile humming's kernels: before capture
         eager = [backend.forward(prepared, x, ids, wts).clone() for _ in range(3)]
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = backend.forward(prepared, x, ids, wts)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    out = replay_into_nan(lambda: backend.forward(prepared, x, ids, wts))
     ref = reference_moe(x, ids, wts, w, activation=backend.oracle).output
     err, eager_err = relative_error(out, ref), relative_error(eager[-1], ref)
     deterministic = torch.equal(eager[1], eager[2])

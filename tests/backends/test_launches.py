@@ -155,6 +155,17 @@ def test_humming_launches_are_vllms(monkeypatch, mode, ep):
     assert got == _names((hm.EP_REMAP if ep else ()) + hm.LAUNCHES[mode])
 
 
+def _humming_prepared(mode: str, w2_block: list[int]) -> hm.HummingPrepared:
+    """A HummingPrepared over _fake_humming's layer (`mode` "w4a16" or
+    "w4a8"): w13 tuned to block [16, 256, 64] for up to 48 rows, w2 to `w2_block`."""
+    return hm.HummingPrepared(
+        layer=types.SimpleNamespace(locks=torch.zeros(1), a8=mode == "w4a8"),
+        tuning={"w13": ([[0, 48, {"block_shape": [16, 256, 64]}]], ""),
+                "w2": ([[0, 48, {"block_shape": w2_block}]], "")},
+        limit=10.0, hidden=H, intermediate=I, experts=E, top_k=TOP_K, mode=mode,
+    )  # fmt: skip
+
+
 def test_humming_aligns_once_for_both_gemms(monkeypatch):
     """vLLM aligns at w13's block_m and hands the same sorted ids to GEMM2,
     whatever w2's own tuning config says."""
@@ -162,12 +173,7 @@ def test_humming_aligns_once_for_both_gemms(monkeypatch):
     seen = []
     monkeypatch.setattr(sys.modules["humming.layer"].HummingMethod, "forward_layer",
                         staticmethod(lambda layer, a, **kw: seen.append((kw["sublayer_name"], kw["sorted_ids"]))))  # fmt: skip
-    prepared = hm.HummingPrepared(
-        layer=types.SimpleNamespace(locks=torch.zeros(1), a8=False),
-        tuning={"w13": ([[0, 48, {"block_shape": [16, 256, 64]}]], ""),
-                "w2": ([[0, 48, {"block_shape": [64, 128, 64]}]], "")},
-        limit=10.0, hidden=H, intermediate=I, experts=E, top_k=TOP_K, mode="w4a16",
-    )  # fmt: skip
+    prepared = _humming_prepared("w4a16", w2_block=[64, 128, 64])
     hm.HummingW4A16Backend().forward(prepared, *_inputs())
     assert [s for s, _ in seen] == ["w13", "w2"] and seen[0][1] is seen[1][1]
 
@@ -176,12 +182,7 @@ def test_humming_reduce_keeps_the_weights_fp32(monkeypatch):
     _fake_humming(monkeypatch)
     got = []
     monkeypatch.setattr(vllm_triton, "moe_fused_mul_sum", lambda rows, w, out, *a: got.append(w))
-    prepared = hm.HummingPrepared(
-        layer=types.SimpleNamespace(locks=torch.zeros(1), a8=True),
-        tuning={"w13": ([[0, 48, {"block_shape": [16, 256, 64]}]], ""),
-                "w2": ([[0, 48, {"block_shape": [16, 256, 64]}]], "")},
-        limit=10.0, hidden=H, intermediate=I, experts=E, top_k=TOP_K, mode="w4a8",
-    )  # fmt: skip
+    prepared = _humming_prepared("w4a8", w2_block=[16, 256, 64])
     x, ids, wts = _inputs()
     hm.HummingW4A8Backend().forward(prepared, x, ids, wts)
     assert got[0] is wts and got[0].dtype == torch.float32

@@ -1,7 +1,8 @@
 """Checks shared by the kernel tests (route, quantize, finalize): compiling a
 CuTe DSL kernel for sm_90a and reading its SASS, the spill and PDL-order
 checks on that SASS, misaligned views for host validation, poisoned guard
-buffers, and per-launch timing in a CUDA graph.
+buffers, per-launch timing in a CUDA graph, and the GEMM pair's
+graph-replay check.
 
 Imported by name (`from kernel_checks import ...`): tests/ has no
 __init__.py files, so pytest's default (prepend) import mode puts
@@ -248,3 +249,33 @@ def graph_launch_times(launch, n: int = 100, replays: int = 20) -> tuple[float, 
         t1.synchronize()
         times.append(t0.elapsed_time(t1) * 1000 / n)
     return sorted(times)[len(times) // 2], times
+
+
+def assert_pair_graph_replays(step, x, x_new, h_q, h_s, out, used: int, follows: str) -> None:
+    """The GEMM1 + GEMM2 pair `step()` (writing H = (h_q, h_s) and `out`
+    from the activations x = (x_q, x_s)) in a CUDA graph: after one eager
+    call, a replay into poisoned buffers (h_q 0xFF, h_s 0xFE, out NaN)
+    writes the eager bytes in the first `used` rows of each; with x_new
+    copied into x, a replay changes buffer `follows` ("h_q" or "out") in
+    those rows, so the graph reads its inputs, not a copy taken at capture."""
+    bufs = {"h_q": h_q, "h_s": h_s, "out": out}
+    if follows not in ("h_q", "out"):
+        raise ValueError(f"follows: 'h_q' or 'out', got {follows!r}")
+    step()
+    torch.cuda.synchronize()
+    eager = {name: t.clone() for name, t in bufs.items()}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    h_q.fill_(0xFF)
+    h_s.fill_(0xFE)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(h_q[:used], eager["h_q"][:used]) and torch.equal(h_s[:used], eager["h_s"][:used])
+    assert torch.equal(out[:used].view(torch.int16), eager["out"][:used].view(torch.int16))
+    for dst, src in zip(x, x_new, strict=True):
+        dst.copy_(src)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert not torch.equal(bufs[follows][:used], eager[follows][:used])

@@ -8,7 +8,16 @@ import dataclasses
 import pytest
 import torch
 from kernel_checks import compile_reports, sass_count
-from test_gemm import _check_h_fp8, _check_rows, _gpu_case, _routings, _run_gemm1, _run_gemm2
+from test_gemm import (
+    _check_graph_replay,
+    _check_h_fp8,
+    _check_rows,
+    _gpu_case,
+    _graph_case,
+    _routings,
+    _run_gemm1,
+    _run_gemm2,
+)
 
 from moebench.formats import dequantize_mxfp8, generate_activations, quantize_mxfp8
 from moebench.kernels.tactic import MAX_MMA_DEPTH, GemmShape, GemmTactic, default_fp8_tactic
@@ -190,46 +199,11 @@ def test_pipelined_pair_replays_in_a_graph_and_follows_inputs():
     """The pipelined GEMM1 + GEMM2 (dsv41-flash TP4) in a CUDA graph: a
     replay into poisoned buffers equals the eager call, new activations
     change the rows."""
-    from moebench.kernels.gemm import gemm1, gemm2
-    from moebench.kernels.layout import to_kernel_layout
-
-    experts = 64
-    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=5)
-    kw = to_kernel_layout(weights, operand="e4m3")
-    ids = scenario_topk_ids("correlated", 6, 6, experts, seed=3)
-    route = build_route_record(ids.cuda(), experts)
+    case = _graph_case(6, ids_seed=3, operand="e4m3")
+    _, kw, *_ = case
     t1, t2 = PIPED_1[1], PIPED_2[-1]
     assert t1.valid_for(kw, 1) is None and t2.valid_for(kw, 2) is None
-    x_q, x_s = quantize_mxfp8(generate_activations(6, shape.hidden, seed=1, device="cuda"))
-    n = TILE * route.ctas
-    h_q = torch.zeros(n, kw.intermediate, dtype=torch.uint8, device="cuda")
-    h_s = torch.zeros(n, kw.intermediate // 32, dtype=torch.uint8, device="cuda")
-    out = torch.zeros(n, kw.hidden, dtype=torch.bfloat16, device="cuda")
-
-    def step():
-        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1)
-        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)
-
-    step()
-    torch.cuda.synchronize()
-    eager = (h_q.clone(), h_s.clone(), out.clone())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    h_q.fill_(0xFF)
-    h_s.fill_(0xFE)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    used = TILE * route.tiles_used
-    assert torch.equal(h_q[:used], eager[0][:used]) and torch.equal(h_s[:used], eager[1][:used])
-    assert torch.equal(out[:used].view(torch.int16), eager[2][:used].view(torch.int16))
-    x_new = quantize_mxfp8(generate_activations(6, shape.hidden, seed=2, device="cuda"))
-    x_q.copy_(x_new[0])
-    x_s.copy_(x_new[1])
-    graph.replay()
-    torch.cuda.synchronize()
-    assert not torch.equal(out[:used], eager[2][:used])
+    _check_graph_replay(case, t1, t2, follows="out")
 
 
 @pytest.mark.gpu

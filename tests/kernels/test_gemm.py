@@ -3,7 +3,7 @@ fp64 oracle, CUDA-graph capture (GPU)."""
 
 import pytest
 import torch
-from kernel_checks import compile_reports, sass_count
+from kernel_checks import assert_pair_graph_replays, compile_reports, sass_count
 
 from moebench.formats import dequantize_mxfp8, generate_activations, generate_expert_weights, quantize_mxfp8
 from moebench.kernels.tactic import (
@@ -373,15 +373,16 @@ def test_other_tactics_match_the_oracle():
             _check_rows(out, oracle, route, t2.name)
 
 
-def _graph_case(rows: int, ids_seed: int, operand: str = "bf16"):
-    """dsv41-flash TP4 (64 experts) weights in the `operand` layout (the
-    default tactics: BF16 or fp8), a correlated routing of `rows`, MXFP8
-    activations and zeroed GEMM buffers, for the graph-replay tests."""
+def _graph_case(rows: int, ids_seed: int, operand: str = "bf16", weights_seed: int = 5):
+    """dsv41-flash TP4 (64 experts) weights (seed `weights_seed`) in the
+    `operand` layout (the default tactics: BF16 or fp8), a correlated routing
+    of `rows`, MXFP8 activations (seed 1) and zeroed GEMM buffers, for the
+    graph-replay tests (here, test_consumer.py's and test_two_plane.py's)."""
     from moebench.kernels.layout import to_kernel_layout
     from moebench.routing import scenario_topk_ids
 
     experts = 64
-    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=5)
+    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=weights_seed)
     kw = to_kernel_layout(weights, operand)
     route = build_route_record(scenario_topk_ids("correlated", rows, 6, experts, seed=ids_seed).cuda(), experts)
     x_q, x_s = quantize_mxfp8(generate_activations(rows, shape.hidden, seed=1, device="cuda"))
@@ -392,41 +393,32 @@ def _graph_case(rows: int, ids_seed: int, operand: str = "bf16"):
     return shape, kw, route, x_q, x_s, h_q, h_s, out
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("operand", ["bf16", "e4m3", "e4m3-bulk"])
-def test_cuda_graph_replay_matches_eager_and_follows_inputs(operand):
+def _check_graph_replay(case, t1: GemmTactic | None, t2: GemmTactic | None, follows: str) -> None:
+    """GEMM1 (`t1`) + GEMM2 (`t2`; None: the defaults) on a _graph_case
+    `case` in a CUDA graph: kernel_checks.assert_pair_graph_replays, the new
+    activations drawn with seed 2 (`follows`: "out" or "h_q" must change)."""
     from moebench.kernels.gemm import gemm1, gemm2
 
-    bulk = operand.endswith("-bulk")  # the warp-specialized fp8 pair (F8_BULK_*)
-    shape, kw, route, x_q, x_s, h_q, h_s, out = _graph_case(6, ids_seed=2, operand=operand.removesuffix("-bulk"))
-    t1 = next((t for t in F8_BULK_1 if t.valid_for(kw, 1) is None), None) if bulk else None
-    t2 = next((t for t in F8_BULK_2 if t.valid_for(kw, 2) is None), None) if bulk else None
-    assert not bulk or (t1 and t2)
+    shape, kw, route, x_q, x_s, h_q, h_s, out = case
 
     def step():
         gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1)
         gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)
 
-    step()
-    torch.cuda.synchronize()
-    eager = (h_q.clone(), h_s.clone(), out.clone())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    for t in (h_q, h_s):
-        t.fill_(0xFF)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    used = TILE * route.tiles_used
-    assert torch.equal(h_q[:used], eager[0][:used]) and torch.equal(h_s[:used], eager[1][:used])
-    assert torch.equal(out[:used].view(torch.int16), eager[2][:used].view(torch.int16))
-    x_new = quantize_mxfp8(generate_activations(6, shape.hidden, seed=2, device="cuda"))
-    x_q.copy_(x_new[0])
-    x_s.copy_(x_new[1])
-    graph.replay()
-    torch.cuda.synchronize()
-    assert not torch.equal(out[:used], eager[2][:used])
+    x_new = quantize_mxfp8(generate_activations(x_q.shape[0], shape.hidden, seed=2, device="cuda"))
+    assert_pair_graph_replays(step, (x_q, x_s), x_new, h_q, h_s, out, TILE * route.tiles_used, follows)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("operand", ["bf16", "e4m3", "e4m3-bulk"])
+def test_cuda_graph_replay_matches_eager_and_follows_inputs(operand):
+    bulk = operand.endswith("-bulk")  # the warp-specialized fp8 pair (F8_BULK_*)
+    case = _graph_case(6, ids_seed=2, operand=operand.removesuffix("-bulk"))
+    _, kw, *_ = case
+    t1 = next((t for t in F8_BULK_1 if t.valid_for(kw, 1) is None), None) if bulk else None
+    t2 = next((t for t in F8_BULK_2 if t.valid_for(kw, 2) is None), None) if bulk else None
+    assert not bulk or (t1 and t2)
+    _check_graph_replay(case, t1, t2, follows="out")
 
 
 @pytest.mark.gpu

@@ -208,46 +208,11 @@ def test_two_plane_gemm1_replays_in_a_graph_and_follows_inputs():
     """The two-plane GEMM1 (pipelined) + the default GEMM2 (dsv41-flash
     TP4) in a CUDA graph: a replay into poisoned buffers equals the eager
     call, new activations change H."""
-    from test_gemm import _gpu_case
+    from test_gemm import _check_graph_replay, _graph_case
 
-    from moebench.kernels.gemm import gemm1, gemm2
-    from moebench.kernels.layout import to_kernel_layout
-
-    experts = 64
-    shape, weights = _gpu_case("dsv41-flash", 4, experts, seed=7)
-    kw = to_kernel_layout(weights, operand="e4m3")
-    ids = scenario_topk_ids("correlated", 8, 6, experts, seed=4)
-    route = build_route_record(ids.cuda(), experts)
+    case = _graph_case(8, ids_seed=4, operand="e4m3", weights_seed=7)
+    _, kw, route, *_ = case
     t1 = dataclasses.replace(TWO, mma_depth=1)
     t2 = default_fp8_tactic(kw, 2, route.ctas)
     assert t1.valid_for(kw, 1) is None
-    x_q, x_s = quantize_mxfp8(generate_activations(8, shape.hidden, seed=1, device="cuda"))
-    n = TILE * route.ctas
-    h_q = torch.zeros(n, kw.intermediate, dtype=torch.uint8, device="cuda")
-    h_s = torch.zeros(n, kw.intermediate // 32, dtype=torch.uint8, device="cuda")
-    out = torch.zeros(n, kw.hidden, dtype=torch.bfloat16, device="cuda")
-
-    def step():
-        gemm1(kw, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t1)
-        gemm2(kw, h_q, h_s, route.record, route.ctas, out, tactic=t2)
-
-    step()
-    torch.cuda.synchronize()
-    eager = (h_q.clone(), h_s.clone(), out.clone())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    h_q.fill_(0xFF)
-    h_s.fill_(0xFE)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    used = TILE * route.tiles_used
-    assert torch.equal(h_q[:used], eager[0][:used]) and torch.equal(h_s[:used], eager[1][:used])
-    assert torch.equal(out[:used].view(torch.int16), eager[2][:used].view(torch.int16))
-    x_new = quantize_mxfp8(generate_activations(8, shape.hidden, seed=2, device="cuda"))
-    x_q.copy_(x_new[0])
-    x_s.copy_(x_new[1])
-    graph.replay()
-    torch.cuda.synchronize()
-    assert not torch.equal(h_q[:used], eager[0][:used])
+    _check_graph_replay(case, t1, t2, follows="h_q")

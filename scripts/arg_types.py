@@ -1,0 +1,26 @@
+"""argparse types the GPU scripts share (scripts/ is on sys.path when one of
+them runs: Python puts the script's folder first). Only the standard
+library here, so a script's --help and argument errors need no GPU stack."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Collection
+
+
+def int_list(allowed: Collection[int]) -> Callable[[str], list[int]]:
+    """An argparse `type`: comma-separated integers, each one of `allowed`;
+    a bad list raises ArgumentTypeError naming the allowed values (or the
+    text that is not integers); argparse puts the option's name before it."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
+        return values
+
+    return parse
