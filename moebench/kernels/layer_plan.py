@@ -222,16 +222,19 @@ class _Where:
 
 def _gemm_choice(shape: ShapeClass, fp8: bool, wide: bool, where: _Where, stage: int, rows: int,
                  tactics: dict | None, act_bf16: bool) -> PlannedTactic:  # fmt: skip
-    """One (stage, rows): the caller's tactic, else the table's (its `_a16`
-    twin where the layer runs the other BF16 operand), else the built-in
-    default (also where a table holds a tactic of the other family)."""
+    """One (stage, rows): the caller's tactic as given, else the table's, else
+    the built-in default (also where a table holds a tactic of the other
+    family, and for a stage the caller's `tactics` leave out); a table's or
+    default BF16 tactic runs as its twin of the layer's operand (`_a16`
+    with act_bf16)."""
     ctas = max_ctas(rows, shape.top_k, shape.experts)
     if tactics is not None and tactics.get(stage) is not None:
         return PlannedTactic(tactics[stage], EXPLICIT)
-    if tactics is not None:
-        return PlannedTactic(default_tactic(shape.gemm_shape, stage, ctas, where.num_sms, wide, fp8=fp8), "default")
-    tactic, source = load_tactic(where.device_name, shape, rows, stage, num_sms=where.num_sms, wide_scales=wide,
-                                 fp8=fp8, search=where.tables)  # fmt: skip
+    if tactics is not None:  # explicit tactics without this stage: the built-in default (tables ignored)
+        tactic, source = default_tactic(shape.gemm_shape, stage, ctas, where.num_sms, wide, fp8=fp8), "default"
+    else:
+        tactic, source = load_tactic(where.device_name, shape, rows, stage, num_sms=where.num_sms, wide_scales=wide,
+                                     fp8=fp8, search=where.tables)  # fmt: skip
     reason = ""
     if tactic.fp8 != fp8:
         # never from a valid table (each family's part holds its own tactics): this family's default

@@ -50,6 +50,21 @@ def test_without_a_table_every_tactic_is_the_families_builtin_default(shape, tab
     assert bf16.family.source == "asked" and not any(t.fp8 for t in bf16.tactics.values())
 
 
+def test_explicit_tactics_leave_the_other_stage_at_its_default_as_the_layers_operand(shape, tables):
+    """tactics={} (or one stage given) ignores the tables; the stages it leaves
+    out run the built-in default, as the `_a16` twin where the layer runs the
+    BF16 operand (the binding before the plan did; the H100 run of
+    test_binding caught the plan giving the MXFP8-operand default)."""
+    for act_bf16 in (True, False):
+        plan = _plan(shape, tables, fp8=False, tactics={}, act_bf16=act_bf16)
+        assert all(t.act_bf16 == act_bf16 for t in plan.tactics.values())
+        assert all(s.startswith("default") for s in plan.tactic_sources.values())
+    given = GemmTactic(tile_rows=64, warps_m=1, warps_k=4, unroll=2, ctas_per_sm=2)
+    plan = _plan(shape, tables, fp8=False, tactics={1: given})
+    assert all(plan.tactics[1, r] == given for r in range(1, MAX_ROWS + 1))  # explicit: as given
+    assert all(plan.tactics[2, r].act_bf16 for r in range(1, MAX_ROWS + 1))
+
+
 def test_table_entries_their_a16_twins_and_the_fused_choice(shape, tables):
     tuned = GemmTactic(tile_rows=64, warps_m=1, warps_k=4, unroll=2, ctas_per_sm=2)
     f8 = GemmTactic(32, 4, 2, 4, 2, fp8=True)
