@@ -178,6 +178,20 @@ def _stand_in_kernels(monkeypatch, wrong=lambda tactic: tactic.unroll == 4, wron
                         types.SimpleNamespace(launch_route_quantize=launch_route_quantize))  # fmt: skip
     monkeypatch.setattr(rn.GemmStageRunner, "_case", tracking_case)
     monkeypatch.setattr(rn, "require_tuning_device", lambda device=None: torch.device("cpu"))
+    # the stand-in forward launches nothing, so on the CPU the layer call and its x writes alone are both Python
+    # wall clock and their difference is noise that can be negative: `less` would then raise ("nothing left to
+    # measure"), failing the candidate on a loaded machine only (the two-host torchrun test flaked so)
+    from moebench.bench import timing
+
+    real_less = timing.less
+
+    def noise_tolerant_less(total, part):
+        try:
+            return real_less(total, part)
+        except ValueError:
+            return total
+
+    monkeypatch.setattr(timing, "less", noise_tolerant_less)
     _stand_in_launcher(monkeypatch, binding.KERNELS, routes, misuse, fused_calls)
     return routes, misuse
 
