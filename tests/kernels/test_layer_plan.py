@@ -249,6 +249,16 @@ def test_a_bound_plan_compiles_and_launches_what_the_plan_names(cpu_layer):
     assert rec.launched == [("route", False, False, False), ("fused", fused.fused_at(2).name, kw.w13.data_ptr())]
 
 
+@pytest.mark.parametrize(
+    "given", [{"tactics": {}}, {"fp8": True}, {"fused": False}, {"tables": []}, {"act_bf16": False}]
+)
+def test_a_plan_with_another_choice_argument_is_refused_not_ignored(cpu_layer, given):
+    """RoutedExpertGemm(plan=p, tactics=...) used to run p and drop the tactics without a word."""
+    _, rank, w, _ = cpu_layer
+    with pytest.raises(ValueError, match=f"{next(iter(given))} cannot be given with it"):
+        binding.RoutedExpertGemm(w, rank.top_k, plan=cpu_plan(cpu_layer), **given)
+
+
 def test_bind_refuses_weights_not_of_the_plan(cpu_layer):
     from moebench.kernels.layout import to_kernel_layout
 
