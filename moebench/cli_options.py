@@ -41,7 +41,9 @@ TacticsOpt = Annotated[
             " fused = fp8 with GEMM1 and GEMM2 in one launch where its built-in fused tactic fits;"
             " tables=DIR = default with the tuning tables of the directory DIR alone (relative to the current"
             " directory, no commas), e.g. 'tables=new,tables=old' to time a re-tuned table beside the one it"
-            " replaces; torch-bf16: grouped, gather)."
+            " replaces; nopdl=TACTIC = TACTIC with the route (the layer's first launch) launched without PDL,"
+            " as the peers' first kernels are, e.g. 'default,nopdl=default'; torch-bf16: grouped, gather;"
+            " marlin-w4a16, triton-mxfp4, humming-*: ep = vLLM's expert-map path, never the default)."
         )
     ),
 ]

@@ -72,7 +72,7 @@ def _families(text: str) -> list[str]:
     values = text.split(",")
     bad = [v for v in values if v not in ("fp8", "bf16")]
     if bad:
-        raise argparse.ArgumentTypeError(f"--family: {bad} not in fp8, bf16")
+        raise argparse.ArgumentTypeError(f"{bad} not in fp8, bf16")
     return values
 
 
@@ -285,6 +285,33 @@ def recompute(path: str) -> None:
         print(f"TP{rec['tp']} {rec['family']:4s} GEMM{stage} {t.name:28s} " + "  ".join(rates))
 
 
+def _argument_problems(args) -> list[str]:
+    """What the GPU run would only meet late or skip without a word: an --out
+    it cannot write (found after every measurement), tactics of a family not
+    in --family or of a stage not in --stage (filtered out: nothing measured),
+    GEMM2 tactics GEMM2 never takes (`planes` 2, `spec`)."""
+    from moebench.kernels.tactic import GemmTactic
+
+    out = []
+    if args.out is not None:
+        parent = os.path.dirname(os.path.abspath(args.out))
+        if os.path.isdir(args.out):
+            out.append(f"--out {args.out} is a directory; give a file name, e.g. consumer.json")
+        elif not os.path.isdir(parent):
+            out.append(f"--out {args.out}: directory {parent} does not exist")
+    for stage, names in ((1, args.gemm1), (2, args.gemm2)):
+        for name in names or ():
+            t = GemmTactic.from_name(name)
+            family = "fp8" if t.fp8 else "bf16"
+            if family not in args.family:
+                out.append(f"--gemm{stage} {name} is a {family} tactic but --family is {','.join(args.family)}")
+            if stage not in args.stage:
+                out.append(f"--gemm{stage} {name} given but --stage is {','.join(map(str, args.stage))}")
+            if stage == 2 and (t.planes != 1 or t.spec):
+                out.append(f"--gemm2 {name}: planes 2 and spec (_p2, _sp) are GEMM1's only")
+    return out
+
+
 def main() -> None:
     from moebench.models import PRESETS
 
@@ -318,6 +345,8 @@ def main() -> None:
         ap.error(f"--tiles needs two or more increasing sizes, got {args.tiles}")
     if args.replays < 3:
         ap.error(f"--replays must be at least 3, got {args.replays}")
+    for problem in _argument_problems(args):
+        ap.error(problem)
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("consumer.py needs an sm_90 GPU (H100 / H200) and torch with CUDA")
     t0 = time.time()

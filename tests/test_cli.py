@@ -1,3 +1,4 @@
+import re
 from pathlib import Path
 
 import pytest
@@ -653,6 +654,20 @@ def test_experts_help_and_check_say_what_the_gpu_kernels_take():
         with pytest.raises(ValueError) as error:
             check_weights(generate_expert_weights(shape), 2)  # CPU weights: refused at the latest for the device
         assert ("experts must be a multiple of" in str(error.value)) == refused, str(error.value)
+
+
+def test_sweep_tactics_help_names_every_tactic_and_form_a_backend_takes():
+    """`--tactics` help left out `nopdl=TACTIC` and the vLLM peers' `ep`: a user had to read the code to find them."""
+    from moebench.backends.registry import backend_names
+    from moebench.models import get_preset
+
+    result = runner.invoke(app, ["sweep", "--help"], env={"COLUMNS": "400"}, terminal_width=400)
+    said = " ".join(result.output.split())
+    shape = get_preset("dsv41-flash").shard(4)
+    for name in backend_names():
+        backend = load_backend(name)
+        for tactic in (*backend.valid_tactics(shape), *getattr(backend, "tactic_forms", ())):
+            assert re.search(rf"(?<![\w-]){re.escape(tactic)}(?![\w-])", said), (name, tactic)  # a word, not "st-ep"
 
 
 def test_sweep_says_skipped_backends_once_each_not_a_row_per_case(tmp_path):

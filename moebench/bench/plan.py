@@ -18,18 +18,21 @@ def parse_int_list(text: str, option: str, lo: int, hi: int) -> tuple[int, ...]:
     """'1-8', '1,2,4', '6' or '1-4,8' -> sorted distinct ints in [lo, hi].
     Raises ValueError naming `option`."""
     values: set[int] = set()
+    expected = (
+        f"expected a list of integers in [{lo}, {hi}] such as '{lo}-{min(hi, lo + 3)}', '{lo},{min(hi, lo + 1)}'"
+        f" or '{lo}'"
+    )
     for part in (p.strip() for p in str(text).split(",")):
         match = re.fullmatch(r"(\d+)(?:-(\d+))?", part)
-        if not match or (match[2] is not None and int(match[1]) > int(match[2])):
-            raise ValueError(
-                f"{option}: cannot parse {part!r} (expected a list of integers in [{lo}, {hi}]"
-                f" such as '{lo}-{min(hi, lo + 3)}', '{lo},{min(hi, lo + 1)}' or '{lo}')"
-            )
-        start = int(match[1])
-        values.update(range(start, int(match[2] or start) + 1))
-    bad = sorted(v for v in values if not lo <= v <= hi)
-    if bad:
-        raise ValueError(f"{option}: {bad} outside [{lo}, {hi}]")
+        if not match:
+            raise ValueError(f"{option}: cannot parse {part!r} ({expected})")
+        start, end = int(match[1]), int(match[2] or match[1])
+        if start > end:
+            raise ValueError(f"{option}: {part!r} is a descending range; write '{end}-{start}' ({expected})")
+        if not (lo <= start and end <= hi):  # before expanding: '1-300000000' must not build the range
+            bad = sorted(v for v in {start, end} if not lo <= v <= hi)
+            raise ValueError(f"{option}: {bad} outside [{lo}, {hi}]")
+        values.update(range(start, end + 1))
     return tuple(sorted(values))
 
 

@@ -274,7 +274,9 @@ class RoutedExpertGemm:
     `plan` (a LayerPlan: family, tactics and fused choice, each with its
     source); `tactics`, `tactic_sources`, `fused_tactics`, `fused_sources`
     and `family_choice` are the plan's. `plan=` binds a plan made elsewhere
-    (the other choice arguments are then ignored); `bind` binds one on
+    (passing any other choice argument with it, `tactics`, `fp8`, `fused`,
+    `tables` or `act_bf16=False`, is a ValueError: the plan already decided
+    them, and ignoring one would run something else than asked); `bind` binds one on
     weights already in the kernel layout. The binding allocates and
     compiles what the plan names, nothing else.
     """
@@ -292,6 +294,14 @@ class RoutedExpertGemm:
         *,
         plan: LayerPlan | None = None,
     ) -> None:
+        if plan is not None:
+            given = {"tactics": tactics, "fp8": fp8, "fused": fused, "tables": tables}
+            given = [name for name, v in given.items() if v is not None] + ([] if act_bf16 is True else ["act_bf16"])
+            if given:
+                raise ValueError(
+                    f"plan= decides the family, tactics and fused choice; {', '.join(given)} cannot be given with it"
+                    " (change the plan instead: plan_layer(...), plan.with_tactic, plan.with_fused)"
+                )
         check_weights(weights, top_k)
         if tables is not None and (not isinstance(tables, list) or not all(isinstance(d, (str, Path)) for d in tables)):
             raise TypeError(f"tables must be None or a list of directories (str or Path), got {tables!r}")

@@ -41,7 +41,7 @@ from moebench.kernels.table import ShapeClass, _log_once, lookup_entry, lookup_l
 from moebench.kernels.tactic import GemmTactic, default_fp8_tactic, default_tactic
 from moebench.record import MAX_ROWS, max_ctas
 
-__all__ = ["BF16", "FP8", "FamilyChoice", "RowsTimes", "builtin_refusal", "choose_family",
+__all__ = ["BF16", "FP8", "FamilyChoice", "RowsTimes", "builtin_refusal", "choose_family", "explicit_tactics",
            "resolve_family", "rows_text", "rows_times"]  # fmt: skip
 
 FP8 = "fp8"
@@ -232,7 +232,7 @@ def resolve_family(
     if fp8 is not None and not isinstance(fp8, bool):
         raise TypeError(f"fp8 must be a bool or None (None: the family the tuning tables choose), got"
                         f" {type(fp8).__name__}")  # fmt: skip
-    given = _explicit_tactics(tactics)
+    given = explicit_tactics(tactics)
     families = {t.fp8 for t in given.values()}
     if len(families) > 1:
         names = ", ".join(f"tactics[{st}] {t.name}" for st, t in sorted(given.items()))
@@ -252,7 +252,7 @@ def resolve_family(
     return choose_family(device_name, s, search=search, num_sms=num_sms)
 
 
-def _explicit_tactics(tactics) -> dict[int, GemmTactic]:
+def explicit_tactics(tactics) -> dict[int, GemmTactic]:
     """The GemmTactics of `tactics` (None, or a dict {1|2: GemmTactic | None});
     TypeError / ValueError for anything else."""
     if tactics is None:

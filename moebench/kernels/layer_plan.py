@@ -22,8 +22,9 @@ fused tactics only in the FP8 family and valid for the shape.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 
-from moebench.kernels.family import FamilyChoice
+from moebench.kernels.family import FamilyChoice, explicit_tactics
 from moebench.kernels.fused_tactic import FusedTactic, default_fused_tactic
 from moebench.kernels.table import ShapeClass, load_layer_choice, load_tactic
 from moebench.kernels.tactic import GemmTactic, default_tactic
@@ -170,7 +171,8 @@ class LayerPlan:
         return {r: self.fused[r - 1].source for r in range(1, MAX_ROWS + 1)}
 
     def ctas(self, rows: int) -> int:
-        """Token tiles the route record allows for at `rows`."""
+        """Token tiles the route record allows for at `rows` (ValueError for rows outside 1..MAX_ROWS)."""
+        _check_key(1, rows)
         return max_ctas(rows, self.shape.top_k, self.shape.experts)
 
     # ------------------------------------------------------------------ substituting
@@ -190,6 +192,7 @@ class LayerPlan:
 
     def describe(self, rows: int) -> str:
         """'fp8 family (tables); gemm1 NAME (source); gemm2 NAME (source)' or '...; fused NAME (source)'."""
+        _check_key(1, rows)
         parts = [f"{self.family.family} family ({self.family.source})"]
         f = self.fused[rows - 1]
         if f.fused is not None:
@@ -293,7 +296,8 @@ def plan_layer(
     family, no explicit `tactics`; else the pair); True: the built-in fused
     tactic where one fits (the FP8 family only: ValueError otherwise);
     False: the pair. `wide_scales`: the weights' scale flag for the family.
-    Raises TypeError / ValueError for bad arguments or a tactic that cannot
+    Raises TypeError / ValueError for bad arguments (tactics not such a dict,
+    num_sms not a positive int, tables not a list of directories) or a tactic that cannot
     run the shape (naming the stage)."""
     if not isinstance(shape, ShapeClass):
         raise TypeError(f"shape must be a ShapeClass, got {type(shape).__name__}")
@@ -304,6 +308,14 @@ def plan_layer(
             raise TypeError(f"{name} must be a bool, got {type(v).__name__}")
     if fused is not None and not isinstance(fused, bool):
         raise TypeError(f"fused must be None or a bool, got {type(fused).__name__}")
+    # a list, a stage key 3 or '1', a name instead of a GemmTactic: an error, not the defaults
+    explicit_tactics(tactics)
+    if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms <= 0:
+        raise ValueError(f"num_sms must be a positive int (the device's SMs), got {num_sms!r}")
+    if tables is not None and (
+        not isinstance(tables, (list, tuple)) or not all(isinstance(d, (str, Path)) for d in tables)
+    ):
+        raise TypeError(f"tables must be None or a list of directories (str or Path), got {tables!r:.120}")
     if fused and not family.fp8:
         raise ValueError(f"fused=True needs the FP8 family; this layer runs {family.family} ({family.source}):"
                          " pass fp8=True")  # fmt: skip

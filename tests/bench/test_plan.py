@@ -18,6 +18,13 @@ def test_parse_int_list():
     for bad in ("", "0", "3-1", "x", "1,,2", "-1"):
         with pytest.raises(ValueError, match="--rows"):
             parse_int_list(bad, "--rows", 1, 8)
+    with pytest.raises(ValueError, match=r"--rows: '8-1' is a descending range; write '1-8'"):
+        parse_int_list("8-1", "--rows", 1, 8)
+    with pytest.raises(ValueError, match=r"--rows: \[0\] outside \[1, 8\]"):
+        parse_int_list("0", "--rows", 1, 8)
+    # refused before the range is built: this one used to end in a MemoryError
+    with pytest.raises(ValueError, match=r"--rows: \[10000000000\] outside \[1, 8\]"):
+        parse_int_list("1-10000000000", "--rows", 1, 8)
 
 
 def test_option_message_names_the_option_of_a_config_field():

@@ -126,6 +126,36 @@ def test_a_plan_is_validated_and_a_substitution_too(shape, tables):
     assert isinstance(plan.family, FamilyChoice) and "gemm1" in plan.describe(1)
 
 
+def test_plan_layer_refuses_arguments_it_would_silently_ignore_or_misread(shape, tables):
+    """A stage key 3 or '1' used to leave the defaults in place without a word,
+    a str `tables` was searched letter by letter, a num_sms of 0 was taken;
+    rows outside 1..8 read past the plan (ctas 0, describe IndexError)."""
+    family = resolve_family(True, None, DEVICE, shape, num_sms=132, search=tables)
+    t = default_tactic(shape.gemm_shape, 1, max_ctas(1, shape.top_k, shape.experts), fp8=True)
+
+    def plan(**kwargs):
+        return plan_layer(shape, family, **{"device_name": DEVICE, "num_sms": 132, "tables": tables, **kwargs})
+
+    for tactics, error, match in (
+        ({3: t}, ValueError, "tactics keys must be the stages 1 and 2, got 3"),
+        ({"1": t}, ValueError, "tactics keys must be the stages 1 and 2, got '1'"),
+        ([t], TypeError, "tactics must be None or a dict"),
+        ({1: t.name}, TypeError, r"tactics\[1\] must be a GemmTactic"),
+    ):
+        with pytest.raises(error, match=match):
+            plan(tactics=tactics)
+    for sms in (0, -3, "132", True):
+        with pytest.raises(ValueError, match="num_sms must be a positive int"):
+            plan(num_sms=sms)
+    with pytest.raises(TypeError, match="tables must be None or a list of directories"):
+        plan(tables=str(tables[0]))
+    ok = plan()
+    for rows in (0, 9):
+        for read in (ok.ctas, ok.describe):
+            with pytest.raises(ValueError, match="rows must be an int in"):
+                read(rows)
+
+
 # ----------------------------------------------------------------------------- binding on CPU
 
 
@@ -217,6 +247,16 @@ def test_a_bound_plan_compiles_and_launches_what_the_plan_names(cpu_layer):
     assert layer.fused_workspace is not None and ("fused", fused.fused_at(2).name) in rec.compiled
     layer.forward(*layer_inputs(rank, 2))
     assert rec.launched == [("route", False, False, False), ("fused", fused.fused_at(2).name, kw.w13.data_ptr())]
+
+
+@pytest.mark.parametrize(
+    "given", [{"tactics": {}}, {"fp8": True}, {"fused": False}, {"tables": []}, {"act_bf16": False}]
+)
+def test_a_plan_with_another_choice_argument_is_refused_not_ignored(cpu_layer, given):
+    """RoutedExpertGemm(plan=p, tactics=...) used to run p and drop the tactics without a word."""
+    _, rank, w, _ = cpu_layer
+    with pytest.raises(ValueError, match=f"{next(iter(given))} cannot be given with it"):
+        binding.RoutedExpertGemm(w, rank.top_k, plan=cpu_plan(cpu_layer), **given)
 
 
 def test_bind_refuses_weights_not_of_the_plan(cpu_layer):

@@ -1,0 +1,38 @@
+"""scripts/consumer.py's argument errors, met before any GPU work (no GPU needed)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "consumer.py"
+BULK_BF16 = "r64_m1_k4_u4_c2_b4"
+TWO_PLANE = "r16_m4_k4_u4_c1_b4_p2_f8"
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        # each of these used to reach the GPU: an --out written only after every measurement, a tactic
+        # filtered out without a word (nothing measured), a GEMM2 tactic skipped at run time
+        (["--out", "{tmp}"], "is a directory; give a file name"),
+        (["--out", "{tmp}/missing/c.json"], "does not exist"),
+        (["--family", "fp8", "--gemm1", BULK_BF16], f"--gemm1 {BULK_BF16} is a bf16 tactic but --family is fp8"),
+        (["--stage", "2", "--gemm1", TWO_PLANE], f"--gemm1 {TWO_PLANE} given but --stage is 2"),
+        (["--gemm2", TWO_PLANE], "are GEMM1's only"),
+        (["--family", "fp9"], r"argument --family: \['fp9'\] not in fp8, bf16"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_argument(tmp_path, args, message):
+    done = _run(*[a.format(tmp=tmp_path) for a in args])
+    assert done.returncode == 2, done.stderr
+    assert re.search(message, done.stderr), done.stderr
+    assert "--family: --family" not in done.stderr
