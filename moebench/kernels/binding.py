@@ -371,6 +371,8 @@ class RoutedExpertGemm:
         self.workspace = _split_k_workspace(plan, kw, workspace)
         self._alloc_bf16_operands()
         self.front_config: FrontConfig | None = None
+        #: False: the route kernel launches without the PDL attribute, as a peer's first kernel (`nopdl=`)
+        self.route_launch_pdl = True
         self.fused_workspace: torch.Tensor | None = None
         if any(t is not None for t in self.fused_tactics.values()):
             most = max(plan.ctas(r) for r in range(1, MAX_ROWS + 1))
@@ -483,7 +485,6 @@ class RoutedExpertGemm:
         record = torch.empty(route_words(ctas), dtype=torch.int32, device=device)
         permuted = torch.empty(rows, self.top_k, dtype=torch.int32, device=device)
         spec = self.tactics[1, rows].spec  # GEMM1 reads the ids before its wait: release after ours
-        launch_pdl = getattr(self, "route_launch_pdl", True)  # False: the route as a plain first launch
         self.launcher.route(
             x,
             x_quant,
@@ -495,7 +496,7 @@ class RoutedExpertGemm:
             x_deq_out=x_deq,
             release_after_wait=spec,
             inputs_ready=inputs_ready,
-            launch_pdl=launch_pdl,
+            launch_pdl=self.route_launch_pdl,
         )
         return Routing(x_quant, x_scale, ids, topk_weights, permuted, record, ctas, x_deq, early_ids=spec, rows=rows)
 
