@@ -375,7 +375,9 @@ def merge_runs(paths) -> tuple[pd.DataFrame, dict]:
     device would have stored, each row with the copy bandwidth its own run
     measured (`pct_copy_bw` was computed against it). The manifest is the
     first run's, with "merged_from" listing each part (path, created_utc,
-    command, copy_bw_gbps) and "copy_bw_gbps" the parts' median. Raises
+    command, copy_bw_gbps), "copy_bw_gbps" the parts' median and "groups"
+    every part's groups (rotation, x writes), each with "part": its index in
+    "merged_from". Raises
     ValueError naming the runs that disagree or the case stored twice, and
     what read_run raises for a run that cannot be read."""
     paths = [Path(p) for p in paths]
@@ -412,4 +414,6 @@ def merge_runs(paths) -> tuple[pd.DataFrame, dict]:
     manifest["merged_from"] = [
         {"path": str(p), **{k: m.get(k) for k in ("created_utc", "command", "copy_bw_gbps")}} for p, _, m in parts
     ]
+    if any(m.get("groups") for _, _, m in parts):  # every part's groups (layers, x writes), each naming its part
+        manifest["groups"] = [{**g, "part": i} for i, (_, _, m) in enumerate(parts) for g in m.get("groups") or []]
     return frame, manifest

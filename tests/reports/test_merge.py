@@ -10,9 +10,11 @@ from moebench.reports.store import merge_runs, read_run, read_table, write_run
 from test_store import WHEN, frame
 
 
-def _part(tmp_path, label, backend, rows=(1, 2), copy_bw=4200.0, commit="abc"):
+def _part(tmp_path, label, backend, rows=(1, 2), copy_bw=4200.0, commit="abc", groups=None):
     df = frame(len(rows)).assign(backend=backend, rows=list(rows), commit=commit)
     manifest = {"schema": 1, "kind": "sweep", "commit": commit, "copy_bw_gbps": copy_bw, "command": label}
+    if groups is not None:
+        manifest["groups"] = groups
     return write_run(df, manifest, root=tmp_path / "parts", label=label, when=WHEN)
 
 
@@ -31,6 +33,19 @@ def test_merge_keeps_every_case_and_names_the_parts(tmp_path):
     assert manifest["copy_bw_gbps"] == 4210.0  # the parts' median
     assert [m["path"] for m in manifest["merged_from"]] == [str(a), str(b), str(c)]
     assert manifest["merged_from"][1]["copy_bw_gbps"] == 4240.0
+
+
+def test_merge_keeps_every_parts_groups(tmp_path):
+    """Each part's rotation and x-write measurements (its groups) stay in the
+    merged manifest, naming their part: a TP8 part's are not dropped for the
+    first part's TP4 ones."""
+    a = _part(
+        tmp_path, "tp4", "moebench", groups=[{"preset": "p", "tp": 4, "layers": 8, "x_writes": {"1": {"us": 2.4}}}]
+    )
+    b = _part(tmp_path, "tp8", "marlin-w4a16", groups=[{"preset": "p", "tp": 8, "layers": 15, "x_writes": {}}])
+    _, manifest = merge_runs([a, b])
+    assert [(g["tp"], g["layers"], g["part"]) for g in manifest["groups"]] == [(4, 8, 0), (8, 15, 1)]
+    assert manifest["groups"][0]["x_writes"] == {"1": {"us": 2.4}}
 
 
 def test_merge_refuses_a_case_twice_other_commits_and_one_run(tmp_path):
