@@ -55,26 +55,38 @@ def test_committed_run_reads_and_renders(run, tmp_path):
     assert sorted(p.name for p in run.iterdir()) == before  # the committed run is left as it is
 
 
-#: README's measured tables (one per TP degree): column -> backend, all from one run.
-README_RUN = "2026-12-01-h200-dsv41-flash-peers"
+#: README's measured tables (one per TP degree) and its error table, all from one run.
+README_RUN = "2026-12-06-h100-dsv41-flash-compare"
 README_COLUMNS = {
     "moebench (ours)": "moebench",
+    "FlashInfer W4A16": "flashinfer-w4a16",
+    "FlashInfer W4A8": "flashinfer-w4a8",
     "Marlin W4A16": "marlin-w4a16",
     "humming W4A16": "humming-w4a16",
     "humming W4A8": "humming-w4a8",
     "triton_kernels": "triton-mxfp4",
     "torch BF16": "torch-bf16",
 }
+#: The tactic README quotes for ours (the route without PDL, as the peers' first kernels run); peers: "default".
+OURS_TACTIC = "nopdl=default"
+
+
+def _quoted(df, tp):
+    """The run's ok dsv41-flash correlated cases at `tp` that README quotes."""
+    keep = (df.preset == "dsv41-flash") & (df.tp == tp) & (df.scenario == "correlated") & (df.status == "ok")
+    return df[keep & (df.tactic == df.backend.map(lambda b: OURS_TACTIC if b == "moebench" else "default"))]
 
 
 def test_readme_tables_quote_the_committed_run():
     """Every 'µs / % copy' cell of README's measured tables (dsv41-flash,
-    correlated, TP4 then TP8, default tactics) equals the committed run's ok
-    case, rounded as printed, and each row's fastest peer and speed-up are
-    that run's: a re-measured run or an edited table cannot drift apart, and a
-    ratio is never quoted across runs."""
+    correlated, TP4 then TP8; ours without PDL, the peers' defaults) equals
+    the committed run's ok case, rounded as printed, and each row's fastest
+    peer and speed-up are that run's: a re-measured run or an edited table
+    cannot drift apart, and a ratio is never quoted across runs. The error
+    table's cells are each backend's worst err / err_bf16 over rows 1-8."""
     readme = (RUNS.parents[1] / "README.md").read_text()
     df = read_run(RUNS / README_RUN)[0]
+    assert f"reports/runs/{README_RUN}" in readme
     lines = readme.splitlines()
     headers = [i for i, ln in enumerate(lines) if ln.startswith("| rows |") and "moebench (ours)" in ln]
     assert len(headers) == 2, "README holds one measured table per TP degree (4, 8)"
@@ -82,25 +94,26 @@ def test_readme_tables_quote_the_committed_run():
     for tp, at in zip((4, 8), headers):
         cols = [c.strip() for c in lines[at].strip("|").split("|")]
         assert cols[-2:] == ["fastest peer", "speed-up"] and set(cols[1:-2]) == set(README_COLUMNS), cols
+        sel = _quoted(df, tp)
         for ln in lines[at + 2 :]:
             if not ln.startswith("| "):
                 break
             cells = [c.strip() for c in ln.strip("|").split("|")]
-            rows = int(cells[0])
-            case = df[
-                (df.preset == "dsv41-flash")
-                & (df.tp == tp)
-                & (df.rows == rows)
-                & (df.scenario == "correlated")
-                & (df.tactic == "default")
-                & (df.status == "ok")
-            ].set_index("backend")
+            case = sel[sel.rows == int(cells[0])].set_index("backend")
             for col, cell in zip(cols[1:-2], cells[1:-2]):
                 rec = case.loc[README_COLUMNS[col]]
                 us, pct = (float(v.strip(" %")) for v in cell.split("/"))
-                assert (round(float(rec.median_us), 1), round(float(rec.pct_copy_bw), 1)) == (us, pct), (tp, rows, col)
+                assert (round(float(rec.median_us), 1), round(float(rec.pct_copy_bw), 1)) == (us, pct), (tp, col)
                 checked += 1
             peers = case.drop("moebench")["median_us"]
-            assert cells[-2] == peers.idxmin(), (tp, rows)
-            assert cells[-1] == f"{peers.min() / case.loc['moebench', 'median_us']:.2f}x", (tp, rows)
+            assert cells[-2] == peers.idxmin(), (tp, cells[0])
+            assert cells[-1] == f"{peers.min() / case.loc['moebench', 'median_us']:.2f}x", (tp, cells[0])
     assert checked == 2 * 5 * len(README_COLUMNS)
+    errors = [i for i, ln in enumerate(lines) if ln.startswith("| backend | TP4 err / err_bf16")]
+    assert len(errors) == 1, "README holds one error table"
+    for ln in lines[errors[0] + 2 : errors[0] + 2 + len(README_COLUMNS)]:
+        cells = [c.strip() for c in ln.strip("|").split("|")]
+        for tp, cell in zip((4, 8), cells[1:]):
+            sel = _quoted(df, tp)
+            sel = sel[sel.backend == README_COLUMNS[cells[0]]]
+            assert cell == f"{sel.max_rel_err.max():.1e} / {sel.err_bf16.max():.1e}", (cells[0], tp)
