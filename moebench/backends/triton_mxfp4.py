@@ -94,6 +94,15 @@ LAUNCHES = (
     ("reduce", "masked_moe_sum", f"{_T}:1298"),
     FINALIZE_LAUNCH,
 )
+#: Kernels CUDA launches inside one torch op of LAUNCHES besides the op's own
+#: (torch's profiler counts them; vLLM's same lines launch them too): the
+#: where's Python scalar becomes a bf16 tensor by a fill, and advanced
+#: indexing with int32 indices converts them to int64 first.
+EXTRA_KERNELS = (
+    ("aten.where (invalid weights)", "fill: the scalar -1.0 as a bf16 tensor"),
+    ("aten.index (to slot order)", "copy: dst_indx int32 -> int64"),
+    ("aten.index (to expert order)", "copy: src_indx int32 -> int64"),
+)
 #: The "ep" tactic's launches: vLLM's remap ahead of the route.
 LAUNCHES_EP = (("route", "remap_topk_to_local", f"{_T}:1173 -> {_T}:892"), *LAUNCHES)
 #: vLLM's intermediate alignment for the Triton MXFP4 backends on CUDA.
