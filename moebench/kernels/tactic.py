@@ -621,6 +621,9 @@ def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int 
     (r32_m4_k4_u4_c1_b4) unless 64-row items (r16_m4_k4_u4_c1_b4) take fewer
     rows x passes over the SMs (expected items, `EXPECTED_TILE_FRACTION`);
     GEMM2: one warpgroup per CTA, 4 CTAs/SM, unroll 3 (r32_m4_k1_u3_c4_b4).
+    GEMM1's pick runs as its two-plane twin (`two_plane_twin`, `_p2`) where
+    one fits: the one-plane GEMM1 flips H bytes against the oracle and
+    misses the 25 % numerics margin at dsv41-flash TP4 (issue 36 item 4).
     Where a shape rejects those (shared memory, K chunks not divisible by
     warps_k x unroll, rows): 3 / 2 stages, unroll 4 / 2, then the register
     load path (v7: r32_m4_k4_u4_c1, r32_m4_k2_u4_c2, r32_m4_k1_u3_c4 and
@@ -654,6 +657,6 @@ def default_fp8_tactic(shape, stage: int, ctas: int | None = None, num_sms: int 
     last = None
     for t in candidates:
         last = t.valid_for(s, stage)
-        if last is None:
-            return t
+        if last is None:  # GEMM1: its two-plane twin where one runs (the numerics margin, issue 36 item 4)
+            return (two_plane_twin(t, s) or t) if stage == 1 else t
     raise ValueError(f"no fp8 GEMM{stage} tactic for {s}: {last}")

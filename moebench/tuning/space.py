@@ -277,9 +277,12 @@ class Fp8Space:
     max(2, `limit` / 4) 2-CTA cluster twins (`cluster_twins`) of its tactics
     at one CTA per SM (the defaults' first) joined it. Last, each stage's
     set gets the pipelined twin (`mma_depth` 1) of each default on the bulk
-    ring, and GEMM1's set the two-plane twin (`two_plane_twin`: `planes` 2,
-    fewer stages where it must) of each of its bulk tactics: the tuner's
-    check (`runner.FP8_H_MARGIN`) takes only those.
+    ring. Last, GEMM1's set becomes the two-plane twins of its tactics
+    (`two_plane_twin`: `planes` 2, fewer stages where it must; a tactic
+    without one is dropped, and only a shape no twin runs keeps the
+    one-plane set): the one-plane GEMM1s pass the tuner's H check on its inputs
+    (`runner.FP8_H_MARGIN`) yet miss the 25 % numerics margin at the
+    committed TP4 points (perf-notes session 24), so they are not tuned.
     """
 
     limit: int = 10
@@ -350,9 +353,10 @@ class Fp8Space:
         # the pipelined consumer (mma_depth 1, perf-notes session 23) of each default on the bulk ring
         piped = [replace(d, mma_depth=1) for d in defaults if d.bulk and d.unroll > 1]
         out += [t for t in piped if t not in out and fp8_why_invalid(t, s, stage) is None]
-        if stage == 1:  # the two-plane twin of each (issue 36 item 4): the one-plane GEMM1s miss FP8_H_MARGIN
+        if stage == 1:  # each as its two-plane twin where one runs (issue 36 item 4): one-plane GEMM1s miss the margin
             twins = [two_plane_twin(t, s) for t in out]
-            out += [t for t in dict.fromkeys(twins) if t is not None and t not in out and not fp8_why_invalid(t, s, 1)]
+            twins = [w for w in twins if w is not None and fp8_why_invalid(w, s, 1) is None]
+            out = list(dict.fromkeys(twins)) or out  # one-plane only where no two-plane GEMM1 runs the shape
         return tuple(out)
 
     @staticmethod

@@ -921,12 +921,13 @@ def test_fp8_tactic_name_validity_and_default():
             d = default_tactic(shape, stage, ctas, 132, fp8=True)
             assert d.fp8 and d == default_fp8_tactic(shape, stage, ctas) and d.valid_for(shape, stage) is None
     assert default_fp8_tactic(GemmShape.of(get_preset("dsv41-flash").shard(8)), 1).tile_rows == 16  # 576 rows
-    # v11: the warp-specialized kernels; 64-row items where they take fewer passes (rows 1 at TP4)
-    assert default_fp8_tactic(shape, 1, 1).name == "r16_m4_k4_u4_c1_b4_f8"
+    # v11: the warp-specialized kernels; 64-row items where they take fewer passes (rows 1 at TP4);
+    # GEMM1 as its two-plane twin (issue 36 item 4: the one-plane misses the numerics margin)
+    assert default_fp8_tactic(shape, 1, 1).name == "r16_m4_k4_u4_c1_b4_p2_f8"
     assert [default_fp8_tactic(shape, 1, max_ctas(r, 6, 384)).name[:3] for r in (4, 6, 8)] == ["r32", "r16", "r32"]
     assert default_fp8_tactic(shape, 2, 6).name == "r32_m4_k1_u3_c4_b4_f8"
-    pro = GemmShape.of(get_preset("dsv4-pro").shard(8))  # H 7168: 4 stages of 128-row items do not fit, 3 do
-    assert default_fp8_tactic(pro, 1, max_ctas(4, 6, 384)).name == "r32_m4_k4_u4_c1_b3_f8"
+    pro = GemmShape.of(get_preset("dsv4-pro").shard(8))  # H 7168: 4 stages of 128-row items do not fit, 3 do,
+    assert default_fp8_tactic(pro, 1, max_ctas(4, 6, 384)).name == "r32_m4_k4_u4_c1_b2_p2_f8"  # 2 beside 2 planes
     with pytest.raises(ValueError, match="tile_rows must be"):
         GemmTactic(16, 4, 2, 4, 3)
 
