@@ -2,6 +2,7 @@
 CI catches a report or store change that would strand the measurements the
 README and perf-notes quote."""
 
+import importlib.util
 import subprocess
 from pathlib import Path
 
@@ -12,6 +13,9 @@ from moebench.cli import app
 from moebench.reports.store import MANIFEST, RESULTS, read_run
 
 RUNS = Path(__file__).resolve().parents[2] / "reports" / "runs"
+_SPEC = importlib.util.spec_from_file_location("readme_tables", RUNS.parents[1] / "scripts" / "readme_tables.py")
+_readme_tables = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(_readme_tables)
 
 
 def _committed(runs: Path) -> list[Path]:
@@ -57,18 +61,9 @@ def test_committed_run_reads_and_renders(run, tmp_path):
 
 #: README's measured tables (one per TP degree) and its error table, all from one run.
 README_RUN = "2026-12-06-h100-dsv41-flash-compare"
-README_COLUMNS = {
-    "moebench (ours)": "moebench",
-    "FlashInfer W4A16": "flashinfer-w4a16",
-    "FlashInfer W4A8": "flashinfer-w4a8",
-    "Marlin W4A16": "marlin-w4a16",
-    "humming W4A16": "humming-w4a16",
-    "humming W4A8": "humming-w4a8",
-    "triton_kernels": "triton-mxfp4",
-    "torch BF16": "torch-bf16",
-}
+README_COLUMNS = _readme_tables.COLUMNS  # README column -> backend (the script that prints the tables)
 #: The tactic README quotes for ours (the route without PDL, as the peers' first kernels run); peers: "default".
-OURS_TACTIC = "nopdl=default"
+OURS_TACTIC = _readme_tables.OURS_TACTIC
 
 
 def _quoted(df, tp):
