@@ -117,3 +117,13 @@ def test_readme_tables_quote_the_committed_run():
             sel = _quoted(df, tp)
             sel = sel[sel.backend == README_COLUMNS[cells[0]]]
             assert cell == f"{sel.max_rel_err.max():.1e} / {sel.err_bf16.max():.1e}", (cells[0], tp)
+
+
+def test_measuring_names_the_merged_run_readme_quotes():
+    """measuring.md's "Merged runs" called the 2026-12-01 H200 run "the README's peers comparison" after
+    README moved to the merged H100 run: it names the run README quotes, and that run is a merge."""
+    text = (RUNS.parents[1] / "docs" / "measuring.md").read_text()
+    section = text.split("## Merged runs", 1)[1].split("\n## ", 1)[0]
+    said = " ".join(section.split())
+    assert f"The README's peers comparison, `reports/runs/{README_RUN}`" in said
+    assert len(read_run(RUNS / README_RUN)[1]["merged_from"]) >= 2
