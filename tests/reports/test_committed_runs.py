@@ -127,3 +127,19 @@ def test_measuring_names_the_merged_run_readme_quotes():
     said = " ".join(section.split())
     assert f"The README's peers comparison, `reports/runs/{README_RUN}`" in said
     assert len(read_run(RUNS / README_RUN)[1]["merged_from"]) >= 2
+
+
+def test_baselines_details_name_the_run_readme_quotes():
+    """README sends readers to baselines.md's "Read with the README's table" for what each peer reads, and
+    that section still named the 2026-12-01 H200 run as the README's: it names the run README quotes, and
+    the triton route range it states is that run's."""
+    import re
+
+    text = (RUNS.parents[1] / "docs" / "baselines.md").read_text()
+    section = " ".join(text.split("## Read with the README's table", 1)[1].split("\n## ", 1)[0].split())
+    assert f"The README's peer tables (run `reports/runs/{README_RUN}`" in section
+    df = read_run(RUNS / README_RUN)[0]
+    triton = df[(df.backend == "triton-mxfp4") & (df.status == "ok")]
+    lo, hi, call_lo, call_hi = map(int, re.search(r"(\d+)-(\d+) µs of its (\d+)-(\d+) µs", section).groups())
+    assert (lo, hi) == (round(triton.kernel_route_us.min()), round(triton.kernel_route_us.max()))
+    assert (call_lo, call_hi) == (round(triton.median_us.min()), round(triton.median_us.max()))
