@@ -6,7 +6,8 @@ One table per TP degree (dsv41-flash, correlated): each backend's "µs / %
 of copy" per rows, the fastest peer and our speed-up over it (the peer's µs
 over ours). Ours is the "nopdl=default" case: the default tactics with the
 route launched without PDL, as the peers' first kernels are (the run's PDL
-A/B found PDL worth 0.1-0.3 µs, beyond the noise at most points); the peers
+A/B found PDL worth 0.1-0.3 µs at TP8, beyond the noise at 3 of its 5
+points, and nothing beyond the noise at TP4); the peers
 run "default". Then the error table (the worst `err` and
 `err_bf16` over rows 1-8 per backend and TP). Every number comes from the
 one run named, so no ratio is quoted across runs;

@@ -143,3 +143,39 @@ def test_baselines_details_name_the_run_readme_quotes():
     lo, hi, call_lo, call_hi = map(int, re.search(r"(\d+)-(\d+) µs of its (\d+)-(\d+) µs", section).groups())
     assert (lo, hi) == (round(triton.kernel_route_us.min()), round(triton.kernel_route_us.max()))
     assert (call_lo, call_hi) == (round(triton.median_us.min()), round(triton.median_us.max()))
+
+
+def test_readme_prose_around_the_tables_states_the_runs_numbers():
+    """The numbers README's prose states about the run it quotes are that run's (rows 1, 2, 4, 6, 8;
+    ours at nopdl=default): the PDL A/B per TP (it said 0.1-0.3 µs at both, yet at TP4 rows 6 / 8 the
+    route without PDL was the faster), triton's call and route-stage ranges (it called the ~220 µs call
+    the route stage), the W4A16 paths' err_bf16 range (it said near 5e-3: humming W4A16 is 9.8e-3) and
+    the uniform point."""
+    import re
+
+    said = " ".join((RUNS.parents[1] / "README.md").read_text().split())
+    df = read_run(RUNS / README_RUN)[0]
+    ok = df[(df.status == "ok") & (df.preset == "dsv41-flash")]
+    cor = ok[(ok.scenario == "correlated") & ok.rows.isin([1, 2, 4, 6, 8])]
+    ours = cor[cor.backend == "moebench"].pivot_table(index=["tp", "rows"], columns="tactic", values="median_us")
+    gain = (ours["nopdl=default"] - ours["default"]).round(1)
+    m = re.search(r"PDL worth (\S+)-(\S+) µs at TP8, .* and (\S+) to (\S+) µs at TP4, within the noise", said)
+    assert m, "README states the PDL A/B per TP"
+    assert (float(m[1]), float(m[2])) == (gain[8].min(), gain[8].max())
+    assert (float(m[3]), float(m[4])) == (gain[4].min(), gain[4].max())
+    triton = ok[ok.backend == "triton-mxfp4"]
+    m = re.search(r"triton_kernels' (\d+)-(\d+) µs is mostly its route stage, .*? \((\d+)-(\d+) µs alone", said)
+    assert m and tuple(map(int, m.groups())) == tuple(
+        round(v) for v in (triton.median_us.min(), triton.median_us.max(), triton.kernel_route_us.min(),
+                           triton.kernel_route_us.max())
+    )  # fmt: skip
+    a16 = ok[(ok.scenario == "correlated") & (ok.tactic == "default")]  # the error table: rows 1-8
+    a16 = a16[a16.backend.isin(["flashinfer-w4a16", "marlin-w4a16", "humming-w4a16", "triton-mxfp4", "torch-bf16"])]
+    worst = a16.groupby(["backend", "tp"]).err_bf16.max()  # each cell of README's error table
+    m = re.search(r"the W4A16 paths stay below 1e-2 \((\S+) to (\S+)\)", said)
+    assert m and (m[1], m[2]) == (f"{worst.min():.1e}", f"{worst.max():.1e}") and worst.max() < 1e-2
+    uni = ok[(ok.scenario == "uniform") & (ok.tp == 4) & (ok.rows == 6)]
+    us = float(uni[(uni.backend == "moebench") & (uni.tactic == "nopdl=default")].median_us.iloc[0])
+    peers = uni[(uni.backend != "moebench") & (uni.tactic == "default")].set_index("backend").median_us
+    assert f"ours ({us:.1f} µs) is {peers.min() / us:.2f}x faster" in said
+    assert f"(humming W4A8, {peers.min():.1f} µs) at TP4, 6 rows" in said and peers.idxmin() == "humming-w4a8"
