@@ -97,7 +97,8 @@ Fp8Opt = Annotated[
         help="Tune the FP8 (wgmma, _f8) kernel family instead of the BF16 one: e4m3-layout weights, the MXFP8"
         " x / H as they are, candidates from the fp8 defaults, the measured warp-specialized variants and"
         " their neighbours (--space sets how many: ship 10, quick 16, full 48 per stage, GEMM1 twice that"
-        " with its spec twins and a few 2-CTA cluster twins, cluster_k 2); the entries go"
+        " with its spec twins and a few 2-CTA cluster twins, cluster_k 2; every GEMM1 two-plane, _p2, like the"
+        " built-in default, where one fits the shape); the entries go"
         " to the table's 'fp8' part (what FP8 layers run), the BF16 entries stay. By default each layer runs"
         " the family whose entries are faster.",
     ),

@@ -656,6 +656,20 @@ def test_experts_help_and_check_say_what_the_gpu_kernels_take():
         assert ("experts must be a multiple of" in str(error.value)) == refused, str(error.value)
 
 
+def test_tune_fp8_help_says_the_gemm1_candidates_are_two_plane():
+    """`tune --help` listed the FP8 candidates without saying GEMM1's are two-plane (`_p2`) only, as the
+    tuning space holds them (and the built-in default runs): the help says it, and it holds for the space."""
+    from moebench.kernels.tactic import default_fp8_tactic
+    from moebench.models import get_preset
+    from moebench.tuning.space import FP8_SPACES
+
+    result = runner.invoke(app, ["tune", "--help"], env={"COLUMNS": "400"}, terminal_width=400)
+    assert "every GEMM1 two-plane, _p2," in " ".join(result.output.split()), result.output
+    shape = get_preset("dsv41-flash").shard(4)
+    assert default_fp8_tactic(shape, 1).planes == 2
+    assert {t.planes for t in FP8_SPACES["quick"].tactics_for(shape, 1)} == {2}
+
+
 def test_sweep_tactics_help_names_every_tactic_and_form_a_backend_takes():
     """`--tactics` help left out `nopdl=TACTIC` and the vLLM peers' `ep`: a user had to read the code to find them."""
     from moebench.backends.registry import backend_names

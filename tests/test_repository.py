@@ -71,3 +71,18 @@ def test_no_document_points_outside_the_repository():
             if anchor and path.suffix == ".md":
                 heads = re.findall(r"^#+\s+(.*)$", path.read_text(encoding="utf-8"), re.M)
                 assert anchor in {_slug(h) for h in heads}, f"{doc.relative_to(ROOT)}: {link}"
+
+
+def test_docs_say_the_fp8_gemm1_is_two_plane_and_the_h_check_does_not_reject_one_plane():
+    """usage.md said the tuner's 99.9 % H check (`FP8_H_MARGIN`) rejects the one-plane FP8 GEMM1s (and the
+    fused layer): the H100 tune of 2026-12-06 took one, which is why the default and the tuning space hold
+    only two-plane GEMM1s. Every paragraph naming the check (the dated perf-notes aside) says two-plane and
+    does not say the one-plane fails it."""
+    for doc in _docs():
+        if doc.name == "perf-notes.md":
+            continue
+        for para in re.split(r"\n\s*\n|\n- ", doc.read_text(encoding="utf-8")):
+            if "FP8_H_MARGIN" in para:
+                text = " ".join(para.split())
+                assert "two-plane" in text, f"{doc.relative_to(ROOT)}: {text}"
+                assert not re.search(r"one-plane[^.]*\bdo(es)? not\b", text), f"{doc.relative_to(ROOT)}: {text}"

@@ -375,9 +375,9 @@ def merge_runs(paths) -> tuple[pd.DataFrame, dict]:
     device would have stored, each row with the copy bandwidth its own run
     measured (`pct_copy_bw` was computed against it). The manifest is the
     first run's, with "merged_from" listing each part (path, created_utc,
-    command, copy_bw_gbps), "copy_bw_gbps" the parts' median and "groups"
-    every part's groups (rotation, x writes), each with "part": its index in
-    "merged_from". Raises
+    command, copy_bw_gbps; a merged run's own parts in its place),
+    "copy_bw_gbps" the parts' median and "groups" every part's groups
+    (rotation, x writes), each with "part": its index in "merged_from". Raises
     ValueError naming the runs that disagree or the case stored twice, and
     what read_run raises for a run that cannot be read."""
     paths = [Path(p) for p in paths]
@@ -408,12 +408,33 @@ def merge_runs(paths) -> tuple[pd.DataFrame, dict]:
     dup = frame[frame.duplicated(subset=keys, keep=False)]
     if len(dup):
         raise ValueError(f"a case is stored in more than one of the runs: {_case_text(dup.iloc[0], keys)}")
-    bws = sorted(m["copy_bw_gbps"] for _, _, m in parts if isinstance(m.get("copy_bw_gbps"), (int, float)))
+    merged_from, groups = _merged_parts(parts)
+    bws = sorted(e["copy_bw_gbps"] for e in merged_from if isinstance(e.get("copy_bw_gbps"), (int, float)))
     manifest = dict(first)
     manifest["copy_bw_gbps"] = bws[len(bws) // 2] if bws else None
-    manifest["merged_from"] = [
-        {"path": str(p), **{k: m.get(k) for k in ("created_utc", "command", "copy_bw_gbps")}} for p, _, m in parts
-    ]
-    if any(m.get("groups") for _, _, m in parts):  # every part's groups (layers, x writes), each naming its part
-        manifest["groups"] = [{**g, "part": i} for i, (_, _, m) in enumerate(parts) for g in m.get("groups") or []]
+    manifest["merged_from"] = merged_from
+    if groups:
+        manifest["groups"] = groups
     return frame, manifest
+
+
+def _merged_parts(parts) -> tuple[list[dict], list[dict]]:
+    """(merged_from, groups) of the merged run of `parts` ((path, frame,
+    manifest) each): one entry per measured part (path, created_utc, command,
+    copy_bw_gbps) and every part's groups (layers, x writes), each with
+    "part", its entry's index. A part that is itself a merged run gives its
+    own parts and groups (indices shifted), so merging merged runs keeps
+    every sweep's command and x writes."""
+    merged_from: list[dict] = []
+    groups: list[dict] = []
+    for path, _, m in parts:
+        base = len(merged_from)
+        inner = m.get("merged_from")
+        if isinstance(inner, list) and inner and all(isinstance(e, dict) for e in inner):
+            merged_from += inner
+            groups += [{**g, "part": base + (g.get("part") if type(g.get("part")) is int else 0)}
+                       for g in m.get("groups") or []]  # fmt: skip
+        else:
+            merged_from.append({"path": str(path), **{k: m.get(k) for k in ("created_utc", "command", "copy_bw_gbps")}})
+            groups += [{**g, "part": base} for g in m.get("groups") or []]
+    return merged_from, groups

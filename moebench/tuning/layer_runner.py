@@ -100,7 +100,7 @@ class LayerRunner(GemmStageRunner):
         case["out"].fill_(float("nan"))
         self._layer(self.kws[0], case, choice, case["x_q"], case["x_s"], case["route"].record)
         self._sync()
-        bad = h_fp8_mismatch(  # the tuner's margin (the fused layer's GEMM1 is one-plane: it fails it)
+        bad = h_fp8_mismatch(  # the tuner's floor (the fused layer's one-plane GEMM1 passed it on the H100, 2026-12-06)
             case["h_q"][:used], case["h_s"][:used], case["ref_q"][:used], case["ref_s"][:used], least=FP8_H_MARGIN
         )
         return f"H: {bad}" if bad else self.rows_mismatch(case)

@@ -112,3 +112,65 @@ def test_readme_tables_quote_the_committed_run():
             sel = _quoted(df, tp)
             sel = sel[sel.backend == README_COLUMNS[cells[0]]]
             assert cell == f"{sel.max_rel_err.max():.1e} / {sel.err_bf16.max():.1e}", (cells[0], tp)
+
+
+def test_measuring_names_the_merged_run_readme_quotes():
+    """measuring.md's "Merged runs" called the 2026-12-01 H200 run "the README's peers comparison" after
+    README moved to the merged H100 run: it names the run README quotes, and that run is a merge."""
+    text = (RUNS.parents[1] / "docs" / "measuring.md").read_text()
+    section = text.split("## Merged runs", 1)[1].split("\n## ", 1)[0]
+    said = " ".join(section.split())
+    assert f"The README's peers comparison, `reports/runs/{README_RUN}`" in said
+    assert len(read_run(RUNS / README_RUN)[1]["merged_from"]) >= 2
+
+
+def test_baselines_details_name_the_run_readme_quotes():
+    """README sends readers to baselines.md's "Read with the README's table" for what each peer reads, and
+    that section still named the 2026-12-01 H200 run as the README's: it names the run README quotes, and
+    the triton route range it states is that run's."""
+    import re
+
+    text = (RUNS.parents[1] / "docs" / "baselines.md").read_text()
+    section = " ".join(text.split("## Read with the README's table", 1)[1].split("\n## ", 1)[0].split())
+    assert f"The README's peer tables (run `reports/runs/{README_RUN}`" in section
+    df = read_run(RUNS / README_RUN)[0]
+    triton = df[(df.backend == "triton-mxfp4") & (df.status == "ok")]
+    lo, hi, call_lo, call_hi = map(int, re.search(r"(\d+)-(\d+) µs of its (\d+)-(\d+) µs", section).groups())
+    assert (lo, hi) == (round(triton.kernel_route_us.min()), round(triton.kernel_route_us.max()))
+    assert (call_lo, call_hi) == (round(triton.median_us.min()), round(triton.median_us.max()))
+
+
+def test_readme_prose_around_the_tables_states_the_runs_numbers():
+    """The numbers README's prose states about the run it quotes are that run's (rows 1, 2, 4, 6, 8;
+    ours at nopdl=default): the PDL A/B per TP (it said 0.1-0.3 µs at both, yet at TP4 rows 6 / 8 the
+    route without PDL was the faster), triton's call and route-stage ranges (it called the ~220 µs call
+    the route stage), the W4A16 paths' err_bf16 range (it said near 5e-3: humming W4A16 is 9.8e-3) and
+    the uniform point."""
+    import re
+
+    said = " ".join((RUNS.parents[1] / "README.md").read_text().split())
+    df = read_run(RUNS / README_RUN)[0]
+    ok = df[(df.status == "ok") & (df.preset == "dsv41-flash")]
+    cor = ok[(ok.scenario == "correlated") & ok.rows.isin([1, 2, 4, 6, 8])]
+    ours = cor[cor.backend == "moebench"].pivot_table(index=["tp", "rows"], columns="tactic", values="median_us")
+    gain = (ours["nopdl=default"] - ours["default"]).round(1)
+    m = re.search(r"PDL worth (\S+)-(\S+) µs at TP8, .* and (\S+) to (\S+) µs at TP4, within the noise", said)
+    assert m, "README states the PDL A/B per TP"
+    assert (float(m[1]), float(m[2])) == (gain[8].min(), gain[8].max())
+    assert (float(m[3]), float(m[4])) == (gain[4].min(), gain[4].max())
+    triton = ok[ok.backend == "triton-mxfp4"]
+    m = re.search(r"triton_kernels' (\d+)-(\d+) µs is mostly its route stage, .*? \((\d+)-(\d+) µs alone", said)
+    assert m and tuple(map(int, m.groups())) == tuple(
+        round(v) for v in (triton.median_us.min(), triton.median_us.max(), triton.kernel_route_us.min(),
+                           triton.kernel_route_us.max())
+    )  # fmt: skip
+    a16 = ok[(ok.scenario == "correlated") & (ok.tactic == "default")]  # the error table: rows 1-8
+    a16 = a16[a16.backend.isin(["flashinfer-w4a16", "marlin-w4a16", "humming-w4a16", "triton-mxfp4", "torch-bf16"])]
+    worst = a16.groupby(["backend", "tp"]).err_bf16.max()  # each cell of README's error table
+    m = re.search(r"the W4A16 paths stay below 1e-2 \((\S+) to (\S+)\)", said)
+    assert m and (m[1], m[2]) == (f"{worst.min():.1e}", f"{worst.max():.1e}") and worst.max() < 1e-2
+    uni = ok[(ok.scenario == "uniform") & (ok.tp == 4) & (ok.rows == 6)]
+    us = float(uni[(uni.backend == "moebench") & (uni.tactic == "nopdl=default")].median_us.iloc[0])
+    peers = uni[(uni.backend != "moebench") & (uni.tactic == "default")].set_index("backend").median_us
+    assert f"ours ({us:.1f} µs) is {peers.min() / us:.2f}x faster" in said
+    assert f"(humming W4A8, {peers.min():.1f} µs) at TP4, 6 rows" in said and peers.idxmin() == "humming-w4a8"

@@ -48,6 +48,22 @@ def test_merge_keeps_every_parts_groups(tmp_path):
     assert manifest["groups"][0]["x_writes"] == {"1": {"us": 2.4}}
 
 
+def test_merging_a_merged_run_keeps_its_parts_and_their_groups(tmp_path):
+    """A merged run merged again (a third call's cases added later) named only the merged run in
+    merged_from, losing its sweeps' commands, and renumbered its groups' parts so that two groups of one
+    (preset, TP) from different sweeps read as one part's: its own parts and groups stay, indices shifted."""
+    a = _part(tmp_path, "tp4", "moebench", copy_bw=4200.0, groups=[{"preset": "p", "tp": 4, "layers": 8}])
+    b = _part(tmp_path, "tp8", "marlin-w4a16", copy_bw=4240.0, groups=[{"preset": "p", "tp": 8, "layers": 15}])
+    df, manifest = merge_runs([a, b])
+    ab = write_run(df, manifest, root=tmp_path / "merged", label="ab", when=WHEN)
+    c = _part(tmp_path, "uniform", "torch-bf16", rows=(6,), copy_bw=4210.0,
+              groups=[{"preset": "p", "tp": 4, "layers": 8}])  # fmt: skip
+    _, manifest = merge_runs([ab, c])
+    assert [e["command"] for e in manifest["merged_from"]] == ["tp4", "tp8", "uniform"]
+    assert [(g["tp"], g["part"]) for g in manifest["groups"]] == [(4, 0), (8, 1), (4, 2)]
+    assert manifest["copy_bw_gbps"] == 4210.0  # the median of the three sweeps
+
+
 def test_merge_refuses_a_case_twice_other_commits_and_one_run(tmp_path):
     a = _part(tmp_path, "a", "moebench")
     with pytest.raises(ValueError, match="stored in more than one.*backend=moebench"):
