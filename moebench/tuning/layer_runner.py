@@ -5,8 +5,11 @@ between its two GEMMs as the pair (GEMM1 then GEMM2, the tactics the table
 holds for those rows) and as one fused launch (`kernels.fused`): its
 candidates are `LayerChoice`s, the pair first (the tuner's `prefer`: it
 stays unless a fused tactic is faster beyond the noise), then
-`fused_candidates`. `check` runs one on the oracle's inputs (H judged as
-GEMM1's fp8 check, the rows as GEMM2's against the oracle); `time` is the
+`fused_candidates`. `check` refuses a fused candidate where the pair's
+GEMM1 is two-plane (`margin_reason`: the fused GEMM1 is one-plane and would
+give up the numerics margin), then runs it on the oracle's inputs
+(`oracle_mismatch`: H judged as GEMM1's fp8 check, the rows as GEMM2's
+against the oracle); `time` is the
 layer as `GemmStageRunner.time` times it (the plan with the pair or the
 fused launch at those rows, bound on every rotated weight set and called
 at the layer boundary), so the pair and every fused candidate are timed
@@ -92,6 +95,22 @@ class LayerRunner(GemmStageRunner):
         return case
 
     def check(self, choice: LayerChoice, rows: int) -> str | None:
+        """None when `choice` may replace the pair at `rows` (`margin_reason`)
+        and its H and rows match the oracle's (`oracle_mismatch`), else why."""
+        return self.margin_reason(choice, rows) or self.oracle_mismatch(choice, rows)
+
+    def margin_reason(self, choice: LayerChoice, rows: int) -> str | None:
+        """Why fused `choice` may not replace the pair at `rows`, or None: the
+        fused kernels' GEMM1 is one-plane, and where the pair's GEMM1 is
+        two-plane (the FP8 default, issue 36 item 4) the fused layer would give
+        up the numerics margin the pair keeps."""
+        t1 = self.pair(rows)[0]
+        if choice.fused is not None and t1.planes == 2:
+            return (f"its GEMM1 is one-plane where the pair's ({t1.name}) is two-plane: it would give up"
+                    " the numerics margin (issue 36 item 4)")  # fmt: skip
+        return None
+
+    def oracle_mismatch(self, choice: LayerChoice, rows: int) -> str | None:
         """None when `choice`'s H and rows at `rows` match the oracle's, else why."""
         case = self._case(rows)
         used = case["used"]

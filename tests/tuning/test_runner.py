@@ -8,11 +8,12 @@ import torch
 
 from moebench.models import get_preset
 from moebench.env import device_info
-from moebench.kernels.fused_tactic import FusedTactic, fused_candidates
-from moebench.kernels.tactic import GemmShape, two_plane_twin
+from moebench.kernels.fused_tactic import FusedTactic, LayerChoice, fused_candidates
+from moebench.kernels.tactic import GemmShape, GemmTactic, two_plane_twin
 from moebench.record import max_ctas
 from moebench.kernels.gemm import act_to_bf16
 from moebench.kernels.table import LAYER
+from moebench.tuning.layer_runner import LayerRunner
 from moebench.tuning.runner import TuneConfig, h_mismatch, require_tuning_device
 
 
@@ -442,6 +443,25 @@ def test_fp8_space_holds_valid_fp8_tactics_the_default_first():
         Fp8Space(0)
 
 
+def test_layer_step_refuses_fused_beside_a_two_plane_pair():
+    """The fused kernels' GEMM1 is one-plane: beside a pair whose GEMM1 is
+    two-plane (the FP8 default) every fused candidate is refused, naming the
+    margin; beside a one-plane pair, and for the pair itself, nothing is."""
+    shape = get_preset("dsv41-flash").shard(4)
+    g = GemmShape.of(shape)
+    one = GemmTactic(16, 4, 4, 4, 1, stages=4, fp8=True)
+    two, gemm2 = two_plane_twin(one, g), GemmTactic(32, 4, 1, 3, 4, stages=4, fp8=True)
+    fused = LayerChoice(fused_candidates(g, max_ctas(1, shape.top_k, shape.experts), 132)[0])
+
+    class Stub:
+        def __init__(self, t1):
+            self.pair = lambda rows: (t1, gemm2)
+
+    assert "numerics margin" in LayerRunner.margin_reason(Stub(two), fused, 1)
+    assert LayerRunner.margin_reason(Stub(two), LayerChoice(None), 1) is None
+    assert LayerRunner.margin_reason(Stub(one), fused, 1) is None
+
+
 def test_run_tune_fp8_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
     """--fp8's plumbing: e4m3-layout weights, the MXFP8 operands as they are
     (no BF16 copies), fp8 candidates only, the entries in the fp8 part."""
@@ -468,6 +488,9 @@ def test_run_tune_fp8_flow_on_the_cpu_with_stand_in_kernels(monkeypatch):
         return original(self, kw, case, tactic)
 
     monkeypatch.setattr(rn.GemmStageRunner, "_launch", launch)
+    # the fused plumbing: its candidates run and are checked (the margin rule that refuses them beside
+    # a two-plane pair is tested alone: test_layer_step_refuses_fused_beside_a_two_plane_pair)
+    monkeypatch.setattr(LayerRunner, "margin_reason", lambda self, choice, rows: None)
     cfg = TuneConfig(preset="dsv41-flash", hidden=512, intermediate=1024, experts=8, tp=(4,), rows=(1, 6),
                      space=Fp8Space(6), repeats=1, top=2, replays=3, warmup=0, layers=2, fp8=True)  # fmt: skip
     outcome = rn.run_tune(cfg)
