@@ -115,6 +115,8 @@ def merge_sweep(job: Job, reports: Sequence[RankReport], stopped: str | None = N
         timing_counts=timing_counts_used(config, methods),
         worker_manifests=[{k: m.get(k) for k in ("device", "copy_bw_gbps", "groups")} for m in infos],
     )  # fmt: skip
+    if any(m.get("groups") for m in infos):  # every worker's groups (rotation, x writes), each naming its worker
+        manifest["groups"] = [{**g, "worker": i} for i, m in enumerate(infos) for g in m.get("groups") or []]
     manifest.setdefault("schema", 1)
     manifest.setdefault("seed", config.seed)
     manifest.pop("interrupted", None)

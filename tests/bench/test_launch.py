@@ -95,6 +95,20 @@ def test_merge_of_two_ranks_holds_every_case_once_in_order_with_where_it_ran():
     assert merged.manifest["sharded"] and [w["error"] for w in merged.manifest["workers"]] == [None, None]
 
 
+def test_merge_keeps_every_workers_groups():
+    """Each worker's rotation and x-write measurements (its manifest's
+    groups) stay at the top of the merged manifest, naming the worker: not
+    only the first worker's."""
+    job = _job()
+    reports = [_delivered(job, 2, 0), _delivered(job, 2, 1)]
+    for r in reports:
+        r.pieces[0]["info"] = {"device": {"name": "cpu"}, "groups": [{"tp": 4 + 4 * r.rank, "x_writes": {"1": {}}}]}
+    manifest = merge_sweep(job, reports).manifest
+    assert [(g["tp"], g["worker"]) for g in manifest["groups"]] == [(4, 0), (8, 1)]
+    assert [w["groups"] for w in manifest["worker_manifests"]] == [[{"tp": 4, "x_writes": {"1": {}}}],
+                                                                   [{"tp": 8, "x_writes": {"1": {}}}]]  # fmt: skip
+
+
 @pytest.mark.parametrize("end, failure, stopped, status, needle", [
     (None, "exit code 9", None, "failed", "rank 1 (h0, GPU 1) died: exit code 9"),
     (None, None, None, "failed", "rank 1 (h0, GPU 1) died: it stopped without a word"),
