@@ -277,7 +277,7 @@ class Fp8Space:
     max(2, `limit` / 4) 2-CTA cluster twins (`cluster_twins`) of its tactics
     at one CTA per SM (the defaults' first) joined it. Last, each stage's
     set gets the pipelined twin (`mma_depth` 1) of each default on the bulk
-    ring. Last, GEMM1's set becomes the two-plane twins of its tactics
+    ring. Finally, GEMM1's set becomes the two-plane twins of its tactics
     (`two_plane_twin`: `planes` 2, fewer stages where it must; a tactic
     without one is dropped, and only a shape no twin runs keeps the
     one-plane set): the one-plane GEMM1s pass the tuner's H check on its inputs

@@ -62,14 +62,6 @@ def test_committed_run_reads_and_renders(run, tmp_path):
 #: README's measured tables (one per TP degree) and its error table, all from one run.
 README_RUN = "2026-12-06-h100-dsv41-flash-compare"
 README_COLUMNS = _readme_tables.COLUMNS  # README column -> backend (the script that prints the tables)
-#: The tactic README quotes for ours (the route without PDL, as the peers' first kernels run); peers: "default".
-OURS_TACTIC = _readme_tables.OURS_TACTIC
-
-
-def _quoted(df, tp):
-    """The run's ok dsv41-flash correlated cases at `tp` that README quotes."""
-    keep = (df.preset == "dsv41-flash") & (df.tp == tp) & (df.scenario == "correlated") & (df.status == "ok")
-    return df[keep & (df.tactic == df.backend.map(lambda b: OURS_TACTIC if b == "moebench" else "default"))]
 
 
 def test_readme_tables_quote_the_committed_run():
@@ -89,7 +81,7 @@ def test_readme_tables_quote_the_committed_run():
     for tp, at in zip((4, 8), headers):
         cols = [c.strip() for c in lines[at].strip("|").split("|")]
         assert cols[-2:] == ["fastest peer", "speed-up"] and set(cols[1:-2]) == set(README_COLUMNS), cols
-        sel = _quoted(df, tp)
+        sel = _readme_tables.cases(df, tp)
         for ln in lines[at + 2 :]:
             if not ln.startswith("| "):
                 break
@@ -109,7 +101,7 @@ def test_readme_tables_quote_the_committed_run():
     for ln in lines[errors[0] + 2 : errors[0] + 2 + len(README_COLUMNS)]:
         cells = [c.strip() for c in ln.strip("|").split("|")]
         for tp, cell in zip((4, 8), cells[1:]):
-            sel = _quoted(df, tp)
+            sel = _readme_tables.cases(df, tp)
             sel = sel[sel.backend == README_COLUMNS[cells[0]]]
             assert cell == f"{sel.max_rel_err.max():.1e} / {sel.err_bf16.max():.1e}", (cells[0], tp)
 
