@@ -241,10 +241,11 @@ if HAVE_DSL:
             self.a16 = t.act_bf16
             self.fp8 = t.fp8
             self.planes = t.planes  # B planes of the fp8 activation tile (two-plane GEMM1: 2)
-            # fp8 on the bulk ring, one m-tile per warp: its 2 E8M0 codes of a chunk loaded as bytes
-            # (`stage_words_to_registers`), each 2^(s-127) one shift (no byte select, no mask); two
-            # m-tiles keep the word (4 codes: one register, not four, a chunk; r32 unroll 4 spills)
-            self.byte_scales = t.fp8 and t.bulk and self.tm == 1
+            # fp8 on the bulk ring, one m-tile per warp, unroll <= 4: its 2 E8M0 codes of a chunk
+            # loaded as bytes (`stage_words_to_registers`), each 2^(s-127) one shift (no byte select,
+            # no mask); otherwise the scale word, one register a chunk (two registers a chunk spill
+            # r16 unroll 8 at 2 CTAs/SM, four registers r32 unroll 4)
+            self.byte_scales = t.fp8 and t.bulk and self.tm == 1 and self.u <= 4
             self.aw = 4 if self.a16 else 2  # activation words per lane and chunk
             # fp8: the unit's 8 activation rows (e4m3, wgmma K-major "interleave" layout: 16-byte
             # units q = 8 * (k slot // 16) + n at byte 16 q; one tile per plane) and their fp32 scales
@@ -1322,9 +1323,10 @@ if HAVE_DSL:
             """fp8 consumers: warp (pair, t16, wk)'s weight words and E8M0 scale
             codes of one bulk stage (shared memory at `stage`) into registers: tile_rows
             32 = pair wm (16 bytes per lane and chunk; st_s[j]: scale word g),
-            16 = m-tile t16 of pair wm // 2 (8 bytes per lane and chunk; st_s[2 j],
-            st_s[2 j + 1]: codes 2 t16, 2 t16 + 1 of scale word g, one byte load
-            each: `byte_scales`, 2^(s-127) in one shift)."""
+            16 = m-tile t16 of pair wm // 2 (8 bytes per lane and chunk; with
+            `byte_scales` st_s[2 j], st_s[2 j + 1]: codes 2 t16, 2 t16 + 1 of scale
+            word g, one byte load each, 2^(s-127) in one shift; else st_s[j]: the
+            word's half t16)."""
             KS, U, g = self.ks, self.u, lane // 4
             for j in cutlass.range_constexpr(U):
                 entry = pair * KS + wk * U + j
@@ -1337,10 +1339,13 @@ if HAVE_DSL:
                     q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
                     st_w[2 * j] = q[0]
                     st_w[2 * j + 1] = q[1]
-                    # codes 2 t16 (row g) and 2 t16 + 1 (row g + 8) of scale word g
-                    p_s = cute.recast_ptr(stage + (self.sw_words + entry * 8 + g), dtype=Uint8) + 2 * t16
-                    st_s[2 * j] = fp4.load_u8_shared(p_s)
-                    st_s[2 * j + 1] = fp4.load_u8_shared(p_s + 1)
+                    if cutlass.const_expr(self.byte_scales):  # codes 2 t16 (row g), 2 t16 + 1 (row g + 8)
+                        p_s = cute.recast_ptr(stage + (self.sw_words + entry * 8 + g), dtype=Uint8) + 2 * t16
+                        st_s[2 * j] = fp4.load_u8_shared(p_s)
+                        st_s[2 * j + 1] = fp4.load_u8_shared(p_s + 1)
+                    else:
+                        sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                        st_s[j] = sv >> Uint32(16 * t16)
 
         @cute.jit
         def bulk_consume_wgmma(
