@@ -62,6 +62,21 @@ def load_u32x2_shared(ptr, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def load_u8_shared(ptr, *, loc=None, ip=None) -> Uint32:
+    """One shared-memory byte (ld.shared.u8 into a 32-bit register: LDS.U8)
+    -> Uint32 0..255, zero-extended by the load itself (a DSL Uint8 load
+    widened afterwards costs a mask per use in SASS). Volatile: never moved
+    above the barrier wait that makes the byte valid."""
+    addr = llvm.ptrtoint(T.i32(), ptr.to_llvm_ptr(loc=loc, ip=ip), loc=loc, ip=ip)
+    return Uint32(
+        llvm.inline_asm(
+            T.i32(), [addr], "ld.shared.u8 $0, [$1];", "=r,r,~{memory}",
+            has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        )
+    )  # fmt: skip
+
+
+@dsl_user_op
 def load_u32x2(ptr, priority: str, *, loc=None, ip=None):
     """One 8-byte global load (LDG.E.64) -> 2 x Uint32."""
     vec = cute.arch.load(
@@ -163,6 +178,17 @@ def weight_scale_f32(word: Uint32, byte: cutlass.Constexpr[int], special: cutlas
         bits = (word >> Uint32(1)) & Uint32(0x7F800000)
     else:
         bits = (word << Uint32(23 - 8 * byte)) & Uint32(0x7F800000)
+    if cutlass.const_expr(special):
+        bits = Uint32(cutlass.select_(bits == Uint32(0), Uint32(F32_2_M127), bits))
+        bits = Uint32(cutlass.select_(bits == Uint32(0x7F800000), Uint32(0x7FC00000), bits))
+    return bits_f32(bits)
+
+
+@cute.jit
+def weight_scale_f32_code(s: Uint32, special: cutlass.Constexpr[bool]):
+    """`weight_scale_f32` of an E8M0 code s already alone in its register
+    (0..255, as a byte load leaves it): one shift; the same bits for every code."""
+    bits = s << Uint32(23)
     if cutlass.const_expr(special):
         bits = Uint32(cutlass.select_(bits == Uint32(0), Uint32(F32_2_M127), bits))
         bits = Uint32(cutlass.select_(bits == Uint32(0x7F800000), Uint32(0x7FC00000), bits))

@@ -241,6 +241,11 @@ if HAVE_DSL:
             self.a16 = t.act_bf16
             self.fp8 = t.fp8
             self.planes = t.planes  # B planes of the fp8 activation tile (two-plane GEMM1: 2)
+            # fp8 on the bulk ring, one m-tile per warp, unroll <= 4: its 2 E8M0 codes of a chunk
+            # loaded as bytes (`stage_words_to_registers`), each 2^(s-127) one shift (no byte select,
+            # no mask); otherwise the scale word, one register a chunk (two registers a chunk spill
+            # r16 unroll 8 at 2 CTAs/SM, four registers r32 unroll 4)
+            self.byte_scales = t.fp8 and t.bulk and self.tm == 1 and self.u <= 4
             self.aw = 4 if self.a16 else 2  # activation words per lane and chunk
             # fp8: the unit's 8 activation rows (e4m3, wgmma K-major "interleave" layout: 16-byte
             # units q = 8 * (k slot // 16) + n at byte 16 q; one tile per plane) and their fp32 scales
@@ -463,9 +468,10 @@ if HAVE_DSL:
                 ra[3] = r3  # row g+8, k 8c+4 .. 8c+7
 
         @cute.jit
-        def retire_chunk(self, acc, tmp, sXs, sv, j: cutlass.Constexpr[int], ch, c):
+        def retire_chunk(self, acc, tmp, sXs, st_s, j: cutlass.Constexpr[int], ch, c):
             """fp8 tactics: acc += the finished results tmp[tm * j + tt] of
-            global K chunk `ch` x weight scale (word sv: rows g / g+8) x
+            global K chunk `ch` x weight scale (scale word st_s[j]: rows g / g+8
+            of m-tile tt; with byte_scales the codes st_s[2j], st_s[2j + 1]) x
             activation scale (tokens 2c / 2c+1, fp32 from shared memory); not
             in the "mma" probe. Two planes: the result is the sum of the
             two planes' results (fp32 adds), then scaled alike."""
@@ -475,8 +481,12 @@ if HAVE_DSL:
                 xs0 = sXs[ch * 8 + 2 * c]
                 xs1 = sXs[ch * 8 + 2 * c + 1]
             for tt in cutlass.range_constexpr(tm):
-                wg = fp4.weight_scale_f32(sv, 2 * tt, self.wide)
-                w8 = fp4.weight_scale_f32(sv, 2 * tt + 1, self.wide)
+                if cutlass.const_expr(self.byte_scales):
+                    wg = fp4.weight_scale_f32_code(st_s[2 * j], self.wide)
+                    w8 = fp4.weight_scale_f32_code(st_s[2 * j + 1], self.wide)
+                else:
+                    wg = fp4.weight_scale_f32(st_s[j], 2 * tt, self.wide)
+                    w8 = fp4.weight_scale_f32(st_s[j], 2 * tt + 1, self.wide)
                 t, a = tmp[tm * j + tt], acc[tt]
                 if cutlass.const_expr(self.planes == 2):
                     u = tmp[n_mma + tm * j + tt]  # the lo plane's result: hi + lo in fp32
@@ -545,7 +555,7 @@ if HAVE_DSL:
             self.mma_sync_op("commit")
             self.mma_sync_op("wait", 0)
             for j in cutlass.range_constexpr(self.u):
-                self.retire_chunk(acc, tmp, sXs, st_s[j], j, ch + j, lane % 4)
+                self.retire_chunk(acc, tmp, sXs, st_s, j, ch + j, lane % 4)
 
         @cute.jit
         def pipelined_step(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, ch, lane):
@@ -566,10 +576,10 @@ if HAVE_DSL:
                 self.mma_sync_op("commit")
                 if cutlass.const_expr(j >= D):
                     self.mma_sync_op("wait", D)
-                    self.retire_chunk(acc, tmp, sXs, st_s[j - D], j - D, ch + (j - D), c)
+                    self.retire_chunk(acc, tmp, sXs, st_s, j - D, ch + (j - D), c)
             self.mma_sync_op("wait", 0)
             for q in cutlass.range_constexpr(U - D, U):
-                self.retire_chunk(acc, tmp, sXs, st_s[q], q, ch + q, c)
+                self.retire_chunk(acc, tmp, sXs, st_s, q, ch + q, c)
 
         @cute.jit
         def compute(self, tiled_mma, acc, rA, rB, tCrA, tCrB, st_w, st_s, st_a, st_as, n_valid):
@@ -1305,15 +1315,18 @@ if HAVE_DSL:
             return (wk, 4 + words, 4 + 2 * words, cute.recast_ptr(act, dtype=Uint32),
                     cute.recast_ptr(act_s, dtype=Uint8), sB32, tiled_mma,
                     rA, tCrA, acc, tmp, tCrB, cute.make_rmem_tensor((4 * U,), Uint32),
-                    cute.make_rmem_tensor((U,), Uint32), wm if tm == 2 else wm // 2,
+                    cute.make_rmem_tensor((U * (2 if self.byte_scales else 1),), Uint32), wm if tm == 2 else wm // 2,
                     0 if tm == 2 else wm % 2)  # fmt: skip
 
         @cute.jit
         def stage_words_to_registers(self, stage, st_w, st_s, pair, t16, wk, lane):
-            """fp8 consumers: warp (pair, t16, wk)'s weight words and scale words
-            of one bulk stage (shared memory at `stage`) into registers: tile_rows
-            32 = pair wm (16 bytes per lane and chunk), 16 = m-tile t16 of pair
-            wm // 2 (8 bytes per lane and chunk)."""
+            """fp8 consumers: warp (pair, t16, wk)'s weight words and E8M0 scale
+            codes of one bulk stage (shared memory at `stage`) into registers: tile_rows
+            32 = pair wm (16 bytes per lane and chunk; st_s[j]: scale word g),
+            16 = m-tile t16 of pair wm // 2 (8 bytes per lane and chunk; with
+            `byte_scales` st_s[2 j], st_s[2 j + 1]: codes 2 t16, 2 t16 + 1 of scale
+            word g, one byte load each, 2^(s-127) in one shift; else st_s[j]: the
+            word's half t16)."""
             KS, U, g = self.ks, self.u, lane // 4
             for j in cutlass.range_constexpr(U):
                 entry = pair * KS + wk * U + j
@@ -1326,8 +1339,13 @@ if HAVE_DSL:
                     q = fp4.load_u32x2_shared(stage + (entry * 128 + lane * 4 + 2 * t16))
                     st_w[2 * j] = q[0]
                     st_w[2 * j + 1] = q[1]
-                    sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
-                    st_s[j] = sv >> Uint32(16 * t16)
+                    if cutlass.const_expr(self.byte_scales):  # codes 2 t16 (row g), 2 t16 + 1 (row g + 8)
+                        p_s = cute.recast_ptr(stage + (self.sw_words + entry * 8 + g), dtype=Uint8) + 2 * t16
+                        st_s[2 * j] = fp4.load_u8_shared(p_s)
+                        st_s[2 * j + 1] = fp4.load_u8_shared(p_s + 1)
+                    else:
+                        sv = cute.arch.load(stage + (self.sw_words + entry * 8 + g), Uint32)
+                        st_s[j] = sv >> Uint32(16 * t16)
 
         @cute.jit
         def bulk_consume_wgmma(

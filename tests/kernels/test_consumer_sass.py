@@ -41,7 +41,8 @@ def test_consumer_step_loops_by_class():
     """Each class count sums to the loop's length; the two-plane loop has twice
     the one-plane loop's QGMMAs and the same decode (one A fragment per block,
     two B planes); a block's decode is at most 10 integer instructions per
-    warp (its two e2m1 words, 5 each); the "math" probe has the whole decode
+    warp (its two e2m1 words, 5 each); GEMM1's exponents are one shift per
+    E8M0 code (2 a block: rows g and g + 8); the "math" probe has the whole decode
     and no QGMMA, the "mma" probe no decode and no scaling."""
     specs = [f"{s}:{m}" for s in (ONE, TWO, G2) for m in ("stream", "math", "mma")]
     reports = compile_reports(_COMPILE_SPEC, specs)
@@ -60,6 +61,10 @@ def test_consumer_step_loops_by_class():
     assert g2["qgmma"] == g2["blocks"] == 6
     for rep in (one, two, g2):
         assert 0 < rep["per_block"]["decode"] <= 10, rep["spec"]
+    # one m-tile a warp: one shift per E8M0 code (byte loads: no byte select, no exponent mask),
+    # two codes a block; two m-tiles (GEMM2) a scale word a chunk, two instructions per code
+    assert one["per_block"]["scale_int"] == two["per_block"]["scale_int"] == 2, (one, two)
+    assert g2["per_block"]["scale_int"] == 4, g2
     for s in (ONE, TWO, G2):
         math, mma = loops[f"{s}:math"], loops[f"{s}:mma"]
         assert math["qgmma"] == 0 and math["decode"] == loops[f"{s}:stream"]["decode"], s
