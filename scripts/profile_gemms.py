@@ -32,6 +32,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tp", type=int, default=4)
     ap.add_argument("--rows", type=int, default=6)
+    ap.add_argument(
+        "--resident",
+        choices=("no", "yes", "math", "mma"),
+        default="no",
+        help="the consumer probes of scripts/consumer.py: yes = compute only (weights resident in shared "
+        "memory), math / mma = one half of the consumer; bulk-ring tactics only (default no: the real kernel)",
+    )
     ap.add_argument("specs", nargs="+", help="STAGE:TACTIC_NAME, e.g. 2:r64_m8_k1_u2_c2_a16")
     args = ap.parse_args()
     shape = get_preset("dsv41-flash").shard(args.tp)
@@ -40,6 +47,7 @@ def main() -> None:
     ids = scenario_topk_ids("correlated", args.rows, TOP_K, shape.experts, seed=args.rows)
     route = build_route_record(ids.cuda(), shape.experts)
     kw = random_kernel_weights(shape, seed=0)
+    resident = {"no": False, "yes": True}.get(args.resident, args.resident)
     specs = [(int(s.split(":")[0]), GemmTactic.from_name(s.split(":")[1])) for s in args.specs]
     need = workspace_bytes_for(gs, [(st, t, route.ctas) for st, t in specs])
     ws = alloc_workspace(need, "cuda") if need else None
@@ -58,10 +66,23 @@ def main() -> None:
             ids_in = (
                 ids.to("cuda", torch.int32).contiguous() if t.spec else None
             )  # spec: the ids its producer reads before its wait
-            gemm1(k, x_q, x_s, route.record, route.ctas, h_q, h_s, tactic=t, workspace=ws, topk_ids=ids_in, **a16)
+            gemm1(
+                k,
+                x_q,
+                x_s,
+                route.record,
+                route.ctas,
+                h_q,
+                h_s,
+                tactic=t,
+                workspace=ws,
+                topk_ids=ids_in,
+                resident=resident,
+                **a16,
+            )
         else:
             a16 = dict(h_deq=h_deq) if t.act_bf16 else {}
-            gemm2(k, h_q, h_s, route.record, route.ctas, out, tactic=t, workspace=ws, **a16)
+            gemm2(k, h_q, h_s, route.record, route.ctas, out, tactic=t, workspace=ws, resident=resident, **a16)
 
     for stage, t in specs:
         launch(stage, t)

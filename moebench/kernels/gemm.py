@@ -560,8 +560,9 @@ if HAVE_DSL:
         @cute.jit
         def pipelined_step(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, ch, lane):
             """fp8 tactics with mma_depth D >= 1: `compute_wgmma` with the
-            scaling overlapped: all unroll chunks decoded, then each chunk's
-            wgmma(s) committed as its own group; once D more groups are in
+            decode and the scaling overlapped: chunk by chunk, decoded (while
+            the chunks before it multiply), fenced, its wgmma(s) committed as
+            its own group; once D more groups are in
             flight (wait_group D) the oldest chunk is scaled into the
             accumulator while the wgmmas behind it run; the last D after
             wait_group 0. Same operations in the same order per accumulator
@@ -569,9 +570,9 @@ if HAVE_DSL:
             D, U = self.tactic.mma_depth, self.u
             c = lane % 4
             for j in cutlass.range_constexpr(U):
+                # chunk j is decoded while chunk j - 1's wgmmas run (its A registers are its own)
                 self.decode_chunk(rA, st_w, j)
-            self.mma_sync_op("fence")
-            for j in cutlass.range_constexpr(U):
+                self.mma_sync_op("fence")
                 self.issue_chunk(tiled_mma, acc, tmp, rA, tCrA, tCrB, ch, j)
                 self.mma_sync_op("commit")
                 if cutlass.const_expr(j >= D):
