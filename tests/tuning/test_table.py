@@ -329,7 +329,7 @@ def test_a_table_without_fp8_entries_stays_schema_1_and_old_tables_read(tmp_path
 
 def test_every_shipped_table_holds_both_families_each_in_its_part():
     """The shipped H200 tables (tune_all.sh, then FP8=1): BF16 entries for rows
-    1-8 of both stages, FP8 entries likewise (the H100's: FP8 only), each part only its family's
+    1-8 of both stages, FP8 entries likewise (the H100's: FP8 only, two-plane GEMM1s), each part only its family's
     tactics (schema 2); dsv41-flash TP4 / TP8 (`tune --fp8 --stages fused`)
     also the pair-or-fused choice at rows 1-8 (schema 3)."""
     paths = sorted(tb.PACKAGE_TABLES.glob("*.json"))
@@ -340,9 +340,11 @@ def test_every_shipped_table_holds_both_families_each_in_its_part():
         chooses = path.name.startswith(tuple(f"{s},top_k" for s in layer_choice))
         assert t.schema == (3 if chooses else 2), path
         if "device_name=NVIDIA_H200" not in path.name:  # the H100's: dsv41-flash TP4 / TP8, `tune --fp8` alone
-            tuned = {1, 2, 4, 6, 8}  # at the issue's rows (the others run the built-in defaults)
+            tuned = set(range(1, 9))
             assert chooses and not t.entries and set(t.fused_entries) == tuned, path
             assert set(t.fp8_entries) == {(st, r) for st in (1, 2) for r in tuned}, path
+            # re-tuned after the FP8 GEMM1 went two-plane (issue 36 item 4)
+            assert all(e.tactic.planes == 2 for (st, _), e in t.fp8_entries.items() if st == 1), path
             continue
         assert len(t.entries) == 16 and all(not e.tactic.fp8 for e in t.entries.values()), path
         assert len(t.fp8_entries) == 16 and all(e.tactic.fp8 for e in t.fp8_entries.values()), path
