@@ -53,6 +53,21 @@ def _names(table) -> list[str]:
     return [launch.split(" (")[0] for _, launch, _ in table]
 
 
+def _extras_name_rows(table, extra) -> bool:
+    """Each extra kernel (row, what) names a launch of the table, as written
+    there (with its "(...)" note)."""
+    rows = {launch for _, launch, _ in table}
+    return all(row in rows for row, _ in extra)
+
+
+def test_triton_extra_kernels_name_rows_of_its_table():
+    """triton's EXTRA_KERNELS (the kernels three of its torch ops launch
+    inside them) each belong to a row of LAUNCHES; a typo or a moved row
+    fails here, on the CPU, not only in the GPU kernel count."""
+    assert _extras_name_rows(tm.LAUNCHES, tm.EXTRA_KERNELS)
+    assert not _extras_name_rows(tm.LAUNCHES, (("aten.index", "no note: not a row as written"),))
+
+
 def _recorded(call) -> list[str]:
     calls: list[str] = []
     _RECORDS.append(calls)
@@ -281,7 +296,6 @@ def test_gpu_kernel_count_is_the_tables(name, table, extra):
         backend.forward(prepared, x, ids, wts)
     kernels = _kernels_of(lambda: backend.forward(prepared, x, ids, wts))
     print(f"{name}: {len(kernels)} launches, table {len(table)} + {len(extra)}:\n  " + "\n  ".join(kernels))
-    rows = set(_names(table)) | {launch for launch, _, _ in table}
-    assert all(row in rows for row, _ in extra), f"{name}: an extra kernel names no table row: {extra}"
+    assert _extras_name_rows(table, extra), f"{name}: an extra kernel names no table row: {extra}"
     want = len(table) + len(extra)
     assert len(kernels) == want, f"{name}: {len(kernels)} launches {kernels}, the table has {len(table)} + {len(extra)}"

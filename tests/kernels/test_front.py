@@ -548,6 +548,8 @@ def _check_front(x, logits, config, top_k, input_ids, *, pdl=True, stream=None, 
         out["x_deq"] = (buf, view.view(rows, h), 8, 0x7FA5)
         x_deq = view.view(torch.bfloat16).view(rows, h)
         want["x_deq"] = act_to_bf16(want["x_q"], want["x_scale"]).view(torch.int16)
+    if stream is not None:  # the outputs were poisoned on the current stream: order the launch after that
+        stream.wait_stream(torch.cuda.current_stream())
     launch_front(x, logits, config, top_k, input_ids, out["topk_ids"][1],
                  out["topk_weights"][1].view(torch.float32), out["x_q"][1], out["x_scale"][1],
                  out["record"][1], out["permuted"][1], pdl=pdl, stream=stream, x_deq_out=x_deq)  # fmt: skip
