@@ -166,3 +166,37 @@ def test_readme_prose_around_the_tables_states_the_runs_numbers():
     peers = uni[(uni.backend != "moebench") & (uni.tactic == "default")].set_index("backend").median_us
     assert f"ours ({us:.1f} µs) is {peers.min() / us:.2f}x faster" in said
     assert f"(humming W4A8, {peers.min():.1f} µs) at TP4, 6 rows" in said and peers.idxmin() == "humming-w4a8"
+
+
+def test_readme_states_the_retune_ab_and_the_later_tp8_uniform_run():
+    """README's paragraph on the re-tuned tables and its TP8 uniform sentence
+    state their runs' numbers: the worst-row errors per TP, the µs the new
+    tables cost at the rows both tables tuned, what rows 3 / 5 / 7 gain, and
+    ours (nopdl=default) against the fastest peer at TP8 uniform rows 6."""
+    import re
+
+    said = " ".join((RUNS.parents[1] / "README.md").read_text().split())
+    df = read_run(RUNS / "2026-12-06-h100-dsv41-flash-retune-ab")[0]
+    ok = df[df.status == "ok"]
+    old = "tables=reports/tables/h100-2aabf3b"
+    us = ok.pivot_table(index=["tp", "rows"], columns="tactic", values="median_us")
+    d = (us["default"] - us[old]).round(1)
+    both, new_rows = [1, 2, 4, 6, 8], [3, 5, 7]
+    m = re.search(r"\+(\S+) to \+(\S+) µs at TP4 and \+(\S+) to \+(\S+) µs at TP8", said)
+    assert m, "README states what the re-tuned tables cost per TP"
+    for tp, (lo, hi) in ((4, m.group(1, 2)), (8, m.group(3, 4))):
+        at = d.loc[tp].loc[both]
+        assert (float(lo), float(hi)) == (at.min(), at.max()), tp
+    gain = -d.loc[(slice(None), new_rows),]
+    m = re.search(r"rows 3, 5 and 7, tuned now, (\S+) to (\S+) µs faster", said)
+    assert m and (float(m[1]), float(m[2])) == (gain.min(), gain.max()) and gain.min() > 0
+    row = ok.groupby(["tactic", "tp"]).max_row_rel_err.max()
+    m = re.search(r"worst row error (\S+) / (\S+) \(TP4 / TP8\) against (\S+) / (\S+);", said)
+    assert m and m.groups() == tuple(f"{row[t, tp]:.1e}" for t in ("default", old) for tp in (4, 8))
+    uni = read_run(RUNS / "2026-12-06-h100-compare-uniform6-tp8")[0]
+    uni = uni[uni.status == "ok"]
+    ours = float(uni[(uni.backend == "moebench") & (uni.tactic == "nopdl=default")].median_us.iloc[0])
+    peers = uni[(uni.backend != "moebench") & (uni.tactic == "default")].set_index("backend").median_us
+    assert peers.idxmin() == "humming-w4a16"
+    assert f"ours ({ours:.1f} µs) is {peers.min() / ours:.2f}x faster than the fastest peer (humming W4A16, " \
+           f"{peers.min():.1f} µs)" in said  # fmt: skip
