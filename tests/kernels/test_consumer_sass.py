@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 from kernel_checks import compile_reports
 
+from moebench.kernels.tactic import GemmTactic
+
 # The worker compiles one kernel and reads its own SASS dump (CUTE_DSL_DUMP_DIR) back.
 _COMPILE_SPEC = """
 import glob, importlib.util, os
@@ -28,7 +30,10 @@ def compile_spec(spec):
     files = glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.sass"))
     if not files:
         return {"loop": None}
-    return {"loop": sass_counts.loop_report(spec, "".join(open(f).read() for f in files))}
+    text = "".join(open(f).read() for f in files)
+    loop = sass_counts.step_loop(sass_counts.parse_sass(text))
+    waits = [x["args"] for x in loop if x["op"].startswith("WARPGROUP.DEPBAR")]
+    return {"loop": sass_counts.loop_report(spec, text), "waits": waits}
 """
 
 ONE = "dsv41-flash:4:1:r16_m4_k4_u4_c1_b4_f8"
@@ -69,3 +74,23 @@ def test_consumer_step_loops_by_class():
         math, mma = loops[f"{s}:math"], loops[f"{s}:mma"]
         assert math["qgmma"] == 0 and math["decode"] == loops[f"{s}:stream"]["decode"], s
         assert mma["decode"] == mma["scale_int"] == mma["scale_fp"] == 0 and mma["qgmma"] > 0, s
+
+
+@pytest.mark.compile
+def test_pipelined_consumers_keep_their_wgmmas_in_flight():
+    """The `_d1` twins (mma_depth 1: the decode of chunk j under chunk j - 1's
+    wgmmas, perf-notes session 25) wait with wgmma.wait_group 1 in their step
+    loop (WARPGROUP.DEPBAR.LE gsb0, 0x1), one wait a chunk and the step's last
+    a drain: ptxas did not serialize the pipeline (its C7514 remark puts a
+    DEPBAR ... 0x0 after every QGMMA, as it did to a cross-step version of
+    this pipeline)."""
+    specs = [f"{s.replace('_b4_', '_b4_d1_')}:stream" for s in (ONE, TWO, G2)]
+    reports = compile_reports(_COMPILE_SPEC, specs)
+    assert all(all(s == 0 for s in r["spills"]) for r in reports), [r["spills"] for r in reports]
+    if reports[0]["loop"] is None:
+        pytest.skip("nvdisasm not available: SASS not checked")
+    for r in reports:
+        chunks = r["loop"]["blocks"] // (GemmTactic.from_name(r["spec"].split(":")[3]).tile_rows // 16)
+        waits = [w.replace(" ", "") for w in r["waits"]]
+        assert len(waits) == chunks and waits[:-1] == ["gsb0,0x1"] * (chunks - 1), (r["spec"], r["waits"])
+        assert waits[-1] == "gsb0,0x0", (r["spec"], r["waits"])
