@@ -560,13 +560,12 @@ if HAVE_DSL:
         @cute.jit
         def pipelined_step(self, tiled_mma, acc, tmp, rA, tCrA, tCrB, sXs, st_w, st_s, ch, lane):
             """fp8 tactics with mma_depth D >= 1: `compute_wgmma` with the
-            decode and the scaling overlapped: chunk by chunk, decoded (while
+            decode and the scaling overlapped. Chunk by chunk: decoded (while
             the chunks before it multiply), fenced, its wgmma(s) committed as
-            its own group; once D more groups are in
-            flight (wait_group D) the oldest chunk is scaled into the
-            accumulator while the wgmmas behind it run; the last D after
-            wait_group 0. Same operations in the same order per accumulator
-            as compute_wgmma: the same bits."""
+            its own group; once D more groups are in flight (wait_group D) the
+            oldest chunk is scaled into the accumulator while the wgmmas
+            behind it run; the last D after wait_group 0. Same operations in
+            the same order per accumulator as compute_wgmma: the same bits."""
             D, U = self.tactic.mma_depth, self.u
             c = lane % 4
             for j in cutlass.range_constexpr(U):
