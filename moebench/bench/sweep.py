@@ -450,7 +450,11 @@ def generate_weights(g: _Group, layers: int) -> list:
 class WriteTimes:
     """The x writes' µs per call, measured once per (rows, timing method) of a
     group at its layer count (`measure_writes`), recorded in `record`
-    (the manifest's groups[].x_writes)."""
+    (the manifest's groups[].x_writes). `_run_group` measures every rows of
+    the group up front, before the first backend runs (measured lazily
+    between backends' cases, TP4's writes at rows 3-8 did not settle: perf-notes
+    session 24); an eager value a non-capturable backend needs is measured
+    when first asked for."""
 
     def __init__(self, g: _Group, layers: int, record: dict) -> None:
         self.g, self.layers, self.record, self.done = g, layers, record, {}
@@ -530,6 +534,9 @@ def _run_group(config, shape, group, backends, reasons, dev, dinfo, copy_bw, bas
                  **inputs[(case.rows, case.scenario)].common)  # fmt: skip
     oracles: dict = {key: {} for key in routings}  # per (rows, scenario): {(oracle family, layer): fp64 output}
     writes = WriteTimes(g, layers, info["x_writes"])
+    if not config.back_to_back:  # every rows' writes first, before any backend has run: one GPU state for all
+        for rows in sorted({c.rows for c in group if (c.backend, c.tactic) in active}):
+            writes(rows, config.use_graph and dev.type == "cuda")
     for pair in active:
         n_layers = budget.for_pair(backends[pair[0]].prepared_bytes(shape))
         info["layers_per_backend"][f"{pair[0]}:{pair[1]}"] = n_layers

@@ -633,6 +633,34 @@ def test_the_writes_are_measured_once_per_rows_for_every_backend(monkeypatch):
         assert {"spread_us", "replays", "batches", "steady", "method"} <= set(writes[f"{rows} eager"])
 
 
+def test_every_rows_writes_are_measured_before_any_backend_runs(monkeypatch):
+    """The writes of rows 2 and 3 are both measured before the first
+    backend prepares its weights (not lazily between backends' cases, where
+    TP4's did not settle)."""
+    from moebench.bench import sweep
+
+    events = []
+    real_writes, real_prepare = sweep.measure_writes, SlowBackend.prepare
+    monkeypatch.setattr(
+        sweep,
+        "measure_writes",
+        lambda config, x, *a: events.append(("writes", x.shape[0])) or real_writes(config, x, *a),
+    )
+    monkeypatch.setattr(
+        SlowBackend, "prepare", lambda self, *a, **k: events.append(("prepare",)) or real_prepare(self, *a, **k)
+    )
+    register_backend("test-slow", SlowBackend)
+    try:
+        cfg = SweepConfig(backends=("test-slow",), layers=2, split=False,
+                          **{**TINY, "rows": (3, 2), "replays": 4, "warmup": 1})  # fmt: skip
+        result = run_sweep(cfg)
+    finally:
+        unregister_backend("test-slow")
+    assert (result.frame["status"] == "ok").all(), result.frame["error"].tolist()
+    first_prepare = events.index(("prepare",))
+    assert events[:first_prepare] == [("writes", 2), ("writes", 3)], events
+
+
 class StaleLayerBackend(TorchBF16Backend):
     """Computes every layer call with the first prepared layer's weights:
     right at the gate (layer 0), wrong for every later layer."""
