@@ -24,3 +24,20 @@ def int_list(allowed: Collection[int]) -> Callable[[str], list[int]]:
         return values
 
     return parse
+
+
+def new_file(text: str) -> str:
+    """An argparse `type` for an output file written after the GPU work: a
+    path that does not exist yet (nothing a user wrote is overwritten) in a
+    directory that does; else ArgumentTypeError saying which. Open it with
+    mode "x" when writing."""
+    import os
+
+    parent = os.path.dirname(os.path.abspath(text))
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name, e.g. results.json")
+    if os.path.lexists(text):
+        raise argparse.ArgumentTypeError(f"{text} exists; give a new file name (nothing is overwritten)")
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(f"{text}: directory {parent} does not exist")
+    return text

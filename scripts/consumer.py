@@ -44,7 +44,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from arg_types import int_list  # noqa: E402  (scripts/, put on sys.path above)
+from arg_types import int_list, new_file  # noqa: E402  (scripts/, put on sys.path above)
 
 #: The per-SM share of the H200's copy rate (4.24 TB/s / 132 SMs), GB/s.
 H200_SHARE_GBPS = 32.0
@@ -286,19 +286,13 @@ def recompute(path: str) -> None:
 
 
 def _argument_problems(args) -> list[str]:
-    """What the GPU run would only meet late or skip without a word: an --out
-    it cannot write (found after every measurement), tactics of a family not
-    in --family or of a stage not in --stage (filtered out: nothing measured),
-    GEMM2 tactics GEMM2 never takes (`planes` 2, `spec`)."""
+    """What the GPU run would only meet late or skip without a word (an --out
+    it cannot write is `new_file`'s): tactics of a family not in --family or
+    of a stage not in --stage (filtered out: nothing measured), GEMM2 tactics
+    GEMM2 never takes (`planes` 2, `spec`)."""
     from moebench.kernels.tactic import GemmTactic
 
     out = []
-    if args.out is not None:
-        parent = os.path.dirname(os.path.abspath(args.out))
-        if os.path.isdir(args.out):
-            out.append(f"--out {args.out} is a directory; give a file name, e.g. consumer.json")
-        elif not os.path.isdir(parent):
-            out.append(f"--out {args.out}: directory {parent} does not exist")
     for stage, names in ((1, args.gemm1), (2, args.gemm2)):
         for name in names or ():
             t = GemmTactic.from_name(name)
@@ -330,7 +324,7 @@ def main() -> None:
     )
     ap.add_argument("--rows", default="1,8", type=int_list(range(1, 9)), help="real cases (default 1,8)")
     ap.add_argument("--replays", default=20, type=int, help="graph replays per timing (default 20)")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", default=None, type=new_file, help="write the results as JSON here (a new file)")
     ap.add_argument(
         "--recompute",
         default=None,
@@ -352,7 +346,7 @@ def main() -> None:
     t0 = time.time()
     out = run(args)
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out, "x") as f:
             json.dump(out[0], f, indent=1)
     print(f"done in {time.time() - t0:.0f} s")
 

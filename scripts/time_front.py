@@ -26,6 +26,7 @@ import json
 import time
 
 import torch
+from arg_types import new_file  # scripts/ (this script's folder, first on sys.path)
 
 from moebench.bench.timing import time_graph as bench_time_graph
 from moebench.formats import generate_activations
@@ -97,7 +98,7 @@ def main() -> None:
         action="store_true",
         help="also time each call behind a logits-producing kernel (minus that kernel)",
     )
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", default=None, type=new_file, help="write the results as JSON here (a new file)")
     args = ap.parse_args()
     t0 = time.time()
     results = []
@@ -113,7 +114,7 @@ def main() -> None:
             verdict = "OK" if by["front"]["median_us"] <= by["route"]["median_us"] + 1.0 else "SLOW"
             print(f"{preset} rows {rows}: {line} us  (front <= route + 1 us: {verdict})")
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out, "x") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), results=results), f, indent=1)
     print(f"done in {time.time() - t0:.0f} s")
 

@@ -31,6 +31,7 @@ import math
 import time
 
 import torch
+from arg_types import new_file  # scripts/ (this script's folder, first on sys.path)
 
 from moebench.bench import L2_MULTIPLE
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps
@@ -177,7 +178,7 @@ def main() -> None:
     ap.add_argument("--tp", default="4,8")
     ap.add_argument("--rows", default="1,6,8")
     ap.add_argument("--variants", action="store_true", help="also time alternative tactics of each GEMM")
-    ap.add_argument("--json", default=None, help="write the results as JSON here")
+    ap.add_argument("--json", default=None, type=new_file, help="write the results as JSON here (a new file)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("time_shared.py needs a CUDA GPU")
@@ -190,7 +191,7 @@ def main() -> None:
         for tp in (int(t) for t in args.tp.split(",")):
             bench_shape(preset, tp, [int(r) for r in args.rows.split(",")], args.variants, bw, results)
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "x") as f:
             json.dump(
                 dict(
                     device=props.name,

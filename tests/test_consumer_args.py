@@ -25,6 +25,7 @@ def _run(*args: str) -> subprocess.CompletedProcess:
         # filtered out without a word (nothing measured), a GEMM2 tactic skipped at run time
         (["--out", "{tmp}"], "is a directory; give a file name"),
         (["--out", "{tmp}/missing/c.json"], "does not exist"),
+        (["--out", "{tmp}/mine.json"], "argument --out: .*mine.json exists; give a new file name"),
         (["--family", "fp8", "--gemm1", BULK_BF16], f"--gemm1 {BULK_BF16} is a bf16 tactic but --family is fp8"),
         (["--stage", "2", "--gemm1", TWO_PLANE], f"--gemm1 {TWO_PLANE} given but --stage is 2"),
         (["--gemm2", TWO_PLANE], "are GEMM1's only"),
@@ -32,7 +33,9 @@ def _run(*args: str) -> subprocess.CompletedProcess:
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(tmp_path, args, message):
+    (tmp_path / "mine.json").write_text("a user's results")  # overwritten after the GPU run, before
     done = _run(*[a.format(tmp=tmp_path) for a in args])
     assert done.returncode == 2, done.stderr
     assert re.search(message, done.stderr), done.stderr
     assert "--family: --family" not in done.stderr
+    assert (tmp_path / "mine.json").read_text() == "a user's results"
