@@ -258,10 +258,8 @@ def run(args) -> list[dict]:
 
 def recompute(path: str) -> None:
     """Print the compute-only / streamed slopes and real-case rates of a
-    saved run (its points' tiles, grid and µs) with `busiest_sm_bytes`."""
-    from moebench.kernels.tactic import GemmTactic
-    from moebench.models import get_preset
-
+    saved run (its points' tiles, grid and µs) with `busiest_sm_bytes`.
+    Exits with a message naming the file (and the record) it cannot read."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -269,20 +267,32 @@ def recompute(path: str) -> None:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise SystemExit(f"--recompute {path}: not a consumer.py --out file ({error})") from None
     print(f"{data.get('device')}: {sms} SMs, copy {data.get('copy_gbps', float('nan')):.0f} GB/s (recomputed)")
-    for rec in results:
-        shape, t, stage = get_preset(rec["preset"]).shard(rec["tp"]), GemmTactic.from_name(rec["tactic"]), rec["stage"]
-        rates = []
-        for mode in ("compute", *(f"compute_{p}" for p in ("mma", "math")), "streamed"):
-            if mode in rec:
-                pts = [
-                    (p["tiles"], busiest_sm_bytes(shape, stage, t, p["tiles"], sms, p["grid"])[0], p["grid"], p["us"])
-                    for p in rec[mode]["points"]
-                ]
-                rates.append(f"{mode} {slope_gbps(pts):5.1f}")
-        for rows, v in rec["real"].items():
-            nbytes = busiest_sm_bytes(shape, stage, t, v["tiles"], sms, v["grid"])[0]
-            rates.append(f"rows {rows}: {v['us']:6.2f} us {nbytes / (v['us'] * 1e-6) / 1e9:5.1f}")
-        print(f"TP{rec['tp']} {rec['family']:4s} GEMM{stage} {t.name:28s} " + "  ".join(rates))
+    for i, rec in enumerate(results):
+        try:
+            line = _recomputed(rec, sms)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise SystemExit(f"--recompute {path}: results[{i}] is not a consumer.py record ({error!r})") from None
+        print(line)
+
+
+def _recomputed(rec: dict, sms: int) -> str:
+    """One saved record's rates, recomputed (KeyError / TypeError / ValueError on a malformed one)."""
+    from moebench.kernels.tactic import GemmTactic
+    from moebench.models import get_preset
+
+    shape, t, stage = get_preset(rec["preset"]).shard(rec["tp"]), GemmTactic.from_name(rec["tactic"]), rec["stage"]
+    rates = []
+    for mode in ("compute", *(f"compute_{p}" for p in ("mma", "math")), "streamed"):
+        if mode in rec:
+            pts = [
+                (p["tiles"], busiest_sm_bytes(shape, stage, t, p["tiles"], sms, p["grid"])[0], p["grid"], p["us"])
+                for p in rec[mode]["points"]
+            ]
+            rates.append(f"{mode} {slope_gbps(pts):5.1f}")
+    for rows, v in rec["real"].items():
+        nbytes = busiest_sm_bytes(shape, stage, t, v["tiles"], sms, v["grid"])[0]
+        rates.append(f"rows {rows}: {v['us']:6.2f} us {nbytes / (v['us'] * 1e-6) / 1e9:5.1f}")
+    return f"TP{rec['tp']} {rec['family']:4s} GEMM{stage} {t.name:28s} " + "  ".join(rates)
 
 
 def _argument_problems(args) -> list[str]:

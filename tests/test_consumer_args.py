@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -39,3 +40,20 @@ def test_bad_arguments_exit_2_naming_the_argument(tmp_path, args, message):
     assert re.search(message, done.stderr), done.stderr
     assert "--family: --family" not in done.stderr
     assert (tmp_path / "mine.json").read_text() == "a user's results"
+
+
+@pytest.mark.parametrize(
+    ("record", "message"),
+    [
+        ({"preset": "x"}, r"ValueError\(\"unknown preset 'x'"),
+        ({"preset": "dsv41-flash", "tp": 4, "tactic": BULK_BF16, "stage": 1, "family": "bf16"}, r"KeyError\('real'\)"),
+    ],
+)
+def test_recompute_names_a_record_it_cannot_read(tmp_path, record, message):
+    # each ended in a traceback from inside the loop over the records
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"sms": 132, "results": [record]}))
+    done = _run("--recompute", str(path))
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    prefix = rf"--recompute {re.escape(str(path))}: results\[0\] is not a consumer.py record \("
+    assert re.search(prefix + message, done.stderr), done.stderr
