@@ -41,3 +41,29 @@ def new_file(text: str) -> str:
     if not os.path.isdir(parent):
         raise argparse.ArgumentTypeError(f"{text}: directory {parent} does not exist")
     return text
+
+
+def name_list(allowed: Collection[str]) -> Callable[[str], list[str]]:
+    """An argparse `type`: comma-separated names, each one of `allowed`
+    (e.g. sorted(moebench.models.PRESETS)); a bad list raises
+    ArgumentTypeError naming the unknown ones and the allowed names."""
+
+    def parse(text: str) -> list[str]:
+        values = text.split(",")
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
+        return values
+
+    return parse
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type`: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value

@@ -40,3 +40,38 @@ def test_a_scripts_existing_output_file_is_refused_before_the_gpu(tmp_path, scri
     assert done.returncode == 2, done.stderr
     assert f"argument {option}: {mine} exists" in done.stderr
     assert mine.read_text() == "a user's results"
+
+
+def test_name_list_and_positive_int():
+    assert arg_types.name_list(["a", "b"])("b,a") == ["b", "a"]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"\['c'\] not in \['a', 'b'\]"):
+        arg_types.name_list(["a", "b"])("a,c")
+    assert arg_types.positive_int("3") == 3
+    for text in ("0", "-2", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="expected an integer >= 1"):
+            arg_types.positive_int(text)
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "message"),
+    [
+        # each parsed these lists only inside its GPU loop: a typo in the second preset failed after the first
+        # one's measurements (lost), rows 0 / 9 or TP 3 ran shapes outside the regime, or a traceback
+        ("time_front", ["--presets", "dsv41-flash,typo"], r"argument --presets: \['typo'\] not in"),
+        ("time_front", ["--rows", "0"], r"argument --rows: \[0\] not in"),
+        ("time_front", ["--calls", "0"], r"argument --calls: expected an integer >= 1, got 0"),
+        ("time_shared", ["--presets", "x"], r"argument --presets: \['x'\] not in"),
+        ("time_shared", ["--tp", "3"], r"argument --tp: \[3\] not in \[1, 2, 4, 8\]"),
+        ("timeline", ["--preset", "x"], r"argument --preset: invalid choice: 'x'"),
+        ("timeline", ["--rows", "1,x"], r"argument --rows: expected comma-separated integers, got '1,x'"),
+        ("timeline", ["--scenario", "replay"], r"argument --scenario: invalid choice: 'replay'"),
+        ("triton_route_probe", ["--rows", "9"], r"argument --rows: \[9\] not in"),
+    ],
+)
+def test_a_gpu_scripts_bad_list_exits_2_before_the_gpu(script, args, message):
+    import re
+
+    done = subprocess.run([sys.executable, str(SCRIPTS / f"{script}.py"), *args],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert re.search(message, done.stderr), done.stderr
