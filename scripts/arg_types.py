@@ -9,9 +9,10 @@ from collections.abc import Callable, Collection
 
 
 def int_list(allowed: Collection[int]) -> Callable[[str], list[int]]:
-    """An argparse `type`: comma-separated integers, each one of `allowed`;
-    a bad list raises ArgumentTypeError naming the allowed values (or the
-    text that is not integers); argparse puts the option's name before it."""
+    """An argparse `type`: comma-separated integers, each one of `allowed`
+    and each once; a bad list raises ArgumentTypeError naming the allowed
+    values (or the text that is not integers, or the repeated values);
+    argparse puts the option's name before it."""
 
     def parse(text: str) -> list[int]:
         try:
@@ -21,6 +22,7 @@ def int_list(allowed: Collection[int]) -> Callable[[str], list[int]]:
         bad = [v for v in values if v not in allowed]
         if bad:
             raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
+        _once(values, text)
         return values
 
     return parse
@@ -45,14 +47,15 @@ def new_file(text: str) -> str:
 
 def name_list(allowed: Collection[str]) -> Callable[[str], list[str]]:
     """An argparse `type`: comma-separated names, each one of `allowed`
-    (e.g. sorted(moebench.models.PRESETS)); a bad list raises
-    ArgumentTypeError naming the unknown ones and the allowed names."""
+    (e.g. sorted(moebench.models.PRESETS)) and each once; a bad list raises
+    ArgumentTypeError naming the unknown (or repeated) ones and the allowed names."""
 
     def parse(text: str) -> list[str]:
         values = text.split(",")
         bad = [v for v in values if v not in allowed]
         if bad:
             raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
+        _once(values, text)
         return values
 
     return parse
@@ -67,3 +70,10 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
+
+
+def _once(values: list, text: str) -> None:
+    """ArgumentTypeError naming the values `text` repeats (each would be measured twice)."""
+    twice = sorted({v for v in values if values.count(v) > 1}, key=values.index)
+    if twice:
+        raise argparse.ArgumentTypeError(f"{twice} given more than once in {text!r}")

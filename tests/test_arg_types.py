@@ -42,6 +42,15 @@ def test_a_scripts_existing_output_file_is_refused_before_the_gpu(tmp_path, scri
     assert mine.read_text() == "a user's results"
 
 
+def test_a_list_names_each_value_once():
+    # consumer.py --tp 4,4 (or time_gemms.py --rows 1,1) measured the same shape twice, two identical records
+    assert arg_types.int_list((1, 2, 4, 8))("8,4") == [8, 4]
+    with pytest.raises(argparse.ArgumentTypeError, match=r"\[4\] given more than once in '4,8,4'"):
+        arg_types.int_list((1, 2, 4, 8))("4,8,4")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"\['b'\] given more than once"):
+        arg_types.name_list(["a", "b"])("b,a,b")
+
+
 def test_name_list_and_positive_int():
     assert arg_types.name_list(["a", "b"])("b,a") == ["b", "a"]
     with pytest.raises(argparse.ArgumentTypeError, match=r"\['c'\] not in \['a', 'b'\]"):
