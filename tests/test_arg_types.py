@@ -75,6 +75,15 @@ def test_name_list_and_positive_int():
         ("timeline", ["--rows", "1,x"], r"argument --rows: expected comma-separated integers, got '1,x'"),
         ("timeline", ["--scenario", "replay"], r"argument --scenario: invalid choice: 'replay'"),
         ("triton_route_probe", ["--rows", "9"], r"argument --rows: \[9\] not in"),
+        # fused_trace.py dropped the empty item of '1,,2', timed TP 4 twice for '4,4', and met an --out in a
+        # missing directory only after the GPU work
+        ("fused_trace", ["--rows", "1,,2"], r"argument --rows: expected comma-separated integers, got '1,,2'"),
+        ("fused_trace", ["--tp", "4,4"], r"argument --tp: \[4\] given more than once"),
+        (
+            "fused_trace",
+            ["--out", "/nonexistent-dir/t.json"],
+            r"argument --out: .* directory /nonexistent-dir does not",
+        ),
     ],
 )
 def test_a_gpu_scripts_bad_list_exits_2_before_the_gpu(script, args, message):
