@@ -137,7 +137,7 @@ def check_tune_targets(plan, out: str | Path | None = None, summary: str | Path 
     """Before minutes of tuning: the GPU (runner.require_tuning_device of the
     plan's device: RuntimeError saying what is missing), then the tables
     directory (tables_dir(out)) and --summary's directory, which must take
-    files, and the summary's files (the markdown and the .json beside it),
+    files and lie outside every stored run, and the summary's files (the markdown and the .json beside it),
     which must not exist unless `force` (an earlier tune's gains are not
     replaced without a word) (ValueError naming --out / --summary; on a
     torchrun rank other than 0, which writes nothing, not checked). Returns
@@ -151,9 +151,9 @@ def check_tune_targets(plan, out: str | Path | None = None, summary: str | Path 
     target = tables_dir(out)
     if under_torchrun() and int(os.environ["RANK"]) > 0:
         return target  # only rank 0 writes: another host's --out need not exist
-    check_out(target)
+    check_out(target, runs=True)  # never among a stored run's files, as report's --out
     if summary is not None:
-        check_out(Path(summary).parent, "--summary")
+        check_out(Path(summary).parent, "--summary", runs=True)
         there = [str(p) for p in (Path(summary), Path(summary).with_suffix(".json")) if p.exists() or p.is_symlink()]
         if there and not force:
             raise ValueError(f"--summary: {' and '.join(there)} exist (an earlier tune's gains?); give another"
