@@ -431,7 +431,9 @@ def tune(
     summary: SummaryOpt = None,
     device: str = typer.Option(None, help="'cuda[:N]' (default: the current GPU)."),
     out: TablesOutOpt = None,
-    force: bool = typer.Option(False, "--force", help="Replace a table of another device or a newer version."),
+    force: bool = typer.Option(
+        False, "--force", help="Replace a table of another device or a newer version, and an existing --summary."
+    ),
 ) -> None:
     """Tune the GEMM tactics per rows on this GPU; write tuning tables.
 
@@ -449,7 +451,7 @@ def tune(
             layers=layers, warm_l2=warm_l2, act_bf16=act_bf16, fp8=fp8, distinct_layers=distinct_layers, seed=seed,
             budget=budget, jobs=jobs, summary=summary, device=device,
         )  # fmt: skip
-        target = check_tune_targets(plan, out, summary)  # the GPU and the directories, before minutes of tuning
+        target = check_tune_targets(plan, out, summary, force=force)  # the GPU and the files, before the tuning
     except (ValueError, TypeError, RuntimeError) as error:
         raise _fail(option_message(error)) from None
     run = tune_and_save(plan, target, force=force, summary=summary, budget=budget, jobs=jobs,

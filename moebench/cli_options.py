@@ -122,7 +122,11 @@ JobsOpt = Annotated[
 ]
 SummaryOpt = Annotated[
     Path,
-    typer.Option(parser=parse_path, help="Also write the tuned-vs-default gains here (markdown; a .json beside it)."),
+    typer.Option(
+        parser=parse_path,
+        help="Also write the tuned-vs-default gains here (markdown, e.g. tune-gains.md; a .json beside it);"
+        " existing ones are replaced only with --force.",
+    ),
 ]
 TablesOutOpt = Annotated[
     Path,

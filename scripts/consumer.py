@@ -44,7 +44,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from arg_types import int_list  # noqa: E402  (scripts/, put on sys.path above)
+from arg_types import int_list, new_file  # noqa: E402  (scripts/, put on sys.path above)
 
 #: The per-SM share of the H200's copy rate (4.24 TB/s / 132 SMs), GB/s.
 H200_SHARE_GBPS = 32.0
@@ -258,10 +258,8 @@ def run(args) -> list[dict]:
 
 def recompute(path: str) -> None:
     """Print the compute-only / streamed slopes and real-case rates of a
-    saved run (its points' tiles, grid and µs) with `busiest_sm_bytes`."""
-    from moebench.kernels.tactic import GemmTactic
-    from moebench.models import get_preset
-
+    saved run (its points' tiles, grid and µs) with `busiest_sm_bytes`.
+    Exits with a message naming the file (and the record) it cannot read."""
     try:
         with open(path) as f:
             data = json.load(f)
@@ -269,36 +267,42 @@ def recompute(path: str) -> None:
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise SystemExit(f"--recompute {path}: not a consumer.py --out file ({error})") from None
     print(f"{data.get('device')}: {sms} SMs, copy {data.get('copy_gbps', float('nan')):.0f} GB/s (recomputed)")
-    for rec in results:
-        shape, t, stage = get_preset(rec["preset"]).shard(rec["tp"]), GemmTactic.from_name(rec["tactic"]), rec["stage"]
-        rates = []
-        for mode in ("compute", *(f"compute_{p}" for p in ("mma", "math")), "streamed"):
-            if mode in rec:
-                pts = [
-                    (p["tiles"], busiest_sm_bytes(shape, stage, t, p["tiles"], sms, p["grid"])[0], p["grid"], p["us"])
-                    for p in rec[mode]["points"]
-                ]
-                rates.append(f"{mode} {slope_gbps(pts):5.1f}")
-        for rows, v in rec["real"].items():
-            nbytes = busiest_sm_bytes(shape, stage, t, v["tiles"], sms, v["grid"])[0]
-            rates.append(f"rows {rows}: {v['us']:6.2f} us {nbytes / (v['us'] * 1e-6) / 1e9:5.1f}")
-        print(f"TP{rec['tp']} {rec['family']:4s} GEMM{stage} {t.name:28s} " + "  ".join(rates))
+    for i, rec in enumerate(results):
+        try:
+            line = _recomputed(rec, sms)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise SystemExit(f"--recompute {path}: results[{i}] is not a consumer.py record ({error!r})") from None
+        print(line)
+
+
+def _recomputed(rec: dict, sms: int) -> str:
+    """One saved record's rates, recomputed (KeyError / TypeError / ValueError on a malformed one)."""
+    from moebench.kernels.tactic import GemmTactic
+    from moebench.models import get_preset
+
+    shape, t, stage = get_preset(rec["preset"]).shard(rec["tp"]), GemmTactic.from_name(rec["tactic"]), rec["stage"]
+    rates = []
+    for mode in ("compute", *(f"compute_{p}" for p in ("mma", "math")), "streamed"):
+        if mode in rec:
+            pts = [
+                (p["tiles"], busiest_sm_bytes(shape, stage, t, p["tiles"], sms, p["grid"])[0], p["grid"], p["us"])
+                for p in rec[mode]["points"]
+            ]
+            rates.append(f"{mode} {slope_gbps(pts):5.1f}")
+    for rows, v in rec["real"].items():
+        nbytes = busiest_sm_bytes(shape, stage, t, v["tiles"], sms, v["grid"])[0]
+        rates.append(f"rows {rows}: {v['us']:6.2f} us {nbytes / (v['us'] * 1e-6) / 1e9:5.1f}")
+    return f"TP{rec['tp']} {rec['family']:4s} GEMM{stage} {t.name:28s} " + "  ".join(rates)
 
 
 def _argument_problems(args) -> list[str]:
-    """What the GPU run would only meet late or skip without a word: an --out
-    it cannot write (found after every measurement), tactics of a family not
-    in --family or of a stage not in --stage (filtered out: nothing measured),
-    GEMM2 tactics GEMM2 never takes (`planes` 2, `spec`)."""
+    """What the GPU run would only meet late or skip without a word (an --out
+    it cannot write is `new_file`'s): tactics of a family not in --family or
+    of a stage not in --stage (filtered out: nothing measured), GEMM2 tactics
+    GEMM2 never takes (`planes` 2, `spec`)."""
     from moebench.kernels.tactic import GemmTactic
 
     out = []
-    if args.out is not None:
-        parent = os.path.dirname(os.path.abspath(args.out))
-        if os.path.isdir(args.out):
-            out.append(f"--out {args.out} is a directory; give a file name, e.g. consumer.json")
-        elif not os.path.isdir(parent):
-            out.append(f"--out {args.out}: directory {parent} does not exist")
     for stage, names in ((1, args.gemm1), (2, args.gemm2)):
         for name in names or ():
             t = GemmTactic.from_name(name)
@@ -330,7 +334,7 @@ def main() -> None:
     )
     ap.add_argument("--rows", default="1,8", type=int_list(range(1, 9)), help="real cases (default 1,8)")
     ap.add_argument("--replays", default=20, type=int, help="graph replays per timing (default 20)")
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", default=None, type=new_file, help="write the results as JSON here (a new file)")
     ap.add_argument(
         "--recompute",
         default=None,
@@ -352,7 +356,7 @@ def main() -> None:
     t0 = time.time()
     out = run(args)
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out, "x") as f:
             json.dump(out[0], f, indent=1)
     print(f"done in {time.time() - t0:.0f} s")
 

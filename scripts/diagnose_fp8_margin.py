@@ -94,8 +94,8 @@ def layer(args, sums1, sums2, cache) -> tuple[float, float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tp", type=int, default=4)
-    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument("--tp", type=int, default=4, choices=(1, 2, 4, 8), help="TP degree of dsv41-flash (4)")
+    parser.add_argument("--rows", type=int, default=8, choices=range(1, 9), metavar="{1..8}", help="token rows (8)")
     parser.add_argument("--seed", type=int, default=0, help="weight draw")
     parser.add_argument("--x", type=int, default=1, help="activation draw")
     args = parser.parse_args()

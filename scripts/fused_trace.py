@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 
 import torch
+from arg_types import int_list, new_file  # scripts/ (this script's folder, first on sys.path)
 
 from moebench.bench.timing import time_graph
 from moebench.formats import generate_activations, generate_expert_weights
@@ -139,24 +139,19 @@ def run_case(preset: str, tp: int, rows_list: list[int], leads: list[int], g1s=(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     ap.add_argument("--preset", default="dsv41-flash", help="a preset of `moebench presets` (default: dsv41-flash)")
-    ap.add_argument("--tp", type=_ints, default=[4, 8], help="TP degrees of 1, 2, 4, 8, comma-separated (4,8)")
-    ap.add_argument("--rows", type=_ints, default=[1, 2, 8], help="token rows of 1-8, comma-separated (1,2,8)")
+    ap.add_argument("--tp", type=int_list((1, 2, 4, 8)), default=[4, 8], help="TP degrees of 1, 2, 4, 8 (4,8)")
+    ap.add_argument("--rows", type=int_list(range(1, 9)), default=[1, 2, 8], help="token rows of 1-8 (1,2,8)")
     ap.add_argument("--leads", type=_ints, default=[0, 8], help="`lead` variants to time, >= 0 (0,8)")
     ap.add_argument("--g1", type=_tactics, default=[], help="more GEMM1 tactics (names, e.g. r16_m4_k4_u8_c1_b3_f8)")
     ap.add_argument("--g2", type=_tactics, default=[], help="more GEMM2 tactics (names, e.g. r16_m16_k1_u2_c1_b4_f8)")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here (must not exist)")
+    ap.add_argument("--out", default=None, type=new_file, help="write the rows as JSON here (must not exist)")
     args = ap.parse_args()
     from moebench.models import PRESETS
 
     if args.preset not in PRESETS:
         ap.error(f"--preset must be one of {', '.join(sorted(PRESETS))}, got {args.preset!r}")
-    for name, values, ok in (("--tp", args.tp, {1, 2, 4, 8}), ("--rows", args.rows, set(range(1, 9)))):
-        if not values or not set(values) <= ok:
-            ap.error(f"{name} must be a comma-separated list of {sorted(ok)}, got {values}")
     if any(v < 0 for v in args.leads):
         ap.error(f"--leads must be >= 0, got {args.leads}")
-    if args.out and os.path.exists(args.out):
-        ap.error(f"--out {args.out} exists: give a new file (nothing is overwritten)")
     if not torch.cuda.is_available():
         raise SystemExit("fused_trace.py needs a CUDA GPU")
     results = [row for tp in args.tp for row in run_case(args.preset, tp, args.rows, args.leads, args.g1, args.g2)]

@@ -31,11 +31,15 @@ import sys
 _KERNEL = '"Kernel Name"'
 _OPCODE = re.compile(r"(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)")
 _MMA = ("QGMMA", "HGMMA", "HMMA", "IMMA")
+#: The source page's columns the hot loop is found from (without them every count would read 0;
+#: without the stall samples, their shares print as '-').
+COLUMNS = ("Source", "Instructions Executed")
 
 
 def kernel_blocks(text: str) -> list[tuple[str, list[dict]]]:
     """(kernel name, rows) for each kernel block of a source-page CSV.
-    Raises ValueError if the text holds no block."""
+    Raises ValueError if the text holds no block, or a block lacks one of
+    COLUMNS (e.g. a profile taken without the source counters)."""
     blocks: list[tuple[str, list[str]]] = []
     for line in text.splitlines():
         if line.startswith(_KERNEL):
@@ -47,7 +51,17 @@ def kernel_blocks(text: str) -> list[tuple[str, list[dict]]]:
         raise ValueError(
             "no kernel block found: expected the output of `ncu --import R --page source --csv --print-source sass`"
         )
-    return [(name, list(csv.DictReader(io.StringIO("\n".join(lines))))) for name, lines in blocks]
+    out = []
+    for name, lines in blocks:
+        reader = csv.DictReader(io.StringIO("\n".join(lines)))
+        missing = [c for c in COLUMNS if c not in (reader.fieldnames or ())]
+        if missing:
+            raise ValueError(
+                f"kernel {name[:60]!r} has no column {', '.join(map(repr, missing))}: expected the source page of a"
+                " profile with the source counters (ncu --set full, or --section SourceCounters)"
+            )
+        out.append((name, list(reader)))
+    return out
 
 
 def _int(row: dict, key: str) -> int:

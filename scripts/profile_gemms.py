@@ -28,10 +28,37 @@ from moebench.routing import scenario_topk_ids
 from time_gemms import TOP_K, random_kernel_weights
 
 
+def _spec(text: str) -> tuple[int, GemmTactic]:
+    """An argparse `type`: STAGE:TACTIC_NAME -> (stage, tactic)."""
+    stage, sep, name = text.partition(":")
+    if not sep or stage not in ("1", "2"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected STAGE:TACTIC_NAME with STAGE 1 or 2")
+    try:
+        return int(stage), GemmTactic.from_name(name)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
+
+
+def spec_problems(shape, specs, resident: str) -> list[str]:
+    """Why a spec cannot be launched on one rank's `shape` (GemmShape) in
+    `resident` mode (the --resident choice): the tactic's own `valid_for`,
+    the probes' bulk ring, the halves' fp8 consumer; empty when all can."""
+    out = []
+    for stage, t in specs:
+        why = t.valid_for(shape, stage)
+        if why is None and resident != "no" and not t.bulk:
+            why = f"--resident {resident} needs a tactic on the bulk ring (stages >= 2, _b<stages>)"
+        if why is None and resident in ("math", "mma") and not t.fp8:
+            why = f"--resident {resident} splits the fp8 (wgmma) consumer; {t.name} is not fp8 (_f8)"
+        if why is not None:
+            out.append(f"{stage}:{t.name} cannot run GEMM{stage} here: {why}")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tp", type=int, default=4)
-    ap.add_argument("--rows", type=int, default=6)
+    ap.add_argument("--tp", type=int, default=4, choices=(1, 2, 4, 8), help="TP degree of dsv41-flash (default 4)")
+    ap.add_argument("--rows", type=int, default=6, choices=range(1, 9), metavar="{1..8}", help="token rows (6)")
     ap.add_argument(
         "--resident",
         choices=("no", "yes", "math", "mma"),
@@ -39,16 +66,20 @@ def main() -> None:
         help="the consumer probes of scripts/consumer.py: yes = compute only (weights resident in shared "
         "memory), math / mma = one half of the consumer; bulk-ring tactics only (default no: the real kernel)",
     )
-    ap.add_argument("specs", nargs="+", help="STAGE:TACTIC_NAME, e.g. 2:r64_m8_k1_u2_c2_a16")
+    ap.add_argument("specs", nargs="+", type=_spec, help="STAGE:TACTIC_NAME, e.g. 2:r64_m8_k1_u2_c2_a16")
     args = ap.parse_args()
     shape = get_preset("dsv41-flash").shard(args.tp)
     gs = GemmShape.of(shape)
+    for problem in spec_problems(gs, args.specs, args.resident):
+        ap.error(f"dsv41-flash TP{args.tp}: {problem}")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        raise SystemExit("profile_gemms.py needs an sm_90 GPU (H100 / H200) and torch with CUDA")
     h, i = shape.hidden, shape.intermediate
     ids = scenario_topk_ids("correlated", args.rows, TOP_K, shape.experts, seed=args.rows)
     route = build_route_record(ids.cuda(), shape.experts)
     kw = random_kernel_weights(shape, seed=0)
     resident = {"no": False, "yes": True}.get(args.resident, args.resident)
-    specs = [(int(s.split(":")[0]), GemmTactic.from_name(s.split(":")[1])) for s in args.specs]
+    specs = args.specs
     need = workspace_bytes_for(gs, [(st, t, route.ctas) for st, t in specs])
     ws = alloc_workspace(need, "cuda") if need else None
     x_q, x_s = quantize_mxfp8(generate_activations(args.rows, h, seed=args.rows, device="cuda"))

@@ -210,6 +210,64 @@ def loop_report(spec: str, sass: str) -> dict:
     return dict(spec=spec, blocks=n, **rep, per_block={k: round(rep[k] / n, 2) for k in keys})
 
 
+#: MODE of a spec -> compile_gemm's `resident`.
+MODES = {"stream": False, "resident": True, "mma": "mma", "math": "math"}
+
+
+def parse_spec(spec: str) -> tuple:
+    """PRESET:TP:STAGE:TACTIC_NAME[:MODE] -> (spec, GemmShape, stage, GemmTactic,
+    resident), checked before anything compiles: the preset, TP (one rank's
+    shape), stage 1 or 2, a tactic name that runs that shape and stage, and a
+    mode its tactic takes (resident and its probes: the bulk ring; mma / math:
+    fp8 tactics). Raises argparse.ArgumentTypeError naming the spec and what
+    was expected."""
+    import argparse
+
+    from moebench.kernels.tactic import GemmShape, GemmTactic
+    from moebench.models import get_preset
+
+    def bad(what: str) -> argparse.ArgumentTypeError:
+        return argparse.ArgumentTypeError(f"{spec!r}: {what}")
+
+    parts = spec.split(":")
+    if len(parts) not in (4, 5):
+        raise bad(f"expected PRESET:TP:STAGE:TACTIC_NAME[:MODE], got {len(parts)} ':'-separated fields")
+    preset, tp, stage, name, *mode = parts
+    mode = mode[0] if mode else "stream"
+    if mode not in MODES:
+        raise bad(f"MODE must be one of {sorted(MODES)}, got {mode!r}")
+    if not tp.isdigit() or stage not in ("1", "2"):
+        raise bad(f"TP must be a positive integer and STAGE 1 or 2, got TP {tp!r}, STAGE {stage!r}")
+    try:
+        shape = GemmShape.of(get_preset(preset).shard(int(tp)))
+        tactic = GemmTactic.from_name(name)
+    except ValueError as error:
+        raise bad(str(error)) from None
+    why = tactic.valid_for(shape, int(stage))
+    if why is None and mode != "stream" and not tactic.bulk:
+        why = f"MODE {mode} needs a tactic on the bulk ring (stages >= 2, _b<stages>)"
+    if why is None and mode in ("mma", "math") and not tactic.fp8:
+        why = f"MODE {mode} splits the fp8 (wgmma) consumer; {name} is not fp8 (_f8)"
+    if why is not None:
+        raise bad(f"{name} cannot run GEMM{stage} of {preset} at TP {tp}: {why}")
+    return spec, shape, int(stage), tactic, MODES[mode]
+
+
+def parse_args(argv: list[str]):
+    """The command line (argparse: --help, and an error naming a bad spec
+    before any kernel compiles)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--loop", action="store_true", help="the consumer's step loop by instruction class instead")
+    ap.add_argument(
+        "specs", nargs="+", type=parse_spec, metavar="SPEC",
+        help="PRESET:TP:STAGE:TACTIC_NAME[:MODE], MODE one of stream (default), resident, mma, math;"
+        " e.g. dsv41-flash:4:1:r16_m4_k4_u4_c1_b4_f8:math",
+    )  # fmt: skip
+    return ap.parse_intermixed_args(argv)  # --loop anywhere, as before
+
+
 def main(argv: list[str]) -> None:
     import glob
     import json
@@ -217,22 +275,15 @@ def main(argv: list[str]) -> None:
     import sys
     import tempfile
 
-    loop = "--loop" in argv
-    specs = [a for a in argv if a != "--loop"]
+    args = parse_args(argv)
+    loop = args.loop
     dump = tempfile.mkdtemp(prefix="moebench_sass_")
     keep = os.environ.get("SASS_OUT") or os.path.join(tempfile.gettempdir(), "moebench_sass_out")
     os.environ.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="cubin,sass", CUTE_DSL_DUMP_DIR=dump,
                       CUTE_DSL_COMPILER_OPT="remarks{ptx}")  # fmt: skip
     from moebench.kernels.gemm import compile_gemm
-    from moebench.kernels.tactic import GemmShape, GemmTactic
-    from moebench.models import get_preset
 
-    modes = {"stream": False, "resident": True, "mma": "mma", "math": "math"}
-    for spec in specs:
-        preset, tp, stage, name, *mode = spec.split(":")
-        if mode and mode[0] not in modes:
-            raise SystemExit(f"{spec}: mode must be one of {sorted(modes)}, got {mode[0]!r}")
-        shape = GemmShape.of(get_preset(preset).shard(int(tp)))
+    for spec, shape, stage, tactic, resident in args.specs:
         for f in glob.glob(os.path.join(dump, "*")):
             os.remove(f)
         r, w = os.pipe()
@@ -240,7 +291,7 @@ def main(argv: list[str]) -> None:
         os.dup2(w, 2)
         os.dup2(w, 1)
         try:
-            compile_gemm(shape, GemmTactic.from_name(name), int(stage), False, modes[mode[0] if mode else "stream"])
+            compile_gemm(shape, tactic, stage, False, resident)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()

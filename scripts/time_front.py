@@ -26,13 +26,14 @@ import json
 import time
 
 import torch
+from arg_types import int_list, name_list, new_file, positive_int  # scripts/ (this script's folder, first on sys.path)
 
 from moebench.bench.timing import time_graph as bench_time_graph
 from moebench.formats import generate_activations
 from moebench.kernels.front import FrontConfig, launch_front
 from moebench.kernels.quantize import launch_quantize_mxfp8
 from moebench.kernels.route import launch_route
-from moebench.models import get_preset
+from moebench.models import PRESETS, get_preset
 from moebench.record import max_ctas, route_words
 from moebench.routing import RouterConfig, route
 
@@ -89,21 +90,25 @@ def bench(preset: str, rows: int, calls: int, after_producer: bool) -> list[dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--presets", default="dsv41-flash")
-    ap.add_argument("--rows", default="1,2,3,4,5,6,7,8")
-    ap.add_argument("--calls", type=int, default=100, help="calls per graph")
+    ap.add_argument(
+        "--presets", default="dsv41-flash", type=name_list(sorted(PRESETS)), help="presets, comma-separated"
+    )
+    ap.add_argument("--rows", default="1,2,3,4,5,6,7,8", type=int_list(range(1, 9)), help="token rows (1-8)")
+    ap.add_argument("--calls", type=positive_int, default=100, help="calls per graph")
     ap.add_argument(
         "--after-producer",
         action="store_true",
         help="also time each call behind a logits-producing kernel (minus that kernel)",
     )
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", default=None, type=new_file, help="write the results as JSON here (a new file)")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("time_front.py needs a CUDA GPU")
     t0 = time.time()
     results = []
     print(f"{torch.cuda.get_device_name()}")
-    for preset in args.presets.split(","):
-        for rows in (int(r) for r in args.rows.split(",")):
+    for preset in args.presets:
+        for rows in args.rows:
             rs = bench(preset, rows, args.calls, args.after_producer)
             results += rs
             by = {r["variant"]: r for r in rs}
@@ -113,7 +118,7 @@ def main() -> None:
             verdict = "OK" if by["front"]["median_us"] <= by["route"]["median_us"] + 1.0 else "SLOW"
             print(f"{preset} rows {rows}: {line} us  (front <= route + 1 us: {verdict})")
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out, "x") as f:
             json.dump(dict(device=torch.cuda.get_device_name(), results=results), f, indent=1)
     print(f"done in {time.time() - t0:.0f} s")
 

@@ -35,7 +35,7 @@ import math
 import time
 
 import torch
-from arg_types import int_list  # scripts/ (this script's folder, first on sys.path)
+from arg_types import int_list, new_file  # scripts/ (this script's folder, first on sys.path)
 
 from moebench.bench import L2_MULTIPLE
 from moebench.bench.timing import time_graph as bench_time_graph
@@ -295,7 +295,7 @@ def main() -> None:
         help="also time the fp8 tactics on the bulk ring (the warp-specialized kernels, v11) and the"
         " fp8 defaults, and 'both' for every fp8 pair",
     )
-    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--out", default=None, type=new_file, help="write the results as JSON here (a new file)")
     args = ap.parse_args()
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         raise SystemExit("time_gemms.py needs an sm_90 GPU (H100 / H200) and torch with CUDA")
@@ -308,7 +308,7 @@ def main() -> None:
             tp, args.rows, args.variants, args.split_k, results, args.bulk, args.act_bf16, args.fp8, args.fp8_bulk
         )
     if args.out:
-        with open(args.out, "w") as f:
+        with open(args.out, "x") as f:
             json.dump(dict(copy_gbps=bw, device=torch.cuda.get_device_name(), results=results), f, indent=1)
     print(f"done in {time.time() - t0:.0f} s")
 

@@ -31,6 +31,7 @@ import math
 import time
 
 import torch
+from arg_types import int_list, name_list, new_file  # scripts/ (this script's folder, first on sys.path)
 
 from moebench.bench import L2_MULTIPLE
 from moebench.bench.bandwidth import copy_bandwidth_gbps, size_matched_ceiling_gbps
@@ -39,7 +40,7 @@ from moebench.integration.step_layer import StepSharedExpert
 from moebench.kernels.shared_expert import (
     SharedExpertKernels, SharedTactic, default_shared_tactic, to_shared_layout,
 )  # fmt: skip
-from moebench.models import get_preset
+from moebench.models import PRESETS, get_preset
 from moebench.reference import ORACLE_TOLERANCE, relative_error, swiglu_clamped
 
 #: Most device memory the layers of one shape may take (bytes; two copies each).
@@ -173,11 +174,11 @@ def bench_shape(preset: str, tp: int, rows_list, do_variants: bool, copy_gbps: f
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--presets", default="dsv41-flash,dsv4-flash,dsv4-pro")
-    ap.add_argument("--tp", default="4,8")
-    ap.add_argument("--rows", default="1,6,8")
+    ap.add_argument("--presets", default="dsv41-flash,dsv4-flash,dsv4-pro", type=name_list(sorted(PRESETS)))
+    ap.add_argument("--tp", default="4,8", type=int_list((1, 2, 4, 8)), help="TP degrees (of 1, 2, 4, 8)")
+    ap.add_argument("--rows", default="1,6,8", type=int_list(range(1, 9)), help="token rows (1-8)")
     ap.add_argument("--variants", action="store_true", help="also time alternative tactics of each GEMM")
-    ap.add_argument("--json", default=None, help="write the results as JSON here")
+    ap.add_argument("--json", default=None, type=new_file, help="write the results as JSON here (a new file)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("time_shared.py needs a CUDA GPU")
@@ -186,11 +187,11 @@ def main() -> None:
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}: {props.multi_processor_count} SMs, copy bandwidth {bw:.0f} GB/s")
     results: list = []
-    for preset in args.presets.split(","):
-        for tp in (int(t) for t in args.tp.split(",")):
-            bench_shape(preset, tp, [int(r) for r in args.rows.split(",")], args.variants, bw, results)
+    for preset in args.presets:
+        for tp in args.tp:
+            bench_shape(preset, tp, args.rows, args.variants, bw, results)
     if args.json:
-        with open(args.json, "w") as f:
+        with open(args.json, "x") as f:
             json.dump(
                 dict(
                     device=props.name,

@@ -21,14 +21,15 @@ import argparse
 import statistics
 
 import torch
+from arg_types import int_list  # scripts/ (this script's folder, first on sys.path)
 from torch.profiler import ProfilerActivity, profile
 
 from moebench.backends.moebench import MoebenchBackend
 from moebench.bench.cases import unique_bytes
 from moebench.bench.sweep import LAYER_SEED_STRIDE, layer_count
 from moebench.formats import generate_activations, generate_expert_weights
-from moebench.models import get_preset
-from moebench.routing import scenario_topk_ids, scenario_weights
+from moebench.models import PRESETS, get_preset
+from moebench.routing import SCENARIOS, scenario_topk_ids, scenario_weights
 
 SHORT = (
     ("quantize", "quant"),
@@ -82,11 +83,11 @@ def kernel_events(fn, replays: int = 3):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="dsv41-flash")
-    ap.add_argument("--tp", type=int, default=4)
-    ap.add_argument("--rows", default="4,6,8")
+    ap.add_argument("--preset", default="dsv41-flash", choices=sorted(PRESETS))
+    ap.add_argument("--tp", type=int, default=4, choices=(1, 2, 4, 8))
+    ap.add_argument("--rows", default="4,6,8", type=int_list(range(1, 9)), help="token rows (1-8)")
     ap.add_argument("--tactics", default="fp8")
-    ap.add_argument("--scenario", default="correlated")
+    ap.add_argument("--scenario", default="correlated", choices=[s for s in SCENARIOS if s != "replay"])
     ap.add_argument("--routed", action="store_true", help="route + GEMM1 + GEMM2 only (no finalize)")
     ap.add_argument(
         "--gemms-only",
@@ -98,7 +99,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("timeline.py needs a CUDA GPU")
     shape = get_preset(args.preset).shard(args.tp)
-    rows_list = [int(r) for r in args.rows.split(",")]
+    rows_list = args.rows
     backend = MoebenchBackend()
     # the sweep's rotation: layers sized by its default rows 1, 2, 4, 6, 8 and these
     routings = {

@@ -16,13 +16,14 @@ from __future__ import annotations
 import argparse
 
 import torch
+from arg_types import int_list  # scripts/ (this script's folder, first on sys.path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--experts", type=int, default=384)
     parser.add_argument("--top-k", type=int, default=6)
-    parser.add_argument("--rows", default="1,4,8")
+    parser.add_argument("--rows", default="1,4,8", type=int_list(range(1, 9)), help="token rows (1-8)")
     parser.add_argument("--repeats", type=int, default=20, help="launches per graph replay")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -32,7 +33,7 @@ def main() -> None:
     from moebench.backends import triton_mxfp4_glue as glue
     from moebench.bench.timing import time_graph
 
-    for rows in (int(r) for r in args.rows.split(",")):
+    for rows in args.rows:
         g = torch.Generator().manual_seed(rows)
         ids = torch.stack([torch.randperm(args.experts, generator=g)[: args.top_k] for _ in range(rows)])
         ids = ids.to(torch.int32).cuda()

@@ -49,6 +49,13 @@ log=${out:+$out/tune-all$sfx.log}
 log=${log:-tune-all$sfx.log}
 summary=${out:+$out/tune-gains$sfx.md}
 summary=${summary:-tune-gains$sfx.md}
+# An earlier run's log is kept (it was truncated without a word): refused before anything runs. Its gains
+# are `moebench tune --summary`'s, which refuses existing ones unless --force is among the extra arguments.
+for f in "$log" "$log.preflight"; do
+  if [ -e "$f" ] || [ -L "$f" ]; then
+    echo "tune_all.sh: $f exists (an earlier run's); move it away or set OUT to another folder" >&2; exit 2
+  fi
+done
 
 # The H200 host has no registry: our packages come as bundles (docs/gpu-host.md).
 if ! python3 -c 'import cutlass' 2>/dev/null && [ -f .bundles/unpack.sh ]; then

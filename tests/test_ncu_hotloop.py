@@ -56,3 +56,14 @@ def test_not_an_ncu_csv(tmp_path, capsys):
     assert ncu_hotloop.main([str(path)]) == 2
     assert "no kernel block found" in capsys.readouterr().err
     assert ncu_hotloop.main([str(tmp_path / "missing.csv")]) == 2
+
+
+def test_a_block_without_the_source_counters_is_refused(tmp_path, capsys):
+    # without "Source" it ended in a KeyError traceback; without the counters it printed a report of zeros
+    path = tmp_path / "x.csv"
+    for header, missing in (('"Address","Foo"', "'Source', 'Instructions Executed'"),
+                            ('"Address","Source"', "'Instructions Executed'")):  # fmt: skip
+        path.write_text(f'"Kernel Name","gemm"\n{header}\n"0x1","2","3"\n')
+        assert ncu_hotloop.main([str(path)]) == 2
+        err = capsys.readouterr().err
+        assert f"kernel 'gemm' has no column {missing}" in err and "SourceCounters" in err

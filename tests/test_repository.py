@@ -86,3 +86,15 @@ def test_docs_say_the_fp8_gemm1_is_two_plane_and_the_h_check_does_not_reject_one
                 text = " ".join(para.split())
                 assert "two-plane" in text, f"{doc.relative_to(ROOT)}: {text}"
                 assert not re.search(r"one-plane[^.]*\bdo(es)? not\b", text), f"{doc.relative_to(ROOT)}: {text}"
+
+
+def test_every_run_and_log_a_document_names_is_committed():
+    """baselines.md cited `reports/device-runs/2026-12-06-2aabf3b-gpu-suite.log` as the log that found
+    triton's extra kernels: no such log was ever committed (it was 2aabf3b-gpu-tests-peers.log). Every
+    `reports/runs/NAME` and `reports/device-runs/NAME` a document names exists; a name with a placeholder
+    (<date>), a wildcard or a brace list ({log,json}) is a pattern, not a name."""
+    cited = re.compile(r"reports/(?:runs|device-runs)/[A-Za-z0-9._-]+(?=[^A-Za-z0-9._<*{-]|$)")
+    for doc in _docs():
+        for name in cited.findall(doc.read_text(encoding="utf-8")):
+            name = name.rstrip(".")  # the sentence's full stop
+            assert (ROOT / name).exists(), f"{doc.relative_to(ROOT)} names {name}, which is not in the repository"

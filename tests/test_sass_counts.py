@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -83,3 +85,46 @@ def test_blocks_per_step_and_the_report_per_block():
         sass_counts.blocks_per_step("f8")
     rep = sass_counts.loop_report("dsv41-flash:4:1:r16_m4_k1_u1_c1_b4_f8", _SASS)
     assert rep["blocks"] == 1 and rep["per_block"]["total"] == 22 and rep["per_block"]["decode"] == 5
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        # each of these used to end in a traceback (or, with no spec, printed nothing and exited 0)
+        ([], "the following arguments are required: SPEC"),
+        (["dsv41-flash:4"], "'dsv41-flash:4': expected PRESET:TP:STAGE:TACTIC_NAME"),
+        (["nope:4:1:r64_m1_k4_u4_c3"], "unknown preset 'nope'"),
+        (["dsv41-flash:x:1:r64_m1_k4_u4_c3"], "TP must be a positive integer and STAGE 1 or 2, got TP 'x'"),
+        (["dsv41-flash:4:3:r64_m1_k4_u4_c3"], "STAGE 1 or 2, got TP '4', STAGE '3'"),
+        (["dsv4-flash:3:1:r64_m1_k4_u4_c3"], "tp=3: intermediate 2048 does not split"),
+        (["dsv41-flash:4:1:bogus"], "cannot parse tactic name 'bogus'"),
+        (["dsv41-flash:4:1:r64_m1_k4_u4_c3:foo"], "MODE must be one of"),
+        (["dsv41-flash:4:2:r16_m4_k4_u4_c1_b4_p2_f8"], "cannot run GEMM2 of dsv41-flash at TP 4: planes 2"),
+        (["dsv41-flash:4:1:r64_m1_k4_u4_c3:resident"], "MODE resident needs a tactic on the bulk ring"),
+        (["dsv41-flash:4:1:r64_m1_k4_u4_c2_b4:math"], "MODE math splits the fp8 .* is not fp8"),
+        # a bad spec after good ones is met before any of them compiles
+        (["dsv41-flash:4:1:r16_m4_k4_u4_c1_b4_f8", "--loop", "nope:4:1:x"], "unknown preset 'nope'"),
+    ],
+)
+def test_a_bad_spec_exits_2_naming_it_before_anything_compiles(argv, message, capsys, monkeypatch):
+    monkeypatch.delenv("CUTE_DSL_DUMP_DIR", raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        sass_counts.main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert "CUTE_DSL_DUMP_DIR" not in os.environ  # nothing was set up for a compile
+
+
+def test_help_exits_0_and_names_the_spec_format(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        sass_counts.main(["--help"])
+    assert exit_.value.code == 0
+    assert "PRESET:TP:STAGE:TACTIC_NAME[:MODE]" in capsys.readouterr().out
+
+
+def test_parse_spec_keeps_the_spec_and_maps_the_mode():
+    spec, shape, stage, tactic, resident = sass_counts.parse_spec("dsv41-flash:4:1:r16_m4_k4_u4_c1_b4_f8:math")
+    assert (spec, shape.intermediate, stage, tactic.name, resident) == (
+        "dsv41-flash:4:1:r16_m4_k4_u4_c1_b4_f8:math", 576, 1, "r16_m4_k4_u4_c1_b4_f8", "math")  # fmt: skip
+    assert sass_counts.parse_spec("dsv41-flash:8:2:r64_m1_k4_u4_c3")[4] is False

@@ -106,6 +106,9 @@ def tune_plan(*, preset, hidden, intermediate, experts, top_k, tp, rows, stages,
                              " give 'cuda' or no --device")  # fmt: skip
     if summary is not None and Path(summary).exists() and Path(summary).is_dir():
         raise ValueError(f"--summary: {summary} is a directory; give a file name, e.g. tune-gains.md")
+    if summary is not None and Path(summary).suffix == ".json":
+        raise ValueError(f"--summary: {summary} ends in .json, the name of the records written beside the"
+                         " markdown (which they would overwrite); give a .md name, e.g. tune-gains.md")  # fmt: skip
     settings = dict(
         hidden=hidden, intermediate=intermediate, experts=experts, top_k=top_k, rows=row_list, stages=stage_list,
         scenario=scenario, seed=seed, space=(FP8_SPACES if fp8 else SPACES)[space], repeats=repeats, top=top,

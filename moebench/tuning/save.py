@@ -132,12 +132,16 @@ def write_gains_summary(summary: str | Path, records: list[dict], families: list
     return summary, summary.with_suffix(".json")
 
 
-def check_tune_targets(plan, out: str | Path | None = None, summary: str | Path | None = None) -> Path:
+def check_tune_targets(plan, out: str | Path | None = None, summary: str | Path | None = None, *,
+                       force: bool = False) -> Path:  # fmt: skip
     """Before minutes of tuning: the GPU (runner.require_tuning_device of the
     plan's device: RuntimeError saying what is missing), then the tables
     directory (tables_dir(out)) and --summary's directory, which must take
-    files (ValueError naming --out / --summary; on a torchrun rank other
-    than 0, which writes nothing, not checked). Returns the tables directory."""
+    files and lie outside every stored run, and the summary's files (the markdown and the .json beside it),
+    which must not exist unless `force` (an earlier tune's gains are not
+    replaced without a word) (ValueError naming --out / --summary; on a
+    torchrun rank other than 0, which writes nothing, not checked). Returns
+    the tables directory."""
     from moebench.reports.outdir import check_out
     from moebench.tuning import runner
 
@@ -147,9 +151,13 @@ def check_tune_targets(plan, out: str | Path | None = None, summary: str | Path 
     target = tables_dir(out)
     if under_torchrun() and int(os.environ["RANK"]) > 0:
         return target  # only rank 0 writes: another host's --out need not exist
-    check_out(target)
+    check_out(target, runs=True)  # never among a stored run's files, as report's --out
     if summary is not None:
-        check_out(Path(summary).parent, "--summary")
+        check_out(Path(summary).parent, "--summary", runs=True)
+        there = [str(p) for p in (Path(summary), Path(summary).with_suffix(".json")) if p.exists() or p.is_symlink()]
+        if there and not force:
+            raise ValueError(f"--summary: {' and '.join(there)} exist (an earlier tune's gains?); give another"
+                             " --summary, or pass --force to replace them")  # fmt: skip
     return target
 
 

@@ -116,6 +116,44 @@ def test_tune_targets_are_checked_before_any_tuning(tmp_path, monkeypatch):
         check_tune_targets(plan, tmp_path / "t")
 
 
+def test_an_existing_summary_is_refused_before_any_tuning_unless_forced(tmp_path, monkeypatch):
+    import pytest
+
+    from moebench.tuning import runner
+    from moebench.tuning.save import check_tune_targets
+
+    # an earlier tune's gains (or any file of the user's by that name) were overwritten at the end of the run
+    plan = SimpleNamespace(settings={"device": None})
+    monkeypatch.setattr(runner, "require_tuning_device", lambda device=None: None)
+    for name in ("g.md", "g.json"):
+        (tmp_path / name).write_text("mine")
+        with pytest.raises(ValueError, match=f"^--summary: .*{name} exist.*--force"):
+            check_tune_targets(plan, tmp_path / "t", tmp_path / "g.md")
+        assert check_tune_targets(plan, tmp_path / "t", tmp_path / "g.md", force=True) == tmp_path / "t"
+        (tmp_path / name).unlink()
+    assert (tmp_path / "t").is_dir() and check_tune_targets(plan, tmp_path / "t", tmp_path / "g.md")
+
+
+def test_tables_and_summary_are_never_written_into_a_stored_run(tmp_path, monkeypatch):
+    import pytest
+
+    from moebench.tuning import runner
+    from moebench.tuning.save import check_tune_targets
+
+    # tune --out / --summary inside a (committed) run directory added files among the run's own
+    run = tmp_path / "2026-12-06-h100-x"
+    run.mkdir()
+    (run / "results.parquet").write_bytes(b"")
+    (run / "manifest.json").write_text("{}")
+    monkeypatch.setattr(runner, "require_tuning_device", lambda device=None: None)
+    plan = SimpleNamespace(settings={"device": None})
+    with pytest.raises(ValueError, match="^--out: .* is a stored run directory"):
+        check_tune_targets(plan, run)
+    with pytest.raises(ValueError, match="^--summary: .* is inside the stored run"):
+        check_tune_targets(plan, tmp_path / "t", run / "sub" / "g.md")
+    assert sorted(p.name for p in run.iterdir()) == ["manifest.json", "results.parquet"]
+
+
 def test_tune_and_save_saves_each_config_as_it_is_tuned_then_sums_up(tmp_path, monkeypatch):
     from moebench.tuning import family, runner
     from moebench.tuning.save import tune_and_save

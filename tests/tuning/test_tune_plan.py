@@ -33,6 +33,8 @@ def test_bad_options_are_named(tmp_path):
                         ({"top": 1}, "--top must be >= 2"), ({"warmup": -1}, "--warmup must be >= 0"),
                         ({"budget": 0.0}, "--budget must be a positive"), ({"jobs": -1}, "--jobs must be >= 0"),
                         ({"summary": tmp_path}, "--summary: .* is a directory"),
+                        # its records go to the .json beside it: they overwrote the markdown
+                        ({"summary": tmp_path / "gains.json"}, "--summary: .*gains.json ends in .json"),
                         ({"experts": 2}, "--experts 2 is below")):  # fmt: skip
         with pytest.raises((ValueError, TypeError), match=message):
             tune_plan(**_options(**kw))
