@@ -19,11 +19,7 @@ def int_list(allowed: Collection[int]) -> Callable[[str], list[int]]:
             values = [int(v) for v in text.split(",")]
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-        bad = [v for v in values if v not in allowed]
-        if bad:
-            raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
-        _once(values, text)
-        return values
+        return _checked(values, allowed, text)
 
     return parse
 
@@ -51,12 +47,7 @@ def name_list(allowed: Collection[str]) -> Callable[[str], list[str]]:
     ArgumentTypeError naming the unknown (or repeated) ones and the allowed names."""
 
     def parse(text: str) -> list[str]:
-        values = text.split(",")
-        bad = [v for v in values if v not in allowed]
-        if bad:
-            raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
-        _once(values, text)
-        return values
+        return _checked(text.split(","), allowed, text)
 
     return parse
 
@@ -70,6 +61,17 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
     return value
+
+
+def _checked(values: list, allowed: Collection, text: str) -> list:
+    """`values` if each is one of `allowed` and none repeats; else
+    ArgumentTypeError naming the unknown values and the allowed ones, or the
+    repeated ones."""
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
+    _once(values, text)
+    return values
 
 
 def _once(values: list, text: str) -> None:
