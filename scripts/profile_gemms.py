@@ -19,7 +19,7 @@ import dataclasses
 import torch
 
 from moebench.formats import generate_activations, quantize_mxfp8
-from moebench.kernels.gemm import act_to_bf16, alloc_workspace, gemm1, gemm2
+from moebench.kernels.gemm import act_to_bf16, alloc_workspace, check_resident, gemm1, gemm2
 from moebench.kernels.tactic import GemmShape, GemmTactic, workspace_bytes_for
 from moebench.models import get_preset
 from moebench.record import TILE, build_route_record
@@ -39,17 +39,23 @@ def _spec(text: str) -> tuple[int, GemmTactic]:
         raise argparse.ArgumentTypeError(f"{text!r}: {error}") from None
 
 
+#: The --resident choices as compile_gemm's `resident` argument.
+RESIDENT = {"no": False, "yes": True, "math": "math", "mma": "mma"}
+
+
 def spec_problems(shape, specs, resident: str) -> list[str]:
     """Why a spec cannot be launched on one rank's `shape` (GemmShape) in
     `resident` mode (the --resident choice): the tactic's own `valid_for`,
-    the probes' bulk ring, the halves' fp8 consumer; empty when all can."""
+    then what the kernels' own check of the mode says (`check_resident`:
+    the probes' bulk ring, the halves' fp8 consumer); empty when all can."""
     out = []
     for stage, t in specs:
         why = t.valid_for(shape, stage)
-        if why is None and resident != "no" and not t.bulk:
-            why = f"--resident {resident} needs a tactic on the bulk ring (stages >= 2, _b<stages>)"
-        if why is None and resident in ("math", "mma") and not t.fp8:
-            why = f"--resident {resident} splits the fp8 (wgmma) consumer; {t.name} is not fp8 (_f8)"
+        if why is None:
+            try:
+                check_resident(RESIDENT[resident], t)
+            except ValueError as error:
+                why = f"--resident {resident}: {error}"
         if why is not None:
             out.append(f"{stage}:{t.name} cannot run GEMM{stage} here: {why}")
     return out
@@ -61,7 +67,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=6, choices=range(1, 9), metavar="{1..8}", help="token rows (6)")
     ap.add_argument(
         "--resident",
-        choices=("no", "yes", "math", "mma"),
+        choices=tuple(RESIDENT),
         default="no",
         help="the consumer probes of scripts/consumer.py: yes = compute only (weights resident in shared "
         "memory), math / mma = one half of the consumer; bulk-ring tactics only (default no: the real kernel)",
@@ -78,7 +84,7 @@ def main() -> None:
     ids = scenario_topk_ids("correlated", args.rows, TOP_K, shape.experts, seed=args.rows)
     route = build_route_record(ids.cuda(), shape.experts)
     kw = random_kernel_weights(shape, seed=0)
-    resident = {"no": False, "yes": True}.get(args.resident, args.resident)
+    resident = RESIDENT[args.resident]
     specs = args.specs
     need = workspace_bytes_for(gs, [(st, t, route.ctas) for st, t in specs])
     ws = alloc_workspace(need, "cuda") if need else None

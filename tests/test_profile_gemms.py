@@ -24,8 +24,14 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "profile_gemms.py"
             ["2:r16_m4_k4_u4_c1_b4_p2_f8"],
             r"dsv41-flash TP4: 2:r16_m4_k4_u4_c1_b4_p2_f8 cannot run GEMM2 here: planes 2",
         ),
-        (["--resident", "yes", "1:r64_m1_k4_u4_c3_a16"], r"--resident yes needs a tactic on the bulk ring"),
-        (["--resident", "math", "1:r64_m1_k4_u4_c2_b4"], r"--resident math splits the fp8 .* is not fp8"),
+        (
+            ["--resident", "yes", "1:r64_m1_k4_u4_c3_a16"],
+            r"--resident yes: resident .* needs a tactic on the bulk ring",
+        ),
+        (
+            ["--resident", "math", "1:r64_m1_k4_u4_c2_b4"],
+            r"--resident math: resident probe 'math' splits the fp8 .* is not fp8",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(args, message):

@@ -201,7 +201,7 @@ if HAVE_DSL:
             reason = tactic.valid_for(shape, stage)
             if reason:
                 raise ValueError(f"tactic {tactic.name} cannot run GEMM{stage} of {shape}: {reason}")
-            _check_resident(resident, tactic)
+            check_resident(resident, tactic)
             self.tactic, self.shape, self.stage, self.wide = tactic, shape, stage, bool(wide_scales)
             self.resident = bool(resident)
             self.probe = resident if isinstance(resident, str) else ""  # "mma" / "math": half a consumer
@@ -1472,7 +1472,7 @@ def get_compiled_provider():
 RESIDENT_PROBES = ("mma", "math")
 
 
-def _check_resident(resident, tactic: GemmTactic) -> None:
+def check_resident(resident, tactic: GemmTactic) -> None:
     """`resident` (compile_gemm's compute-only measurement mode) must be a
     bool or one of RESIDENT_PROBES; anything but False needs a tactic on the
     bulk ring, a probe an fp8 one."""
@@ -1648,7 +1648,7 @@ def _launch(
     """Launch GEMM`stage` with the tensors of `sources` (GemmArgs' fields
     up to out_deq), the split-K workspace and the spec ids filled in."""
     shape = GemmShape.of(kw)
-    _check_resident(resident, tactic)
+    check_resident(resident, tactic)
     split = _split_k_sources(workspace, shape, tactic, stage, ctas, device, record)
     if ctas == 0:
         return

@@ -63,20 +63,20 @@ def test_mma_depth_name_fields_and_validation():
 
 
 def test_resident_is_checked():
-    from moebench.kernels.gemm import _check_resident
+    from moebench.kernels.gemm import check_resident
 
-    _check_resident(True, PIPED_1[0])
-    _check_resident(False, GemmTactic())
+    check_resident(True, PIPED_1[0])
+    check_resident(False, GemmTactic())
     with pytest.raises(ValueError, match="needs a tactic on the bulk ring"):
-        _check_resident(True, GemmTactic(32, 4, 1, 3, 4, fp8=True))
+        check_resident(True, GemmTactic(32, 4, 1, 3, 4, fp8=True))
     with pytest.raises(TypeError, match="resident must be a bool"):
-        _check_resident(1, PIPED_1[0])
-    _check_resident("mma", PIPED_1[0])
-    _check_resident("math", PIPED_2[0])
+        check_resident(1, PIPED_1[0])
+    check_resident("mma", PIPED_1[0])
+    check_resident("math", PIPED_2[0])
     with pytest.raises(TypeError, match="resident must be a bool or one of"):
-        _check_resident("tensor", PIPED_1[0])
+        check_resident("tensor", PIPED_1[0])
     with pytest.raises(ValueError, match="is not fp8"):
-        _check_resident("mma", GemmTactic(64, 1, 4, 4, 2, stages=4))
+        check_resident("mma", GemmTactic(64, 1, 4, 4, 2, stages=4))
 
 
 _COMPILE_SPEC = """
