@@ -78,12 +78,12 @@ def test_consumer_step_loops_by_class():
 
 @pytest.mark.compile
 def test_pipelined_consumers_keep_their_wgmmas_in_flight():
-    """The `_d1` twins (mma_depth 1: the decode of chunk j under chunk j - 1's
-    wgmmas, perf-notes session 25) wait with wgmma.wait_group 1 in their step
-    loop (WARPGROUP.DEPBAR.LE gsb0, 0x1), one wait a chunk and the step's last
-    a drain: ptxas did not serialize the pipeline (its C7514 remark puts a
-    DEPBAR ... 0x0 after every QGMMA, as it did to a cross-step version of
-    this pipeline)."""
+    """The `_d1` twins' step loops wait exactly as `pipelined_step` asks:
+    wgmma.wait_group 1 once a chunk (WARPGROUP.DEPBAR.LE gsb0, 0x1) and the
+    step's last a drain (0x0). Stricter than test_consumer.py's compile
+    check (a 0x<d> wait anywhere in the kernel, which a fully serialized
+    pipeline fails): this one also fails where ptxas serializes part of the
+    step (its C7514 remark puts a DEPBAR ... 0x0 after a QGMMA)."""
     specs = [f"{s.replace('_b4_', '_b4_d1_')}:stream" for s in (ONE, TWO, G2)]
     reports = compile_reports(_COMPILE_SPEC, specs)
     assert all(all(s == 0 for s in r["spills"]) for r in reports), [r["spills"] for r in reports]
